@@ -1,0 +1,35 @@
+"""The exceptions xopt raises for bad input.
+
+Every error names what is at fault (the parameter, field, key, file or shape), so a user
+can fix the input without reading xopt's source. All derive from :class:`XoptError`; the
+CLI turns them into exit code 2.
+"""
+
+from __future__ import annotations
+
+
+class XoptError(Exception):
+    """Base class of the errors xopt raises for bad input."""
+
+
+class HyperparameterError(XoptError, ValueError):
+    """A hyperparameter is unknown, of the wrong type, or outside its allowed range."""
+
+
+class UnknownMethodError(XoptError, KeyError):
+    """A method name is not in the specification registry."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class TraceError(XoptError, ValueError):
+    """A trace file is missing, malformed, or disagrees with its manifest or the spec."""
+
+
+class StateError(XoptError, ValueError):
+    """Optimizer state is missing a key, has an extra key, or has the wrong shape or dtype."""
+
+
+class NonFiniteError(XoptError, FloatingPointError):
+    """A gradient holds NaN or inf (raised only when the opt-in finiteness check is on)."""

@@ -1,0 +1,388 @@
+"""The parity harness: run implementations of a method on traces and compare them.
+
+:func:`run_parity` is what ``xopt parity`` and ``parity_tests/`` call. For every trace and
+mode it runs each selected implementation (xopt torch, xopt jax, the float64 oracle, and
+the method's original implementations where installed) and compares each with the
+reference named by ``against``: the trace itself (``"golden"``), the live original that
+recorded it (``"original"``), or another runner (``"torch"``, ``"jax"``, ``"oracle"``).
+
+Modes (FORMAT.md, "How a test should use them"):
+  * teacher-forced: before update t every runner is reset to the trace's parameters and
+    state after update t-1 (its ``init`` for t = 0), so each step's error is one update's;
+  * closed loop: every runner starts from ``init`` and then runs on its own outputs, fed
+    the recorded gradients and losses; errors may compound.
+
+Tensors are compared by canonical name (``param/<name>``, ``state/<var>/<name>``) through
+the spec's state schema, so implementations that lay state out differently still meet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.util
+import math
+import platform
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from xopt.errors import HyperparameterError, TraceError
+from xopt.parity.compare import TensorError, closer_to, errors
+from xopt.parity.runners import OptaxRunner, OracleRunner, Runner, TorchRunner
+from xopt.parity.trace import Trace, load_trace
+from xopt.specs import MethodSpec, Original, Tolerance, get
+from xopt.specs._hyperparams import Hyperparams
+from xopt.specs._method import load_object
+
+MODES = {"teacher": "teacher_forced", "closed": "closed_loop"}
+BACKENDS = ("torch", "jax", "oracle", "original")
+AGAINST = ("golden", "original", "torch", "jax", "oracle")
+
+_REQUIRES = {"torch": ("torch",), "jax": ("jax", "optax"), "oracle": ()}
+
+
+class BadRequest(HyperparameterError):
+    """The request itself is invalid (unknown backend, unavailable reference, ...)."""
+
+
+def available(modules: Sequence[str]) -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+def original_of(spec: MethodSpec, trace: Trace) -> Original:
+    """The original implementation that recorded ``trace`` (from ``source.object``)."""
+    obj = trace.source_object
+    for o in spec.originals.values():
+        if obj == o.name or obj.startswith(o.name + " "):
+            return o
+    raise TraceError(
+        f"{trace.path}: source.object {obj!r} is not an original implementation of "
+        f"{spec.name!r}; known: {', '.join(spec.originals)}"
+    )
+
+
+@dataclasses.dataclass
+class Step:
+    params: dict[str, np.ndarray]
+    state: dict[str, np.ndarray]
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        out = {f"param/{k}": v for k, v in self.params.items()}
+        out.update({f"state/{k}": v for k, v in self.state.items()})
+        return out
+
+
+@dataclasses.dataclass
+class Run:
+    """One comparison: ``backend`` against ``against`` on one trace in one mode."""
+
+    trace: str
+    backend: str
+    impl: str
+    against: str
+    mode: str
+    steps: int
+    tolerance: Tolerance
+    per_step: list[dict[str, TensorError]]
+    oracle_agrees_with: str | None = None
+
+    @property
+    def worst(self) -> tuple[int, str, TensorError]:
+        best = (0, "", TensorError(0.0, 0.0))
+        for t, errs in enumerate(self.per_step):
+            for k, e in errs.items():
+                if _worse(e, best[2]):
+                    best = (t, k, e)
+        return best
+
+    @property
+    def max_abs_error(self) -> float:
+        return max((e.abs for errs in self.per_step for e in errs.values()), default=0.0,
+                   key=_nan_max_key)
+
+    @property
+    def max_rel_error(self) -> float:
+        return max((e.rel for errs in self.per_step for e in errs.values()), default=0.0,
+                   key=_nan_max_key)
+
+    @property
+    def agrees(self) -> bool:
+        return all(e.within(self.tolerance) for errs in self.per_step for e in errs.values())
+
+    def to_json(self) -> dict[str, Any]:
+        t, k, _ = self.worst
+        tensors = sorted({k for errs in self.per_step for k in errs})
+        return {
+            "trace": self.trace,
+            "backend": self.backend,
+            "impl": self.impl,
+            "against": self.against,
+            "mode": self.mode,
+            "steps": self.steps,
+            "max_abs_error": self.max_abs_error,
+            "max_rel_error": self.max_rel_error,
+            "worst": {"step": t, "tensor": k},
+            "tolerance": self.tolerance.to_dict(),
+            "verdict": "agree" if self.agrees else "diverge",
+            "bitwise": self.max_abs_error == 0.0,
+            "oracle_agrees_with": self.oracle_agrees_with,
+            "tolerance_reason": self.tolerance.why,
+            "errors": {
+                name: {"abs": [errs[name].abs for errs in self.per_step],
+                       "rel": [errs[name].rel for errs in self.per_step]}
+                for name in tensors
+            },
+        }
+
+
+def _nan_max_key(x: float) -> float:
+    return math.inf if math.isnan(x) else x
+
+
+def _worse(e: TensorError, than: TensorError) -> bool:
+    return _nan_max_key(e.rel) > _nan_max_key(than.rel) or (
+        e.rel == than.rel and _nan_max_key(e.abs) > _nan_max_key(than.abs))
+
+
+@dataclasses.dataclass
+class Report:
+    method: str
+    traces: list[str]
+    runs: list[Run]
+    notes: list[str]
+
+    @property
+    def verdict(self) -> str:
+        return "agree" if all(r.agrees for r in self.runs) else "diverge"
+
+    def to_json(self) -> dict[str, Any]:
+        from xopt import __version__
+
+        return {
+            "method": self.method,
+            "traces": self.traces,
+            "verdict": self.verdict,
+            "runs": [r.to_json() for r in self.runs],
+            "notes": self.notes,
+            "xopt_version": __version__,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "platform": f"{platform.system()} {platform.machine()} python {platform.python_version()}",
+            "versions": _versions(),
+        }
+
+
+def _versions() -> dict[str, str]:
+    import sys
+
+    out = {"numpy": np.__version__}
+    for name in ("torch", "jax", "optax"):
+        if name in sys.modules:
+            out[name] = getattr(sys.modules[name], "__version__", "?")
+    return out
+
+
+# -- building runners ---------------------------------------------------------------------
+
+
+def make_runner(spec: MethodSpec, hp: Hyperparams, names: list[str], which: str, *,
+                impl: str = "plain", device: str = "cpu") -> Runner:
+    """A runner for ``which``: "torch", "jax", "oracle", or an original's name."""
+    if which == "oracle":
+        return OracleRunner(spec, hp, names)
+    if which in ("torch", "jax"):
+        factory = load_object(spec.implementations[which])
+        if which == "torch":
+            kwargs = {} if impl == "plain" else {"impl": impl}
+            r: Runner = TorchRunner(
+                spec, hp, names, label="xopt.torch", naming=spec.naming_of["torch"],
+                factory=lambda ps: factory(ps, spec=hp, **kwargs), device=device,
+                pass_loss=spec.takes_loss)
+            r.impl = impl
+            return r
+        return OptaxRunner(spec, hp, names, label="xopt.jax", naming=spec.naming_of["jax"],
+                           factory=lambda: factory(spec=hp), pass_loss=spec.takes_loss)
+    o = spec.original(which)
+    ctor = load_object(o.factory)
+    kwargs = o.to_kwargs(hp)
+    if o.backend == "torch":
+        return TorchRunner(spec, hp, names, label=o.name, naming=o.naming,
+                           factory=lambda ps: ctor(ps, **kwargs), device=device,
+                           pass_loss=spec.takes_loss)
+    return OptaxRunner(spec, hp, names, label=o.name, naming=o.naming,
+                       factory=lambda: ctor(**kwargs), pass_loss=spec.takes_loss)
+
+
+def _drive(runner: Runner, trace: Trace, spec: MethodSpec, hp: Hyperparams, naming: str,
+           mode: str, steps: int, tick: Callable[[], None]) -> list[Step]:
+    names = list(trace.params)
+    out = []
+
+    def canonical(flat: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
+        return spec.state.to_canonical(naming, flat, names, hp, where=where)
+
+    init_flat = trace.init_state()
+    init_state = canonical(init_flat, f"{trace.npz_path}: init/state") if init_flat else None
+    if mode == "closed_loop":
+        runner.reset(trace.init_params(), init_state)
+    for t in range(steps):
+        if mode == "teacher_forced":
+            if t == 0:
+                runner.reset(trace.init_params(), init_state)
+            else:
+                runner.reset(trace.params_after(t - 1),
+                             canonical(trace.state_after(t - 1),
+                                       f"{trace.npz_path}: step_{t - 1:04d}/state"))
+        runner.step(trace.grads(t), trace.loss(t))
+        out.append(Step(*runner.read()))
+        tick()
+    return out
+
+
+def golden_steps(trace: Trace, spec: MethodSpec, hp: Hyperparams, naming: str,
+                 steps: int) -> list[Step]:
+    names = list(trace.params)
+    return [Step(trace.params_after(t),
+                 spec.state.to_canonical(naming, trace.state_after(t), names, hp,
+                                         where=f"{trace.npz_path}: step_{t:04d}/state"))
+            for t in range(steps)]
+
+
+# -- the harness -------------------------------------------------------------------------------
+
+
+def plan_backends(spec: MethodSpec, hp: Hyperparams, backends: Sequence[str],
+                  notes: list[str], explicit: bool) -> list[str]:
+    """Expand "original" and drop what cannot run here (an error if asked for explicitly)."""
+    out: list[str] = []
+    for b in backends:
+        if b not in BACKENDS:
+            raise BadRequest(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
+        if b == "original":
+            for o in spec.originals.values():
+                if not available(o.requires):
+                    notes.append(f"{o.name} not run: needs {', '.join(o.requires)}")
+                    continue
+                try:
+                    o.to_kwargs(hp)
+                except HyperparameterError as e:
+                    notes.append(f"{o.name} not run: {e}")
+                    continue
+                out.append(o.name)
+            continue
+        if not available(_REQUIRES[b]):
+            msg = f"backend {b!r} needs {', '.join(_REQUIRES[b])} (pip install 'xopt-ml[{b}]')"
+            if explicit:
+                raise BadRequest(msg)
+            notes.append(msg + "; not run")
+            continue
+        out.append(b)
+    return out
+
+
+def run_parity(method: str, traces: Sequence[str | Trace], *,
+               backends: Sequence[str] = BACKENDS, against: str = "golden",
+               modes: Sequence[str] = ("teacher_forced", "closed_loop"), impl: str = "plain",
+               device: str = "cpu", max_steps: int | None = None, explicit_backends: bool = False,
+               progress: Callable[[int], Callable[[], None]] | None = None) -> Report:
+    """Run the parity comparisons and return a :class:`Report`.
+
+    Raises :class:`UnknownMethodError`, :class:`TraceError`, :class:`HyperparameterError`
+    (and its subclass :class:`BadRequest`) for bad input, before any long computation.
+    """
+    spec = get(method)
+    if against not in AGAINST:
+        raise BadRequest(f"unknown reference {against!r}; choose from {', '.join(AGAINST)}")
+    for m in modes:
+        if m not in MODES.values():
+            raise BadRequest(f"unknown mode {m!r}; choose from teacher, closed")
+    if impl not in spec.impls:
+        raise BadRequest(f"{method} has no {impl!r} implementation; available: "
+                         f"{', '.join(spec.impls)}")
+    if not traces:
+        raise BadRequest(f"no traces given for {method}")
+    loaded = [t if isinstance(t, Trace) else load_trace(t) for t in traces]
+    notes: list[str] = []
+    jobs = []
+    for trace in loaded:
+        if trace.method != method:
+            raise TraceError(f"{trace.path}: trace is for method {trace.method!r}, not {method!r}")
+        origin = original_of(spec, trace)
+        try:
+            hp = origin.from_kwargs(trace.hyperparameters)
+        except HyperparameterError as e:
+            raise HyperparameterError(f"{trace.path}: hyperparameters: {e}") from e
+        names = list(trace.params)
+        spec.state.check_canonical(
+            spec.state.to_canonical(origin.naming, trace.state_after(0), names, hp,
+                                    where=f"{trace.npz_path}: step_0000/state"),
+            trace.params, hp, where=f"{trace.npz_path}: step_0000/state")
+        steps = trace.steps if max_steps is None else min(max_steps, trace.steps)
+        selected = plan_backends(spec, hp, backends, notes, explicit_backends)
+        if against in ("golden", "oracle"):
+            reference = against
+        elif against == "original":
+            if not available(origin.requires):
+                raise BadRequest(f"--against original needs {origin.name}, which needs "
+                                 f"{', '.join(origin.requires)}")
+            reference = origin.name
+        else:
+            if not available(_REQUIRES[against]):
+                raise BadRequest(f"--against {against} needs {', '.join(_REQUIRES[against])}")
+            reference = against
+        jobs.append((trace, origin, hp, steps, selected, reference))
+
+    total = sum(len(set(sel) | ({ref} - {"golden"}) | {"oracle"}) * steps * len(modes)
+                for _, _, _, steps, sel, ref in jobs)
+    tick = progress(total) if progress else (lambda: None)
+    runs: list[Run] = []
+    for trace, origin, hp, steps, selected, reference in jobs:
+        names = list(trace.params)
+        needed = list(dict.fromkeys([*selected, "oracle",
+                                     *([reference] if reference != "golden" else [])]))
+        for mode in modes:
+            outputs: dict[str, list[Step]] = {}
+            for which in needed:
+                runner = make_runner(spec, hp, names, which, impl=impl, device=device)
+                outputs[_label(which)] = _drive(runner, trace, spec, hp, origin.naming, mode,
+                                                steps, tick)
+            outputs["golden"] = golden_steps(trace, spec, hp, origin.naming, steps)
+            ref_label = _label(reference)
+            for which in selected:
+                label = _label(which)
+                if label == ref_label:
+                    continue
+                runs.append(_compare(spec, hp, trace, label, ref_label, mode, outputs,
+                                     impl if which == "torch" else "plain", origin))
+    return Report(method=method, traces=[t.name for t in loaded], runs=runs, notes=notes)
+
+
+def _label(which: str) -> str:
+    return {"torch": "xopt.torch", "jax": "xopt.jax"}.get(which, which)
+
+
+def _tolerance(spec: MethodSpec, hp: Hyperparams, label: str, ref: str, mode: str) -> Tolerance:
+    pairs = spec.bitwise(hp)
+    xopt_backend = {"xopt.torch": "torch", "xopt.jax": "jax"}
+    for a, b in ((label, ref), (ref, label)):
+        if (xopt_backend.get(a), b) in pairs:
+            return spec.tolerance("bitwise")
+    return spec.tolerance(mode)
+
+
+def _compare(spec: MethodSpec, hp: Hyperparams, trace: Trace, label: str, ref: str, mode: str,
+             outputs: dict[str, list[Step]], impl: str, origin: Original) -> Run:
+    a_steps, b_steps = outputs[label], outputs[ref]
+    per_step = []
+    for a, b in zip(a_steps, b_steps):
+        per_step.append(errors(a.tensors(), b.tensors()))
+    run = Run(trace=trace.name, backend=label, impl=impl, against=ref, mode=mode,
+              steps=len(per_step), tolerance=_tolerance(spec, hp, label, ref, mode),
+              per_step=per_step)
+    if "oracle" in outputs and "oracle" not in (label, ref):
+        t, k, _ = run.worst
+        if k:
+            run.oracle_agrees_with = closer_to(outputs["oracle"][t].tensors()[k],
+                                               a_steps[t].tensors()[k], b_steps[t].tensors()[k])
+    return run

@@ -1,0 +1,136 @@
+"""`MethodSpec`: everything framework-neutral about one method, in one object.
+
+A spec module ``xopt/specs/<method>.py`` defines ``SPEC = MethodSpec(...)``. The registry
+(:mod:`xopt.specs`) finds it by the module's name; the parity harness, the CLI and the
+backends read it. Nothing here imports torch or jax: implementations are named by
+``"module:attribute"`` strings and imported on use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from xopt.errors import HyperparameterError
+from xopt.specs._hyperparams import Hyperparams
+from xopt.specs._state import StateSchema
+
+
+def load_object(ref: str) -> Any:
+    """Import ``"package.module:attr.sub"`` and return the attribute."""
+    module_name, _, attr = ref.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split(".") if attr else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class Original:
+    """An original implementation the harness can run live, and how to talk to it.
+
+    Attributes:
+      name: how reports name it (``"torch.optim.AdamW"``); also the ``source.object`` of
+        traces it recorded.
+      backend: ``"torch"`` or ``"jax"``: which runner drives it.
+      factory: ``"module:attr"`` of the constructor (``"torch.optim:AdamW"``).
+      naming: key of :attr:`StateSchema.namings` for its state layout.
+      preset: the spec preset that reproduces it.
+      to_kwargs: spec hyperparameters -> the original's constructor arguments; raises
+        :class:`HyperparameterError` for settings the original cannot express.
+      from_kwargs: the original's constructor arguments (its own names, as in a trace
+        manifest) -> spec hyperparameters; unknown names are an error.
+      requires: distributions that must be importable to run it live.
+    """
+
+    name: str
+    backend: Literal["torch", "jax"]
+    factory: str
+    naming: str
+    preset: str
+    to_kwargs: Callable[[Hyperparams], dict[str, Any]]
+    from_kwargs: Callable[[Mapping[str, Any]], Hyperparams]
+    requires: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """An agreement bound with the reason it is what it is.
+
+    A comparison agrees when ``max|a-b| <= abs`` or ``max|a-b| / max|b| <= rel`` for every
+    tensor at every step. ``rel=0, abs=0`` means bit for bit.
+    """
+
+    rel: float
+    abs: float
+    why: str
+
+    def to_dict(self) -> dict[str, float]:
+        return {"rel": self.rel, "abs": self.abs}
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+    """The framework-neutral description of one method.
+
+    Attributes:
+      name: registry name (the module's name).
+      title: one line for listings.
+      hyperparams: the frozen hyperparameter dataclass.
+      presets: named bundles of field values (``{"torch": {...}, "optax": {...}}``).
+      state: the state schema with its namings.
+      init_state: ``(hp, params: dict[name, array], xp) -> canonical state dict``.
+      step: ``(hp, params, state, grads, *, xp, loss=None) -> (params, state)``: the whole
+        update as a pure function on dicts of arrays, the oracle's definition.
+      implementations: ``{"torch": "module:attr", "jax": "module:attr"}``.
+      naming_of: ``{"torch": naming key, "jax": naming key}`` for xopt's own backends.
+      originals: live original implementations by name.
+      tolerances: named bounds used by the harness (see :meth:`tolerance`):
+        ``"teacher_forced"`` and ``"closed_loop"`` at least, and ``"bitwise"``.
+      bitwise: ``hp -> {(xopt backend, original name), ...}``: the pairs that must agree bit
+        for bit (same arithmetic, same machine) under these hyperparameters.
+      takes_loss: the optimizer consumes the loss (``step(loss=...)``, ``value=loss``).
+      impls: implementations of the torch backend (``"plain"``, ``"triton"``).
+    """
+
+    name: str
+    title: str
+    hyperparams: type[Hyperparams]
+    presets: Mapping[str, Mapping[str, Any]]
+    state: StateSchema
+    init_state: Callable[..., dict[str, Any]]
+    step: Callable[..., tuple[dict[str, Any], dict[str, Any]]]
+    implementations: Mapping[str, str]
+    naming_of: Mapping[str, str]
+    originals: Mapping[str, Original]
+    tolerances: Mapping[str, Tolerance]
+    bitwise: Callable[[Hyperparams], frozenset[tuple[str, str]]] = lambda hp: frozenset()
+    takes_loss: bool = False
+    impls: tuple[str, ...] = ("plain",)
+
+    def make(self, preset: str | None = None, **overrides: Any) -> Hyperparams:
+        """Hyperparameters from a preset (or the class defaults) with overrides applied."""
+        values: dict[str, Any] = {}
+        if preset is not None:
+            if preset not in self.presets:
+                raise HyperparameterError(
+                    f"{self.name}: unknown preset {preset!r}; known: {', '.join(self.presets)}"
+                )
+            values.update(self.presets[preset])
+        self.hyperparams._reject_unknown(overrides)
+        values.update(overrides)
+        return self.hyperparams(**values)
+
+    def original(self, name: str) -> Original:
+        try:
+            return self.originals[name]
+        except KeyError:
+            raise HyperparameterError(
+                f"{self.name}: no original implementation {name!r}; "
+                f"known: {', '.join(self.originals)}"
+            ) from None
+
+    def tolerance(self, name: str) -> Tolerance:
+        return self.tolerances[name]

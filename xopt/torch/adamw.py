@@ -1,0 +1,212 @@
+"""AdamW as a ``torch.optim.Optimizer``, computing :mod:`xopt.specs.adamw`'s math.
+
+Under the ``"torch"`` preset (the default) this optimizer is torch.optim.AdamW bit for bit
+on the CPU: the step calls :func:`xopt.specs.adamw.update_torch`, which performs
+torch.optim's operations (``lerp``, ``addcmul``, ``addcdiv`` and the double-precision bias
+corrections) in torch.optim's order. Its state uses torch.optim.AdamW's keys (``step``,
+``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), so state dicts load in either. Under
+``preset="optax"`` it computes optax.adamw's arithmetic instead.
+
+Beyond torch.optim.AdamW:
+  * bfloat16/float16 parameters keep float32 moments (``state_dtype``), and the update is
+    computed in float32 and rounded once into the parameter;
+  * ``check_finite=True`` raises :class:`xopt.errors.NonFiniteError` naming the parameter
+    whose gradient holds NaN or inf (it synchronises the device, hence opt-in);
+  * ``eps_root`` and ``nesterov`` (with ``formula="optax"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from xopt.errors import HyperparameterError, NonFiniteError
+from xopt.specs import adamw as spec
+
+__all__ = ["AdamW"]
+
+_FIELDS = ("lr", "eps", "eps_root", "weight_decay", "amsgrad", "maximize", "nesterov", "formula",
+           "bias_correction_dtype")
+
+
+def _state_dtype(p: Tensor, state_dtype: torch.dtype | None) -> torch.dtype:
+    if state_dtype is not None:
+        return state_dtype
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+
+class AdamW(torch.optim.Optimizer):
+    r"""AdamW with torch.optim's or optax's arithmetic (see :mod:`xopt.specs.adamw`).
+
+    .. math::
+        m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t,\quad v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2
+
+        \theta_t = \theta_{t-1} - \eta\Big(\frac{m_t/(1-\beta_1^t)}
+        {\sqrt{v_t/(1-\beta_2^t) + \epsilon_{root}} + \epsilon} + \lambda\theta_{t-1}\Big)
+
+    Args:
+      params: parameters or parameter groups, as for any torch optimizer. Groups may
+        override any hyperparameter below.
+      lr, betas, eps, weight_decay, amsgrad, maximize: as torch.optim.AdamW. ``lr`` may be
+        a 0-d tensor.
+      eps_root: ε added inside the square root (optax's), default 0.
+      nesterov: Nesterov momentum (needs ``formula="optax"``).
+      formula: ``"torch"`` or ``"optax"``: whose floating-point arithmetic to follow.
+      bias_correction_dtype: ``"float64"`` (torch.optim) or ``"float32"`` (optax): the
+        precision of 1 − βᵗ; see :func:`xopt.specs.adamw.bias_correction`.
+      preset: ``"torch"`` (default) or ``"optax"``: the defaults for every field not given.
+      spec: an :class:`xopt.specs.adamw.AdamW` giving all hyperparameters at once (then
+        pass no other hyperparameter).
+      state_dtype: dtype of the moments; default float32 (float64 for float64 params).
+      check_finite: raise :class:`NonFiniteError` on a NaN/inf gradient (synchronises).
+
+    Shapes and dtypes: each parameter any shape, floating dtype (float32, float64, bfloat16,
+    float16); its state ``exp_avg``/``exp_avg_sq`` the parameter's shape in
+    ``state_dtype``; ``step`` a float32 0-d tensor, as in torch.optim.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | Tensor | None = None,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
+        weight_decay: float | None = None,
+        amsgrad: bool | None = None,
+        *,
+        maximize: bool | None = None,
+        eps_root: float | None = None,
+        nesterov: bool | None = None,
+        formula: str | None = None,
+        bias_correction_dtype: str | None = None,
+        preset: str = "torch",
+        spec: spec.AdamW | None = None,
+        state_dtype: torch.dtype | None = None,
+        check_finite: bool = False,
+    ) -> None:
+        given = {k: v for k, v in dict(lr=lr, eps=eps, weight_decay=weight_decay,
+                                       amsgrad=amsgrad, maximize=maximize, eps_root=eps_root,
+                                       nesterov=nesterov, formula=formula,
+                                       bias_correction_dtype=bias_correction_dtype).items()
+                 if v is not None}
+        if betas is not None:
+            if len(betas) != 2:
+                raise HyperparameterError(f"AdamW.betas = {betas!r}: must be a pair (b1, b2)")
+            given.update(b1=betas[0], b2=betas[1])
+        if spec is not None:
+            if given:
+                raise HyperparameterError(
+                    f"AdamW: pass either spec= or hyperparameters, not both (got spec and "
+                    f"{', '.join(sorted(given))})"
+                )
+            hp = spec
+        else:
+            hp = SPEC_MAKE(preset, given)
+        defaults = _group_from_spec(hp)
+        self.state_dtype = state_dtype
+        self.check_finite = check_finite
+        super().__init__(params, defaults)
+
+    # torch.optim.Optimizer calls this for the constructor's groups and for add_param_group.
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _spec_from_group(group)  # validates, naming the field at fault
+        for p in group["params"]:
+            if not p.is_floating_point():
+                raise HyperparameterError(f"AdamW: parameter of dtype {p.dtype} is not floating")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for k, v in _group_from_spec(spec.AdamW()).items():
+                group.setdefault(k, v)
+
+    def _param_name(self, group: dict[str, Any], i: int, gi: int) -> str:
+        names = group.get("param_names")
+        return names[i] if names else f"param_groups[{gi}]['params'][{i}]"
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Take one step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            kw = dict(lr=group["lr"], b1=group["betas"][0], b2=group["betas"][1],
+                      eps=group["eps"], eps_root=group["eps_root"],
+                      weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
+                      maximize=group["maximize"],
+                      bias_correction_dtype=group["bias_correction_dtype"])
+            formula = group["formula"]
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                g = p.grad
+                if g.is_sparse:
+                    raise RuntimeError(
+                        f"AdamW does not support sparse gradients "
+                        f"({self._param_name(group, i, gi)})"
+                    )
+                if self.check_finite and not bool(torch.isfinite(g).all()):
+                    raise NonFiniteError(
+                        f"AdamW: gradient of {self._param_name(group, i, gi)} "
+                        f"(shape {tuple(p.shape)}) holds NaN or inf"
+                    )
+                self._update_one(p, g, self.state[p], formula, group["nesterov"], kw)
+        return loss
+
+    def _update_one(self, p: Tensor, g: Tensor, state: dict[str, Any], formula: str,
+                    nesterov: bool, kw: dict[str, Any]) -> None:
+        sdt = _state_dtype(p, self.state_dtype)
+        if len(state) == 0:
+            # As torch.optim: a float32 0-d step on the CPU, zero moments.
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt,
+                                                   memory_format=torch.preserve_format)
+            if kw["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=sdt,
+                                                           memory_format=torch.preserve_format)
+        step_t = state["step"]
+        step_t += 1
+        count = step_t.item()  # torch.optim's non-capturable path uses the Python float
+        exact = p.dtype == sdt
+        p_c = p if exact else p.to(sdt)
+        g_c = g if g.dtype == sdt else g.to(sdt)
+        v_max = state.get("max_exp_avg_sq") if kw["amsgrad"] else None
+        if formula == "torch":
+            new_p, m, v, v_max = spec.update_torch(
+                p_c, g_c, state["exp_avg"], state["exp_avg_sq"], v_max, count, xp=torch, **kw)
+        else:
+            new_p, m, v, v_max = spec.update_optax(
+                p_c, g_c, state["exp_avg"], state["exp_avg_sq"], v_max, int(count),
+                nesterov=nesterov, xp=torch, **kw)
+        p.copy_(new_p)
+        state["exp_avg"].copy_(m)
+        state["exp_avg_sq"].copy_(v)
+        if v_max is not None:
+            state["max_exp_avg_sq"].copy_(v_max)
+
+
+def SPEC_MAKE(preset: str, given: dict[str, Any]) -> spec.AdamW:
+    """The spec from a preset plus the given fields (errors name the field)."""
+    return spec.SPEC.make(preset, **given)
+
+
+def _group_from_spec(hp: spec.AdamW) -> dict[str, Any]:
+    """torch.optim-style group defaults: ``betas`` as a pair, the other spec fields as is."""
+    group = {k: getattr(hp, k) for k in _FIELDS}
+    group["betas"] = (hp.b1, hp.b2)
+    return group
+
+
+def _spec_from_group(group: dict[str, Any]) -> spec.AdamW:
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise HyperparameterError(f"AdamW.betas = {betas!r}: must be a pair (b1, b2)")
+    return spec.AdamW(b1=betas[0], b2=betas[1], **{k: group[k] for k in _FIELDS})
