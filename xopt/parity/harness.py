@@ -216,14 +216,8 @@ def make_runner(spec: MethodSpec, hp: Hyperparams, names: list[str], which: str,
 
 def _drive(runner: Runner, trace: Trace, spec: MethodSpec, hp: Hyperparams, naming: str,
            mode: str, steps: int, tick: Callable[[], None]) -> list[Step]:
-    names = list(trace.params)
     out = []
-
-    def canonical(flat: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
-        return spec.state.to_canonical(naming, flat, names, hp, where=where)
-
-    init_flat = trace.init_state()
-    init_state = canonical(init_flat, f"{trace.npz_path}: init/state") if init_flat else None
+    init_state = trace_state(trace, spec, hp, naming, -1)
     if mode == "closed_loop":
         runner.reset(trace.init_params(), init_state)
     for t in range(steps):
@@ -231,21 +225,30 @@ def _drive(runner: Runner, trace: Trace, spec: MethodSpec, hp: Hyperparams, nami
             if t == 0:
                 runner.reset(trace.init_params(), init_state)
             else:
-                runner.reset(trace.params_after(t - 1),
-                             canonical(trace.state_after(t - 1),
-                                       f"{trace.npz_path}: step_{t - 1:04d}/state"))
+                runner.reset(trace.params_after(t - 1), trace_state(trace, spec, hp, naming,
+                                                                    t - 1))
         runner.step(trace.grads(t), trace.loss(t))
         out.append(Step(*runner.read()))
         tick()
     return out
 
 
+def trace_state(trace: Trace, spec: MethodSpec, hp: Hyperparams, naming: str,
+                t: int) -> dict[str, np.ndarray]:
+    """The canonical state after update ``t`` (``t = -1``: ``init``, or None if unset),
+    checked against the schema's shapes."""
+    flat = trace.init_state() if t < 0 else trace.state_after(t)
+    if t < 0 and not flat:
+        return None
+    where = f"{trace.npz_path}: {'init' if t < 0 else f'step_{t:04d}'}/state"
+    state = spec.state.to_canonical(naming, flat, list(trace.params), hp, where=where)
+    spec.state.check_canonical(state, trace.params, hp, where=where)
+    return state
+
+
 def golden_steps(trace: Trace, spec: MethodSpec, hp: Hyperparams, naming: str,
                  steps: int) -> list[Step]:
-    names = list(trace.params)
-    return [Step(trace.params_after(t),
-                 spec.state.to_canonical(naming, trace.state_after(t), names, hp,
-                                         where=f"{trace.npz_path}: step_{t:04d}/state"))
+    return [Step(trace.params_after(t), trace_state(trace, spec, hp, naming, t))
             for t in range(steps)]
 
 
@@ -253,7 +256,7 @@ def golden_steps(trace: Trace, spec: MethodSpec, hp: Hyperparams, naming: str,
 
 
 def plan_backends(spec: MethodSpec, hp: Hyperparams, backends: Sequence[str],
-                  notes: list[str], explicit: bool) -> list[str]:
+                  notes: list[str], explicit: bool, where: str = "") -> list[str]:
     """Expand "original" and drop what cannot run here (an error if asked for explicitly)."""
     out: list[str] = []
     for b in backends:
@@ -267,7 +270,7 @@ def plan_backends(spec: MethodSpec, hp: Hyperparams, backends: Sequence[str],
                 try:
                     o.to_kwargs(hp)
                 except HyperparameterError as e:
-                    notes.append(f"{o.name} not run: {e}")
+                    notes.append(f"{o.name} not run on {where}: {e}")
                     continue
                 out.append(o.name)
             continue
@@ -313,13 +316,8 @@ def run_parity(method: str, traces: Sequence[str | Trace], *,
             hp = origin.from_kwargs(trace.hyperparameters)
         except HyperparameterError as e:
             raise HyperparameterError(f"{trace.path}: hyperparameters: {e}") from e
-        names = list(trace.params)
-        spec.state.check_canonical(
-            spec.state.to_canonical(origin.naming, trace.state_after(0), names, hp,
-                                    where=f"{trace.npz_path}: step_0000/state"),
-            trace.params, hp, where=f"{trace.npz_path}: step_0000/state")
         steps = trace.steps if max_steps is None else min(max_steps, trace.steps)
-        selected = plan_backends(spec, hp, backends, notes, explicit_backends)
+        selected = plan_backends(spec, hp, backends, notes, explicit_backends, trace.name)
         if against in ("golden", "oracle"):
             reference = against
         elif against == "original":
@@ -331,6 +329,8 @@ def run_parity(method: str, traces: Sequence[str | Trace], *,
             if not available(_REQUIRES[against]):
                 raise BadRequest(f"--against {against} needs {', '.join(_REQUIRES[against])}")
             reference = against
+        for t in range(-1, steps):  # every recorded state, checked before any run starts
+            trace_state(trace, spec, hp, origin.naming, t)
         jobs.append((trace, origin, hp, steps, selected, reference))
 
     total = sum(len(set(sel) | ({ref} - {"golden"}) | {"oracle"}) * steps * len(modes)
@@ -355,7 +355,8 @@ def run_parity(method: str, traces: Sequence[str | Trace], *,
                     continue
                 runs.append(_compare(spec, hp, trace, label, ref_label, mode, outputs,
                                      impl if which == "torch" else "plain", origin))
-    return Report(method=method, traces=[t.name for t in loaded], runs=runs, notes=notes)
+    return Report(method=method, traces=[t.name for t in loaded], runs=runs,
+                  notes=list(dict.fromkeys(notes)))
 
 
 def _label(which: str) -> str:

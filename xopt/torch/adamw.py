@@ -129,6 +129,21 @@ class AdamW(torch.optim.Optimizer):
         names = group.get("param_names")
         return names[i] if names else f"param_groups[{gi}]['params'][{i}]"
 
+    def _check_finite(self) -> None:
+        """Raise before any parameter moves if a gradient holds NaN or inf (one sync)."""
+        found = [(gi, i, p) for gi, group in enumerate(self.param_groups)
+                 for i, p in enumerate(group["params"]) if p.grad is not None]
+        if not found:
+            return
+        finite = torch.stack([torch.isfinite(p.grad).all() for _, _, p in found])
+        if bool(finite.all()):
+            return
+        gi, i, p = found[int((~finite).nonzero()[0, 0])]
+        raise NonFiniteError(
+            f"AdamW: gradient of {self._param_name(self.param_groups[gi], i, gi)} "
+            f"(shape {tuple(p.shape)}) holds NaN or inf; no parameter was updated"
+        )
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Take one step; ``closure`` re-evaluates the model and returns the loss."""
@@ -136,6 +151,8 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.check_finite:
+            self._check_finite()
         for gi, group in enumerate(self.param_groups):
             kw = dict(lr=group["lr"], b1=group["betas"][0], b2=group["betas"][1],
                       eps=group["eps"], eps_root=group["eps_root"],
@@ -151,11 +168,6 @@ class AdamW(torch.optim.Optimizer):
                     raise RuntimeError(
                         f"AdamW does not support sparse gradients "
                         f"({self._param_name(group, i, gi)})"
-                    )
-                if self.check_finite and not bool(torch.isfinite(g).all()):
-                    raise NonFiniteError(
-                        f"AdamW: gradient of {self._param_name(group, i, gi)} "
-                        f"(shape {tuple(p.shape)}) holds NaN or inf"
                     )
                 self._update_one(p, g, self.state[p], formula, group["nesterov"], kw)
         return loss

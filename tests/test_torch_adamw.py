@@ -1,0 +1,251 @@
+"""xopt.torch.AdamW: torch.optim.AdamW bit for bit under the torch preset, and a full
+torch.optim.Optimizer (groups, schedulers, closures, state dicts, bf16, finiteness check)."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import numpy as np
+import pytest
+
+from helpers import needs_torch
+from xopt.errors import HyperparameterError, NonFiniteError
+
+pytestmark = needs_torch
+torch = pytest.importorskip("torch")
+
+from xopt.specs import adamw as spec  # noqa: E402
+from xopt.torch import AdamW  # noqa: E402
+
+SHAPES = [(), (1,), (7,), (5, 3), (2, 3, 4), (3, 3, 4, 8), (33, 17)]
+
+
+def make_params(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+            for s in SHAPES]
+
+
+def grad_stream(params, steps, seed=1):
+    """Gradients spanning seven orders of magnitude, with exact zeros."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        out = []
+        for p in params:
+            x = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            x = x * 10.0 ** torch.randint(-5, 3, p.shape, generator=g)
+            x[torch.rand(p.shape, generator=g) < 0.1] = 0.0
+            out.append(x.to(p.dtype))
+        yield out
+
+
+def run(opt_cls, kwargs, steps=25, dtype=torch.float32, groups=None):
+    params = make_params(dtype)
+    opt = opt_cls(groups(params) if groups else params, **kwargs)
+    for grads in grad_stream(params, steps):
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+    return params, opt
+
+
+def assert_bitwise(a_params, a_opt, b_params, b_opt):
+    for i, (a, b) in enumerate(zip(a_params, b_params)):
+        assert torch.equal(a, b), f"param {i} {tuple(a.shape)}"
+        sa, sb = a_opt.state[a], b_opt.state[b]
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]) and sa[k].dtype == sb[k].dtype, (i, k)
+
+
+CONFIGS = [
+    {},
+    dict(lr=1e-2, weight_decay=0.1),
+    dict(lr=0.1, weight_decay=0.0),
+    dict(amsgrad=True, lr=3e-2, betas=(0.8, 0.99), eps=1e-6),
+    dict(maximize=True, weight_decay=0.5),
+    dict(betas=(0.0, 0.5)),
+    dict(lr=torch.tensor(0.01)),
+]
+
+
+@pytest.mark.parametrize("kwargs", CONFIGS, ids=lambda k: ",".join(k) or "defaults")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_bitwise_equal_to_torch_optim(kwargs, dtype):
+    assert_bitwise(*run(torch.optim.AdamW, kwargs, dtype=dtype), *run(AdamW, kwargs, dtype=dtype))
+
+
+def test_param_groups_bitwise():
+    def groups(params):
+        return [{"params": params[:3], "lr": 0.05, "weight_decay": 0.0},
+                {"params": params[3:], "betas": (0.5, 0.9), "amsgrad": True}]
+
+    a = run(torch.optim.AdamW, dict(lr=1e-3), groups=groups)
+    b = run(AdamW, dict(lr=1e-3), groups=groups)
+    assert_bitwise(*a, *b)
+
+
+def _train_with_scheduler(opt_cls, sched_fn, steps=30):
+    params = make_params()
+    opt = opt_cls(params, lr=0.1)
+    sched = sched_fn(opt)
+    lrs = []
+    for grads in grad_stream(params, steps):
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        sched.step()
+        lrs.append((opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]))
+    return params, opt, lrs
+
+
+@pytest.mark.parametrize("sched_fn", [
+    lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5),
+    lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.2, total_steps=30),  # also betas
+    lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=30),
+], ids=["step", "onecycle", "cosine"])
+def test_lr_schedulers_drive_it_like_torch_optim(sched_fn):
+    pa, oa, la = _train_with_scheduler(torch.optim.AdamW, sched_fn)
+    pb, ob, lb = _train_with_scheduler(AdamW, sched_fn)
+    assert la == lb and len({lr for lr, _ in la}) > 1
+    assert_bitwise(pa, oa, pb, ob)
+
+
+def test_closure_is_called_and_its_loss_returned():
+    w = torch.tensor([1.0, -2.0], requires_grad=True)
+    opt = AdamW([w], lr=0.1)
+    calls = []
+
+    def closure():
+        opt.zero_grad()
+        loss = (w**2).sum()
+        loss.backward()
+        calls.append(loss.item())
+        return loss
+
+    loss = opt.step(closure)
+    assert calls == [5.0] and loss.item() == 5.0
+    assert torch.all(w.abs() < torch.tensor([1.0, 2.0]))
+
+
+def test_state_dict_round_trip_resumes_bit_exactly(tmp_path):
+    params, opt = run(AdamW, dict(lr=1e-2, amsgrad=True), steps=10)
+    buf = io.BytesIO()
+    torch.save({"params": [p.detach().clone() for p in params], "opt": opt.state_dict()}, buf)
+    stream = list(grad_stream(params, 20, seed=7))
+
+    def continue_(params, opt):
+        for grads in stream:
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.step()
+        return params, opt
+
+    ref = continue_(params, opt)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    params2 = [p.clone().requires_grad_() for p in saved["params"]]
+    opt2 = AdamW(params2, lr=0.5)  # overwritten by the loaded groups
+    opt2.load_state_dict(saved["opt"])
+    assert opt2.param_groups[0]["lr"] == 1e-2
+    assert_bitwise(*ref, *continue_(params2, opt2))
+
+
+def test_state_dicts_interchange_with_torch_optim():
+    params, opt = run(torch.optim.AdamW, dict(lr=1e-2), steps=5)
+    params2 = [p.detach().clone().requires_grad_() for p in params]
+    mine = AdamW(params2, lr=1e-2)
+    # deepcopy, as a save and load would: load_state_dict keeps the step tensors by reference
+    mine.load_state_dict(copy.deepcopy(opt.state_dict()))
+    stream = list(grad_stream(params, 5, seed=3))
+    for o, ps in ((opt, params), (mine, params2)):
+        for grads in stream:
+            for p, g in zip(ps, grads):
+                p.grad = g
+            o.step()
+    assert_bitwise(params, opt, params2, mine)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_low_precision_params_keep_float32_state(dtype):
+    params, opt = run(AdamW, dict(lr=1e-2, weight_decay=0.1), steps=10, dtype=dtype)
+    for p in params:
+        st = opt.state[p]
+        assert p.dtype == dtype
+        assert st["exp_avg"].dtype == torch.float32 and st["exp_avg_sq"].dtype == torch.float32
+    # One step from that state equals the spec's float32 step rounded once into dtype.
+    p = params[-1]
+    st = {k: v.clone() for k, v in opt.state[p].items()}
+    g = torch.randn(p.shape, dtype=torch.float64).to(dtype)
+    expected, *_ = spec.update_torch(p.detach().float(), g.float(), st["exp_avg"],
+                                     st["exp_avg_sq"], None, st["step"].item() + 1, lr=1e-2,
+                                     b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
+                                     weight_decay=0.1, amsgrad=False, maximize=False, xp=torch)
+    p.grad = g
+    opt.step()
+    assert torch.equal(p.detach(), expected.to(dtype))
+
+
+def test_optax_preset_in_torch_matches_the_float64_oracle():
+    params = make_params()
+    opt = AdamW(params, preset="optax", lr=1e-2, nesterov=True, eps_root=1e-8)
+    h = spec.SPEC.make("optax", lr=1e-2, nesterov=True, eps_root=1e-8)
+    for t, grads in enumerate(grad_stream(params, 15)):
+        before = {i: p.detach().double().numpy() for i, p in enumerate(params)}
+        state = {"step": np.int64(t)}
+        for i, p in enumerate(params):
+            st = opt.state[p]
+            state[f"m/{i}"] = st["exp_avg"].double().numpy() if st else np.zeros(p.shape)
+            state[f"v/{i}"] = st["exp_avg_sq"].double().numpy() if st else np.zeros(p.shape)
+        g64 = {i: g.double().numpy() for i, g in enumerate(grads)}
+        oracle, _ = spec.step(h, before, state, g64, xp=np)
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        for i, p in enumerate(params):
+            ref = oracle[i]
+            err = np.abs(p.detach().double().numpy() - ref).max() / max(np.abs(ref).max(), 1e-30)
+            assert err <= 1e-6, (t, i, err)
+
+
+def test_check_finite_names_the_parameter():
+    w = torch.zeros(3, requires_grad=True)
+    b = torch.zeros(2, requires_grad=True)
+    opt = AdamW([{"params": [w]}, {"params": [b]}], check_finite=True)
+    w.grad = torch.ones(3)
+    b.grad = torch.tensor([1.0, float("nan")])
+    with pytest.raises(NonFiniteError, match=r"param_groups\[1\]\['params'\]\[0\].*NaN or inf"):
+        opt.step()
+    assert torch.equal(w.detach(), torch.zeros(3)) and not opt.state  # nothing moved
+    named = AdamW([("layer.weight", w)], check_finite=True)
+    w.grad = torch.tensor([0.0, float("inf"), 1.0])
+    with pytest.raises(NonFiniteError, match="layer.weight"):
+        named.step()
+    assert torch.equal(w.detach(), torch.zeros(3))  # nothing moved
+
+
+@pytest.mark.parametrize("kwargs,pattern", [
+    (dict(lr=-1.0), r"AdamW\.lr = -1\.0"),
+    (dict(betas=(0.9, 1.0)), r"AdamW\.b2 = 1\.0"),
+    (dict(betas=(0.9,)), r"AdamW\.betas"),
+    (dict(eps=-1e-8), r"AdamW\.eps"),
+    (dict(nesterov=True), r"nesterov.*formula='optax'"),
+    (dict(preset="keras"), r"unknown preset 'keras'"),
+    (dict(spec=spec.AdamW(), lr=0.1), r"either spec= or hyperparameters.*lr"),
+])
+def test_bad_hyperparameters_are_named(kwargs, pattern):
+    with pytest.raises(HyperparameterError, match=pattern):
+        AdamW([torch.zeros(2, requires_grad=True)], **kwargs)
+
+
+def test_bad_group_hyperparameter_is_named():
+    opt = AdamW([torch.zeros(2, requires_grad=True)])
+    with pytest.raises(HyperparameterError, match=r"AdamW\.weight_decay = -0\.1"):
+        opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)],
+                             "weight_decay": -0.1})
+
+
+def test_integer_parameter_is_rejected():
+    with pytest.raises(HyperparameterError, match="not floating"):
+        AdamW([torch.zeros(2, dtype=torch.int64)])

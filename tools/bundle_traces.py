@@ -1,0 +1,74 @@
+"""Copy golden cases from ../shared/parity into the package and (re)write the data manifest.
+
+    python tools/bundle_traces.py            copy SHARED_CASES, refresh MANIFEST.json
+    python tools/bundle_traces.py --check    verify the bundle; exit 1 on any mismatch
+
+Users of the repository have no ../shared, so the cases the tests and ``xopt parity`` need
+ship inside ``xopt/parity/data/<method>/``, unchanged (byte for byte) and with their
+manifests. ``MANIFEST.json`` records each bundled file's SHA-256 and origin: a path under
+``shared/parity/`` for golden cases recorded by the original authors' code, or the xopt
+tool that recorded it (AdamW's cases, recorded from torch.optim and optax).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "xopt/parity/data"
+SHARED = ROOT.parent / "shared/parity"
+
+#: golden cases copied from ../shared/parity, as "<method>/<case>"
+SHARED_CASES = [
+    "galore/adamw_left_r4_gap5",
+]
+#: cases recorded by xopt's own tools from the original libraries
+RECORDED = {"adamw": "tools/record_adamw.py"}
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def build_manifest() -> dict:
+    files = {}
+    for path in sorted(DATA.glob("*/*.*")):
+        rel = path.relative_to(DATA).as_posix()
+        method, name = rel.split("/", 1)
+        case = name.rsplit(".", 1)[0]
+        if f"{method}/{case}" in SHARED_CASES:
+            origin = f"shared/parity/{rel}"
+        elif method in RECORDED:
+            origin = RECORDED[method]
+        else:
+            raise SystemExit(f"{rel}: no known origin; add it to SHARED_CASES or RECORDED")
+        files[rel] = {"sha256": sha256(path), "bytes": path.stat().st_size, "origin": origin}
+    return {"format": "xopt-bundle/1", "files": files}
+
+
+def main(argv: list[str]) -> int:
+    if "--check" in argv:
+        manifest = json.loads((DATA / "MANIFEST.json").read_text())
+        bad = [rel for rel, entry in manifest["files"].items()
+               if sha256(DATA / rel) != entry["sha256"]]
+        print("bundle ok" if not bad else f"mismatch: {bad}")
+        return 1 if bad else 0
+    if not SHARED.is_dir():
+        raise SystemExit(f"{SHARED} not found: run from a checkout with ../shared beside it")
+    for case in SHARED_CASES:
+        for suffix in (".json", ".npz"):
+            src = SHARED / f"{case}{suffix}"
+            dst = DATA / f"{case}{suffix}"
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+    (DATA / "MANIFEST.json").write_text(json.dumps(build_manifest(), indent=1) + "\n")
+    print(f"bundled {len(SHARED_CASES)} shared case(s); manifest: {DATA / 'MANIFEST.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

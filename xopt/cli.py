@@ -1,0 +1,152 @@
+"""The ``xopt`` command line.
+
+    xopt parity METHOD [--trace FILE ...] [--backends torch,jax,oracle,original]
+                       [--against golden|original|torch|jax|oracle] [--mode teacher,closed]
+                       [--impl plain|triton] [--device cpu|cuda] [--steps N]
+                       [--json REPORT] [--plot PNG] [--quiet]
+    xopt methods
+
+``xopt parity`` exits 0 when every run agrees within its stated tolerance, 1 when any
+diverges, and 2 on bad input (unknown method, malformed trace, unknown hyperparameters,
+an unavailable backend that was asked for by name), printing what is at fault.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from xopt.errors import XoptError
+
+EXIT_AGREE, EXIT_DIVERGE, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own exit code is already 2; keep the prefix
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_BAD_INPUT, f"xopt: error: {message}\n")
+
+
+def _csv(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        items = [s.strip() for s in text.split(",") if s.strip()]
+        bad = [s for s in items if s not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: choose from {', '.join(choices)} (comma-separated)")
+        return items
+
+    return parse
+
+
+def _progress_factory(enabled: bool) -> Callable[[int], Callable[[], None]]:
+    """A dependency-free progress bar on stderr (drawn only on a terminal)."""
+
+    def make(total: int) -> Callable[[], None]:
+        state = {"done": 0, "t0": time.monotonic(), "last": 0.0}
+        draw = enabled and sys.stderr.isatty()
+
+        def tick() -> None:
+            state["done"] += 1
+            now = time.monotonic()
+            if not draw or (now - state["last"] < 0.1 and state["done"] < total):
+                return
+            state["last"] = now
+            frac = state["done"] / max(total, 1)
+            bar = "#" * int(30 * frac)
+            sys.stderr.write(f"\r[{bar:<30}] {state['done']}/{total} steps "
+                             f"{now - state['t0']:.1f}s")
+            if state["done"] >= total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+        return tick
+
+    return make
+
+
+def _parity(args: argparse.Namespace) -> int:
+    from xopt import specs
+    from xopt.parity import bundled_traces
+    from xopt.parity.harness import AGAINST, BACKENDS, MODES, run_parity
+    from xopt.parity.report import table, write_json, write_plot
+
+    del AGAINST, BACKENDS
+    specs.get(args.method)  # unknown method: exit 2 before anything else
+    traces = args.trace or [str(p) for p in bundled_traces(args.method)]
+    if not traces:
+        raise XoptError(f"no bundled traces for {args.method!r}; pass --trace FILE")
+    report = run_parity(
+        args.method, traces,
+        backends=args.backends or ("torch", "jax", "oracle", "original"),
+        explicit_backends=args.backends is not None,
+        against=args.against, modes=[MODES[m] for m in args.mode], impl=args.impl,
+        device=args.device, max_steps=args.steps,
+        progress=_progress_factory(not args.quiet),
+    )
+    print(table(report))
+    if args.json:
+        print(f"report: {write_json(report, args.json)}")
+    if args.plot:
+        print(f"plot: {write_plot(report, args.plot)}")
+    return EXIT_AGREE if report.verdict == "agree" else EXIT_DIVERGE
+
+
+def _methods(args: argparse.Namespace) -> int:
+    from xopt import specs
+    from xopt.parity import bundled_traces
+
+    for name in specs.names():
+        spec = specs.get(name)
+        print(f"{name}: {spec.title}")
+        print(f"  presets: {', '.join(spec.presets)}; originals: {', '.join(spec.originals)}; "
+              f"bundled traces: {len(bundled_traces(name))}")
+        print(spec.hyperparams.describe())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from xopt import __version__
+
+    parser = _ArgumentParser(prog="xopt", description="xopt: optimizers with JAX/PyTorch parity")
+    parser.add_argument("--version", action="version", version=f"xopt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
+
+    p = sub.add_parser("parity", help="run a method's implementations on traces and compare")
+    p.add_argument("method", help="method name (see `xopt methods`)")
+    p.add_argument("--trace", action="append", metavar="FILE",
+                   help="trace manifest (.json) to run; repeatable (default: bundled traces)")
+    p.add_argument("--backends", type=_csv(("torch", "jax", "oracle", "original")),
+                   help="implementations to check (default: torch,jax,oracle,original)")
+    p.add_argument("--against", default="golden",
+                   choices=("golden", "original", "torch", "jax", "oracle"),
+                   help="the reference each backend is compared with (default: golden)")
+    p.add_argument("--mode", type=_csv(("teacher", "closed")), default=["teacher", "closed"],
+                   help="teacher-forced and/or closed-loop (default: teacher,closed)")
+    p.add_argument("--impl", default="plain", choices=("plain", "triton"),
+                   help="torch implementation (default: plain)")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--steps", type=int, default=None, help="only the first N steps")
+    p.add_argument("--json", metavar="REPORT", help="write the JSON report here")
+    p.add_argument("--plot", metavar="PNG", help="write a PNG of error against step here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_parity)
+
+    m = sub.add_parser("methods", help="list the registered methods and their hyperparameters")
+    m.set_defaults(func=_methods)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except XoptError as e:
+        print(f"xopt: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

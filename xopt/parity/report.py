@@ -1,0 +1,112 @@
+"""Presenting a parity :class:`~xopt.parity.harness.Report`: table, JSON file, PNG plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from xopt.errors import XoptError
+from xopt.parity.harness import Report
+
+
+def _fmt(x: float) -> str:
+    if x is None:
+        return "-"
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf"
+    return "0" if x == 0 else f"{x:.2e}"
+
+
+def table(report: Report) -> str:
+    """A fixed-width table, one row per run, with the verdict last."""
+    head = ("trace", "backend", "impl", "against", "mode", "steps", "max abs", "max rel",
+            "worst (step: tensor)", "tol rel", "oracle closer", "verdict")
+    rows = []
+    for r in report.runs:
+        t, k, _ = r.worst
+        verdict = "agree" if r.agrees else "DIVERGE"
+        if r.agrees and r.max_abs_error == 0.0:
+            verdict = "agree (bitwise)"
+        rows.append((r.trace.split("/", 1)[-1], r.backend, r.impl, r.against,
+                     r.mode.replace("_", "-"), str(r.steps), _fmt(r.max_abs_error),
+                     _fmt(r.max_rel_error), f"{t}: {k}" if k else "-",
+                     "bitwise" if r.tolerance.rel == 0 and r.tolerance.abs == 0
+                     else _fmt(r.tolerance.rel), r.oracle_agrees_with or "-", verdict))
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
+              for i, h in enumerate(head)]
+    line = "  ".join(h.ljust(w) for h, w in zip(head, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    out.append("")
+    for note in report.notes:
+        out.append(f"note: {note}")
+    n_bad = sum(not r.agrees for r in report.runs)
+    out.append(f"{report.method}: {len(report.runs)} runs on {len(report.traces)} trace(s); "
+               f"verdict: {report.verdict}" + (f" ({n_bad} diverge)" if n_bad else ""))
+    return "\n".join(out)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_json(report: Report, path: str | os.PathLike[str]) -> Path:
+    """Write the report (atomically). Non-finite errors are written as JSON's
+    ``Infinity``/``NaN`` extensions, which Python's json reads back."""
+    path = Path(path)
+    _atomic_write(path, (json.dumps(report.to_json(), indent=1) + "\n").encode())
+    return path
+
+
+def write_plot(report: Report, path: str | os.PathLike[str]) -> Path:
+    """Max relative error (over tensors) against step, log scale, one line per run."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise XoptError("--plot needs matplotlib (pip install 'xopt-ml[plot]')") from e
+    path = Path(path)
+    modes = sorted({r.mode for r in report.runs})
+    fig, axes = plt.subplots(1, max(len(modes), 1), figsize=(6.5 * max(len(modes), 1), 4.5),
+                             squeeze=False)
+    floor = 1e-12  # where bitwise-equal runs are drawn on the log axis
+    for ax, mode in zip(axes[0], modes):
+        for r in (r for r in report.runs if r.mode == mode):
+            ys = [max((e.rel for e in errs.values()), default=0.0) for errs in r.per_step]
+            ys = [floor if y == 0 else (1e3 if not math.isfinite(y) else y) for y in ys]
+            ax.plot(range(len(ys)), ys, marker=".", linewidth=1,
+                    label=f"{r.backend} vs {r.against} ({r.trace.split('/', 1)[-1]})")
+        tols = {r.tolerance.rel for r in report.runs if r.mode == mode and r.tolerance.rel > 0}
+        for tol in sorted(tols):
+            ax.axhline(tol, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel("max relative error over tensors (bitwise drawn at 1e-12)")
+        ax.set_title(f"{report.method}: {mode.replace('_', '-')}")
+        ax.legend(fontsize=6, loc="best")
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent or ".")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
