@@ -8,8 +8,8 @@ reason; the bitwise claims are checked against the live libraries on this machin
 from __future__ import annotations
 
 import pytest
-
 from helpers import has_jax, has_torch
+
 from xopt.parity import bundled_traces
 from xopt.parity.harness import run_parity
 

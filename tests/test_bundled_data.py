@@ -6,7 +6,6 @@ import hashlib
 import json
 
 import pytest
-
 from helpers import REPO, SHARED
 
 DATA = REPO / "xopt/parity/data"

@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from helpers import REPO, has_torch
+
 from xopt.parity import bundled_traces, load_trace, write_trace
 
 TRACE = str([p for p in bundled_traces("adamw") if p.stem.startswith("torch")][0])

@@ -8,8 +8,8 @@ import io
 
 import numpy as np
 import pytest
-
 from helpers import needs_torch
+
 from xopt.errors import HyperparameterError, NonFiniteError
 
 pytestmark = needs_torch
@@ -44,14 +44,14 @@ def run(opt_cls, kwargs, steps=25, dtype=torch.float32, groups=None):
     params = make_params(dtype)
     opt = opt_cls(groups(params) if groups else params, **kwargs)
     for grads in grad_stream(params, steps):
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=False):
             p.grad = g
         opt.step()
     return params, opt
 
 
 def assert_bitwise(a_params, a_opt, b_params, b_opt):
-    for i, (a, b) in enumerate(zip(a_params, b_params)):
+    for i, (a, b) in enumerate(zip(a_params, b_params, strict=False)):
         assert torch.equal(a, b), f"param {i} {tuple(a.shape)}"
         sa, sb = a_opt.state[a], b_opt.state[b]
         assert sa.keys() == sb.keys()
@@ -92,7 +92,7 @@ def _train_with_scheduler(opt_cls, sched_fn, steps=30):
     sched = sched_fn(opt)
     lrs = []
     for grads in grad_stream(params, steps):
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=False):
             p.grad = g
         opt.step()
         sched.step()
@@ -137,7 +137,7 @@ def test_state_dict_round_trip_resumes_bit_exactly(tmp_path):
 
     def continue_(params, opt):
         for grads in stream:
-            for p, g in zip(params, grads):
+            for p, g in zip(params, grads, strict=False):
                 p.grad = g
             opt.step()
         return params, opt
@@ -161,7 +161,7 @@ def test_state_dicts_interchange_with_torch_optim():
     stream = list(grad_stream(params, 5, seed=3))
     for o, ps in ((opt, params), (mine, params2)):
         for grads in stream:
-            for p, g in zip(ps, grads):
+            for p, g in zip(ps, grads, strict=False):
                 p.grad = g
             o.step()
     assert_bitwise(params, opt, params2, mine)
@@ -200,7 +200,7 @@ def test_optax_preset_in_torch_matches_the_float64_oracle():
             state[f"v/{i}"] = st["exp_avg_sq"].double().numpy() if st else np.zeros(p.shape)
         g64 = {i: g.double().numpy() for i, g in enumerate(grads)}
         oracle, _ = spec.step(h, before, state, g64, xp=np)
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=False):
             p.grad = g
         opt.step()
         for i, p in enumerate(params):
@@ -249,3 +249,21 @@ def test_bad_group_hyperparameter_is_named():
 def test_integer_parameter_is_rejected():
     with pytest.raises(HyperparameterError, match="not floating"):
         AdamW([torch.zeros(2, dtype=torch.int64)])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device runs)")
+@pytest.mark.parametrize("kwargs", CONFIGS[:4], ids=lambda k: ",".join(k) or "defaults")
+def test_cuda_bitwise_equal_to_torch_optim_for_loop(kwargs):
+    # On CUDA torch.optim defaults to its foreach kernels; xopt's plain path is the
+    # for-loop algorithm, so the bitwise reference is torch.optim with foreach=False.
+    def run_cuda(cls, extra):
+        params = [p.detach().cuda().requires_grad_() for p in make_params()]
+        opt = cls(params, **kwargs, **extra)
+        for grads in grad_stream(params, 20):
+            for p, g in zip(params, grads, strict=False):
+                p.grad = g.cuda()
+            opt.step()
+        return params, opt
+
+    assert_bitwise(*run_cuda(torch.optim.AdamW, {"foreach": False}), *run_cuda(AdamW, {}))

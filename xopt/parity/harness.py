@@ -168,7 +168,8 @@ class Report:
             "notes": self.notes,
             "xopt_version": __version__,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "platform": f"{platform.system()} {platform.machine()} python {platform.python_version()}",
+            "platform": f"{platform.system()} {platform.machine()} "
+                        f"python {platform.python_version()}",
             "versions": _versions(),
         }
 
@@ -376,7 +377,7 @@ def _compare(spec: MethodSpec, hp: Hyperparams, trace: Trace, label: str, ref: s
              outputs: dict[str, list[Step]], impl: str, origin: Original) -> Run:
     a_steps, b_steps = outputs[label], outputs[ref]
     per_step = []
-    for a, b in zip(a_steps, b_steps):
+    for a, b in zip(a_steps, b_steps, strict=True):
         per_step.append(errors(a.tensors(), b.tensors()))
     run = Run(trace=trace.name, backend=label, impl=impl, against=ref, mode=mode,
               steps=len(per_step), tolerance=_tolerance(spec, hp, label, ref, mode),

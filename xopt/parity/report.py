@@ -39,9 +39,9 @@ def table(report: Report) -> str:
                      else _fmt(r.tolerance.rel), r.oracle_agrees_with or "-", verdict))
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
               for i, h in enumerate(head)]
-    line = "  ".join(h.ljust(w) for h, w in zip(head, widths))
+    line = "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))
     out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     out.append("")
     for note in report.notes:
         out.append(f"note: {note}")
@@ -85,7 +85,7 @@ def write_plot(report: Report, path: str | os.PathLike[str]) -> Path:
     fig, axes = plt.subplots(1, max(len(modes), 1), figsize=(6.5 * max(len(modes), 1), 4.5),
                              squeeze=False)
     floor = 1e-12  # where bitwise-equal runs are drawn on the log axis
-    for ax, mode in zip(axes[0], modes):
+    for ax, mode in zip(axes[0], modes, strict=True):
         for r in (r for r in report.runs if r.mode == mode):
             ys = [max((e.rel for e in errs.values()), default=0.0) for errs in r.per_step]
             ys = [floor if y == 0 else (1e3 if not math.isfinite(y) else y) for y in ys]

@@ -102,7 +102,7 @@ class TorchRunner(Runner):
         self.opt = self.factory(self.params)
         if state is not None:
             flat = self.spec.state.from_canonical(self.naming, state, self.param_names, self.hp)
-            for name, p in zip(self.param_names, self.params):
+            for name, p in zip(self.param_names, self.params, strict=True):
                 prefix = f"{name}/"
                 self.opt.state[p] = {
                     k[len(prefix):]: self._tensor(v) for k, v in flat.items()
@@ -110,7 +110,7 @@ class TorchRunner(Runner):
                 }
 
     def step(self, grads: Arrays, loss: float | None) -> None:
-        for name, p in zip(self.param_names, self.params):
+        for name, p in zip(self.param_names, self.params, strict=True):
             p.grad = self._tensor(grads[name])
         if self.pass_loss:
             self.opt.step(loss=loss)
@@ -118,10 +118,10 @@ class TorchRunner(Runner):
             self.opt.step()
 
     def read(self) -> tuple[Arrays, Arrays]:
-        params = {k: p.detach().cpu().numpy().copy() for k, p in zip(self.param_names,
-                                                                      self.params)}
+        params = {k: p.detach().cpu().numpy().copy()
+                  for k, p in zip(self.param_names, self.params, strict=True)}
         flat = {}
-        for name, p in zip(self.param_names, self.params):
+        for name, p in zip(self.param_names, self.params, strict=True):
             for k, v in self.opt.state[p].items():
                 flat[f"{name}/{k}"] = v.detach().cpu().numpy().copy() if hasattr(v, "detach") \
                     else np.asarray(v)

@@ -152,7 +152,7 @@ class StateSchema:
                         raise StateError(f"{where}: missing {key!r} (state {v.name!r} of {p!r})")
                     values.append(np.asarray(flat[key]))
                     used.add(key)
-                for p, val in zip(param_names, values):
+                for p, val in zip(param_names, values, strict=True):
                     if not np.array_equal(val, values[0]):
                         raise StateError(
                             f"{where}: {template.format(param=p)!r} = {val} differs from "

@@ -45,9 +45,13 @@ def lerp(xp: ModuleType, start: Any, end: Any, weight: float) -> Any:
     """
     if is_torch(xp):
         return xp.lerp(start, end, weight)
-    if abs(weight) < 0.5:
-        return start + weight * (end - start)
-    return end - (end - start) * (1 - weight)
+    if isinstance(weight, (int, float)):
+        if abs(weight) < 0.5:
+            return start + weight * (end - start)
+        return end - (end - start) * (1 - weight)
+    # a traced or array weight (jax under inject_hyperparams): both branches, selected
+    return xp.where(abs(weight) < 0.5, start + weight * (end - start),
+                    end - (end - start) * (1 - weight))
 
 
 def addcmul(xp: ModuleType, x: Any, t1: Any, t2: Any, value: float) -> Any:

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Run on the lent GPU machine (through the device tool): the whole test suite on its
+# torch/jax versions, plus AdamW's parity with torch on CUDA. Logs land in $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
+python3 -c "import sys, torch, jax, optax, numpy; print(sys.version.split()[0], 'torch', torch.__version__, 'jax', jax.__version__, 'optax', optax.__version__, 'numpy', numpy.__version__, jax.devices())" | tee -a "$OUT/device.txt"
+python3 -m pytest tests parity_tests -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -40
+python3 -m xopt parity adamw --device cuda --backends torch,oracle,original --quiet \
+  --json "$OUT/parity_cuda.json" 2>&1 | tee "$OUT/parity_cuda.txt" | tail -30

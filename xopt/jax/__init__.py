@@ -1,0 +1,23 @@
+"""The JAX backend: xopt's optimizers as optax gradient transformations.
+
+Importing this package imports jax and optax (``import xopt`` alone imports neither).
+
+>>> import optax, xopt.jax
+>>> tx = xopt.jax.adamw(1e-3, weight_decay=1e-4)      # bitwise optax.adamw's arithmetic
+>>> state = tx.init(params)
+>>> updates, state = tx.update(grads, state, params)
+>>> params = optax.apply_updates(params, updates)
+
+Note: ``xopt.jax.adamw`` is the *function* (as ``xopt.jax.adamw:adamw`` in the spec
+registry); the module that defines it is ``sys.modules["xopt.jax.adamw"]``, reached with
+``importlib.import_module("xopt.jax.adamw")``.
+"""
+
+from __future__ import annotations
+
+# Eager on purpose: once the submodule xopt.jax.adamw is imported, Python sets the package
+# attribute `adamw` to the module; binding the function here, after that import, is what
+# makes `from xopt.jax import adamw` reliably the function.
+from xopt.jax.adamw import AdamWState, adamw
+
+__all__ = ["AdamWState", "adamw"]
