@@ -38,13 +38,28 @@ def test_all_backends_agree_with_the_golden_traces(golden_report):
     assert {r.mode for r in golden_report.runs} == {"teacher_forced", "closed_loop"}
 
 
+def _same_environment_as_recorder(trace_name: str) -> bool:
+    """This process runs the library versions the trace was recorded with, on the CPU."""
+    import jax
+    import torch
+
+    from xopt.parity import load_trace
+
+    (path,) = [p for p in TRACES if trace_name.endswith(p.stem)]
+    versions = load_trace(path).manifest["source"]["versions"]
+    return (versions["torch"] == torch.__version__ and versions["jax"] == jax.__version__
+            and jax.default_backend() == "cpu")
+
+
 def test_each_library_reproduces_its_own_recording(golden_report):
-    # The traces were recorded on a CPU like this one, so the live library reproduces them
-    # exactly; if this fails the machine's arithmetic differs from the recorder's.
+    # Same library version on the same kind of CPU: the recording is reproduced exactly.
+    # Elsewhere (another torch/XLA build, or jax on a GPU) an ulp may differ, and the
+    # float32 tolerance applies (checked by the test above); the bitwise claims that hold
+    # on every machine are the live comparisons below.
     for r in golden_report.runs:
         own = (r.backend == "torch.optim.AdamW" and "torch_" in r.trace) or (
             r.backend == "optax.adamw" and "optax_" in r.trace)
-        if own:
+        if own and _same_environment_as_recorder(r.trace):
             assert r.max_abs_error == 0.0, (r.trace, r.backend, r.mode)
 
 
@@ -88,8 +103,11 @@ def test_oracle_sides_with_the_exact_arithmetic():
     assert run.oracle_agrees_with in {"backend", "against", "tie"}
 
 
-def test_golden_comparison_detects_a_one_ulp_corruption(tmp_path):
-    # The harness must be able to fail: flip one float32 ulp in one recorded output.
+def test_golden_comparison_detects_a_few_ulp_corruption(tmp_path):
+    # The harness must be able to fail. Move the largest element of one recorded output by
+    # 4 float32 ulps (at most 4.8e-7 relative): the tensor's error must grow past the
+    # machine's own float noise (at most ~2 ulps of that element) while staying inside the
+    # 1e-6 tolerance; a 1e-4 relative corruption must be a divergence at that step/tensor.
     import json
 
     import numpy as np
@@ -97,18 +115,21 @@ def test_golden_comparison_detects_a_one_ulp_corruption(tmp_path):
     from xopt.parity import load_trace, write_trace
 
     t = load_trace(TORCH_TRACES[0])
-    arrays = {k: t.array(k).copy() for k in t.keys()}
-    key = "step_0012/param/mlp/0/weight"
-    arrays[key].view(np.uint32)[3, 4] += 1
-    path = write_trace(tmp_path / "corrupt.json", json.loads(json.dumps(t.manifest)), arrays)
-    report = run_parity("adamw", [path], backends=["torch"], against="golden",
-                        modes=["teacher_forced"])
-    (run,) = report.runs
-    assert run.max_abs_error > 0 and run.worst[:2] == (12, "param/mlp/0/weight")
-    # One ulp is within the stated float32 tolerance, so the verdict stays "agree" ...
+    key, where = "step_0012/param/mlp/0/weight", (12, "param/mlp/0/weight")
+
+    def run_on(arrays):
+        path = write_trace(tmp_path / "case.json", json.loads(json.dumps(t.manifest)), arrays)
+        return run_parity("adamw", [path], backends=["torch"], modes=["teacher_forced"])
+
+    clean = {k: t.array(k).copy() for k in t.keys()}
+    baseline = run_on(clean).runs[0].per_step[12]["param/mlp/0/weight"].abs
+    idx = np.unravel_index(np.abs(clean[key]).argmax(), clean[key].shape)
+    nudged = {k: v.copy() for k, v in clean.items()}
+    nudged[key].view(np.uint32)[idx] += 4
+    (run,) = run_on(nudged).runs
+    assert run.per_step[12]["param/mlp/0/weight"].abs > baseline
     assert run.agrees
-    # ... but a 1e-4 relative corruption is not.
-    arrays[key][3, 4] *= 1 + 1e-4
-    path = write_trace(tmp_path / "corrupt.json", json.loads(json.dumps(t.manifest)), arrays)
-    report = run_parity("adamw", [path], backends=["torch"], modes=["teacher_forced"])
-    assert report.verdict == "diverge" and report.runs[0].worst[:2] == (12, "param/mlp/0/weight")
+    corrupt = {k: v.copy() for k, v in clean.items()}
+    corrupt[key][idx] *= 1 + 1e-4
+    report = run_on(corrupt)
+    assert report.verdict == "diverge" and report.runs[0].worst[:2] == where

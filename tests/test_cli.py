@@ -86,8 +86,17 @@ def test_default_run_prints_the_table():
     out = xopt("parity", "adamw", "--backends", "torch,oracle,original", "--mode", "teacher",
                "--steps", "3", "--quiet")
     assert out.returncode == 0, out.stdout + out.stderr
-    for name in ("xopt.torch", "oracle", "torch.optim.AdamW", "agree (bitwise)"):
+    for name in ("xopt.torch", "oracle", "torch.optim.AdamW", "verdict: agree"):
         assert name in out.stdout
+
+
+@pytest.mark.skipif(not has_torch, reason="needs torch")
+def test_against_the_live_original_is_bitwise():
+    out = xopt("parity", "adamw", "--trace", TRACE, "--backends", "torch", "--against",
+               "original", "--quiet")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line for line in out.stdout.splitlines() if "xopt.torch" in line]
+    assert len(rows) == 2 and all("torch.optim.AdamW" in r and "bitwise" in r for r in rows)
 
 
 def test_methods_lists_adamw():
