@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 
+from xopt._atomic import atomic_path
 from xopt.errors import XoptError
 from xopt.parity.harness import Report
 
@@ -51,23 +51,12 @@ def table(report: Report) -> str:
     return "\n".join(out)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def write_json(report: Report, path: str | os.PathLike[str]) -> Path:
     """Write the report (atomically). Non-finite errors are written as JSON's
     ``Infinity``/``NaN`` extensions, which Python's json reads back."""
     path = Path(path)
-    _atomic_write(path, (json.dumps(report.to_json(), indent=1) + "\n").encode())
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        f.write(json.dumps(report.to_json(), indent=1) + "\n")
     return path
 
 
@@ -100,13 +89,9 @@ def write_plot(report: Report, path: str | os.PathLike[str]) -> Path:
         ax.set_title(f"{report.method}: {mode.replace('_', '-')}")
         ax.legend(fontsize=6, loc="best")
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent or ".")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path

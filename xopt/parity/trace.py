@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from xopt._atomic import atomic_path
 from xopt.errors import TraceError
 
 TRACE_FORMAT = "xopt-trace/1"
@@ -232,28 +232,13 @@ def write_trace(path: str | os.PathLike[str], manifest: Mapping[str, Any],
     missing = [k for k in _REQUIRED_MANIFEST_KEYS if k not in manifest]
     if missing:
         raise TraceError(f"{path}: manifest lacks key(s) {', '.join(missing)}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    npz_tmp = _tmp_path(path.with_suffix(".npz"))
-    json_tmp = _tmp_path(path)
-    try:
+    # Both files are complete before either is renamed; the inner one (the npz) is renamed
+    # first, so a reader that finds the new manifest finds the arrays it describes.
+    with atomic_path(path) as json_tmp, atomic_path(path.with_suffix(".npz")) as npz_tmp:
         with open(npz_tmp, "wb") as f:
             np.savez_compressed(f, **{k: np.asarray(v) for k, v in arrays.items()})
         with open(json_tmp, "w") as f:
             json.dump(manifest, f, indent=1)
             f.write("\n")
-        os.replace(npz_tmp, path.with_suffix(".npz"))
-        os.replace(json_tmp, path)
-    finally:
-        for tmp in (npz_tmp, json_tmp):
-            if os.path.exists(tmp):
-                os.unlink(tmp)
     return path
 
-
-def _tmp_path(final: Path) -> str:
-    fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(name, 0o666 & ~umask)  # mkstemp's 0600 would survive the rename
-    return name
