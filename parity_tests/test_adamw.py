@@ -64,20 +64,13 @@ def test_each_library_reproduces_its_own_recording(golden_report):
 
 
 @pytest.mark.parametrize("mode", ["teacher_forced", "closed_loop"])
-def test_xopt_torch_is_torch_optim_bit_for_bit(mode):
-    report = run_parity("adamw", TORCH_TRACES, backends=["torch"], against="original",
-                        modes=[mode])
-    assert report.runs and all(r.against == "torch.optim.AdamW" for r in report.runs)
-    for r in report.runs:
-        assert r.tolerance.rel == 0 and r.tolerance.abs == 0
-        assert r.max_abs_error == 0.0, (r.trace, r.worst)
-
-
-@pytest.mark.parametrize("mode", ["teacher_forced", "closed_loop"])
-def test_xopt_jax_is_optax_bit_for_bit(mode):
-    report = run_parity("adamw", OPTAX_TRACES, backends=["jax"], against="original",
-                        modes=[mode])
-    assert report.runs and all(r.against == "optax.adamw" for r in report.runs)
+@pytest.mark.parametrize("backend,traces,original", [
+    ("torch", TORCH_TRACES, "torch.optim.AdamW"),
+    ("jax", OPTAX_TRACES, "optax.adamw"),
+], ids=["xopt.torch=torch.optim", "xopt.jax=optax"])
+def test_xopt_is_its_library_bit_for_bit(backend, traces, original, mode):
+    report = run_parity("adamw", traces, backends=[backend], against="original", modes=[mode])
+    assert report.runs and all(r.against == original for r in report.runs)
     for r in report.runs:
         assert r.tolerance.rel == 0 and r.tolerance.abs == 0
         assert r.max_abs_error == 0.0, (r.trace, r.worst)

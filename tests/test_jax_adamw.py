@@ -19,6 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import xopt.jax  # noqa: E402
 from xopt.errors import HyperparameterError  # noqa: E402
+from xopt.parity.runners import flatten_with_paths  # noqa: E402
 from xopt.specs import adamw as spec  # noqa: E402
 
 STEPS = 20
@@ -46,22 +47,9 @@ def _nest(flat: dict) -> dict:
     return out
 
 
-def _flatten(tree, prefix: str = "") -> dict:
-    """A pytree as ``{"a/b/0/c": leaf}``: dict keys, attribute names and indices joined."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        parts = []
-        for k in path:
-            if isinstance(k, jax.tree_util.DictKey):
-                parts.append(str(k.key))
-            elif isinstance(k, jax.tree_util.GetAttrKey):
-                parts.append(k.name)
-            elif isinstance(k, jax.tree_util.SequenceKey):
-                parts.append(str(k.idx))
-            else:  # pragma: no cover
-                raise TypeError(k)
-        out[prefix + "/".join(parts)] = leaf
-    return out
+def _flatten(tree) -> dict:
+    """A pytree as ``{"a/b/0/c": leaf}`` (the harness's naming of pytree paths)."""
+    return flatten_with_paths(tree)
 
 
 def make_params(rng: np.random.Generator, dtype=jnp.float32) -> dict:
@@ -337,6 +325,14 @@ def test_state_layout():
 # -- against the float64 oracle ----------------------------------------------------------------
 
 
+def _start(hp: spec.AdamW):
+    """A jitted update of ``xopt.jax.adamw(spec=hp)``, the seeded generator, params, state."""
+    tx = xopt.jax.adamw(spec=hp)
+    rng = np.random.default_rng(SEED)
+    params = make_params(rng)
+    return jax.jit(tx.update), rng, params, tx.init(params)
+
+
 def _rel_err(a, b, floor: float = 0.0) -> float:
     """``max|a-b| / max(max|b|, floor)``: the spec's relative error of one tensor."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -358,11 +354,7 @@ ORACLE_CASES = {
 def test_teacher_forced_vs_float64_oracle(case):
     """One step from our float32 state, cast to float64, through ``spec.step`` under NumPy."""
     hp = optax_hp(**ORACLE_CASES[case])
-    tx = xopt.jax.adamw(spec=hp)
-    update = jax.jit(tx.update)
-    rng = np.random.default_rng(SEED)
-    params = make_params(rng)
-    state = tx.init(params)
+    update, rng, params, state = _start(hp)
     tol = spec.TOLERANCES["teacher_forced"].rel
     worst = 0.0
     for step in range(STEPS):
@@ -412,15 +404,11 @@ def test_torch_formula_vs_torch_optim(opts):
     apply_updates computes p + (p_new - p), which rounds (by up to an ulp of p); (2) torch
     computes the bias corrections 1 - β^t, the step size lr / (1 - β₁^t) and √(1 - β₂^t) in
     double precision from a Python float step, we in float32 from the int32 count (XLA has
-    no float64 here without jax_enable_x64).
+    no float64 here without jax_enable_x64), as −expm1(t·log1p(β − 1)), a few ulp from it.
     """
     torch = pytest.importorskip("torch")
     hp = spec.AdamW(**{**spec.PRESETS["torch"], **opts})
-    tx = xopt.jax.adamw(spec=hp)
-    update = jax.jit(tx.update)
-    rng = np.random.default_rng(SEED)
-    params = make_params(rng)
-    state = tx.init(params)
+    update, rng, params, state = _start(hp)
     tol = spec.TOLERANCES["teacher_forced"].rel
     for step in range(STEPS):
         grads = make_grads(rng, params)

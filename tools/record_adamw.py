@@ -28,6 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from xopt.parity.runners import flatten_with_paths  # noqa: E402  (path naming only)
 from xopt.parity.trace import step_prefix, write_trace  # noqa: E402
 
 STEPS = 30
@@ -132,9 +133,7 @@ def record_optax(kwargs):
         params, state = update(params, state, grads)
         for k, p in params.items():
             arrays[f"{pre}/param/{k}"] = np.asarray(p)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-            key = "/".join(str(getattr(e, "name", getattr(e, "key", getattr(e, "idx", e))))
-                           for e in path)
+        for key, leaf in flatten_with_paths(state).items():
             arrays[f"{pre}/state/{key}"] = np.asarray(leaf)
     return arrays
 

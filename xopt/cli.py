@@ -70,10 +70,9 @@ def _progress_factory(enabled: bool) -> Callable[[int], Callable[[], None]]:
 def _parity(args: argparse.Namespace) -> int:
     from xopt import specs
     from xopt.parity import bundled_traces
-    from xopt.parity.harness import AGAINST, BACKENDS, MODES, run_parity
+    from xopt.parity.harness import MODES, run_parity
     from xopt.parity.report import table, write_json, write_plot
 
-    del AGAINST, BACKENDS
     specs.get(args.method)  # unknown method: exit 2 before anything else
     traces = args.trace or [str(p) for p in bundled_traces(args.method)]
     if not traces:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from xopt.errors import HyperparameterError, NonFiniteError
-from xopt.specs import adamw as spec
+from xopt.specs import adamw as adamw_spec
 
 __all__ = ["AdamW"]
 
@@ -83,7 +83,7 @@ class AdamW(torch.optim.Optimizer):
         formula: str | None = None,
         bias_correction_dtype: str | None = None,
         preset: str = "torch",
-        spec: spec.AdamW | None = None,
+        spec: adamw_spec.AdamW | None = None,
         state_dtype: torch.dtype | None = None,
         check_finite: bool = False,
     ) -> None:
@@ -104,7 +104,7 @@ class AdamW(torch.optim.Optimizer):
                 )
             hp = spec
         else:
-            hp = SPEC_MAKE(preset, given)
+            hp = adamw_spec.SPEC.make(preset, **given)
         defaults = _group_from_spec(hp)
         self.state_dtype = state_dtype
         self.check_finite = check_finite
@@ -122,7 +122,7 @@ class AdamW(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         for group in self.param_groups:
-            for k, v in _group_from_spec(spec.AdamW()).items():
+            for k, v in _group_from_spec(adamw_spec.AdamW()).items():
                 group.setdefault(k, v)
 
     def _param_name(self, group: dict[str, Any], i: int, gi: int) -> str:
@@ -192,10 +192,10 @@ class AdamW(torch.optim.Optimizer):
         g_c = g if g.dtype == sdt else g.to(sdt)
         v_max = state.get("max_exp_avg_sq") if kw["amsgrad"] else None
         if formula == "torch":
-            new_p, m, v, v_max = spec.update_torch(
+            new_p, m, v, v_max = adamw_spec.update_torch(
                 p_c, g_c, state["exp_avg"], state["exp_avg_sq"], v_max, count, xp=torch, **kw)
         else:
-            new_p, m, v, v_max = spec.update_optax(
+            new_p, m, v, v_max = adamw_spec.update_optax(
                 p_c, g_c, state["exp_avg"], state["exp_avg_sq"], v_max, int(count),
                 nesterov=nesterov, xp=torch, **kw)
         p.copy_(new_p)
@@ -205,20 +205,15 @@ class AdamW(torch.optim.Optimizer):
             state["max_exp_avg_sq"].copy_(v_max)
 
 
-def SPEC_MAKE(preset: str, given: dict[str, Any]) -> spec.AdamW:
-    """The spec from a preset plus the given fields (errors name the field)."""
-    return spec.SPEC.make(preset, **given)
-
-
-def _group_from_spec(hp: spec.AdamW) -> dict[str, Any]:
+def _group_from_spec(hp: adamw_spec.AdamW) -> dict[str, Any]:
     """torch.optim-style group defaults: ``betas`` as a pair, the other spec fields as is."""
     group = {k: getattr(hp, k) for k in _FIELDS}
     group["betas"] = (hp.b1, hp.b2)
     return group
 
 
-def _spec_from_group(group: dict[str, Any]) -> spec.AdamW:
+def _spec_from_group(group: dict[str, Any]) -> adamw_spec.AdamW:
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise HyperparameterError(f"AdamW.betas = {betas!r}: must be a pair (b1, b2)")
-    return spec.AdamW(b1=betas[0], b2=betas[1], **{k: group[k] for k in _FIELDS})
+    return adamw_spec.AdamW(b1=betas[0], b2=betas[1], **{k: group[k] for k in _FIELDS})
