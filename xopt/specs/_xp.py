@@ -71,3 +71,73 @@ def addcdiv(xp: ModuleType, x: Any, t1: Any, t2: Any, value: float) -> Any:
 def is_static_zero(x: Any) -> bool:
     """True when ``x`` is a Python number equal to zero (never true for a traced value)."""
     return isinstance(x, (int, float)) and x == 0
+
+
+# -- reductions and elementwise ops under their per-namespace names --------------------------
+# torch spells ``axis``/``keepdims`` as ``dim``/``keepdim`` and reduces over *every* axis when
+# given ``dim=()``; the helpers below take NumPy's spelling and treat an empty ``axes`` as "no
+# reduction", which is what NumPy and jax.numpy do and what the learned optimizers rely on
+# for 0-d parameters (PyLO's torch port does not, which is one of its departures).
+
+
+def mean(xp: ModuleType, x: Any, axes: tuple[int, ...], keepdims: bool = False) -> Any:
+    """Mean over ``axes`` (an empty tuple reduces nothing and returns ``x``)."""
+    axes = tuple(axes)
+    if not axes:
+        return x
+    if is_torch(xp):
+        return x.mean(dim=axes, keepdim=keepdims)
+    return xp.mean(x, axis=axes, keepdims=keepdims)
+
+
+def amax(xp: ModuleType, x: Any, axis: int, keepdims: bool = False) -> Any:
+    if is_torch(xp):
+        return x.amax(dim=axis, keepdim=keepdims)
+    return xp.max(x, axis=axis, keepdims=keepdims)
+
+
+def rsqrt(xp: ModuleType, x: Any) -> Any:
+    """``1/sqrt(x)``: ``torch.rsqrt``, ``jax.lax.rsqrt``, or written out under NumPy."""
+    if is_torch(xp):
+        return xp.rsqrt(x)
+    if xp.__name__.startswith("jax"):
+        import jax
+
+        return jax.lax.rsqrt(x)
+    return 1.0 / xp.sqrt(x)
+
+
+def clip(xp: ModuleType, x: Any, lo: Any, hi: Any) -> Any:
+    if is_torch(xp):
+        return xp.clamp(x, lo, hi)
+    return xp.clip(x, lo, hi)
+
+
+def expand_dims(xp: ModuleType, x: Any, axis: int) -> Any:
+    if is_torch(xp):
+        return x.unsqueeze(axis)
+    return xp.expand_dims(x, axis)
+
+
+def concat(xp: ModuleType, xs: list[Any], axis: int = -1) -> Any:
+    if is_torch(xp):
+        return xp.cat(xs, dim=axis)
+    return xp.concatenate(xs, axis=axis)
+
+
+def relu(xp: ModuleType, x: Any) -> Any:
+    """``max(x, 0)`` (``jax.nn.relu``'s definition)."""
+    if is_torch(xp):
+        return xp.relu(x)
+    return xp.maximum(x, 0)
+
+
+def sigmoid(xp: ModuleType, x: Any) -> Any:
+    """The logistic function: ``torch.sigmoid``, ``jax.nn.sigmoid``, or ``1/(1+exp(-x))``."""
+    if is_torch(xp):
+        return xp.sigmoid(x)
+    if xp.__name__.startswith("jax"):
+        import jax
+
+        return jax.nn.sigmoid(x)
+    return 1.0 / (1.0 + xp.exp(-x))
