@@ -13,7 +13,8 @@ MANIFEST = json.loads((DATA / "MANIFEST.json").read_text())
 
 
 def test_manifest_lists_exactly_the_bundled_files():
-    on_disk = {p.relative_to(DATA).as_posix() for p in DATA.glob("*/*.*")}
+    on_disk = {p.relative_to(DATA).as_posix() for p in DATA.rglob("*.*")
+               if p.name != "MANIFEST.json"}
     assert on_disk == set(MANIFEST["files"])
 
 

@@ -25,6 +25,10 @@ SHARED = ROOT.parent / "shared/parity"
 #: golden cases copied from ../shared/parity, as "<method>/<case>"
 SHARED_CASES = [
     "galore/adamw_left_r4_gap5",
+    # one case per learned optimizer (the repository cannot carry all 37 MB of them);
+    # parity_tests/ runs every case from ../shared when it is present
+    "small_fc_lopt/pylo_sizes_perturbed_seed0",
+    "velo/perturbed_seed0",
 ]
 #: cases recorded by xopt's own tools from the original libraries
 RECORDED = {"adamw": "tools/record_adamw.py"}
@@ -34,13 +38,23 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def meta_files(case: str) -> list[str]:
+    """The learned-optimizer weight files a shared case names (``meta/<name>.npz``)."""
+    manifest = json.loads((SHARED / f"{case}.json").read_text())
+    method = case.split("/", 1)[0]
+    rels = [manifest.get("meta_params_file"), manifest.get("meta_params", {}).get("base_file")]
+    return [f"{method}/{r}" for r in rels if r]
+
+
 def build_manifest() -> dict:
     files = {}
-    for path in sorted(DATA.glob("*/*.*")):
+    shared_meta = {m for case in SHARED_CASES for m in meta_files(case)} if SHARED.is_dir() \
+        else set()
+    for path in sorted(p for p in DATA.rglob("*.*") if p.name != "MANIFEST.json"):
         rel = path.relative_to(DATA).as_posix()
         method, name = rel.split("/", 1)
         case = name.rsplit(".", 1)[0]
-        if f"{method}/{case}" in SHARED_CASES:
+        if f"{method}/{case}" in SHARED_CASES or rel in shared_meta:
             origin = f"shared/parity/{rel}"
         elif method in RECORDED:
             origin = RECORDED[method]
@@ -60,11 +74,10 @@ def main(argv: list[str]) -> int:
     if not SHARED.is_dir():
         raise SystemExit(f"{SHARED} not found: run from a checkout with ../shared beside it")
     for case in SHARED_CASES:
-        for suffix in (".json", ".npz"):
-            src = SHARED / f"{case}{suffix}"
-            dst = DATA / f"{case}{suffix}"
+        for rel in [f"{case}.json", f"{case}.npz", *meta_files(case)]:
+            dst = DATA / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dst)
+            shutil.copyfile(SHARED / rel, dst)
     (DATA / "MANIFEST.json").write_text(json.dumps(build_manifest(), indent=1) + "\n")
     print(f"bundled {len(SHARED_CASES)} shared case(s); manifest: {DATA / 'MANIFEST.json'}")
     return 0

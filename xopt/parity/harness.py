@@ -51,6 +51,16 @@ def available(modules: Sequence[str]) -> bool:
     return all(importlib.util.find_spec(m) is not None for m in modules)
 
 
+def trace_hyperparameters(trace: Trace) -> dict[str, Any]:
+    """The manifest's hyperparameters (the original's names), with the learned optimizers'
+    horizon (``num_training_steps``, given at init rather than to the constructor) added
+    where the trace records one."""
+    kwargs = dict(trace.hyperparameters)
+    if trace.num_training_steps is not None:
+        kwargs.setdefault("num_training_steps", trace.num_training_steps)
+    return kwargs
+
+
 def original_of(spec: MethodSpec, trace: Trace) -> Original:
     """The original implementation that recorded ``trace`` (from ``source.object``)."""
     obj = trace.source_object
@@ -188,14 +198,22 @@ def _versions() -> dict[str, str]:
 
 
 def make_runner(spec: MethodSpec, hp: Hyperparams, names: list[str], which: str, *,
-                impl: str = "plain", device: str = "cpu") -> Runner:
-    """A runner for ``which``: "torch", "jax", "oracle", or an original's name."""
+                impl: str = "plain", device: str = "cpu",
+                meta: dict[str, np.ndarray] | None = None) -> Runner:
+    """A runner for ``which``: "torch", "jax", "oracle", or an original's name.
+
+    ``meta``: a learned optimizer's weights in the original's naming (a trace's
+    ``meta_params_file``), handed to every implementation.
+    """
+    if spec.meta is not None and meta is None:
+        raise BadRequest(f"{spec.name} needs meta-parameters (the trace names none)")
     if which == "oracle":
-        return OracleRunner(spec, hp, names)
+        return OracleRunner(spec, hp, names, meta=meta)
+    extra = {} if spec.meta is None else {"meta_params": meta}
     if which in ("torch", "jax"):
         factory = load_object(spec.implementations[which])
         if which == "torch":
-            kwargs = {} if impl == "plain" else {"impl": impl}
+            kwargs = dict(extra) if impl == "plain" else {"impl": impl, **extra}
             r: Runner = TorchRunner(
                 spec, hp, names, label="xopt.torch", naming=spec.naming_of["torch"],
                 factory=lambda ps: factory(ps, spec=hp, **kwargs), device=device,
@@ -203,15 +221,22 @@ def make_runner(spec: MethodSpec, hp: Hyperparams, names: list[str], which: str,
             r.impl = impl
             return r
         return OptaxRunner(spec, hp, names, label="xopt.jax", naming=spec.naming_of["jax"],
-                           factory=lambda: factory(spec=hp), pass_loss=spec.takes_loss)
+                           factory=lambda: factory(spec=hp, **extra),
+                           pass_loss=spec.takes_loss)
     o = spec.original(which)
     ctor = load_object(o.factory)
     kwargs = o.to_kwargs(hp)
+    naming = o.naming_for(hp)
+    if o.backend == "learned_optimization":
+        from xopt.parity.originals.learned_optimization import LearnedOptimizationRunner
+
+        return LearnedOptimizationRunner(spec, hp, names, label=o.name, naming=naming,
+                                         driver=ctor(meta, **kwargs))
     if o.backend == "torch":
-        return TorchRunner(spec, hp, names, label=o.name, naming=o.naming,
+        return TorchRunner(spec, hp, names, label=o.name, naming=naming,
                            factory=lambda ps: ctor(ps, **kwargs), device=device,
                            pass_loss=spec.takes_loss)
-    return OptaxRunner(spec, hp, names, label=o.name, naming=o.naming,
+    return OptaxRunner(spec, hp, names, label=o.name, naming=naming,
                        factory=lambda: ctor(**kwargs), pass_loss=spec.takes_loss)
 
 
@@ -314,7 +339,7 @@ def run_parity(method: str, traces: Sequence[str | Trace], *,
             raise TraceError(f"{trace.path}: trace is for method {trace.method!r}, not {method!r}")
         origin = original_of(spec, trace)
         try:
-            hp = origin.from_kwargs(trace.hyperparameters)
+            hp = origin.from_kwargs(trace_hyperparameters(trace))
         except HyperparameterError as e:
             raise HyperparameterError(f"{trace.path}: hyperparameters: {e}") from e
         steps = trace.steps if max_steps is None else min(max_steps, trace.steps)
@@ -330,25 +355,31 @@ def run_parity(method: str, traces: Sequence[str | Trace], *,
             if not available(_REQUIRES[against]):
                 raise BadRequest(f"--against {against} needs {', '.join(_REQUIRES[against])}")
             reference = against
+        naming = origin.naming_for(hp)
         for t in range(-1, steps):  # every recorded state, checked before any run starts
-            trace_state(trace, spec, hp, origin.naming, t)
-        jobs.append((trace, origin, hp, steps, selected, reference))
+            trace_state(trace, spec, hp, naming, t)
+        meta = trace.meta_params() if spec.meta is not None else None
+        if meta is not None:
+            spec.meta.coerce(meta, hp)  # names and shapes checked before any run starts
+        jobs.append((trace, origin, hp, steps, selected, reference, meta))
 
     total = sum(len(set(sel) | ({ref} - {"golden"}) | {"oracle"}) * steps * len(modes)
-                for _, _, _, steps, sel, ref in jobs)
+                for _, _, _, steps, sel, ref, _ in jobs)
     tick = progress(total) if progress else (lambda: None)
     runs: list[Run] = []
-    for trace, origin, hp, steps, selected, reference in jobs:
+    for trace, origin, hp, steps, selected, reference, meta in jobs:
         names = list(trace.params)
+        naming = origin.naming_for(hp)
         needed = list(dict.fromkeys([*selected, "oracle",
                                      *([reference] if reference != "golden" else [])]))
         for mode in modes:
             outputs: dict[str, list[Step]] = {}
             for which in needed:
-                runner = make_runner(spec, hp, names, which, impl=impl, device=device)
-                outputs[_label(which)] = _drive(runner, trace, spec, hp, origin.naming, mode,
+                runner = make_runner(spec, hp, names, which, impl=impl, device=device,
+                                     meta=meta)
+                outputs[_label(which)] = _drive(runner, trace, spec, hp, naming, mode,
                                                 steps, tick)
-            outputs["golden"] = golden_steps(trace, spec, hp, origin.naming, steps)
+            outputs["golden"] = golden_steps(trace, spec, hp, naming, steps)
             ref_label = _label(reference)
             for which in selected:
                 label = _label(which)

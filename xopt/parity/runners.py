@@ -55,17 +55,29 @@ class OracleRunner(Runner):
     label = "oracle"
     backend = "oracle"
 
+    def __init__(self, spec: MethodSpec, hp: Hyperparams, param_names: list[str], *,
+                 meta: Mapping[str, np.ndarray] | None = None) -> None:
+        super().__init__(spec, hp, param_names)
+        # θ in xopt's naming, float64 (the learned optimizers' weights, where the method has)
+        self.extra = {}
+        if spec.meta is not None:
+            if meta is None:
+                raise ValueError(f"{spec.name}: the oracle needs meta-parameters")
+            theta = spec.meta.coerce(meta, hp)
+            self.extra = {"meta": {k: _to_f64(v) for k, v in theta.items()}}
+
     def reset(self, params: Arrays, state: Arrays | None) -> None:
         self.params = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()}
         if state is None:
-            self.state = self.spec.init_state(self.hp, self.params, xp=np, dtype=np.float64)
+            self.state = self.spec.init_state(self.hp, self.params, xp=np, dtype=np.float64,
+                                              **self.extra)
         else:
             self.state = {k: _to_f64(v) for k, v in state.items()}
 
     def step(self, grads: Arrays, loss: float | None) -> None:
         g = {k: np.asarray(grads[k], dtype=np.float64) for k in self.param_names}
         self.params, self.state = self.spec.step(self.hp, self.params, self.state, g, xp=np,
-                                                 loss=loss)
+                                                 loss=loss, **self.extra)
 
     def read(self) -> tuple[Arrays, Arrays]:
         return dict(self.params), {k: np.asarray(v) for k, v in self.state.items()}
@@ -102,12 +114,19 @@ class TorchRunner(Runner):
         self.opt = self.factory(self.params)
         if state is not None:
             flat = self.spec.state.from_canonical(self.naming, state, self.param_names, self.hp)
+            claimed: set[str] = set()
             for name, p in zip(self.param_names, self.params, strict=True):
                 prefix = f"{name}/"
-                self.opt.state[p] = {
-                    k[len(prefix):]: self._tensor(v) for k, v in flat.items()
-                    if k.startswith(prefix) and "/" not in k[len(prefix):]
-                }
+                mine = {k: v for k, v in flat.items()
+                        if k.startswith(prefix) and "/" not in k[len(prefix):]}
+                self.opt.state[p] = {k[len(prefix):]: self._tensor(v) for k, v in mine.items()}
+                claimed.update(mine)
+            # what no parameter claims is global state: "<key>/<var>" lives in
+            # optimizer.state[<key>][<var>] (xopt's learned optimizers keep "global")
+            for k, v in flat.items():
+                if k not in claimed:
+                    top, _, var = k.partition("/")
+                    self.opt.state.setdefault(top, {})[var] = self._tensor(v)
 
     def step(self, grads: Arrays, loss: float | None) -> None:
         for name, p in zip(self.param_names, self.params, strict=True):
@@ -123,11 +142,23 @@ class TorchRunner(Runner):
         flat = {}
         for name, p in zip(self.param_names, self.params, strict=True):
             for k, v in self.opt.state[p].items():
-                flat[f"{name}/{k}"] = v.detach().cpu().numpy().copy() if hasattr(v, "detach") \
-                    else np.asarray(v)
+                flat[f"{name}/{k}"] = _numpy(v)
+        for top, entries in self.opt.state.items():
+            if isinstance(top, str):
+                for k, v in entries.items():
+                    flat[f"{top}/{k}"] = _numpy(v)
         state = self.spec.state.to_canonical(self.naming, flat, self.param_names, self.hp,
                                              where=self.label)
         return params, state
+
+
+def _numpy(v: Any) -> np.ndarray:
+    if hasattr(v, "detach"):
+        v = v.detach().cpu()
+        if str(v.dtype) == "torch.bfloat16":
+            v = v.float()
+        return v.numpy().copy()
+    return np.asarray(v)
 
 
 def flatten_with_paths(tree: Any) -> dict[str, Any]:

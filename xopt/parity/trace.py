@@ -86,6 +86,30 @@ class Trace:
         return f"{self.method}/{self.case}"
 
     @property
+    def num_training_steps(self) -> int | None:
+        """The horizon a learned optimizer was given at init, where the trace records one."""
+        n = self.manifest.get("num_training_steps")
+        return None if n is None else int(n)
+
+    def meta_params(self) -> dict[str, np.ndarray] | None:
+        """The learned optimizer's weights (``meta_params_file``), in the original's naming.
+
+        A file with ``meta_params.base_file`` holds overrides only; the leaves it lacks come
+        from the base file. Each file's SHA-256 is checked against the manifest. None for
+        traces of methods without meta-parameters.
+        """
+        rel = self.manifest.get("meta_params_file")
+        if rel is None:
+            return None
+        info = self.manifest.get("meta_params", {})
+        theta: dict[str, np.ndarray] = {}
+        base = info.get("base_file")
+        if base is not None:
+            theta.update(_read_meta(self.path.parent / base, info.get("base_sha256")))
+        theta.update(_read_meta(self.path.parent / rel, info.get("sha256")))
+        return theta
+
+    @property
     def npz_path(self) -> Path:
         return self.path.with_suffix(".npz")
 
@@ -136,6 +160,22 @@ class Trace:
 
     def close(self) -> None:
         self._npz.close()
+
+
+def _read_meta(path: Path, sha256: str | None) -> dict[str, np.ndarray]:
+    import hashlib
+
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise TraceError(f"{path}: meta-parameter file unreadable ({e})") from e
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise TraceError(f"{path}: SHA-256 does not match the manifest's {sha256}")
+    try:
+        with np.load(path) as z:
+            return {k: z[k] for k in z.files}
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+        raise TraceError(f"{path}: meta-parameter file unreadable ({e})") from e
 
 
 def _fail(path: Path, msg: str) -> TraceError:

@@ -18,12 +18,13 @@ import pkgutil
 
 from xopt.errors import UnknownMethodError
 from xopt.specs._hyperparams import Hyperparams, Interval, hp
-from xopt.specs._method import MethodSpec, Original, Tolerance
+from xopt.specs._method import MetaParams, MethodSpec, Original, Tolerance
 from xopt.specs._state import Naming, StateSchema, StateVar
 
 __all__ = [
     "Hyperparams",
     "Interval",
+    "MetaParams",
     "MethodSpec",
     "Naming",
     "Original",

@@ -34,9 +34,11 @@ class Original:
     Attributes:
       name: how reports name it (``"torch.optim.AdamW"``); also the ``source.object`` of
         traces it recorded.
-      backend: ``"torch"`` or ``"jax"``: which runner drives it.
+      backend: ``"torch"``, ``"jax"`` (an optax transformation) or ``"learned_optimization"``
+        (a learned_optimization ``Optimizer``: ``init``/``update``/``get_params``).
       factory: ``"module:attr"`` of the constructor (``"torch.optim:AdamW"``).
-      naming: key of :attr:`StateSchema.namings` for its state layout.
+      naming: key of :attr:`StateSchema.namings` for its state layout, or a function of the
+        hyperparameters giving it (prefab's layout depends on whether it accumulates).
       preset: the spec preset that reproduces it.
       to_kwargs: spec hyperparameters -> the original's constructor arguments; raises
         :class:`HyperparameterError` for settings the original cannot express.
@@ -46,13 +48,39 @@ class Original:
     """
 
     name: str
-    backend: Literal["torch", "jax"]
+    backend: Literal["torch", "jax", "learned_optimization"]
     factory: str
-    naming: str
+    naming: str | Callable[[Hyperparams], str]
     preset: str
     to_kwargs: Callable[[Hyperparams], dict[str, Any]]
     from_kwargs: Callable[[Mapping[str, Any]], Hyperparams]
     requires: tuple[str, ...] = ()
+
+    def naming_for(self, hp: Hyperparams) -> str:
+        return self.naming(hp) if callable(self.naming) else self.naming
+
+
+@dataclasses.dataclass(frozen=True)
+class MetaParams:
+    """A learned optimizer's own weights (θ): their names, shapes and the original's names.
+
+    xopt names θ's arrays canonically (``mlp/w0``, ``lstm/gates/w``); the original's names
+    are its pytree paths joined by ``/`` (``nn/~/w0``, ``rnn_params/rnn/linear/w``), as in
+    the golden traces' ``meta/`` files.
+
+    Attributes:
+      shapes: ``hp -> {canonical name: shape}``.
+      from_original: ``(θ in the original's naming, hp) -> θ canonical``; strict.
+      to_original: the inverse; strict.
+      init: ``(hp, seed) -> θ canonical``: a seeded random init (same bits everywhere).
+      coerce: ``(θ in either naming, hp) -> θ canonical``.
+    """
+
+    shapes: Callable[[Hyperparams], dict[str, tuple[int, ...]]]
+    from_original: Callable[[Mapping[str, Any], Hyperparams], dict[str, Any]]
+    to_original: Callable[[Mapping[str, Any], Hyperparams], dict[str, Any]]
+    init: Callable[[Hyperparams, int], dict[str, Any]]
+    coerce: Callable[[Mapping[str, Any], Hyperparams], dict[str, Any]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +121,8 @@ class MethodSpec:
         for bit (same arithmetic, same machine) under these hyperparameters.
       takes_loss: the optimizer consumes the loss (``step(loss=...)``, ``value=loss``).
       impls: implementations of the torch backend (``"plain"``, ``"triton"``).
+      meta: the learned optimizer's weights, for methods that have them (else None): the
+        harness hands them to every runner (``meta_params=``) and to ``step(meta=...)``.
     """
 
     name: str
@@ -109,6 +139,7 @@ class MethodSpec:
     bitwise: Callable[[Hyperparams], frozenset[tuple[str, str]]] = lambda hp: frozenset()
     takes_loss: bool = False
     impls: tuple[str, ...] = ("plain",)
+    meta: MetaParams | None = None
 
     def make(self, preset: str | None = None, **overrides: Any) -> Hyperparams:
         """Hyperparameters from a preset (or the class defaults) with overrides applied."""

@@ -69,6 +69,10 @@ class Naming:
     keys: Mapping[str, str]
     dtypes: Mapping[str, str] = dataclasses.field(default_factory=dict)
     doc: str = ""
+    #: per-parameter variables this implementation stores as one array whose rows follow
+    #: the parameter order (learned_optimization's stacked LSTM state); their template has
+    #: no ``{param}``
+    stacked: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +142,18 @@ class StateSchema:
             template = nm.keys.get(v.name)
             if template is None:
                 raise StateError(f"naming {naming!r} has no key for state variable {v.name!r}")
-            if v.scope == "param":
+            if v.scope == "param" and v.name in nm.stacked:
+                if template not in flat:
+                    raise StateError(f"{where}: missing {template!r} (state {v.name!r})")
+                rows = np.asarray(flat[template])
+                if rows.ndim < 1 or rows.shape[0] != len(param_names):
+                    raise StateError(
+                        f"{where}: {template!r} has shape {rows.shape}; expected one row per "
+                        f"parameter ({len(param_names)} rows)")
+                for i, p in enumerate(param_names):
+                    out[f"{v.name}/{p}"] = rows[i]
+                used.add(template)
+            elif v.scope == "param":
                 for p in param_names:
                     key = template.format(param=p)
                     if key not in flat:
@@ -181,7 +196,10 @@ class StateSchema:
         for v in self.active(hp):
             template = nm.keys[v.name]
             dtype = nm.dtypes.get(v.name)
-            if v.scope == "param":
+            if v.scope == "param" and v.name in nm.stacked:
+                arr = np.stack([np.asarray(state[f"{v.name}/{p}"]) for p in param_names])
+                out[template] = arr.astype(dtype) if dtype else arr
+            elif v.scope == "param":
                 for p in param_names:
                     arr = np.asarray(state[f"{v.name}/{p}"])
                     out[template.format(param=p)] = arr.astype(dtype) if dtype else arr

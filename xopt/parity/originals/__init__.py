@@ -1,0 +1,1 @@
+"""Adapters that run methods' original implementations live (each imported on use)."""
