@@ -33,3 +33,7 @@ class StateError(XoptError, ValueError):
 
 class NonFiniteError(XoptError, FloatingPointError):
     """A gradient holds NaN or inf (raised only when the opt-in finiteness check is on)."""
+
+
+class MetaParamsError(XoptError, ValueError):
+    """Learned-optimizer weights (meta-parameters) have a missing, extra or misshaped key."""

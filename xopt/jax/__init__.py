@@ -19,5 +19,7 @@ from __future__ import annotations
 # attribute `adamw` to the module; binding the function here, after that import, is what
 # makes `from xopt.jax import adamw` reliably the function.
 from xopt.jax.adamw import AdamWState, adamw
+from xopt.jax.small_fc_lopt import small_fc_lopt
+from xopt.jax.velo import VeLOState, velo
 
-__all__ = ["AdamWState", "adamw"]
+__all__ = ["AdamWState", "VeLOState", "adamw", "small_fc_lopt", "velo"]

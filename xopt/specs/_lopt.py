@@ -125,3 +125,294 @@ def second_moment_normalizer(xp: ModuleType, x: Any, axes: tuple[int, ...],
                              eps: float = 1e-5) -> Any:
     """``x * rsqrt(eps + mean(x², axes))`` (channels on the last axis are kept apart)."""
     return x * _xp.rsqrt(xp, eps + _xp.mean(xp, xp.square(x), axes, keepdims=True))
+
+
+# == Shared by every learned optimizer: options, meta-parameter plumbing, the outer step =====
+#
+# (Appended section. Everything above is the per-tensor accumulator math; everything below
+# is the bookkeeping that learned_optimization's ``research/general_lopt/prefab.py`` wraps
+# around a learned optimizer, and the handling of meta-parameters, which small_fc_lopt and
+# VeLO share.)
+
+import dataclasses  # noqa: E402
+from collections.abc import Callable, Mapping  # noqa: E402
+
+from xopt.errors import HyperparameterError, MetaParamsError  # noqa: E402
+from xopt.specs._hyperparams import NONNEGATIVE, Hyperparams, Interval, hp  # noqa: E402
+
+_AT_LEAST_ONE = Interval(1, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class LOptOptions(Hyperparams):
+    """Options every xopt learned optimizer takes (a base of the methods' dataclasses).
+
+    They reproduce learned_optimization's ``prefab.LearnedOptimizer`` wrappers, which nest as
+    ``WeightDecayWrapper(GradientAccumulator(lopt))``:
+
+    * ``num_training_steps`` (n): the horizon the learned optimizer is told. Required by the
+      optimizers (a ``None`` here is an error when an optimizer is built, naming the field);
+      the dataclass accepts ``None`` so that defaults can be listed.
+    * ``max_training_steps`` (M): when n > M, ``num_average = ceil(n / M)`` gradients and
+      losses are summed and the learned optimizer runs every ``num_average``-th call on
+      their averages (``sum · (1/num_average)``: XLA's rewrite of the division by a
+      constant in the jitted original), with inner horizon
+      ``n // num_average`` (prefab's ``GradientAccumulator``). Otherwise every call is an
+      inner update with horizon n.
+    * ``weight_decay`` (λ) with ``weight_decay_mode``:
+        - ``"coupled"`` (prefab's ``WeightDecayWrapper``, applied at *every* call, outside
+          the accumulator): ``g ← g + λ·p`` and ``loss ← loss + Σ_leaves(Σ(p²)·λ)``, the
+          sum taken in parameter order as Python's ``sum`` (starting from 0);
+        - ``"decoupled"`` (xopt's): the learned step is computed from the undecayed
+          parameter and ``p ← p − (lr·step + (lr·λ)·p)``; on accumulation calls that run no
+          inner update ``p ← p − (lr·λ)·p``.
+      λ = 0 does nothing in either mode (prefab only wraps when λ > 0).
+    * ``lr``: multiplies the learned step: ``p ← p − lr·step``. The originals have no such
+      factor; lr = 1 is bit for bit the original (``lr·step`` is then exactly ``step``).
+    """
+
+    num_training_steps: int | None = hp(
+        None, doc="training horizon n told to the learned optimizer (required)",
+        interval=_AT_LEAST_ONE)
+    lr: float = hp(1.0, doc="multiplier of the learned step (1: the original)",
+                   interval=NONNEGATIVE)
+    weight_decay: float = hp(0.0, doc="weight decay λ (see weight_decay_mode)",
+                             interval=NONNEGATIVE)
+    weight_decay_mode: str = hp(
+        "coupled", doc="'coupled': prefab's g+λp and loss+λΣp²; 'decoupled': p -= lr·λ·p",
+        choices=("coupled", "decoupled"))
+    max_training_steps: int = hp(
+        150_000, doc="longest horizon run directly; longer ones accumulate gradients (prefab)",
+        interval=_AT_LEAST_ONE)
+
+    def _check_combinations(self) -> None:
+        n = self.num_training_steps
+        if n is not None and not isinstance(n, bool):
+            try:
+                integral = float(n) == int(n)
+            except Exception:  # a traced value: cannot be checked
+                integral = True
+            if not integral:
+                raise self._fail("num_training_steps", n, "must be an integer")
+
+    # -- derived quantities ---------------------------------------------------------------
+    def require_num_training_steps(self, where: str) -> int:
+        """``num_training_steps`` as an int; a ``HyperparameterError`` naming it if unset."""
+        if self.num_training_steps is None:
+            raise HyperparameterError(
+                f"{where}: num_training_steps is required (the training horizon the learned "
+                f"optimizer is told, e.g. num_training_steps=10_000); got None"
+            )
+        return int(self.num_training_steps)
+
+    @property
+    def accumulating(self) -> bool:
+        """Whether gradients are accumulated (n > max_training_steps)."""
+        n = self.num_training_steps
+        return n is not None and int(n) > int(self.max_training_steps)
+
+    @property
+    def num_average(self) -> int:
+        """Calls per inner update: ``ceil(n / M)`` when accumulating, else 1."""
+        if not self.accumulating:
+            return 1
+        n, m = int(self.num_training_steps), int(self.max_training_steps)
+        return -(-n // m)  # integer ceil (prefab: int(onp.ceil(n / m)); equal for n < 2**52)
+
+    @property
+    def inner_num_steps(self) -> int:
+        """The horizon the inner learned optimizer sees: ``n // num_average``."""
+        return self.require_num_training_steps(type(self).__name__) // self.num_average
+
+    @property
+    def decoupled_decay(self) -> bool:
+        return self.weight_decay_mode == "decoupled" and not _xp.is_static_zero(self.weight_decay)
+
+    @property
+    def coupled_decay(self) -> bool:
+        return self.weight_decay_mode == "coupled" and not _xp.is_static_zero(self.weight_decay)
+
+
+# -- meta-parameters ----------------------------------------------------------------------------
+
+
+def _shape_of(x: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in np.shape(x))
+
+
+def _is_real_floating(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        dtype = np.asarray(x).dtype
+    if type(x).__module__.startswith("torch"):
+        return bool(x.is_floating_point())
+    try:
+        return bool(np.issubdtype(np.dtype(dtype), np.floating))
+    except TypeError:  # e.g. jax's bfloat16 reads as a NumPy extension dtype
+        return "float" in str(dtype)
+
+
+def check_meta(theta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
+               where: str) -> None:
+    """Strict check of meta-parameters against ``{key: shape}``.
+
+    Raises :class:`MetaParamsError` naming every missing key, every unexpected key, or the
+    first misshaped or non-floating array.
+    """
+    if not isinstance(theta, Mapping):
+        raise MetaParamsError(f"{where}: meta-parameters must be a mapping of arrays, "
+                              f"got {type(theta).__name__}")
+    missing = [k for k in shapes if k not in theta]
+    extra = sorted(k for k in theta if k not in shapes)
+    if missing:
+        raise MetaParamsError(f"{where}: missing meta-parameter(s) {', '.join(missing)}")
+    if extra:
+        raise MetaParamsError(f"{where}: unexpected meta-parameter(s) {', '.join(extra)}; "
+                              f"expected {', '.join(shapes)}")
+    for k, shape in shapes.items():
+        got = _shape_of(theta[k])
+        if got != tuple(shape):
+            raise MetaParamsError(f"{where}: meta-parameter {k!r} has shape {got}, "
+                                  f"expected {tuple(shape)}")
+        if not _is_real_floating(theta[k]):
+            raise MetaParamsError(f"{where}: meta-parameter {k!r} has dtype "
+                                  f"{getattr(theta[k], 'dtype', type(theta[k]).__name__)}, "
+                                  f"expected a real floating dtype")
+
+
+def rename_meta(theta: Mapping[str, Any], mapping: Mapping[str, str],
+                shapes: Mapping[str, tuple[int, ...]], where: str) -> dict[str, Any]:
+    """``{mapping[k]: theta[k]}`` after checking ``theta`` strictly against ``shapes`` (keyed
+    in ``theta``'s naming). Values are passed through unchanged."""
+    check_meta(theta, shapes, where)
+    return {mapping[k]: theta[k] for k in shapes}
+
+
+def coerce_meta_namings(theta: Mapping[str, Any], xopt_shapes: Mapping[str, tuple[int, ...]],
+                        xopt_to_original: Mapping[str, str], where: str) -> dict[str, Any]:
+    """Meta-parameters in xopt's naming from either naming, detected from the keys.
+
+    The naming is xopt's if any key is one of xopt's, the original's if any key is one of
+    the original's; keys of both, or of neither, are an error. Then the check is strict.
+    """
+    if not isinstance(theta, Mapping):
+        raise MetaParamsError(f"{where}: meta-parameters must be a mapping of arrays, "
+                              f"got {type(theta).__name__}")
+    original_to_xopt = {v: k for k, v in xopt_to_original.items()}
+    is_xopt = any(k in xopt_shapes for k in theta)
+    is_original = any(k in original_to_xopt for k in theta)
+    if is_xopt and is_original:
+        ours = ", ".join(k for k in theta if k in xopt_shapes)
+        theirs = ", ".join(k for k in theta if k in original_to_xopt)
+        raise MetaParamsError(f"{where}: meta-parameters mix xopt names ({ours}) and original "
+                              f"names ({theirs})")
+    if is_original:
+        orig_shapes = {xopt_to_original[k]: s for k, s in xopt_shapes.items()}
+        return rename_meta(theta, original_to_xopt, orig_shapes, where + " (original naming)")
+    if not is_xopt and theta:
+        raise MetaParamsError(
+            f"{where}: no known meta-parameter name among {', '.join(sorted(theta))}; expected "
+            f"xopt's ({', '.join(xopt_shapes)}) or the original's "
+            f"({', '.join(xopt_to_original.values())})")
+    check_meta(theta, xopt_shapes, where)
+    return {k: theta[k] for k in xopt_shapes}
+
+
+def truncated_normal(seed: int, shape: tuple[int, ...], stddev: float, *, backend: str = "numpy",
+                     rounds: int = 8) -> Any:
+    """``stddev · z`` with ``z`` standard normal truncated to ``[-2, 2]``, float32, the same
+    bits under every ``xopt.random`` backend.
+
+    As haiku's ``TruncatedNormal(stddev)`` in distribution (no variance correction): ``z`` is
+    the first of ``rounds`` independent draws (``xopt.random.normal`` at successive counters)
+    with ``|z| <= 2``, and the last draw clipped to ``[-2, 2]`` if all ``rounds`` fall
+    outside (probability 0.0455**rounds). ``stddev`` is rounded to float32 first.
+    """
+    from xopt import random as xr
+
+    shape = tuple(int(s) for s in shape)
+    per = xr.blocks_used(shape, "float32")
+    draws = [xr.normal(seed, shape, counter=r * per, dtype="float32", backend=backend)
+             for r in range(rounds)]
+    xp = _xp.namespace(draws[0])
+    z = _xp.clip(xp, draws[-1], -2.0, 2.0)
+    for d in reversed(draws[:-1]):
+        z = xp.where(abs(d) <= 2.0, d, z)
+    return z * float(np.float32(stddev))  # a weak scalar: an exact float32 product everywhere
+
+
+# -- the whole outer step as a pure function (the oracle's definition) ------------------------
+
+InnerStep = Callable[[dict[str, Any], Any, dict[str, Any]], tuple[dict[str, Any], dict[str, Any]]]
+
+
+def apply_step(p: Any, step: Any | None, lr: Any, weight_decay: Any, decoupled: bool) -> Any:
+    """The parameter after a call: ``p − lr·step`` (``step`` None: no inner update this call),
+    with decoupled decay ``p − (lr·step + (lr·λ)·p)`` (resp. ``p − (lr·λ)·p``)."""
+    decay = decoupled and not _xp.is_static_zero(weight_decay)
+    if step is None:
+        return p - (lr * weight_decay) * p if decay else p
+    u = lr * step
+    if decay:
+        u = u + (lr * weight_decay) * p
+    return p - u
+
+
+def coupled_decay(xp: ModuleType, params: Mapping[str, Any], grads: Mapping[str, Any],
+                  loss: Any, weight_decay: Any) -> tuple[dict[str, Any], Any]:
+    """prefab's ``WeightDecayWrapper``: ``g + λp`` per leaf and ``loss + Σ(Σ(p²)·λ)`` with the
+    outer sum in parameter order starting from 0 (Python's ``sum``)."""
+    new_grads = {k: grads[k] + weight_decay * params[k] for k in grads}
+    total: Any = 0
+    for p in params.values():
+        total = total + xp.sum(p ** 2) * weight_decay
+    return new_grads, loss + total
+
+
+def outer_step(hp: LOptOptions, params: Mapping[str, Any], state: Mapping[str, Any],
+               grads: Mapping[str, Any], *, xp: ModuleType, loss: Any,
+               inner: InnerStep) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One call of a learned optimizer with prefab's wrappers, on canonical dicts, pure.
+
+    ``inner(grads, loss, state) -> (steps, state)`` is the learned optimizer proper: it sees
+    the gradients after coupled weight decay and accumulation, the canonical state (all
+    keys), reads ``state["iteration"]`` (inner updates taken so far), and returns the step
+    of every parameter (``p ← p − lr·step``) and its updated state; ``iteration`` is
+    advanced here. A missing ``loss`` counts as 0. Canonical keys used here:
+    ``iteration``, and when accumulating ``grad_accum/<p>``, ``loss_accum``,
+    ``accum_iteration``.
+    """
+    names = list(params)
+    state = dict(state)
+    if loss is None:
+        loss = 0.0
+    g = {k: grads[k] for k in names}
+    if hp.coupled_decay:
+        g, loss = coupled_decay(xp, params, g, loss, hp.weight_decay)
+    steps: dict[str, Any] | None
+    if hp.accumulating:
+        n = hp.num_average
+        acc = {k: state[f"grad_accum/{k}"] + g[k] for k in names}
+        loss_acc = state["loss_accum"] + loss
+        it = state["accum_iteration"] + 1
+        state["accum_iteration"] = it
+        if int(it) % n == 0:
+            # the original runs under jit, where XLA turns the division by the constant n
+            # into a product with its float32 reciprocal: the same here
+            inv = 1.0 / n
+            steps, state = inner({k: acc[k] * inv for k in names}, loss_acc * inv, state)
+            state["iteration"] = state["iteration"] + 1
+            acc = {k: xp.zeros_like(acc[k]) for k in names}
+            loss_acc = xp.zeros_like(loss_acc)
+        else:
+            steps = None
+        for k in names:
+            state[f"grad_accum/{k}"] = acc[k]
+        state["loss_accum"] = loss_acc
+    else:
+        steps, state = inner(g, loss, state)
+        state["iteration"] = state["iteration"] + 1
+    new_params = {k: apply_step(params[k], None if steps is None else steps[k], hp.lr,
+                                hp.weight_decay, hp.decoupled_decay) for k in names}
+    return new_params, state
+

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"AdamW": "xopt.torch.adamw"}
+_EXPORTS = {"AdamW": "xopt.torch.adamw", "SmallFCLOpt": "xopt.torch.small_fc_lopt",
+            "VeLO": "xopt.torch.velo"}
 
 __all__ = sorted(_EXPORTS)
 

@@ -1,0 +1,244 @@
+"""The base of xopt's learned optimizers in JAX: an optax transformation around a method.
+
+:func:`learned_optimizer` turns an :class:`InnerMethod` (the learned update proper: state
+init and one update on a pytree) into an ``optax.GradientTransformationExtraArgs`` that
+does what learned_optimization's ``prefab`` wrappers do around it (the arithmetic is
+:func:`xopt.specs._lopt.outer_step`'s; see :class:`xopt.specs._lopt.LOptOptions`):
+
+* the loss through ``update(..., value=loss)``;
+* coupled weight decay (prefab's ``WeightDecayWrapper``: ``g + λp``, ``loss + Σλ·Σp²``) or
+  decoupled decay;
+* gradient accumulation (prefab's ``GradientAccumulator``) when
+  ``num_training_steps > max_training_steps``, with ``lax.cond`` so that it jits;
+* the learning rate (a float or an optax schedule of the call count) multiplying the step;
+  ``updates = −(lr·step)`` (decoupled: ``−(lr·step + (lr·λ)·p)``), so that
+  ``optax.apply_updates`` gives the original's ``p − step`` bit for bit at lr = 1;
+* parameters of any float dtype (float32 math; updates in ``promote(dtype, float32)``);
+* ``check_finite``: a gradient or loss holding NaN/inf raises
+  :class:`xopt.errors.NonFiniteError` naming the leaf; under ``jit`` it is raised from a
+  ``jax.debug.callback`` and surfaces as a ``JaxRuntimeError`` carrying that message.
+
+The state is :class:`LOptState`; the method's own state sits in ``inner``. Its flattened
+paths (``xopt.parity.runners.flatten_with_paths``) are ``iteration``, ``num_steps``,
+``inner/...`` and, when accumulating, ``accum/grad_accum/<param>``, ``accum/loss_accum``,
+``accum/iteration``.
+
+Method contract (:class:`InnerMethod`): ``init(params)`` returns the method's state for a
+params pytree (its per-parameter arrays as pytrees of the params' structure, float32);
+``update(params, grads, loss, iteration, inner)`` receives float32 params and gradients
+(after coupled decay and accumulation-averaging), the float32 loss (0-d), the int32 inner
+iteration t (before this update) and the method state, and returns ``(steps, inner)``
+with ``steps`` a float32 pytree like params (``p ← p − lr·step``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from xopt.errors import HyperparameterError, NonFiniteError
+from xopt.specs._lopt import LOptOptions
+
+__all__ = ["AccumState", "InnerMethod", "LOptState", "learned_optimizer"]
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
+
+
+class AccumState(NamedTuple):
+    """prefab's ``GradientAccumulator`` state.
+
+    Attributes:
+      grad_accum: float32 pytree like the params: gradients summed since the last update.
+      loss_accum: float32 ``()``: losses summed since the last update.
+      iteration: int32 ``()``: calls taken (the original's int64 reads int32 without x64).
+    """
+
+    grad_accum: Any
+    loss_accum: jax.Array
+    iteration: jax.Array
+
+
+class LOptState(NamedTuple):
+    """State of a learned optimizer built by :func:`learned_optimizer`.
+
+    Attributes:
+      iteration: int32 ``()``: inner updates taken (the learned optimizer's t).
+      num_steps: int32 ``()``: the inner horizon ``n // num_average``.
+      inner: the method's state (e.g. :class:`xopt.jax.small_fc_lopt.SmallFCState`).
+      accum: :class:`AccumState` when accumulating, else None.
+    """
+
+    iteration: jax.Array
+    num_steps: jax.Array
+    inner: Any
+    accum: AccumState | None
+
+
+class InnerMethod(Protocol):
+    """A learned optimizer proper (see the module docstring)."""
+
+    def init(self, params: Any) -> Any: ...
+
+    def update(self, params: Any, grads: Any, loss: jax.Array, iteration: jax.Array,
+               inner: Any) -> tuple[Any, Any]: ...
+
+
+def _path_names(tree: Any) -> list[str]:
+    return [jax.tree_util.keystr(path) or "<root>"
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _is_one(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == 1
+
+
+def _is_zero(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == 0
+
+
+def _wide(dtype: Any) -> Any:
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _raise_nonfinite(label: str, names: list[str], flags: Any) -> None:
+    flags = np.asarray(flags)
+    if flags.all():
+        return
+    k = int(np.argmin(flags))
+    if k == len(names):
+        raise NonFiniteError(f"{label}: the loss holds NaN or inf; no parameter was updated")
+    raise NonFiniteError(f"{label}: gradient of {names[k]} holds NaN or inf; no parameter "
+                         "was updated")
+
+
+def learned_optimizer(method: InnerMethod, hp: LOptOptions, *,
+                      learning_rate: float | Callable[[jax.Array], jax.Array] | None = None,
+                      check_finite: bool = False, needs_loss: bool = False,
+                      label: str = "xopt.jax learned optimizer",
+                      ) -> optax.GradientTransformationExtraArgs:
+    """The optax transformation of ``method`` with prefab's wrappers (module docstring).
+
+    Args:
+      method: the learned update (:class:`InnerMethod`).
+      hp: the method's hyperparameters (an :class:`~xopt.specs._lopt.LOptOptions`);
+        ``num_training_steps`` must be set.
+      learning_rate: a number or an optax schedule of the call count (counted before this
+        call); default ``hp.lr``.
+      check_finite: check every gradient and the loss (see the module docstring).
+      needs_loss: ``update`` without ``value=`` is an error (else a missing loss is 0).
+      label: how errors name the optimizer.
+    """
+    hp.require_num_training_steps(label)
+    lr_arg = hp.lr if learning_rate is None else learning_rate
+    schedule = lr_arg if callable(lr_arg) else None
+    n_avg = hp.num_average
+    inner_steps = hp.inner_num_steps
+    wd = hp.weight_decay
+    coupled, decoupled = hp.coupled_decay, hp.decoupled_decay
+
+    def init_fn(params: Any) -> LOptState:
+        leaves = jax.tree.leaves(params)
+        for name, x in zip(_path_names(params), leaves, strict=True):
+            if jnp.result_type(x) not in SUPPORTED_DTYPES:
+                raise HyperparameterError(
+                    f"{label}: parameter {name} (shape {tuple(jnp.shape(x))}) has dtype "
+                    f"{jnp.result_type(x)}; supported: float32, float64, bfloat16, float16")
+        inner = method.init(params)
+        accum = None
+        if hp.accumulating:
+            accum = AccumState(
+                grad_accum=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params),
+                loss_accum=jnp.zeros((), jnp.float32), iteration=jnp.zeros((), jnp.int32))
+        return LOptState(iteration=jnp.zeros((), jnp.int32),
+                         num_steps=jnp.asarray(inner_steps, jnp.int32), inner=inner,
+                         accum=accum)
+
+    def update_fn(updates: Any, state: LOptState, params: Any = None, *, value: Any = None,
+                  **extra_args: Any) -> tuple[Any, LOptState]:
+        del extra_args
+        if params is None:
+            raise ValueError(f"{label}: update(updates, state, params) needs `params`: the "
+                             "learned optimizer reads the parameters")
+        if value is None and needs_loss:
+            raise ValueError(f"{label}: update needs the loss: update(grads, state, params, "
+                             "value=loss)")
+        loss = jnp.zeros((), jnp.float32) if value is None else \
+            jnp.asarray(value, jnp.float32).reshape(())
+        g_leaves, treedef = jax.tree.flatten(updates)
+        p_leaves = treedef.flatten_up_to(params)
+        if check_finite:
+            names = _path_names(updates)
+            flags = jnp.stack([jnp.all(jnp.isfinite(g)) for g in g_leaves]
+                              + ([jnp.isfinite(loss)] if value is not None else []))
+            if isinstance(flags, jax.core.Tracer):
+                jax.debug.callback(lambda f: _raise_nonfinite(label, names, f), flags)
+            else:
+                _raise_nonfinite(label, names, flags)
+
+        count = state.accum.iteration if hp.accumulating else state.iteration
+        lr = schedule(count) if schedule is not None else lr_arg
+
+        p32 = [p.astype(jnp.float32) for p in p_leaves]
+        g32 = [g.astype(jnp.float32) for g in g_leaves]
+        if coupled:
+            g32 = [g + wd * p for g, p in zip(g32, p32, strict=True)]
+            total: Any = 0
+            for p in p32:
+                total = total + jnp.sum(p ** 2) * wd
+            loss = loss + total
+
+        def to_updates(steps: list[Any] | None) -> list[Any]:
+            out = []
+            for i, p in enumerate(p_leaves):
+                wide = _wide(p.dtype)
+                pw = p.astype(wide)
+                if steps is None:
+                    out.append(-((lr * wd) * pw) if decoupled else jnp.zeros_like(pw))
+                    continue
+                u = steps[i].astype(wide)
+                if not _is_one(lr):
+                    u = lr * u
+                if decoupled:
+                    u = u + (lr * wd) * pw
+                out.append(-u)
+            return out
+
+        def inner_update(grads32: list[Any], loss_: Any) -> tuple[list[Any], Any]:
+            steps, inner = method.update(treedef.unflatten(p32), treedef.unflatten(grads32),
+                                         loss_, state.iteration, state.inner)
+            return treedef.flatten_up_to(steps), inner
+
+        if not hp.accumulating:
+            steps, inner = inner_update(g32, loss)
+            new_state = LOptState(iteration=state.iteration + 1, num_steps=state.num_steps,
+                                  inner=inner, accum=None)
+            return treedef.unflatten(to_updates(steps)), new_state
+
+        acc = [a + g for a, g in
+               zip(treedef.flatten_up_to(state.accum.grad_accum), g32, strict=True)]
+        loss_acc = state.accum.loss_accum + loss
+        calls = state.accum.iteration + 1
+
+        def do_update(_: Any) -> tuple:
+            inv = 1.0 / n_avg  # as XLA evaluates a division by a constant, jitted or not
+            steps, inner = inner_update([a * inv for a in acc], loss_acc * inv)
+            return (to_updates(steps), inner, state.iteration + 1,
+                    [jnp.zeros_like(a) for a in acc], jnp.zeros_like(loss_acc))
+
+        def accumulate_only(_: Any) -> tuple:
+            return to_updates(None), state.inner, state.iteration, acc, loss_acc
+
+        u, inner, iteration, acc, loss_acc = jax.lax.cond(calls % n_avg == 0, do_update,
+                                                          accumulate_only, None)
+        new_state = LOptState(
+            iteration=iteration, num_steps=state.num_steps, inner=inner,
+            accum=AccumState(grad_accum=treedef.unflatten(acc), loss_accum=loss_acc,
+                             iteration=calls))
+        return treedef.unflatten(u), new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,471 @@
+"""The base of xopt's learned optimizers in PyTorch: everything that is not the method.
+
+:class:`LearnedOptimizer` is a ``torch.optim.Optimizer`` that does, for any learned
+optimizer, what learned_optimization's ``prefab`` wrappers and a good torch optimizer do
+around the learned update itself (see :class:`xopt.specs._lopt.LOptOptions` for the
+arithmetic, which :func:`xopt.specs._lopt.outer_step` defines as a pure function):
+
+* the loss, from ``step(closure)`` or ``step(loss=...)``;
+* coupled weight decay (prefab's ``WeightDecayWrapper``) or decoupled decay;
+* gradient accumulation when ``num_training_steps > max_training_steps`` (prefab's
+  ``GradientAccumulator``), applied inside the weight decay as prefab nests them;
+* per-group ``lr`` (a multiplier of the learned step, driven by LR schedulers) and
+  ``weight_decay``;
+* bfloat16/float16/float32/float64 parameters with float32 state: the method computes in
+  float32 and the new parameter is computed in ``promote(param dtype, float32)`` and
+  rounded once into the parameter;
+* ``check_finite=True``: every gradient and the loss are checked before anything moves;
+* validation that names the parameter, hyperparameter or meta-parameter at fault and leaves
+  the optimizer unchanged;
+* meta-parameters: either naming, or a seeded fresh draw, kept as float32 tensors and
+  copied once to each device that needs them;
+* global state in ``self.state["global"]`` (a str key: torch's ``state_dict`` and
+  ``load_state_dict`` carry it unchanged), and a ``load_state_dict`` that restores the
+  float32 state of low-precision parameters exactly (torch would cast it to the
+  parameter's dtype).
+
+Subclass contract (what small_fc_lopt fills in and VeLO will):
+
+``hyperparams_cls`` (class attribute)
+    the method's :class:`~xopt.specs._lopt.LOptOptions` dataclass.
+``meta_spec`` (class attribute)
+    the spec's :class:`~xopt.specs.MetaParams` (``SPEC.meta``): ``coerce(θ, hp)`` (either
+    naming, strict) and ``init(hp, seed)`` (used when no θ is given).
+``needs_loss`` (class attribute, default False)
+    True: ``step`` without a loss is an error (VeLO). False: a missing loss counts as 0.
+``_init_param_state(self, p) -> dict[str, Tensor]`` (required)
+    the per-parameter state of ``p`` before its first update (float32, on ``p.device``);
+    the base adds ``grad_accum`` when accumulating. Called lazily, at the first ``step``
+    in which ``p`` has a gradient, after all validation.
+``_init_global_state(self) -> dict[str, Tensor]`` (optional)
+    the method's global state (e.g. small_fc's ``mom_t``/``rms_t``); the base adds
+    ``iteration`` (int32, inner updates taken), ``num_steps`` (int32, the inner horizon)
+    and, when accumulating, ``loss_accum`` (float32) and ``accum_iteration`` (int64).
+``_inner_update(self, entries, loss, gstate) -> None`` (required)
+    one update of the learned optimizer proper. ``entries`` is a list of :class:`Entry`
+    (one per parameter to update, in param-group order): ``e.grad`` is the float32
+    gradient *after* coupled weight decay and accumulation-averaging (computed on access,
+    so that extra memory stays at one tensor at a time: read it once per pass), ``e.p32``
+    the parameter as float32, ``e.state`` its state dict (replace or update its tensors),
+    ``e.name``, ``e.group``. ``loss`` is a float32 0-d tensor (after coupled decay and
+    averaging; 0 when none was given and ``needs_loss`` is False). ``gstate`` is
+    ``self.state["global"]``: read ``int(gstate["iteration"])`` (the inner iteration t,
+    before this update); advance the method's own counters there; the base advances
+    ``iteration`` afterwards. The hook may first pass over all entries (VeLO's per-tensor
+    LSTM needs every tensor's features before any step), then must call
+    ``self._apply_step(e, step)`` exactly once per entry, with ``step`` the float32 step of
+    ``e`` (``p ← p − lr·step``; the base applies lr and decoupled decay), and must not read
+    ``e.grad``/``e.p32`` of an entry after applying its step.
+
+Helpers for the hook: ``self.meta_on(device)`` (θ as float32 tensors on a device, xopt's
+naming), ``self.hp`` (the hyperparameters), ``self._apply_step(e, step)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import numbers
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from xopt.errors import HyperparameterError, MetaParamsError, NonFiniteError, StateError
+from xopt.specs._lopt import LOptOptions
+from xopt.specs._method import MetaParams
+
+__all__ = ["Entry", "LearnedOptimizer"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass
+class Entry:
+    """One parameter in an inner update (see the module docstring)."""
+
+    param: Tensor
+    state: dict[str, Any]
+    group: dict[str, Any]
+    name: str
+    index: tuple[int, int]
+    _grad: Callable[[], Tensor]
+
+    @property
+    def grad(self) -> Tensor:
+        """float32 gradient seen by the learned optimizer (computed on each access; may be
+        the parameter's own ``.grad``: do not modify it in place)."""
+        return self._grad()
+
+    @property
+    def p32(self) -> Tensor:
+        """The parameter as float32 (the parameter itself when it is float32)."""
+        p = self.param.detach()
+        return p if p.dtype == torch.float32 else p.float()
+
+
+def _meta_to_torch(meta: Mapping[str, Any], where: str) -> dict[str, Tensor]:
+    out = {}
+    for k, v in meta.items():
+        if isinstance(v, Tensor):
+            t = v.detach().to(device="cpu", dtype=torch.float32).clone()
+        else:
+            t = torch.from_numpy(np.array(v, dtype=np.float32, copy=True))
+        if not bool(torch.isfinite(t).all()):
+            raise MetaParamsError(f"{where}: meta-parameter {k!r} holds NaN or inf")
+        out[k] = t
+    return out
+
+
+class LearnedOptimizer(torch.optim.Optimizer):
+    """Base class of xopt's learned optimizers (see the module docstring for the hooks).
+
+    Args:
+      params: parameters or parameter groups; groups may set ``lr`` and ``weight_decay``.
+      meta_params: the learned optimizer's weights, a mapping of arrays (NumPy, torch, ...)
+        in xopt's or the original's naming; None draws ``meta_init(hp, seed)``.
+      spec: the method's hyperparameter dataclass instead of keywords.
+      seed: seed of the fresh meta-parameters when ``meta_params`` is None.
+      check_finite: raise :class:`NonFiniteError` (naming the parameter) before anything
+        moves when a gradient or the loss holds NaN or inf (synchronises the device).
+      **hyperparameters: fields of ``hyperparams_cls`` (a value None means "not given").
+    """
+
+    hyperparams_cls: ClassVar[type[LOptOptions]]
+    meta_spec: ClassVar[MetaParams]
+    needs_loss: ClassVar[bool] = False
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]],
+                 meta_params: Mapping[str, Any] | None = None, *, spec: LOptOptions | None = None,
+                 seed: int = 0, check_finite: bool = False, **hyperparameters: Any) -> None:
+        cls_name = type(self).__name__
+        given = {k: v for k, v in hyperparameters.items() if v is not None}
+        if spec is not None:
+            if not isinstance(spec, self.hyperparams_cls):
+                raise HyperparameterError(
+                    f"{cls_name}: spec must be a {self.hyperparams_cls.__module__}."
+                    f"{self.hyperparams_cls.__name__}, got {type(spec).__name__}")
+            if given:
+                raise HyperparameterError(
+                    f"{cls_name}: pass either spec= or hyperparameters, not both (got spec and "
+                    f"{', '.join(sorted(given))}); use spec.replace(...)")
+            hp = spec
+        else:
+            self.hyperparams_cls._reject_unknown(given)
+            hp = self.hyperparams_cls(**given)
+        hp.require_num_training_steps(cls_name)
+        self.hp = hp
+        self.check_finite = bool(check_finite)
+        where = f"{cls_name} meta_params"
+        if meta_params is None:
+            theta = self.meta_spec.init(hp, seed)
+        else:
+            theta = self.meta_spec.coerce(meta_params, hp)
+        self.meta = _meta_to_torch(theta, where)
+        self._meta_cache: dict[torch.device, dict[str, Tensor]] = {}
+        super().__init__(params, {"lr": hp.lr, "weight_decay": hp.weight_decay})
+        first = next(iter(self._all_params()), None)
+        self._device = first.device if first is not None else torch.device("cpu")
+        self.state["global"] = self._new_global_state()
+
+    # torch.optim.Optimizer pickles (and deep-copies) only defaults, state and param_groups
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(hp=self.hp, meta=self.meta, check_finite=self.check_finite,
+                     _device=self._device)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._meta_cache = {}
+
+    # -- hooks (see the module docstring) -------------------------------------------------
+    def _init_param_state(self, p: Tensor) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def _init_global_state(self) -> dict[str, Tensor]:
+        return {}
+
+    def _inner_update(self, entries: list[Entry], loss: Tensor, gstate: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    # -- helpers for subclasses -------------------------------------------------------------
+    def meta_on(self, device: torch.device) -> dict[str, Tensor]:
+        """The meta-parameters as float32 tensors on ``device`` (copied once per device)."""
+        device = torch.device(device)
+        if device not in self._meta_cache:
+            self._meta_cache[device] = {k: v.to(device) for k, v in self.meta.items()}
+        return self._meta_cache[device]
+
+    def _apply_step(self, e: Entry, step: Tensor) -> None:
+        """``p ← p − lr·step`` (decoupled decay: ``p ← p − (lr·step + (lr·λ)·p)``), in
+        ``promote(p.dtype, float32)``, rounded once into ``p``."""
+        p = e.param
+        lr, wd = e.group["lr"], e.group["weight_decay"]
+        decay = self.hp.weight_decay_mode == "decoupled" and not _is_zero(wd)
+        wide = torch.promote_types(p.dtype, torch.float32)
+        pw = p.detach() if p.dtype == wide else p.detach().to(wide)
+        u = step if step.dtype == wide else step.to(wide)
+        if not _is_one(lr):
+            u = lr * u
+        if decay:
+            u = u + (lr * wd) * pw
+        if p.dtype == wide:
+            p.detach().sub_(u)
+        else:
+            p.detach().copy_(pw - u)
+
+    def _decay_only(self, p: Tensor, group: dict[str, Any]) -> None:
+        """Decoupled decay on a call without an inner update: ``p ← p − (lr·λ)·p``."""
+        lr, wd = group["lr"], group["weight_decay"]
+        if self.hp.weight_decay_mode != "decoupled" or _is_zero(wd):
+            return
+        wide = torch.promote_types(p.dtype, torch.float32)
+        pw = p.detach() if p.dtype == wide else p.detach().to(wide)
+        p.detach().copy_(pw - (lr * wd) * pw)
+
+    # -- construction and validation --------------------------------------------------------
+    def _all_params(self) -> Iterable[Tensor]:
+        return itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+
+    def _param_name(self, group: dict[str, Any], i: int, gi: int) -> str:
+        names = group.get("param_names")
+        return names[i] if names else f"param_groups[{gi}]['params'][{i}]"
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
+        group = self.param_groups[-1]
+        try:
+            try:
+                self.hp.replace(lr=group["lr"], weight_decay=group["weight_decay"])
+            except HyperparameterError as e:
+                raise HyperparameterError(f"{type(self).__name__} param_groups[{gi}]: {e}") \
+                    from None
+            for i, p in enumerate(group["params"]):
+                if p.dtype not in SUPPORTED_DTYPES:
+                    raise HyperparameterError(
+                        f"{type(self).__name__}: parameter {self._param_name(group, i, gi)} "
+                        f"(shape {tuple(p.shape)}) has dtype {p.dtype}; supported: "
+                        f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+        except HyperparameterError:
+            self.param_groups.pop()
+            raise
+
+    def _new_global_state(self) -> dict[str, Tensor]:
+        g = {"iteration": torch.zeros((), dtype=torch.int32),
+             "num_steps": torch.tensor(self.hp.inner_num_steps, dtype=torch.int32)}
+        g.update(self._init_global_state())
+        if self.hp.accumulating:
+            g["loss_accum"] = torch.zeros((), dtype=torch.float32, device=self._device)
+            g["accum_iteration"] = torch.zeros((), dtype=torch.int64)
+        return g
+
+    def _new_param_state(self, p: Tensor) -> dict[str, Tensor]:
+        st = self._init_param_state(p)
+        if self.hp.accumulating:
+            st["grad_accum"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        return st
+
+    def _gather(self) -> list[tuple[int, int, Tensor, dict[str, Any]]]:
+        """Parameters with a gradient, validated (nothing has changed yet)."""
+        out = []
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                where = f"{type(self).__name__}: gradient of {self._param_name(group, i, gi)}"
+                if g.is_sparse:
+                    raise RuntimeError(f"{where}: sparse gradients are not supported")
+                if tuple(g.shape) != tuple(p.shape):
+                    raise ValueError(f"{where} has shape {tuple(g.shape)}, expected "
+                                     f"{tuple(p.shape)}")
+                if g.dtype not in SUPPORTED_DTYPES:
+                    raise ValueError(f"{where} has dtype {g.dtype}; supported: "
+                                     f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+                out.append((gi, i, p, group))
+        return out
+
+    def _loss_tensor(self, loss: Any) -> Tensor:
+        name = type(self).__name__
+        if loss is None:
+            if self.needs_loss:
+                raise ValueError(f"{name}.step needs the loss: call step(closure) with a closure "
+                                 "that returns it, or step(loss=loss)")
+            return torch.zeros((), dtype=torch.float32, device=self._device)
+        if isinstance(loss, Tensor):
+            if loss.numel() != 1 or loss.is_complex() or not (
+                    loss.is_floating_point() or loss.dtype in (torch.int32, torch.int64)):
+                raise ValueError(f"{name}.step: the loss must be a real scalar, got a tensor of "
+                                 f"shape {tuple(loss.shape)} and dtype {loss.dtype}")
+            return loss.detach().reshape(()).to(dtype=torch.float32)
+        arr = np.asarray(loss) if isinstance(loss, (numbers.Real, np.ndarray, np.generic)) \
+            else None
+        if arr is None or isinstance(loss, bool) or arr.size != 1 or not (
+                np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+            raise ValueError(f"{name}.step: the loss must be a real scalar, got "
+                             f"{type(loss).__name__}")
+        return torch.tensor(float(arr.reshape(())), dtype=torch.float32, device=self._device)
+
+    def _check_finite(self, items: list, loss: Tensor | None) -> None:
+        if not items and loss is None:
+            return
+        flags = [torch.isfinite(p.grad).all() for _, _, p, _ in items]
+        if loss is not None:
+            flags.append(torch.isfinite(loss).all().to(flags[0].device if flags else loss.device))
+        finite = torch.stack([f.to(flags[0].device) for f in flags])
+        if bool(finite.all()):
+            return
+        k = int((~finite).nonzero()[0, 0])
+        if k == len(items):
+            raise NonFiniteError(f"{type(self).__name__}: the loss is {float(loss)}; no "
+                                 "parameter was updated")
+        gi, i, p, group = items[k]
+        raise NonFiniteError(
+            f"{type(self).__name__}: gradient of {self._param_name(group, i, gi)} "
+            f"(shape {tuple(p.shape)}) holds NaN or inf; no parameter was updated")
+
+    # -- the step ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, *, loss: Any = None) -> Any:
+        """One call: ``closure`` re-evaluates the model and returns the loss, or pass
+        ``loss=`` (not both). Returns the loss given or computed."""
+        if closure is not None:
+            if loss is not None:
+                raise ValueError(f"{type(self).__name__}.step: pass the loss through the "
+                                 "closure or loss=, not both")
+            with torch.enable_grad():
+                loss = closure()
+        result = loss
+        items = self._gather()
+        loss_t = self._loss_tensor(loss)
+        if self.check_finite:
+            self._check_finite(items, None if loss is None else loss_t)
+        if not items:
+            return result
+        # -- from here on the state changes --
+        for _, _, p, _ in items:
+            if len(self.state[p]) == 0:
+                self.state[p] = self._new_param_state(p)
+        hp = self.hp
+        gstate = self.state["global"]
+        coupled = hp.weight_decay_mode == "coupled"
+        if coupled and any(not _is_zero(g["weight_decay"]) for g in self.param_groups):
+            total: Any = 0
+            for group in self.param_groups:
+                wd = group["weight_decay"]
+                if _is_zero(wd):
+                    continue
+                for p in group["params"]:
+                    total = total + (_f32(p) ** 2).sum() * wd
+            loss_t = loss_t + total
+
+        def decayed_grad(p: Tensor, group: dict[str, Any]) -> Callable[[], Tensor]:
+            wd = group["weight_decay"]
+            if coupled and not _is_zero(wd):
+                return lambda: _f32(p.grad) + wd * _f32(p)
+            return lambda: _f32(p.grad)
+
+        if not hp.accumulating:
+            entries = [Entry(p, self.state[p], group, self._param_name(group, i, gi), (gi, i),
+                             decayed_grad(p, group)) for gi, i, p, group in items]
+            self._inner_update(entries, loss_t, gstate)
+            gstate["iteration"] += 1
+            return result
+
+        n = hp.num_average
+        for _, _, p, group in items:
+            self.state[p]["grad_accum"].add_(decayed_grad(p, group)())
+        gstate["loss_accum"] = gstate["loss_accum"] + loss_t.to(gstate["loss_accum"].device)
+        gstate["accum_iteration"] += 1
+        if int(gstate["accum_iteration"]) % n != 0:
+            for _, _, p, group in items:
+                self._decay_only(p, group)
+            return result
+        inv = 1.0 / n  # as XLA evaluates the original's division by the constant n
+        entries = []
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                st = self.state.get(p)
+                if st and "grad_accum" in st:
+                    acc = st["grad_accum"]
+                    entries.append(Entry(p, st, group, self._param_name(group, i, gi), (gi, i),
+                                         lambda acc=acc: acc * inv))
+        self._inner_update(entries, gstate["loss_accum"] * inv, gstate)
+        gstate["iteration"] += 1
+        for e in entries:
+            e.state["grad_accum"].zero_()
+        gstate["loss_accum"] = torch.zeros_like(gstate["loss_accum"])
+        return result
+
+    # -- state dicts --------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, but the state keeps its saved dtypes (torch casts floating state to
+        the parameter's dtype, which would round the float32 state of bfloat16 parameters)
+        and is validated first (a missing, extra or misshaped entry is a
+        :class:`StateError` naming it; the optimizer is then left unchanged)."""
+        name = type(self).__name__
+        saved_state = state_dict.get("state", {})
+        saved_groups = state_dict.get("param_groups", [])
+        if len(saved_groups) != len(self.param_groups):
+            raise StateError(f"{name}.load_state_dict: {len(saved_groups)} param groups saved, "
+                             f"{len(self.param_groups)} in this optimizer")
+        id_map: dict[Any, Tensor] = {}
+        for sg, g in zip(saved_groups, self.param_groups, strict=True):
+            if len(sg["params"]) != len(g["params"]):
+                raise StateError(f"{name}.load_state_dict: a param group holds "
+                                 f"{len(sg['params'])} parameters saved, {len(g['params'])} here")
+            id_map.update(zip(sg["params"], g["params"], strict=True))
+        glob = saved_state.get("global")
+        if not isinstance(glob, Mapping):
+            raise StateError(f"{name}.load_state_dict: missing state['global'] (the global "
+                             "state of a learned optimizer)")
+        _check_keys(self._new_global_state(), glob, f"{name}.load_state_dict: state['global']")
+        for k, v in saved_state.items():
+            if k == "global":
+                continue
+            if k not in id_map:
+                raise StateError(f"{name}.load_state_dict: state for unknown parameter id {k!r}")
+            _check_keys(self._new_param_state(id_map[k].detach()), v,
+                        f"{name}.load_state_dict: state of parameter {k}")
+        super().load_state_dict(state_dict)
+        for k, v in saved_state.items():
+            if k == "global":
+                self.state["global"] = {
+                    kk: vv.detach().clone().to(self._device if kk == "loss_accum" else "cpu")
+                    for kk, vv in v.items()}
+            else:
+                p = id_map[k]
+                self.state[p] = {kk: vv.detach().clone().to(p.device) for kk, vv in v.items()}
+
+
+def _check_keys(expected: Mapping[str, Tensor], got: Mapping[str, Any], where: str) -> None:
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    if missing:
+        raise StateError(f"{where}: missing {', '.join(missing)}")
+    if extra:
+        raise StateError(f"{where}: unexpected {', '.join(extra)}")
+    for k, ref in expected.items():
+        v = got[k]
+        if not isinstance(v, Tensor):
+            raise StateError(f"{where}: {k!r} is a {type(v).__name__}, expected a tensor")
+        if tuple(v.shape) != tuple(ref.shape) or v.dtype != ref.dtype:
+            raise StateError(f"{where}: {k!r} has shape {tuple(v.shape)} and dtype {v.dtype}, "
+                             f"expected {tuple(ref.shape)} and {ref.dtype}")
+
+
+def _f32(x: Tensor) -> Tensor:
+    x = x.detach()
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def _is_zero(x: Any) -> bool:
+    return isinstance(x, (int, float)) and x == 0
+
+
+def _is_one(x: Any) -> bool:
+    return isinstance(x, (int, float)) and x == 1

@@ -1,0 +1,106 @@
+"""small_fc_lopt (learned_optimization's ``AdafacMLPLOpt``) as a ``torch.optim.Optimizer``.
+
+The update of each tensor is :func:`xopt.specs.small_fc_lopt.compute_step`, called with
+torch tensors, one tensor at a time (extra memory: one tensor × 39 features); everything
+around it (loss, weight decay, accumulation, lr, dtypes, checks, state dicts) is the base
+class :class:`xopt.torch._lopt.LearnedOptimizer`.
+
+>>> opt = xopt.torch.SmallFCLOpt(model.parameters(), theta, num_training_steps=10_000)
+>>> loss = loss_fn(model(x), y); loss.backward(); opt.step(loss=loss)
+
+State (naming ``"xopt.torch"`` of :data:`xopt.specs.small_fc_lopt.STATE`):
+``optimizer.state[p]`` holds float32 ``m`` (``S+(3,)``), ``rms`` (``S+(1,)``), ``v_row``,
+``v_col``, ``v_diag`` (the original's shapes, with ``(0, 3)`` placeholders) and, when
+accumulating, ``grad_accum`` (``S``); ``optimizer.state["global"]`` holds int32
+``iteration``, ``num_steps``, ``mom_t`` ``(3,)``, ``rms_t`` ``(1,)`` and, when
+accumulating, float32 ``loss_accum`` and int64 ``accum_iteration``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from xopt.specs import small_fc_lopt as _spec
+from xopt.torch._lopt import Entry, LearnedOptimizer
+
+__all__ = ["SmallFCLOpt"]
+
+_PARAM_VARS = ("m", "rms", "v_row", "v_col", "v_diag")
+
+
+class SmallFCLOpt(LearnedOptimizer):
+    """small_fc_lopt: a per-parameter MLP learned optimizer with Adafactor features.
+
+    Args:
+      params: parameters or parameter groups (groups may set ``lr`` and ``weight_decay``);
+        each of rank 0-4 (any rank works) and dtype float32, float64, bfloat16 or float16.
+      meta_params: θ, a mapping of arrays in xopt's naming (``mlp/w0``, …,
+        ``decays/momentum``, …) or the original's (``nn/~/w0``, …, ``momentum_decays``, …);
+        None: ``meta_init(hp, seed)`` (an untrained optimizer).
+      num_training_steps: the training horizon (required).
+      lr: multiplier of the learned step, per group (1: the original; schedulers drive it).
+      weight_decay, weight_decay_mode, max_training_steps: see
+        :class:`xopt.specs._lopt.LOptOptions` (prefab's wrappers).
+      check_finite: raise :class:`xopt.errors.NonFiniteError` naming the parameter when a
+        gradient or the loss holds NaN or inf, before anything moves.
+      spec: an :class:`xopt.specs.small_fc_lopt.SmallFCLOpt` instead of the keywords.
+      seed: seed of the fresh θ when ``meta_params`` is None.
+      **method_hyperparameters: ``exp_mult``, ``step_mult``, ``hidden_size``,
+        ``hidden_layers``, ``initial_momentum_decays``, ``initial_rms_decays``,
+        ``initial_adafactor_decays``.
+
+    ``step(closure=None, *, loss=None)``: the loss is not read by the update itself; it
+    feeds coupled weight decay's and the accumulator's bookkeeping (missing: 0).
+    """
+
+    hyperparams_cls = _spec.SmallFCLOpt
+    meta_spec = _spec.META
+    needs_loss = False
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]],
+                 meta_params: Mapping[str, Any] | None = None, *,
+                 num_training_steps: int | None = None, lr: float | None = None,
+                 weight_decay: float | None = None, weight_decay_mode: str | None = None,
+                 max_training_steps: int | None = None, check_finite: bool = False,
+                 spec: _spec.SmallFCLOpt | None = None, seed: int = 0,
+                 **method_hyperparameters: Any) -> None:
+        super().__init__(params, meta_params, spec=spec, seed=seed, check_finite=check_finite,
+                         num_training_steps=num_training_steps, lr=lr,
+                         weight_decay=weight_decay, weight_decay_mode=weight_decay_mode,
+                         max_training_steps=max_training_steps, **method_hyperparameters)
+
+    def _init_param_state(self, p: Tensor) -> dict[str, Tensor]:
+        return {k: torch.zeros(shape, dtype=torch.float32, device=p.device)
+                for k, shape in _spec.param_state_shapes(self.hp, tuple(p.shape)).items()}
+
+    def _init_global_state(self) -> dict[str, Tensor]:
+        km, kr, _ = _spec._k(self.hp)
+        return {"mom_t": torch.zeros((km,), dtype=torch.int32),
+                "rms_t": torch.zeros((kr,), dtype=torch.int32)}
+
+    def _inner_update(self, entries: list[Entry], loss: Tensor, gstate: dict[str, Any]) -> None:
+        del loss  # AdafacMLPLOpt does not read the loss
+        iteration = int(gstate["iteration"])
+        per_device: dict[torch.device, tuple] = {}
+        for e in entries:
+            dev = e.param.device
+            if dev not in per_device:
+                meta = self.meta_on(dev)
+                decays = _spec.decays(self.hp, meta, xp=torch)
+                tf = _spec.time_features(torch, torch.tensor(iteration, dtype=torch.int32),
+                                         meta["mlp/b0"])
+                per_device[dev] = (meta, decays, tf)
+            meta, decays, tf = per_device[dev]
+            st = e.state
+            step, accs = _spec.compute_step(self.hp, e.p32, e.grad,
+                                            *(st[v] for v in _PARAM_VARS), tf, meta, decays,
+                                            xp=torch)
+            for v, a in zip(_PARAM_VARS, accs, strict=True):
+                st[v] = a
+            self._apply_step(e, step)
+        gstate["mom_t"] += 1
+        gstate["rms_t"] += 1
