@@ -95,7 +95,7 @@ def test_a_corrupted_recording_is_reported_at_its_step_and_tensor(method, tmp_pa
     (run,) = report.runs
     tol = run.tolerance
     first = [(t, k) for t, errs in enumerate(run.per_step) for k, e in errs.items()
-             if not e.within(tol)]
+             if not e.within(tol.for_tensor(k))]
     # step 3's output is wrong; step 4, reset to that wrong recording, inherits it
     assert first[0] == (3, f"param/{name}")
     assert {k for _, k in first} == {f"param/{name}"}

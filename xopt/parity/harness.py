@@ -119,7 +119,8 @@ class Run:
 
     @property
     def agrees(self) -> bool:
-        return all(e.within(self.tolerance) for errs in self.per_step for e in errs.values())
+        return all(e.within(self.tolerance.for_tensor(k))
+                   for errs in self.per_step for k, e in errs.items())
 
     def to_json(self) -> dict[str, Any]:
         t, k, _ = self.worst
@@ -401,6 +402,8 @@ def _tolerance(spec: MethodSpec, hp: Hyperparams, label: str, ref: str, mode: st
     for a, b in ((label, ref), (ref, label)):
         if (xopt_backend.get(a), b) in pairs:
             return spec.tolerance("bitwise")
+    if "oracle" in (label, ref) and f"{mode}/oracle" in spec.tolerances:
+        return spec.tolerance(f"{mode}/oracle")
     return spec.tolerance(mode)
 
 

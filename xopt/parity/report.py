@@ -27,22 +27,31 @@ def table(report: Report) -> str:
     head = ("trace", "backend", "impl", "against", "mode", "steps", "max abs", "max rel",
             "worst (step: tensor)", "tol rel", "oracle closer", "verdict")
     rows = []
+    exceptions: dict[tuple[str, float], str] = {}
     for r in report.runs:
         t, k, _ = r.worst
+        tol = r.tolerance.for_tensor(k)
+        mark = ""
+        if tol is not r.tolerance:  # the worst tensor is one of the spec's named exceptions
+            prefix = next(p for p, v in r.tolerance.tensors.items() if v is tol)
+            exceptions[prefix, tol.rel] = f"{prefix}* within {_fmt(tol.rel)} rel: {tol.why}"
+            mark = "*"
         verdict = "agree" if r.agrees else "DIVERGE"
         if r.agrees and r.max_abs_error == 0.0:
             verdict = "agree (bitwise)"
         rows.append((r.trace.split("/", 1)[-1], r.backend, r.impl, r.against,
                      r.mode.replace("_", "-"), str(r.steps), _fmt(r.max_abs_error),
                      _fmt(r.max_rel_error), f"{t}: {k}" if k else "-",
-                     "bitwise" if r.tolerance.rel == 0 and r.tolerance.abs == 0
-                     else _fmt(r.tolerance.rel), r.oracle_agrees_with or "-", verdict))
+                     "bitwise" if tol.rel == 0 and tol.abs == 0 else _fmt(tol.rel) + mark,
+                     r.oracle_agrees_with or "-", verdict))
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
               for i, h in enumerate(head)]
     line = "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))
     out = [line, "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     out.append("")
+    for text in exceptions.values():
+        out.append(f"* {text}")
     for note in report.notes:
         out.append(f"note: {note}")
     n_bad = sum(not r.agrees for r in report.runs)
