@@ -81,7 +81,7 @@ def train_torch(x, y, w0, order, theta, steps) -> list[float]:
         opt.zero_grad()
         loss.backward()
         opt.step(loss=loss.detach())
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
