@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run on the lent GPU machine (through the device tool): the whole test suite on its
-# torch/jax versions, plus AdamW's parity with torch on CUDA. Logs land in $OUT.
+# torch/jax versions, plus AdamW's, small_fc_lopt's and VeLO's parity on the GPU
+# (torch on CUDA; jax takes the GPU by default). Logs land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -10,3 +11,7 @@ python3 -c "import sys, torch, jax, optax, numpy; print(sys.version.split()[0], 
 python3 -m pytest tests parity_tests -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -40
 python3 -m xopt parity adamw --device cuda --backends torch,oracle,original --quiet \
   --json "$OUT/parity_cuda.json" 2>&1 | tee "$OUT/parity_cuda.txt" | tail -30
+for m in small_fc_lopt velo; do
+  python3 -m xopt parity $m --device cuda --backends torch,jax,oracle --quiet \
+    --json "$OUT/parity_${m}_cuda.json" 2>&1 | tee "$OUT/parity_${m}_cuda.txt" | tail -14
+done
