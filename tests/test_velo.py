@@ -221,15 +221,17 @@ def test_xla_tanh_and_fused_multiply_add_written_out():
     import jax
     import jax.numpy as jnp
 
+    # the claim is about XLA's CPU code (the golden traces' machine); a GPU's tanh differs
+    cpu = jax.devices("cpu")[0]
     x = np.concatenate([np.linspace(-10, 10, 200_001, dtype=np.float32),
                         np.float32(1e-3) * np.linspace(-1, 1, 1001, dtype=np.float32)])
-    want = np.asarray(jax.jit(jnp.tanh)(x))
+    want = np.asarray(jax.jit(jnp.tanh)(jax.device_put(x, cpu)))
     assert np.array_equal(V._xp.tanh(np, x), want)
     assert np.mean(np.tanh(x) != want) > 0.1  # NumPy's own tanh is another function
     if has_torch:
         assert np.array_equal(V._xp.tanh(torch, torch.from_numpy(x)).numpy(), want)
     a, b, c = (np.float32(v) for v in (1 + 2.0 ** -12, 1 + 2.0 ** -12, -(1 + 2.0 ** -11)))
-    fused = np.asarray(jax.jit(lambda a, b, c: a * b + c)(a, b, c))
+    fused = np.asarray(jax.jit(lambda a, b, c: a * b + c)(*jax.device_put((a, b, c), cpu)))
     assert fused == np.float32(2.0 ** -24) and a * b + c == 0  # one rounding, not two
     assert V._xp.fma(np, a, b, c) == fused
     if has_torch:

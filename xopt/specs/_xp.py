@@ -240,3 +240,19 @@ def tanh(xp: ModuleType, x: Any) -> Any:
     for c in _TANH_DEN[1:]:
         den = fma(xp, x2, den, float(np.float32(c)))
     return xp.where(xp.abs(x) < 0.0004, x, num / den)
+
+
+def matmul(xp: ModuleType, a: Any, b: Any) -> Any:
+    """``a @ b`` in full float32 precision under every namespace.
+
+    XLA on a GPU multiplies float32 matrices in TF32 by default (10-bit mantissas), about
+    1e-3 relative per product: enough to move a learned optimizer's LSTM state by 1e-3. Under
+    jax this asks for ``Precision.HIGHEST``, which is what the CPU (and the golden traces,
+    recorded on the CPU) computes. torch's CUDA matmuls are full float32 unless the user
+    turns ``torch.backends.cuda.matmul.allow_tf32`` on.
+    """
+    if xp.__name__.startswith("jax"):
+        import jax
+
+        return xp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+    return xp.matmul(a, b)

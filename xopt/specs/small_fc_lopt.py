@@ -349,7 +349,7 @@ def mlp(xp: ModuleType, x: Any, meta: Mapping[str, Any], hp: SmallFCLOpt) -> tup
     layer; returns ``(direction, magnitude)``, each ``S'``."""
     n = int(hp.hidden_layers) + 1
     for i in range(n):
-        x = x @ meta[f"mlp/w{i}"] + meta[f"mlp/b{i}"]
+        x = _xp.matmul(xp, x, meta[f"mlp/w{i}"]) + meta[f"mlp/b{i}"]
         if i != n - 1:
             x = _xp.relu(xp, x)
     return x[..., 0], x[..., 1]

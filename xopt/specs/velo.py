@@ -553,7 +553,7 @@ def _scalar(xp: ModuleType, value: float, like: Any) -> Any:
 
 def _linear(xp: ModuleType, x: Any, w: Any, b: Any) -> Any:
     """haiku ``Linear``: ``dot(x, w) + b``."""
-    return xp.matmul(x, w) + b
+    return _xp.matmul(xp, x, w) + b
 
 
 def lstm_step(xp: ModuleType, x: Any, hidden: Any, cell: Any,
@@ -689,14 +689,14 @@ def mlp_forward(xp: ModuleType, inputs: Sequence[Any], weights: Mapping[str, Any
     start = 0
     for x in inputs:
         k = x.shape[-1]
-        term = xp.matmul(x, w0[start:start + k])
+        term = _xp.matmul(xp, x, w0[start:start + k])
         out = term if out is None else out + term
         start += k
     out = out + weights["b0"]
     n_layers = sum(1 for k in weights if k.startswith("w"))
     for i in range(1, n_layers):
         out = _xp.relu(xp, out)
-        out = xp.matmul(out, weights[f"w{i}"]) + weights[f"b{i}"]
+        out = _xp.matmul(xp, out, weights[f"w{i}"]) + weights[f"b{i}"]
     return out
 
 
