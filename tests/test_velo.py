@@ -55,11 +55,16 @@ def rel(a, b) -> float:
 
 
 def worst(got_params, got_state, want_params, want_state) -> tuple[float, str]:
+    """The largest error relative to each tensor's one-update bound (the spec's
+    teacher-forced tolerance, whose named exception for the LSTM state is 3e-6), as
+    ``(error / bound, tensor)``: at most 1 passes."""
     errs = {f"param/{k}": rel(got_params[k], want_params[k]) for k in want_params}
     errs.update({f"state/{k}": rel(got_state[k], want_state[k]) for k in want_state})
     assert set(got_state) == set(want_state)
-    key = max(errs, key=errs.get)
-    return errs[key], key
+    tol = V.SPEC.tolerance("teacher_forced")
+    ratio = {k: e / tol.for_tensor(k).rel for k, e in errs.items()}
+    key = max(ratio, key=ratio.get)
+    return ratio[key], key
 
 
 # -- the spec --------------------------------------------------------------------------------
@@ -147,9 +152,9 @@ def test_spec_in_float32_reproduces_the_originals_internals(golden, t):
         assert rel(w0[:, s:s + k], gaux[f"mlp_weights/w0__{i}"]) < 4e-6
     assert rel(aux["feature_sq_mean"], gaux["feature_sq_mean"]) < 4e-6
     new_p = {k: p[k] - steps[k] for k in p}
-    err, where = worst(new_p, {k: v for k, v in new.items() if k != "iteration"},
-                       params[t], {k: v for k, v in states[t].items() if k != "iteration"})
-    assert err < BOUND, where
+    ratio, where = worst(new_p, {k: v for k, v in new.items() if k != "iteration"},
+                         params[t], {k: v for k, v in states[t].items() if k != "iteration"})
+    assert ratio <= 1, f"{where} at {ratio:.3g} of its bound"
 
 
 def test_square_matrix_factors_follow_the_original(golden):
@@ -208,8 +213,8 @@ def test_torch_reproduces_the_original_teacher_forced(golden):
         runner.reset(params[t - 1], states[t - 1])
         runner.step(trace.grads(t), trace.loss(t))
         got_p, got_s = runner.read()
-        err, where = worst(got_p, got_s, params[t], states[t])
-        assert err < BOUND, f"step {t}: {where} {err:.3g}"
+        ratio, where = worst(got_p, got_s, params[t], states[t])
+        assert ratio <= 1, f"step {t}: {where} at {ratio:.3g} of its bound"
         # the loss buffer feeds ratios of small differences: it is reproduced bit for bit
         # (XLA's fused multiply-add and float32 pow, see xopt.specs.velo)
         for k in ("loss_means", "loss_running_min"):
@@ -248,8 +253,8 @@ def test_jax_reproduces_the_original_teacher_forced(golden):
     for t in STEPS:
         runner.reset(params[t - 1], states[t - 1])
         runner.step(trace.grads(t), trace.loss(t))
-        err, where = worst(*runner.read(), params[t], states[t])
-        assert err < BOUND, f"step {t}: {where} {err:.3g}"
+        ratio, where = worst(*runner.read(), params[t], states[t])
+        assert ratio <= 1, f"step {t}: {where} at {ratio:.3g} of its bound"
 
 
 # -- torch -------------------------------------------------------------------------------------
