@@ -133,3 +133,38 @@ def test_the_original_on_this_machine_against_its_recording(method):
                         explicit_backends=True)
     print(f"\n{method} original rerun here vs its recording:\n{_table(report)}")
     assert report.verdict == "agree", _explain(report)
+
+
+def test_velo_lstm_exception_is_the_originals_own_rounding():
+    # The one tensor family held to more than 1e-6 in one update is VeLO's LSTM state
+    # (3e-6; xopt/specs/velo.py). Why 1e-6 is out of reach there: recomputed exactly from
+    # the inputs the original gave it, the LSTM step lands up to 1.37e-6 (all cases; 7.8e-7
+    # on the bundled one) from the original's own float32 result, and a float32
+    # implementation summing in another order can sit as far on the other side; and
+    # the original moves that state by far more than 3e-6 between two of its own runs
+    # (jitted and op by op: the recorder's measurement in the manifests).
+    import re
+    import sys
+
+    from helpers import REPO
+
+    from xopt.parity import load_trace
+    from xopt.specs import velo
+
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import velo_lstm_rounding
+    finally:
+        sys.path.pop(0)
+    bound = velo.SPEC.tolerance("teacher_forced").for_tensor("state/lstm_hidden/x").rel
+    assert bound == 3e-6
+    gaps = [max(velo_lstm_rounding.measure(p)) for p in traces("velo")]
+    print(f"exact vs original LSTM state, per case: {gaps}")
+    assert 2 * max(gaps) > 1e-6  # a correct float32 LSTM step can miss 1e-6
+    assert 2 * max(gaps) <= bound * 1.01  # and the bound is no looser than twice the gap
+    spreads = []
+    for p in traces("velo"):
+        hint = load_trace(p).manifest["tolerance_hint"].get("jit_vs_op_by_op")
+        if hint:
+            spreads.append(float(re.search(r"state max diff ([0-9.e+-]+)", hint).group(1)))
+    assert spreads and min(spreads) > 10 * bound
