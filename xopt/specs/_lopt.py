@@ -318,6 +318,19 @@ def coerce_meta_namings(theta: Mapping[str, Any], xopt_shapes: Mapping[str, tupl
     return {k: theta[k] for k in xopt_shapes}
 
 
+def zeros(backend: str, shape: tuple[int, ...]) -> Any:
+    """float32 zeros as a NumPy, torch or jax array (``backend``: "numpy", "torch", "jax")."""
+    if backend == "torch":
+        import torch
+
+        return torch.zeros(shape, dtype=torch.float32)
+    if backend == "jax":
+        import jax.numpy as jnp
+
+        return jnp.zeros(shape, jnp.float32)
+    return np.zeros(shape, np.float32)
+
+
 def truncated_normal(seed: int, shape: tuple[int, ...], stddev: float, *, backend: str = "numpy",
                      rounds: int = 8) -> Any:
     """``stddev · z`` with ``z`` standard normal truncated to ``[-2, 2]``, float32, the same

@@ -336,20 +336,8 @@ def meta_init(hp: VeLO, seed: int = 0, *, backend: str = "numpy") -> dict[str, A
             out[name] = _lopt.truncated_normal(xr.fold_in(int(seed), i), shape,
                                                1.0 / np.sqrt(shape[-2]), backend=backend)
         else:
-            out[name] = _zeros(backend, shape)
+            out[name] = _lopt.zeros(backend, shape)
     return out
-
-
-def _zeros(backend: str, shape: tuple[int, ...]) -> Any:
-    if backend == "torch":
-        import torch
-
-        return torch.zeros(shape, dtype=torch.float32)
-    if backend == "jax":
-        import jax.numpy as jnp
-
-        return jnp.zeros(shape, jnp.float32)
-    return np.zeros(shape, np.float32)
 
 
 #: θ's names, shapes and conversions, as the harness and the backends read them
