@@ -168,3 +168,32 @@ def test_velo_lstm_exception_is_the_originals_own_rounding():
         if hint:
             spreads.append(float(re.search(r"state max diff ([0-9.e+-]+)", hint).group(1)))
     assert spreads and min(spreads) > 10 * bound
+
+
+def test_recorded_internals_localize_a_divergence(monkeypatch):
+    # `xopt parity velo --aux`: the spec's internals against the trace's aux. With the
+    # original's math every stage is at float32 rounding; inject PyLO's square-matrix axes
+    # and the first stage that moves is that tensor's per-parameter MLP output, while the
+    # LSTM inputs, its outputs and the mixed MLP weights (upstream) stay where they were.
+    from xopt.parity.harness import aux_errors
+    from xopt.specs import _lopt
+
+    (path,) = bundled_traces("velo")
+    clean = aux_errors("velo", path, max_steps=3)
+    assert {"lstm_features", "controls", "lr_mult", "mlp_weights/w0__0",
+            "direction/sq/w", "magnitude/sq/w", "feature_sq_mean"} <= set(clean)
+    assert clean["lstm_features"][0] <= 1e-6 and clean["controls"][0] <= 1e-6
+    assert clean["direction/sq/w"][0] <= 1e-4  # an MLP output: measured 1.7e-6
+
+    original = _lopt.factored_dims
+
+    def pylo(shape):
+        f = original(shape)
+        return (f[1], f[0]) if f and len(shape) == 2 and shape[0] == shape[1] else f
+
+    monkeypatch.setattr(_lopt, "factored_dims", pylo)
+    broken = aux_errors("velo", path, max_steps=3)
+    for upstream in ("lstm_features", "controls", "lr_mult", "mlp_weights/w1"):
+        assert broken[upstream] == clean[upstream]
+    assert broken["direction/sq/w"][0] > 1e3 * clean["direction/sq/w"][0]
+    assert broken["direction/tall/w"] == clean["direction/tall/w"]

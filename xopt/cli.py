@@ -86,6 +86,18 @@ def _parity(args: argparse.Namespace) -> int:
         progress=_progress_factory(not args.quiet),
     )
     print(table(report))
+    if args.aux:
+        from xopt.parity.harness import aux_errors
+
+        for path in traces:
+            errs = aux_errors(args.method, path, max_steps=args.steps)
+            if not errs:
+                print(f"\n{path}: no recorded aux to compare")
+                continue
+            print(f"\ninternals of {args.method} (spec, NumPy float32) vs the recorded aux of "
+                  f"{path}, teacher-forced (max relative error, step):")
+            for k, (e, step) in errs.items():
+                print(f"  {k:32s} {e:9.3g}  step {step}")
     if args.json:
         print(f"report: {write_json(report, args.json)}")
     if args.plot:
@@ -131,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="REPORT", help="write the JSON report here")
     p.add_argument("--plot", metavar="PNG", help="write a PNG of error against step here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--aux", action="store_true",
+                   help="also compare the spec's internals (float32) with each trace's "
+                        "recorded aux, teacher-forced, to localize a divergence")
     p.set_defaults(func=_parity)
 
     m = sub.add_parser("methods", help="list the registered methods and their hyperparameters")

@@ -37,3 +37,8 @@ class NonFiniteError(XoptError, FloatingPointError):
 
 class MetaParamsError(XoptError, ValueError):
     """Learned-optimizer weights (meta-parameters) have a missing, extra or misshaped key."""
+
+
+class CheckpointError(XoptError, ValueError):
+    """A checkpoint file or directory is missing, corrupt, in no known format, or holds a
+    missing, extra or misshaped key; the message names the file (and the key)."""

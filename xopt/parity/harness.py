@@ -422,3 +422,55 @@ def _compare(spec: MethodSpec, hp: Hyperparams, trace: Trace, label: str, ref: s
             run.oracle_agrees_with = closer_to(outputs["oracle"][t].tensors()[k],
                                                a_steps[t].tensors()[k], b_steps[t].tensors()[k])
     return run
+
+
+# -- internals: where in the update a divergence starts ----------------------------------------
+
+
+def aux_errors(method: str, trace: str | Trace, *, max_steps: int | None = None,
+               ) -> dict[str, tuple[float, int]]:
+    """The spec's internals against the trace's ``aux``, one teacher-forced update at a time.
+
+    The spec runs in NumPy float32 (the original's precision) from the recorded state
+    before each update, collecting the internals the trace records (for the learned
+    optimizers: LSTM inputs, controls, lr_mult, the mixed MLP weights, the per-element MLP
+    outputs, the normaliser statistics). Returns ``{aux key: (max relative error over the
+    steps, the step where it peaks)}`` for every key both sides have: the earliest stage
+    whose error jumps is where a divergence starts. Steps without recorded aux (prefab's
+    accumulation calls) are skipped.
+    """
+    from xopt.parity.compare import tensor_error
+
+    spec = get(method)
+    t = trace if isinstance(trace, Trace) else load_trace(trace)
+    origin = original_of(spec, t)
+    hp = origin.from_kwargs(trace_hyperparameters(t))
+    naming = origin.naming_for(hp)
+    meta = t.meta_params() if spec.meta is not None else None
+    extra = {"meta": meta} if meta is not None else {}
+    steps = t.steps if max_steps is None else min(max_steps, t.steps)
+    out: dict[str, tuple[float, int]] = {}
+
+    def f32(a: Any) -> Any:
+        a = np.asarray(a)
+        return a.astype(np.float32) if np.issubdtype(a.dtype, np.floating) else a
+
+    for s in range(steps):
+        recorded = t.aux(s)
+        if not recorded:
+            continue
+        params = t.init_params() if s == 0 else t.params_after(s - 1)
+        state = trace_state(t, spec, hp, naming, s - 1)
+        if state is None:
+            state = spec.init_state(hp, params, xp=np, dtype=np.float32, **extra)
+        aux: dict[str, Any] = {}
+        loss = t.loss(s)
+        spec.step(hp, {k: f32(v) for k, v in params.items()},
+                  {k: f32(v) for k, v in state.items()},
+                  {k: f32(v) for k, v in t.grads(s).items()}, xp=np,
+                  loss=None if loss is None else np.float32(loss), aux=aux, **extra)
+        for k in sorted(set(aux) & set(recorded)):
+            e = tensor_error(np.asarray(aux[k]), recorded[k]).rel
+            if k not in out or _nan_max_key(e) > _nan_max_key(out[k][0]):
+                out[k] = (e, s)
+    return out

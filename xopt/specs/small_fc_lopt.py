@@ -448,12 +448,15 @@ def _as_xp(xp: ModuleType, x: Any, dtype: Any) -> Any:
 
 def step(hp: SmallFCLOpt, params: Mapping[str, Any], state: Mapping[str, Any],
          grads: Mapping[str, Any], *, xp: ModuleType = np, loss: Any = None,
-         meta: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+         meta: Mapping[str, Any] | None = None, aux: dict[str, Any] | None = None,
+         ) -> tuple[dict[str, Any], dict[str, Any]]:
     """All parameters' update, ``(params, state) -> (params, state)``, pure, on canonical
     dicts (:data:`STATE`), with prefab's weight decay and accumulation
     (:func:`xopt.specs._lopt.outer_step`). ``meta``: θ in either naming; None uses
     ``meta_init(hp, 0)``. The working dtype is the accumulators' (float64 in the oracle).
-    A missing ``loss`` counts as 0 (the learned optimizer does not read it)."""
+    A missing ``loss`` counts as 0 (the learned optimizer does not read it). ``aux``, if
+    given, receives the golden traces' internals: ``direction/<p>``, ``magnitude/<p>``
+    and ``feature_sq_mean`` (n_tensors, 28)."""
     theta = coerce_meta(meta if meta is not None else meta_init(hp, 0), hp)
     names = list(params)
     dtype = state[f"m/{names[0]}"].dtype if names else np.float32
@@ -463,13 +466,21 @@ def step(hp: SmallFCLOpt, params: Mapping[str, Any], state: Mapping[str, Any],
     def inner(g: dict[str, Any], loss_: Any, st: dict[str, Any]):
         tf = time_features(xp, st["iteration"], theta["mlp/b0"])
         steps = {}
+        sq_means = []
         for k in names:
             p = _as_xp(xp, params[k], dtype)
-            s, accs = compute_step(hp, p, g[k], *(st[f"{v}/{k}"] for v in _PARAM_VARS), tf,
-                                   theta, decays_, xp=xp)
+            s, accs, *t_aux = compute_step(hp, p, g[k], *(st[f"{v}/{k}"] for v in _PARAM_VARS),
+                                           tf, theta, decays_, xp=xp,
+                                           return_aux=aux is not None)
             for v, a in zip(_PARAM_VARS, accs, strict=True):
                 st[f"{v}/{k}"] = a
             steps[k] = s
+            if aux is not None:
+                aux[f"direction/{k}"] = t_aux[0]["direction"]
+                aux[f"magnitude/{k}"] = t_aux[0]["magnitude"]
+                sq_means.append(t_aux[0]["feature_sq_mean"])
+        if aux is not None and sq_means:
+            aux["feature_sq_mean"] = xp.stack(sq_means)
         st["mom_t"] = st["mom_t"] + 1
         st["rms_t"] = st["rms_t"] + 1
         return steps, st

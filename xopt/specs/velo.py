@@ -1031,6 +1031,11 @@ def hyperv2_steps(hp: VeLO, params: Mapping[str, Any], state: Mapping[str, Any],
             aux["feature_sq_mean"] = xp.stack([t["feature_sq_mean"] for t in per_tensor])
             for w in per_tensor[0]["mlp_weights"]:
                 aux[f"mlp_weights/{w}"] = xp.stack([t["mlp_weights"][w] for t in per_tensor])
+            # and the first layer as the original's 14 input groups (w0__0 ... w0__13)
+            start = 0
+            for i, k in enumerate(MLP_GROUP_SIZES):
+                aux[f"mlp_weights/w0__{i}"] = aux["mlp_weights/w0"][:, start:start + k]
+                start += k
     return steps, state
 
 
