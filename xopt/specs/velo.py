@@ -681,10 +681,11 @@ def mlp_forward(xp: ModuleType, inputs: Sequence[Any], weights: Mapping[str, Any
         out = term if out is None else out + term
         start += k
     out = out + weights["b0"]
-    n_layers = sum(1 for k in weights if k.startswith("w"))
-    for i in range(1, n_layers):
+    i = 1
+    while f"w{i}" in weights:
         out = _xp.relu(xp, out)
         out = _xp.matmul(xp, out, weights[f"w{i}"]) + weights[f"b{i}"]
+        i += 1
     return out
 
 
