@@ -365,3 +365,235 @@ def test_pylo_write_drops_nothing_silently_but_the_documented_decays():
     files = C.files(method, hp, theta, "pylo")
     assert set(files) == {"config.json", "model.safetensors"}
     assert "decays" in pylo.__doc__
+
+
+# -- the original reads what xopt writes (needs learned_optimization importable) -------------
+
+
+def _original_or_skip():
+    from xopt.parity.originals import learned_optimization as orig
+
+    if not orig.available():
+        pytest.skip("learned_optimization is not importable (PYTHONPATH=/tmp/lo_src)")
+    return orig.import_modules()
+
+
+@pytest.mark.parametrize("method,arch", [
+    ("small_fc_lopt", dict(hidden_size=8, hidden_layers=1, exp_mult=0.002,
+                           initial_rms_decays=(0.99,))),
+    ("velo", dict(lstm_hidden_size=16, param_inits=8, ff_hidden_size=3)),
+])
+def test_original_opt_from_checkpoint_loads_what_xopt_writes(tmp_path, method, arch):
+    mods = _original_or_skip()
+    import jax
+    from flax import serialization
+
+    from xopt import specs
+    from xopt.checkpoints import learned_optimization as lo_fmt
+
+    spec = specs.get(method)
+    hp = spec.hyperparams(**arch)
+    theta = spec.meta.init(hp, 3)
+    rng = np.random.default_rng(0)
+    theta = {k: (v + 0.01 * rng.standard_normal(v.shape)).astype(np.float32)
+             for k, v in theta.items()}  # no zero biases, offsets or LSTM state
+    C.save(tmp_path / "ck", method, hp, theta, format="lo", gen_id="g", step=7)
+    opt = mods.opt_from_checkpoint.opt_from_checkpoint(str(tmp_path / "ck" / "params"))
+    restored = {"/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path):
+                np.asarray(leaf)
+                for path, leaf in jax.tree_util.tree_flatten_with_path(opt.ginned.theta)[0]}
+    assert_bit_equal(restored, {k: np.asarray(v) for k, v in
+                                spec.meta.to_original(theta, hp).items()})
+    # the msgpack structure is the original's: flax serializes the restored checkpoint to
+    # the very bytes xopt wrote
+    ckpt = serialization.msgpack_restore((tmp_path / "ck" / "params").read_bytes())
+    assert list(ckpt) == ["params", "gen_id", "step"] and ckpt["step"] == 7
+    lopt_theta = opt.lopt.init(jax.random.PRNGKey(0))
+    from learned_optimization import checkpoints
+    from learned_optimization.outer_trainers import gradient_learner
+
+    template = gradient_learner.ParameterCheckpoint(lopt_theta, "", 0)
+    loaded = checkpoints.load_state(str(tmp_path / "ck" / "params"), template)
+    assert serialization.to_bytes(loaded) == (tmp_path / "ck" / "params").read_bytes()
+    assert lo_fmt.gin_text(method, hp) == (tmp_path / "ck" / "config.gin").read_text()
+
+
+# -- behaviour: θ from each checkpoint reproduces the golden trace sharing it ----------------
+
+
+def _pylo_velo_dir(tmp_path):
+    d = tmp_path / "pylo_velo"
+    shutil.copytree(PYLO_RNN, d / "rnn")
+    shutil.copytree(PYLO_MLP, d / "mlp")
+    return d
+
+
+GOLDEN_CASES = pytest.mark.parametrize("fixture,trace", [
+    ("lo_sf", "small_fc_lopt/pylo_sizes_perturbed_seed0.json"),
+    ("pylo_sf", "small_fc_lopt/pylo_sizes_perturbed_seed0.json"),
+    ("lo_velo", "velo/perturbed_seed0.json"),
+    ("pylo_velo", "velo/perturbed_seed0.json"),
+])
+
+
+@GOLDEN_CASES
+def test_theta_from_each_fixture_reproduces_its_golden_trace(tmp_path, fixture, trace):
+    _reproduce_golden(tmp_path, fixture, trace, max_steps=5)  # 5 steps: the suite stays fast
+
+
+@pytest.mark.slow
+@GOLDEN_CASES
+def test_theta_from_each_fixture_reproduces_its_whole_golden_trace(tmp_path, fixture, trace):
+    _reproduce_golden(tmp_path, fixture, trace, max_steps=None)
+
+
+def _reproduce_golden(tmp_path, fixture, trace, max_steps):
+    from helpers import has_torch
+
+    from xopt import specs
+    from xopt.parity import load_trace
+    from xopt.parity.harness import run_parity
+
+    if not has_torch:
+        pytest.skip("torch is not installed")
+    src = {"lo_sf": LO_SF, "pylo_sf": PYLO_SF, "lo_velo": LO_VELO}.get(fixture) or \
+        _pylo_velo_dir(tmp_path)
+    method, hp, theta = C.load(src, **(SF_PYLO_EXTRA if fixture == "pylo_sf" else {}))
+    t = load_trace(META / trace)
+    t.meta_params = lambda: specs.get(method).meta.to_original(theta, hp)  # θ from the file
+    report = run_parity(method, [t], backends=["torch"], modes=["teacher_forced"],
+                        explicit_backends=True, max_steps=max_steps)
+    assert report.verdict == "agree", [r.worst for r in report.runs]
+    assert report.runs and all(r.tolerance.rel <= 1e-6 for r in report.runs)
+
+
+# -- xopt port ---------------------------------------------------------------------------------
+
+
+def test_port_cli_converts_and_verifies(tmp_path, capsys):
+    from xopt.cli import main
+
+    rc = main(["port", str(PYLO_SF), str(tmp_path / "lo"), "--to", "lo", "--decays",
+               "pylo-defaults", "--set", "step_mult=0.01", "--verify"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "verify: identical" in out
+    assert (tmp_path / "lo" / "config.gin").read_bytes() == (LO_SF / "config.gin").read_bytes()
+    theta, _, _ = lo.read_params(tmp_path / "lo" / "params")
+    assert_bit_equal(theta, golden("small_fc_lopt"))
+    rc = main(["port", str(LO_SF), str(tmp_path / "p"), "--to", "pylo", "--verify"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "decay offsets" in out  # says what PyLO cannot keep
+
+
+def test_port_cli_bad_input_exits_2_and_writes_nothing(tmp_path, capsys):
+    from xopt.cli import main
+
+    assert main(["port", str(PYLO_SF), str(tmp_path / "a")]) == 2  # decays not given
+    assert "not stored in PyLO" in capsys.readouterr().err
+    (tmp_path / "junk").mkdir()
+    assert main(["port", str(tmp_path / "junk"), str(tmp_path / "b")]) == 2
+    assert "no known checkpoint format" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["junk"]
+
+
+def test_port_verify_catches_a_changed_theta(tmp_path, monkeypatch, capsys):
+    from xopt.cli import main
+
+    real = pylo.velo_files
+
+    def off_by_one_ulp(hp, theta):
+        theta = dict(theta)
+        theta["lstm/init_cell"] = np.nextafter(theta["lstm/init_cell"], np.float32(np.inf))
+        return real(hp, theta)
+
+    monkeypatch.setattr(pylo, "velo_files", off_by_one_ulp)
+    rc = main(["port", str(LO_VELO), str(tmp_path / "p"), "--to", "pylo", "--verify"])
+    assert rc == 1, capsys.readouterr().out
+    assert "DIFFERENT" in capsys.readouterr().out
+
+
+# -- torch from_pretrained / save_pretrained / hub --------------------------------------------
+
+
+def test_torch_from_pretrained_and_save_pretrained_round_trip(tmp_path):
+    torch = pytest.importorskip("torch")
+    import xopt.torch as xt
+
+    w = torch.nn.Parameter(torch.ones(3, 4))
+    opt = xt.VeLO.from_pretrained([w], LO_VELO, num_training_steps=50)
+    assert opt.hp.num_training_steps == 50 and opt.hp.lstm_hidden_size == 512
+    _, hp, canon = C.load(LO_VELO)
+    assert_bit_equal({k: v.numpy() for k, v in opt.meta.items()}, canon)
+    opt.save_pretrained(tmp_path / "x")
+    again = xt.VeLO.from_pretrained([w], tmp_path / "x")  # xopt's format keeps the horizon
+    assert again.hp == opt.hp
+    opt.save_pretrained(tmp_path / "lo", format="lo")
+    assert_bit_equal(lo.read_params(tmp_path / "lo" / "params")[0], golden("velo"))
+    assert (tmp_path / "lo" / "config.gin").read_bytes() == (LO_VELO / "config.gin").read_bytes()
+    sf = xt.SmallFCLOpt.from_pretrained([w], PYLO_SF, num_training_steps=10, **SF_PYLO_EXTRA)
+    assert sf.hp.step_mult == 0.01
+    pair = xt.VeLO.from_pretrained([w], (PYLO_RNN, PYLO_MLP), num_training_steps=10)
+    assert_bit_equal({k: v.numpy() for k, v in pair.meta.items()}, canon)
+    with pytest.raises(CheckpointError, match="not small_fc_lopt"):
+        xt.SmallFCLOpt.from_pretrained([w], LO_VELO, num_training_steps=10)
+
+
+def test_hub_ids_need_the_hub_extra_and_paths_are_not_ids(tmp_path):
+    import importlib.util
+
+    from xopt.checkpoints import hub
+
+    if importlib.util.find_spec("huggingface_hub") is not None:
+        pytest.skip("huggingface_hub is installed")
+    with pytest.raises(ImportError, match=r"xopt-ml\[hub\]"):
+        hub.load_pretrained("someone/velo")
+    with pytest.raises(ImportError, match=r"xopt-ml\[hub\]"):
+        hub.push_to_hub("velo", *C.load(LO_VELO)[1:], "someone/velo")
+    with pytest.raises(CheckpointError, match="no such checkpoint directory"):
+        hub.load_pretrained(str(tmp_path / "absent" / "dir"))
+
+
+def test_golden_trace_check_sees_a_changed_theta():
+    """Guards the check above: the harness really runs the θ it is handed. (It starts every
+    run from the trace's recorded state, so it cannot see θ's initial LSTM state; the
+    bit-exact θ comparisons and ``port --verify``, which starts from θ, cover that.)"""
+    from xopt import specs
+    from xopt.parity import load_trace
+    from xopt.parity.harness import run_parity
+
+    pytest.importorskip("torch")
+    method, hp, theta = C.load(LO_VELO)
+    theta = {**theta, "lstm/gates/w": theta["lstm/gates/w"] * np.float32(1.001)}
+    t = load_trace(META / "velo/perturbed_seed0.json")
+    t.meta_params = lambda: specs.get(method).meta.to_original(theta, hp)
+    report = run_parity(method, [t], backends=["torch"], modes=["teacher_forced"],
+                        explicit_backends=True, max_steps=2)
+    assert report.verdict == "diverge"
+
+
+def test_gin_macros_resolve_and_unrelated_lines_are_skipped():
+    text = ("STEPS = 1000\nP = 64\nrun_train.num_steps = %STEPS\noptax.adam.lr = 1e-3\n"
+            "HyperV2.param_inits = %P\nrun_train.lopt = @HyperV2()\n")
+    assert lo.parse_gin(text) == ("HyperV2", {"param_inits": 64})
+    with pytest.raises(CheckpointError, match=r"config.gin:1: HyperV2.param_inits"):
+        lo.parse_gin("HyperV2.param_inits = %UNDEFINED\nrun_train.lopt = @HyperV2()\n")
+
+
+def test_jax_optax_from_pretrained_and_save(tmp_path):
+    from helpers import has_jax
+
+    if not has_jax:
+        pytest.skip("jax/optax are not installed")
+    import jax.numpy as jnp
+
+    from xopt.checkpoints import hub
+
+    tx = hub.optax_from_pretrained(PYLO_SF, num_training_steps=10, **SF_PYLO_EXTRA)
+    params = {"w": jnp.ones((3, 4))}
+    state = tx.init(params)
+    updates, _ = tx.update({"w": jnp.full((3, 4), 0.1)}, state, params, value=jnp.float32(1.0))
+    assert updates["w"].shape == (3, 4)
+    method, hp, theta = C.load(LO_SF, num_training_steps=10)
+    hub.save_optax_pretrained(theta, hp, tmp_path / "x")
+    assert C.load(tmp_path / "x")[1] == hp

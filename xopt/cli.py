@@ -5,10 +5,15 @@
                        [--impl plain|triton] [--device cpu|cuda] [--steps N]
                        [--json REPORT] [--plot PNG] [--quiet]
     xopt methods
+    xopt port SRC DST [--to lo|pylo|xopt] [--verify] [--overwrite]
+                      [--decays pylo-defaults|JSON] [--set FIELD=VALUE ...]
 
 ``xopt parity`` exits 0 when every run agrees within its stated tolerance, 1 when any
 diverges, and 2 on bad input (unknown method, malformed trace, unknown hyperparameters,
 an unavailable backend that was asked for by name), printing what is at fault.
+``xopt port`` exits 0 when the checkpoint was written (and, with ``--verify``, behaves
+identically), 1 when ``--verify`` finds a difference, 2 on bad input (a corrupt or unknown
+checkpoint, a missing key, an unsupported optimizer).
 """
 
 from __future__ import annotations
@@ -118,6 +123,40 @@ def _methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def _port(args: argparse.Namespace) -> int:
+    import json
+
+    from xopt.checkpoints.port import port
+
+    overrides = {}
+    for item in args.set or []:
+        field, eq, value = item.partition("=")
+        if not eq or not field:
+            raise XoptError(f"--set {item!r}: expected FIELD=VALUE")
+        try:
+            overrides[field] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[field] = value
+    decays = args.decays
+    if decays is not None and decays != "pylo-defaults":
+        try:
+            decays = json.loads(decays)
+        except json.JSONDecodeError as e:
+            raise XoptError(f"--decays: not 'pylo-defaults' or a JSON object ({e})") from None
+    r = port(args.src, args.dst, args.to, verify=args.verify, overwrite=args.overwrite,
+             decays=decays, overrides=overrides)
+    print(f"{r.method}: {r.src_format} {args.src} -> {r.dst_format} {r.dst}")
+    for note in r.notes:
+        print(f"note: {note}")
+    if r.max_abs_diff is None:
+        return EXIT_AGREE
+    if r.max_abs_diff == 0.0:
+        print("verify: identical (every parameter and state tensor, every step, bit for bit)")
+        return EXIT_AGREE
+    print(f"verify: DIFFERENT (max abs diff {r.max_abs_diff:g})")
+    return EXIT_DIVERGE
+
+
 def build_parser() -> argparse.ArgumentParser:
     from xopt import __version__
 
@@ -150,6 +189,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("methods", help="list the registered methods and their hyperparameters")
     m.set_defaults(func=_methods)
+
+    q = sub.add_parser("port", help="convert a learned-optimizer checkpoint between formats")
+    q.add_argument("src", help="checkpoint directory (format detected)")
+    q.add_argument("dst", help="directory to write (atomically)")
+    q.add_argument("--to", default="xopt", choices=("lo", "learned_optimization", "pylo", "xopt"),
+                   help="destination format (default: xopt)")
+    q.add_argument("--verify", action="store_true",
+                   help="run source and result on a synthetic trace and compare bit for bit")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    q.add_argument("--decays", help="small_fc_lopt decay offsets for a PyLO source (PyLO "
+                                    "does not store them): 'pylo-defaults' or a JSON object")
+    q.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help="hyperparameter override (JSON value); repeatable")
+    q.set_defaults(func=_port)
     return parser
 
 

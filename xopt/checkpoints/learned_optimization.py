@@ -32,7 +32,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from xopt.errors import CheckpointError, XoptError
@@ -69,7 +68,17 @@ def _ext_hook(code: int, data: bytes) -> Any:
                      f"({_EXT_OTHER.get(code, 'unknown to flax')}) where arrays use code 1")
 
 
+def _msgpack() -> Any:
+    try:
+        import msgpack
+    except ImportError:
+        raise ImportError("learned_optimization checkpoints need msgpack: pip install "
+                          "'xopt-ml[hub]'") from None
+    return msgpack
+
+
 def _decode_array(payload: bytes, file: str, key: str) -> np.ndarray:
+    msgpack = _msgpack()
     try:
         shape, dtype_name, buf = msgpack.unpackb(payload, use_list=True, raw=False)
     except Exception as e:  # noqa: BLE001 - any decoder failure is a corrupt file
@@ -117,6 +126,7 @@ def read_params_bytes(data: bytes, file: str = PARAMS_FILE) -> tuple[dict[str, n
                                                                      str, int]:
     """The ``params`` file's bytes → ``(θ by flat original name, gen_id, step)``; any
     corruption is a :class:`CheckpointError` naming ``file`` (and the key where known)."""
+    msgpack = _msgpack()
     try:
         top = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False,
                               use_list=True)
@@ -196,6 +206,7 @@ def _ordered(tree: Any) -> Any:
 
 
 def _pack_default(obj: Any) -> Any:
+    msgpack = _msgpack()
     if isinstance(obj, np.ndarray):
         arr = np.ascontiguousarray(obj)
         payload = msgpack.packb((list(arr.shape), arr.dtype.name, arr.tobytes("C")),
@@ -215,7 +226,7 @@ def params_bytes(theta: Mapping[str, Any], gen_id: str = "", step: int = 0) -> b
                                   "optimization checkpoint cannot hold")
         arrays[k] = a
     doc = {"params": _ordered(_nest(arrays)), "gen_id": str(gen_id), "step": int(step)}
-    return msgpack.packb(doc, default=_pack_default, use_bin_type=True, strict_types=True)
+    return _msgpack().packb(doc, default=_pack_default, use_bin_type=True, strict_types=True)
 
 
 # -- config.gin ------------------------------------------------------------------------------
@@ -281,19 +292,27 @@ _BINDING = re.compile(r"^(?:(?P<scope>[\w./]+)/)?(?P<target>[\w.]+)\.(?P<arg>\w+
                       r"(?P<value>.+)$")
 
 
+_MACRO = re.compile(r"^(?P<name>[A-Za-z_]\w*)\s*=\s*(?P<value>.+)$")
+
+
 def parse_gin(text: str, file: str = GIN_FILE) -> tuple[str, dict[str, Any]]:
     """``config.gin`` text → ``(class name, its bindings)``. The class is the one
     ``run_train.lopt = @Class()`` names (a module path before it is dropped); only its
     bindings are kept. Unsupported classes and unreadable values raise
     :class:`CheckpointError` naming ``file``."""
     bindings: dict[str, dict[str, tuple[int, str]]] = {}
+    macros: dict[str, str] = {}
     lopt: tuple[int, str] | None = None
     for lineno, line in _logical_lines(text):
         if line.startswith(("import ", "from ", "include ")):
             continue
+        macro = _MACRO.match(line)
+        if macro:
+            macros[macro["name"]] = macro["value"].strip()
+            continue
         m = _BINDING.match(line)
-        if not m:
-            raise CheckpointError(f"{file}:{lineno}: not a gin binding: {line[:80]!r}")
+        if not m:  # other gin syntax: learned_optimization also skips what it cannot use
+            continue
         target, arg, value = m["target"], m["arg"], m["value"].strip()
         if f"{target}.{arg}" == _LOPT_BINDING:
             lopt = (lineno, value)
@@ -314,9 +333,13 @@ def parse_gin(text: str, file: str = GIN_FILE) -> tuple[str, dict[str, Any]]:
                               f"does not support; supported: {', '.join(CLASSES)}")
     kwargs: dict[str, Any] = {}
     for arg, (n, value) in bindings.get(cls, {}).items():
+        seen = set()
+        while value.startswith("%") and value[1:] in macros and value not in seen:
+            seen.add(value)
+            value = macros[value[1:]]
         try:
             kwargs[arg] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
+        except Exception:  # noqa: BLE001 - ValueError, SyntaxError, TypeError, RecursionError
             raise CheckpointError(f"{file}:{n}: {cls}.{arg} = {value!r} is not a literal "
                                   "xopt can read") from None
     return cls, kwargs
@@ -343,7 +366,7 @@ def hparams_from_gin(cls: str, kwargs: Mapping[str, Any], file: str = GIN_FILE):
     original = next(iter(spec.originals.values()))
     try:
         return method, original.from_kwargs(full)
-    except XoptError as e:
+    except (XoptError, TypeError, ValueError) as e:
         raise CheckpointError(f"{file}: {cls} bindings: {e}") from None
 
 

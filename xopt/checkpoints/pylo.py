@@ -75,8 +75,8 @@ def _metamlp_names(n_linear: int) -> list[str]:
         "network.output"]
 
 
-def _decays(decays: Any, hp: Any) -> dict[str, np.ndarray]:
-    where = "PyLO MetaMLP checkpoint"
+def _decays(decays: Any, hp: Any, path: Path) -> dict[str, np.ndarray]:
+    where = f"{path}: PyLO MetaMLP checkpoint"
     if decays is None:
         raise CheckpointError(
             f"{where}: the learned decay offsets (θ decays/momentum, decays/rms, "
@@ -139,7 +139,7 @@ def read_small_fc(path: str | os.PathLike[str], *, decays: Any = None,
     for i, name in enumerate(names):
         theta[f"mlp/w{i}"] = np.ascontiguousarray(tensors[f"{name}.weight"].T)
         theta[f"mlp/b{i}"] = tensors[f"{name}.bias"]
-    theta.update(_decays(decays, hp))
+    theta.update(_decays(decays, hp, path))
     for k in ("decays/momentum", "decays/rms", "decays/adafactor"):
         if theta[k].shape != shapes[k]:
             raise CheckpointError(f"{path}: decays {k!r} has shape {theta[k].shape}, these "
@@ -210,10 +210,19 @@ def _velo_expected(hp: Any) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple
 def read_velo(path: str | os.PathLike[str], **overrides: Any) -> tuple[Any, dict[str, Any]]:
     """A directory with PyLO's ``rnn/`` (``VeLORNN``) and ``mlp/`` (``VeLOMLP``) →
     ``(VeLO, θ canonical)``."""
+    path = Path(path)
+    return read_velo_pair(path / RNN_DIR, path / MLP_DIR, **overrides)
+
+
+def read_velo_pair(rnn_dir: str | os.PathLike[str], mlp_dir: str | os.PathLike[str],
+                   **overrides: Any) -> tuple[Any, dict[str, Any]]:
+    """PyLO's ``VeLORNN`` and ``VeLOMLP`` directories (two Hub repositories, each
+    ``config.json`` + ``model.safetensors``) → ``(VeLO, θ canonical)``."""
     from xopt.specs import velo as v
 
-    path = Path(path)
-    rcfg, mcfg = path / RNN_DIR / _files.CONFIG, path / MLP_DIR / _files.CONFIG
+    rnn_dir, mlp_dir = Path(rnn_dir), Path(mlp_dir)
+    path = rnn_dir.parent if rnn_dir.parent == mlp_dir.parent else rnn_dir
+    rcfg, mcfg = rnn_dir / _files.CONFIG, mlp_dir / _files.CONFIG
     rc, mc = _files.read_json(rcfg), _files.read_json(mcfg)
     _check_config(rcfg, rc, {"input_size": v.NUM_LSTM_FEATURES, "lstm_hidden_size": None,
                              "mix_layers": True, "param_inits": None})
@@ -233,7 +242,7 @@ def read_velo(path: str | os.PathLike[str], **overrides: Any) -> tuple[Any, dict
     except TypeError as e:
         raise CheckpointError(f"{path}: bad hyperparameter override ({e})") from None
     rnn_shapes, mlp_shapes = _velo_expected(hp)
-    rfile, mfile = path / RNN_DIR / _files.WEIGHTS, path / MLP_DIR / _files.WEIGHTS
+    rfile, mfile = rnn_dir / _files.WEIGHTS, mlp_dir / _files.WEIGHTS
     rnn, mlp = _files.read_safetensors(rfile), _files.read_safetensors(mfile)
     _files.check_keys(rfile, rnn, rnn_shapes)
     _files.check_keys(mfile, mlp, mlp_shapes)

@@ -170,6 +170,33 @@ class LearnedOptimizer(torch.optim.Optimizer):
         self._device = first.device if first is not None else torch.device("cpu")
         self.state["global"] = self._new_global_state()
 
+    # -- checkpoints (xopt.checkpoints.hub) ---------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, params: Iterable[Tensor] | Iterable[dict[str, Any]],
+                        path_or_repo_id: Any, **kwargs: Any) -> LearnedOptimizer:
+        """The optimizer with θ and hyperparameters from a checkpoint: a local directory in
+        any format :mod:`xopt.checkpoints` reads, a Hub repository id, or PyLO VeLO's pair
+        ``(rnn, mlp)``; keywords (``num_training_steps=...``, ``decays=`` for a PyLO
+        small_fc_lopt) as :func:`xopt.checkpoints.hub.from_pretrained`."""
+        from xopt.checkpoints import hub
+
+        return hub.from_pretrained(cls, params, path_or_repo_id, **kwargs)
+
+    def save_pretrained(self, save_directory: Any, *, format: str = "xopt",
+                        overwrite: bool = True) -> Any:
+        """Write θ and the hyperparameters (format ``"xopt"``, ``"lo"`` or ``"pylo"``)."""
+        from xopt.checkpoints import hub
+
+        return hub.save_pretrained(self.hyperparams_cls.METHOD, self.hp, self.meta,
+                                   save_directory, format=format, overwrite=overwrite)
+
+    def push_to_hub(self, repo_id: Any, **kwargs: Any) -> list[str]:
+        """Upload the checkpoint to the Hugging Face Hub (needs ``xopt-ml[hub]``)."""
+        from xopt.checkpoints import hub
+
+        return hub.push_to_hub(self.hyperparams_cls.METHOD, self.hp, self.meta, repo_id,
+                               **kwargs)
+
     # torch.optim.Optimizer pickles (and deep-copies) only defaults, state and param_groups
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
