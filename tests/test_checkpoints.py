@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import struct
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -539,19 +541,80 @@ def test_torch_from_pretrained_and_save_pretrained_round_trip(tmp_path):
         xt.SmallFCLOpt.from_pretrained([w], LO_VELO, num_training_steps=10)
 
 
-def test_hub_ids_need_the_hub_extra_and_paths_are_not_ids(tmp_path):
-    import importlib.util
-
+def test_hub_ids_need_the_hub_extra_and_paths_are_not_ids(tmp_path, monkeypatch):
     from xopt.checkpoints import hub
 
-    if importlib.util.find_spec("huggingface_hub") is not None:
-        pytest.skip("huggingface_hub is installed")
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # as if not installed
     with pytest.raises(ImportError, match=r"xopt-ml\[hub\]"):
         hub.load_pretrained("someone/velo")
     with pytest.raises(ImportError, match=r"xopt-ml\[hub\]"):
         hub.push_to_hub("velo", *C.load(LO_VELO)[1:], "someone/velo")
     with pytest.raises(CheckpointError, match="no such checkpoint directory"):
         hub.load_pretrained(str(tmp_path / "absent" / "dir"))
+
+
+class _FakeHub:
+    """A stand-in for huggingface_hub with the calls xopt makes (no network here): a
+    "repository" is a folder under ``root``; uploads copy into it, downloads return it."""
+
+    def __init__(self, root):
+        self.root, self.calls = root, []
+        hub_self = self
+
+        class HfApi:
+            def __init__(self, token=None):
+                hub_self.calls.append(("HfApi", token))
+
+            def create_repo(self, repo_id, *, private=None, exist_ok=False):
+                hub_self.calls.append(("create_repo", repo_id, private, exist_ok))
+                (hub_self.root / repo_id).mkdir(parents=True, exist_ok=exist_ok)
+
+            def upload_folder(self, *, repo_id, folder_path, commit_message=None):
+                hub_self.calls.append(("upload_folder", repo_id, commit_message))
+                shutil.copytree(folder_path, hub_self.root / repo_id, dirs_exist_ok=True)
+                return types.SimpleNamespace(commit_url=f"https://hub/{repo_id}/commit/1")
+
+        def snapshot_download(repo_id, *, revision=None, token=None):
+            hub_self.calls.append(("snapshot_download", repo_id, revision, token))
+            return str(hub_self.root / repo_id)
+
+        self.module = types.SimpleNamespace(HfApi=HfApi, snapshot_download=snapshot_download)
+
+
+def test_push_to_hub_and_from_pretrained_round_trip_through_the_hub_api(tmp_path, monkeypatch):
+    from xopt.checkpoints import hub
+
+    fake = _FakeHub(tmp_path / "hub")
+    monkeypatch.setitem(sys.modules, "huggingface_hub", fake.module)
+    method, hp, theta = C.load(LO_VELO)
+    urls = hub.push_to_hub(method, hp, theta, "someone/velo", token="t0k")
+    assert urls == ["https://hub/someone/velo/commit/1"]
+    got_method, got_hp, got_theta = hub.load_pretrained("someone/velo", revision="main")
+    assert (got_method, got_hp) == (method, hp)
+    assert theta.keys() == got_theta.keys()
+    assert all(np.array_equal(theta[k], got_theta[k]) for k in theta)
+    # PyLO keeps VeLO as two repositories
+    urls = hub.push_to_hub(method, hp, theta, ("someone/velo-rnn", "someone/velo-mlp"),
+                           format="pylo")
+    assert len(urls) == 2
+    _, _, pair_theta = hub.load_pretrained(("someone/velo-rnn", "someone/velo-mlp"))
+    assert all(np.array_equal(theta[k], pair_theta[k]) for k in theta)
+    assert ("create_repo", "someone/velo", None, True) in fake.calls
+    assert ("snapshot_download", "someone/velo", "main", None) in fake.calls
+
+
+def test_the_hub_calls_match_huggingface_hubs_signatures():
+    # the stand-in above is only as good as its signatures: check them against the real
+    # library's (keyword names and where they may be passed)
+    hfh = pytest.importorskip("huggingface_hub")
+    import inspect
+
+    for fn, args in [(hfh.HfApi.__init__, {"token"}),
+                     (hfh.HfApi.create_repo, {"repo_id", "private", "exist_ok"}),
+                     (hfh.HfApi.upload_folder, {"repo_id", "folder_path", "commit_message"}),
+                     (hfh.snapshot_download, {"repo_id", "revision", "token"})]:
+        params = inspect.signature(fn).parameters
+        assert args <= set(params), (fn.__qualname__, args - set(params))
 
 
 def test_golden_trace_check_sees_a_changed_theta():
