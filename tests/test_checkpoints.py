@@ -404,7 +404,8 @@ def _original_or_skip():
     from xopt.parity.originals import learned_optimization as orig
 
     if not orig.available():
-        pytest.skip("learned_optimization is not importable (PYTHONPATH=/tmp/lo_src)")
+        pytest.skip("learned_optimization is not importable (see "
+                    "xopt/parity/originals/learned_optimization.py to make it so)")
     return orig.import_modules()
 
 
