@@ -33,6 +33,7 @@ with ``steps`` a float32 pytree like params (``p ← p − lr·step``).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
@@ -41,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from xopt.errors import HyperparameterError, NonFiniteError
+from xopt.errors import HyperparameterError, MetaParamsError, NonFiniteError
 from xopt.specs._lopt import LOptOptions
 
 __all__ = ["AccumState", "InnerMethod", "LOptState", "learned_optimizer"]
@@ -114,6 +115,57 @@ def _raise_nonfinite(label: str, names: list[str], flags: Any) -> None:
         raise NonFiniteError(f"{label}: the loss holds NaN or inf; no parameter was updated")
     raise NonFiniteError(f"{label}: gradient of {names[k]} holds NaN or inf; no parameter "
                          "was updated")
+
+
+def configure(label: str, cls: type[LOptOptions], meta: Any, *, spec: Any,
+              given: dict[str, Any], learning_rate: Any, meta_params: Any, seed: int,
+              ) -> tuple[LOptOptions, Callable[[jax.Array], jax.Array] | None,
+                         dict[str, np.ndarray]]:
+    """The shared front of ``xopt.jax.small_fc_lopt`` and ``xopt.jax.velo``.
+
+    Resolves the hyperparameters (``spec`` or the keywords in ``given`` that are not None;
+    a number ``learning_rate`` becomes ``lr``, a callable one is returned as the schedule)
+    and θ (``meta_params`` in either naming through ``meta.coerce``, or ``meta.init(hp,
+    seed)``) as float32 NumPy arrays, checked finite: NumPy, so that jit embeds θ as
+    constants, as the original's ``opt_fn(θ)`` does. Errors name ``label`` and the field
+    or key.
+    """
+    given = {k: v for k, v in given.items() if v is not None}
+    schedule = learning_rate if callable(learning_rate) else None
+    if spec is not None:
+        if not isinstance(spec, cls):
+            raise HyperparameterError(f"{label}: spec must be an {cls.__module__}.{cls.__name__}"
+                                      f", got {type(spec).__name__}")
+        if given or learning_rate is not None:
+            names = sorted(given) + (["learning_rate"] if learning_rate is not None else [])
+            raise HyperparameterError(
+                f"{label}: pass either spec= or hyperparameters, not both (got spec and "
+                f"{', '.join(names)}); use spec.replace(...)")
+        hp = spec
+    else:
+        if learning_rate is not None and schedule is None:
+            given["lr"] = learning_rate
+        try:
+            hp = cls(**given)
+        except HyperparameterError as e:
+            raise HyperparameterError(f"{label}: {e}") from None
+    theta = meta.init(hp, seed) if meta_params is None else meta.coerce(meta_params, hp)
+    arrays = {}
+    for k, v in theta.items():
+        arr = np.asarray(v.detach().cpu() if hasattr(v, "detach") else v, dtype=np.float32)
+        if not np.isfinite(arr).all():
+            raise MetaParamsError(f"{label} meta_params: meta-parameter {k!r} holds NaN or inf")
+        arrays[k] = arr
+    return hp, schedule, arrays
+
+
+def reject_unknown(label: str, unknown: dict[str, Any], signature: inspect.Signature) -> None:
+    """A keyword the transformation does not take is an error naming it."""
+    if unknown:
+        hint = " (the learning rate is `learning_rate`, as in optax)" if "lr" in unknown else ""
+        raise HyperparameterError(
+            f"{label}: unknown argument(s) {', '.join(map(repr, sorted(unknown)))}{hint}; "
+            f"known: {', '.join(signature.parameters)}")
 
 
 def learned_optimizer(method: InnerMethod, hp: LOptOptions, *,

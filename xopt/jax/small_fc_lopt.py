@@ -31,8 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from xopt.errors import HyperparameterError, MetaParamsError
-from xopt.jax._lopt import AccumState, LOptState, learned_optimizer
+from xopt.jax._lopt import AccumState, LOptState, configure, learned_optimizer, reject_unknown
 from xopt.specs import small_fc_lopt as _spec
 
 __all__ = ["AccumState", "LOptState", "SmallFCState", "small_fc_lopt"]
@@ -140,48 +139,17 @@ def small_fc_lopt(
       ``init(params) -> LOptState``; ``update(grads, state, params, value=loss)`` →
       ``(updates, state)``, ``updates`` in ``promote(param dtype, float32)``.
     """
-    if unknown:
-        raise HyperparameterError(
-            f"xopt.jax.small_fc_lopt: unknown argument(s) {', '.join(map(repr, sorted(unknown)))}"
-            f"; known: {', '.join(inspect.signature(small_fc_lopt).parameters)}")
+    label = "xopt.jax.small_fc_lopt"
+    reject_unknown(label, unknown, inspect.signature(small_fc_lopt))
     given = dict(num_training_steps=num_training_steps, weight_decay=weight_decay,
                  weight_decay_mode=weight_decay_mode, max_training_steps=max_training_steps,
                  exp_mult=exp_mult, step_mult=step_mult, hidden_size=hidden_size,
                  hidden_layers=hidden_layers, initial_momentum_decays=initial_momentum_decays,
                  initial_rms_decays=initial_rms_decays,
                  initial_adafactor_decays=initial_adafactor_decays)
-    given = {k: v for k, v in given.items() if v is not None}
-    schedule = learning_rate if callable(learning_rate) else None
-    if spec is not None:
-        if not isinstance(spec, _spec.SmallFCLOpt):
-            raise HyperparameterError(f"xopt.jax.small_fc_lopt: spec must be an "
-                                      f"xopt.specs.small_fc_lopt.SmallFCLOpt, got "
-                                      f"{type(spec).__name__}")
-        if given or learning_rate is not None:
-            names = sorted(given) + (["learning_rate"] if learning_rate is not None else [])
-            raise HyperparameterError(
-                f"xopt.jax.small_fc_lopt: pass either spec= or hyperparameters, not both (got "
-                f"spec and {', '.join(names)}); use spec.replace(...)")
-        hp = spec
-    else:
-        if learning_rate is not None and schedule is None:
-            given["lr"] = learning_rate
-        _spec.SmallFCLOpt._reject_unknown(given)
-        try:
-            hp = _spec.SmallFCLOpt(**given)
-        except HyperparameterError as e:
-            raise HyperparameterError(f"xopt.jax.small_fc_lopt: {e}") from None
-    label = "xopt.jax.small_fc_lopt"
-    if meta_params is None:
-        theta = _spec.meta_init(hp, seed, backend="jax")
-    else:
-        theta = _spec.coerce_meta(meta_params, hp)
-    meta = {}
-    for k, v in theta.items():
-        arr = np.asarray(v.detach().cpu() if hasattr(v, "detach") else v, dtype=np.float32)
-        if not np.isfinite(arr).all():
-            raise MetaParamsError(f"{label} meta_params: meta-parameter {k!r} holds NaN or inf")
-        meta[k] = arr  # NumPy: jit embeds θ as constants, as in the original's opt_fn(θ)
+    hp, schedule, meta = configure(label, _spec.SmallFCLOpt, _spec.META, spec=spec, given=given,
+                                   learning_rate=learning_rate, meta_params=meta_params,
+                                   seed=seed)
     return learned_optimizer(_Method(hp, meta), hp, learning_rate=schedule,
                              check_finite=check_finite, needs_loss=False, label=label)
 

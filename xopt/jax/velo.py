@@ -36,8 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from xopt.errors import HyperparameterError, MetaParamsError
-from xopt.jax._lopt import AccumState, LOptState, learned_optimizer
+from xopt.jax._lopt import AccumState, LOptState, configure, learned_optimizer, reject_unknown
 from xopt.specs import velo as _spec
 
 __all__ = ["AccumState", "LOptState", "VeLOState", "velo"]
@@ -189,11 +188,7 @@ def velo(
       ``(updates, state)``; the loss is required.
     """
     label = "xopt.jax.velo"
-    if unknown:
-        hint = " (the learning rate is `learning_rate`, as in optax)" if "lr" in unknown else ""
-        raise HyperparameterError(
-            f"{label}: unknown argument(s) {', '.join(map(repr, sorted(unknown)))}{hint}; "
-            f"known: {', '.join(inspect.signature(velo).parameters)}")
+    reject_unknown(label, unknown, inspect.signature(velo))
     given = dict(num_training_steps=num_training_steps, weight_decay=weight_decay,
                  weight_decay_mode=weight_decay_mode, max_training_steps=max_training_steps,
                  lstm_hidden_size=lstm_hidden_size, param_inits=param_inits,
@@ -202,36 +197,9 @@ def velo(
                  initial_rms_decays=initial_rms_decays,
                  initial_adafactor_decays=initial_adafactor_decays, exp_mult=exp_mult,
                  step_mult=step_mult, use_bugged_loss_features=use_bugged_loss_features)
-    given = {k: v for k, v in given.items() if v is not None}
-    schedule = learning_rate if callable(learning_rate) else None
-    if spec is not None:
-        if not isinstance(spec, _spec.VeLO):
-            raise HyperparameterError(f"{label}: spec must be an xopt.specs.velo.VeLO, got "
-                                      f"{type(spec).__name__}")
-        if given or learning_rate is not None:
-            names = sorted(given) + (["learning_rate"] if learning_rate is not None else [])
-            raise HyperparameterError(
-                f"{label}: pass either spec= or hyperparameters, not both (got spec and "
-                f"{', '.join(names)}); use spec.replace(...)")
-        hp = spec
-    else:
-        if learning_rate is not None and schedule is None:
-            given["lr"] = learning_rate
-        try:
-            hp = _spec.VeLO(**given)
-        except HyperparameterError as e:
-            raise HyperparameterError(f"{label}: {e}") from None
-    hp.require_num_training_steps(label)
-    if meta_params is None:
-        theta = _spec.meta_init(hp, seed)
-    else:
-        theta = _spec.coerce_meta(meta_params, hp)
-    meta = {}
-    for k, v in theta.items():
-        arr = np.asarray(v.detach().cpu() if hasattr(v, "detach") else v, dtype=np.float32)
-        if not np.isfinite(arr).all():
-            raise MetaParamsError(f"{label} meta_params: meta-parameter {k!r} holds NaN or inf")
-        meta[k] = arr  # NumPy: jit embeds θ as constants, as the original's opt_fn(θ) does
+    hp, schedule, meta = configure(label, _spec.VeLO, _spec.META, spec=spec, given=given,
+                                   learning_rate=learning_rate, meta_params=meta_params,
+                                   seed=seed)
     return learned_optimizer(_Method(hp, meta), hp, learning_rate=schedule,
                              check_finite=check_finite, needs_loss=True, label=label)
 
