@@ -24,7 +24,23 @@ SHARED = ROOT.parent / "shared/parity"
 
 #: golden cases copied from ../shared/parity, as "<method>/<case>"
 SHARED_CASES = [
+    # every low-rank, CompAct and POET case (8.6 MB in all)
     "galore/adamw_left_r4_gap5",
+    "galore/adamw_reverse_std_r4_gap5",
+    "galore/adamw_right_r4_gap5",
+    "galore/adamw_std_r4_gap5",
+    "flora/flora_r4_kappa4",
+    "coap/adafactor_r4_tu3_rf2",
+    "coap/adamw_r4_tu3_rf2",
+    "coap/adamw_r4_tu3_rf2_restore",
+    "compact/linear_in32_out24_r0.25",
+    "compact/llama2block_h16_r0.25",
+    "poet/cayley_neumann_b16",
+    "poet/cayley_neumann_b8",
+    "poet/cayley_neumann_triton_b16",
+    "poet/cayley_neumann_triton_b8",
+    "poet/linear_in64_out48_b16",
+    "poet/train_in64_out48_b16_merge4",
     # one case per learned optimizer (the repository cannot carry all 37 MB of them);
     # parity_tests/ runs every case from ../shared when it is present
     "small_fc_lopt/pylo_sizes_perturbed_seed0",

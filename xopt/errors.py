@@ -42,3 +42,8 @@ class MetaParamsError(XoptError, ValueError):
 class CheckpointError(XoptError, ValueError):
     """A checkpoint file or directory is missing, corrupt, in no known format, or holds a
     missing, extra or misshaped key; the message names the file (and the key)."""
+
+
+class DecompositionError(XoptError, ArithmeticError):
+    """An SVD or QR of a parameter's gradient did not converge or produced NaN/inf; the
+    message names the parameter (the projection it would have refreshed is left as it was)."""

@@ -33,6 +33,7 @@ from xopt.parity.compare import TensorError, closer_to, errors
 from xopt.parity.runners import OptaxRunner, OracleRunner, Runner, TorchRunner
 from xopt.parity.trace import Trace, load_trace
 from xopt.specs import MethodSpec, Original, Tolerance, get
+from xopt.specs._groups import ParamGroups
 from xopt.specs._hyperparams import Hyperparams
 from xopt.specs._method import load_object
 
@@ -213,17 +214,33 @@ def make_runner(spec: MethodSpec, hp: Hyperparams, names: list[str], which: str,
     extra = {} if spec.meta is None else {"meta_params": meta}
     if which in ("torch", "jax"):
         factory = load_object(spec.implementations[which])
+        takes_inject = spec.inject is not None
         if which == "torch":
             kwargs = dict(extra) if impl == "plain" else {"impl": impl, **extra}
+            if isinstance(hp, ParamGroups):
+                # torch param groups, each carrying its hyperparameters as ``spec``
+                def make(ps: list[Any]) -> Any:
+                    by_name = dict(zip(names, ps, strict=True))
+                    groups = [{"params": [by_name[n] for n in g_names], "spec": g_hp}
+                              for g_names, g_hp in hp.groups if g_names]
+                    return factory(groups, spec=hp.first, **kwargs)
+            else:
+                def make(ps: list[Any]) -> Any:
+                    return factory(ps, spec=hp, **kwargs)
             r: Runner = TorchRunner(
                 spec, hp, names, label="xopt.torch", naming=spec.naming_of["torch"],
-                factory=lambda ps: factory(ps, spec=hp, **kwargs), device=device,
-                pass_loss=spec.takes_loss)
+                factory=make, device=device, pass_loss=spec.takes_loss,
+                takes_inject=takes_inject)
             r.impl = impl
             return r
+        if isinstance(hp, ParamGroups):
+            # optax: one setting per leaf, by name (the params are a flat dict)
+            jax_kwargs = {"spec": hp.first, "param_specs": {n: hp.hp_of(n) for n in names}}
+        else:
+            jax_kwargs = {"spec": hp}
         return OptaxRunner(spec, hp, names, label="xopt.jax", naming=spec.naming_of["jax"],
-                           factory=lambda: factory(spec=hp, **extra),
-                           pass_loss=spec.takes_loss)
+                           factory=lambda: factory(**jax_kwargs, **extra),
+                           pass_loss=spec.takes_loss, takes_inject=takes_inject)
     o = spec.original(which)
     ctor = load_object(o.factory)
     kwargs = o.to_kwargs(hp)
@@ -254,7 +271,8 @@ def _drive(runner: Runner, trace: Trace, spec: MethodSpec, hp: Hyperparams, nami
             else:
                 runner.reset(trace.params_after(t - 1), trace_state(trace, spec, hp, naming,
                                                                     t - 1))
-        runner.step(trace.grads(t), trace.loss(t))
+        inject = spec.inject(trace, t, hp) if spec.inject is not None else None
+        runner.step(trace.grads(t), trace.loss(t), inject)
         out.append(Step(*runner.read()))
         tick()
     return out
@@ -335,9 +353,18 @@ def run_parity(method: str, traces: Sequence[str | Trace], *,
     loaded = [t if isinstance(t, Trace) else load_trace(t) for t in traces]
     notes: list[str] = []
     jobs = []
+    layer_runs: list[Run] = []
     for trace in loaded:
         if trace.method != method:
             raise TraceError(f"{trace.path}: trace is for method {trace.method!r}, not {method!r}")
+        if trace.kind == "layer":
+            if spec.layer_parity is None:
+                raise TraceError(f"{trace.path}: a layer trace, and {method} has no layer harness")
+            driver = load_object(spec.layer_parity)
+            layer_runs += driver(trace, backends=backends, against=against, modes=modes,
+                                 impl=impl, device=device, max_steps=max_steps, notes=notes,
+                                 explicit_backends=explicit_backends)
+            continue
         origin = original_of(spec, trace)
         try:
             hp = origin.from_kwargs(trace_hyperparameters(trace))
@@ -367,7 +394,7 @@ def run_parity(method: str, traces: Sequence[str | Trace], *,
     total = sum(len(set(sel) | ({ref} - {"golden"}) | {"oracle"}) * steps * len(modes)
                 for _, _, _, steps, sel, ref, _ in jobs)
     tick = progress(total) if progress else (lambda: None)
-    runs: list[Run] = []
+    runs: list[Run] = list(layer_runs)
     for trace, origin, hp, steps, selected, reference, meta in jobs:
         names = list(trace.params)
         naming = origin.naming_for(hp)

@@ -8,7 +8,9 @@ harness compares any two of them, and any of them with a golden trace, the same 
 * :class:`OptaxRunner`: an ``optax.GradientTransformation`` (xopt's or an original's).
 
 ``reset(params, state)`` sets parameters and state (``state=None``: a fresh optimizer);
-``step(grads, loss)`` takes one update; ``read()`` returns ``(params, canonical state)``.
+``step(grads, loss, inject)`` takes one update (``inject``: ``{param: {key: array}}``, the
+values an original drew from its own generator or decomposition at this update, which
+xopt's implementations use instead of their own; see :attr:`MethodSpec.inject`); ``read()`` returns ``(params, canonical state)``.
 Teacher forcing is ``reset`` from the trace before every ``step``; closed loop is one
 ``reset`` from the trace's ``init`` and then ``step`` after ``step``.
 """
@@ -42,7 +44,8 @@ class Runner:
     def reset(self, params: Arrays, state: Arrays | None) -> None:
         raise NotImplementedError
 
-    def step(self, grads: Arrays, loss: float | None) -> None:
+    def step(self, grads: Arrays, loss: float | None,
+             inject: Mapping[str, Mapping[str, np.ndarray]] | None = None) -> None:
         raise NotImplementedError
 
     def read(self) -> tuple[Arrays, Arrays]:
@@ -74,10 +77,15 @@ class OracleRunner(Runner):
         else:
             self.state = {k: _to_f64(v) for k, v in state.items()}
 
-    def step(self, grads: Arrays, loss: float | None) -> None:
+    def step(self, grads: Arrays, loss: float | None,
+             inject: Mapping[str, Mapping[str, np.ndarray]] | None = None) -> None:
         g = {k: np.asarray(grads[k], dtype=np.float64) for k in self.param_names}
+        extra = dict(self.extra)
+        if inject:
+            extra["inject"] = {p: {k: _to_f64(v) for k, v in d.items()}
+                               for p, d in inject.items()}
         self.params, self.state = self.spec.step(self.hp, self.params, self.state, g, xp=np,
-                                                 loss=loss, **self.extra)
+                                                 loss=loss, **extra)
 
     def read(self) -> tuple[Arrays, Arrays]:
         return dict(self.params), {k: np.asarray(v) for k, v in self.state.items()}
@@ -92,19 +100,23 @@ class TorchRunner(Runner):
     """A ``torch.optim.Optimizer`` made by ``factory(list_of_params)``.
 
     ``naming`` must lay state out as ``"{param}/<key>"`` (``optimizer.state[p][key]``).
+    ``takes_inject``: the optimizer's ``step`` accepts ``inject={tensor: {key: tensor}}``
+    (xopt's optimizers of methods with :attr:`MethodSpec.inject`); originals do not, and
+    draw their own.
     """
 
     backend = "torch"
 
     def __init__(self, spec: MethodSpec, hp: Hyperparams, param_names: list[str], *,
                  label: str, factory: Callable[[list[Any]], Any], naming: str,
-                 device: str = "cpu", pass_loss: bool = False) -> None:
+                 device: str = "cpu", pass_loss: bool = False,
+                 takes_inject: bool = False) -> None:
         super().__init__(spec, hp, param_names)
         import torch
 
         self.torch = torch
         self.label, self.factory, self.naming = label, factory, naming
-        self.device, self.pass_loss = device, pass_loss
+        self.device, self.pass_loss, self.takes_inject = device, pass_loss, takes_inject
 
     def _tensor(self, a: np.ndarray):
         return self.torch.from_numpy(np.array(a, copy=True)).to(self.device)
@@ -128,13 +140,16 @@ class TorchRunner(Runner):
                     top, _, var = k.partition("/")
                     self.opt.state.setdefault(top, {})[var] = self._tensor(v)
 
-    def step(self, grads: Arrays, loss: float | None) -> None:
+    def step(self, grads: Arrays, loss: float | None,
+             inject: Mapping[str, Mapping[str, np.ndarray]] | None = None) -> None:
         for name, p in zip(self.param_names, self.params, strict=True):
             p.grad = self._tensor(grads[name])
-        if self.pass_loss:
-            self.opt.step(loss=loss)
-        else:
-            self.opt.step()
+        kwargs: dict[str, Any] = {"loss": loss} if self.pass_loss else {}
+        if inject and self.takes_inject:
+            by_name = dict(zip(self.param_names, self.params, strict=True))
+            kwargs["inject"] = {by_name[n]: {k: self._tensor(v) for k, v in d.items()}
+                                for n, d in inject.items()}
+        self.opt.step(**kwargs)
 
     def read(self) -> tuple[Arrays, Arrays]:
         params = {k: p.detach().cpu().numpy().copy()
@@ -198,17 +213,20 @@ class OptaxRunner(Runner):
 
     def __init__(self, spec: MethodSpec, hp: Hyperparams, param_names: list[str], *,
                  label: str, factory: Callable[[], Any], naming: str,
-                 pass_loss: bool = False) -> None:
+                 pass_loss: bool = False, takes_inject: bool = False) -> None:
         super().__init__(spec, hp, param_names)
         import jax
         import optax
 
         self.jax, self.optax = jax, optax
         self.label, self.naming, self.pass_loss = label, naming, pass_loss
+        self.takes_inject = takes_inject
         self.tx = factory()
 
-        def _step(params, state, grads, loss):
+        def _step(params, state, grads, loss, inject):
             extra = {"value": loss} if pass_loss else {}
+            if inject is not None:
+                extra["inject"] = inject
             updates, state = self.tx.update(grads, state, params, **extra)
             return optax.apply_updates(params, updates), state
 
@@ -223,12 +241,16 @@ class OptaxRunner(Runner):
             flat = self.spec.state.from_canonical(self.naming, state, self.param_names, self.hp)
             self.state = replace_by_paths(self.state, flat)
 
-    def step(self, grads: Arrays, loss: float | None) -> None:
+    def step(self, grads: Arrays, loss: float | None,
+             inject: Mapping[str, Mapping[str, np.ndarray]] | None = None) -> None:
         import jax.numpy as jnp
 
         g = {k: jnp.asarray(grads[k]) for k in self.param_names}
         loss_arr = jnp.asarray(np.float32(0.0 if loss is None else loss))
-        self.params, self.state = self._step(self.params, self.state, g, loss_arr)
+        inj = None
+        if inject and self.takes_inject:  # a new structure retraces once
+            inj = {n: {k: jnp.asarray(v) for k, v in d.items()} for n, d in inject.items()}
+        self.params, self.state = self._step(self.params, self.state, g, loss_arr, inj)
 
     def read(self) -> tuple[Arrays, Arrays]:
         params = {k: np.asarray(v) for k, v in self.params.items()}

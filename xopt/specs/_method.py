@@ -141,6 +141,15 @@ class MethodSpec:
       impls: implementations of the torch backend (``"plain"``, ``"triton"``).
       meta: the learned optimizer's weights, for methods that have them (else None): the
         harness hands them to every runner (``meta_params=``) and to ``step(meta=...)``.
+      inject: ``(trace, t, hp) -> {param name: {key: array}}`` or None: the values an
+        original drew from its own random generator or decomposition at update ``t``
+        (projections, SVD factors), read from the trace, which every xopt implementation
+        uses instead of its own (``step(..., inject=...)``; see each spec for the keys).
+        Originals run live ignore it.
+      layer_parity: ``"module:function"`` that runs the comparisons of a ``kind: "layer"``
+        trace (a module's forward/backward and its optimizer, driven the method's own way):
+        ``fn(trace, *, backends, against, modes, impl, device, max_steps, notes) ->
+        list[Run]``. ``run_parity`` hands such traces to it.
     """
 
     name: str
@@ -158,6 +167,8 @@ class MethodSpec:
     takes_loss: bool = False
     impls: tuple[str, ...] = ("plain",)
     meta: MetaParams | None = None
+    inject: Callable[..., dict[str, dict[str, Any]] | None] | None = None
+    layer_parity: str | None = None
 
     def make(self, preset: str | None = None, **overrides: Any) -> Hyperparams:
         """Hyperparameters from a preset (or the class defaults) with overrides applied."""

@@ -14,6 +14,11 @@ the parameter name, and the dtype that implementation stores. A global variable 
 template contains ``{param}`` is stored once per parameter (torch.optim keeps a ``step``
 per tensor); reading it back checks that all copies agree.
 
+``hp`` may be a :class:`~xopt.specs._groups.ParamGroups`: each parameter's variables then
+follow its own group's hyperparameters, and a per-parameter variable may exist for some
+parameters only (``StateVar.applies``: GaLore's projector exists for projected matrices,
+not for biases).
+
 Everything here works on NumPy arrays; backends convert at their edges.
 """
 
@@ -26,6 +31,7 @@ from typing import Any, Literal
 import numpy as np
 
 from xopt.errors import StateError
+from xopt.specs._groups import all_hps, hp_for
 
 ShapeRule = Callable[[tuple[int, ...], Any], tuple[int, ...]]
 
@@ -60,6 +66,15 @@ class StateVar:
     dtype: str
     doc: str
     active: Callable[[Any], bool] = lambda hp: True
+    #: per-parameter variables only: ``(parameter shape, that parameter's hp) -> bool``;
+    #: None means every parameter has one. A conditional variable missing from a flat
+    #: mapping is read as absent (the schema's shape check names it if it should be there).
+    applies: Callable[[tuple[int, ...], Any], bool] | None = None
+
+    def exists_for(self, shape: tuple[int, ...], hp: Any) -> bool:
+        if not self.active(hp):
+            return False
+        return self.applies is None or bool(self.applies(tuple(shape), hp))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +96,9 @@ class StateSchema:
     namings: Mapping[str, Naming]
 
     def active(self, hp: Any) -> tuple[StateVar, ...]:
-        return tuple(v for v in self.vars if v.active(hp))
+        """Variables active under ``hp`` (under any group's hyperparameters for groups)."""
+        hps = all_hps(hp)
+        return tuple(v for v in self.vars if any(v.active(h) for h in hps))
 
     def var(self, name: str) -> StateVar:
         for v in self.vars:
@@ -104,9 +121,11 @@ class StateSchema:
         for v in self.active(hp):
             if v.scope == "param":
                 for p, shape in params.items():
-                    out[f"{v.name}/{p}"] = v.shape(tuple(shape), hp)
+                    hpp = hp_for(hp, p)
+                    if v.exists_for(shape, hpp):
+                        out[f"{v.name}/{p}"] = v.shape(tuple(shape), hpp)
             else:
-                out[v.name] = v.shape((), hp)
+                out[v.name] = v.shape((), all_hps(hp)[0])
         return out
 
     def check_canonical(
@@ -156,6 +175,8 @@ class StateSchema:
             elif v.scope == "param":
                 for p in param_names:
                     key = template.format(param=p)
+                    if key not in flat and (v.applies is not None or not v.active(hp_for(hp, p))):
+                        continue  # absent for this parameter; check_canonical judges
                     if key not in flat:
                         raise StateError(f"{where}: missing {key!r} (state {v.name!r} of {p!r})")
                     out[f"{v.name}/{p}"] = np.asarray(flat[key])
@@ -201,6 +222,9 @@ class StateSchema:
                 out[template] = arr.astype(dtype) if dtype else arr
             elif v.scope == "param":
                 for p in param_names:
+                    if f"{v.name}/{p}" not in state and (
+                            v.applies is not None or not v.active(hp_for(hp, p))):
+                        continue
                     arr = np.asarray(state[f"{v.name}/{p}"])
                     out[template.format(param=p)] = arr.astype(dtype) if dtype else arr
             else:

@@ -213,7 +213,7 @@ class LearnedOptimizationRunner(Runner):
                     flat[path] = params[name]
             self.state = replace_by_paths(self.state, flat)
 
-    def step(self, grads: Arrays, loss: float | None) -> None:
+    def step(self, grads: Arrays, loss: float | None, inject: Any = None) -> None:
         import jax.numpy as jnp
 
         g = {k: jnp.asarray(grads[k]) for k in self.param_names}

@@ -1,0 +1,126 @@
+"""What xopt's low-rank optax transformations share: per-leaf settings, names, checks.
+
+* **Per-leaf hyperparameters.** Every transformation takes ``spec`` (one setting for all
+  leaves) and optionally ``param_specs``: a pytree shaped like the parameters whose leaves
+  are the method's spec dataclass or ``None`` (use ``spec``), or a function of the
+  parameters returning one; or a mapping from leaf path names (``"mlp/0/weight"``) to
+  specs. This is how optax users pick projected leaves (``project=False`` on the others),
+  as torch users do with param groups. Settings are static: they fix state shapes.
+* **Names.** Leaves are named by their path, keys joined by ``/``, in errors and in
+  ``inject``.
+* **inject.** ``update(..., inject={path name: {key: array}})`` (an extra argument, as
+  ``value=`` is for the learned optimizers): values an update uses instead of its own
+  draws or decompositions; the parity harness feeds an original's recorded projections.
+* **check_finite.** A NaN/inf gradient, or a refresh whose decomposition is not finite,
+  raises :class:`~xopt.errors.NonFiniteError` / :class:`~xopt.errors.DecompositionError`
+  naming the leaf (under ``jit`` from a host callback, which synchronises). Without the
+  check, a refresh whose decomposition is not finite keeps the previous projection
+  rather than writing NaN into it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xopt.errors import DecompositionError, HyperparameterError, NonFiniteError
+from xopt.specs._hyperparams import Hyperparams
+
+
+def _key_str(k: Any) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def path_names(tree: Any) -> list[str]:
+    """Leaf names of ``tree``, in flattening order: path keys joined by ``/``."""
+    return ["/".join(_key_str(k) for k in path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def leaf_specs(params: Any, spec: Hyperparams, param_specs: Any, cls: type[Hyperparams],
+               label: str) -> list[Hyperparams]:
+    """The hyperparameters of every leaf of ``params`` (flattening order)."""
+    names = path_names(params)
+    if param_specs is None:
+        return [spec] * len(names)
+    given = param_specs(params) if callable(param_specs) else param_specs
+    if isinstance(given, Mapping) and given and set(given) <= set(names):
+        # by leaf name (for a flat dict of parameters this is also the pytree form)
+        for n, v in given.items():
+            if v is not None and not isinstance(v, cls):
+                raise HyperparameterError(f"{label}: param_specs[{n!r}] is a "
+                                          f"{type(v).__name__}, expected {cls.__name__} or None")
+        return [given.get(n) or spec for n in names]
+    leaves = jax.tree.leaves(given, is_leaf=lambda x: x is None or isinstance(x, cls))
+    if len(leaves) != len(names):
+        raise HyperparameterError(
+            f"{label}: param_specs has {len(leaves)} leaves, the parameters {len(names)}")
+    out = []
+    for n, v in zip(names, leaves, strict=True):
+        if v is not None and not isinstance(v, cls):
+            raise HyperparameterError(f"{label}: param_specs[{n!r}] is a {type(v).__name__}, "
+                                      f"expected {cls.__name__} or None")
+        out.append(spec if v is None else v)
+    return out
+
+
+def inject_for(inject: Mapping[str, Mapping[str, Any]] | None, names: list[str],
+               label: str) -> list[Mapping[str, Any] | None]:
+    """``inject`` per leaf (None where nothing is injected); unknown names are an error."""
+    if not inject:
+        return [None] * len(names)
+    unknown = sorted(set(inject) - set(names))
+    if unknown:
+        raise ValueError(f"{label}: inject names unknown leaves {unknown}")
+    return [inject.get(n) for n in names]
+
+
+def raise_if_nonfinite(label: str, names: list[str], leaves: list[jax.Array]) -> None:
+    """The opt-in gradient check (a host callback under ``jit``)."""
+    if not leaves:
+        return
+    flags = jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves])
+
+    def check(f: Any) -> None:
+        f = np.asarray(f)
+        if not f.all():
+            k = int(np.argmin(f))
+            raise NonFiniteError(f"{label}: gradient of {names[k]} holds NaN or inf")
+
+    if isinstance(flags, jax.core.Tracer):
+        jax.debug.callback(check, flags)
+    else:
+        check(flags)
+
+
+def decomposition_guard(label: str, name: str, ok: jax.Array, check: bool) -> None:
+    """With ``check``, raise :class:`DecompositionError` naming ``name`` when ``ok`` is
+    false (a refresh whose SVD/QR returned NaN/inf)."""
+    if not check:
+        return
+
+    def fail(flag: Any) -> None:
+        if not bool(np.asarray(flag)):
+            raise DecompositionError(f"{label}: the SVD/QR refreshing the projection of "
+                                     f"{name} returned NaN/inf (non-finite gradient?)")
+
+    if isinstance(ok, jax.core.Tracer):
+        jax.debug.callback(fail, ok)
+    else:
+        fail(ok)
+
+
+def keep_if_not_finite(new: jax.Array, old: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(new if every entry is finite else old, that flag)``."""
+    ok = jnp.all(jnp.isfinite(new))
+    return jnp.where(ok, new, old), ok
+
+
+Schedule = Callable[[jax.Array], jax.Array]

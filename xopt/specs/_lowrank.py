@@ -1,0 +1,147 @@
+"""Math the low-rank gradient methods share: unique SVD and QR, projections, rank rules.
+
+GaLore, Flora, COAP and PLUMAGE keep optimizer state in an ``r``-dimensional subspace of
+each matrix's gradient ``G`` (``m × n``), described by a projection ``P``:
+
+* *left*:  ``P`` is ``m × r``, the low-rank gradient ``R = Pᵀ G`` is ``r × n``, and an
+  update ``N`` returns to full shape as ``P N``;
+* *right*: ``P`` is ``n × r`` (or its transpose, ``r × n``, as GaLore and COAP store
+  it), ``R = G P`` is ``m × r``, and ``N`` returns as ``N Pᵀ``.
+
+Decompositions are made unique before use, identically under NumPy, torch and jax.numpy,
+so that xopt's two backends agree on every projection without injected values:
+
+* :func:`svd`: each left singular vector's entry of largest magnitude (the first such
+  entry on a tie) is made positive, and the right singular vector flipped with it;
+* :func:`qr`: ``R``'s diagonal is made non-negative (``Q``'s columns flipped with it).
+
+Singular vectors of (nearly) equal singular values are not unique even then; the methods'
+parity tests inject the original's projection at refresh steps, as the traces recommend.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from xopt.errors import HyperparameterError
+from xopt.specs import _xp
+
+
+def _arange(xp: ModuleType, n: int, like: Any) -> Any:
+    if _xp.is_torch(xp):
+        return xp.arange(n, device=like.device)
+    return xp.arange(n)
+
+
+def _one_where_nonneg(xp: ModuleType, x: Any) -> Any:
+    one = xp.ones_like(x)
+    return xp.where(x < 0, -one, one)
+
+
+def svd(xp: ModuleType, a: Any) -> tuple[Any, Any, Any]:
+    """Reduced SVD ``a = U diag(S) Vh`` with xopt's sign convention.
+
+    Args:
+      a: ``(m, n)`` float array (NumPy, torch or jax).
+    Returns:
+      ``U`` ``(m, k)``, ``S`` ``(k,)`` descending, ``Vh`` ``(k, n)``, ``k = min(m, n)``, in
+      ``a``'s dtype; for every ``i`` the entry of ``U[:, i]`` of largest magnitude is
+      positive and ``Vh[i]`` is flipped with ``U[:, i]``.
+    """
+    u, s, vh = xp.linalg.svd(a, full_matrices=False)
+    k = s.shape[0]
+    rows = xp.argmax(xp.abs(u), axis=0) if not _xp.is_torch(xp) else \
+        xp.argmax(u.abs(), dim=0)
+    pivot = u[rows, _arange(xp, k, u)]
+    sign = _one_where_nonneg(xp, pivot)
+    return u * sign[None, :], s, vh * sign[:, None]
+
+
+def qr(xp: ModuleType, a: Any) -> tuple[Any, Any]:
+    """Reduced QR ``a = Q R`` with ``R``'s diagonal non-negative.
+
+    Args:
+      a: ``(m, k)`` float array, ``m >= k``.
+    Returns:
+      ``Q`` ``(m, k)`` with orthonormal columns, ``R`` ``(k, k)`` upper triangular.
+    """
+    q, r = xp.linalg.qr(a, mode="reduced")
+    k = r.shape[0]
+    diag = r[_arange(xp, k, r), _arange(xp, k, r)]
+    sign = _one_where_nonneg(xp, diag)
+    return q * sign[None, :], r * sign[:, None]
+
+
+def check_rank(rank: int, shape: tuple[int, ...], where: str) -> None:
+    """Raise :class:`HyperparameterError` naming ``where`` unless ``1 <= rank <= min(shape)``."""
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+        raise HyperparameterError(f"{where}: rank = {rank!r} must be an int")
+    if rank < 1:
+        raise HyperparameterError(f"{where}: rank = {rank} must be at least 1")
+    if len(shape) != 2:
+        raise HyperparameterError(f"{where}: a projected parameter must be a matrix; "
+                                  f"shape {tuple(shape)}")
+    if rank > min(shape):
+        raise HyperparameterError(
+            f"{where}: rank = {rank} is larger than the matrix allows: shape "
+            f"{tuple(shape)} has rank at most {min(shape)}")
+
+
+def check_interval(value: int, field: str, where: str) -> None:
+    """Raise :class:`HyperparameterError` unless ``value`` is a positive int."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise HyperparameterError(f"{where}: {field} = {value!r} must be a positive int")
+
+
+# -- the authors' AdamW (transformers' ``AdamW``, which GaLore and COAP copy) ------------------
+#
+# One update of a tensor ``p`` whose (possibly projected) gradient is ``r``, at 1-based step
+# ``t``, in the order galore_torch/adamw.py and coap_torch/optimizer/adamw.py perform it:
+#
+#     m ← β₁ m + (1 − β₁) r              v ← β₂ v + (1 − β₂) r²
+#     N ← m / (√v + ε)                   (ε on the *uncorrected* √v)
+#     α ← η √(1 − β₂ᵗ) / (1 − β₁ᵗ)       (η without correction when correct_bias=False)
+#     p ← p − α · back(N)                then, if λ > 0:  p ← p − ηλ · p   (on the new p)
+#
+# ``back`` is the method's projection back (identity for tensors that are not projected).
+
+
+def hf_adam_moments(xp: ModuleType, m: Any, v: Any, r: Any, b1: float, b2: float
+                    ) -> tuple[Any, Any]:
+    """``(β₁ m + (1 − β₁) r, β₂ v + (1 − β₂) r²)``; shapes of ``r``, state dtype."""
+    return m * b1 + r * (1.0 - b1), v * b2 + (r * r) * (1.0 - b2)
+
+
+def hf_adam_direction(xp: ModuleType, m: Any, v: Any, eps: float) -> Any:
+    """``N = m / (√v + ε)``."""
+    return m / (xp.sqrt(v) + eps)
+
+
+def hf_step_size(lr: Any, b1: float, b2: float, t: Any, correct_bias: bool) -> Any:
+    """``α = η √(1 − β₂ᵗ) / (1 − β₁ᵗ)`` (or ``η``).
+
+    With a Python int ``t`` this is Python float (double) arithmetic, as the authors' code;
+    with an array ``t`` (jax under ``jit``) it is evaluated in the array's float dtype as
+    ``−expm1(t·log1p(−(1−β)))``, within a few float32 ulp of the double value.
+    """
+    if not correct_bias:
+        return lr
+    if isinstance(t, (int, np.integer)):
+        return lr * math.sqrt(1.0 - b2 ** int(t)) / (1.0 - b1 ** int(t))
+    xp = _xp.namespace(t)
+    tf = t.astype(xp.float32)
+    bc1 = -xp.expm1(tf * xp.log1p(-(1.0 - b1)))
+    bc2 = -xp.expm1(tf * xp.log1p(-(1.0 - b2)))
+    return lr * xp.sqrt(bc2) / bc1
+
+
+def hf_apply(p: Any, update: Any, step_size: Any, lr: Any, weight_decay: float) -> Any:
+    """``p ← p − α·update``, then ``p ← p − ηλ·p`` when ``λ > 0`` (decay after the step)."""
+    p = p - step_size * update
+    if weight_decay > 0.0:
+        p = p - (lr * weight_decay) * p
+    return p
