@@ -1,0 +1,495 @@
+"""CompAct in PyTorch: a linear layer that saves ``x P`` instead of ``x``, and its Adam.
+
+* :class:`CompActFunction` (``torch.autograd.Function``): the forward saves the compressed
+  activation ``z = x P``; the backward returns the exact ``∂L/∂x`` and ``∂L/∂b`` and leaves
+  the compressed weight gradient ``Ĝ = gᵀ z`` (out × r) in ``weight.compact_grad``
+  (``weight.grad`` stays None: torch requires a gradient of the parameter's shape, and a
+  full-size one would give back the memory CompAct saves). Backward calls before one
+  optimizer step accumulate, as ``.grad`` does.
+* :class:`CompActLinear` (``nn.Module``): ``weight`` (out × in) and ``bias`` (out), as
+  ``nn.Linear``; :meth:`CompActLinear.from_linear` wraps an existing layer, sharing its
+  parameters. P is redrawn from ``(seed, proj_step // gap)`` on every forward and never
+  stored; ``proj_step`` (a buffer) counts the optimizer updates applied to the layer.
+* :func:`compact_model`: converts a model's chosen linear layers in place, as the authors'
+  ``torchrun_main._replace_linear_with_custom`` does for LLaMA (q, k, v, gate, up, down
+  projected; o_proj with the identity projector and scale ``scale_o_proj · scale``).
+* :class:`CompActAdamW` (``torch.optim.Optimizer``): Adam on ``compact_grad`` for CompAct
+  weights, projected back with the *same* P (redrawn from the seed and refresh index the
+  forward used, checked) and scaled by α; the same Adam on ``.grad`` for every other
+  parameter. The arithmetic is the authors' ``SmallAdamW``; see :mod:`xopt.specs.compact`.
+
+Design note: the projection key travels with the gradient. The backward stores the
+(seed, refresh) it projected with in ``weight.compact_key``; the optimizer redraws P from
+that key only after checking it against its own state (the seed it first saw, and
+``step // gap``), so a forward and an update that would use different projections (a
+changed seed, a state dict from another model, gradient accumulation across a refresh)
+raise an error naming the layer instead of silently mixing subspaces.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from xopt.errors import HyperparameterError, StateError, XoptError
+from xopt.specs import compact as _spec
+
+__all__ = ["CompActAdamW", "CompActFunction", "CompActLinear", "LayerError", "compact_model",
+           "LLAMA_LAYERS"]
+
+#: The LLaMA linear layers the authors convert (``--layer_filter all``), by name.
+LLAMA_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GENERATORS = ("xopt", "torch")
+
+
+class LayerError(XoptError, TypeError):
+    """A module given to the CompAct converter is not an ``nn.Linear`` (the message names it),
+    or a named layer does not exist."""
+
+
+def _draw(proj: _spec.Projection, refresh: int, device: torch.device, dtype: torch.dtype,
+          generator: str) -> torch.Tensor | None:
+    """P (n × r) of ``proj`` at ``refresh`` on ``device`` in ``dtype``; None for identity."""
+    if proj.kind == "identity":
+        return None
+    if generator == "xopt":
+        p = _spec.projection(proj, refresh, backend="torch", device=device, dtype="float32")
+        return p if dtype == torch.float32 else p.to(dtype)
+    # "torch": torch's own generator, seeded from the same (seed, refresh): fast on GPUs,
+    # not portable (JAX cannot reproduce it).
+    seed = _spec.projection_seed(proj.seed, refresh) & (2**63 - 1)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    if proj.kind == "gaussian":
+        p = torch.randn(proj.in_features, proj.rank, device=device, dtype=torch.float32,
+                        generator=gen)
+        p.mul_(1.0 / math.sqrt(proj.rank))
+    else:
+        s = min(proj.jl_nnz, proj.rank)
+        bounds = [(j * proj.rank) // s for j in range(s + 1)]
+        lo = torch.tensor(bounds[:-1], device=device)
+        size = torch.tensor(bounds[1:], device=device) - lo
+        u = torch.rand(proj.in_features, s, device=device, generator=gen)
+        cols = lo + (u * size).long().clamp_max(size - 1)
+        signs = torch.randint(0, 2, (proj.in_features, s), device=device, generator=gen)
+        vals = (1.0 - 2.0 * signs.float()) * (1.0 / math.sqrt(s))
+        p = torch.zeros(proj.in_features, proj.rank, device=device).scatter_(1, cols, vals)
+    return p if dtype == torch.float32 else p.to(dtype)
+
+
+class CompActFunction(torch.autograd.Function):
+    """``y = x Wᵀ + b`` saving ``z = x P`` (paper Algorithms 1-2).
+
+    ``apply(x, weight, bias, p, key)``: ``x (..., n)``, ``weight (m, n)``, ``bias (m,)`` or
+    None, ``p (n, r)`` or None (identity: ``z = x``), all of one floating dtype; ``key``
+    is the ``(seed, refresh)`` P was drawn from, stored with the gradient. Returns
+    ``y (..., m)``. Backward: ``∂L/∂x = g W``, ``∂L/∂b = Σ g``, and ``Ĝ = Σ gᵀ z`` (m × r)
+    added to ``weight.compact_grad`` (created if None); ``weight.compact_key = key``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                p: torch.Tensor | None, key: tuple[int, int]) -> torch.Tensor:
+        y, z = _spec.linear_forward(x, weight, bias, p, xp=torch)
+        ctx.save_for_backward(z, weight)
+        ctx.has_bias = bias is not None
+        ctx.key = key
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor):
+        z, weight = ctx.saved_tensors
+        grad_x, g_hat, grad_b = _spec.linear_backward(grad_output, z, weight, ctx.has_bias,
+                                                      xp=torch)
+        if not ctx.needs_input_grad[0]:
+            grad_x = None
+        if ctx.needs_input_grad[1]:
+            old = getattr(weight, "compact_grad", None)
+            if old is None:
+                weight.compact_grad = g_hat
+                weight.compact_key = ctx.key
+            elif getattr(weight, "compact_key", None) is None:  # zeroed, not cleared
+                old.add_(g_hat)
+                weight.compact_key = ctx.key
+            else:
+                if weight.compact_key != ctx.key:
+                    raise StateError(
+                        f"{_name_of(weight)}: gradients projected with (seed, refresh) "
+                        f"{weight.compact_key} and {ctx.key} cannot be accumulated; call the "
+                        "optimizer (or zero_grad) before the projection changes")
+                old.add_(g_hat)
+        return grad_x, None, grad_b, None, None
+
+
+def _name_of(weight: torch.Tensor) -> str:
+    layer = getattr(weight, "_compact_layer", None)
+    layer = layer() if layer is not None else None
+    name = getattr(layer, "compact_name", None) if layer is not None else None
+    return f"CompAct layer {name!r}" if name else "a CompAct layer"
+
+
+class CompActLinear(nn.Module):
+    """A linear layer whose backward keeps only a random projection of its input.
+
+    Parameters ``weight`` (out × in) and ``bias`` (out, optional) as ``nn.Linear``; the
+    forward is exact, ``y = x Wᵀ + b`` for ``x`` of shape ``(..., in)`` (any float dtype),
+    and saves ``z = x P`` of shape ``(..., r)``, ``r = round(in · rank)``. Without
+    autograd (``no_grad``, or nothing requiring a gradient) it is a plain linear layer.
+
+    Args:
+      in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+      rank: r as a fraction of ``in_features``, in (0, 1].
+      proj_type: ``"gaussian"``, ``"sparse_jl"`` or ``"identity"`` (no compression).
+      scale: α, applied by :class:`CompActAdamW` to this layer's projected-back step.
+      seed: this layer's seed, an int in [0, 2⁶⁴) (:func:`compact_model` gives layer i the
+        seed ``fold_in(seed, i)``).
+      gap: T, draw a new P every T optimizer updates (0: never).
+      jl_nnz: non-zeros per row of a sparse JL projection.
+      generator: ``"xopt"`` (:mod:`xopt.random`, the same bits in JAX; the default) or
+        ``"torch"`` (torch's generator seeded from the same seed: much faster on GPUs,
+        not reproducible across frameworks).
+
+    State: the buffer ``proj_step`` (int64, number of updates the optimizer applied) and
+    the projection settings in ``get_extra_state`` (plain Python values), so a state dict
+    restores the projection exactly and loads with ``torch.load(weights_only=True)``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 rank: float = 0.5, proj_type: str = "gaussian", scale: float = 1.0,
+                 seed: int = 0, gap: int = 0, jl_nnz: int = 4, generator: str = "xopt",
+                 device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device,
+                                               dtype=dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+        self.register_buffer("proj_step", torch.zeros((), dtype=torch.int64, device=device))
+        self._step = 0  # proj_step as a Python int: reading the buffer would sync the GPU
+        self.compact_name = ""
+        self.configure(rank=rank, proj_type=proj_type, scale=scale, seed=seed, gap=gap,
+                       jl_nnz=jl_nnz, generator=generator)
+
+    def configure(self, *, rank: float, proj_type: str, scale: float, seed: int, gap: int,
+                  jl_nnz: int, generator: str) -> None:
+        """Validate and set the projection settings (errors name the layer and field)."""
+        where = f"CompActLinear{f' {self.compact_name!r}' if self.compact_name else ''}"
+        if proj_type not in _spec.KINDS:
+            raise HyperparameterError(f"{where}.proj_type = {proj_type!r}: must be one of "
+                                      f"{', '.join(map(repr, _spec.KINDS))}")
+        if generator not in GENERATORS:
+            raise HyperparameterError(f"{where}.generator = {generator!r}: must be 'xopt' "
+                                      "or 'torch'")
+        if proj_type == "identity":
+            r = self.in_features
+        else:
+            r = _spec.rank_of(self.in_features, rank, where=f"{where}.rank")
+        if not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise HyperparameterError(f"{where}.seed = {seed!r}: must be an int in [0, 2**64)")
+        if not isinstance(gap, int) or gap < 0:
+            raise HyperparameterError(f"{where}.gap = {gap!r}: must be an int ≥ 0")
+        self.rank, self.proj_type, self.generator = float(rank), proj_type, generator
+        self.proj = _spec.Projection(kind=proj_type, in_features=self.in_features, rank=r,
+                                     scale=float(scale), seed=seed, gap=gap, jl_nnz=jl_nnz)
+        self.weight._compact_layer = weakref.ref(self)
+
+    @property
+    def seed(self) -> int:
+        return self.proj.seed
+
+    @property
+    def r(self) -> int:
+        """The projection width r."""
+        return self.proj.rank
+
+    @classmethod
+    def from_linear(cls, layer: nn.Module, *, name: str = "", **kwargs: Any) -> CompActLinear:
+        """A CompActLinear sharing ``layer``'s ``weight`` and ``bias`` (the same Parameter
+        objects, like the authors' ``SmallLinear.like``). ``kwargs``: the projection
+        settings of :class:`CompActLinear`. ``layer`` must be an ``nn.Linear``."""
+        if not isinstance(layer, nn.Linear):
+            raise LayerError(
+                f"CompActLinear.from_linear: layer {name or type(layer).__name__!r} is a "
+                f"{type(layer).__module__}.{type(layer).__name__}, not a torch.nn.Linear")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = layer.in_features, layer.out_features
+        new.weight = layer.weight
+        new.bias = layer.bias
+        new.register_buffer("proj_step", torch.zeros((), dtype=torch.int64,
+                                                     device=layer.weight.device))
+        new._step = 0
+        new.compact_name = name
+        defaults = dict(rank=0.5, proj_type="gaussian", scale=1.0, seed=0, gap=0, jl_nnz=4,
+                        generator="xopt")
+        unknown = sorted(set(kwargs) - set(defaults))
+        if unknown:
+            raise HyperparameterError(f"CompActLinear.from_linear: unknown argument(s) "
+                                      f"{', '.join(map(repr, unknown))}")
+        new.configure(**{**defaults, **kwargs})
+        return new
+
+    def refresh(self) -> int:
+        """The refresh number the next forward uses: ``proj_step // gap``."""
+        return self.proj.refresh(self._step)
+
+    def set_proj_step(self, step: int) -> None:
+        """Set the number of updates applied (the optimizer calls this after each one)."""
+        self._step = int(step)
+        self.proj_step.fill_(self._step)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._step = int(self.proj_step)
+
+    def projection(self, refresh: int | None = None, *, device: Any = None,
+                   dtype: Any = None) -> torch.Tensor | None:
+        """P (n × r) at ``refresh`` (default: the current one), redrawn from the seed."""
+        refresh = self.refresh() if refresh is None else refresh
+        return _draw(self.proj, refresh, torch.device(device or self.weight.device),
+                     dtype or self.weight.dtype, self.generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
+            y = x @ self.weight.T
+            return y + self.bias if self.bias is not None else y
+        refresh = self.refresh()
+        p = self.projection(refresh, dtype=x.dtype)
+        return CompActFunction.apply(x, self.weight, self.bias, p, (self.proj.seed, refresh))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, r={self.r}, proj_type={self.proj_type!r}, "
+                f"scale={self.proj.scale}, gap={self.proj.gap}, seed={self.proj.seed}")
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"rank": self.rank, "proj_type": self.proj_type, "scale": self.proj.scale,
+                "seed": self.proj.seed, "gap": self.proj.gap, "jl_nnz": self.proj.jl_nnz,
+                "generator": self.generator}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self.configure(**state)
+
+
+def compact_model(model: nn.Module, *, rank: float = 0.5, proj_type: str = "gaussian",
+                  scale: float = 1.0, scale_o_proj: float = 1.0, gap: int = 0, seed: int = 0,
+                  jl_nnz: int = 4, generator: str = "xopt",
+                  layers: Sequence[str] = LLAMA_LAYERS, identity: Sequence[str] = ("o_proj",),
+                  spec: _spec.CompAct | None = None) -> dict[str, CompActLinear]:
+    """Replace ``model``'s chosen linear layers by :class:`CompActLinear`, in place.
+
+    A module is converted when the last part of its name is in ``layers`` (LLaMA's
+    ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``,
+    ``down_proj`` by default) or its full dotted name is; those whose last part is in
+    ``identity`` get the identity projection with scale ``scale_o_proj · scale`` (the
+    authors' treatment of ``o_proj``), the others ``proj_type`` with rank ratio ``rank``
+    and scale α = ``scale``. Layers are numbered in ``named_modules`` order and layer i
+    gets the seed ``fold_in(seed, i)``. ``spec`` (a :class:`xopt.specs.compact.CompAct`)
+    supplies rank, proj_type, scale, scale_o_proj, gap, seed and jl_nnz instead.
+
+    Returns ``{name: layer}`` of the converted layers. Raises :class:`LayerError` naming
+    the module when a selected module is not an ``nn.Linear`` or a full name in ``layers``
+    matches nothing, and :class:`HyperparameterError` for a rank ratio outside (0, 1].
+    """
+    if spec is not None:
+        rank, proj_type, scale, scale_o_proj = spec.rank, spec.proj_type, spec.scale, \
+            spec.scale_o_proj
+        gap, seed, jl_nnz = spec.gap, spec.seed, spec.jl_nnz
+    _spec.check_rank(rank, "compact_model: rank")
+    chosen = []
+    found_full = set()
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        last = name.rsplit(".", 1)[-1]
+        if last in layers or name in layers:
+            if name in layers:
+                found_full.add(name)
+            if isinstance(module, CompActLinear):
+                raise LayerError(f"compact_model: layer {name!r} is already a CompActLinear")
+            if not isinstance(module, nn.Linear):
+                raise LayerError(
+                    f"compact_model: layer {name!r} is a {type(module).__module__}."
+                    f"{type(module).__name__}, not a torch.nn.Linear; CompAct converts "
+                    "linear layers only")
+            chosen.append((name, last, module))
+    missing = [n for n in layers if "." in n and n not in found_full]
+    if missing:
+        raise LayerError(f"compact_model: no module named {', '.join(map(repr, missing))}")
+    out: dict[str, CompActLinear] = {}
+    for i, (name, last, module) in enumerate(chosen):
+        is_id = last in identity
+        new = CompActLinear.from_linear(
+            module, name=name, rank=rank if not is_id else 1.0,
+            proj_type="identity" if is_id else proj_type,
+            scale=scale_o_proj * scale if is_id else scale,
+            seed=_spec.layer_seed(seed, i), gap=gap, jl_nnz=jl_nnz, generator=generator)
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        setattr(parent, last, new)
+        out[name] = new
+    return out
+
+
+class CompActAdamW(torch.optim.Optimizer):
+    """Adam on CompAct's compressed gradients (paper Algorithm 3), plain Adam elsewhere.
+
+    For a CompAct weight (one with a ``compact_grad``) the moments are (out × r); the step
+    redraws the P of the forward from its key, projects ``N = M/(√V + ε)`` back as
+    ``α (N Pᵀ)`` and applies ``W ← W − s_t·α N Pᵀ`` with ``s_t = η √(1−β₂ᵗ)/(1−β₁ᵗ)``,
+    then ``W ← W − ηλW``; it then advances the layer's ``proj_step``. Other parameters get
+    the same update on ``.grad`` with P = I, α = 1. float32 parameters follow the
+    authors' ``SmallAdamW`` op for op; bfloat16/float16 parameters keep float32 moments
+    and are updated in float32 and rounded once.
+
+    Args:
+      params: parameters or param groups (CompAct weights and others may be mixed).
+      lr, b1, b2, eps, weight_decay, correct_bias: as :class:`xopt.specs.compact.CompAct`
+        (``betas=(b1, b2)`` is accepted too, as in torch.optim).
+      spec: a :class:`xopt.specs.compact.CompAct` to take these from instead.
+
+    State per parameter: ``step`` (int64 tensor), ``exp_avg``, ``exp_avg_sq`` (the names of
+    the authors' optimizer) and, for CompAct weights, ``seed`` (Python int): a state dict
+    loads with ``weights_only=True``.
+
+    Raises:
+      StateError: the forward projected with another seed than the optimizer's state holds,
+        or with a refresh number other than ``step // gap`` (names the layer).
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float | None = None, *,
+                 b1: float | None = None, b2: float | None = None,
+                 betas: tuple[float, float] | None = None, eps: float | None = None,
+                 weight_decay: float | None = None, correct_bias: bool | None = None,
+                 spec: _spec.CompAct | None = None) -> None:
+        given = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                     correct_bias=correct_bias)
+        if betas is not None:
+            if b1 is not None or b2 is not None:
+                raise HyperparameterError("CompActAdamW: give betas or b1/b2, not both")
+            given["b1"], given["b2"] = (float(betas[0]), float(betas[1]))
+        given = {k: v for k, v in given.items() if v is not None}
+        if spec is not None:
+            if given:
+                raise HyperparameterError(
+                    f"CompActAdamW: spec= given together with {', '.join(sorted(given))}")
+            hp = spec
+        else:
+            hp = _spec.CompAct(**given)
+        self.hp = hp
+        defaults = dict(lr=hp.lr, b1=hp.b1, b2=hp.b2, eps=hp.eps,
+                        weight_decay=hp.weight_decay, correct_bias=hp.correct_bias)
+        super().__init__(params, defaults)
+
+    def _group_hp(self, group: dict[str, Any]) -> _spec.CompAct:
+        return self.hp.replace(lr=float(group["lr"]), b1=group["b1"], b2=group["b2"],
+                               eps=group["eps"], weight_decay=group["weight_decay"],
+                               correct_bias=group["correct_bias"])
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            hp = self._group_hp(group)
+            for p in group["params"]:
+                g_hat = getattr(p, "compact_grad", None)
+                if g_hat is None and p.grad is None:
+                    continue
+                if g_hat is not None:
+                    self._step_compact(hp, p, g_hat)
+                else:
+                    self._step_plain(hp, p, p.grad)
+        return loss
+
+    def _state(self, p: torch.Tensor, shape: tuple[int, ...]) -> dict[str, Any]:
+        state = self.state[p]
+        if "step" not in state:
+            dt = torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
+            state["step"] = torch.zeros((), dtype=torch.int64)
+            state["exp_avg"] = torch.zeros(shape, dtype=dt, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(shape, dtype=dt, device=p.device)
+        elif tuple(state["exp_avg"].shape) != tuple(shape):
+            raise StateError(f"CompActAdamW: moments of shape {tuple(state['exp_avg'].shape)} "
+                             f"do not fit a gradient of shape {tuple(shape)}")
+        return state
+
+    def _apply(self, hp: _spec.CompAct, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any],
+               proj: torch.Tensor | None, scale: float) -> None:
+        count = int(state["step"]) + 1
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        g = g.to(m.dtype)
+        # The authors' in-place sequence (optimizers/adamw.py), for bitwise parity.
+        m.mul_(hp.b1).add_(g, alpha=1.0 - hp.b1)
+        v.mul_(hp.b2).addcmul_(g, g, value=1.0 - hp.b2)
+        denom = v.sqrt().add_(hp.eps)
+        s = _spec.step_size(hp.lr, hp.b1, hp.b2, count, hp.correct_bias)
+        n = m / denom
+        if proj is not None or scale != 1.0:
+            n = _spec.project_back(n, proj, scale)
+        if p.dtype == m.dtype:
+            p.add_(n, alpha=-s)
+            if hp.weight_decay > 0.0:
+                p.add_(p, alpha=-hp.lr * hp.weight_decay)
+        else:
+            w = p.float().add_(n, alpha=-s)
+            if hp.weight_decay > 0.0:
+                w.add_(w, alpha=-hp.lr * hp.weight_decay)
+            p.copy_(w)
+        state["step"] += 1
+
+    def _step_plain(self, hp: _spec.CompAct, p: torch.Tensor, g: torch.Tensor) -> None:
+        if g.is_sparse:
+            raise HyperparameterError("CompActAdamW does not support sparse gradients")
+        self._apply(hp, p, g, self._state(p, tuple(p.shape)), None, 1.0)
+
+    def _step_compact(self, hp: _spec.CompAct, p: torch.Tensor, g_hat: torch.Tensor) -> None:
+        ref = getattr(p, "_compact_layer", None)
+        layer = ref() if ref is not None else None
+        if layer is None:
+            raise StateError("CompActAdamW: a parameter has a compact_grad but no CompAct "
+                             "layer (was the layer deleted?)")
+        name = _name_of(p)
+        key = getattr(p, "compact_key", None)
+        state = self._state(p, tuple(g_hat.shape))
+        seed = state.setdefault("seed", layer.proj.seed)
+        t = int(state["step"])
+        if key is None or key[0] != seed:
+            raise StateError(
+                f"{name}: the forward projected with seed {None if key is None else key[0]}, "
+                f"but the optimizer's state for this weight holds seed {seed}; P must be drawn "
+                "from the same seed in the forward and the update (a state dict from "
+                "another model, or a changed layer seed?)")
+        expected = layer.proj.refresh(t)
+        if key[1] != expected:
+            raise StateError(
+                f"{name}: the forward used projection refresh {key[1]}, but this is update "
+                f"{t} of the optimizer, which uses refresh {t} // gap = {expected}; the "
+                f"layer's proj_step ({layer._step}) and the optimizer's step ({t}) "
+                "disagree")
+        proj = layer.projection(key[1], device=p.device, dtype=state["exp_avg"].dtype)
+        self._apply(hp, p, g_hat, state, proj, layer.proj.scale)
+        layer.set_proj_step(int(state["step"]))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if getattr(p, "compact_grad", None) is not None:
+                    if set_to_none:
+                        p.compact_grad = None
+                    else:
+                        p.compact_grad.zero_()
+                    p.compact_key = None
