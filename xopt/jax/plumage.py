@@ -1,0 +1,288 @@
+"""PLUMAGE with Adam as an optax transformation, computing :mod:`xopt.specs.plumage`'s math.
+
+:func:`plumage` returns an ``optax.GradientTransformationExtraArgs``. Each update calls the
+spec's functions (the paper's Algorithm 2-5, Eq. 18-29); this module adds what JAX needs:
+the refresh (SVD, Algorithm 2) and resample (Algorithm 3-4, realignment Eq. 28-29) branches
+as ``lax.cond`` on the step count, so one jitted step serves every step, and the random
+stream computed from the traced count.
+
+State (:class:`PlumageState`): ``count`` (int32, updates taken), ``mu``/``nu`` (Adam's M and
+V, a pytree like the params: ``(k, n)`` for a left projection, ``(m, k)`` for a right one,
+the leaf's shape when not projected), and dicts keyed by leaf path name (``"mlp/0/w"``)
+holding, for projected leaves only, ``projector`` (P), ``scale`` (diag D) and, when
+``resample_interval`` is not a multiple of ``update_proj_gap``, ``basis`` and ``probs``.
+Moments and projections are float32 for float32/bfloat16/float16 leaves (an SVD needs at
+least float32), float64 for float64 leaves.
+
+Random stream: leaf number ``i`` (flattening order) draws at step ``t`` from ``xopt.random``
+with seed ``fold_in(seed, i, t)``: the same numbers as ``xopt.torch.PLUMAGE``'s
+``i``-th parameter, so the two agree when the parameters are in the same order (a dict of
+parameters flattens in sorted key order).
+
+Choosing projected leaves: ``param_specs`` (see :mod:`xopt.jax._lowrank`), e.g.
+``param_specs=lambda p: jax.tree.map(lambda x: None if x.ndim == 2 else
+PLUMAGE(project=False), p)``; non-matrix leaves always take the full-rank Adam update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from xopt import random as xrandom
+from xopt.errors import HyperparameterError
+from xopt.jax._lowrank import (
+    decomposition_guard,
+    inject_for,
+    leaf_specs,
+    path_names,
+    raise_if_nonfinite,
+)
+from xopt.specs import _lowrank
+from xopt.specs import plumage as _spec
+
+__all__ = ["PlumageState", "plumage"]
+
+_LABEL = "xopt.jax.plumage"
+# fold_in's tag (xopt.random.fold_in's docstring): fold_in(s, d) for d < 2**32 is
+# threefry2x32(*key_from_seed(s), 0x666F6C64, d); used here with a traced d = t.
+_FOLD_TAG = 0x666F6C64
+
+
+class PlumageState(NamedTuple):
+    """State of :func:`plumage` (the spec's ``"xopt.jax"`` naming)."""
+
+    count: jax.Array
+    mu: optax.Updates
+    nu: optax.Updates
+    projector: dict[str, jax.Array]
+    scale: dict[str, jax.Array]
+    basis: dict[str, jax.Array]
+    probs: dict[str, jax.Array]
+
+
+def _state_dtype(x: Any) -> Any:
+    return jnp.float64 if jnp.result_type(x) == jnp.float64 else jnp.float32
+
+
+def draws(seed: int, index: int, t: jax.Array, d: int) -> tuple[jax.Array, jax.Array]:
+    """:func:`xopt.specs.plumage.draw` with a traced step ``t`` (int32): ``(perm, u)``."""
+    s = xrandom.fold_in(int(seed), int(index))
+    k0, k1 = s >> 32, s & 0xFFFFFFFF
+    y0, y1 = xrandom.threefry2x32(k0, k1, _FOLD_TAG, t.astype(jnp.uint32), backend="jax")
+    key = jnp.stack([y0, y1])
+    words = xrandom.bits(key, (2, d), backend="jax")
+    u = xrandom.uniform(key, (), counter=d, dtype="float32", backend="jax")
+    return _spec.permutation_from_words(jnp, words), u
+
+
+def _configure(learning_rate: Any, b1: Any, b2: Any, eps: Any, weight_decay: Any,
+               spec: _spec.PLUMAGE | None, preset: str | None,
+               fields: dict[str, Any]) -> tuple[_spec.PLUMAGE, Any]:
+    given = {k: v for k, v in dict(lr=learning_rate, b1=b1, b2=b2, eps=eps,
+                                   weight_decay=weight_decay, **fields).items()
+             if v is not None}
+    schedule = given.get("lr") if callable(given.get("lr")) else None
+    if spec is not None:
+        if not isinstance(spec, _spec.PLUMAGE):
+            raise HyperparameterError(f"{_LABEL}: spec must be an xopt.specs.plumage.PLUMAGE, "
+                                      f"got {type(spec).__name__}")
+        if given:
+            raise HyperparameterError(
+                f"{_LABEL}: pass either spec= or hyperparameters, not both (got spec and "
+                f"{', '.join(sorted(given))}); use spec.replace(...)")
+        return spec, None
+    if schedule is not None:
+        given["lr"] = _spec.PLUMAGE().lr  # validated stand-in; the schedule gives the value
+    _spec.PLUMAGE._reject_unknown(given)
+    try:
+        return _spec.SPEC.make(preset, **given), schedule
+    except HyperparameterError as e:
+        raise HyperparameterError(f"{_LABEL}: {e}") from e
+
+
+def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | None = None,
+            b2: float | None = None, eps: float | None = None,
+            weight_decay: float | None = None, *, rank: int | None = None,
+            update_proj_gap: int | None = None, resample_interval: int | None = None,
+            proj_side: str | None = None, realign_first_moment: bool | None = None,
+            realign_second_moment: bool | None = None, prob_eps: float | None = None,
+            seed: int | None = None, correct_bias: bool | None = None,
+            eps_inside_sqrt: bool | None = None, project: bool | None = None,
+            spec: _spec.PLUMAGE | None = None, param_specs: Any = None,
+            preset: str | None = None, check_finite: bool = False,
+            ) -> optax.GradientTransformationExtraArgs:
+    """PLUMAGE with Adam (Haroush & Soudry, Algorithm 5) as an optax transformation.
+
+    Args:
+      learning_rate: η (default 1e-3, Section 4.4): a float, a 0-d array
+        (``optax.inject_hyperparams``) or a schedule, called with the count before this
+        update; it applies to every leaf.
+      b1, b2, eps, weight_decay: Adam's (defaults 0.9, 0.999, 1e-8, 0.0), as in the spec.
+      spec: an :class:`xopt.specs.plumage.PLUMAGE` giving every hyperparameter (then pass
+        no other hyperparameter).
+      param_specs: per-leaf hyperparameters (a pytree of specs or None, a function of the
+        params returning one, or ``{leaf name: spec}``); see :mod:`xopt.jax._lowrank`.
+      preset: ``"paper"`` or ``"glue"``.
+      check_finite: raise :class:`~xopt.errors.NonFiniteError` on a NaN/inf gradient and
+        :class:`~xopt.errors.DecompositionError` naming the leaf when a refresh's SVD is
+        not finite (host callbacks; they synchronise). Without it such a refresh keeps the
+        previous projection, probabilities and moments instead of writing NaN into them.
+      rank, update_proj_gap, resample_interval, proj_side, realign_first_moment,
+      realign_second_moment, prob_eps, seed, correct_bias, eps_inside_sqrt, project: the
+        spec's fields (:class:`xopt.specs.plumage.PLUMAGE`); None takes the preset's or the
+        default. Under ``optax.inject_hyperparams`` name the integer fields you pass in
+        ``static_args`` (``rank``, ``update_proj_gap``, ``resample_interval``, ``seed``):
+        they fix shapes and the random stream.
+
+    Returns:
+      ``GradientTransformationExtraArgs``: ``init(params) -> PlumageState``;
+      ``update(updates, state, params=None, *, inject=None, **extra)`` where ``params``
+      is needed when a weight decay is set and ``inject={leaf name: {key: array}}`` (keys:
+      :data:`xopt.specs.plumage.INJECT_KEYS`) replaces a refresh's draw or SVD. Updates
+      are additive (``optax.apply_updates``).
+    """
+    fields = dict(rank=rank, update_proj_gap=update_proj_gap,
+                  resample_interval=resample_interval, proj_side=proj_side,
+                  realign_first_moment=realign_first_moment,
+                  realign_second_moment=realign_second_moment, prob_eps=prob_eps, seed=seed,
+                  correct_bias=correct_bias, eps_inside_sqrt=eps_inside_sqrt, project=project)
+    hp, schedule = _configure(learning_rate, b1, b2, eps, weight_decay, spec, preset, fields)
+
+    def specs_of(tree: Any) -> tuple[list[str], list[_spec.PLUMAGE]]:
+        names = path_names(tree)
+        specs = leaf_specs(tree, hp, param_specs, _spec.PLUMAGE, _LABEL)
+        for name, h, x in zip(names, specs, jax.tree.leaves(tree), strict=True):
+            if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+                raise HyperparameterError(f"{_LABEL}: {name}: dtype {jnp.result_type(x)} is not "
+                                          "supported (floating dtypes only)")
+            _spec.check_param(tuple(x.shape), h, f"{_LABEL}: {name}")
+        return names, specs
+
+    def init_fn(params: optax.Params) -> PlumageState:
+        names, specs = specs_of(params)
+        leaves, treedef = jax.tree.flatten(params)
+        mu, nu = [], []
+        extra: dict[str, dict[str, jax.Array]] = {k: {} for k in
+                                                  ("projector", "scale", "basis", "probs")}
+        for name, h, x in zip(names, specs, leaves, strict=True):
+            st = _spec.init_param_state(jnp, h, tuple(x.shape), _state_dtype(x))
+            mu.append(st.pop("m"))
+            nu.append(st.pop("v"))
+            for k, v in st.items():
+                extra[k][name] = v
+        return PlumageState(count=jnp.zeros([], jnp.int32), mu=treedef.unflatten(mu),
+                            nu=treedef.unflatten(nu), **extra)
+
+    def update_fn(updates: optax.Updates, state: PlumageState, params: optax.Params = None,
+                  *, inject: Mapping[str, Mapping[str, Any]] | None = None,
+                  **extra_args: Any) -> tuple[optax.Updates, PlumageState]:
+        del extra_args
+        names, specs = specs_of(updates)
+        g_leaves, treedef = jax.tree.flatten(updates)
+        if params is None and any(not _is_zero(h.weight_decay) for h in specs):
+            raise ValueError(f"{_LABEL}: update(...) needs params when weight_decay > 0")
+        p_leaves = treedef.flatten_up_to(params) if params is not None else [None] * len(names)
+        if check_finite:
+            raise_if_nonfinite(_LABEL, names, g_leaves)
+        injects = inject_for(inject, names, _LABEL)
+        mu_leaves = treedef.flatten_up_to(state.mu)
+        nu_leaves = treedef.flatten_up_to(state.nu)
+        t = state.count
+        extra = {k: dict(getattr(state, k)) for k in ("projector", "scale", "basis", "probs")}
+        new_u, new_mu, new_nu = [], [], []
+        for index, (name, h, g, p, m, v, inj) in enumerate(zip(
+                names, specs, g_leaves, p_leaves, mu_leaves, nu_leaves, injects, strict=True)):
+            lr = schedule(t) if schedule is not None else h.lr
+            st = {"m": m, "v": v}
+            st.update({k: extra[k][name] for k in extra if name in extra[k]})
+            u, st = _leaf_update(h, name, index, g, p, st, t, lr, inj, check_finite)
+            new_u.append(u.astype(g.dtype))
+            new_mu.append(st.pop("m"))
+            new_nu.append(st.pop("v"))
+            for k, val in st.items():
+                extra[k][name] = val
+        return treedef.unflatten(new_u), PlumageState(
+            count=optax.safe_increment(t), mu=treedef.unflatten(new_mu),
+            nu=treedef.unflatten(new_nu), **extra)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _is_zero(x: Any) -> bool:
+    return isinstance(x, (int, float)) and x == 0
+
+
+def _leaf_update(h: _spec.PLUMAGE, name: str, index: int, g: jax.Array, p: jax.Array | None,
+                 st: dict[str, jax.Array], t: jax.Array, lr: Any,
+                 inject: Mapping[str, Any] | None, check_finite: bool
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One leaf's update (the spec's :func:`~xopt.specs.plumage.update_param` with the
+    refresh as ``lax.cond``); returns the additive update and the new state."""
+    dtype = st["m"].dtype
+    g = g.astype(dtype)
+    shape = tuple(g.shape)
+    if _spec.is_projected(shape, h):
+        side = _spec.side_of(shape, h)
+        st = _maybe_refresh(h, name, index, g, side, st, t, inject, check_finite)
+        r = _spec.project(jnp, g, st["projector"], side)
+    else:
+        side, r = None, g
+    st["m"], st["v"] = _lowrank.hf_adam_moments(jnp, st["m"], st["v"], r, h.b1, h.b2)
+    n = _spec.adam_direction(jnp, st["m"], st["v"], h)
+    if side is not None:
+        n = _spec.project_back(jnp, n, st["projector"], st["scale"], side)
+    alpha = _lowrank.hf_step_size(lr, h.b1, h.b2, t + 1, h.correct_bias)
+    u = -alpha * n
+    if not _is_zero(h.weight_decay):  # hf_apply: p ← p − αN, then p ← p − ηλ p
+        u = u - (lr * h.weight_decay) * (p.astype(dtype) + u)
+    return u, st
+
+
+def _maybe_refresh(h: _spec.PLUMAGE, name: str, index: int, g: jax.Array, side: str,
+                   st: dict[str, jax.Array], t: jax.Array,
+                   inject: Mapping[str, Any] | None, check_finite: bool
+                   ) -> dict[str, jax.Array]:
+    """Algorithm 5's refresh block under ``jit``: an SVD when ``t mod τ = 0``, a resample
+    when also (or only) ``t mod κ = 0``; a refresh whose SVD is not finite keeps the state."""
+    keys = sorted(st)
+    svd_now = t % h.update_proj_gap == 0
+    resample = svd_now | (t % h.kappa == 0)
+    indices = None if inject is None else inject.get("indices")
+
+    def refresh(operands: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        old = dict(zip(keys, operands, strict=True))
+
+        def from_svd(_: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+            given = _spec.injected_decomposition(jnp, inject, g)
+            basis, sigma = given if given is not None else _spec.decompose(jnp, g, side)
+            _, probs = _spec.inclusion_probabilities(jnp, sigma, h.rank, h.prob_eps)
+            ok = jnp.all(jnp.isfinite(sigma)) & jnp.all(jnp.isfinite(basis))
+            return basis, probs, ok
+
+        if _spec.needs_basis(h):
+            basis, probs, ok = jax.lax.cond(
+                svd_now, from_svd,
+                lambda _: (old["basis"], old["probs"], jnp.asarray(True)), None)
+        else:
+            basis, probs, ok = from_svd(None)
+        decomposition_guard(_LABEL, name, ok, check_finite)
+        if indices is not None:
+            idx = jnp.asarray(indices).astype(jnp.int32)
+        else:
+            perm, u = draws(h.seed, index, t, probs.shape[0])
+            idx = _spec.sample_indices(jnp, probs, h.rank, perm, u)
+        P, dvec = _spec.sample_projection(jnp, basis, probs, idx)
+        m, v = _spec.realign(jnp, old["m"], old["v"], P, old["projector"], side,
+                             first=h.realign_first_moment, second=h.realign_second_moment)
+        new = dict(old, m=m, v=v, projector=P, scale=dvec)
+        if _spec.needs_basis(h):
+            new.update(basis=basis, probs=probs)
+        return tuple(jnp.where(ok, new[k], old[k]).astype(old[k].dtype) for k in keys)
+
+    out = jax.lax.cond(resample, refresh, lambda ops: ops, tuple(st[k] for k in keys))
+    return dict(zip(keys, out, strict=True))
