@@ -237,12 +237,16 @@ def _check_array(trace: Trace, key: str, shape: tuple[int, ...], dtype: str | No
 
 def _validate(trace: Trace) -> None:
     m = trace.manifest
-    if not isinstance(m["params"], Mapping) or not m["params"]:
-        raise _fail(trace.path, "'params' must be a non-empty mapping name -> shape")
     if not isinstance(m["steps"], int) or m["steps"] < 1:
         raise _fail(trace.path, f"'steps' = {m['steps']!r} must be a positive integer")
     if trace.kind != "optimizer":
-        return  # layer traces are validated by their method's harness
+        # layer traces are validated by their method's harness (a layer may have no
+        # parameters: POET's Cayley-Neumann cases record a function's inputs and outputs)
+        if not isinstance(m["params"], Mapping):
+            raise _fail(trace.path, "'params' must be a mapping name -> shape")
+        return
+    if not isinstance(m["params"], Mapping) or not m["params"]:
+        raise _fail(trace.path, "'params' must be a non-empty mapping name -> shape")
     try:
         dtype = str(np.dtype(m["dtype"]))
     except TypeError as e:

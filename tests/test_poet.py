@@ -1,0 +1,411 @@
+"""POET-X: the spec's math, the torch and JAX layers, merges, the optimizer, the kernels.
+
+Independent references: the paper's definitions (the Cayley transform
+(I+Q)(I−Q)⁻¹ and its Neumann truncation (I+Q)(I+Q+Q²+Q³)), finite differences, float64
+autograd, and the authors' optimizer arithmetic as their POETAdamW docstring states it.
+The kernels run under TRITON_INTERPRET=1 on the CPU (set here before they are imported).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from helpers import has_torch, needs_jax, needs_torch
+
+from xopt.errors import HyperparameterError
+from xopt.specs import poet as P
+
+if has_torch:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+has_triton = has_torch and __import__("importlib").util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not has_triton, reason="triton is not installed")
+RNG = np.random.default_rng(0)
+
+
+def _q(n, b, scale):
+    return P.skew(scale * RNG.standard_normal((n, P.num_triu(b))), b)
+
+
+# -- the spec ---------------------------------------------------------------------------------
+
+
+def test_defaults_are_the_authors():
+    h = P.POET()
+    # poet_torch/config.py POETConfig and optim/adamw.py POETAdamW
+    assert (h.block_size, h.merge_interval, h.lr, h.poet_scale) == (256, 200, 5e-4, 0.5)
+    assert (h.b1, h.b2, h.eps, h.weight_decay, h.correct_bias) == (0.9, 0.999, 1e-6, 0.0, True)
+    assert (h.cayley_formula, h.neumann_terms, h.variant) == ("product", 3, "fast")
+    assert P.POET.from_json(h.to_json()) == h
+
+
+@pytest.mark.parametrize("kw,pattern", [
+    ({"merge_interval": 0}, r"POET\.merge_interval = 0: must be ≥ 1"),
+    ({"block_size": (16, 32)}, r"POET\.block_size = \(16, 32\): .*square"),
+    ({"block_size": 1}, r"POET\.block_size = 1"),
+    ({"cayley_formula": "exact"}, r"POET\.cayley_formula = 'exact'"),
+])
+def test_bad_hyperparameters_name_the_field(kw, pattern):
+    with pytest.raises(HyperparameterError, match=pattern):
+        P.POET(**kw)
+
+
+def test_width_check_names_the_width():
+    with pytest.raises(HyperparameterError, match=r"block_size=16 does not divide in_features=40"):
+        P.check_width(16, 40, 32)
+    with pytest.raises(HyperparameterError, match=r"does not divide out_features=20"):
+        P.check_width(8, 32, 20)
+    with pytest.raises(HyperparameterError, match=r"square"):
+        P.check_width([8, 16], 32, 32)
+
+
+def test_skew_layout_is_the_authors_row_major_upper_triangle():
+    b = 5
+    x = np.arange(1, P.num_triu(b) + 1, dtype=np.float64)[None]
+    q = P.skew(x, b)[0]
+    r, c = np.triu_indices(b, 1)  # torch.triu_indices(b, b, 1) order
+    assert np.array_equal(q[r, c], x[0]) and np.array_equal(q, -q.T)
+    dq = RNG.standard_normal((1, b, b))
+    assert np.allclose(P.triu_grad(dq, b)[0], dq[0][r, c] - dq[0][c, r])
+
+
+@pytest.mark.parametrize("formula", ["product", "taylor"])
+def test_cayley_neumann_is_the_papers_truncation(formula):
+    q = _q(4, 12, 0.05)
+    eye = np.eye(12)
+    neumann = eye + q + q @ q + q @ q @ q
+    expected = (eye + q) @ neumann  # (I+Q)(I+Q+Q²+Q³): degree 4, Q⁴ coefficient 1
+    if formula == "taylor":
+        expected = expected + q @ q @ q @ q  # I + 2(Q+Q²+Q³+Q⁴)
+    y = P.cayley_neumann(q, 3, formula)
+    assert np.abs(y - expected).max() < 1e-14
+    # both approximate the Cayley transform (I+Q)(I−Q)⁻¹ to O(Q⁴)
+    cay = (eye + q) @ np.linalg.inv(eye - q)
+    assert np.abs(y - cay).max() < 20 * np.linalg.norm(q, 2, axis=(1, 2)).max() ** 4
+    # general k, and k = 3 written generally, agree
+    q0 = q[0]
+    for k in (1, 2, 5):
+        series = sum(np.linalg.matrix_power(q0, j) for j in range(k + 2))
+        ref = (eye + q0) @ sum(np.linalg.matrix_power(q0, j) for j in range(k + 1))
+        if formula == "taylor":  # I + 2(Q + … + Q^(k+1))
+            ref = 2 * series - eye
+        assert np.abs(P.cayley_neumann(q[:1], k, formula)[0] - ref).max() < 1e-14
+
+
+@pytest.mark.parametrize("terms", [2, 3, 4])
+@pytest.mark.parametrize("formula", ["product", "taylor"])
+def test_cnp_vjp_matches_finite_differences(terms, formula):
+    b = 6
+    x = 0.2 * RNG.standard_normal((2, P.num_triu(b)))
+    g = RNG.standard_normal((2, b, b))
+    grad = P.triu_grad(P.cayley_neumann_vjp(P.skew(x, b), g, terms, formula), b)
+
+    def f(v):
+        return float((P.cayley_neumann(P.skew(v, b), terms, formula) * g).sum())
+
+    h = 1e-6
+    fd = np.zeros_like(x)
+    for idx in np.ndindex(x.shape):
+        e = np.zeros_like(x)
+        e[idx] = h
+        fd[idx] = (f(x + e) - f(x - e)) / (2 * h)
+    assert np.abs(fd - grad).max() < 1e-7
+
+
+def test_layer_forward_is_x_times_effective_weight_and_backward_is_its_vjp():
+    b, n_in, n_out = 4, 12, 8
+    oft = 0.1 * RNG.standard_normal((n_out // b + n_in // b, P.num_triu(b)))
+    ro, ri = P.rotations(oft, b, n_out // b)
+    w = RNG.standard_normal((n_out, n_in))
+    bias = RNG.standard_normal(n_out)
+    pin, pout = RNG.permutation(n_in), RNG.permutation(n_out)
+    x = RNG.standard_normal((3, n_in))
+    y, y1 = P.layer_forward(x, ro, ri, w, bias, P.inverse(pin), pout)
+    weff = P.effective_weight(w, ro, ri, pin, pout)
+    bias_eff = P.block_rotate(bias, ro)[pout]
+    assert np.allclose(y, x @ weff.T + bias_eff, atol=1e-12)
+    g = RNG.standard_normal(y.shape)
+    gx, gro, gri, _ = P.layer_backward(x, g, ro, ri, w, pin, P.inverse(pin), P.inverse(pout),
+                                       y1, bias=bias)
+    assert np.allclose(gx, g @ weff, atol=1e-12)
+    # grad of R_out: <g, y> is linear in R_out; check one direction by finite differences
+    d = RNG.standard_normal(ro.shape)
+    yp, _ = P.layer_forward(x, ro + 1e-6 * d, ri, w, bias, P.inverse(pin), pout)
+    assert abs(((yp - y) * g).sum() / 1e-6 - (gro * d).sum()) < 1e-5
+
+
+def test_merge_keeps_the_function():
+    b, n_in, n_out = 4, 12, 8
+    oft = 0.1 * RNG.standard_normal((n_out // b + n_in // b, P.num_triu(b)))
+    ro, ri = P.rotations(oft, b, n_out // b)
+    w, bias = RNG.standard_normal((n_out, n_in)), RNG.standard_normal(n_out)
+    pin, pout = RNG.permutation(n_in), RNG.permutation(n_out)
+    npin, npout = RNG.permutation(n_in), RNG.permutation(n_out)
+    x = RNG.standard_normal((3, n_in))
+    y, _ = P.layer_forward(x, ro, ri, w, bias, P.inverse(pin), pout)
+    w2 = P.merged_weight(w, ro, ri, pin, pout, P.inverse(npin), P.inverse(npout))
+    b2 = P.merged_bias(bias, ro, pout, P.inverse(npout))
+    eye_out, eye_in = P.rotations(0 * oft, b, n_out // b)
+    y2, _ = P.layer_forward(x, eye_out, eye_in, w2, b2, P.inverse(npin), npout)
+    assert np.allclose(y, y2, atol=1e-12)
+
+
+def test_permutations_come_from_xopt_random_and_differ_per_merge():
+    h = P.POET()
+    a = P.layer_permutations(h, 7, 0, 32, 16)
+    assert sorted(a[0]) == list(range(32)) and sorted(a[1]) == list(range(16))
+    assert np.array_equal(a[0], P.layer_permutations(h, 7, 0, 32, 16)[0])
+    assert not np.array_equal(a[0], P.layer_permutations(h, 7, 1, 32, 16)[0])
+    ident = P.layer_permutations(h.replace(permutation="identity"), 7, 3, 32, 16)
+    assert np.array_equal(ident[0], np.arange(32))
+
+
+def test_optimizer_resets_moments_at_merge_boundaries():
+    h = P.POET(merge_interval=3, lr=1e-2)
+    params = {"w": np.ones(4)}
+    state = P.init_state(h, params, dtype=np.float64)
+    steps = []
+    for _ in range(7):
+        params, state = P.step(h, params, state, {"w": np.full(4, 0.5)})
+        steps.append(int(state["step/w"]))
+    # global counter 3 and 6 start a fresh moment (POETAdamW: counter % interval == 0 and > 0)
+    assert steps == [1, 2, 3, 1, 2, 3, 1]
+
+
+# -- torch ---------------------------------------------------------------------------------------
+
+
+@needs_torch
+def test_torch_layer_errors_name_the_parameter():
+    from xopt.torch.poet import MergeEvery, POETAdamW, POETLinear
+
+    with pytest.raises(HyperparameterError, match="block_size=16 does not divide in_features=40"):
+        POETLinear(40, 32, 16)
+    with pytest.raises(HyperparameterError, match="square"):
+        POETLinear(32, 32, (8, 16))
+    with pytest.raises(HyperparameterError, match="merge_interval = 0"):
+        POETAdamW([torch.nn.Parameter(torch.zeros(2))], merge_interval=0)
+    with pytest.raises(HyperparameterError, match="interval = 0"):
+        MergeEvery(torch.nn.Linear(2, 2), 0)
+
+
+@needs_torch
+@pytest.mark.parametrize("bias", [False, True])
+def test_torch_fast_and_mem_agree_and_merge_keeps_the_output(bias):
+    from xopt.torch.poet import POETLinear
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 48, bias=bias)
+    fast = POETLinear.from_linear(lin, 16, impl="plain", seed=3)
+    mem = POETLinear.from_linear(lin, 16, impl="plain", seed=3, variant="mem")
+    assert torch.equal(fast.perm_in, mem.perm_in)
+    with torch.no_grad():
+        fast.oft_R.normal_(0, 0.05)
+        mem.oft_R.copy_(fast.oft_R)
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    fast, mem = fast.double(), mem.double()
+    res = []
+    for layer in (fast, mem):
+        xx = x.clone().requires_grad_()
+        y = layer(xx)
+        y.backward(torch.ones_like(y))
+        res.append((y.detach(), xx.grad, layer.oft_R.grad))
+    for a, b in zip(*res, strict=True):
+        assert torch.allclose(a, b, atol=1e-12)
+    # the layer equals x·W_effᵀ, and a merge leaves it unchanged
+    y_before = fast(x).detach()
+    if not bias:
+        assert torch.allclose(y_before, x @ fast.effective_weight().double().T, atol=1e-5)
+    fast.merge_and_reset()
+    assert int(fast.merges) == 1 and torch.count_nonzero(fast.oft_R) == 0
+    assert torch.allclose(fast(x), y_before, atol=1e-12)
+
+
+@needs_torch
+def test_torch_convert_and_optimizer_driven_merges():
+    from xopt.torch.poet import POETAdamW, POETLinear, convert, poet_param_groups
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("up", torch.nn.Linear(16, 32, bias=False))
+    model.add_module("odd", torch.nn.Linear(32, 20))
+    model.add_module("lm_head", torch.nn.Linear(20, 16))
+    _, n = convert(model, 8, impl="plain")
+    assert n == 1 and isinstance(model.up, POETLinear)
+    assert type(model.odd) is torch.nn.Linear and type(model.lm_head) is torch.nn.Linear
+    opt = POETAdamW(poet_param_groups(model), merge_interval=2, model=model)
+    x = torch.randn(4, 16)
+    merges = []
+    for _ in range(5):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        merges.append(int(model.up.merges))
+        assert opt.state[model.up.oft_R]["step"] in (1, 2)
+    assert merges == [0, 1, 1, 2, 2]
+    # state dicts load safely and resume
+    import io
+
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)
+    opt2 = POETAdamW(poet_param_groups(model), merge_interval=2)
+    opt2.load_state_dict(sd)
+    assert opt2.global_step_counter == 5
+
+
+@needs_torch
+def test_poet_adamw_is_the_authors_arithmetic():
+    # POETAdamW's documented update (its step(), in its order), written out here
+    from xopt.torch.poet import POETAdamW
+
+    p = torch.nn.Parameter(torch.tensor([0.3, -0.2, 0.0]))
+    opt = POETAdamW([p], lr=1e-2, poet_scale=0.5, weight_decay=0.1, merge_interval=100)
+    g = torch.tensor([0.5, -1.0, 2.0])
+    ref, m, v = p.detach().clone().double(), torch.zeros(3).double(), torch.zeros(3).double()
+    for k in (1, 2):
+        p.grad = g.clone()
+        opt.step()
+        m = 0.9 * m + 0.1 * g.double()
+        v = 0.999 * v + 0.001 * g.double() ** 2
+        lr = 1e-2 * 0.5
+        ref = ref - lr * (1 - 0.999 ** k) ** 0.5 / (1 - 0.9 ** k) * m / (v.sqrt() + 1e-6)
+        ref = ref - lr * 0.1 * ref
+    assert torch.allclose(p.detach().double(), ref, rtol=1e-6)
+
+
+# -- JAX ---------------------------------------------------------------------------------------
+
+
+@needs_jax
+def test_jax_layer_matches_torch_and_mem_vjp_matches_autodiff():
+    import jax
+    import jax.numpy as jnp
+
+    from xopt.jax.poet import POETDense, merge_and_reset
+
+    with pytest.raises(HyperparameterError, match="does not divide in_features=20"):
+        POETDense(16, block_size=8).init(jax.random.PRNGKey(0), jnp.zeros((1, 20)))
+    fast = POETDense(24, block_size=8, seed=11)
+    mem = POETDense(24, block_size=8, seed=11, variant="mem")
+    x = jnp.asarray(RNG.standard_normal((3, 16)), jnp.float32)
+    v = fast.init(jax.random.PRNGKey(1), x)
+    oft = jnp.asarray(0.05 * RNG.standard_normal(v["params"]["oft_R"].shape), jnp.float32)
+    v = {"params": {"oft_R": oft}, "poet": v["poet"]}
+
+    def loss(model, o, xx):
+        return (model.apply({"params": {"oft_R": o}, "poet": v["poet"]}, xx) ** 2).sum()
+
+    ga = jax.grad(lambda o, xx: loss(fast, o, xx), argnums=(0, 1))(oft, x)
+    gb = jax.grad(lambda o, xx: loss(mem, o, xx), argnums=(0, 1))(oft, x)
+    for a, b in zip(ga, gb, strict=True):
+        assert np.allclose(a, b, atol=1e-5)
+    y = fast.apply(v, x)
+    merged = merge_and_reset(v)
+    assert int(merged["poet"]["merges"]) == 1
+    assert np.allclose(fast.apply(merged, x), y, atol=1e-5)
+    if has_torch:  # same seed -> same permutations; same weights -> same output
+        from xopt.torch.poet import POETLinear
+
+        t = POETLinear(16, 24, 8, seed=11, impl="plain")
+        assert np.array_equal(t.perm_in.numpy(), np.asarray(v["poet"]["perm_in"]))
+        with torch.no_grad():
+            t.weight.copy_(torch.tensor(np.asarray(v["poet"]["weight"])))
+            t.oft_R.copy_(torch.tensor(np.asarray(oft)))
+        yt = t(torch.tensor(np.asarray(x))).detach().numpy()
+        assert np.abs(yt - np.asarray(y)).max() <= 1e-6 * np.abs(yt).max()
+
+
+@needs_jax
+def test_poet_adamw_resets_and_jits():
+    import jax
+    import jax.numpy as jnp
+
+    from xopt.jax.poet import poet_adamw
+
+    tx = poet_adamw(merge_interval=2)
+    params = {"o": jnp.ones(3)}
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    seen = []
+    for _ in range(5):
+        u, state = step({"o": jnp.full(3, 0.1)}, state, params)
+        params = jax.tree.map(lambda p, d: p + d, params, u)
+        seen.append(int(state.step["o"]))
+    assert seen == [1, 2, 1, 2, 1]
+    with pytest.raises(HyperparameterError, match="merge_interval = 0"):
+        poet_adamw(merge_interval=0)
+
+
+# -- the kernels (TRITON_INTERPRET=1 on the CPU) ------------------------------------------------
+
+
+@needs_triton
+@pytest.mark.parametrize("b", [8, 16, 40])
+def test_cayley_kernels_match_their_references(b):
+    from xopt.kernels import poet_cayley as K
+
+    torch.manual_seed(b)
+    x = (0.3 / b**0.5) * torch.randn(3, P.num_triu(b))
+    q = K.skew(x, b)
+    assert torch.equal(q, K.skew_reference(x, b))
+    dq = torch.randn(3, b, b)
+    assert torch.equal(K.triu_grad(dq, b), K.triu_grad_reference(dq, b))
+    for formula in ("product", "taylor"):
+        y, q2 = K.cnp_forward(q, formula)
+        ref = K.cayley_neumann_reference(q.double(), formula)
+        assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+        g = torch.randn(3, b, b)
+        qq = q.double().requires_grad_()
+        K.cayley_neumann_reference(qq, formula).backward(g.double())
+        got = K.cnp_backward(q, q2, g, formula).double()
+        assert (got - qq.grad).abs().max() <= 1e-6 * qq.grad.abs().max()
+    # the autograd Function end to end, upper triangles in and out
+    xx = x.clone().requires_grad_()
+    K.cayley_neumann(xx, b).backward(g)
+    xr = x.double().requires_grad_()
+    K.cayley_neumann_reference(K.skew_reference(xr, b)).backward(g.double())
+    assert (xx.grad.double() - xr.grad).abs().max() <= 1e-6 * xr.grad.abs().max()
+
+
+@needs_triton
+def test_permutation_kernels_match_their_references():
+    from xopt.kernels import poet_perm as PP
+
+    x = torch.randn(3, 37, 48)
+    p = torch.randperm(48).to(torch.int32)
+    assert torch.equal(PP.gather(x, p), PP.gather_reference(x, p))
+    assert torch.equal(PP.scatter(x, p), PP.scatter_reference(x, p))
+    assert torch.equal(PP.scatter(PP.gather(x, p), p), x)
+    xx = x.clone().requires_grad_()
+    g = torch.randn_like(x)
+    PP.permute(xx, p).backward(g)
+    assert torch.equal(xx.grad, PP.scatter_reference(g, p))
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["fast", "mem"])
+def test_triton_layer_matches_plain_layer(variant):
+    from xopt.torch.poet import POETLinear
+
+    torch.manual_seed(0)
+    a = POETLinear(32, 48, 16, variant=variant, impl="plain")
+    with torch.no_grad():
+        a.oft_R.normal_(0, 0.05)
+    b = POETLinear(32, 48, 16, variant=variant, impl="triton")
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(4, 32)
+    out = []
+    for layer in (a, b):
+        xx = x.clone().requires_grad_()
+        y = layer(xx)
+        y.backward(torch.ones_like(y))
+        out.append((y, xx.grad, layer.oft_R.grad))
+    for u, v in zip(*out, strict=True):
+        assert (u - v).abs().max() <= 1e-6 * v.abs().max()

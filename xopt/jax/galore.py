@@ -1,0 +1,268 @@
+"""GaLore as an optax gradient transformation, computing :mod:`xopt.specs.galore`'s math.
+
+:func:`galore` returns an ``optax.GradientTransformationExtraArgs`` (jit-able, works in
+``optax.chain``; ``update(..., inject=...)`` and ``value=`` are extra arguments). Each leaf
+calls the spec's pure functions (:func:`xopt.specs.galore.tensor_update` and the
+projection helpers); this module threads the pytree, the count, the periodic SVD refresh
+(``lax.cond``, so the SVD runs only at refresh updates) and the checks.
+
+Projected leaves are chosen per leaf, as optax users choose masks: ``param_specs`` gives a
+:class:`xopt.specs.galore.GaLore` per leaf (a pytree of specs/None, a function of the
+params returning one, or ``{leaf path: spec}``), ``project=False`` on the leaves to step
+with plain Adam; leaves that are not matrices always are. ``mask`` restricts the weight
+decay like optax's.
+
+``preset="optax"`` is optax.contrib.galore's arithmetic (left projection when m ≥ n,
+``scale_by_adam``, ``add_decayed_weights``, ``scale_by_learning_rate``), tested against the
+live ``optax.contrib.galore`` (``tests/test_galore.py``). The stored right projection is
+``Vᵀ[:r, :]`` (``r × n``) as the authors store it; optax stores its transpose.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from xopt.errors import HyperparameterError
+from xopt.jax._lowrank import (
+    decomposition_guard,
+    inject_for,
+    leaf_specs,
+    path_names,
+    raise_if_nonfinite,
+)
+from xopt.specs import _lowrank
+from xopt.specs import galore as _spec
+
+__all__ = ["GaLoreState", "galore"]
+
+_LABEL = "xopt.jax.galore"
+_FLOATING = (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
+
+
+class GaLoreState(NamedTuple):
+    """State of :func:`galore` (the spec's ``"xopt.jax"`` naming).
+
+    Attributes:
+      count: int32 scalar: updates taken, t (``optax.safe_increment``).
+      mu, nu: Adam's moments, uncorrected; the params' structure, each leaf of
+        :func:`xopt.specs.galore.low_rank_shape` (``(r, n)``, ``(m, r)`` or ``(r, r)`` for
+        projected matrices, the parameter's shape otherwise) in the parameter's dtype.
+      ortho: the params' structure with the projection of each projected leaf
+        (:func:`xopt.specs.galore.ortho_shape`) and None elsewhere.
+      ortho_right: ``Vᵀ[:r, :]`` (``r × n``) of ``proj_type="full"`` leaves, None elsewhere.
+    """
+
+    count: jax.Array
+    mu: optax.Updates
+    nu: optax.Updates
+    ortho: optax.Updates
+    ortho_right: optax.Updates
+
+
+def _resolve(learning_rate: Any, fields: dict[str, Any], preset: str | None,
+             spec: _spec.GaLore | None) -> tuple[_spec.GaLore, Callable | None]:
+    given = {k: v for k, v in fields.items() if v is not None}
+    schedule = learning_rate if callable(learning_rate) else None
+    if learning_rate is not None and schedule is None:
+        given["lr"] = learning_rate
+    if spec is not None:
+        if not isinstance(spec, _spec.GaLore):
+            raise HyperparameterError(f"{_LABEL}: spec must be a GaLore, got "
+                                      f"{type(spec).__name__}")
+        if given or preset is not None:
+            raise HyperparameterError(f"{_LABEL}: pass either spec= or hyperparameters, not "
+                                      f"both (got spec and {', '.join(sorted(given)) or 'preset'})")
+        return spec, schedule
+    return _spec.SPEC.make(preset, **given), schedule
+
+
+def galore(
+    learning_rate: optax.ScalarOrSchedule | None = None,
+    rank: int | None = None,
+    update_proj_gap: int | None = None,
+    scale: float | None = None,
+    *,
+    b1: float | None = None,
+    b2: float | None = None,
+    eps: float | None = None,
+    eps_root: float | None = None,
+    weight_decay: float | None = None,
+    correct_bias: bool | None = None,
+    proj_type: str | None = None,
+    project: bool | None = None,
+    convention: str | None = None,
+    preset: str | None = None,
+    spec: _spec.GaLore | None = None,
+    param_specs: Any = None,
+    mask: Any = None,
+    check_finite: bool = False,
+    **unknown: Any,
+) -> optax.GradientTransformationExtraArgs:
+    """GaLore (Zhao et al., 2024, Algorithm 2) as an optax transformation.
+
+    Every field left ``None`` comes from ``preset`` (``"authors"``, the default: the authors'
+    GaLoreAdamW; ``"optax"``: optax.contrib.galore), or all of them from ``spec``.
+
+    Args:
+      learning_rate: η, a number or an optax schedule (called with the count before this
+        update's increment, as ``scale_by_learning_rate``; a schedule sets η for every
+        leaf, overriding the per-leaf specs' ``lr``).
+      rank, update_proj_gap, scale, b1, b2, eps, eps_root, weight_decay, correct_bias,
+        proj_type, project, convention: fields of :class:`xopt.specs.galore.GaLore`.
+        ``rank`` and ``update_proj_gap`` fix shapes and control flow: static Python ints
+        (``optax.inject_hyperparams`` needs them in ``static_args``).
+      spec: one :class:`xopt.specs.galore.GaLore` for every leaf not in ``param_specs``.
+      param_specs: per-leaf specs (see the module docstring).
+      mask: weight decay only, as optax's ``mask``: a pytree of bools like the params (or
+        a function of the params returning one); False leaves get no decay.
+      check_finite: raise :class:`xopt.errors.NonFiniteError` on a NaN/inf gradient and
+        :class:`xopt.errors.DecompositionError` on a refresh whose SVD is not finite,
+        naming the leaf (a host callback under ``jit``). Without it, such a refresh keeps
+        the previous projection.
+
+    Returns:
+      ``init(params) -> GaLoreState``; ``update(grads, state, params=None, *, inject=None,
+      **extra) -> (updates, state)``. ``params`` is needed when weight decay is on.
+      ``inject={leaf path: {"ortho_matrix": P}}`` replaces the SVD's projection at a
+      refresh (ignored at other updates).
+
+    Raises:
+      HyperparameterError: an unknown or invalid field, a rank larger than a projected
+        leaf allows, a non-floating leaf (naming the leaf, at ``init``).
+    """
+    if unknown:
+        raise HyperparameterError(
+            f"{_LABEL}: unknown argument{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(repr, sorted(unknown)))}; known: "
+            f"{', '.join(inspect.signature(galore).parameters)}")
+    fields = dict(rank=rank, update_proj_gap=update_proj_gap, scale=scale, b1=b1, b2=b2,
+                  eps=eps, eps_root=eps_root, weight_decay=weight_decay,
+                  correct_bias=correct_bias, proj_type=proj_type, project=project,
+                  convention=convention)
+    base, schedule = _resolve(learning_rate, fields, preset, spec)
+
+    def specs_of(tree: Any) -> list[_spec.GaLore]:
+        return leaf_specs(tree, base, param_specs, _spec.GaLore, _LABEL)
+
+    def check(tree: Any) -> tuple[list[str], list[_spec.GaLore]]:
+        names, specs = path_names(tree), specs_of(tree)
+        for n, leaf, h in zip(names, jax.tree.leaves(tree), specs, strict=True):
+            if jnp.asarray(leaf).dtype not in _FLOATING:
+                raise HyperparameterError(f"{_LABEL}: {n}: dtype {jnp.asarray(leaf).dtype} is "
+                                          "not supported (float32, float64, bfloat16, float16)")
+            if _spec.is_projected(tuple(leaf.shape), h):
+                _lowrank.check_rank(h.rank, tuple(leaf.shape), f"{_LABEL}: {n}")
+        return names, specs
+
+    def init_fn(params: optax.Params) -> GaLoreState:
+        _, specs = check(params)
+        leaves, treedef = jax.tree.flatten(params)
+        mu, ortho, ortho_r = [], [], []
+        for p, h in zip(leaves, specs, strict=True):
+            shape = tuple(p.shape)
+            mu.append(jnp.zeros(_spec.low_rank_shape(shape, h), p.dtype))
+            projected = _spec.is_projected(shape, h)
+            ortho.append(jnp.zeros(_spec.ortho_shape(shape, h), p.dtype) if projected else None)
+            ortho_r.append(jnp.zeros((h.rank, shape[1]), p.dtype)
+                           if projected and h.proj_type == "full" else None)
+        return GaLoreState(count=jnp.zeros([], jnp.int32), mu=treedef.unflatten(mu),
+                           nu=treedef.unflatten([jnp.zeros_like(m) for m in mu]),
+                           ortho=treedef.unflatten(ortho), ortho_right=treedef.unflatten(ortho_r))
+
+    def update_fn(updates: optax.Updates, state: GaLoreState, params: optax.Params = None,
+                  *, inject: Mapping[str, Mapping[str, Any]] | None = None,
+                  **extra_args: Any) -> tuple[optax.Updates, GaLoreState]:
+        del extra_args  # value=loss and the like: unused
+        names, specs = check(updates)
+        g_leaves, treedef = jax.tree.flatten(updates)
+        if check_finite:
+            raise_if_nonfinite(_LABEL, names, g_leaves)
+        p_leaves = treedef.flatten_up_to(params) if params is not None else [None] * len(names)
+        m_leaves = treedef.flatten_up_to(state.mu)
+        v_leaves = treedef.flatten_up_to(state.nu)
+        o_leaves = treedef.flatten_up_to(state.ortho)
+        or_leaves = treedef.flatten_up_to(state.ortho_right)
+        injected = inject_for(inject, names, _LABEL)
+        if mask is None:
+            decay = [True] * len(names)
+        else:
+            given = mask(params if params is not None else updates) if callable(mask) else mask
+            decay = [bool(x) for x in treedef.flatten_up_to(given)]
+        count_inc = optax.safe_increment(state.count)
+        lr_now = schedule(state.count) if schedule is not None else None
+
+        out_u, out_m, out_v, out_o, out_or = [], [], [], [], []
+        for i, (name, h) in enumerate(zip(names, specs, strict=True)):
+            g, p = g_leaves[i], p_leaves[i]
+            shape = tuple(g.shape)
+            h = h if decay[i] else h.replace(weight_decay=0.0)
+            wd_on = not (isinstance(h.weight_decay, (int, float)) and h.weight_decay == 0)
+            if wd_on and p is None:
+                raise ValueError(f"{_LABEL}: update(grads, state, params) needs params: "
+                                 f"weight_decay = {h.weight_decay!r} multiplies {name}")
+            ortho = ortho_r = None
+            if _spec.is_projected(shape, h):
+                ortho, ortho_r = _refresh(h, name, g, o_leaves[i], or_leaves[i],
+                                          state.count, injected[i], check_finite)
+            lr = h.lr if lr_now is None else jnp.asarray(lr_now, g.dtype)
+            u, m, v = _spec.direction(jnp, h, g, m_leaves[i], v_leaves[i], ortho, ortho_r,
+                                      count_inc)
+            u = _spec.additive_update(h, p, u, count_inc, lr)
+            out_u.append(u.astype(g.dtype))
+            out_m.append(m.astype(m_leaves[i].dtype))
+            out_v.append(v.astype(v_leaves[i].dtype))
+            out_o.append(ortho)
+            out_or.append(ortho_r)
+        new_state = GaLoreState(count=count_inc, mu=treedef.unflatten(out_m),
+                                nu=treedef.unflatten(out_v), ortho=treedef.unflatten(out_o),
+                                ortho_right=treedef.unflatten(out_or))
+        return treedef.unflatten(out_u), new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _refresh(h: _spec.GaLore, name: str, g: jax.Array, old: jax.Array, old_r: Any,
+             count: jax.Array, inj: Mapping[str, Any] | None, check: bool
+             ) -> tuple[jax.Array, Any]:
+    """The projection after this update's refresh rule: the SVD's (or the injected) at a
+    refresh, ``old`` otherwise; a refresh whose SVD is not finite keeps ``old``."""
+    which = _spec.side(tuple(g.shape), h.proj_type)
+    due = (count % h.update_proj_gap) == 0
+    full = which == "full"
+    if inj is not None and "ortho_matrix" in inj:
+        new = jnp.where(due, jnp.asarray(inj["ortho_matrix"], old.dtype), old)
+        new_r = old_r
+        if full and "ortho_matrix_right" in inj:
+            new_r = jnp.where(due, jnp.asarray(inj["ortho_matrix_right"], old.dtype), old_r)
+        return new, new_r
+
+    def fresh() -> tuple[jax.Array, jax.Array, jax.Array]:
+        a = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+        u, sv, vh = _lowrank.svd(jnp, a)
+        o, o_r = _spec.projector_from_svd(u, vh, h.rank, which)
+        o_r = o_r if full else o
+        ok = jnp.all(jnp.isfinite(sv)) & jnp.all(jnp.isfinite(o)) & jnp.all(jnp.isfinite(o_r))
+        return o.astype(old.dtype), o_r.astype(old.dtype) if full else old, ok
+
+    def keep() -> tuple[jax.Array, jax.Array, jax.Array]:
+        return old, (old_r if full else old), jnp.array(True)
+
+    cand, cand_r, ok = jax.lax.cond(due, fresh, keep)
+    new = jnp.where(ok, cand, old)
+    new_r = jnp.where(ok, cand_r, old_r) if full else None
+    decomposition_guard(_LABEL, name, ok, check)
+    return new, new_r
+
+
+# The public signature without the catch-all (optax.inject_hyperparams binds against it).
+galore.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [p for p in inspect.signature(galore).parameters.values()
+     if p.kind is not inspect.Parameter.VAR_KEYWORD],
+    return_annotation=optax.GradientTransformationExtraArgs,
+)

@@ -1,0 +1,32 @@
+"""Triton kernels for xopt's hot paths (see DESIGN.md, "Kernels").
+
+Nothing here is imported by ``import xopt``; importing this package imports neither torch
+nor triton. The modules load them on first use:
+
+* :mod:`xopt.kernels.lopt_layout`: the tile layout shared by the learned-optimizer kernels
+  (metadata tables describing every tensor of a model, so that one launch covers them all);
+* :mod:`xopt.kernels.lopt_common`: the statistics passes (Adafactor row/column sums,
+  deterministic segmented sums) both learned optimizers share;
+* :mod:`xopt.kernels.small_fc_lopt`: small_fc_lopt's feature-statistics and fused update;
+* :mod:`xopt.kernels.velo`: VeLO's, with its per-tensor LSTM batched in torch.
+
+Each kernel module has a pure-PyTorch reference (``reference_step``) it is tested against;
+the plain path in :mod:`xopt.torch` is the reference of record.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+__all__ = ["interpreting", "triton_available"]
+
+
+def triton_available() -> bool:
+    """Whether ``import triton`` would succeed (does not import it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

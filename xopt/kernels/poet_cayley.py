@@ -1,0 +1,299 @@
+"""POET-X's Cayley–Neumann series as Triton kernels on a batch of b×b blocks.
+
+For ``k = 3`` Neumann terms every power of a skew ``Q`` that the series needs is a product
+of ``Q`` and ``Q²`` (``Q³ = Q²Q``, ``Q⁴ = Q²Q²``), so one kernel reads those two matrices
+and writes ``Y = I + 2(Q + Q² + Q²Q) + c·Q²Q²`` (``c = 1``: the product form, the
+authors' GPU kernel; ``c = 2``: the Taylor form, their PyTorch fallback), tile by tile,
+both products sharing each loaded tile of ``Q²``. The backward is two kernels: first
+``D = QᵀG + GQᵀ`` (the cotangent reaching ``Q²``), then
+``∂Q = 2(G + D) + (2Qᵀ + c Q²ᵀ) D + (2G + c D) Q²ᵀ``; transposes are strides, nothing
+is copied. ``Q²`` itself comes from one batched matmul (cuBLAS) and is kept for the backward.
+
+Two small kernels build ``Q`` from the stored upper triangles (half the parameters, as the
+paper stores them) and reduce ``∂Q`` back onto them (``∂x = ∂Q[r, c] − ∂Q[c, r]``).
+
+Precision: ``tl.dot`` on float32 defaults to TF32 on NVIDIA GPUs (10-bit mantissas, about
+5e-4 relative per operand); these kernels ask for ``input_precision="ieee"`` by default so
+the GPU result is float32-exact up to summation order, like the plain path and the golden
+traces. ``tf32=True`` (what POETLinear asks for when the layer computes in bfloat16 or
+float16, whose 7- or 10-bit mantissas the rotations are rounded to anyway) uses the tensor
+cores instead; the IEEE path runs on the FMA units.
+The series costs ``n·b³`` multiply-adds, a few percent of a layer's matmuls at b ≤ 512.
+
+References: :func:`skew_reference`, :func:`triu_grad_reference`,
+:func:`cayley_neumann_reference` (plain PyTorch, the spec's math) and
+:class:`CayleyNeumann` (the kernels with autograd). Tested on the CPU under
+``TRITON_INTERPRET=1`` (tests/test_poet.py) and on a GPU by bench/poet_layer.py --check.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from xopt.specs import poet as spec
+
+__all__ = ["CayleyNeumann", "cayley_neumann", "cayley_neumann_reference", "skew", "skew_reference",
+           "triu_grad", "triu_grad_reference", "rotations"]
+
+
+# -- references ------------------------------------------------------------------------------
+
+
+def skew_reference(x: torch.Tensor, b: int) -> torch.Tensor:
+    return spec.skew(x, b, xp=torch)
+
+
+def triu_grad_reference(dq: torch.Tensor, b: int) -> torch.Tensor:
+    return spec.triu_grad(dq, b, xp=torch)
+
+
+def cayley_neumann_reference(q: torch.Tensor, formula: str = "product") -> torch.Tensor:
+    return spec.cayley_neumann(q, 3, formula, xp=torch)
+
+
+# -- kernels -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _skew_kernel(x_ptr, q_ptr, B, M, BLOCK: tl.constexpr):
+    n = tl.program_id(0)
+    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = e < B * B
+    i = e // B
+    j = e % B
+    lo = tl.minimum(i, j)
+    hi = tl.maximum(i, j)
+    k = lo * B - (lo * (lo + 1)) // 2 + (hi - lo - 1)  # row-major strict upper index
+    off = i != j
+    v = tl.load(x_ptr + n * M + k, mask=inside & off, other=0.0)
+    v = tl.where(i < j, v, -v)
+    v = tl.where(off, v, 0.0)
+    tl.store(q_ptr + n * B * B + e, v, mask=inside)
+
+
+@triton.jit
+def _triu_grad_kernel(dq_ptr, g_ptr, rows_ptr, cols_ptr, B, M, BLOCK: tl.constexpr):
+    n = tl.program_id(0)
+    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = k < M
+    r = tl.load(rows_ptr + k, mask=inside, other=0)
+    c = tl.load(cols_ptr + k, mask=inside, other=0)
+    up = tl.load(dq_ptr + n * B * B + r * B + c, mask=inside, other=0.0)
+    dn = tl.load(dq_ptr + n * B * B + c * B + r, mask=inside, other=0.0)
+    tl.store(g_ptr + n * M + k, up - dn, mask=inside)
+
+
+@triton.jit
+def _dot(a, b, TF32: tl.constexpr):
+    if TF32:
+        return tl.dot(a, b, input_precision="tf32")
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _tile(ptr, rows, cols, s_row, s_col, B):
+    mask = (rows[:, None] < B) & (cols[None, :] < B)
+    return tl.load(ptr + rows[:, None] * s_row + cols[None, :] * s_col, mask=mask, other=0.0)
+
+
+@triton.jit
+def _cnp_fwd_kernel(q_ptr, q2_ptr, y_ptr, B, C4, s_b, s_r, s_c,
+                    BM: tl.constexpr, BK: tl.constexpr, TF32: tl.constexpr):
+    # One program per (block, output tile). Y = 2((Q²Q + Q) + Q²) + C4·Q²Q² + I.
+    n = tl.program_id(0)
+    tiles = tl.cdiv(B, BM)
+    ti = tl.program_id(1) // tiles
+    tj = tl.program_id(1) % tiles
+    rows = ti * BM + tl.arange(0, BM)
+    cols = tj * BM + tl.arange(0, BM)
+    q = q_ptr + n * s_b
+    q2 = q2_ptr + n * s_b
+    acc3 = tl.zeros((BM, BM), dtype=tl.float32)
+    acc4 = tl.zeros((BM, BM), dtype=tl.float32)
+    for k0 in range(0, B, BK):
+        ks = k0 + tl.arange(0, BK)
+        a = _tile(q2, rows, ks, s_r, s_c, B)  # Q²[i, k], shared by both products
+        acc3 += _dot(a, _tile(q, ks, cols, s_r, s_c, B), TF32)
+        acc4 += _dot(a, _tile(q2, ks, cols, s_r, s_c, B), TF32)
+    y = 2.0 * ((acc3 + _tile(q, rows, cols, s_r, s_c, B)) + _tile(q2, rows, cols, s_r, s_c, B))
+    y = y + C4 * acc4
+    y = y + tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
+    mask = (rows[:, None] < B) & (cols[None, :] < B)
+    tl.store(y_ptr + n * s_b + rows[:, None] * s_r + cols[None, :] * s_c, y, mask=mask)
+
+
+@triton.jit
+def _cnp_bwd_d_kernel(q_ptr, g_ptr, d_ptr, B, s_b, s_r, s_c, BM: tl.constexpr, BK: tl.constexpr,
+                      TF32: tl.constexpr):
+    # D = QᵀG + GQᵀ, the transposes read through swapped strides.
+    n = tl.program_id(0)
+    tiles = tl.cdiv(B, BM)
+    ti = tl.program_id(1) // tiles
+    tj = tl.program_id(1) % tiles
+    rows = ti * BM + tl.arange(0, BM)
+    cols = tj * BM + tl.arange(0, BM)
+    q = q_ptr + n * s_b
+    g = g_ptr + n * s_b
+    acc = tl.zeros((BM, BM), dtype=tl.float32)
+    for k0 in range(0, B, BK):
+        ks = k0 + tl.arange(0, BK)
+        acc += _dot(_tile(q, rows, ks, s_c, s_r, B), _tile(g, ks, cols, s_r, s_c, B), TF32)
+        acc += _dot(_tile(g, rows, ks, s_r, s_c, B), _tile(q, ks, cols, s_c, s_r, B), TF32)
+    mask = (rows[:, None] < B) & (cols[None, :] < B)
+    tl.store(d_ptr + n * s_b + rows[:, None] * s_r + cols[None, :] * s_c, acc, mask=mask)
+
+
+@triton.jit
+def _cnp_bwd_final_kernel(q_ptr, q2_ptr, g_ptr, d_ptr, out_ptr, B, C4, s_b, s_r, s_c,
+                          BM: tl.constexpr, BK: tl.constexpr, TF32: tl.constexpr):
+    # ∂Q = 2(G + D) + (2Qᵀ + C4·Q²ᵀ) D + (2G + C4·D) Q²ᵀ
+    n = tl.program_id(0)
+    tiles = tl.cdiv(B, BM)
+    ti = tl.program_id(1) // tiles
+    tj = tl.program_id(1) % tiles
+    rows = ti * BM + tl.arange(0, BM)
+    cols = tj * BM + tl.arange(0, BM)
+    q = q_ptr + n * s_b
+    q2 = q2_ptr + n * s_b
+    g = g_ptr + n * s_b
+    d = d_ptr + n * s_b
+    acc = tl.zeros((BM, BM), dtype=tl.float32)
+    for k0 in range(0, B, BK):
+        ks = k0 + tl.arange(0, BK)
+        left = 2.0 * _tile(q, rows, ks, s_c, s_r, B) + C4 * _tile(q2, rows, ks, s_c, s_r, B)
+        acc += _dot(left, _tile(d, ks, cols, s_r, s_c, B), TF32)
+        left = 2.0 * _tile(g, rows, ks, s_r, s_c, B) + C4 * _tile(d, rows, ks, s_r, s_c, B)
+        acc += _dot(left, _tile(q2, ks, cols, s_c, s_r, B), TF32)
+    acc = acc + 2.0 * (_tile(g, rows, cols, s_r, s_c, B) + _tile(d, rows, cols, s_r, s_c, B))
+    mask = (rows[:, None] < B) & (cols[None, :] < B)
+    tl.store(out_ptr + n * s_b + rows[:, None] * s_r + cols[None, :] * s_c, acc, mask=mask)
+
+
+@triton.jit
+def _square_kernel(q_ptr, out_ptr, B, s_b, s_r, s_c, BM: tl.constexpr, BK: tl.constexpr,
+                   TF32: tl.constexpr):
+    # Q² (kept for the backward)
+    n = tl.program_id(0)
+    tiles = tl.cdiv(B, BM)
+    ti = tl.program_id(1) // tiles
+    tj = tl.program_id(1) % tiles
+    rows = ti * BM + tl.arange(0, BM)
+    cols = tj * BM + tl.arange(0, BM)
+    q = q_ptr + n * s_b
+    acc = tl.zeros((BM, BM), dtype=tl.float32)
+    for k0 in range(0, B, BK):
+        ks = k0 + tl.arange(0, BK)
+        acc += _dot(_tile(q, rows, ks, s_r, s_c, B), _tile(q, ks, cols, s_r, s_c, B), TF32)
+    mask = (rows[:, None] < B) & (cols[None, :] < B)
+    tl.store(out_ptr + n * s_b + rows[:, None] * s_r + cols[None, :] * s_c, acc, mask=mask)
+
+
+# -- launchers -------------------------------------------------------------------------------
+
+
+def _tiles(b: int) -> tuple[int, int]:
+    bm = max(16, min(64, triton.next_power_of_2(b)))
+    return bm, min(bm, 32)
+
+
+def _check(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.dtype != torch.float32:
+        raise TypeError(f"xopt.kernels.poet_cayley: {name} must be float32, got {t.dtype}")
+    return t.contiguous()
+
+
+def skew(x: torch.Tensor, b: int) -> torch.Tensor:
+    """Skew blocks ``(n, b, b)`` from upper triangles ``(n, b(b−1)/2)`` (float32)."""
+    x = _check(x, "x")
+    n, m = x.shape
+    q = torch.empty((n, b, b), dtype=x.dtype, device=x.device)
+    block = 256
+    _skew_kernel[(n, triton.cdiv(b * b, block))](x, q, b, m, BLOCK=block)
+    return q
+
+
+def triu_grad(dq: torch.Tensor, b: int) -> torch.Tensor:
+    """``∂x[k] = ∂Q[r_k, c_k] − ∂Q[c_k, r_k]``: the adjoint of :func:`skew`."""
+    dq = _check(dq, "dq")
+    n = dq.shape[0]
+    m = spec.num_triu(b)
+    rows, cols = spec.triu_indices(b)
+    rows_t = torch.as_tensor(rows, dtype=torch.int32, device=dq.device)
+    cols_t = torch.as_tensor(cols, dtype=torch.int32, device=dq.device)
+    g = torch.empty((n, m), dtype=dq.dtype, device=dq.device)
+    block = 256
+    _triu_grad_kernel[(n, triton.cdiv(m, block))](dq, g, rows_t, cols_t, b, m, BLOCK=block)
+    return g
+
+
+def _c4(formula: str) -> float:
+    if formula not in ("product", "taylor"):
+        raise ValueError(f"cayley formula {formula!r}: use 'product' or 'taylor'")
+    return 1.0 if formula == "product" else 2.0
+
+
+def cnp_forward(q: torch.Tensor, formula: str = "product", tf32: bool = False,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Y, Q²)`` for skew blocks ``q`` (``(n, b, b)`` float32).
+
+    ``tf32=True`` lets the products use TF32 tensor cores (10-bit mantissas): for layers
+    computed in bfloat16 (7-bit) the rotations lose nothing they keep; float32 layers
+    leave it off (IEEE products, the parity path)."""
+    q = _check(q, "q")
+    n, b, _ = q.shape
+    bm, bk = _tiles(b)
+    grid = (n, triton.cdiv(b, bm) ** 2)
+    q2 = torch.empty_like(q)
+    _square_kernel[grid](q, q2, b, *q.stride(), BM=bm, BK=bk, TF32=tf32)
+    y = torch.empty_like(q)
+    _cnp_fwd_kernel[grid](q, q2, y, b, _c4(formula), *q.stride(), BM=bm, BK=bk, TF32=tf32)
+    return y, q2
+
+
+def cnp_backward(q: torch.Tensor, q2: torch.Tensor, g: torch.Tensor,
+                 formula: str = "product", tf32: bool = False) -> torch.Tensor:
+    """``∂⟨Y, G⟩/∂Q`` given ``Q``, ``Q²`` (from :func:`cnp_forward`) and ``G``."""
+    q, q2, g = _check(q, "q"), _check(q2, "q2"), _check(g, "grad")
+    n, b, _ = q.shape
+    d = torch.empty_like(q)
+    out = torch.empty_like(q)
+    bm, bk = _tiles(b)
+    grid = (n, triton.cdiv(b, bm) ** 2)
+    _cnp_bwd_d_kernel[grid](q, g, d, b, *q.stride(), BM=bm, BK=bk, TF32=tf32)
+    _cnp_bwd_final_kernel[grid](q, q2, g, d, out, b, _c4(formula), *q.stride(), BM=bm, BK=bk,
+                                TF32=tf32)
+    return out
+
+
+class CayleyNeumann(torch.autograd.Function):
+    """``oft_R`` rows (upper triangles) → CNP blocks, with the fused kernels both ways."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, b: int, formula: str, tf32: bool = False) -> torch.Tensor:
+        q = skew(x, b)
+        y, q2 = cnp_forward(q, formula, tf32)
+        ctx.save_for_backward(q, q2)
+        ctx.b, ctx.formula, ctx.tf32 = b, formula, tf32
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        q, q2 = ctx.saved_tensors
+        dq = cnp_backward(q, q2, g.contiguous().to(torch.float32), ctx.formula, ctx.tf32)
+        return triu_grad(dq, ctx.b), None, None, None
+
+
+def cayley_neumann(x: torch.Tensor, b: int, formula: str = "product",
+                   tf32: bool = False) -> torch.Tensor:
+    """CNP blocks ``(n, b, b)`` from upper triangles ``x`` (``(n, m)``), differentiable.
+    Computed in float32 whatever ``x``'s dtype; the result is float32."""
+    return CayleyNeumann.apply(x.to(torch.float32), b, formula, tf32)
+
+
+def rotations(oft_r: torch.Tensor, b: int, r_out: int, formula: str = "product",
+              tf32: bool = False):
+    """``(R_out, R_in)`` from a layer's ``oft_R`` through the kernels (3 Neumann terms)."""
+    y = cayley_neumann(oft_r, b, formula, tf32)
+    return y[:r_out], y[r_out:]

@@ -1,0 +1,148 @@
+"""GaLore as a ``torch.optim.Optimizer``, computing :mod:`xopt.specs.galore`'s math.
+
+Under the default ``"authors"`` preset this is galore_torch's ``GaLoreAdamW`` (the authors'
+code, jiaweizzhao/GaLore): the same projection sides, refresh rule, Adam arithmetic
+(ε on the uncorrected √v, double-precision step size) and weight decay after the step;
+``preset="optax"`` follows optax.contrib.galore instead. Param groups choose what is
+projected, as in the authors' examples::
+
+    opt = xopt.torch.GaLore(
+        [{"params": regular, "project": False},          # the authors' group without "rank"
+         {"params": matrices, "rank": 128, "update_proj_gap": 200, "scale": 0.25,
+          "proj_type": "std"}],
+        lr=0.01)
+
+Groups may also give ``betas`` (split into ``b1``/``b2``). Tensors that are not matrices
+always take the plain Adam step. State per parameter: ``step`` (int), ``exp_avg`` and
+``exp_avg_sq`` (low-rank shape when projected), ``ortho_matrix`` (and, for
+``proj_type="full"``, ``ortho_matrix_right``): tensors and ints only, so ``state_dict()``
+loads with ``torch.load(..., weights_only=True)``; the authors keep a ``GaLoreProjector``
+object there instead. ``step(inject={param: {"ortho_matrix": P}})`` uses ``P`` instead of
+the SVD at a refresh (the parity harness feeds the authors' recorded projections).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from xopt.errors import HyperparameterError
+from xopt.specs import _lowrank
+from xopt.specs import galore as galore_spec
+from xopt.specs._hyperparams import Hyperparams
+from xopt.torch._lowrank import LowRankOptimizer
+
+__all__ = ["GaLore"]
+
+
+def _split_betas(d: dict[str, Any], where: str) -> dict[str, Any]:
+    d = dict(d)
+    betas = d.pop("betas", None)
+    if betas is not None:
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise HyperparameterError(f"{where}: betas = {betas!r} must be a pair (b1, b2)")
+        d.update(b1=betas[0], b2=betas[1])
+    return d
+
+
+class GaLore(LowRankOptimizer):
+    r"""GaLore (Zhao et al., 2024, Algorithm 2) with the authors' or optax's arithmetic.
+
+    .. math::
+        R_t = P_t^\top G_t \;(\text{or } G_t Q_t^\top),\quad
+        m_t = \beta_1 m_{t-1} + (1-\beta_1) R_t,\quad v_t = \beta_2 v_{t-1} + (1-\beta_2) R_t^2
+
+        W_t = W_{t-1} - \eta\,\frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}\,
+        \alpha\,P_t \frac{m_t}{\sqrt{v_t}+\epsilon}
+        \quad(\text{then } W_t \mathrel{-}= \eta\lambda W_t)
+
+    with :math:`P_t` refreshed from the SVD of :math:`G_t` every ``update_proj_gap`` updates.
+
+    Args:
+      params: parameters or param groups; a group may set any field below (or ``spec``, a
+        :class:`xopt.specs.galore.GaLore`).
+      lr, betas, eps, weight_decay, correct_bias: as the authors' ``GaLoreAdamW``.
+      rank, update_proj_gap, scale, proj_type: the projection (``proj_type`` one of
+        ``"std"``, ``"reverse_std"``, ``"left"``, ``"right"``, ``"full"``).
+      project: project this group's matrices (default True); False gives every tensor the
+        plain Adam step.
+      eps_root, convention: see :class:`xopt.specs.galore.GaLore`.
+      preset: ``"authors"`` (the default) or ``"optax"``: defaults for every field not given.
+      spec: a :class:`xopt.specs.galore.GaLore` giving every field at once.
+      check_finite: raise :class:`xopt.errors.NonFiniteError` naming the parameter before
+        anything moves when a gradient holds NaN/inf (one synchronisation per step).
+
+    Shapes and dtypes: parameters float32/float64/bfloat16/float16, any shape; projected
+    ones are matrices ``(m, n)`` with ``rank <= min(m, n)`` (else
+    :class:`HyperparameterError` naming the parameter at construction). State is float32
+    (float64 for float64 parameters); the step is computed there and rounded once into
+    the parameter. A refresh whose SVD fails raises
+    :class:`xopt.errors.DecompositionError` naming the parameter, its projection untouched.
+    """
+
+    hyperparams_cls = galore_spec.GaLore
+    spec = galore_spec.SPEC
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]],
+                 lr: float | None = None, betas: tuple[float, float] | None = None,
+                 eps: float | None = None, weight_decay: float | None = None,
+                 correct_bias: bool | None = None, *, rank: int | None = None,
+                 update_proj_gap: int | None = None, scale: float | None = None,
+                 proj_type: str | None = None, project: bool | None = None,
+                 eps_root: float | None = None, convention: str | None = None,
+                 preset: str | None = None, spec: galore_spec.GaLore | None = None,
+                 check_finite: bool = False) -> None:
+        given = _split_betas(dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, correct_bias=correct_bias,
+            rank=rank, update_proj_gap=update_proj_gap, scale=scale, proj_type=proj_type,
+            project=project, eps_root=eps_root, convention=convention), "GaLore")
+        super().__init__(params, spec=spec, preset=preset, check_finite=check_finite,
+                         **{k: v for k, v in given.items() if v is not None})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(_split_betas(param_group, "GaLore param group"))
+
+    def _check_param(self, p: Tensor, hp: Hyperparams, where: str) -> None:
+        if galore_spec.is_projected(tuple(p.shape), hp):
+            _lowrank.check_rank(hp.rank, tuple(p.shape), where)
+
+    def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: Hyperparams,
+                name: str, inject: Mapping[str, Tensor] | None) -> None:
+        sdt = self.state_dtype(p)
+        g = g if g.dtype == sdt else g.to(sdt)
+        shape = tuple(p.shape)
+        before = int(state.get("step", 0))
+        ortho = ortho_right = None
+        if galore_spec.is_projected(shape, hp):
+            which = galore_spec.side(shape, hp.proj_type)
+            if "ortho_matrix" not in state or galore_spec.refresh_due(before, hp):
+                given = inject or {}
+                if "ortho_matrix" in given:
+                    ortho = given["ortho_matrix"].to(device=p.device, dtype=sdt)
+                    right = given.get("ortho_matrix_right")
+                    ortho_right = None if right is None else right.to(device=p.device,
+                                                                      dtype=sdt)
+                else:
+                    u, _, vh = self.svd(g, name)
+                    ortho, ortho_right = galore_spec.projector_from_svd(u, vh, hp.rank, which)
+                state["ortho_matrix"] = ortho.contiguous()
+                if which == "full":
+                    state["ortho_matrix_right"] = ortho_right.contiguous()
+            ortho = state["ortho_matrix"]
+            ortho_right = state.get("ortho_matrix_right") if which == "full" else None
+        if "exp_avg" not in state:
+            low = galore_spec.low_rank_shape(shape, hp)
+            state["exp_avg"] = torch.zeros(low, dtype=sdt, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(low, dtype=sdt, device=p.device)
+        count = before + 1
+        state["step"] = count
+        p_c = p if p.dtype == sdt else p.to(sdt)
+        new_p, m, v = galore_spec.tensor_update(
+            torch, hp, p_c, g, state["exp_avg"], state["exp_avg_sq"], ortho, ortho_right,
+            count, hp.lr)
+        state["exp_avg"].copy_(m)
+        state["exp_avg_sq"].copy_(v)
+        self.write(p, new_p)

@@ -1,0 +1,532 @@
+"""POET-X in PyTorch: the ``POETLinear`` layer, a model converter, merges, ``POETAdamW``.
+
+The layer computes :mod:`xopt.specs.poet`'s forward input-centrically (two gathers, two
+batched block products and one matmul with the fixed ``W0``; ``W_eff`` is never formed).
+
+* ``variant="fast"``: keeps the input ``x`` and the pre-rotation activation ``y1`` for
+  the backward (the plain path lets autograd keep what it keeps: it is the reference);
+* ``variant="mem"``: keeps only ``x`` and recomputes ``y1 = (x R_in) W0ᵀ`` in the
+  backward (one more large matmul, ``N × d_out`` less activation memory).
+
+``impl="plain"`` is PyTorch ops only (CPU and the parity reference); ``impl="triton"``
+uses the fused Cayley–Neumann kernels and the gather/scatter kernels of
+:mod:`xopt.kernels.poet_cayley` and :mod:`xopt.kernels.poet_perm`, with the block products
+as strided batched matmuls that read and write the ``(N, width)`` activations in place
+(no transposed copies); ``"auto"`` (default) picks triton on CUDA when it is importable.
+The rotations are evaluated in float32 whatever the layer's dtype and cast to it.
+
+Merging: :meth:`POETLinear.merge_and_reset` folds the rotations into ``W0``, draws new
+permutations and zeroes ``oft_R``; :func:`merge_and_reset` does every layer of a model;
+drive it from the training loop (:class:`MergeEvery`) or let :class:`POETAdamW` do it
+(``model=``). POETAdamW resets the rotations' moments at the start of the first update
+after each merge boundary, as the authors' optimizer does.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from xopt import random as xrandom
+from xopt.errors import HyperparameterError
+from xopt.specs import poet as spec
+
+__all__ = ["MergeEvery", "POETAdamW", "POETLinear", "convert", "merge_and_reset",
+           "poet_param_groups"]
+
+
+def _triton_ok(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# -- the chain: gathers and block products --------------------------------------------------
+
+
+def _gather(x: Tensor, idx: Tensor, triton_path: bool) -> Tensor:
+    if triton_path:
+        from xopt.kernels import poet_perm
+
+        return poet_perm.gather(x, idx)
+    return x.index_select(-1, idx)
+
+
+def _rotate(x2d: Tensor, r: Tensor, transpose: bool = False) -> Tensor:
+    """``x[:, block j] · r[j]`` (or ``· r[j]ᵀ``) for ``x`` of shape ``(N, nb·b)``.
+
+    A strided batched matmul over the ``nb`` blocks: the ``(nb, N, b)`` views of input and
+    output have row stride ``nb·b``, which cuBLAS takes as the leading dimension, so
+    nothing is transposed in memory."""
+    n = x2d.shape[0]
+    nb, b, _ = r.shape
+    out = torch.empty_like(x2d)
+    rr = r.transpose(1, 2) if transpose else r
+    xv = x2d.view(n, nb, b).transpose(0, 1)
+    if torch.is_grad_enabled() and (xv.requires_grad or rr.requires_grad):
+        # autograd (the plain fast path) cannot record out=; the result is the same
+        return torch.bmm(xv, rr).transpose(0, 1).reshape(n, nb * b)
+    torch.bmm(xv, rr, out=out.view(n, nb, b).transpose(0, 1))
+    return out
+
+
+def _outer(a2d: Tensor, g2d: Tensor, nb: int) -> Tensor:
+    """``Σ_n a[n, block j]ᵀ g[n, block j]`` per block: ``(nb, b, b)``."""
+    n, width = a2d.shape
+    b = width // nb
+    return torch.bmm(a2d.view(n, nb, b).permute(1, 2, 0), g2d.view(n, nb, b).transpose(0, 1))
+
+
+class _Chain(torch.autograd.Function):
+    """``y = (blockrot(x[π_in⁻¹], R_in) W0ᵀ + bias → blockrot(·, R_out))[π_out]`` with an
+    explicit backward; ``keep_y1`` selects fast (keep ``y1``) or mem (recompute it)."""
+
+    @staticmethod
+    def forward(ctx, x, r_out, r_in, weight, bias, perm_in, perm_in_inv, perm_out,
+                perm_out_inv, keep_y1: bool, triton_path: bool):
+        shape = x.shape
+        x2d = x.reshape(-1, shape[-1])
+        x2 = _rotate(_gather(x2d, perm_in_inv, triton_path), r_in)
+        y1 = torch.matmul(x2, weight.t())
+        del x2
+        if bias is not None:
+            y1 += bias
+        y = _gather(_rotate(y1, r_out), perm_out, triton_path)
+        ctx.save_for_backward(x2d, r_out, r_in, weight, bias, perm_in, perm_in_inv, perm_out_inv,
+                              y1 if keep_y1 else None)
+        ctx.flags = (keep_y1, triton_path, shape)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, g):
+        x2d, r_out, r_in, weight, bias, perm_in, perm_in_inv, perm_out_inv, y1 = ctx.saved_tensors
+        keep_y1, triton_path, shape = ctx.flags
+        g2d = g.reshape(-1, g.shape[-1])
+        x1 = _gather(x2d, perm_in_inv, triton_path)
+        if y1 is None:  # mem: recompute y1, holding at most two activations at once
+            x2 = _rotate(x1, r_in)
+            y1 = torch.matmul(x2, weight.t())
+            del x2
+            if bias is not None:
+                y1 += bias
+        g2 = _gather(g2d, perm_out_inv, triton_path)
+        grad_r_out = _outer(y1, g2, r_out.shape[0])
+        del y1
+        gy1 = _rotate(g2, r_out, transpose=True)
+        del g2
+        grad_bias = gy1.sum(0) if bias is not None and ctx.needs_input_grad[4] else None
+        gx2 = torch.matmul(gy1, weight)
+        del gy1
+        grad_r_in = _outer(x1, gx2, r_in.shape[0])
+        del x1
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx1 = _rotate(gx2, r_in, transpose=True)
+            del gx2
+            gx = _gather(gx1, perm_in, triton_path).reshape(shape)
+        return (gx, grad_r_out, grad_r_in, None, grad_bias, None, None, None, None, None, None)
+
+
+# -- the layer -------------------------------------------------------------------------------
+
+
+class POETLinear(nn.Module):
+    r"""A linear layer trained as ``W = R · W0 · P`` (POET-X, see :mod:`xopt.specs.poet`).
+
+    Args:
+      in_features, out_features: widths; ``block_size`` must divide both.
+      block_size: side ``b`` of the square rotation blocks (default 256, the authors').
+      bias: keep a bias (frozen unless ``bias_requires_grad``); it sits before ``R_out`` as
+        in the authors' layer, and merges fold it so the layer's output does not jump.
+      variant: ``"fast"`` or ``"mem"`` (see the module docstring).
+      neumann_terms, cayley_formula: the CNP (default: 3 terms, the authors' GPU kernel).
+      permutation: ``"random"`` (default) or ``"identity"``; ``seed``: this layer's seed
+        for the permutation draws (``xopt.random``: the same permutations in JAX).
+      impl: ``"auto"``, ``"plain"`` or ``"triton"`` (triton needs CUDA and 3 terms).
+      spec: an :class:`xopt.specs.poet.POET` giving the defaults of all of the above.
+
+    Parameters and buffers (the authors' names, so state dicts interchange):
+    ``weight`` (``W0``, ``out × in``, frozen), ``bias``, ``oft_R`` (``(r_out + r_in,
+    b(b−1)/2)``, zero = identity rotations), ``perm_in``, ``perm_out``,
+    ``perm_in_inv``, ``perm_out_inv`` (int32), and ``merges`` (how many merges so far).
+    """
+
+    def __init__(self, in_features: int, out_features: int, block_size: int | None = None,
+                 bias: bool = False, *, bias_requires_grad: bool = False,
+                 variant: str | None = None, neumann_terms: int | None = None,
+                 cayley_formula: str | None = None, permutation: str | None = None,
+                 seed: int = 0, impl: str = "auto", spec: spec.POET | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        hp = spec or _spec_module.POET()
+        overrides = {k: v for k, v in dict(block_size=block_size, variant=variant,
+                                             neumann_terms=neumann_terms,
+                                             cayley_formula=cayley_formula,
+                                             permutation=permutation).items() if v is not None}
+        if "block_size" in overrides:
+            _spec_module.check_width(overrides["block_size"], in_features, out_features)
+        hp = hp.replace(**overrides)
+        _spec_module.check_width(hp.block_size, in_features, out_features)
+        if impl not in ("auto", "plain", "triton"):
+            raise HyperparameterError(f"POETLinear.impl = {impl!r}: must be one of 'auto', "
+                                      "'plain', 'triton'")
+        if impl == "triton" and hp.neumann_terms != 3:
+            raise HyperparameterError(
+                f"POETLinear: impl='triton' fuses the 3-term series only (neumann_terms="
+                f"{hp.neumann_terms}); use impl='plain'")
+        self.hp = hp
+        self.in_features, self.out_features = in_features, out_features
+        self.block_size = b = hp.block_size
+        self.variant = hp.variant
+        self.impl = impl
+        self.seed = int(seed)
+        self.num_in_blocks, self.num_out_blocks = in_features // b, out_features // b
+        kw = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw),
+                                   requires_grad=False)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, **kw),
+                                     requires_grad=bias_requires_grad)
+        else:
+            self.register_parameter("bias", None)
+        self.oft_R = nn.Parameter(torch.zeros(self.num_out_blocks + self.num_in_blocks,
+                                              _spec_module.num_triu(b), **kw))
+        for name, n in (("perm_in", in_features), ("perm_out", out_features)):
+            self.register_buffer(name, torch.zeros(n, dtype=torch.int32, device=device))
+            self.register_buffer(name + "_inv", torch.zeros(n, dtype=torch.int32, device=device))
+        self.register_buffer("merges", torch.zeros((), dtype=torch.int64, device=device))
+        self.set_permutations(*_spec_module.layer_permutations(hp, self.seed, 0, in_features,
+                                                               out_features))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, block_size: int | None = None, *,
+                    normalize_weights: bool | None = None, spec: spec.POET | None = None,
+                    **kwargs: Any) -> POETLinear:
+        """A POETLinear whose ``W0`` is ``linear``'s weight (rows divided by their norms
+        when ``normalize_weights``, the authors' default), bias copied, ``oft_R = 0``."""
+        hp = spec or _spec_module.POET()
+        norm = hp.normalize_weights if normalize_weights is None else normalize_weights
+        w = linear.weight
+        layer = cls(linear.in_features, linear.out_features, block_size,
+                    bias=linear.bias is not None, spec=hp, device=w.device, dtype=w.dtype,
+                    **kwargs)
+        with torch.no_grad():
+            wd = w.detach()
+            if norm:
+                wd = wd / torch.norm(wd, dim=1, keepdim=True)
+            layer.weight.copy_(wd)
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias.detach())
+        return layer
+
+    @torch.no_grad()
+    def set_permutations(self, perm_in: Any, perm_out: Any) -> None:
+        """Install permutations (any integer arrays); their inverses are computed here."""
+        for name, p in (("perm_in", perm_in), ("perm_out", perm_out)):
+            p = np.asarray(p.cpu() if isinstance(p, Tensor) else p, dtype=np.int64)
+            buf = getattr(self, name)
+            if p.shape != tuple(buf.shape) or not np.array_equal(np.sort(p), np.arange(len(p))):
+                raise HyperparameterError(f"POETLinear.{name}: not a permutation of "
+                                          f"range({buf.shape[0]})")
+            buf.copy_(torch.as_tensor(p, dtype=torch.int32))
+            getattr(self, name + "_inv").copy_(
+                torch.as_tensor(_spec_module.inverse(p), dtype=torch.int32))
+
+    # -- forward ----------------------------------------------------------------------------
+    def _work_dtype(self) -> torch.dtype:
+        """float32, or float64 for a float64 layer (rotations and merges run in it)."""
+        return torch.float64 if self.oft_R.dtype == torch.float64 else torch.float32
+
+    def _use_triton(self, device: torch.device) -> bool:
+        if self.impl == "triton":
+            return True
+        return (self.impl == "auto" and self.hp.neumann_terms == 3
+                and self.oft_R.dtype != torch.float64 and _triton_ok(device))
+
+    def rotations(self, triton_path: bool | None = None, tf32: bool = False,
+                  ) -> tuple[Tensor, Tensor]:
+        """``(R_out, R_in)``, float32, differentiable in ``oft_R``. ``tf32``: let the fused
+        kernels use TF32 tensor cores (chosen by :meth:`forward` for bf16/fp16 inputs)."""
+        if triton_path is None:
+            triton_path = self._use_triton(self.oft_R.device)
+        x = self.oft_R.to(self._work_dtype())
+        if triton_path:
+            from xopt.kernels import poet_cayley
+
+            return poet_cayley.rotations(x, self.block_size, self.num_out_blocks,
+                                         self.hp.cayley_formula, tf32)
+        return _spec_module.rotations(x, self.block_size, self.num_out_blocks,
+                                      self.hp.neumann_terms, self.hp.cayley_formula, xp=torch)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"POETLinear: input has {x.shape[-1]} features, expected "
+                             f"{self.in_features}")
+        triton_path = self._use_triton(x.device)
+        r_out, r_in = self.rotations(triton_path, tf32=x.dtype in (torch.bfloat16, torch.float16))
+        r_out, r_in = r_out.to(x.dtype), r_in.to(x.dtype)
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        bias = self.bias
+        pin, pin_inv = self.perm_in.long(), self.perm_in_inv.long()
+        pout, pout_inv = self.perm_out.long(), self.perm_out_inv.long()
+        if triton_path:
+            pin, pin_inv, pout, pout_inv = (self.perm_in, self.perm_in_inv, self.perm_out,
+                                            self.perm_out_inv)
+        if self.variant == "fast" and not triton_path:
+            y, _ = _spec_module.layer_forward(x, r_out, r_in, w, bias, pin_inv, pout, xp=torch)
+            return y
+        return _Chain.apply(x, r_out, r_in, w, bias, pin, pin_inv, pout, pout_inv,
+                            self.variant == "fast", triton_path)
+
+    # -- merging ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def effective_weight(self) -> Tensor:
+        """``W_eff = R · W0 · P`` as one ``out × in`` matrix (float32)."""
+        r_out, r_in = self.rotations(False)
+        return _spec_module.effective_weight(
+            self.weight.to(self._work_dtype()), r_out, r_in, self.perm_in.long(),
+            self.perm_out.long(), xp=torch)
+
+    @torch.no_grad()
+    def merge_and_reset(self, perm_in: Any = None, perm_out: Any = None) -> None:
+        """Fold the rotations into ``W0``, install new permutations (drawn from
+        ``xopt.random`` unless given), re-lay ``W0`` (and the bias) for them, zero
+        ``oft_R``. The layer's function is unchanged up to rounding."""
+        merges = int(self.merges) + 1
+        if perm_in is None or perm_out is None:
+            drawn = _spec_module.layer_permutations(self.hp, self.seed, merges,
+                                                    self.in_features, self.out_features)
+            perm_in = drawn[0] if perm_in is None else perm_in
+            perm_out = drawn[1] if perm_out is None else perm_out
+        r_out, r_in = self.rotations(False)
+        dev = self.weight.device
+        new_in_inv = torch.as_tensor(_spec_module.inverse(np.asarray(
+            perm_in.cpu() if isinstance(perm_in, Tensor) else perm_in)), device=dev)
+        new_out_inv = torch.as_tensor(_spec_module.inverse(np.asarray(
+            perm_out.cpu() if isinstance(perm_out, Tensor) else perm_out)), device=dev)
+        w = _spec_module.merged_weight(self.weight.to(self._work_dtype()), r_out, r_in,
+                                       self.perm_in.long(), self.perm_out.long(),
+                                       new_in_inv, new_out_inv, xp=torch)
+        if self.bias is not None:
+            nb = _spec_module.merged_bias(self.bias.to(self._work_dtype()), r_out,
+                                          self.perm_out.long(), new_out_inv, xp=torch)
+            self.bias.copy_(nb.to(self.bias.dtype))
+        self.weight.copy_(w.to(self.weight.dtype))
+        self.set_permutations(perm_in, perm_out)
+        self.oft_R.zero_()
+        self.merges.fill_(merges)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"block_size={self.block_size}, bias={self.bias is not None}, "
+                f"variant={self.variant!r}, impl={self.impl!r}")
+
+
+_spec_module = spec  # the constructor's ``spec=`` argument shadows the module name
+
+
+def layer_seed(seed: int, name: str) -> int:
+    """A layer's permutation seed: ``fold_in(seed, crc32(name))`` with ``/`` separators,
+    the same rule as the JAX module, so same-named layers draw the same permutations."""
+    return xrandom.fold_in(seed, zlib.crc32(name.replace(".", "/").encode()))
+
+
+def convert(model: nn.Module, block_size: int | None = None, *, spec: spec.POET | None = None,
+            target_modules: Sequence[str] | None = None,
+            exclude_modules: Sequence[str] = ("lm_head",), seed: int | None = None,
+            **kwargs: Any) -> tuple[nn.Module, int]:
+    """Replace ``nn.Linear`` children by :class:`POETLinear` (``from_linear``), in place.
+
+    As the authors' ``replace_linear_with_poet``: names containing an ``exclude_modules``
+    entry (case-insensitive) are skipped, ``target_modules`` (if given) must match, and a
+    layer whose widths ``block_size`` does not divide is left as it is (listed in the
+    returned count's complement; ask :func:`poet_layers`). Returns ``(model, replaced)``.
+    """
+    hp = spec or _spec_module.POET()
+    if block_size is not None:
+        hp = hp.replace(block_size=block_size)
+    base_seed = hp.seed if seed is None else seed
+    count = 0
+
+    def wanted(name: str) -> bool:
+        if any(e.lower() in name.lower() for e in exclude_modules):
+            return False
+        return target_modules is None or any(t in name for t in target_modules)
+
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if type(child) is nn.Linear and wanted(full):
+                b = hp.block_size
+                if child.in_features % b or child.out_features % b:
+                    continue
+                setattr(module, child_name, POETLinear.from_linear(
+                    child, spec=hp, seed=layer_seed(base_seed, full), **kwargs))
+                count += 1
+    return model, count
+
+
+def poet_layers(model: nn.Module) -> list[POETLinear]:
+    return [m for m in model.modules() if isinstance(m, POETLinear)]
+
+
+@torch.no_grad()
+def merge_and_reset(model: nn.Module) -> int:
+    """Merge every :class:`POETLinear` in ``model``; returns how many."""
+    layers = poet_layers(model)
+    for layer in layers:
+        layer.merge_and_reset()
+    return len(layers)
+
+
+class MergeEvery:
+    """Training-loop callback: ``cb(step)`` merges ``model`` when ``step`` (1-based count of
+    optimizer steps taken) is a positive multiple of ``interval``, as the authors'
+    ``merge_and_reinitialize`` does in their training script. Returns True on a merge."""
+
+    def __init__(self, model: nn.Module, interval: int):
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise HyperparameterError(f"MergeEvery.interval = {interval!r}: must be an "
+                                      "integer ≥ 1 (the merge interval)")
+        self.model, self.interval = model, interval
+
+    def __call__(self, step: int) -> bool:
+        if step > 0 and step % self.interval == 0:
+            merge_and_reset(self.model)
+            return True
+        return False
+
+
+# -- the optimizer ----------------------------------------------------------------------------
+
+
+def poet_param_groups(model: nn.Module, *, lr: float = 1e-3, poet_lr: float = 5e-4,
+                      weight_decay: float = 0.0) -> list[dict[str, Any]]:
+    """The authors' ``get_poet_optimizer`` grouping: non-rotation parameters without decay
+    (biases, 1-d) and with decay (the rest) at ``lr``, rotation vectors (``oft_R``) at
+    ``poet_lr`` with ``use_poet=True`` and no decay."""
+    rot = {id(m.oft_R) for m in poet_layers(model)}
+    decay, nodecay, poet = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in rot:
+            poet.append(p)
+        elif p.ndim >= 2 and not name.endswith("bias"):
+            decay.append(p)
+        else:
+            nodecay.append(p)
+    return [dict(params=nodecay, use_poet=False, weight_decay=0.0, lr=lr),
+            dict(params=decay, use_poet=False, weight_decay=weight_decay, lr=lr),
+            dict(params=poet, use_poet=True, weight_decay=0.0, lr=poet_lr)]
+
+
+class POETAdamW(torch.optim.Optimizer):
+    r"""The authors' POETAdamW arithmetic (:func:`xopt.specs.poet.adam_update`).
+
+    Groups with ``use_poet=True`` (the default) are rotation vectors: their learning rate is
+    multiplied by ``poet_scale`` and their moments restart at the first update after each
+    merge boundary (global step counter a positive multiple of ``merge_interval``). Other
+    groups get the same Adam arithmetic without either. With ``model=``, the optimizer also
+    merges the model's POET layers after every ``merge_interval``-th update (then no
+    training-loop callback is needed).
+
+    State per parameter: ``step`` (int), ``exp_avg``, ``exp_avg_sq`` (float32 for
+    low-precision parameters); ``global_step_counter`` on the optimizer (and in its state
+    dict under ``state["global"]``).
+    """
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]],
+                 lr: float | None = None, betas: tuple[float, float] | None = None,
+                 eps: float | None = None, weight_decay: float | None = None, *,
+                 correct_bias: bool | None = None, poet_scale: float | None = None,
+                 merge_interval: int | None = None, model: nn.Module | None = None,
+                 spec: spec.POET | None = None):
+        hp = spec or _spec_module.POET()
+        given = dict(lr=lr, eps=eps, weight_decay=weight_decay, correct_bias=correct_bias,
+                     poet_scale=poet_scale, merge_interval=merge_interval)
+        if betas is not None:
+            given.update(b1=betas[0], b2=betas[1])
+        hp = hp.replace(**{k: v for k, v in given.items() if v is not None})
+        self.hp = hp
+        defaults = dict(lr=hp.lr, betas=(hp.b1, hp.b2), eps=hp.eps,
+                        weight_decay=hp.weight_decay, correct_bias=hp.correct_bias,
+                        poet_scale=hp.poet_scale, poet_merge_interval=hp.merge_interval,
+                        use_poet=True)
+        super().__init__(params, defaults)
+        self.global_step_counter = 0
+        self.model = model
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        gstep = self.global_step_counter
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            use_poet = group.get("use_poet", True)
+            interval = group["poet_merge_interval"] if use_poet else 0
+            reset = _spec_module.needs_reset(gstep, interval)
+            lr = group["lr"]
+            if use_poet and group["poet_scale"] > 0.0:
+                lr = lr * group["poet_scale"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("POETAdamW does not support sparse gradients")
+                st = self.state[p]
+                if len(st) == 0 or reset:
+                    sdt = torch.float64 if p.dtype == torch.float64 else torch.float32
+                    st["step"] = 0
+                    st["exp_avg"] = torch.zeros_like(p, dtype=sdt)
+                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt)
+                st["step"] += 1
+                g = p.grad.to(st["exp_avg"].dtype)
+                pf = p.to(st["exp_avg"].dtype) if p.dtype != st["exp_avg"].dtype else p
+                m, v = st["exp_avg"], st["exp_avg_sq"]
+                # in place, the authors' operations in their order
+                m.mul_(b1).add_(g, alpha=1.0 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+                denom = v.sqrt().add_(group["eps"])
+                step_size = lr
+                if group["correct_bias"]:
+                    k = st["step"]
+                    step_size = step_size * math.sqrt(1.0 - b2 ** k) / (1.0 - b1 ** k)
+                if pf is p:
+                    p.addcdiv_(m, denom, value=-step_size)
+                    if group["weight_decay"] > 0.0:
+                        p.add_(p, alpha=-lr * group["weight_decay"])
+                else:
+                    pf = pf.addcdiv(m, denom, value=-step_size)
+                    if group["weight_decay"] > 0.0:
+                        pf = pf.add(pf, alpha=-lr * group["weight_decay"])
+                    p.copy_(pf)
+        self.global_step_counter += 1
+        if self.model is not None and self.global_step_counter % self.hp.merge_interval == 0:
+            merge_and_reset(self.model)
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["global_step_counter"] = self.global_step_counter
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        self.global_step_counter = int(state_dict.pop("global_step_counter", 0))
+        super().load_state_dict(state_dict)
