@@ -285,6 +285,14 @@ def trace_state(trace: Trace, spec: MethodSpec, hp: Hyperparams, naming: str,
     flat = trace.init_state() if t < 0 else trace.state_after(t)
     if t < 0 and not flat:
         return None
+    if t < 0 and spec.meta is None:
+        # A partial init state (what the original sets at construction, e.g. Flora's
+        # seeds): the keys it lacks come from the spec's own initial state.
+        full = spec.state.from_canonical(
+            naming, spec.init_state(hp, trace.init_params(), xp=np,
+                                    dtype=np.dtype(trace.manifest["dtype"])),
+            list(trace.params), hp)
+        flat = {**full, **flat}
     where = f"{trace.npz_path}: {'init' if t < 0 else f'step_{t:04d}'}/state"
     state = spec.state.to_canonical(naming, flat, list(trace.params), hp, where=where)
     spec.state.check_canonical(state, trace.params, hp, where=where)
@@ -492,10 +500,14 @@ def aux_errors(method: str, trace: str | Trace, *, max_steps: int | None = None,
             state = spec.init_state(hp, params, xp=np, dtype=np.float32, **extra)
         aux: dict[str, Any] = {}
         loss = t.loss(s)
+        kw = dict(extra)
+        inject = spec.inject(t, s, hp) if spec.inject is not None else None
+        if inject:  # the original's own draws, as the runners get them
+            kw["inject"] = {p: {k: f32(v) for k, v in d.items()} for p, d in inject.items()}
         spec.step(hp, {k: f32(v) for k, v in params.items()},
                   {k: f32(v) for k, v in state.items()},
                   {k: f32(v) for k, v in t.grads(s).items()}, xp=np,
-                  loss=None if loss is None else np.float32(loss), aux=aux, **extra)
+                  loss=None if loss is None else np.float32(loss), aux=aux, **kw)
         for k in sorted(set(aux) & set(recorded)):
             e = tensor_error(np.asarray(aux[k]), recorded[k]).rel
             if k not in out or _nan_max_key(e) > _nan_max_key(out[k][0]):

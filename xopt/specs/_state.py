@@ -88,6 +88,19 @@ class Naming:
     #: the parameter order (learned_optimization's stacked LSTM state); their template has
     #: no ``{param}``
     stacked: frozenset[str] = frozenset()
+    #: variables this implementation stores in another form than the canonical array:
+    #: ``var -> (encode, decode)``, NumPy canonical value -> stored value and back (xopt.jax
+    #: keeps Flora's int64 seeds as uint32 ``[hi, lo]`` pairs, needing no jax_enable_x64)
+    codecs: Mapping[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = \
+        dataclasses.field(default_factory=dict)
+
+    def decode(self, var: str, value: Any) -> np.ndarray:
+        codec = self.codecs.get(var)
+        return np.asarray(value) if codec is None else np.asarray(codec[1](np.asarray(value)))
+
+    def encode(self, var: str, value: Any) -> np.ndarray:
+        codec = self.codecs.get(var)
+        return np.asarray(value) if codec is None else np.asarray(codec[0](np.asarray(value)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +192,7 @@ class StateSchema:
                         continue  # absent for this parameter; check_canonical judges
                     if key not in flat:
                         raise StateError(f"{where}: missing {key!r} (state {v.name!r} of {p!r})")
-                    out[f"{v.name}/{p}"] = np.asarray(flat[key])
+                    out[f"{v.name}/{p}"] = nm.decode(v.name, flat[key])
                     used.add(key)
             elif "{param}" in template:
                 values = []
@@ -187,7 +200,7 @@ class StateSchema:
                     key = template.format(param=p)
                     if key not in flat:
                         raise StateError(f"{where}: missing {key!r} (state {v.name!r} of {p!r})")
-                    values.append(np.asarray(flat[key]))
+                    values.append(nm.decode(v.name, flat[key]))
                     used.add(key)
                 for p, val in zip(param_names, values, strict=True):
                     if not np.array_equal(val, values[0]):
@@ -200,7 +213,7 @@ class StateSchema:
             else:
                 if template not in flat:
                     raise StateError(f"{where}: missing {template!r} (state {v.name!r})")
-                out[v.name] = np.asarray(flat[template])
+                out[v.name] = nm.decode(v.name, flat[template])
                 used.add(template)
         if strict:
             extra = sorted(set(flat) - used)
@@ -225,10 +238,10 @@ class StateSchema:
                     if f"{v.name}/{p}" not in state and (
                             v.applies is not None or not v.active(hp_for(hp, p))):
                         continue
-                    arr = np.asarray(state[f"{v.name}/{p}"])
+                    arr = nm.encode(v.name, state[f"{v.name}/{p}"])
                     out[template.format(param=p)] = arr.astype(dtype) if dtype else arr
             else:
-                arr = np.asarray(state[v.name])
+                arr = nm.encode(v.name, state[v.name])
                 arr = arr.astype(dtype) if dtype else arr
                 if "{param}" in template:
                     for p in param_names:

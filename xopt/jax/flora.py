@@ -1,0 +1,288 @@
+"""Flora as an optax gradient transformation, computing :mod:`xopt.specs.flora`'s math.
+
+:func:`flora` returns an :class:`optax.GradientTransformationExtraArgs` (``jit``-able,
+``optax.chain``-able). Every leaf's update calls the spec's pure functions
+(:func:`~xopt.specs.flora.second_moment_factored`, :func:`~xopt.specs.flora.mix`,
+:func:`~xopt.specs.flora.up`/:func:`~xopt.specs.flora.down`, ...); this module adds what a
+traced step needs: the transfer every ``kappa`` steps under ``lax.cond``, and the
+original's seed rule (``next_seed``, torch's MT19937 generator) in uint32 arithmetic.
+
+Seeds are kept as uint32 ``[hi, lo]`` pairs (the spec's ``"xopt.jax"`` naming decodes
+them to the original's int64), so no ``jax_enable_x64`` is needed; the projections are
+``xopt.random.normal`` keyed by the pair, the same matrices as xopt.torch's and the
+oracle's. Leaf ``i`` (1-based, in ``jax.tree.leaves`` order) starts from seed
+``seed + i``, the original's rule for parameters in that order.
+
+``update(updates, state, params, inject={leaf name: {"proj_before": P, "proj_after":
+P'}})`` uses the given projections instead of drawing (the parity harness's recorded
+ones). Per-leaf settings (``param_specs``) as in :mod:`xopt.jax._lowrank`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from xopt.errors import HyperparameterError
+from xopt.jax._lowrank import inject_for, leaf_specs, path_names, raise_if_nonfinite
+from xopt.specs import flora as _spec
+
+__all__ = ["FloraState", "flora", "next_seed_words"]
+
+_LABEL = "xopt.jax.flora"
+
+
+class FloraState(NamedTuple):
+    """State of :func:`flora` (the spec's ``"xopt.jax"`` naming).
+
+    Attributes:
+      count: int32 ``()``: updates taken, t.
+      seed: per leaf, uint32 ``(2,)``: the projection seed ``[hi, lo]``.
+      rms: per leaf, ``()``: RMS of the parameter before the last update.
+      m: per leaf, the momentum (``(r, n)`` left / ``(m, r)`` right when compressed, else
+        the leaf's shape), or None without momentum.
+      v_row, v_col: per 2-D leaf with a factored second moment, ``(m,)`` and ``(n,)``;
+        None for the others.
+      v: per other leaf, the unfactored second moment (leaf's shape); None for factored.
+
+    Each per-leaf field is a pytree of the parameters' structure; floating leaves are
+    float32 (float64 for float64 parameters).
+    """
+
+    count: jax.Array
+    seed: Any
+    rms: Any
+    m: Any
+    v_row: Any
+    v_col: Any
+    v: Any
+
+
+_PER_LEAF = ("seed", "rms", "m", "v_row", "v_col", "v")
+
+# -- torch's CPU generator (MT19937) in uint32 arithmetic, traceable -------------------------
+
+
+def _u32(x: int) -> jax.Array:
+    return jnp.asarray(x, dtype=jnp.uint32)
+
+
+def _mt19937_outputs(seed_lo: jax.Array, indices: tuple[int, ...]) -> list[jax.Array]:
+    """Outputs ``indices`` (each < 227) of MT19937 seeded with the uint32 ``seed_lo``, as
+    :func:`xopt.specs.flora._mt19937` (the words up to ``max(indices) + 397`` of the
+    initialisation, by ``lax.scan``; one twist; tempering)."""
+    need = max(indices) + 397 + 1
+
+    def body(x: jax.Array, i: jax.Array) -> tuple[jax.Array, jax.Array]:
+        x = _u32(1812433253) * (x ^ (x >> 30)) + i
+        return x, x
+
+    _, rest = jax.lax.scan(body, seed_lo, jnp.arange(1, need, dtype=jnp.uint32))
+    mt = jnp.concatenate([seed_lo[None], rest])
+    out = []
+    for k in indices:
+        y = (mt[k] & _u32(0x80000000)) | (mt[k + 1] & _u32(0x7FFFFFFF))
+        y = mt[k + 397] ^ (y >> 1) ^ jnp.where((y & 1) == 1, _u32(0x9908B0DF), _u32(0))
+        y = y ^ (y >> 11)
+        y = y ^ ((y << 7) & _u32(0x9D2C5680))
+        y = y ^ ((y << 15) & _u32(0xEFC60000))
+        y = y ^ (y >> 18)
+        out.append(y)
+    return out
+
+
+def mod_int64_max(hi: jax.Array, lo: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``((hi << 32) | lo) mod (2**63 − 1)`` on uint32 words: with ``V = a·2**63 + b``,
+    ``V ≡ a + b``, and ``a + b ≤ 2**63`` needs at most one subtraction."""
+    a = hi >> 31
+    b_hi = hi & _u32(0x7FFFFFFF)
+    r_lo = lo + a
+    r_hi = b_hi + (r_lo < lo).astype(jnp.uint32)
+    is_m = (r_hi == _u32(0x7FFFFFFF)) & (r_lo == _u32(0xFFFFFFFF))  # = 2**63 - 1 -> 0
+    is_big = r_hi == _u32(0x80000000)  # = 2**63 -> 1
+    r_hi = jnp.where(is_m | is_big, _u32(0), r_hi)
+    r_lo = jnp.where(is_m, _u32(0), jnp.where(is_big, _u32(1), r_lo))
+    return r_hi, r_lo
+
+
+def next_seed_words(words: jax.Array, adv: int = 0xF) -> jax.Array:
+    """:func:`xopt.specs.flora.next_seed` on a uint32 ``[hi, lo]`` seed (only ``lo``
+    matters: torch seeds MT19937 with the seed mod 2**32); returns ``[hi, lo]``."""
+    hi, lo = _mt19937_outputs(words[1].astype(jnp.uint32), (2 * adv - 2, 2 * adv - 1))
+    return jnp.stack(mod_int64_max(hi, lo))
+
+
+def _seed_words(seed: int) -> jax.Array:
+    return jnp.asarray(_spec.encode_seed_words(seed))
+
+
+# -- the transformation --------------------------------------------------------------------
+
+
+def _resolve(spec: _spec.Flora | None, given: dict[str, Any]) -> _spec.Flora:
+    if spec is not None:
+        if not isinstance(spec, _spec.Flora):
+            raise HyperparameterError(f"{_LABEL}: spec must be an xopt.specs.flora.Flora, got "
+                                      f"{type(spec).__name__}")
+        if given:
+            raise HyperparameterError(f"{_LABEL}: pass either spec= or hyperparameters, not "
+                                      f"both (got spec and {', '.join(sorted(given))})")
+        return spec
+    fields = {("lr" if k == "learning_rate" else k): v for k, v in given.items()}
+    if "eps" in fields:
+        fields["eps"] = tuple(fields["eps"])
+    try:
+        return _spec.SPEC.make(None, **fields)
+    except HyperparameterError as e:
+        raise HyperparameterError(f"{_LABEL}: {e}") from e
+
+
+def _state_dtype(p: Any) -> Any:
+    return jnp.promote_types(jnp.result_type(p), jnp.float32)
+
+
+def flora(learning_rate: float | None = None, rank: int | None = None,
+          kappa: int | None = None, eps: tuple[float, float] | None = None,
+          clip_threshold: float | None = None, decay_rate: float | None = None,
+          beta1: float | None = None, weight_decay: float | None = None,
+          scale_parameter: bool | None = None, relative_step: bool | None = None,
+          warmup_init: bool | None = None, factorize_second_moment: bool | None = None,
+          seed: int | None = None, quantization: bool | None = None,
+          project: bool | None = None, *, spec: _spec.Flora | None = None,
+          param_specs: Any = None, check_finite: bool = False,
+          ) -> optax.GradientTransformationExtraArgs:
+    """Flora (see :mod:`xopt.specs.flora` for the update, Algorithm 2 of the paper).
+
+    Args:
+      learning_rate: η (the spec's ``lr``); may be traced (``optax.inject_hyperparams``).
+      rank, kappa, eps, clip_threshold, decay_rate, beta1, weight_decay, scale_parameter,
+        relative_step, warmup_init, factorize_second_moment, seed, quantization, project:
+        as :class:`xopt.specs.flora.Flora` (the original's defaults; ``beta1=None`` means
+        no momentum).
+      spec: an :class:`xopt.specs.flora.Flora` instead of the arguments.
+      param_specs: per-leaf settings (a pytree / mapping of leaf names / function to
+        ``Flora`` or None), e.g. ``project=False`` for the leaves to keep uncompressed.
+      check_finite: raise :class:`~xopt.errors.NonFiniteError` naming the leaf on a
+        NaN/inf gradient (a host callback under jit).
+
+    ``update`` needs ``params`` (the RMS learning-rate scale and the weight decay read
+    them). Returns updates in each parameter's dtype, ``new − old``, so that
+    ``optax.apply_updates`` gives the original's ``p − η λ p − η u``.
+    """
+    given = {k: v for k, v in dict(
+        learning_rate=learning_rate, rank=rank, kappa=kappa, eps=eps,
+        clip_threshold=clip_threshold, decay_rate=decay_rate, beta1=beta1,
+        weight_decay=weight_decay, scale_parameter=scale_parameter,
+        relative_step=relative_step, warmup_init=warmup_init,
+        factorize_second_moment=factorize_second_moment, seed=seed,
+        quantization=quantization, project=project).items() if v is not None}
+    hp = _resolve(spec, given)
+
+    def specs_of(params: Any) -> tuple[list[str], list[_spec.Flora]]:
+        names = path_names(params)
+        specs = leaf_specs(params, hp, param_specs, _spec.Flora, _LABEL)
+        for n, h, p in zip(names, specs, jax.tree.leaves(params), strict=True):
+            if not jnp.issubdtype(jnp.result_type(p), jnp.floating):
+                raise HyperparameterError(f"{_LABEL}: {n}: dtype {jnp.result_type(p)} is not "
+                                          "supported (floating only)")
+            _spec.check_param(tuple(np.shape(p)), h, f"{_LABEL}: {n}")
+        return names, specs
+
+    def init_fn(params: Any) -> FloraState:
+        leaves, treedef = jax.tree.flatten(params)
+        _, specs = specs_of(params)
+        fields: dict[str, list[Any]] = {f: [] for f in _PER_LEAF}
+        for i, (p, h) in enumerate(zip(leaves, specs, strict=True), start=1):
+            shape, sdt = tuple(np.shape(p)), _state_dtype(p)
+            fields["seed"].append(_seed_words(int(h.seed) + i))
+            fields["rms"].append(jnp.zeros((), sdt))
+            fields["m"].append(jnp.zeros(_spec.momentum_shape(shape, h), sdt)
+                               if h.use_momentum else None)
+            fac = _spec.factored(shape, h)
+            fields["v_row"].append(jnp.zeros(shape[:-1], sdt) if fac else None)
+            fields["v_col"].append(jnp.zeros(shape[:-2] + shape[-1:], sdt) if fac else None)
+            fields["v"].append(None if fac else jnp.zeros(shape, sdt))
+        return FloraState(count=jnp.zeros((), jnp.int32),
+                          **{f: jax.tree.unflatten(treedef, v) for f, v in fields.items()})
+
+    def update_fn(updates: Any, state: FloraState, params: Any = None, *,
+                  inject: Any = None, **extra: Any) -> tuple[Any, FloraState]:
+        del extra
+        if params is None:
+            raise ValueError(f"{_LABEL}: update(updates, state, params) needs params (the "
+                             "learning rate scales with their RMS; weight decay reads them)")
+        grads, treedef = jax.tree.flatten(updates)
+        leaves_p = treedef.flatten_up_to(params)
+        names, specs = specs_of(params)
+        if check_finite:
+            raise_if_nonfinite(_LABEL, names, grads)
+        injected = inject_for(inject, names, _LABEL)
+        old = {f: treedef.flatten_up_to(getattr(state, f)) for f in _PER_LEAF}
+        count = optax.safe_increment(state.count) if hasattr(optax, "safe_increment") \
+            else optax.safe_int32_increment(state.count)
+        new = {f: list(v) for f, v in old.items()}
+        outs = []
+        for i, (g, p, h) in enumerate(zip(grads, leaves_p, specs, strict=True)):
+            st = {f: old[f][i] for f in _PER_LEAF}
+            out, upd = _update_leaf(h, p, g, st, count, injected[i])
+            outs.append(out)
+            for f, v in upd.items():
+                new[f][i] = v
+        state = FloraState(count=count,
+                           **{f: jax.tree.unflatten(treedef, v) for f, v in new.items()})
+        return jax.tree.unflatten(treedef, outs), state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _update_leaf(h: _spec.Flora, p: jax.Array, g: jax.Array, st: dict[str, Any],
+                 t: jax.Array, inject: Any) -> tuple[jax.Array, dict[str, Any]]:
+    """One leaf's update at the traced 1-based step ``t``: ``(p_new − p, new state)``."""
+    xp = jnp
+    shape, sdt = tuple(p.shape), _state_dtype(p)
+    p_c, g_c = p.astype(sdt), g.astype(sdt)
+    new: dict[str, Any] = {}
+    rho = _spec.rms(xp, p_c)
+    new["rms"] = rho
+    lr = _spec.learning_rate(xp, h, rho, t)
+    b2, omb2 = _spec.beta2(t, h.decay_rate)
+    eps0 = float(h.eps[0])
+    if _spec.factored(shape, h):
+        new["v_row"], new["v_col"], u = _spec.second_moment_factored(
+            xp, st["v_row"], st["v_col"], g_c, b2, omb2, eps0)
+    else:
+        new["v"], u = _spec.second_moment_full(xp, st["v"], g_c, b2, omb2, eps0)
+    if h.use_momentum:
+        b1 = h.beta1
+        if not _spec.compressed(shape, h):
+            u = _spec.mix(u, st["m"], b1)
+            new["m"] = u
+        else:
+            which = _spec.side(shape)
+            seed = st["seed"]
+            transfer = (t % h.kappa) == 0
+            seed_after = jax.lax.cond(transfer, next_seed_words, lambda w: w, seed)
+            if inject is not None and "proj_before" in inject:
+                p_before = jnp.asarray(inject["proj_before"], sdt)
+                p_after = jnp.asarray(inject["proj_after"], sdt)
+            else:
+                def draw(s: jax.Array) -> jax.Array:
+                    return _spec.projection(s, shape, h.rank, xp=xp, dtype=sdt)
+
+                p_before = draw(seed)
+                p_after = jax.lax.cond(transfer, draw, lambda s: p_before, seed_after)
+            c_up = _spec.up(xp, p_before, st["m"], which)
+            raw = u
+            u = _spec.mix(u, c_up, b1)
+            c = jax.lax.cond(transfer, lambda: _spec.down(xp, p_after, c_up, which),
+                             lambda: st["m"])
+            new["m"] = _spec.accumulate(c, _spec.down(xp, p_after, raw, which), b1)
+            new["seed"] = seed_after
+    u, _ = _spec.clip(xp, u, h.clip_threshold)
+    p_new = _spec.apply(xp, p_c, u, lr, h.weight_decay)
+    return (p_new - p_c).astype(p.dtype), new
+

@@ -1,0 +1,144 @@
+"""Flora as a ``torch.optim.Optimizer``, computing :mod:`xopt.specs.flora`'s math.
+
+Each parameter's update is :func:`xopt.specs.flora.update_param` evaluated with torch: the
+original's torch operations in its order (``flora_opt/optimizers/torch/flora.py``,
+``flora_step_``), so on the CPU this optimizer reproduces ``flora_opt.Flora`` bit for bit
+once both use the same projections (the golden trace's, injected). Its state uses the
+original's keys (``step``, ``seed``, ``RMS``, ``exp_avg``, ``exp_avg_sq_row``,
+``exp_avg_sq_col``, ``exp_avg_sq``; ``step`` and ``seed`` Python ints), so state dicts
+interchange with the original's, and load with ``weights_only=True``.
+
+What differs from the original (each documented in :mod:`xopt.specs.flora`):
+  * projections come from :mod:`xopt.random` keyed by the seed (same matrices in torch,
+    JAX and NumPy, on every device), not from ``torch.randn``; the seed sequence itself
+    (``seed + i``, ``next_seed``) is the original's;
+  * ``quantization=True`` is refused; ``project=False`` (per group) keeps the momentum
+    full; a matrix whose rank would exceed its smaller side raises, naming it;
+  * off the CPU the parameter-scale comparison and the weight-decay factor stay on the
+    device (the original synchronises twice per parameter); rounding may differ there by
+    an ulp;
+  * parameters added with ``add_param_group`` later get seeds continuing the count (the
+    original gives them none and fails at their first compressed update);
+  * bfloat16/float16 parameters keep float32 state; ``check_finite=True``;
+    ``step(inject=...)`` (see :class:`~xopt.torch._lowrank.LowRankOptimizer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from xopt.errors import StateError
+from xopt.specs import flora as _spec
+from xopt.torch._lowrank import LowRankOptimizer
+
+__all__ = ["Flora"]
+
+_STATE_KEYS = {"m": "exp_avg", "v_row": "exp_avg_sq_row", "v_col": "exp_avg_sq_col",
+               "v": "exp_avg_sq"}
+
+
+class Flora(LowRankOptimizer):
+    r"""Flora: Adafactor with momentum compressed by seeded Gaussian projections.
+
+    Args:
+      params: parameters or param groups; a group may override any field below (by key,
+        or with its own ``"spec"``), e.g. ``{"params": biases, "project": False}``.
+      lr, rank, kappa, eps, clip_threshold, decay_rate, beta1, weight_decay,
+        scale_parameter, relative_step, warmup_init, factorize_second_moment, seed,
+        quantization: as ``flora_opt.Flora`` (same defaults; see
+        :class:`xopt.specs.flora.Flora`). ``beta1=None`` (the default) is Adafactor
+        without momentum, as in the original: pass ``beta1=0.9`` and a ``rank`` for
+        Flora's compressed momentum.
+      project: False keeps the group's momentum uncompressed.
+      spec: an :class:`xopt.specs.flora.Flora` instead of the fields.
+      check_finite: raise :class:`~xopt.errors.NonFiniteError` naming the parameter whose
+        gradient holds NaN/inf, before anything moves (synchronises).
+
+    Shapes and dtypes: any floating parameter (float32, float64, bfloat16, float16). State
+    (float32, float64 for float64 parameters): ``exp_avg`` ``(r, n)`` (left, ``m < n``) or
+    ``(m, r)`` (right) for compressed matrices, else the parameter's shape;
+    ``exp_avg_sq_row`` ``(m,)`` and ``exp_avg_sq_col`` ``(n,)`` for matrices, else
+    ``exp_avg_sq`` of the parameter's shape; ``RMS`` a 0-d tensor; ``step``, ``seed`` ints.
+
+    ``step(inject={p: {"proj_before": P, "proj_after": P'}})`` uses the given projections
+    (shapes ``(r, m)`` left, ``(n, r)`` right, already divided by √r) instead of drawing.
+    """
+
+    hyperparams_cls = _spec.Flora
+    spec = _spec.SPEC
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]],
+                 lr: float | None = None, rank: int | None = None, kappa: int | None = None,
+                 eps: tuple[float, float] | None = None, clip_threshold: float | None = None,
+                 decay_rate: float | None = None, beta1: float | None = None,
+                 weight_decay: float | None = None, scale_parameter: bool | None = None,
+                 relative_step: bool | None = None, warmup_init: bool | None = None,
+                 factorize_second_moment: bool | None = None, seed: int | None = None,
+                 quantization: bool | None = None, *, project: bool | None = None,
+                 spec: _spec.Flora | None = None, preset: str | None = None,
+                 check_finite: bool = False) -> None:
+        super().__init__(
+            params, spec=spec, preset=preset, check_finite=check_finite, lr=lr, rank=rank,
+            kappa=kappa, eps=tuple(eps) if eps is not None else None,
+            clip_threshold=clip_threshold, decay_rate=decay_rate, beta1=beta1,
+            weight_decay=weight_decay, scale_parameter=scale_parameter,
+            relative_step=relative_step, warmup_init=warmup_init,
+            factorize_second_moment=factorize_second_moment, seed=seed,
+            quantization=quantization, project=project)
+        self._seeded = 0
+        for group in self.param_groups:
+            self._seed_group(group)
+
+    def _seed_group(self, group: dict[str, Any]) -> None:
+        """The original's seeds: parameter i (1-based over all groups) gets seed + i."""
+        for p in group["params"]:
+            self._seeded += 1
+            if p.requires_grad:
+                self.state[p]["seed"] = int(group["seed"]) + self._seeded
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_seeded"):  # after construction: continue the count
+            self._seed_group(self.param_groups[-1])
+
+    def _check_param(self, p: Tensor, hp: _spec.Flora, where: str) -> None:
+        _spec.check_param(tuple(p.shape), hp, where)
+
+    def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.Flora,
+                name: str, inject: Mapping[str, Tensor] | None) -> None:
+        sdt = self.state_dtype(p)
+        shape = tuple(p.shape)
+        if "seed" not in state:
+            raise StateError(f"Flora: {name} has no projection seed in its state (a state "
+                             "dict without 'seed'?)")
+        if "step" not in state:
+            zeros = dict(dtype=sdt, device=p.device)
+            state["step"] = 0
+            if hp.use_momentum:
+                state["exp_avg"] = torch.zeros(_spec.momentum_shape(shape, hp), **zeros)
+            if _spec.factored(shape, hp):
+                state["exp_avg_sq_row"] = torch.zeros(shape[:-1], **zeros)
+                state["exp_avg_sq_col"] = torch.zeros(shape[:-2] + shape[-1:], **zeros)
+            else:
+                state["exp_avg_sq"] = torch.zeros(shape, **zeros)
+            state["RMS"] = torch.zeros((), **zeros)
+        t = int(state["step"]) + 1
+        p_c = p if p.dtype == sdt else p.to(sdt)
+        g_c = g if g.dtype == sdt else g.to(sdt)
+        st = {k: state[v] for k, v in _STATE_KEYS.items() if v in state}
+        st["seed"] = int(state["seed"])
+        inj = None
+        if inject:
+            inj = {k: v.to(device=p.device, dtype=sdt) for k, v in inject.items()}
+        new_p, new = _spec.update_param(torch, hp, p_c, g_c, st, t, inj, device=p.device)
+        state["step"] = t
+        state["seed"] = int(new["seed"])
+        state["RMS"] = new["rms"]
+        for k, v in _STATE_KEYS.items():
+            if k in new:
+                state[v].copy_(new[k])
+        self.write(p, new_p)
