@@ -19,7 +19,18 @@ from __future__ import annotations
 # attribute `adamw` to the module; binding the function here, after that import, is what
 # makes `from xopt.jax import adamw` reliably the function.
 from xopt.jax.adamw import AdamWState, adamw
+from xopt.jax.coap import COAPState, coap
+from xopt.jax.compact import CompActAdamState, CompActDense, compact_adamw
+from xopt.jax.flora import FloraState, flora
+from xopt.jax.galore import GaLoreState, galore
+from xopt.jax.plumage import PlumageState, plumage
+from xopt.jax.poet import POETAdamWState, POETDense, poet_adamw
 from xopt.jax.small_fc_lopt import small_fc_lopt
 from xopt.jax.velo import VeLOState, velo
 
-__all__ = ["AdamWState", "VeLOState", "adamw", "small_fc_lopt", "velo"]
+__all__ = ["AdamWState", "COAPState", "coap", "GaLoreState", "galore",
+           "POETAdamWState", "POETDense", "VeLOState", "adamw", "poet_adamw",
+           "small_fc_lopt", "velo"]
+__all__ += ["CompActAdamState", "CompActDense", "compact_adamw"]
+__all__ += ["FloraState", "flora"]
+__all__ += ["PlumageState", "plumage"]

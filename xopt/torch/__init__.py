@@ -8,7 +8,13 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {"AdamW": "xopt.torch.adamw", "SmallFCLOpt": "xopt.torch.small_fc_lopt",
-            "VeLO": "xopt.torch.velo"}
+            "CompActAdamW": "xopt.torch.compact", "CompActLinear": "xopt.torch.compact",
+            "compact_model": "xopt.torch.compact",
+            "COAP": "xopt.torch.coap",
+            "Flora": "xopt.torch.flora",
+            "VeLO": "xopt.torch.velo", "GaLore": "xopt.torch.galore",
+            "POETLinear": "xopt.torch.poet", "POETAdamW": "xopt.torch.poet",
+            "PLUMAGE": "xopt.torch.plumage"}
 
 __all__ = sorted(_EXPORTS)
 

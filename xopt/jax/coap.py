@@ -1,0 +1,321 @@
+"""COAP as an optax gradient transformation, computing :mod:`xopt.specs.coap`'s math.
+
+:func:`coap` returns an ``optax.GradientTransformationExtraArgs`` (jit-able, works in
+``optax.chain``; ``update(..., inject=...)`` and ``value=`` are extra arguments). Each leaf
+calls the spec's pure functions (projection, Eqn 6 in closed form, Eqn 7, the authors'
+AdamW or Adafactor arithmetic); this module threads the pytree and the count, and picks the
+projection event with ``lax.switch`` so that a decomposition or an Eqn-6 step runs only at
+the updates that need it.
+
+Projected leaves are chosen per leaf, as optax users choose masks: ``param_specs`` gives a
+:class:`xopt.specs.coap.COAP` per leaf (a pytree of specs/None, a function of the params
+returning one, or ``{leaf path: spec}``); ``project=False`` on a leaf steps it with the base
+optimizer unprojected, ``"auto"`` (default) projects a matrix unless ``rank ≥ min(shape)``,
+``True`` projects every matrix (a rank too large is an error naming the leaf). Only
+matrices are projected.
+
+State (:class:`COAPState`, the spec's ``"xopt.jax"`` naming) is held in the parameter's
+dtype promoted to at least float32 (bfloat16/float16 leaves keep float32 state; the update
+is computed in float32 and rounded once into the leaf's dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from xopt.errors import HyperparameterError
+from xopt.jax._lowrank import (
+    decomposition_guard,
+    inject_for,
+    keep_if_not_finite,
+    leaf_specs,
+    path_names,
+    raise_if_nonfinite,
+)
+from xopt.specs import _lowrank
+from xopt.specs import coap as _spec
+
+__all__ = ["COAPState", "coap"]
+
+_LABEL = "xopt.jax.coap"
+_FLOATING = (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
+
+
+class COAPState(NamedTuple):
+    """State of :func:`coap`; every field but ``count`` has the params' structure, with
+    None where a leaf has no such variable.
+
+    Attributes:
+      count: int32 scalar: updates taken, t (``optax.safe_increment``).
+      mu: first moment M, :func:`xopt.specs.coap.low_rank_shape` (``(m, r)`` right,
+        ``(r, n)`` left, the leaf's shape unprojected); None for Adafactor with ``b1=None``.
+      nu: AdamW's second moment (shape of ``mu``); Adafactor's unfactored one for leaves
+        of fewer than 2 dims.
+      nu_row, nu_col: Adafactor's factored second moment (``shape[:-1]``,
+        ``shape[:-2] + shape[-1:]`` of the low-rank shape).
+      rms: Adafactor: RMS of the leaf before the last update (0-d).
+      proj: P of projected leaves (:func:`xopt.specs.coap.proj_shape`).
+    """
+
+    count: jax.Array
+    mu: optax.Updates
+    nu: optax.Updates
+    nu_row: optax.Updates
+    nu_col: optax.Updates
+    rms: optax.Updates
+    proj: optax.Updates
+
+
+def _resolve(learning_rate: Any, fields: dict[str, Any], preset: str | None,
+             spec: _spec.COAP | None) -> tuple[_spec.COAP, Callable | None]:
+    given = {k: v for k, v in fields.items() if v is not None}
+    schedule = learning_rate if callable(learning_rate) else None
+    if learning_rate is not None and schedule is None:
+        given["lr"] = learning_rate
+    if spec is not None:
+        if not isinstance(spec, _spec.COAP):
+            raise HyperparameterError(f"{_LABEL}: spec must be an xopt.specs.coap.COAP, got "
+                                      f"{type(spec).__name__}")
+        if given or preset is not None:
+            raise HyperparameterError(
+                f"{_LABEL}: pass either spec= or hyperparameters, not both (got spec and "
+                f"{', '.join(sorted(given)) or 'preset'}); use spec.replace(...)")
+        return spec, schedule
+    try:
+        return _spec.SPEC.make(preset, **given), schedule
+    except HyperparameterError as e:
+        raise HyperparameterError(f"{_LABEL}: {e}") from e
+
+
+def coap(
+    learning_rate: optax.ScalarOrSchedule | None = None,
+    rank: int | None = None,
+    update_interval: int | None = None,
+    reproject_factor: int | None = None,
+    *,
+    optimizer: str | None = None,
+    rank_ratio: float | None = None,
+    project: str | bool | None = None,
+    restore_state: bool | None = None,
+    scale: float | None = None,
+    b1: float | None = None,
+    b2: float | None = None,
+    eps: float | None = None,
+    weight_decay: float | None = None,
+    correct_bias: bool | None = None,
+    eps_sq: float | None = None,
+    eps_scale: float | None = None,
+    clip_threshold: float | None = None,
+    decay_rate: float | None = None,
+    scale_parameter: bool | None = None,
+    relative_step: bool | None = None,
+    warmup_init: bool | None = None,
+    proj_lr: float | None = None,
+    proj_max_norm: float | None = None,
+    seed: int | None = None,
+    preset: str | None = None,
+    spec: _spec.COAP | None = None,
+    param_specs: Any = None,
+    check_finite: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    """COAP (Xiao et al., CVPR 2025; Algorithm 1 with Eqns 6 and 7) as an optax transformation.
+
+    Every field left ``None`` comes from ``preset`` (``"adamw"``, the default: the authors'
+    CoapAdamW; ``"adafactor"``: CoapAdafactor, with ``b1=None``), or all from ``spec``.
+    Adafactor's ``b1=None`` is the authors' default; ``b1`` cannot be set to None through
+    this keyword (None means "not given"): use the preset or ``spec``.
+
+    Args:
+      learning_rate: η, a number or an optax schedule of the count before this update (a
+        schedule sets η for every leaf, overriding the per-leaf specs' ``lr``).
+      rank, update_interval, reproject_factor, ...: fields of
+        :class:`xopt.specs.coap.COAP`. Ranks and intervals fix shapes and control flow:
+        static Python ints (``optax.inject_hyperparams`` needs them in ``static_args``).
+      spec: one :class:`xopt.specs.coap.COAP` for every leaf not in ``param_specs``.
+      param_specs: per-leaf specs (see the module docstring).
+      check_finite: raise :class:`xopt.errors.NonFiniteError` on a NaN/inf gradient and
+        :class:`xopt.errors.DecompositionError` on a projection update that is not finite,
+        naming the leaf (a host callback under ``jit``). Without it, such an update keeps
+        the previous projection.
+
+    Returns:
+      ``init(params) -> COAPState``; ``update(grads, state, params, *, inject=None,
+      **extra) -> (updates, state)``. ``params`` is needed by Adafactor (its step scales
+      with RMS(W)) and by weight decay. ``inject={leaf path: {"ortho_matrix": P}}``
+      replaces the decomposition's ``P`` at the updates that decompose (the first, and the
+      Eqn-7 ones; ignored at others).
+
+    Raises:
+      HyperparameterError: an unknown or invalid field, a rank larger than a projected leaf
+        allows, a non-floating leaf (naming the leaf, at ``init`` and ``update``).
+    """
+    fields = dict(rank=rank, update_interval=update_interval, reproject_factor=reproject_factor,
+                  optimizer=optimizer, rank_ratio=rank_ratio, project=project,
+                  restore_state=restore_state, scale=scale, b1=b1, b2=b2, eps=eps,
+                  weight_decay=weight_decay, correct_bias=correct_bias, eps_sq=eps_sq,
+                  eps_scale=eps_scale, clip_threshold=clip_threshold, decay_rate=decay_rate,
+                  scale_parameter=scale_parameter, relative_step=relative_step,
+                  warmup_init=warmup_init, proj_lr=proj_lr, proj_max_norm=proj_max_norm,
+                  seed=seed)
+    base, schedule = _resolve(learning_rate, fields, preset, spec)
+
+    def check(tree: Any) -> tuple[list[str], list[_spec.COAP]]:
+        names = path_names(tree)
+        specs = leaf_specs(tree, base, param_specs, _spec.COAP, _LABEL)
+        for n, leaf, h in zip(names, jax.tree.leaves(tree), specs, strict=True):
+            dt = jnp.asarray(leaf).dtype
+            if dt not in _FLOATING:
+                raise HyperparameterError(f"{_LABEL}: {n}: dtype {dt} is not supported "
+                                          "(float32, float64, bfloat16, float16)")
+            _spec.check_param(tuple(leaf.shape), h, f"{_LABEL}: {n}")
+        return names, specs
+
+    def init_fn(params: optax.Params) -> COAPState:
+        _, specs = check(params)
+        leaves, treedef = jax.tree.flatten(params)
+        fields: dict[str, list[Any]] = {k: [] for k in ("m", "v", "v_row", "v_col", "rms", "P")}
+        for p, h in zip(leaves, specs, strict=True):
+            shape = tuple(p.shape)
+            dt = jnp.promote_types(p.dtype, jnp.float32)
+            for var in fields:
+                v = _spec.STATE.var(var)
+                fields[var].append(jnp.zeros(v.shape(shape, h), dt)
+                                   if v.exists_for(shape, h) else None)
+        t = {k: treedef.unflatten(v) for k, v in fields.items()}
+        return COAPState(count=jnp.zeros([], jnp.int32), mu=t["m"], nu=t["v"],
+                         nu_row=t["v_row"], nu_col=t["v_col"], rms=t["rms"], proj=t["P"])
+
+    def update_fn(updates: optax.Updates, state: COAPState, params: optax.Params = None,
+                  *, inject: Mapping[str, Mapping[str, Any]] | None = None,
+                  **extra_args: Any) -> tuple[optax.Updates, COAPState]:
+        del extra_args  # value=loss and the like: unused
+        names, specs = check(updates)
+        g_leaves, treedef = jax.tree.flatten(updates)
+        if check_finite:
+            raise_if_nonfinite(_LABEL, names, g_leaves)
+        p_leaves = treedef.flatten_up_to(params) if params is not None else [None] * len(names)
+        old = {var: treedef.flatten_up_to(getattr(state, f))
+               for var, f in (("m", "mu"), ("v", "nu"), ("v_row", "nu_row"),
+                              ("v_col", "nu_col"), ("rms", "rms"), ("P", "proj"))}
+        injected = inject_for(inject, names, _LABEL)
+        t = state.count
+        count_inc = optax.safe_increment(state.count)
+        lr_now = schedule(state.count) if schedule is not None else None
+
+        out_u: list[Any] = []
+        new: dict[str, list[Any]] = {var: [] for var in old}
+        for i, (name, h) in enumerate(zip(names, specs, strict=True)):
+            g, p = g_leaves[i], p_leaves[i]
+            if p is None and (h.optimizer == "adafactor" or h.weight_decay != 0):
+                raise ValueError(f"{_LABEL}: update(grads, state, params) needs params "
+                                 f"({name}: Adafactor scales its step by RMS(W); weight decay "
+                                 "multiplies W)")
+            if lr_now is not None:
+                h = h.replace(lr=jnp.asarray(lr_now, jnp.float32))
+            dt = jnp.promote_types(g.dtype, jnp.float32)
+            st = {var: old[var][i] for var in old if old[var][i] is not None}
+            p32 = jnp.zeros(g.shape, dt) if p is None else p.astype(dt)
+            new_p, st = _leaf_step(h, name, p32, g.astype(dt), st, t, count_inc, injected[i],
+                                   check_finite)
+            out_u.append((new_p - p32).astype(g.dtype))
+            for var in old:
+                new[var].append(st.get(var))
+        u = treedef.unflatten(out_u)
+        tr = {var: treedef.unflatten(v) for var, v in new.items()}
+        return u, COAPState(count=count_inc, mu=tr["m"], nu=tr["v"], nu_row=tr["v_row"],
+                            nu_col=tr["v_col"], rms=tr["rms"], proj=tr["P"])
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _event(t: jax.Array, h: _spec.COAP) -> jax.Array:
+    """:func:`xopt.specs.coap.event` of a traced count."""
+    due = (t % h.update_interval) == 0
+    svd = (t % (h.update_interval * h.reproject_factor)) == 0
+    ev = jnp.where(due, jnp.where(svd, _spec.EQN7, _spec.EQN6), _spec.KEEP)
+    return jnp.where(t == 0, _spec.INITIAL, ev).astype(jnp.int32)
+
+
+def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[str, Any],
+               t: jax.Array, count_inc: jax.Array, inj: Mapping[str, Any] | None,
+               check: bool) -> tuple[jax.Array, dict[str, Any]]:
+    """:func:`xopt.specs.coap.param_step` with the projection event chosen under ``jit``."""
+    shape = tuple(p.shape)
+    projected = _spec.is_projected(shape, h)
+    r = g
+    side = None
+    if projected:
+        side = _spec.side_of(shape)
+        p_old = st["P"]
+        ev = _event(t, h)
+        given = None if inj is None or "ortho_matrix" not in inj else \
+            jnp.asarray(inj["ortho_matrix"], p_old.dtype)
+
+        def keep() -> jax.Array:
+            return p_old
+
+        def eqn6() -> jax.Array:
+            m6 = _spec.eqn6_moment(jnp, h, st.get("m"), g, p_old, side)
+            return _spec.eqn6_step(jnp, p_old, m6, g, side, h.proj_lr, h.proj_max_norm)
+
+        def eqn7() -> jax.Array:
+            # events 1 and 3 share one decomposition (one QR + SVD to compile per leaf);
+            # only Ω differs: the seeded draw at the first update, the old P after
+            if given is not None:
+                return given
+
+            def drawn() -> jax.Array:
+                return _spec.initial_omega(h, shape, backend="jax").astype(g.dtype)
+
+            def warm() -> jax.Array:
+                return _spec.warm_omega(p_old, side)
+
+            omega = jax.lax.cond(ev == _spec.INITIAL, drawn, warm)
+            return _spec.decompose(jnp, g, omega, side)
+
+        branch = jnp.where(ev == _spec.EQN6, 1, jnp.where(ev == _spec.KEEP, 0, 2))
+        cand = jax.lax.switch(branch, [keep, eqn6, eqn7])
+        p_new, ok = keep_if_not_finite(cand, p_old)
+        decomposition_guard(_LABEL, name, ok, check)
+        if h.restore_state and (st.get("m") is not None):
+            m_old, v_old = st["m"], st.get("v")
+
+            def carried() -> tuple[Any, Any]:
+                m, v = _spec.restore_moments(jnp, h, m_old, v_old, p_old, p_new, side)
+                return m, v
+
+            def kept() -> tuple[Any, Any]:
+                return m_old, v_old
+
+            st["m"], v = jax.lax.cond(ev >= _spec.EQN6, carried, kept)
+            if v is not None:
+                st["v"] = v
+        st["P"] = p_new
+        r = _spec.project(jnp, g, p_new, side)
+    if h.optimizer == "adamw":
+        st["m"], st["v"] = _lowrank.hf_adam_moments(jnp, st["m"], st["v"], r, h.b1, h.b2)
+        n = _lowrank.hf_adam_direction(jnp, st["m"], st["v"], h.eps)
+        step_size = _lowrank.hf_step_size(h.lr, h.b1, h.b2, count_inc, h.correct_bias)
+        full = _spec.project_back(jnp, n, st["P"], side, h.scale) if projected else n
+        return _lowrank.hf_apply(p, full, step_size, h.lr, h.weight_decay), st
+    st["rms"] = _spec.rms(jnp, p)
+    lr_t = _spec.adafactor_lr(h, count_inc, st["rms"], jnp)
+    beta2t = _spec.adafactor_beta2(h, count_inc, jnp, g.dtype)
+    u, v, v_row, v_col = _spec.adafactor_direction(jnp, h, r, st.get("v"), st.get("v_row"),
+                                                   st.get("v_col"), beta2t)
+    for var, val in (("v", v), ("v_row", v_row), ("v_col", v_col)):
+        if val is not None:
+            st[var] = val
+    u = u * lr_t
+    if _spec.has_first_moment(h):
+        st["m"] = st["m"] * h.b1 + u * (1.0 - h.b1)
+        u = st["m"]
+    full = _spec.project_back(jnp, u, st["P"], side, h.scale) if projected else u
+    if h.weight_decay != 0:
+        p = p + p * (-h.weight_decay * lr_t)
+    return p - full, st

@@ -1,0 +1,105 @@
+"""COAP as a ``torch.optim.Optimizer``: :mod:`xopt.specs.coap`'s update, per parameter.
+
+Each update calls :func:`xopt.specs.coap.param_step` with ``xp=torch``: the same function the
+float64 oracle runs, so there is one definition of the arithmetic. This module adds what a
+torch optimizer needs around it (see :class:`xopt.torch._lowrank.LowRankOptimizer`): param
+groups, validation naming the parameter, the finiteness check, decompositions that raise
+:class:`~xopt.errors.DecompositionError` naming the parameter instead of writing NaN into
+``P``, low-precision parameters with float32 state, and state dicts of tensors only.
+
+State per parameter (``optimizer.state[p]``, the spec's ``"xopt.torch"`` naming):
+``step`` (int64 CPU tensor), ``exp_avg`` (M; absent for Adafactor with ``b1=None``),
+``exp_avg_sq`` (AdamW v; Adafactor v of tensors with fewer than 2 dims),
+``exp_avg_sq_row``/``exp_avg_sq_col`` (Adafactor, factored), ``RMS`` (Adafactor),
+``ortho_matrix`` (P, projected matrices only). The authors keep ``P`` inside a projector
+object (``state["projector"].ortho_matrix``); xopt keeps the tensor itself, so
+``state_dict()`` loads with ``torch.load(..., weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from xopt.specs import coap as _spec
+from xopt.torch._lowrank import LowRankOptimizer
+
+__all__ = ["COAP"]
+
+# canonical state variable -> this optimizer's state key
+_KEYS = {"m": "exp_avg", "v": "exp_avg_sq", "v_row": "exp_avg_sq_row",
+         "v_col": "exp_avg_sq_col", "rms": "RMS", "P": "ortho_matrix"}
+
+
+class COAP(LowRankOptimizer):
+    r"""COAP (Xiao et al., CVPR 2025): AdamW or Adafactor on low-rank projected gradients,
+    the projection moved by one SGD step on Eqn 6 every ``update_interval`` updates and
+    recomputed by Eqn 7 every ``update_interval × reproject_factor``.
+
+    Args:
+      params: parameters, or param groups (dicts) that override any field of
+        :class:`xopt.specs.coap.COAP` by keyword or with their own ``"spec"``. A group with
+        ``project=False`` takes the base update unprojected (the authors' groups without
+        ``proj_method``); with ``project="auto"`` (default) a matrix is projected unless
+        ``rank ≥ min(shape)``; with ``project=True`` every matrix is, and a rank larger than
+        a matrix is an error naming it. Only matrices are projected.
+      spec: a :class:`xopt.specs.coap.COAP` (instead of keywords).
+      preset: ``"adamw"`` (the authors' ``CoapAdamW`` defaults, also the class defaults) or
+        ``"adafactor"`` (``CoapAdafactor``'s, with ``b1=None``).
+      check_finite: raise :class:`~xopt.errors.NonFiniteError` naming the parameter whose
+        gradient holds NaN/inf, before anything moves (synchronises; opt-in).
+      **hyperparameters: fields of :class:`xopt.specs.coap.COAP` (``lr``, ``rank``,
+        ``rank_ratio``, ``update_interval``, ``reproject_factor``, ...).
+
+    ``step(closure=None, *, inject=None)``: ``inject={param: {"ortho_matrix": P}}`` makes
+    an update that decomposes (the first, and every Eqn-7 one) use ``P`` instead; the
+    parity harness feeds the original's recorded projections this way.
+
+    Example::
+
+        opt = xopt.torch.COAP([{"params": matrices}, {"params": others, "project": False}],
+                              lr=1e-3, rank=128, update_interval=32, reproject_factor=5)
+        opt = xopt.torch.COAP(model.parameters(), preset="adafactor", lr=1e-2, b1=0.9,
+                              rank_ratio=4)
+    """
+
+    hyperparams_cls = _spec.COAP
+    spec = _spec.SPEC
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], *,
+                 spec: _spec.COAP | None = None, preset: str | None = None,
+                 check_finite: bool = False, **hyperparameters: Any) -> None:
+        super().__init__(params, spec=spec, preset=preset, check_finite=check_finite,
+                         **hyperparameters)
+
+    def _check_param(self, p: Tensor, hp: _spec.COAP, where: str) -> None:
+        _spec.check_param(tuple(p.shape), hp, where)
+
+    def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.COAP,
+                name: str, inject: Mapping[str, Tensor] | None) -> None:
+        shape = tuple(p.shape)
+        dtype = self.state_dtype(p)
+        if "step" not in state:
+            state["step"] = torch.tensor(0, dtype=torch.int64)
+            for v in _spec.STATE.vars:
+                if v.scope == "param" and v.exists_for(shape, hp):
+                    state[_KEYS[v.name]] = torch.zeros(v.shape(shape, hp), dtype=dtype,
+                                                       device=p.device)
+        t = int(state["step"])
+        st = {var: state[key] for var, key in _KEYS.items() if key in state}
+        if inject is not None:
+            inject = {k: v.to(device=p.device, dtype=dtype) for k, v in inject.items()}
+
+        def omega() -> Tensor:
+            return _spec.initial_omega(hp, shape, backend="torch", device=p.device).to(dtype)
+
+        new_p, st = _spec.param_step(
+            torch, hp, p.detach().to(dtype), g.to(dtype), st, t, inject=inject, omega=omega,
+            qr=lambda a: self.qr(a, name), svd=lambda a: self.svd(a, name))
+        for var, value in st.items():
+            state[_KEYS[var]] = value
+        state["step"] = torch.tensor(t + 1, dtype=torch.int64)
+        self.write(p, new_p)
