@@ -137,7 +137,8 @@ def configure(method: str, lr: float, steps: int) -> dict[str, Any]:
     if method == "galore":
         return dict(lr=lr, rank=16, update_proj_gap=gap, scale=1.0)
     if method == "flora":
-        return dict(lr=lr, rank=16, kappa=gap, beta1=0.9)  # the original defaults to None: no momentum
+        # Flora's own default is beta1=None: plain Adafactor, nothing to compress
+        return dict(lr=lr, rank=16, kappa=gap, beta1=0.9)
     if method == "coap":
         return dict(lr=lr, rank=16, update_interval=max(gap // 2, 1), reproject_factor=2,
                     scale=1.0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from helpers import needs_jax, needs_torch
+
 from xopt.errors import HyperparameterError
 from xopt.specs import _lowrank
 from xopt.specs._groups import ParamGroups, hp_for

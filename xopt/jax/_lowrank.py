@@ -124,3 +124,33 @@ def keep_if_not_finite(new: jax.Array, old: jax.Array) -> tuple[jax.Array, jax.A
 
 
 Schedule = Callable[[jax.Array], jax.Array]
+
+
+def resolve_spec(label: str, method: Any, spec: Hyperparams | None, preset: str | None,
+                 given: Mapping[str, Any], learning_rate: Any = None,
+                 ) -> tuple[Hyperparams, Schedule | None]:
+    """The front of every low-rank transformation: ``(hyperparameters, schedule)``.
+
+    ``spec`` (the method's dataclass) or the keywords in ``given`` that are not None, on
+    top of ``preset`` (``method`` is the :class:`~xopt.specs.MethodSpec`); a number
+    ``learning_rate`` becomes ``lr``, a callable one is returned as the schedule (the
+    spec's ``lr`` then keeps its default, unused). Errors name ``label`` and the field.
+    """
+    cls = method.hyperparams
+    fields = {k: v for k, v in given.items() if v is not None}
+    schedule = learning_rate if callable(learning_rate) else None
+    if learning_rate is not None and schedule is None:
+        fields["lr"] = learning_rate
+    if spec is not None:
+        if not isinstance(spec, cls):
+            raise HyperparameterError(f"{label}: spec must be an {cls.__module__}.{cls.__name__}"
+                                      f", got {type(spec).__name__}")
+        if fields or preset is not None:
+            raise HyperparameterError(
+                f"{label}: pass either spec= or hyperparameters, not both (got spec and "
+                f"{', '.join(sorted(fields)) or 'preset'}); use spec.replace(...)")
+        return spec, schedule
+    try:
+        return method.make(preset, **fields), schedule
+    except HyperparameterError as e:
+        raise HyperparameterError(f"{label}: {e}") from e

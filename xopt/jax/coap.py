@@ -21,7 +21,7 @@ is computed in float32 and rounded once into the leaf's dtype).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -36,6 +36,7 @@ from xopt.jax._lowrank import (
     leaf_specs,
     path_names,
     raise_if_nonfinite,
+    resolve_spec,
 )
 from xopt.specs import _lowrank
 from xopt.specs import coap as _spec
@@ -69,27 +70,6 @@ class COAPState(NamedTuple):
     nu_col: optax.Updates
     rms: optax.Updates
     proj: optax.Updates
-
-
-def _resolve(learning_rate: Any, fields: dict[str, Any], preset: str | None,
-             spec: _spec.COAP | None) -> tuple[_spec.COAP, Callable | None]:
-    given = {k: v for k, v in fields.items() if v is not None}
-    schedule = learning_rate if callable(learning_rate) else None
-    if learning_rate is not None and schedule is None:
-        given["lr"] = learning_rate
-    if spec is not None:
-        if not isinstance(spec, _spec.COAP):
-            raise HyperparameterError(f"{_LABEL}: spec must be an xopt.specs.coap.COAP, got "
-                                      f"{type(spec).__name__}")
-        if given or preset is not None:
-            raise HyperparameterError(
-                f"{_LABEL}: pass either spec= or hyperparameters, not both (got spec and "
-                f"{', '.join(sorted(given)) or 'preset'}); use spec.replace(...)")
-        return spec, schedule
-    try:
-        return _spec.SPEC.make(preset, **given), schedule
-    except HyperparameterError as e:
-        raise HyperparameterError(f"{_LABEL}: {e}") from e
 
 
 def coap(
@@ -162,7 +142,8 @@ def coap(
                   scale_parameter=scale_parameter, relative_step=relative_step,
                   warmup_init=warmup_init, proj_lr=proj_lr, proj_max_norm=proj_max_norm,
                   seed=seed)
-    base, schedule = _resolve(learning_rate, fields, preset, spec)
+    base, schedule = resolve_spec(_LABEL, _spec.SPEC, spec, preset, fields,
+                                  learning_rate)
 
     def check(tree: Any) -> tuple[list[str], list[_spec.COAP]]:
         names = path_names(tree)

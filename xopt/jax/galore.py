@@ -21,7 +21,7 @@ live ``optax.contrib.galore`` (``tests/test_galore.py``). The stored right proje
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -35,6 +35,7 @@ from xopt.jax._lowrank import (
     leaf_specs,
     path_names,
     raise_if_nonfinite,
+    resolve_spec,
 )
 from xopt.specs import _lowrank
 from xopt.specs import galore as _spec
@@ -63,23 +64,6 @@ class GaLoreState(NamedTuple):
     nu: optax.Updates
     ortho: optax.Updates
     ortho_right: optax.Updates
-
-
-def _resolve(learning_rate: Any, fields: dict[str, Any], preset: str | None,
-             spec: _spec.GaLore | None) -> tuple[_spec.GaLore, Callable | None]:
-    given = {k: v for k, v in fields.items() if v is not None}
-    schedule = learning_rate if callable(learning_rate) else None
-    if learning_rate is not None and schedule is None:
-        given["lr"] = learning_rate
-    if spec is not None:
-        if not isinstance(spec, _spec.GaLore):
-            raise HyperparameterError(f"{_LABEL}: spec must be a GaLore, got "
-                                      f"{type(spec).__name__}")
-        if given or preset is not None:
-            raise HyperparameterError(f"{_LABEL}: pass either spec= or hyperparameters, not "
-                                      f"both (got spec and {', '.join(sorted(given)) or 'preset'})")
-        return spec, schedule
-    return _spec.SPEC.make(preset, **given), schedule
 
 
 def galore(
@@ -145,7 +129,8 @@ def galore(
                   eps=eps, eps_root=eps_root, weight_decay=weight_decay,
                   correct_bias=correct_bias, proj_type=proj_type, project=project,
                   convention=convention)
-    base, schedule = _resolve(learning_rate, fields, preset, spec)
+    base, schedule = resolve_spec(_LABEL, _spec.SPEC, spec, preset, fields,
+                                  learning_rate)
 
     def specs_of(tree: Any) -> list[_spec.GaLore]:
         return leaf_specs(tree, base, param_specs, _spec.GaLore, _LABEL)

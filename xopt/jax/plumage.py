@@ -41,6 +41,7 @@ from xopt.jax._lowrank import (
     leaf_specs,
     path_names,
     raise_if_nonfinite,
+    resolve_spec,
 )
 from xopt.specs import _lowrank
 from xopt.specs import plumage as _spec
@@ -78,31 +79,6 @@ def draws(seed: int, index: int, t: jax.Array, d: int) -> tuple[jax.Array, jax.A
     words = xrandom.bits(key, (2, d), backend="jax")
     u = xrandom.uniform(key, (), counter=d, dtype="float32", backend="jax")
     return _spec.permutation_from_words(jnp, words), u
-
-
-def _configure(learning_rate: Any, b1: Any, b2: Any, eps: Any, weight_decay: Any,
-               spec: _spec.PLUMAGE | None, preset: str | None,
-               fields: dict[str, Any]) -> tuple[_spec.PLUMAGE, Any]:
-    given = {k: v for k, v in dict(lr=learning_rate, b1=b1, b2=b2, eps=eps,
-                                   weight_decay=weight_decay, **fields).items()
-             if v is not None}
-    schedule = given.get("lr") if callable(given.get("lr")) else None
-    if spec is not None:
-        if not isinstance(spec, _spec.PLUMAGE):
-            raise HyperparameterError(f"{_LABEL}: spec must be an xopt.specs.plumage.PLUMAGE, "
-                                      f"got {type(spec).__name__}")
-        if given:
-            raise HyperparameterError(
-                f"{_LABEL}: pass either spec= or hyperparameters, not both (got spec and "
-                f"{', '.join(sorted(given))}); use spec.replace(...)")
-        return spec, None
-    if schedule is not None:
-        given["lr"] = _spec.PLUMAGE().lr  # validated stand-in; the schedule gives the value
-    _spec.PLUMAGE._reject_unknown(given)
-    try:
-        return _spec.SPEC.make(preset, **given), schedule
-    except HyperparameterError as e:
-        raise HyperparameterError(f"{_LABEL}: {e}") from e
 
 
 def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | None = None,
@@ -151,7 +127,9 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
                   realign_first_moment=realign_first_moment,
                   realign_second_moment=realign_second_moment, prob_eps=prob_eps, seed=seed,
                   correct_bias=correct_bias, eps_inside_sqrt=eps_inside_sqrt, project=project)
-    hp, schedule = _configure(learning_rate, b1, b2, eps, weight_decay, spec, preset, fields)
+    hp, schedule = resolve_spec(_LABEL, _spec.SPEC, spec, preset,
+                                dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                                     **fields), learning_rate)
 
     def specs_of(tree: Any) -> tuple[list[str], list[_spec.PLUMAGE]]:
         names = path_names(tree)

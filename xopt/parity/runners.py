@@ -8,9 +8,10 @@ harness compares any two of them, and any of them with a golden trace, the same 
 * :class:`OptaxRunner`: an ``optax.GradientTransformation`` (xopt's or an original's).
 
 ``reset(params, state)`` sets parameters and state (``state=None``: a fresh optimizer);
-``step(grads, loss, inject)`` takes one update (``inject``: ``{param: {key: array}}``, the
-values an original drew from its own generator or decomposition at this update, which
-xopt's implementations use instead of their own; see :attr:`MethodSpec.inject`); ``read()`` returns ``(params, canonical state)``.
+``step(grads, loss, inject)`` takes one update (``inject``: ``{param: {key: array}}``,
+the values an original drew from its own generator or decomposition at this update,
+which xopt's implementations use instead of their own; see ``MethodSpec.inject``);
+``read()`` returns ``(params, canonical state)``.
 Teacher forcing is ``reset`` from the trace before every ``step``; closed loop is one
 ``reset`` from the trace's ``init`` and then ``step`` after ``step``.
 """
