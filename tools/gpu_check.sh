@@ -15,3 +15,12 @@ for m in small_fc_lopt velo; do
   python3 -m xopt parity $m --device cuda --backends torch,jax,oracle --quiet \
     --json "$OUT/parity_${m}_cuda.json" 2>&1 | tee "$OUT/parity_${m}_cuda.txt" | tail -14
 done
+# the Triton learned-optimizer kernels: their tests on CUDA, parity with --impl triton, and
+# the step benchmark (bench/lopt_step.py; results go to bench/RESULTS.md by hand)
+python3 -m pytest tests/test_kernels_lopt.py -q -rs -p no:cacheprovider 2>&1 \
+  | tee "$OUT/pytest_kernels.log" | tail -20
+for m in small_fc_lopt velo; do
+  python3 -m xopt parity $m --impl triton --device cuda --backends torch,oracle --quiet \
+    --json "$OUT/parity_${m}_triton.json" 2>&1 | tee "$OUT/parity_${m}_triton.txt" | tail -8
+done
+python3 bench/lopt_step.py --out "$OUT/lopt_step.json" 2>&1 | tee "$OUT/lopt_step.log" | tail -40

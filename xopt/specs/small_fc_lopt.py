@@ -693,5 +693,6 @@ SPEC = MethodSpec(
     },
     tolerances=TOLERANCES,
     takes_loss=True,
+    impls=("plain", "triton"),
     meta=META,
 )

@@ -1255,5 +1255,6 @@ SPEC = MethodSpec(
     },
     tolerances=TOLERANCES,
     takes_loss=True,
+    impls=("plain", "triton"),
     meta=META,
 )

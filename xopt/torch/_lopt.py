@@ -57,6 +57,13 @@ Subclass contract (what small_fc_lopt fills in and VeLO will):
     ``e`` (``p ← p − lr·step``; the base applies lr and decoupled decay), and must not read
     ``e.grad``/``e.p32`` of an entry after applying its step.
 
+Implementations: ``impl=`` (set by the subclass through :meth:`_set_impl`) chooses between
+the plain path (the hook above, the reference) and the method's Triton step
+(:mod:`xopt.kernels`): ``_use_triton(entries)`` says which one an update takes and
+``_triton_io(entries, vars)`` gathers what the kernels need. The Triton step updates
+float32 contiguous parameters in place with the same ``p − (lr·step + (lr·λ)·p)``
+arithmetic as :meth:`_apply_step`, and hands other parameters' steps to it.
+
 Helpers for the hook: ``self.meta_on(device)`` (θ as float32 tensors on a device, xopt's
 naming), ``self.hp`` (the hyperparameters), ``self._apply_step(e, step)``.
 """
@@ -170,6 +177,100 @@ class LearnedOptimizer(torch.optim.Optimizer):
         self._device = first.device if first is not None else torch.device("cpu")
         self.state["global"] = self._new_global_state()
 
+    # -- implementation switch (plain or Triton) -------------------------------------------
+    def _set_impl(self, impl: str | None, precision: str) -> None:
+        """Validate and keep ``impl`` ("plain", "triton", or None: Triton on CUDA when it is
+        importable and supports these hyperparameters, plain otherwise) and ``precision``
+        ("exact" or "fast", the Triton path's MLP matmuls)."""
+        name = type(self).__name__
+        if impl not in (None, "auto", "plain", "triton"):
+            raise HyperparameterError(f"{name}: impl must be 'plain', 'triton' or None (auto), "
+                                      f"got {impl!r}")
+        if precision not in ("exact", "fast"):
+            raise HyperparameterError(f"{name}: precision must be 'exact' or 'fast', got "
+                                      f"{precision!r}")
+        self.impl = "auto" if impl is None else impl
+        self.precision = precision
+        self._triton = None
+        if self.impl == "triton":
+            why = self._triton_unavailable(list(self._all_params()))
+            if why is not None:
+                raise HyperparameterError(f"{name}(impl='triton'): {why}")
+
+    def _triton_unsupported(self) -> str | None:
+        """Why the method's Triton step cannot run these hyperparameters (None: it can)."""
+        return None
+
+    def _triton_unavailable(self, params: list[Tensor]) -> str | None:
+        from xopt.kernels import interpreting, triton_available
+
+        if not triton_available():
+            return "triton is not importable (pip install 'xopt-ml[triton]'; Linux)"
+        why = self._triton_unsupported()
+        if why is not None:
+            return why
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            return f"all parameters must be on one device, got {sorted(map(str, devices))}"
+        for d in devices:
+            if d.type != "cuda" and not (d.type == "cpu" and interpreting()):
+                return (f"parameters are on {d}; the Triton kernels run on CUDA devices (or on "
+                        "the CPU under Triton's interpreter, TRITON_INTERPRET=1, set before "
+                        "triton is imported)")
+        return None
+
+    def _use_triton(self, entries: list[Entry]) -> bool:
+        """Whether this inner update takes the Triton path (raises for impl='triton' when it
+        cannot)."""
+        if self.impl == "plain" or not entries:
+            return False
+        params = [e.param for e in entries]
+        if self.impl == "auto":
+            if any(p.device.type != "cuda" for p in params):
+                return False
+            return self._triton_unavailable(params) is None
+        why = self._triton_unavailable(params)
+        if why is not None:
+            raise HyperparameterError(f"{type(self).__name__}(impl='triton'): {why}")
+        return True
+
+    def _triton_io(self, entries: list[Entry], state_vars: tuple[str, ...]) -> dict[str, list]:
+        """What the fused kernels need per entry: float32 contiguous parameter, gradient,
+        state (made contiguous in place), the output (the parameter itself, updated in place,
+        when it is float32 and contiguous; else a float32 buffer that receives the step,
+        applied afterwards by :meth:`_apply_step`), lr and lr·λ (decoupled decay)."""
+        out: dict[str, list] = {k: [] for k in ("params", "grads", "states", "outs",
+                                                "write_step", "lrs", "lrwds", "post")}
+        decoupled = self.hp.weight_decay_mode == "decoupled"
+        for e in entries:
+            p = e.param
+            st = e.state
+            for v in state_vars:
+                if not st[v].is_contiguous():
+                    st[v] = st[v].contiguous()
+            direct = p.dtype == torch.float32 and p.is_contiguous()
+            pin = p.detach() if direct else e.p32.contiguous()
+            g = e.grad
+            if not g.is_contiguous():
+                g = g.contiguous()
+            lr, wd = e.group["lr"], e.group["weight_decay"]
+            out["params"].append(pin)
+            out["grads"].append(g)
+            out["states"].append(st)
+            if direct:
+                out["outs"].append(pin)
+                out["write_step"].append(False)
+                out["lrs"].append(float(lr))
+                out["lrwds"].append(float(lr * wd) if decoupled and not _is_zero(wd) else 0.0)
+            else:
+                buf = torch.empty_like(pin)
+                out["outs"].append(buf)
+                out["write_step"].append(True)
+                out["lrs"].append(1.0)
+                out["lrwds"].append(0.0)
+                out["post"].append((e, buf))
+        return out
+
     # -- checkpoints (xopt.checkpoints.hub) ---------------------------------------------------
     @classmethod
     def from_pretrained(cls, params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -201,12 +302,14 @@ class LearnedOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.update(hp=self.hp, meta=self.meta, check_finite=self.check_finite,
-                     _device=self._device)
+                     _device=self._device, impl=getattr(self, "impl", "auto"),
+                     precision=getattr(self, "precision", "exact"))
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._meta_cache = {}
+        self._triton = None
 
     # -- hooks (see the module docstring) -------------------------------------------------
     def _init_param_state(self, p: Tensor) -> dict[str, Tensor]:

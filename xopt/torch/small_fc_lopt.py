@@ -53,6 +53,14 @@ class SmallFCLOpt(LearnedOptimizer):
         ``hidden_layers``, ``initial_momentum_decays``, ``initial_rms_decays``,
         ``initial_adafactor_decays``.
 
+      impl: ``"plain"`` (the spec's per-tensor torch code, the reference), ``"triton"``
+        (the fused kernels of :mod:`xopt.kernels.small_fc_lopt`: all tensors in a few
+        launches; CUDA, or the CPU under ``TRITON_INTERPRET=1``), or None (default):
+        Triton when the parameters are on CUDA and Triton is importable, plain otherwise.
+      precision: the Triton path's MLP matmuls: ``"exact"`` (3xTF32, float32 accuracy: within
+        1e-6 of plain) or ``"fast"`` (TF32; the step moves by ~1e-3 relative, see
+        bench/RESULTS.md).
+
     ``step(closure=None, *, loss=None)``: the loss is not read by the update itself; it
     feeds coupled weight decay's and the accumulator's bookkeeping (missing: 0).
     """
@@ -67,11 +75,18 @@ class SmallFCLOpt(LearnedOptimizer):
                  weight_decay: float | None = None, weight_decay_mode: str | None = None,
                  max_training_steps: int | None = None, check_finite: bool = False,
                  spec: _spec.SmallFCLOpt | None = None, seed: int = 0,
+                 impl: str | None = None, precision: str = "exact",
                  **method_hyperparameters: Any) -> None:
         super().__init__(params, meta_params, spec=spec, seed=seed, check_finite=check_finite,
                          num_training_steps=num_training_steps, lr=lr,
                          weight_decay=weight_decay, weight_decay_mode=weight_decay_mode,
                          max_training_steps=max_training_steps, **method_hyperparameters)
+        self._set_impl(impl, precision)
+
+    def _triton_unsupported(self) -> str | None:
+        from xopt.kernels.lopt_layout import supported_small_fc
+
+        return supported_small_fc(self.hp)
 
     def _init_param_state(self, p: Tensor) -> dict[str, Tensor]:
         return {k: torch.zeros(shape, dtype=torch.float32, device=p.device)
@@ -85,6 +100,11 @@ class SmallFCLOpt(LearnedOptimizer):
     def _inner_update(self, entries: list[Entry], loss: Tensor, gstate: dict[str, Any]) -> None:
         del loss  # AdafacMLPLOpt does not read the loss
         iteration = int(gstate["iteration"])
+        if self._use_triton(entries):
+            self._triton_update(entries, iteration)
+            gstate["mom_t"] += 1
+            gstate["rms_t"] += 1
+            return
         per_device: dict[torch.device, tuple] = {}
         for e in entries:
             dev = e.param.device
@@ -104,3 +124,16 @@ class SmallFCLOpt(LearnedOptimizer):
             self._apply_step(e, step)
         gstate["mom_t"] += 1
         gstate["rms_t"] += 1
+
+    def _triton_update(self, entries: list[Entry], iteration: int) -> None:
+        """The fused Triton step (:mod:`xopt.kernels.small_fc_lopt`) over all entries."""
+        from xopt.kernels.small_fc_lopt import SmallFCTriton
+
+        if self._triton is None:
+            self._triton = SmallFCTriton(self.hp, self.precision)
+        io = self._triton_io(entries, _PARAM_VARS)
+        self._triton.step(io["params"], io["grads"], io["states"], io["outs"],
+                          io["write_step"], io["lrs"], io["lrwds"],
+                          self.meta_on(entries[0].param.device), iteration)
+        for e, step in io["post"]:
+            self._apply_step(e, step)

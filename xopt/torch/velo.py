@@ -75,6 +75,13 @@ class VeLO(LearnedOptimizer):
       **method_hyperparameters: the other fields of :class:`xopt.specs.velo.VeLO`
         (``lstm_hidden_size``, ``param_inits``, …; they must match θ).
 
+      impl: ``"plain"`` (the spec's torch code, the reference), ``"triton"`` (the fused
+        kernels of :mod:`xopt.kernels.velo`; CUDA, or the CPU under ``TRITON_INTERPRET=1``),
+        or None (default): Triton when the parameters are on CUDA and Triton is
+        importable, plain otherwise.
+      precision: the Triton path's MLP matmuls, ``"exact"`` (3xTF32, within 1e-6 of plain)
+        or ``"fast"`` (TF32; see bench/RESULTS.md).
+
     ``step(closure=None, *, loss=None)``: VeLO reads the loss, so one of the two is
     required; without it ``step`` raises ``ValueError`` and changes nothing.
     """
@@ -89,11 +96,13 @@ class VeLO(LearnedOptimizer):
                  weight_decay: float | None = None, weight_decay_mode: str | None = None,
                  max_training_steps: int | None = None, check_finite: bool = False,
                  spec: _spec.VeLO | None = None, seed: int = 0,
+                 impl: str | None = None, precision: str = "exact",
                  **method_hyperparameters: Any) -> None:
         super().__init__(params, meta_params, spec=spec, seed=seed, check_finite=check_finite,
                          num_training_steps=num_training_steps, lr=lr,
                          weight_decay=weight_decay, weight_decay_mode=weight_decay_mode,
                          max_training_steps=max_training_steps, **method_hyperparameters)
+        self._set_impl(impl, precision)
 
     # -- state ------------------------------------------------------------------------------
     def _init_param_state(self, p: Tensor) -> dict[str, Tensor]:
@@ -120,7 +129,6 @@ class VeLO(LearnedOptimizer):
 
     # -- the update -------------------------------------------------------------------------
     def _inner_update(self, entries: list[Entry], loss: Tensor, gstate: dict[str, Any]) -> None:
-        hp = self.hp
         dev = loss.device
         for k in _LOSS_VARS:  # load_state_dict may have left them elsewhere
             if gstate[k].device != dev:
@@ -131,7 +139,40 @@ class VeLO(LearnedOptimizer):
             loss_it, loss)
         frac = (torch.tensor(int(gstate["iteration"]), dtype=torch.float32)
                 / torch.tensor(int(gstate["num_steps"]), dtype=torch.float32))
+        if self._use_triton(entries):
+            self._triton_update(entries, frac, lfeat)
+        else:
+            self._plain_update(entries, frac, lfeat, dev)
+        gstate["loss_means"], gstate["loss_running_min"] = means, rmin
+        gstate["loss_iteration"] += 1
+        gstate["mom_t"] += 1
+        gstate["rms_t"] += 1
 
+    def _triton_update(self, entries: list[Entry], frac: Tensor, lfeat: Tensor) -> None:
+        """The fused Triton step (:mod:`xopt.kernels.velo`) over all entries. The LSTM state
+        of the parameters is kept as views of one ``[n_tensors, H]`` tensor."""
+        from xopt.kernels.velo import VeLOTriton
+
+        if self._triton is None:
+            self._triton = VeLOTriton(self.hp, self.precision)
+        dev = entries[0].param.device
+        io = self._triton_io(entries, _ACC_VARS)
+        hidden = torch.stack([e.state["lstm_hidden"] for e in entries]).to(dev)
+        cell = torch.stack([e.state["lstm_cell"] for e in entries]).to(dev)
+        hidden, cell = self._triton.step(io["params"], io["grads"], io["states"], io["outs"],
+                                         io["write_step"], io["lrs"], io["lrwds"],
+                                         self.meta_on(dev), hidden, cell, frac.to(dev),
+                                         lfeat.to(dev))
+        for e, h, c in zip(entries, hidden.unbind(0), cell.unbind(0), strict=True):
+            e.state["lstm_hidden"] = h
+            e.state["lstm_cell"] = c
+        for e, step in io["post"]:
+            self._apply_step(e, step)
+
+    def _plain_update(self, entries: list[Entry], frac: Tensor, lfeat: Tensor,
+                      dev: torch.device) -> None:
+        """The spec's torch code, two passes over the tensors (the reference)."""
+        hp = self.hp
         per_device: dict[torch.device, dict[str, Any]] = {}
 
         def on(device: torch.device) -> dict[str, Any]:
@@ -168,7 +209,3 @@ class VeLO(LearnedOptimizer):
             st["lstm_hidden"] = hidden[i].to(pdev, copy=True)
             st["lstm_cell"] = cell[i].to(pdev, copy=True)
             self._apply_step(e, step)
-        gstate["loss_means"], gstate["loss_running_min"] = means, rmin
-        gstate["loss_iteration"] += 1
-        gstate["mom_t"] += 1
-        gstate["rms_t"] += 1

@@ -1,0 +1,304 @@
+"""One optimizer step of the learned optimizers on real model shapes, against fused AdamW.
+
+    python bench/lopt_step.py --out bench_lopt.json [--models vit_b16,gpt2_medium]
+
+On one CUDA GPU, for each model's parameter shapes (ViT-B/16: 86.6M parameters; GPT-2
+medium: 355M), times ``torch.optim.AdamW(fused=True)``, xopt's plain path and its Triton
+path (``precision="exact"`` and ``"fast"``) for small_fc_lopt (PyLO's size: hidden 32, 2
+hidden layers) and VeLO, and PyLO's CUDA optimizers where ``pylo`` is importable. Reported
+per optimizer: median ms of ``step()`` (CUDA events, after warm-up), the ratio to fused
+AdamW, the optimizer state's bytes and the peak extra memory of a step
+(``max_memory_allocated`` during the step minus what was allocated before it: params,
+grads and state). Then it checks the Triton path against plain on the same shapes (one
+step from the same state with float64 parameters, so that the step itself is recovered
+exactly: max relative error of the step, the parameters and the state, per tensor
+``max|a−b| / max|b|``) and that two runs of the Triton path give the same bits (float32
+parameters, two steps). Prints the device and the date; writes JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import xopt.torch as xt  # noqa: E402
+
+
+def vit_b16() -> list[tuple[int, ...]]:
+    """ViT-B/16 (224², 1000 classes): 86,567,656 parameters."""
+    d, mlp, layers = 768, 3072, 12
+    shapes: list[tuple[int, ...]] = [(d, 3, 16, 16), (d,), (1, 1, d), (1, 197, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (mlp, d), (mlp,),
+                   (d, mlp), (d,)]
+    shapes += [(d,), (d,), (1000, d), (1000,)]
+    return shapes
+
+
+def gpt2_medium() -> list[tuple[int, ...]]:
+    """GPT-2 medium (HF Conv1D layout, tied head): 354,823,168 parameters."""
+    d, layers = 1024, 24
+    shapes: list[tuple[int, ...]] = [(50257, d), (1024, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d),
+                   (4 * d,), (4 * d, d), (d,)]
+    shapes += [(d,), (d,)]
+    return shapes
+
+
+MODELS = {"vit_b16": vit_b16, "gpt2_medium": gpt2_medium}
+SMALL_FC = dict(hidden_size=32, hidden_layers=2, num_training_steps=10_000)
+VELO = dict(num_training_steps=10_000)
+
+
+def make(shapes, dtype=torch.float32, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    params = [torch.nn.Parameter(0.02 * torch.randn(s, device="cuda", generator=g)
+                                 .to(torch.float32).to(dtype)) for s in shapes]
+    for p in params:
+        p.grad = (1e-3 * torch.randn(p.shape, device="cuda", generator=g)).to(dtype)
+    return params
+
+
+def state_bytes(opt) -> int:
+    seen, total = set(), 0
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor) and v.is_cuda:
+                key = (v.untyped_storage().data_ptr(), v.data_ptr(), v.numel())
+                if key not in seen:
+                    seen.add(key)
+                    total += v.numel() * v.element_size()
+    return total
+
+
+def time_step(opt, loss, warmup: int, reps: int) -> dict:
+    for _ in range(warmup):
+        opt.step(loss=loss) if loss is not None else opt.step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        opt.step(loss=loss) if loss is not None else opt.step()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    opt.step(loss=loss) if loss is not None else opt.step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "times_ms": times,
+            "state_bytes": state_bytes(opt), "peak_extra_bytes": peak}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    d = (a.double() - b.double()).abs().max().item()
+    return 0.0 if d == 0 else d / max(b.double().abs().max().item(), 1e-300)
+
+
+def build(method: str, params, impl: str, precision: str = "exact"):
+    if method == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, fused=True), None
+    loss = torch.tensor(1.0, device="cuda")
+    if method == "small_fc_lopt":
+        return xt.SmallFCLOpt(params, impl=impl, precision=precision, **SMALL_FC), None
+    return xt.VeLO(params, impl=impl, precision=precision, **VELO), loss
+
+
+def check_exact(method: str, shapes, precision: str) -> dict:
+    """Plain vs Triton, one step from the same state, float64 parameters (the step is then
+    p_before − p_after exactly); then a second step. Max relative errors over tensors."""
+    out = {}
+    runs = {}
+    for impl in ("plain", "triton"):
+        params = make(shapes, torch.float64, seed=1)
+        p0 = [p.detach().clone() for p in params]
+        opt, loss = build(method, params, impl, precision)
+        opt.step(loss=loss) if loss is not None else opt.step()
+        steps = [(a - p.detach()) for a, p in zip(p0, params, strict=True)]
+        state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+        runs[impl] = (steps, state, [p.detach().clone() for p in params])
+        del opt, params, p0
+        torch.cuda.empty_cache()
+    (sa, sta, pa), (sb, stb, pb) = runs["triton"], runs["plain"]
+    out["step_max_rel"] = max(rel(a, b) for a, b in zip(sa, sb, strict=True))
+    out["param_max_rel"] = max(rel(a, b) for a, b in zip(pa, pb, strict=True))
+    out["state_max_rel"] = max(rel(a[k], b[k]) for a, b in zip(sta, stb, strict=True)
+                               for k in b)
+    worst = max(range(len(shapes)), key=lambda i: rel(sa[i], sb[i]))
+    out["step_worst_tensor"] = list(shapes[worst])
+    del runs
+    torch.cuda.empty_cache()
+    return out
+
+
+def check_bits(method: str, shapes) -> bool:
+    """Two runs of the Triton path (float32 parameters, two steps each) give the same bits."""
+    results = []
+    for _ in range(2):
+        params = make(shapes, torch.float32, seed=2)
+        opt, loss = build(method, params, "triton")
+        for _ in range(2):
+            opt.step(loss=loss) if loss is not None else opt.step()
+        results.append(([p.detach().clone() for p in params],
+                        [{k: v.clone() for k, v in opt.state[p].items()} for p in params]))
+        del opt, params
+        torch.cuda.empty_cache()
+    (pa, sa), (pb, sb) = results
+    same = all(torch.equal(a, b) for a, b in zip(pa, pb, strict=True))
+    same &= all(torch.equal(a[k], b[k]) for a, b in zip(sa, sb, strict=True) for k in a)
+    return bool(same)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--models", default="vit_b16,gpt2_medium")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--plain-reps", type=int, default=3)
+    ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--only", default="", help="time only the optimizers whose label "
+                    "contains this (AdamW always runs)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the CUDA kernels of one Triton step (torch.profiler)")
+    args = ap.parse_args()
+    import triton
+
+    dev = torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    print(f"{dev}; {date}; torch {torch.__version__}; triton {triton.__version__}")
+    report = {"device": dev, "date": date, "torch": torch.__version__,
+              "triton": triton.__version__, "models": {}, "notes": []}
+    try:
+        import pylo  # noqa: F401
+
+        have_pylo = True
+    except Exception as e:  # noqa: BLE001
+        have_pylo = False
+        report["notes"].append(f"PyLO not run: import pylo failed ({type(e).__name__}: {e})")
+        print(report["notes"][-1])
+    for model in args.models.split(","):
+        shapes = MODELS[model]()
+        n = sum(int(torch.Size(s).numel()) for s in shapes)
+        print(f"\n== {model}: {len(shapes)} tensors, {n / 1e6:.1f}M parameters")
+        rows = {}
+        configs = [("adamw", "fused", "exact")]
+        for m in ("small_fc_lopt", "velo"):
+            configs += [(m, "triton", "exact"), (m, "triton", "fast"), (m, "plain", "exact")]
+        for method, impl, prec in configs:
+            label = f"{method}/{impl}" + (f"/{prec}" if impl == "triton" else "")
+            if method != "adamw" and args.only not in label:
+                continue
+            params = make(shapes)
+            try:
+                opt, loss = build(method, params, impl, prec)
+                reps = args.plain_reps if impl == "plain" else args.reps
+                r = time_step(opt, loss, 1 if impl == "plain" else args.warmup, reps)
+                if args.profile and impl == "triton":
+                    profile(opt, loss, label)
+            except torch.cuda.OutOfMemoryError as e:
+                r = {"error": f"out of memory: {e}"}
+            del params
+            opt = None
+            torch.cuda.empty_cache()
+            rows[label] = r
+        if have_pylo:
+            rows.update(run_pylo(shapes, args))
+        base = rows["adamw/fused"]
+        adam_state = base["state_bytes"]
+        for label, r in rows.items():
+            if "median_ms" in r:
+                r["ratio_to_adamw"] = r["median_ms"] / base["median_ms"]
+                r["peak_extra_over_adamw_state"] = r["peak_extra_bytes"] / adam_state
+                print(f"{label:32s} {r['median_ms']:9.3f} ms  x{r['ratio_to_adamw']:6.2f}  "
+                      f"state {r['state_bytes'] / 2**20:8.1f} MiB  peak extra "
+                      f"{r['peak_extra_bytes'] / 2**20:8.1f} MiB "
+                      f"({r['peak_extra_over_adamw_state']:.2f}x AdamW state)")
+            else:
+                print(f"{label:32s} {r}")
+        checks = {}
+        if not args.skip_checks:
+            for method in ("small_fc_lopt", "velo"):
+                for prec in ("exact", "fast"):
+                    checks[f"{method}/{prec}"] = c = check_exact(method, shapes, prec)
+                    print(f"{method}/{prec} vs plain: step max rel {c['step_max_rel']:.2e} "
+                          f"(worst {c['step_worst_tensor']}), params {c['param_max_rel']:.2e}, "
+                          f"state {c['state_max_rel']:.2e}")
+                checks[f"{method}/bitwise_two_runs"] = b = check_bits(method, shapes)
+                print(f"{method}: two runs identical bits: {b}")
+        report["models"][model] = {"tensors": len(shapes), "params": n, "timings": rows,
+                                   "checks": checks}
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {args.out}")
+
+
+def profile(opt, loss, label: str) -> None:
+    """Per-kernel CUDA time of two steps, and the host time of one step."""
+    import time
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    opt.step(loss=loss) if loss is not None else opt.step()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for _ in range(2):
+            opt.step(loss=loss) if loss is not None else opt.step()
+        torch.cuda.synchronize()
+    print(f"-- {label}: host time of one step (no sync) {host * 1e3:.2f} ms")
+    print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=14,
+                                 max_name_column_width=40))
+
+
+def run_pylo(shapes, args) -> dict:
+    """PyLO's CUDA optimizers, if installed (pylo.optim.VeLO_CUDA / AdafacLO_CUDA)."""
+    rows = {}
+    try:
+        import pylo.optim as po
+    except Exception as e:  # noqa: BLE001
+        return {"pylo": {"error": f"{type(e).__name__}: {e}"}}
+    for label, name in (("pylo/small_fc_lopt_cuda", "AdafacLO_CUDA"), ("pylo/velo_cuda",
+                                                                        "VeLO_CUDA")):
+        cls = getattr(po, name, None)
+        if cls is None:
+            rows[label] = {"error": f"pylo.optim has no {name}"}
+            continue
+        params = make(shapes)
+        try:
+            opt = cls(params)
+            loss = torch.tensor(1.0, device="cuda")
+
+            class _Wrap:
+                def __init__(self, opt, takes_loss):
+                    self.opt, self.takes_loss, self.state = opt, takes_loss, opt.state
+
+                def step(self, loss=None):
+                    return self.opt.step(loss=loss) if self.takes_loss else self.opt.step()
+
+            rows[label] = time_step(_Wrap(opt, "velo" in label), loss, args.warmup,
+                                    args.reps)
+        except Exception as e:  # noqa: BLE001
+            rows[label] = {"error": f"{type(e).__name__}: {e}"}
+        del params
+        torch.cuda.empty_cache()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,377 @@
+"""Triton kernels shared by the learned optimizers: tile addressing, the Adafactor statistics
+(row and column means of g²) and deterministic segmented sums.
+
+Reductions never use atomics: a program writes its partial sums to its own place in a
+scratch buffer and a later program adds them up in a fixed order, so two runs give the same
+bits. The layout is :mod:`xopt.kernels.lopt_layout`'s.
+
+Reference: :func:`xopt.specs._lopt.factored_update` (and ``torch.mean`` for the sums).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from xopt.kernels import lopt_layout as L
+
+F32 = tl.float32
+
+
+# -- addressing ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def tile_of(meta_row, local):
+    """(b, ta, tb) of a program's tile from its index among its tensor's programs."""
+    nta = tl.load(meta_row + 9)   # NTA
+    ntb = tl.load(meta_row + 10)  # NTB
+    per_b = nta * ntb
+    b = local // per_b
+    r = local - b * per_b
+    ta = r // ntb
+    tb = r - ta * ntb
+    return b, ta, tb
+
+
+@triton.jit
+def batch_offset(b, bs1, s0, s1):
+    o0 = b // bs1
+    return o0 * s0 + (b - o0 * bs1) * s1
+
+
+@triton.jit
+def ptr_f32(table, t, col, ncols: tl.constexpr):
+    """Column ``col`` of an int64 pointer table row ``t``, as a float32 pointer."""
+    return tl.load(table + t * ncols + col).to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def cat32(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15,
+          f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31):
+    """32 vectors [BLOCK] → [BLOCK, 2, 2, 2, 2, 2] whose reshape to [BLOCK, 32] holds f_i in
+    column i (``tl.join`` adds its axis last, so pairs are taken 16, 8, 4, 2, 1 apart)."""
+    p0 = tl.join(f0, f16)
+    p1 = tl.join(f1, f17)
+    p2 = tl.join(f2, f18)
+    p3 = tl.join(f3, f19)
+    p4 = tl.join(f4, f20)
+    p5 = tl.join(f5, f21)
+    p6 = tl.join(f6, f22)
+    p7 = tl.join(f7, f23)
+    p8 = tl.join(f8, f24)
+    p9 = tl.join(f9, f25)
+    p10 = tl.join(f10, f26)
+    p11 = tl.join(f11, f27)
+    p12 = tl.join(f12, f28)
+    p13 = tl.join(f13, f29)
+    p14 = tl.join(f14, f30)
+    p15 = tl.join(f15, f31)
+    q0 = tl.join(p0, p8)
+    q1 = tl.join(p1, p9)
+    q2 = tl.join(p2, p10)
+    q3 = tl.join(p3, p11)
+    q4 = tl.join(p4, p12)
+    q5 = tl.join(p5, p13)
+    q6 = tl.join(p6, p14)
+    q7 = tl.join(p7, p15)
+    r0 = tl.join(q0, q4)
+    r1 = tl.join(q1, q5)
+    r2 = tl.join(q2, q6)
+    r3 = tl.join(q3, q7)
+    s0 = tl.join(r0, r2)
+    s1 = tl.join(r1, r3)
+    return tl.join(s0, s1)
+
+
+@triton.jit
+def cat8(f0, f1, f2, f3, f4, f5, f6, f7):
+    """8 vectors → [BLOCK, 2, 2, 2], column i of the [BLOCK, 8] reshape holds f_i."""
+    p0 = tl.join(f0, f4)
+    p1 = tl.join(f1, f5)
+    p2 = tl.join(f2, f6)
+    p3 = tl.join(f3, f7)
+    return tl.join(tl.join(p0, p2), tl.join(p1, p3))
+
+
+@triton.jit
+def col(x, cols, j):
+    """Column j of a [BLOCK, C] tile as a [BLOCK] vector (exact: one nonzero per row)."""
+    return tl.sum(tl.where(cols[None, :] == j, x, 0.0), axis=1)
+
+
+# -- pass 1: partial sums of g² over each tile's two axes (+ VeLO's old-state sums) --------------
+
+
+@triton.jit
+def stats1_kernel(meta, prog, ptrs, pa, pb, sums4,
+                  CLIP_G: tl.constexpr, MOM_SUMS: tl.constexpr, NPTR: tl.constexpr,
+                  NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
+    """Per tile: Σ_b (g² + 1e-30) per row a and Σ_a per column b (factored tensors), and with
+    MOM_SUMS Σ m_k (k < 3) and Σ rms of the accumulators before the update (VeLO's LSTM
+    inputs), written to ``sums4[pid, 0:4]``. ptrs columns: 0 p, 1 g, 2 m, 3 rms."""
+    pid = tl.program_id(0)
+    t = tl.load(prog + pid)
+    row = meta + t * NF
+    n = tl.load(row + 0)
+    fact = tl.load(row + 1)
+    ia_n = tl.load(row + 2)
+    ib_n = tl.load(row + 3)
+    sap = tl.load(row + 4)
+    sbp = tl.load(row + 5)
+    bs1 = tl.load(row + 6)
+    nta = tl.load(row + 9)
+    ntb = tl.load(row + 10)
+    if MOM_SUMS:
+        start = tl.load(row + 11)
+    else:
+        start = tl.load(row + 12)
+    b, ta, tb = tile_of(row, pid - start)
+    boff = batch_offset(b, bs1, tl.load(row + 7), tl.load(row + 8))
+    gp = ptr_f32(ptrs, t, 1, NPTR)
+    sa_i = tl.arange(0, SA)
+    ib = tb * TB + tl.arange(0, TB)
+    a0 = ta * TA
+    n_sub = tl.minimum(TA, ia_n - a0)
+    acc_b = tl.zeros([TB], F32)
+    acc4 = tl.zeros([4], F32)
+    lanes4 = tl.arange(0, 4)
+    for s in range(0, n_sub, SA):
+        ia = a0 + s + sa_i
+        off = boff + ia[:, None].to(tl.int64) * sap + ib[None, :].to(tl.int64) * sbp
+        mask = (ia[:, None] < ia_n) & (ib[None, :] < ib_n) & (off < n)
+        if fact != 0:
+            g = tl.load(gp + off, mask=mask, other=0.0)
+            if CLIP_G:
+                g = tl.minimum(tl.maximum(g, -1000.0), 1000.0)
+            g2 = tl.where(mask, g * g + 1e-30, 0.0)
+            rs = tl.sum(g2, axis=1)
+            tl.store(pa + tl.load(row + 20) + (b * ntb + tb) * ia_n + ia, rs, mask=ia < ia_n)
+            acc_b += tl.sum(g2, axis=0)
+        if MOM_SUMS:
+            mp = ptr_f32(ptrs, t, 2, NPTR)
+            rp = ptr_f32(ptrs, t, 3, NPTR)
+            m0 = tl.sum(tl.sum(tl.load(mp + off * 3, mask=mask, other=0.0), axis=1), axis=0)
+            m1 = tl.sum(tl.sum(tl.load(mp + off * 3 + 1, mask=mask, other=0.0), axis=1), axis=0)
+            m2 = tl.sum(tl.sum(tl.load(mp + off * 3 + 2, mask=mask, other=0.0), axis=1), axis=0)
+            r0 = tl.sum(tl.sum(tl.load(rp + off, mask=mask, other=0.0), axis=1), axis=0)
+            acc4 += tl.where(lanes4 == 0, m0, tl.where(lanes4 == 1, m1,
+                                                       tl.where(lanes4 == 2, m2, r0)))
+    if fact != 0:
+        tl.store(pb + tl.load(row + 21) + (b * nta + ta) * ib_n + ib, acc_b, mask=ib < ib_n)
+    if MOM_SUMS:
+        tl.store(sums4 + pid * 4 + lanes4, acc4)
+
+
+# -- pass 1b: the new v_row / v_col from the partial sums ------------------------------------
+
+
+@triton.jit
+def fac_finalize_kernel(meta, fin, ptrs, pa, pb, decays,
+                        NPTR: tl.constexpr, NF: tl.constexpr, FB: tl.constexpr,
+                        CH: tl.constexpr):
+    """``v ← c·v + (1 − c)·mean(g² + 1e-30)`` for a block of FB entries of one batch of one
+    statistic, the partial sums added in order. ptrs columns: 4 v_row, 5 v_col."""
+    pid = tl.program_id(0)
+    t = tl.load(fin + pid * 3)
+    which = tl.load(fin + pid * 3 + 1)
+    local = tl.load(fin + pid * 3 + 2)
+    row = meta + t * NF
+    ia_n = tl.load(row + 2)
+    ib_n = tl.load(row + 3)
+    bs1 = tl.load(row + 6)
+    nta = tl.load(row + 9)
+    ntb = tl.load(row + 10)
+    a_is_d0 = tl.load(row + 13)
+    if which == 0:   # summed over b: entries indexed by a
+        n_ent = ia_n
+        n_chunks = ntb
+        base = pa + tl.load(row + 20)
+        div = ib_n
+        to_row = a_is_d0 == 0   # b is d0: a row statistic
+    else:            # summed over a: entries indexed by b
+        n_ent = ib_n
+        n_chunks = nta
+        base = pb + tl.load(row + 21)
+        div = ia_n
+        to_row = a_is_d0 != 0
+    blocks = (n_ent + FB - 1) // FB
+    b = local // blocks
+    e = (local - b * blocks) * FB + tl.arange(0, FB)
+    emask = e < n_ent
+    ch = tl.arange(0, CH)
+    acc = tl.zeros([FB], F32)
+    for c0 in range(0, n_chunks, CH):
+        c = c0 + ch
+        x = tl.load(base + (b * n_chunks + c[:, None]) * n_ent + e[None, :],
+                    mask=(c[:, None] < n_chunks) & emask[None, :], other=0.0)
+        acc += tl.sum(x, axis=0)
+    mean = acc / div.to(F32)
+    if to_row:
+        vp = ptr_f32(ptrs, t, 4, NPTR)
+        idx = batch_offset(b, bs1, tl.load(row + 14), tl.load(row + 15)) + e * tl.load(row + 16)
+    else:
+        vp = ptr_f32(ptrs, t, 5, NPTR)
+        idx = batch_offset(b, bs1, tl.load(row + 17), tl.load(row + 18)) + e * tl.load(row + 19)
+    for k in tl.static_range(3):
+        c = tl.minimum(tl.maximum(tl.load(decays + k), 0.0), 1.0)
+        v = tl.load(vp + idx * 3 + k, mask=emask, other=0.0)
+        tl.store(vp + idx * 3 + k, c * v + (1.0 - c) * mean, mask=emask)
+
+
+@triton.jit
+def rcm_kernel(meta, rprog, ptrs, rcm, NPTR: tl.constexpr, NF: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """``mean over the d1 axis of the new v_row`` per batch index and decay (the
+    ``row_col_mean`` of :func:`xopt.specs._lopt.factored_update`)."""
+    pid = tl.program_id(0)
+    t = tl.load(rprog + pid * 2)
+    b = tl.load(rprog + pid * 2 + 1)
+    row = meta + t * NF
+    nd1 = tl.load(row + 25)
+    base = batch_offset(b, tl.load(row + 6), tl.load(row + 14), tl.load(row + 15))
+    rd1 = tl.load(row + 16)
+    vp = ptr_f32(ptrs, t, 4, NPTR)
+    i = tl.arange(0, BLOCK)
+    k = tl.arange(0, 4)
+    acc = tl.zeros([4], F32)
+    for i0 in range(0, nd1, BLOCK):
+        ii = i0 + i
+        x = tl.load(vp + (base + ii[:, None] * rd1) * 3 + k[None, :],
+                    mask=(ii[:, None] < nd1) & (k[None, :] < 3), other=0.0)
+        acc += tl.sum(x, axis=0)
+    tl.store(rcm + tl.load(row + 22) + b * 3 + k, acc / nd1.to(F32), mask=k < 3)
+
+
+# -- deterministic segmented sums --------------------------------------------------------------
+
+
+@triton.jit
+def seg_sum_kernel(x, out, segs, C: tl.constexpr, RB: tl.constexpr):
+    """``out[i] = Σ_{r in segment i} x[r]`` over rows of C floats, in row order (blocks of RB
+    rows summed as a tree, blocks one after another): the same bits every run."""
+    pid = tl.program_id(0)
+    first = tl.load(segs + pid * 2)
+    count = tl.load(segs + pid * 2 + 1)
+    r = tl.arange(0, RB)
+    c = tl.arange(0, C)
+    acc = tl.zeros([C], F32)
+    for r0 in range(0, count, RB):
+        rr = r0 + r
+        v = tl.load(x + (first + rr[:, None]).to(tl.int64) * C + c[None, :],
+                    mask=rr[:, None] < count, other=0.0)
+        acc += tl.sum(v, axis=0)
+    tl.store(out + pid.to(tl.int64) * C + c, acc)
+
+
+def seg_sum(rows: torch.Tensor, lay: L.Layout) -> torch.Tensor:
+    """Per-tensor sums of per-program rows ``[n_prog_all, C]`` → ``[n_tensors, C]``, in two
+    fixed-order levels (chunks of SEG_CHUNK rows, then each tensor's chunks)."""
+    c = rows.shape[1]
+    mid = torch.empty((lay.seg1.shape[0], c), dtype=torch.float32, device=rows.device)
+    seg_sum_kernel[(lay.seg1.shape[0],)](rows, mid, lay.seg1, C=c, RB=64)
+    out = torch.empty((lay.seg2.shape[0], c), dtype=torch.float32, device=rows.device)
+    seg_sum_kernel[(lay.seg2.shape[0],)](mid, out, lay.seg2, C=c, RB=64)
+    return out
+
+
+def factored_pass(lay: L.Layout, ptrs: torch.Tensor, decays: torch.Tensor, *,
+                  clip_g: bool, mom_sums: bool, npt: int) -> tuple[torch.Tensor | None,
+                                                                   torch.Tensor | None]:
+    """Pass 1 (+ finalize): updates every factored tensor's ``v_row``/``v_col`` in place and
+    returns ``(rcm [rcm_size], sums4 [n_tensors, 4] or None)``."""
+    dev = lay.meta.device
+    sa = 4
+    pa = torch.empty((max(lay.pa_size, 1),), dtype=torch.float32, device=dev)
+    pb = torch.empty((max(lay.pb_size, 1),), dtype=torch.float32, device=dev)
+    sums4 = None
+    if mom_sums:
+        part = torch.empty((max(lay.n_prog_all, 1), 4), dtype=torch.float32, device=dev)
+        if lay.n_prog_all:
+            stats1_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, ptrs, pa, pb, part,
+                                             CLIP_G=clip_g, MOM_SUMS=True, NPTR=npt,
+                                             NF=L.NFIELDS, TA=L.TA, TB=L.TB, SA=sa)
+        sums4 = seg_sum(part[:lay.n_prog_all], lay)
+    elif lay.n_prog_fac:
+        stats1_kernel[(lay.n_prog_fac,)](lay.meta, lay.prog_fac, ptrs, pa, pb, pa,
+                                         CLIP_G=clip_g, MOM_SUMS=False, NPTR=npt,
+                                         NF=L.NFIELDS, TA=L.TA, TB=L.TB, SA=sa)
+    rcm = None
+    if lay.any_factored:
+        fac_finalize_kernel[(lay.fin_prog.shape[0],)](lay.meta, lay.fin_prog, ptrs, pa, pb,
+                                                      decays, NPTR=npt, NF=L.NFIELDS,
+                                                      FB=L.FIN_BLOCK, CH=32)
+        rcm = torch.empty((lay.rcm_size,), dtype=torch.float32, device=dev)
+        rcm_kernel[(lay.rcm_prog.shape[0],)](lay.meta, lay.rcm_prog, ptrs, rcm, NPTR=npt,
+                                             NF=L.NFIELDS, BLOCK=128)
+    return rcm, sums4
+
+
+# -- the per-element accumulators and MLP, shared by the fused passes ----------------------
+
+
+@triton.jit
+def load_tile(row, t, b, ia, ib, ptrs, NPTR: tl.constexpr, BLOCK: tl.constexpr):
+    """Flat offsets, mask and the factored indices of a sub-tile [SA, TB] as [BLOCK]."""
+    n = tl.load(row + 0)
+    ia_n = tl.load(row + 2)
+    ib_n = tl.load(row + 3)
+    bs1 = tl.load(row + 6)
+    boff = batch_offset(b, bs1, tl.load(row + 7), tl.load(row + 8))
+    off2 = boff + ia[:, None].to(tl.int64) * tl.load(row + 4) \
+        + ib[None, :].to(tl.int64) * tl.load(row + 5)
+    mask2 = (ia[:, None] < ia_n) & (ib[None, :] < ib_n) & (off2 < n)
+    a_is_d0 = tl.load(row + 13)
+    iaf = ia[:, None] + 0 * ib[None, :]
+    ibf = ib[None, :] + 0 * ia[:, None]
+    i_d0 = tl.where(a_is_d0 != 0, iaf, ibf)
+    i_d1 = tl.where(a_is_d0 != 0, ibf, iaf)
+    ridx = batch_offset(b, bs1, tl.load(row + 14), tl.load(row + 15)) + i_d1 * tl.load(row + 16)
+    cidx = batch_offset(b, bs1, tl.load(row + 17), tl.load(row + 18)) + i_d0 * tl.load(row + 19)
+    return (tl.reshape(off2, [BLOCK]), tl.reshape(mask2, [BLOCK]), tl.reshape(ridx, [BLOCK]),
+            tl.reshape(cidx, [BLOCK]))
+
+
+@triton.jit
+def accumulate(fact, off, mask, ridx, cidx, g, m, rms_p, vr, vc, vd, dec, rcm_b,
+               FM_EPS: tl.constexpr):
+    """One decay's Adafactor quantities for the elements ``off``: (R, C, FG, FM, V) with R, C
+    the row/column statistics (v_diag twice when unfactored), FG the factor that multiplies
+    g into fac_g, FM the factor that multiplies m (``row_factor·col_factor``, or
+    ``(v_diag + FM_EPS)^-½``), V the new v_diag (unfactored; else unused)."""
+    if fact != 0:
+        r = tl.load(vr + ridx, mask=mask, other=1.0)
+        c = tl.load(vc + cidx, mask=mask, other=1.0)
+        rf = tl.math.rsqrt(tl.maximum(r / (rcm_b + 1e-9), 1e-9))
+        cf = tl.math.rsqrt(tl.maximum(c, 1e-9))
+        v = r
+        fg = rf * cf
+        fm = rf * cf
+    else:
+        cd = tl.minimum(tl.maximum(dec, 0.0), 1.0)
+        v = cd * tl.load(vd, mask=mask, other=0.0) + (1.0 - cd) * (g * g + 1e-30)
+        r = v
+        c = v
+        fg = tl.math.rsqrt(tl.maximum(v + 1e-9, 1e-9))
+        fm = tl.math.rsqrt(v + FM_EPS)
+    return r, c, fg, fm, v
+
+
+@triton.jit
+def mlp(x, w0, b0, wh, bh, wl, bl, KIN: tl.constexpr, HP: tl.constexpr,
+        NHID: tl.constexpr, PREC: tl.constexpr):
+    """relu(x @ w0 + b0) → (relu(· @ wh[i] + bh[i]))_i → · @ wl + bl, [BLOCK, 16] out.
+    Weights are row-major, zero-padded: w0 [KIN, HP], wh [NHID, HP, HP], wl [HP, 16]."""
+    k_in = tl.arange(0, KIN)
+    hc = tl.arange(0, HP)
+    oc = tl.arange(0, 16)
+    w = tl.load(w0 + k_in[:, None] * HP + hc[None, :])
+    h = tl.dot(x, w, input_precision=PREC) + tl.load(b0 + hc)[None, :]
+    h = tl.maximum(h, 0.0)
+    for i in tl.static_range(NHID):
+        w = tl.load(wh + i * HP * HP + hc[:, None] * HP + hc[None, :])
+        h = tl.dot(h, w, input_precision=PREC) + tl.load(bh + i * HP + hc)[None, :]
+        h = tl.maximum(h, 0.0)
+    w = tl.load(wl + hc[:, None] * 16 + oc[None, :])
+    return tl.dot(h, w, input_precision=PREC) + tl.load(bl + oc)[None, :]
