@@ -38,6 +38,7 @@ from xopt.jax._lowrank import (
     raise_if_nonfinite,
     resolve_spec,
 )
+from xopt.jax._precision import full_precision
 from xopt.specs import _lowrank
 from xopt.specs import coap as _spec
 
@@ -211,7 +212,7 @@ def coap(
         return u, COAPState(count=count_inc, mu=tr["m"], nu=tr["v"], nu_row=tr["v_row"],
                             nu_col=tr["v_col"], rms=tr["rms"], proj=tr["P"])
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, full_precision(update_fn))
 
 
 def _event(t: jax.Array, h: _spec.COAP) -> jax.Array:

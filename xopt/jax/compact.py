@@ -40,6 +40,7 @@ import optax
 
 from xopt import random as _random
 from xopt.errors import HyperparameterError, StateError
+from xopt.jax._precision import full_precision
 from xopt.specs import compact as _spec
 
 __all__ = ["CompActAdamState", "CompActDense", "compact_adamw", "compact_linear",
@@ -137,7 +138,7 @@ def _bwd(res, g):
             g_hat.astype(carrier.dtype).reshape(carrier.shape), zp)
 
 
-compact_linear.defvjp(_fwd, _bwd)
+compact_linear.defvjp(full_precision(_fwd), full_precision(_bwd))
 
 
 class CompActDense(nn.Module):
@@ -183,6 +184,7 @@ class CompActDense(nn.Module):
                                 jl_nnz=int(self.jl_nnz))
 
     @nn.compact
+    @full_precision
     def __call__(self, x: jax.Array, step: Any = 0, projection: jax.Array | None = None
                  ) -> jax.Array:
         n = x.shape[-1]
@@ -395,7 +397,7 @@ def compact_adamw(learning_rate: float = _DEFAULTS["lr"], b1: float = _DEFAULTS[
         return weight_path.rsplit("/", 1)[0] + "/compact_grad" if "/" in weight_path \
             else "compact_grad"
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, full_precision(update_fn))
 
 
 def _check_seeds(compact: Mapping[str, Any], projections: Mapping[str, _spec.Projection]) -> None:

@@ -29,6 +29,7 @@ import optax
 
 from xopt.errors import HyperparameterError
 from xopt.jax._lowrank import inject_for, leaf_specs, path_names, raise_if_nonfinite
+from xopt.jax._precision import full_precision
 from xopt.specs import flora as _spec
 
 __all__ = ["FloraState", "flora", "next_seed_words"]
@@ -236,7 +237,7 @@ def flora(learning_rate: float | None = None, rank: int | None = None,
                            **{f: jax.tree.unflatten(treedef, v) for f, v in new.items()})
         return jax.tree.unflatten(treedef, outs), state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, full_precision(update_fn))
 
 
 def _update_leaf(h: _spec.Flora, p: jax.Array, g: jax.Array, st: dict[str, Any],

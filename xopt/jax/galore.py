@@ -37,6 +37,7 @@ from xopt.jax._lowrank import (
     raise_if_nonfinite,
     resolve_spec,
 )
+from xopt.jax._precision import full_precision
 from xopt.specs import _lowrank
 from xopt.specs import galore as _spec
 
@@ -209,7 +210,7 @@ def galore(
                                 ortho_right=treedef.unflatten(out_or))
         return treedef.unflatten(out_u), new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, full_precision(update_fn))
 
 
 def _refresh(h: _spec.GaLore, name: str, g: jax.Array, old: jax.Array, old_r: Any,

@@ -43,6 +43,7 @@ from xopt.jax._lowrank import (
     raise_if_nonfinite,
     resolve_spec,
 )
+from xopt.jax._precision import full_precision
 from xopt.specs import _lowrank
 from xopt.specs import plumage as _spec
 
@@ -188,7 +189,7 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
             count=optax.safe_increment(t), mu=treedef.unflatten(new_mu),
             nu=treedef.unflatten(new_nu), **extra)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, full_precision(update_fn))
 
 
 def _is_zero(x: Any) -> bool:

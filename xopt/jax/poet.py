@@ -36,6 +36,7 @@ import optax
 
 from xopt import random as xrandom
 from xopt.errors import HyperparameterError
+from xopt.jax._precision import full_precision
 from xopt.specs import poet as spec_lib
 
 __all__ = ["POETAdamWState", "POETDense", "merge_and_reset", "poet_adamw"]
@@ -82,7 +83,7 @@ def _chain_bwd(res, g):
             zero_int(perm_out_inv))
 
 
-chain_mem.defvjp(_chain_fwd, _chain_bwd)
+chain_mem.defvjp(full_precision(_chain_fwd), full_precision(_chain_bwd))
 
 
 # -- the layer -------------------------------------------------------------------------------
@@ -137,6 +138,7 @@ class POETDense(nn.Module):
         return hp.replace(**over)
 
     @nn.compact
+    @full_precision
     def __call__(self, x):
         hp = self.hyperparams()
         n_in, n_out = x.shape[-1], self.features
@@ -333,4 +335,4 @@ def poet_adamw(learning_rate: float | None = None, poet_scale: float | None = No
 
     if merge_interval is not None and (isinstance(merge_interval, bool) or merge_interval < 1):
         raise HyperparameterError(f"poet_adamw: merge_interval = {merge_interval!r} must be ≥ 1")
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformation(init, full_precision(update))
