@@ -328,6 +328,15 @@ def _run_jax(h, params, grads):
     return out
 
 
+def _svd_subspace_bound(g: np.ndarray, rank: int) -> float:
+    """Wedin's bound on the error of the top-``rank`` singular vectors a backward-stable
+    float32 SVD returns for ``g``: ``max(m, n) · u · σ₁ / gap``."""
+    s = np.linalg.svd(np.asarray(g, np.float64), compute_uv=False)
+    r = min(rank, len(s) - 1)
+    gap = min(s[i] - s[i + 1] for i in range(r)) if r > 0 else s[0]
+    return max(g.shape) * 2.0**-24 * s[0] / gap
+
+
 CONFIGS = {
     "adamw": dict(preset="adamw", lr=1e-2, rank=3, update_interval=2, reproject_factor=3,
                   weight_decay=0.01, scale=0.5),
@@ -347,8 +356,10 @@ def test_backends_agree_without_injection(config):
     # The initial Ω is xopt.random's (same bits everywhere) and decompositions follow one
     # sign convention, so torch (float32), jax (float32) and the float64 oracle agree with
     # no values injected. Bounds: the first update's parameters within 1e-6 (one update);
-    # its P, from a float32 QR + SVD, within 2e-6 (a backward-stable SVD's subspace error,
-    # ~ε·σ₁/gap; measured 8.2e-7); all 13 updates (events 1, 2, 3 for every matrix)
+    # its P, from a float32 QR + SVD, within Wedin's bound for a backward-stable SVD,
+    # max(m, n)·u·σ₁/gap (u = 2⁻²⁴; gap the smallest spacing of the top r + 1 singular
+    # values; :func:`_svd_subspace_bound`): 3.6e-6 to 1.1e-4 on these gradients, measured
+    # 8.2e-7 here and 2.96e-6 for jax on an H100 (cuSOLVER); all 13 updates (events 1, 2, 3 for every matrix)
     # within the closed-loop bound 1e-4 (measured ≤ 6.8e-5, AdamW with restore_state).
     # The gradient scale varies 10× between updates here. With 1000× variations AdamW's
     # restored second moment ((√V P_old) P_newᵀ)² has entries near zero after cancellation,
@@ -366,7 +377,8 @@ def test_backends_agree_without_injection(config):
         for k in p0:
             assert _rel(p0[k], po0[k]) <= 1e-6, (label, k, _rel(p0[k], po0[k]))
         for k in (k for k in s0 if k.startswith("P/")):
-            assert _rel(s0[k], so0[k]) <= 2e-6, (label, k, _rel(s0[k], so0[k]))
+            bound = _svd_subspace_bound(grads[0][k[2:]], h.rank if h.rank else 3)
+            assert _rel(s0[k], so0[k]) <= bound, (label, k, _rel(s0[k], so0[k]), bound)
         for t, ((p, s), (po, so)) in enumerate(zip(out, oracle, strict=True)):
             assert set(s) == set(so), (label, sorted(set(s) ^ set(so)))
             for k in p:

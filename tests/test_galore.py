@@ -504,6 +504,10 @@ def _separated(rng, shape):
     return ((a * 2.0 ** -np.arange(k)) @ b.T).astype(np.float32)
 
 
+#: Adam's ε for the "full" projection in the backend-agreement test (see its docstring)
+EPS_FULL = 1e-4
+
+
 @needs_torch
 @needs_jax
 @pytest.mark.parametrize("proj_type", ["std", "reverse_std", "left", "right", "full"])
@@ -512,12 +516,16 @@ def test_backends_agree_with_the_oracle_without_injection(proj_type):
     oracle, so over several refreshes they agree without anything injected. The gradients
     have well-separated singular values (halving), so a float32 SVD's singular vectors are
     within ~1e-6 of the exact ones (their error scales as ulp · σ₁ / gap). Measured after 7
-    updates (2 refreshes): <= 2.1e-7 relative for one-sided projections. For "full" the
-    core R = Pᵀ G Qᵀ is diagonal at a refresh in exact arithmetic; its off-diagonal entries
-    are float32 rounding noise, and Adam's N = m / (√v + ε) is proportional to such an entry
-    while it is below ε, so the noise itself reaches the update and float32 and float64
-    differ more: measured 4.0e-6 to 6.9e-6, bounded by 1e-5."""
-    bound = 1e-5 if proj_type == "full" else 1e-6
+    updates (2 refreshes): <= 2.1e-7 relative for one-sided projections.
+
+    For "full" the core R = Pᵀ G Qᵀ is diagonal at a refresh in exact arithmetic; its
+    off-diagonal entries are float32 rounding noise, and while such an entry is below Adam's
+    ε, N = m / (√v + ε) is proportional to it, so with ε = 1e-6 the noise itself reaches the
+    update (measured 4.0e-6..6.9e-6 here and 1.04e-5 on the GPU machine's CPU, 2026-11-22).
+    That is the arithmetic of "full", not a backend difference, so the test runs "full" with
+    ε = EPS_FULL, where the update is not noise-dominated (measured 1.9e-7), and holds every
+    type to 1e-6."""
+    bound = 1e-6
     import jax
     import jax.numpy as jnp
     import optax
@@ -530,7 +538,7 @@ def test_backends_agree_with_the_oracle_without_injection(proj_type):
     shapes = {"tall": (10, 6), "wide": (6, 10), "b": (6,)}
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     kw = dict(lr=0.01, rank=3, update_proj_gap=3, scale=0.5, weight_decay=0.05,
-              proj_type=proj_type)
+              proj_type=proj_type, eps=EPS_FULL if proj_type == "full" else 1e-6)
     h = G.GaLore(**kw)
     tp = {k: torch.nn.Parameter(torch.tensor(v)) for k, v in params.items()}
     opt = xopt.torch.GaLore(list(tp.values()), spec=h)

@@ -22,6 +22,8 @@ if has_torch:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+#: where the kernel tests run: the GPU where there is one, else the CPU interpreter
+DEV = "cuda" if has_torch and torch.cuda.is_available() else "cpu"
 
 has_triton = has_torch and __import__("importlib").util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not has_triton, reason="triton is not installed")
@@ -352,16 +354,16 @@ def test_cayley_kernels_match_their_references(b):
     from xopt.kernels import poet_cayley as K
 
     torch.manual_seed(b)
-    x = (0.3 / b**0.5) * torch.randn(3, P.num_triu(b))
+    x = (0.3 / b**0.5) * torch.randn(3, P.num_triu(b), device=DEV)
     q = K.skew(x, b)
     assert torch.equal(q, K.skew_reference(x, b))
-    dq = torch.randn(3, b, b)
+    dq = torch.randn(3, b, b, device=DEV)
     assert torch.equal(K.triu_grad(dq, b), K.triu_grad_reference(dq, b))
     for formula in ("product", "taylor"):
         y, q2 = K.cnp_forward(q, formula)
         ref = K.cayley_neumann_reference(q.double(), formula)
         assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
-        g = torch.randn(3, b, b)
+        g = torch.randn(3, b, b, device=DEV)
         qq = q.double().requires_grad_()
         K.cayley_neumann_reference(qq, formula).backward(g.double())
         got = K.cnp_backward(q, q2, g, formula).double()
@@ -378,8 +380,8 @@ def test_cayley_kernels_match_their_references(b):
 def test_permutation_kernels_match_their_references():
     from xopt.kernels import poet_perm as PP
 
-    x = torch.randn(3, 37, 48)
-    p = torch.randperm(48).to(torch.int32)
+    x = torch.randn(3, 37, 48, device=DEV)
+    p = torch.randperm(48, device=DEV).to(torch.int32)
     assert torch.equal(PP.gather(x, p), PP.gather_reference(x, p))
     assert torch.equal(PP.scatter(x, p), PP.scatter_reference(x, p))
     assert torch.equal(PP.scatter(PP.gather(x, p), p), x)
@@ -395,12 +397,12 @@ def test_triton_layer_matches_plain_layer(variant):
     from xopt.torch.poet import POETLinear
 
     torch.manual_seed(0)
-    a = POETLinear(32, 48, 16, variant=variant, impl="plain")
+    a = POETLinear(32, 48, 16, variant=variant, impl="plain").to(DEV)
     with torch.no_grad():
         a.oft_R.normal_(0, 0.05)
-    b = POETLinear(32, 48, 16, variant=variant, impl="triton")
+    b = POETLinear(32, 48, 16, variant=variant, impl="triton").to(DEV)
     b.load_state_dict(a.state_dict())
-    x = torch.randn(4, 32)
+    x = torch.randn(4, 32, device=DEV)
     out = []
     for layer in (a, b):
         xx = x.clone().requires_grad_()

@@ -112,6 +112,7 @@ def _refresh(step: Any, gap: int) -> Any:
 
 
 @jax.custom_vjp
+@full_precision
 def compact_linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None,
                    carrier: jax.Array, p: jax.Array | None) -> jax.Array:
     """``y = x Wᵀ + b`` (paper Algorithm 1), differentiated by Algorithm 2.

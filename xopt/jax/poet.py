@@ -55,6 +55,7 @@ def _seed_of(words: Any) -> int:
 
 
 @jax.custom_vjp
+@full_precision
 def chain_mem(x, r_out, r_in, weight, bias, perm_in, perm_in_inv, perm_out, perm_out_inv):
     """The layer's chain (``bias`` may be an empty array for none) with a recomputing VJP."""
     y, _ = spec_lib.layer_forward(x, r_out, r_in, weight, bias if bias.size else None,
@@ -211,6 +212,7 @@ def _set(tree, path, value):
     return tree
 
 
+@full_precision
 def merge_layer(params: Mapping[str, Any], buffers: Mapping[str, Any], hp: spec_lib.POET,
                 perm_in: Any = None, perm_out: Any = None) -> tuple[dict, dict]:
     """One layer's merge: ``(params, poet)`` dicts after it (``perm_*`` override the draws)."""
@@ -248,6 +250,7 @@ def merge_layer(params: Mapping[str, Any], buffers: Mapping[str, Any], hp: spec_
     return out_params, out_buf
 
 
+@full_precision
 def merge_and_reset(variables: Mapping[str, Any], spec: spec_lib.POET | None = None,
                     ) -> dict[str, Any]:
     """Merge every POET layer of a model's variables (``{"params": ..., "poet": ...}``):

@@ -427,6 +427,24 @@ def run_parity(method: str, traces: Sequence[str | Trace], *,
                   notes=list(dict.fromkeys(notes)))
 
 
+def float32_matmuls(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` with JAX's float32 matrix products in full precision, where JAX is
+    installed: a layer driver's own JAX model code (XLA on a GPU uses TF32 by default, the
+    golden traces are full float32; see :mod:`xopt.jax._precision`)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if not available(("jax",)):
+            return fn(*args, **kwargs)
+        import jax
+
+        with jax.default_matmul_precision("highest"):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
 def _label(which: str) -> str:
     return {"torch": "xopt.torch", "jax": "xopt.jax"}.get(which, which)
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from xopt.errors import TraceError
 from xopt.parity.compare import closer_to, errors
-from xopt.parity.harness import BadRequest, Run, available
+from xopt.parity.harness import BadRequest, Run, available, float32_matmuls
 from xopt.parity.trace import Trace, step_prefix
 from xopt.specs import compact as _spec
 from xopt.specs import get
@@ -620,6 +620,7 @@ def _drive(runner: Any, case: _Case, mode: str, steps: int, inject: bool
     return out
 
 
+@float32_matmuls
 def run(trace: Trace, *, backends: Sequence[str], against: str, modes: Sequence[str],
         impl: str = "plain", device: str = "cpu", max_steps: int | None = None,
         notes: list[str], explicit_backends: bool = False) -> list[Run]:

@@ -37,7 +37,7 @@ import numpy as np
 
 from xopt.errors import TraceError
 from xopt.parity.compare import closer_to, errors
-from xopt.parity.harness import BadRequest, Run
+from xopt.parity.harness import BadRequest, Run, float32_matmuls
 from xopt.parity.trace import Trace, step_prefix
 from xopt.specs import get
 from xopt.specs import poet as P
@@ -418,6 +418,7 @@ def _layer_golden(trace: Trace, steps: int) -> list[dict[str, np.ndarray]]:
 # -- the driver --------------------------------------------------------------------------------
 
 
+@float32_matmuls
 def run(trace: Trace, *, backends: Sequence[str], against: str, modes: Sequence[str],
         impl: str, device: str, max_steps: int | None, notes: list[str],
         explicit_backends: bool = False) -> list[Run]:
