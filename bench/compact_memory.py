@@ -50,24 +50,53 @@ CONFIGS = {
 }
 
 
+#: Elementwise work (the norms' and SwiGLU's float32 arithmetic) runs over row chunks of
+#: about this many elements, so that its float32 temporaries stay small next to the saved
+#: activations (one whole-batch float32 copy of SwiGLU's input is ~360 MiB at batch
+#: 128 x 256, and the backward makes several); the same code runs for both variants.
+CHUNK_ELEMS = 1 << 24
+
+
+def _rows(t):
+    return t.reshape(-1, t.shape[-1])
+
+
+def _spans(rows, width):
+    step = max(1, CHUNK_ELEMS // width)
+    return [(s, min(s + step, rows)) for s in range(0, rows, step)]
+
+
 class _RMSNormFn(torch.autograd.Function):
-    """y = x / rms(x) · w, saving x and 1/rms (not y)."""
+    """y = x / rms(x) · w (HF LLaMA's arithmetic), saving x and 1/rms (not y)."""
 
     @staticmethod
     def forward(ctx, x, w, eps):
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        x2 = _rows(x)
+        y = torch.empty_like(x2)
+        rstd = torch.empty(x2.shape[0], 1, device=x.device, dtype=torch.float32)
+        for s, e in _spans(*x2.shape):
+            xf = x2[s:e].float()
+            r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            rstd[s:e] = r
+            torch.mul((xf * r).to(x.dtype), w, out=y[s:e])
         ctx.save_for_backward(x, w, rstd)
-        return (xf * rstd).to(x.dtype) * w
+        return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, g):
         x, w, rstd = ctx.saved_tensors
-        xhat = x.float() * rstd
-        gw = (g.float() * xhat).sum(dim=tuple(range(g.dim() - 1))).to(w.dtype)
-        gx_hat = g.float() * w.float()
-        gx = rstd * (gx_hat - xhat * (gx_hat * xhat).mean(-1, keepdim=True))
-        return gx.to(x.dtype), gw, None
+        x2, g2 = _rows(x), _rows(g)
+        gx = torch.empty_like(x2)
+        gw = torch.zeros(w.shape, device=w.device, dtype=torch.float32)
+        wf = w.float()
+        for s, e in _spans(*x2.shape):
+            r = rstd[s:e]
+            xhat = x2[s:e].float() * r
+            gf = g2[s:e].float()
+            gw += (gf * xhat).sum(0)
+            gxh = gf * wf
+            gx[s:e] = r * (gxh - xhat * (gxh * xhat).mean(-1, keepdim=True))
+        return gx.view(x.shape), gw.to(w.dtype), None
 
 
 class RMSNorm(nn.Module):
@@ -81,7 +110,7 @@ class RMSNorm(nn.Module):
 
 
 class _SwiGLUFn(torch.autograd.Function):
-    """silu(a) · b, saving a and b only."""
+    """silu(a) · b, saving a and b only (silu recomputed in the backward)."""
 
     @staticmethod
     def forward(ctx, a, b):
@@ -91,12 +120,17 @@ class _SwiGLUFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
-        af = a.float()
-        s = torch.sigmoid(af)
-        silu = af * s
-        ga = g.float() * b.float() * (s * (1 + af * (1 - s)))
-        gb = g.float() * silu
-        return ga.to(a.dtype), gb.to(b.dtype)
+        a2, b2, g2 = _rows(a), _rows(b), _rows(g)
+        ga, gb = torch.empty_like(a2), torch.empty_like(b2)
+        for s, e in _spans(*a2.shape):
+            af = a2[s:e].float()
+            sg = torch.sigmoid(af)
+            silu = af * sg
+            gf = g2[s:e].float()
+            gb[s:e] = gf * silu
+            # d silu(a) / da = sigmoid(a) (1 + a (1 - sigmoid(a))) = sg + silu (1 - sg)
+            ga[s:e] = gf * b2[s:e].float() * (sg + silu * (1.0 - sg))
+        return ga.view(a.shape), gb.view(b.shape)
 
 
 def _rotary(hd: int, n: int, device, dtype):
@@ -157,7 +191,7 @@ class Block(nn.Module):
 class Llama(nn.Module):
     """LLaMA-style causal LM; ``forward(ids)`` returns the mean next-token loss."""
 
-    def __init__(self, hidden, layers, heads, inter, vocab, chunk=4096, plain_head=False):
+    def __init__(self, hidden, layers, heads, inter, vocab, chunk=1024, plain_head=False):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, hidden)
         self.layers = nn.ModuleList([Block(hidden, heads, inter) for _ in range(layers)])
@@ -189,48 +223,79 @@ class Llama(nn.Module):
         return total / labels.numel()
 
 
-def measure(name, cfg, args, device, rank=None, generator="torch"):
+def measure(name, cfg, args, device, rank=None, generator="torch", moments=None,
+            batch=None, profile=False):
+    """One configuration from a fresh model: peak memory, throughput, losses."""
+    batch = batch or args.batch
     torch.manual_seed(0)
     model = Llama(**cfg, plain_head=args.plain_head).to(device=device, dtype=args.dtype)
     if rank is None:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+        # torch's fastest AdamW where it exists (one fused kernel on CUDA), state in the
+        # parameters' dtype (bfloat16).
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0,
+                                fused=device.type == "cuda")
     else:
         compact_model(model, rank=rank, scale=0.25, scale_o_proj=0.5, gap=50, seed=0,
                       generator=generator)
-        opt = CompActAdamW(model.parameters(), lr=1e-3)
+        opt = CompActAdamW(model.parameters(), lr=1e-3, moment_dtype=moments)
     gen = torch.Generator(device="cpu").manual_seed(1)
-    batches = [torch.randint(0, cfg["vocab"], (args.batch, args.seq), generator=gen).to(device)
+    batches = [torch.randint(0, cfg["vocab"], (batch, args.seq), generator=gen).to(device)
                for _ in range(2)]
     cuda = device.type == "cuda"
+    alloc = torch.cuda.memory_allocated if cuda else (lambda: 0)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    losses = []
+    losses, mem = [], {}
 
-    def one(i):
+    def one(i, probe=False):
+        before = alloc()
         loss = model(batches[i % 2])
+        if probe:  # what the forward leaves for the backward (saved tensors, the loss)
+            mem["after_forward_gib"] = alloc() / 2**30
+            mem["saved_by_forward_gib"] = (alloc() - before) / 2**30
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
     for i in range(args.warmup):
-        losses.append(one(i).item())
+        losses.append(one(i, probe=i == args.warmup - 1).item())
+    mem["between_steps_gib"] = alloc() / 2**30  # parameters and optimizer state
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     for i in range(args.steps):
         loss = one(i)
+    host = time.perf_counter() - t0  # host time to issue the timed steps
     if cuda:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     losses.append(loss.item())
     peak = torch.cuda.max_memory_allocated() if cuda else float("nan")
+    prof_table = None
+    if profile and cuda:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as tprofile
+        with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            one(0)
+            torch.cuda.synchronize()
+        ka = prof.key_averages()
+        for key in ("self_cuda_time_total", "self_device_time_total"):
+            try:
+                prof_table = ka.table(sort_by=key, row_limit=25, max_name_column_width=60)
+                break
+            except Exception:  # noqa: BLE001 (the key's name differs between versions)
+                continue
     n_params = sum(p.numel() for p in model.parameters())
     out = dict(name=name, rank=rank, generator=generator if rank else None,
+               moments=str(moments) if rank else "bf16 (torch.optim.AdamW)", batch=batch,
                peak_bytes=peak, peak_gib=peak / 2**30, step_s=dt / args.steps,
-               tokens_per_s=args.batch * args.seq * args.steps / dt, params=n_params,
-               losses=losses)
+               host_step_s=host / args.steps,
+               tokens_per_s=batch * args.seq * args.steps / dt, params=n_params,
+               losses=losses, **mem)
+    if prof_table is not None:
+        out["profile"] = prof_table
     model = opt = batches = None  # free before the next configuration
     gc.collect()
     if cuda:
@@ -241,50 +306,79 @@ def measure(name, cfg, args, device, rank=None, generator="torch"):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke test)")
-    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--batch", type=int, nargs="+", default=None,
+                    help="batch sizes; each gets the whole table (default 128)")
     ap.add_argument("--seq", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 8)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--plain-head", action="store_true",
                     help="whole-batch logits and cross-entropy (no chunking)")
     ap.add_argument("--xopt-generator", action="store_true",
                     help="also measure r=n/4 with xopt.random's portable generator")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one more step of AdamW and CompAct r=n/4 (first batch size)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     cfg = CONFIGS["tiny" if args.tiny else "350m"]
-    args.batch = args.batch or (2 if args.tiny else 128)
+    batches = args.batch or [2 if args.tiny else 128]
+    args.batch = batches[0]
     args.seq = args.seq or (16 if args.tiny else 256)
-    args.steps = args.steps or (2 if args.tiny else 5)
+    args.steps = args.steps or (2 if args.tiny else 8)
     args.dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
     head = {"device": dev_name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "torch": torch.__version__, "python": platform.python_version(),
-            "config": cfg, "batch": args.batch, "seq": args.seq, "steps": args.steps,
-            "warmup": args.warmup, "dtype": str(args.dtype), "chunked_head": not args.plain_head}
+            "config": cfg, "batches": batches, "seq": args.seq, "steps": args.steps,
+            "warmup": args.warmup, "dtype": str(args.dtype), "chunked_head": not args.plain_head,
+            "argv": sys.argv[1:] if argv is None else list(argv)}
     print(f"device: {dev_name}; date: {head['date']}; torch {torch.__version__}")
-    print(f"model {cfg}; batch {args.batch} x seq {args.seq}; {args.dtype}")
-    runs = [("adamw", None, "torch"), ("compact r=n/2", 0.5, "torch"),
-            ("compact r=n/4", 0.25, "torch"), ("compact r=n/8", 0.125, "torch")]
+    print(f"model {cfg}; batch {batches} x seq {args.seq}; {args.dtype}")
+    low = args.dtype  # CompAct's moments in the parameters' dtype, as torch.optim.AdamW's
+    runs = [("adamw", None, "torch", None), ("compact r=n/2", 0.5, "torch", low),
+            ("compact r=n/4", 0.25, "torch", low), ("compact r=n/8", 0.125, "torch", low)]
+    if low != torch.float32:
+        runs.append(("compact r=n/4, fp32 moments", 0.25, "torch", None))
     if args.xopt_generator:
-        runs.append(("compact r=n/4 (xopt.random)", 0.25, "xopt"))
+        runs.append(("compact r=n/4 (xopt.random)", 0.25, "xopt", low))
     results = []
-    for name, rank, generator in runs:
-        r = measure(name, cfg, args, device, rank, generator)
-        results.append(r)
-        print(f"{name:30s} peak {r['peak_gib']:8.3f} GiB  {r['tokens_per_s']:10.0f} tok/s  "
-              f"step {r['step_s'] * 1e3:8.1f} ms  loss {r['losses'][0]:.3f}->{r['losses'][-1]:.3f}",
-              flush=True)
-    base = results[0]
-    print()
-    print("| config | peak GiB | vs AdamW | tokens/s | vs AdamW |")
-    print("|---|---|---|---|---|")
-    for r in results:
-        dm = (r["peak_bytes"] / base["peak_bytes"] - 1) * 100 if base["peak_bytes"] else math.nan
-        dt = (r["tokens_per_s"] / base["tokens_per_s"] - 1) * 100
-        r["peak_change_pct"], r["throughput_change_pct"] = dm, dt
-        print(f"| {r['name']} | {r['peak_gib']:.2f} | {dm:+.1f}% | {r['tokens_per_s']:.0f} | "
-              f"{dt:+.1f}% |")
+    for bi, batch in enumerate(batches):
+        rows = []
+        for name, rank, generator, moments in runs:
+            prof = args.profile and bi == 0 and rank in (None, 0.25) and moments == low \
+                and generator == "torch"
+            r = measure(name, cfg, args, device, rank, generator, moments, batch, prof)
+            rows.append(r)
+            print(f"b={batch} {name:30s} peak {r['peak_gib']:8.3f} GiB  "
+                  f"{r['tokens_per_s']:10.0f} tok/s  step {r['step_s'] * 1e3:8.1f} ms "
+                  f"(host {r['host_step_s'] * 1e3:6.1f} ms)  saved "
+                  f"{r.get('saved_by_forward_gib', 0):7.3f} GiB  state "
+                  f"{r['between_steps_gib']:6.3f} GiB  "
+                  f"loss {r['losses'][0]:.3f}->{r['losses'][-1]:.3f}", flush=True)
+        base = rows[0]
+        for r in rows:
+            dm = (r["peak_bytes"] / base["peak_bytes"] - 1) * 100 if base["peak_bytes"] \
+                else math.nan
+            dt = (r["tokens_per_s"] / base["tokens_per_s"] - 1) * 100
+            r["peak_change_pct"], r["throughput_change_pct"] = dm, dt
+        results += rows
+    profiles = [r for r in results if "profile" in r]
+    if profiles:
+        text = "\n".join(f"profile of one step, {r['name']} (batch {r['batch']}):\n"
+                         f"{r['profile']}\n" for r in profiles)
+        if args.out:
+            Path(args.out).with_suffix(".profile.txt").write_text(text)
+        else:
+            print(text)
+    for batch in batches:
+        print(f"\nbatch {batch} x {args.seq} ({args.dtype}, {dev_name}):")
+        print("| config | peak GiB | vs AdamW | tokens/s | vs AdamW | saved by forward GiB |")
+        print("|---|---|---|---|---|---|")
+        for r in results:
+            if r["batch"] == batch:
+                print(f"| {r['name']} | {r['peak_gib']:.2f} | {r['peak_change_pct']:+.1f}% | "
+                      f"{r['tokens_per_s']:.0f} | {r['throughput_change_pct']:+.1f}% | "
+                      f"{r.get('saved_by_forward_gib', math.nan):.2f} |")
     if args.out:
         Path(args.out).write_text(json.dumps({**head, "results": results}, indent=1))
         print(f"wrote {args.out}")

@@ -345,6 +345,80 @@ def test_bfloat16_weights_keep_float32_moments():
     assert layer.weight.dtype == torch.bfloat16 and not torch.equal(layer.weight, before)
 
 
+@needs_torch
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_foreach_step_is_bitwise_the_per_tensor_step(dtype):
+    # The batched update (the default on GPUs) against the per-tensor reference loop: CompAct
+    # layers (projected and identity), plain weights, a bias, weight decay, a refresh.
+    import torch
+
+    from xopt.torch.compact import CompActAdamW, compact_model
+
+    dt = getattr(torch, dtype)
+
+    def make(foreach):
+        torch.manual_seed(0)
+        net = torch.nn.ModuleDict({
+            "q_proj": torch.nn.Linear(12, 10, bias=False), "o_proj": torch.nn.Linear(10, 10),
+            "down_proj": torch.nn.Linear(10, 6, bias=False), "head": torch.nn.Linear(6, 3)})
+        compact_model(net, rank=0.5, scale=0.5, scale_o_proj=0.5, gap=2, seed=5,
+                      layers=("q_proj", "o_proj", "down_proj"), generator="torch")
+        net = net.to(dt)
+        return net, CompActAdamW(net.parameters(), lr=0.01, weight_decay=0.1, foreach=foreach)
+
+    runs = []
+    for foreach in (False, True):
+        net, opt = make(foreach)
+        for i in range(5):
+            x = torch.randn(2, 4, 12, generator=torch.Generator().manual_seed(i)).to(dt)
+            h = net["q_proj"](x).tanh()
+            y = net["head"](net["down_proj"](net["o_proj"](h)).tanh())
+            y.float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((net, opt))
+    (a, oa), (b, ob) = runs
+    for (na, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(pa, pb), na
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(oa.state[pa][k], ob.state[pb][k]), (na, k)
+    assert int(b["q_proj"].proj_step) == 5
+
+
+@needs_torch
+def test_moment_dtype_and_its_state_dict_round_trip():
+    import torch
+
+    from xopt.torch.compact import CompActAdamW, CompActLinear
+
+    def make(**kw):
+        torch.manual_seed(0)
+        layer = CompActLinear(16, 8, rank=0.5, dtype=torch.bfloat16, generator="torch")
+        return layer, CompActAdamW(layer.parameters(), lr=0.1, **kw)
+
+    layer, opt = make(moment_dtype=torch.bfloat16)
+    layer(torch.randn(4, 16, dtype=torch.bfloat16)).float().pow(2).sum().backward()
+    opt.step()
+    assert opt.state[layer.weight]["exp_avg"].dtype == torch.bfloat16
+    assert opt.state[layer.bias]["exp_avg_sq"].dtype == torch.bfloat16
+    with pytest.raises(HyperparameterError, match="moment_dtype"):
+        make(moment_dtype="bf16")
+    # float32 moments of bfloat16 weights survive a state dict (torch.optim would cast them
+    # to the parameter's dtype on load).
+    layer, opt = make()
+    layer(torch.randn(4, 16, dtype=torch.bfloat16)).float().pow(2).sum().backward()
+    opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    layer2, opt2 = make()
+    opt2.load_state_dict(torch.load(buf, weights_only=True))
+    for p, p2 in zip(layer.parameters(), layer2.parameters(), strict=True):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert opt2.state[p2][k].dtype == torch.float32
+            assert torch.equal(opt2.state[p2][k], opt.state[p][k])
+
+
 # -- jax ---------------------------------------------------------------------------------------
 
 

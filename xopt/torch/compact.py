@@ -28,6 +28,7 @@ raise an error naming the layer instead of silently mixing subspaces.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -52,6 +53,25 @@ class LayerError(XoptError, TypeError):
     or a named layer does not exist."""
 
 
+_TORCH_GENERATORS: dict[torch.device, torch.Generator] = {}
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    """One reusable ``torch.Generator`` per device (creating one per draw costs host time
+    on every forward and update; each use reseeds it)."""
+    gen = _TORCH_GENERATORS.get(device)
+    if gen is None:
+        gen = _TORCH_GENERATORS[device] = torch.Generator(device=device)
+    return gen
+
+
+@functools.lru_cache(maxsize=4096)
+def _torch_seed(layer_seed: int, refresh: int) -> int:
+    """torch's generator seed of a refresh (xopt.random's fold_in, in Python: memoized, as
+    every forward and update of a layer asks for the same one until the next refresh)."""
+    return _spec.projection_seed(layer_seed, refresh) & (2**63 - 1)
+
+
 def _draw(proj: _spec.Projection, refresh: int, device: torch.device, dtype: torch.dtype,
           generator: str) -> torch.Tensor | None:
     """P (n × r) of ``proj`` at ``refresh`` on ``device`` in ``dtype``; None for identity."""
@@ -62,9 +82,9 @@ def _draw(proj: _spec.Projection, refresh: int, device: torch.device, dtype: tor
         return p if dtype == torch.float32 else p.to(dtype)
     # "torch": torch's own generator, seeded from the same (seed, refresh): fast on GPUs,
     # not portable (JAX cannot reproduce it).
-    seed = _spec.projection_seed(proj.seed, refresh) & (2**63 - 1)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
+    seed = _torch_seed(proj.seed, refresh)
+    gen = _generator(device)
+    gen.manual_seed(seed)  # resets the whole state: the draw depends on the seed alone
     if proj.kind == "gaussian":
         p = torch.randn(proj.in_features, proj.rank, device=device, dtype=torch.float32,
                         generator=gen)
@@ -104,8 +124,17 @@ class CompActFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor):
         z, weight = ctx.saved_tensors
-        grad_x, g_hat, grad_b = _spec.linear_backward(grad_output, z, weight, ctx.has_bias,
-                                                      xp=torch)
+        if grad_output.ndim > 1 and not ctx.has_bias:
+            # Ĝ as one 2-D product over all leading dimensions, ``gᵀ z`` with the same
+            # operand layout as nn.Linear's weight gradient (torch.einsum routes the 3-D
+            # contraction through a batched product with extra permutes/copies).
+            grad_x = grad_output @ weight
+            g_hat = grad_output.reshape(-1, grad_output.shape[-1]).T @ \
+                z.reshape(-1, z.shape[-1])
+            grad_b = None
+        else:
+            grad_x, g_hat, grad_b = _spec.linear_backward(grad_output, z, weight,
+                                                          ctx.has_bias, xp=torch)
         if not ctx.needs_input_grad[0]:
             grad_x = None
         if ctx.needs_input_grad[1]:
@@ -357,6 +386,15 @@ class CompActAdamW(torch.optim.Optimizer):
       lr, b1, b2, eps, weight_decay, correct_bias: as :class:`xopt.specs.compact.CompAct`
         (``betas=(b1, b2)`` is accepted too, as in torch.optim).
       spec: a :class:`xopt.specs.compact.CompAct` to take these from instead.
+      foreach: update all tensors of a group with ``torch._foreach_*`` kernels (the moments
+        of every parameter at once, one projection back per CompAct layer) instead of one
+        tensor at a time; the arithmetic is the same op for op, so the result is bitwise
+        that of the per-tensor loop (``foreach=False``, the reference). None (default):
+        foreach when the parameters are on a GPU.
+      moment_dtype: dtype of ``exp_avg``/``exp_avg_sq``. None (default): float32 for
+        bfloat16/float16 parameters, else the parameter's dtype. ``torch.bfloat16`` on
+        bfloat16 parameters keeps them as ``torch.optim.AdamW`` does (half the state
+        memory; the update is then computed in that dtype).
 
     State per parameter: ``step`` (int64 tensor), ``exp_avg``, ``exp_avg_sq`` (the names of
     the authors' optimizer) and, for CompAct weights, ``seed`` (Python int): a state dict
@@ -371,7 +409,8 @@ class CompActAdamW(torch.optim.Optimizer):
                  b1: float | None = None, b2: float | None = None,
                  betas: tuple[float, float] | None = None, eps: float | None = None,
                  weight_decay: float | None = None, correct_bias: bool | None = None,
-                 spec: _spec.CompAct | None = None) -> None:
+                 spec: _spec.CompAct | None = None, foreach: bool | None = None,
+                 moment_dtype: torch.dtype | None = None) -> None:
         given = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                      correct_bias=correct_bias)
         if betas is not None:
@@ -387,6 +426,11 @@ class CompActAdamW(torch.optim.Optimizer):
         else:
             hp = _spec.CompAct(**given)
         self.hp = hp
+        if moment_dtype is not None and not (isinstance(moment_dtype, torch.dtype)
+                                             and moment_dtype.is_floating_point):
+            raise HyperparameterError(f"CompActAdamW.moment_dtype = {moment_dtype!r}: must "
+                                      "be a floating torch.dtype or None")
+        self.foreach, self.moment_dtype = foreach, moment_dtype
         defaults = dict(lr=hp.lr, b1=hp.b1, b2=hp.b2, eps=hp.eps,
                         weight_decay=hp.weight_decay, correct_bias=hp.correct_bias)
         super().__init__(params, defaults)
@@ -404,20 +448,101 @@ class CompActAdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             hp = self._group_hp(group)
+            todo = []
             for p in group["params"]:
                 g_hat = getattr(p, "compact_grad", None)
-                if g_hat is None and p.grad is None:
-                    continue
                 if g_hat is not None:
-                    self._step_compact(hp, p, g_hat)
+                    todo.append((p, g_hat, True))
+                elif p.grad is not None:
+                    todo.append((p, p.grad, False))
+            if not todo:
+                continue
+            foreach = self.foreach
+            if foreach is None:
+                foreach = all(p.device.type == "cuda" for p, _, _ in todo)
+            if foreach:
+                self._step_foreach(hp, todo)
+                continue
+            for p, g, compact in todo:
+                if compact:
+                    self._step_compact(hp, p, g)
                 else:
-                    self._step_plain(hp, p, p.grad)
+                    self._step_plain(hp, p, g)
         return loss
+
+    def _step_foreach(self, hp: _spec.CompAct, todo: list[tuple[torch.Tensor, torch.Tensor,
+                                                                  bool]]) -> None:
+        """The per-tensor update of :meth:`_apply`, op for op, on lists of tensors."""
+        items = []  # (p, g, state, layer or None, refresh)
+        for p, g, compact in todo:
+            if compact:
+                layer, refresh, state = self._check_compact(p, g)
+                items.append((p, g, state, layer, refresh))
+            else:
+                if g.is_sparse:
+                    raise HyperparameterError("CompActAdamW does not support sparse gradients")
+                items.append((p, g, self._state(p, tuple(p.shape)), None, 0))
+        by_count: dict[int, list] = {}
+        for it in items:  # the step size depends on the update count
+            by_count.setdefault(int(it[2]["step"]) + 1, []).append(it)
+        for count, its in by_count.items():
+            ms = [st["exp_avg"] for _, _, st, _, _ in its]
+            vs = [st["exp_avg_sq"] for _, _, st, _, _ in its]
+            gs = [g.to(m.dtype) for (_, g, _, _, _), m in zip(its, ms, strict=True)]
+            torch._foreach_mul_(ms, hp.b1)
+            torch._foreach_add_(ms, gs, alpha=1.0 - hp.b1)
+            torch._foreach_mul_(vs, hp.b2)
+            torch._foreach_addcmul_(vs, gs, gs, value=1.0 - hp.b2)
+            del gs
+            denoms = torch._foreach_sqrt(vs)
+            torch._foreach_add_(denoms, hp.eps)
+            ns = torch._foreach_div(ms, denoms)
+            del denoms
+            s = _spec.step_size(hp.lr, hp.b1, hp.b2, count, hp.correct_bias)
+            decay = -hp.lr * hp.weight_decay
+            same_p, same_n, low_p, low_n = [], [], [], []
+            for (p, _, _, layer, refresh), n in zip(its, ns, strict=True):
+                if layer is not None:
+                    # One layer at a time: the full-size update exists for one layer only.
+                    proj = layer.projection(refresh, device=p.device, dtype=n.dtype)
+                    n = _spec.project_back(n, proj, layer.proj.scale)
+                    if p.dtype == n.dtype:
+                        p.add_(n, alpha=-s)
+                        if hp.weight_decay > 0.0:
+                            p.add_(p, alpha=decay)
+                    else:
+                        w = p.float().add_(n, alpha=-s)
+                        if hp.weight_decay > 0.0:
+                            w.add_(w, alpha=decay)
+                        p.copy_(w)
+                elif p.dtype == n.dtype:
+                    same_p.append(p)
+                    same_n.append(n)
+                else:
+                    low_p.append(p)
+                    low_n.append(n)
+            del ns
+            if same_p:
+                torch._foreach_add_(same_p, same_n, alpha=-s)
+                if hp.weight_decay > 0.0:
+                    torch._foreach_add_(same_p, same_p, alpha=decay)
+            if low_p:
+                ws = [p.float() for p in low_p]
+                torch._foreach_add_(ws, low_n, alpha=-s)
+                if hp.weight_decay > 0.0:
+                    torch._foreach_add_(ws, ws, alpha=decay)
+                torch._foreach_copy_(low_p, ws)
+            for _, _, st, layer, _ in its:
+                st["step"] += 1
+                if layer is not None:
+                    layer.set_proj_step(count)
 
     def _state(self, p: torch.Tensor, shape: tuple[int, ...]) -> dict[str, Any]:
         state = self.state[p]
         if "step" not in state:
-            dt = torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
+            dt = self.moment_dtype
+            if dt is None:
+                dt = torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
             state["step"] = torch.zeros((), dtype=torch.int64)
             state["exp_avg"] = torch.zeros(shape, dtype=dt, device=p.device)
             state["exp_avg_sq"] = torch.zeros(shape, dtype=dt, device=p.device)
@@ -455,33 +580,52 @@ class CompActAdamW(torch.optim.Optimizer):
             raise HyperparameterError("CompActAdamW does not support sparse gradients")
         self._apply(hp, p, g, self._state(p, tuple(p.shape)), None, 1.0)
 
-    def _step_compact(self, hp: _spec.CompAct, p: torch.Tensor, g_hat: torch.Tensor) -> None:
+    def _check_compact(self, p: torch.Tensor, g_hat: torch.Tensor
+                       ) -> tuple[CompActLinear, int, dict[str, Any]]:
+        """The layer, the refresh number and the state of a CompAct weight, after checking
+        that the forward projected with the seed and refresh this update uses."""
         ref = getattr(p, "_compact_layer", None)
         layer = ref() if ref is not None else None
         if layer is None:
             raise StateError("CompActAdamW: a parameter has a compact_grad but no CompAct "
                              "layer (was the layer deleted?)")
-        name = _name_of(p)
         key = getattr(p, "compact_key", None)
         state = self._state(p, tuple(g_hat.shape))
         seed = state.setdefault("seed", layer.proj.seed)
         t = int(state["step"])
         if key is None or key[0] != seed:
             raise StateError(
-                f"{name}: the forward projected with seed {None if key is None else key[0]}, "
-                f"but the optimizer's state for this weight holds seed {seed}; P must be drawn "
-                "from the same seed in the forward and the update (a state dict from "
-                "another model, or a changed layer seed?)")
+                f"{_name_of(p)}: the forward projected with seed "
+                f"{None if key is None else key[0]}, but the optimizer's state for this weight "
+                f"holds seed {seed}; P must be drawn from the same seed in the forward and "
+                "the update (a state dict from another model, or a changed layer seed?)")
         expected = layer.proj.refresh(t)
         if key[1] != expected:
             raise StateError(
-                f"{name}: the forward used projection refresh {key[1]}, but this is update "
-                f"{t} of the optimizer, which uses refresh {t} // gap = {expected}; the "
+                f"{_name_of(p)}: the forward used projection refresh {key[1]}, but this is "
+                f"update {t} of the optimizer, which uses refresh {t} // gap = {expected}; the "
                 f"layer's proj_step ({layer._step}) and the optimizer's step ({t}) "
                 "disagree")
-        proj = layer.projection(key[1], device=p.device, dtype=state["exp_avg"].dtype)
+        return layer, key[1], state
+
+    def _step_compact(self, hp: _spec.CompAct, p: torch.Tensor, g_hat: torch.Tensor) -> None:
+        layer, refresh, state = self._check_compact(p, g_hat)
+        proj = layer.projection(refresh, device=p.device, dtype=state["exp_avg"].dtype)
         self._apply(hp, p, g_hat, state, proj, layer.proj.scale)
         layer.set_proj_step(int(state["step"]))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch.optim casts floating-point state to the parameter's dtype on load; the
+        # moments keep the dtype they were saved in (float32 for bfloat16 weights).
+        super().load_state_dict(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params, strict=True):
+            saved = state_dict["state"].get(i, {})
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in saved and p in self.state and \
+                        self.state[p][k].dtype != saved[k].dtype:
+                    self.state[p][k] = saved[k].to(device=p.device, copy=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
