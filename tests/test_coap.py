@@ -360,7 +360,8 @@ def test_backends_agree_without_injection(config):
     # max(m, n)·u·σ₁/gap (u = 2⁻²⁴; gap: the smallest spacing of the top r + 1 singular
     # values; _svd_subspace_bound): 3.6e-6 to 1.1e-4 on these gradients, measured
     # 8.2e-7 here and 2.96e-6 for jax on an H100 (cuSOLVER); all 13 updates (events 1,
-    # 2, 3 for every matrix) within the closed-loop bound 1e-4 (measured ≤ 6.8e-5, AdamW with restore_state).
+    # 2, 3 for every matrix) within the closed-loop bound 1e-4 (measured ≤ 6.8e-5, AdamW
+    # with restore_state).
     # The gradient scale varies 10× between updates here. With 1000× variations AdamW's
     # restored second moment ((√V P_old) P_newᵀ)² has entries near zero after cancellation,
     # and N = m/(√v + ε) amplifies their float32 rounding to ~1e-3 in the parameters: a
