@@ -176,6 +176,65 @@ def profile(dev, dtype, tokens) -> dict:
     return out
 
 
+def _cuda_ms(fn, iters=50, warmup=5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / iters
+
+
+def micro(dev, dtype, tokens) -> dict:
+    """The pieces: permutation kernels (each MODE, a copy as the floor), the CNP
+    backends (forward+backward), and the whole fast layer under each combination."""
+    from xopt.kernels import poet_cayley as K
+    from xopt.kernels import poet_perm as PP
+
+    out = {}
+    for d in (4096, 14336):
+        x = torch.randn(tokens, d, device=dev, dtype=dtype)
+        p = torch.randperm(d, device=dev).to(torch.int32)
+        out[f"copy_{d}_us"] = 1e3 * _cuda_ms(lambda x=x: x.clone())
+        for mode in ("torch", "tiled", "rowloop"):
+            PP.MODE = mode
+            try:
+                out[f"gather_{mode}_{d}_us"] = 1e3 * _cuda_ms(lambda x=x, p=p: PP.gather(x, p))
+            except Exception as e:
+                out[f"gather_{mode}_{d}_us"] = repr(e)[:200]
+            print(f"micro gather_{mode}_{d}_us: {out[f'gather_{mode}_{d}_us']}", flush=True)
+        PP.MODE = "auto"
+    for b, n in ((256, 32), (512, 16), (256, 72)):
+        x = ((0.3 / b**0.5) * torch.randn(n, b * (b - 1) // 2, device=dev)).requires_grad_()
+        gr = torch.randn(n, b, b, device=dev)
+        for backend in ("triton", "bmm"):
+            def step(backend=backend, x=x, gr=gr, b=b):
+                x.grad = None
+                K.cayley_neumann(x, b, tf32=True, backend=backend).backward(gr)
+            out[f"cnp_{backend}_n{n}_b{b}_fwdbwd_us"] = 1e3 * _cuda_ms(step, 20)
+            print(f"micro cnp_{backend}_n{n}_b{b}_fwdbwd_us: "
+                  f"{out[f'cnp_{backend}_n{n}_b{b}_fwdbwd_us']}", flush=True)
+    x = torch.randn(tokens, 4096, device=dev, dtype=dtype, requires_grad=True)
+    g = torch.randn(tokens, 4096, device=dev, dtype=dtype)
+    for backend in ("bmm", "triton"):
+        for mode in ("auto",):
+            K.BACKEND, PP.MODE = backend, mode
+            for var in ("fast", "mem"):
+                layer = POETLinear(4096, 4096, 256, variant=var, impl="triton", device=dev,
+                                   dtype=dtype)
+                out[f"layer_{var}_{backend}_{mode}_ms"] = measure(layer, x, g, 20, 5)[0]
+                print(f"micro layer_{var}_{backend}_{mode}_ms: "
+                      f"{out[f'layer_{var}_{backend}_{mode}_ms']}", flush=True)
+    K.BACKEND, PP.MODE = "bmm", "auto"
+    out["perm_modes_chosen"] = {str(k): v for k, v in PP._chosen.items()}
+    print("micro perm modes chosen by auto:", out["perm_modes_chosen"], flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="write results as JSON here")
@@ -188,6 +247,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="print torch.profiler's per-kernel CUDA times of xopt fast and mem "
                          "(triton, 4096x4096, b=256)")
+    ap.add_argument("--micro", action="store_true",
+                    help="time the pieces (permutation modes, CNP backends) first")
     args = ap.parse_args(argv)
 
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -213,6 +274,8 @@ def main(argv=None) -> int:
             result["check"] = {"error": repr(e)}
         print(json.dumps({k: v for k, v in result["check"].items()
                           if not k.startswith("parity_triton_cuda")}, indent=1))
+    if args.micro and dev.type == "cuda":
+        result["micro"] = micro(dev, dtype, args.tokens)
     if args.profile and dev.type == "cuda":
         result["profile"] = profile(dev, dtype, args.tokens)
     if args.tiny:

@@ -360,42 +360,57 @@ def test_cayley_kernels_match_their_references(b):
     dq = torch.randn(3, b, b, device=DEV)
     assert torch.equal(K.triu_grad(dq, b), K.triu_grad_reference(dq, b))
     for formula in ("product", "taylor"):
-        y, q2 = K.cnp_forward(q, formula)
-        ref = K.cayley_neumann_reference(q.double(), formula)
-        assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
-        g = torch.randn(3, b, b, device=DEV)
-        qq = q.double().requires_grad_()
-        K.cayley_neumann_reference(qq, formula).backward(g.double())
-        got = K.cnp_backward(q, q2, g, formula).double()
-        assert (got - qq.grad).abs().max() <= 1e-6 * qq.grad.abs().max()
-    # the autograd Function end to end, upper triangles in and out
-    xx = x.clone().requires_grad_()
-    K.cayley_neumann(xx, b).backward(g)
-    xr = x.double().requires_grad_()
-    K.cayley_neumann_reference(K.skew_reference(xr, b)).backward(g.double())
-    assert (xx.grad.double() - xr.grad).abs().max() <= 1e-6 * xr.grad.abs().max()
+        for fwd, bwd in ((K.cnp_forward, K.cnp_backward),
+                         (K.cnp_forward_bmm, K.cnp_backward_bmm)):
+            y, q2 = fwd(q, formula)
+            ref = K.cayley_neumann_reference(q.double(), formula)
+            assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+            assert torch.allclose(q2.double(), q.double() @ q.double(), atol=1e-6)
+            g = torch.randn(3, b, b, device=DEV)
+            qq = q.double().requires_grad_()
+            K.cayley_neumann_reference(qq, formula).backward(g.double())
+            got = bwd(q, q2, g, formula).double()
+            assert (got - qq.grad).abs().max() <= 1e-6 * qq.grad.abs().max()
+    # the autograd Function end to end, upper triangles in and out, both backends
+    for backend in ("triton", "bmm"):
+        xx = x.clone().requires_grad_()
+        K.cayley_neumann(xx, b, backend=backend).backward(g)
+        xr = x.double().requires_grad_()
+        K.cayley_neumann_reference(K.skew_reference(xr, b)).backward(g.double())
+        assert (xx.grad.double() - xr.grad).abs().max() <= 1e-6 * xr.grad.abs().max()
 
 
 @needs_triton
-def test_permutation_kernels_match_their_references():
+@pytest.mark.parametrize("mode", ["auto", "rowloop", "tiled", "torch"])
+@pytest.mark.parametrize("width", [48, 40, 256])
+def test_permutation_kernels_match_their_references(mode, width, monkeypatch):
     from xopt.kernels import poet_perm as PP
 
-    x = torch.randn(3, 37, 48, device=DEV)
-    p = torch.randperm(48, device=DEV).to(torch.int32)
-    assert torch.equal(PP.gather(x, p), PP.gather_reference(x, p))
-    assert torch.equal(PP.scatter(x, p), PP.scatter_reference(x, p))
-    assert torch.equal(PP.scatter(PP.gather(x, p), p), x)
-    xx = x.clone().requires_grad_()
-    g = torch.randn_like(x)
-    PP.permute(xx, p).backward(g)
-    assert torch.equal(xx.grad, PP.scatter_reference(g, p))
+    monkeypatch.setattr(PP, "MODE", mode)
+    dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if DEV == "cuda" else [])
+    for dtype in dtypes:
+        x = torch.randn(3, 37, width, device=DEV).to(dtype)
+        for p in (torch.randperm(width, device=DEV).to(torch.int32),
+                  torch.arange(width, device=DEV).flip(0)):  # int64 too
+            assert torch.equal(PP.gather(x, p), PP.gather_reference(x, p))
+            assert torch.equal(PP.scatter(x, p), PP.scatter_reference(x, p))
+            assert torch.equal(PP.scatter(PP.gather(x, p), p), x)
+            # a strided (row-sliced) input
+            assert torch.equal(PP.gather(x[:, ::2], p), PP.gather_reference(x[:, ::2], p))
+            xx = x.clone().requires_grad_()
+            g = torch.randn_like(x)
+            PP.permute(xx, p).backward(g)
+            assert torch.equal(xx.grad, PP.scatter_reference(g, p))
 
 
 @needs_triton
+@pytest.mark.parametrize("backend", ["bmm", "triton"])
 @pytest.mark.parametrize("variant", ["fast", "mem"])
-def test_triton_layer_matches_plain_layer(variant):
+def test_triton_layer_matches_plain_layer(variant, backend, monkeypatch):
+    from xopt.kernels import poet_cayley as K
     from xopt.torch.poet import POETLinear
 
+    monkeypatch.setattr(K, "BACKEND", backend)
     torch.manual_seed(0)
     a = POETLinear(32, 48, 16, variant=variant, impl="plain").to(DEV)
     with torch.no_grad():
@@ -411,3 +426,33 @@ def test_triton_layer_matches_plain_layer(variant):
         out.append((y, xx.grad, layer.oft_R.grad))
     for u, v in zip(*out, strict=True):
         assert (u - v).abs().max() <= 1e-6 * v.abs().max()
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["fast", "mem"])
+def test_triton_layer_bias_3d_and_low_precision(variant):
+    """Bias, a 3-d input, and (on the GPU) bfloat16: the triton chain against the plain
+    reference (bf16: TF32 rotations and bf16 activations, so a bf16-sized tolerance)."""
+    from xopt.torch.poet import POETLinear
+
+    dtypes = [(torch.float32, 1e-6)] + ([(torch.bfloat16, 3e-2)] if DEV == "cuda" else [])
+    for dtype, tol in dtypes:
+        torch.manual_seed(3)
+        a = POETLinear(64, 32, 16, bias=True, bias_requires_grad=True, variant=variant,
+                       impl="plain").to(DEV)
+        with torch.no_grad():
+            a.oft_R.normal_(0, 0.05)
+            a.bias.normal_()
+        b = POETLinear(64, 32, 16, bias=True, bias_requires_grad=True, variant=variant,
+                       impl="triton").to(DEV)
+        b.load_state_dict(a.state_dict())
+        a, b = a.to(dtype), b.to(dtype)
+        x = torch.randn(2, 5, 64, device=DEV).to(dtype)
+        gy = torch.randn(2, 5, 32, device=DEV).to(dtype)
+        out = []
+        for layer in (a, b):
+            xx = x.clone().requires_grad_()
+            layer(xx).backward(gy)
+            out.append((layer(xx), xx.grad, layer.oft_R.grad, layer.bias.grad))
+        for u, v in zip(*out, strict=True):
+            assert (u.float() - v.float()).abs().max() <= tol * v.float().abs().max()

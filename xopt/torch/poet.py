@@ -3,13 +3,15 @@
 The layer computes :mod:`xopt.specs.poet`'s forward input-centrically (two gathers, two
 batched block products and one matmul with the fixed ``W0``; ``W_eff`` is never formed).
 
-* ``variant="fast"``: keeps the input ``x`` and the pre-rotation activation ``y1`` for
-  the backward (the plain path lets autograd keep what it keeps: it is the reference);
+* ``variant="fast"``: keeps the gathered input ``x1 = x[π_in⁻¹]`` and the pre-rotation
+  activation ``y1`` for the backward (what autograd would keep; no re-gather in the
+  backward); the plain path lets autograd keep what it keeps: it is the reference;
 * ``variant="mem"``: keeps only ``x`` and recomputes ``y1 = (x R_in) W0ᵀ`` in the
   backward (one more large matmul, ``N × d_out`` less activation memory).
 
 ``impl="plain"`` is PyTorch ops only (CPU and the parity reference); ``impl="triton"``
-uses the fused Cayley–Neumann kernels and the gather/scatter kernels of
+uses the Cayley–Neumann kernels (or their batched-matmul backend) and the permutation
+kernels of
 :mod:`xopt.kernels.poet_cayley` and :mod:`xopt.kernels.poet_perm`, with the block products
 as strided batched matmuls that read and write the ``(N, width)`` activations in place
 (no transposed copies); ``"auto"`` (default) picks triton on CUDA when it is importable.
@@ -80,61 +82,78 @@ def _rotate(x2d: Tensor, r: Tensor, transpose: bool = False) -> Tensor:
     return out
 
 
-def _outer(a2d: Tensor, g2d: Tensor, nb: int) -> Tensor:
-    """``Σ_n a[n, block j]ᵀ g[n, block j]`` per block: ``(nb, b, b)``."""
+def _outer(a2d: Tensor, g2d: Tensor, nb: int, out: Tensor | None = None) -> Tensor:
+    """``Σ_n a[n, block j]ᵀ g[n, block j]`` per block: ``(nb, b, b)`` (into ``out``)."""
     n, width = a2d.shape
     b = width // nb
-    return torch.bmm(a2d.view(n, nb, b).permute(1, 2, 0), g2d.view(n, nb, b).transpose(0, 1))
+    av, gv = a2d.view(n, nb, b).permute(1, 2, 0), g2d.view(n, nb, b).transpose(0, 1)
+    if out is None:
+        return torch.bmm(av, gv)
+    return torch.bmm(av, gv, out=out)
 
 
 class _Chain(torch.autograd.Function):
     """``y = (blockrot(x[π_in⁻¹], R_in) W0ᵀ + bias → blockrot(·, R_out))[π_out]`` with an
-    explicit backward; ``keep_y1`` selects fast (keep ``y1``) or mem (recompute it)."""
+    explicit backward; ``keep_y1`` selects fast (keep the gathered input ``x1`` and ``y1``)
+    or mem (keep ``x``; re-gather ``x1`` and recompute ``y1``). ``r`` is the stack of the
+    ``n_out`` output blocks and then the input blocks (one tensor: one cast, one gradient)."""
 
     @staticmethod
-    def forward(ctx, x, r_out, r_in, weight, bias, perm_in, perm_in_inv, perm_out,
+    def forward(ctx, x, r, n_out: int, weight, bias, perm_in, perm_in_inv, perm_out,
                 perm_out_inv, keep_y1: bool, triton_path: bool):
         shape = x.shape
         x2d = x.reshape(-1, shape[-1])
-        x2 = _rotate(_gather(x2d, perm_in_inv, triton_path), r_in)
+        r_out, r_in = r[:n_out], r[n_out:]
+        x1 = _gather(x2d, perm_in_inv, triton_path)
+        x2 = _rotate(x1, r_in)
         y1 = torch.matmul(x2, weight.t())
         del x2
         if bias is not None:
             y1 += bias
         y = _gather(_rotate(y1, r_out), perm_out, triton_path)
-        ctx.save_for_backward(x2d, r_out, r_in, weight, bias, perm_in, perm_in_inv, perm_out_inv,
-                              y1 if keep_y1 else None)
-        ctx.flags = (keep_y1, triton_path, shape)
+        if keep_y1:  # fast: the backward needs x1 and y1, keep them (no re-gather)
+            ctx.save_for_backward(x1, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, y1)
+        else:
+            del x1
+            ctx.save_for_backward(x2d, r, weight, bias, perm_in, perm_in_inv, perm_out_inv,
+                                  None)
+        ctx.flags = (keep_y1, triton_path, shape, n_out)
         return y.reshape(*shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, g):
-        x2d, r_out, r_in, weight, bias, perm_in, perm_in_inv, perm_out_inv, y1 = ctx.saved_tensors
-        keep_y1, triton_path, shape = ctx.flags
+        xs, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, y1 = ctx.saved_tensors
+        keep_y1, triton_path, shape, n_out = ctx.flags
+        r_out, r_in = r[:n_out], r[n_out:]
         g2d = g.reshape(-1, g.shape[-1])
-        x1 = _gather(x2d, perm_in_inv, triton_path)
-        if y1 is None:  # mem: recompute y1, holding at most two activations at once
+        if keep_y1:
+            x1 = xs
+        else:  # mem: re-gather x1, recompute y1, holding at most two activations at once
+            x1 = _gather(xs, perm_in_inv, triton_path)
             x2 = _rotate(x1, r_in)
             y1 = torch.matmul(x2, weight.t())
             del x2
             if bias is not None:
                 y1 += bias
         g2 = _gather(g2d, perm_out_inv, triton_path)
-        grad_r_out = _outer(y1, g2, r_out.shape[0])
+        grad_r = torch.empty_like(r) if ctx.needs_input_grad[1] else None
+        if grad_r is not None:
+            _outer(y1, g2, n_out, out=grad_r[:n_out])
         del y1
         gy1 = _rotate(g2, r_out, transpose=True)
         del g2
         grad_bias = gy1.sum(0) if bias is not None and ctx.needs_input_grad[4] else None
         gx2 = torch.matmul(gy1, weight)
         del gy1
-        grad_r_in = _outer(x1, gx2, r_in.shape[0])
+        if grad_r is not None:
+            _outer(x1, gx2, r.shape[0] - n_out, out=grad_r[n_out:])
         del x1
         gx = None
         if ctx.needs_input_grad[0]:
             gx1 = _rotate(gx2, r_in, transpose=True)
             del gx2
             gx = _gather(gx1, perm_in, triton_path).reshape(shape)
-        return (gx, grad_r_out, grad_r_in, None, grad_bias, None, None, None, None, None, None)
+        return (gx, grad_r, None, None, grad_bias, None, None, None, None, None, None)
 
 
 # -- the layer -------------------------------------------------------------------------------
@@ -275,20 +294,28 @@ class POETLinear(nn.Module):
             raise ValueError(f"POETLinear: input has {x.shape[-1]} features, expected "
                              f"{self.in_features}")
         triton_path = self._use_triton(x.device)
-        r_out, r_in = self.rotations(triton_path, tf32=x.dtype in (torch.bfloat16, torch.float16))
-        r_out, r_in = r_out.to(x.dtype), r_in.to(x.dtype)
+        tf32 = x.dtype in (torch.bfloat16, torch.float16)
         w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
         bias = self.bias
+        if triton_path:
+            from xopt.kernels import poet_cayley
+
+            # all blocks in one CNP call, one cast, one gradient (the CNP runs once per
+            # forward; the backward reuses its saved Q and Q²)
+            r = poet_cayley.cayley_neumann(self.oft_R, self.block_size,
+                                           self.hp.cayley_formula, tf32).to(x.dtype)
+            return _Chain.apply(x, r, self.num_out_blocks, w, bias, self.perm_in,
+                                self.perm_in_inv, self.perm_out, self.perm_out_inv,
+                                self.variant == "fast", True)
+        r_out, r_in = self.rotations(False)
+        r_out, r_in = r_out.to(x.dtype), r_in.to(x.dtype)
         pin, pin_inv = self.perm_in.long(), self.perm_in_inv.long()
         pout, pout_inv = self.perm_out.long(), self.perm_out_inv.long()
-        if triton_path:
-            pin, pin_inv, pout, pout_inv = (self.perm_in, self.perm_in_inv, self.perm_out,
-                                            self.perm_out_inv)
-        if self.variant == "fast" and not triton_path:
+        if self.variant == "fast":
             y, _ = _spec_module.layer_forward(x, r_out, r_in, w, bias, pin_inv, pout, xp=torch)
             return y
-        return _Chain.apply(x, r_out, r_in, w, bias, pin, pin_inv, pout, pout_inv,
-                            self.variant == "fast", triton_path)
+        return _Chain.apply(x, torch.cat((r_out, r_in)), self.num_out_blocks, w, bias, pin,
+                            pin_inv, pout, pout_inv, False, False)
 
     # -- merging ----------------------------------------------------------------------------
     @torch.no_grad()
