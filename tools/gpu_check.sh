@@ -24,3 +24,8 @@ for m in small_fc_lopt velo; do
     --json "$OUT/parity_${m}_triton.json" 2>&1 | tee "$OUT/parity_${m}_triton.txt" | tail -8
 done
 python3 bench/lopt_step.py --out "$OUT/lopt_step.json" 2>&1 | tee "$OUT/lopt_step.log" | tail -40
+# the low-rank methods, CompAct and POET-X on CUDA (torch on the GPU, jax on the GPU)
+for m in galore flora coap compact poet; do
+  python3 -m xopt parity $m --device cuda --quiet \
+    --json "$OUT/parity_${m}_cuda.json" 2>&1 | tee "$OUT/parity_${m}_cuda.txt" | tail -4
+done
