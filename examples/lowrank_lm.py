@@ -212,7 +212,10 @@ def train_jax(method: str, w0: dict[str, np.ndarray], train: list[np.ndarray],
                gelu=lambda a: jax.nn.gelu(a, approximate=False))
 
     def loss_fn(p: Any, tok: Any) -> Any:
-        return forward_loss(jnp, p, tok, **fns)
+        # full float32 matmuls, as torch computes them (XLA would use TF32 on a GPU), so
+        # that the two backends' curves compare optimizers, not matmul precisions
+        with jax.default_matmul_precision("highest"):
+            return forward_loss(jnp, p, tok, **fns)
 
     @jax.jit
     def step(p: Any, s: Any, tok: Any) -> Any:

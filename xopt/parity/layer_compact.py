@@ -607,6 +607,7 @@ def _runner(which: str, case: _Case, device: str) -> Any:
     return _OracleRunner(case)
 
 
+@float32_matmuls
 def _drive(runner: Any, case: _Case, mode: str, steps: int, inject: bool
            ) -> list[dict[str, np.ndarray]]:
     out = []
