@@ -61,6 +61,7 @@ def test_divergence_exits_1(tmp_path):
     (("parity", "adamw", "--backends", "torch,tensorflow"), "choose from torch, jax"),
     (("parity", "adamw", "--mode", "open"), "choose from teacher, closed"),
     (("parity", "adamw", "--impl", "triton"), "adamw has no 'triton' implementation"),
+    (("parity", "plumage"), "plumage has no original implementation and so no golden traces"),
 ])
 def test_bad_input_exits_2_with_the_reason(args, pattern):
     out = xopt(*args)

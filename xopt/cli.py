@@ -78,7 +78,11 @@ def _parity(args: argparse.Namespace) -> int:
     from xopt.parity.harness import MODES, run_parity
     from xopt.parity.report import table, write_json, write_plot
 
-    specs.get(args.method)  # unknown method: exit 2 before anything else
+    spec = specs.get(args.method)  # unknown method: exit 2 before anything else
+    if not spec.originals and spec.layer_parity is None and not args.trace:
+        raise XoptError(f"{args.method} has no original implementation and so no golden "
+                        f"traces to replay; its tests check the paper's equations "
+                        f"(tests/test_{args.method}.py, parity_tests/test_{args.method}.py)")
     traces = args.trace or [str(p) for p in bundled_traces(args.method)]
     if not traces:
         raise XoptError(f"no bundled traces for {args.method!r}; pass --trace FILE")
