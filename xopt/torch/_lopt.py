@@ -83,6 +83,7 @@ from torch import Tensor
 from xopt.errors import HyperparameterError, MetaParamsError, NonFiniteError, StateError
 from xopt.specs._lopt import LOptOptions
 from xopt.specs._method import MetaParams
+from xopt.torch._state_dict import saved_param_map
 
 __all__ = ["Entry", "LearnedOptimizer"]
 
@@ -539,16 +540,7 @@ class LearnedOptimizer(torch.optim.Optimizer):
         :class:`StateError` naming it; the optimizer is then left unchanged)."""
         name = type(self).__name__
         saved_state = state_dict.get("state", {})
-        saved_groups = state_dict.get("param_groups", [])
-        if len(saved_groups) != len(self.param_groups):
-            raise StateError(f"{name}.load_state_dict: {len(saved_groups)} param groups saved, "
-                             f"{len(self.param_groups)} in this optimizer")
-        id_map: dict[Any, Tensor] = {}
-        for sg, g in zip(saved_groups, self.param_groups, strict=True):
-            if len(sg["params"]) != len(g["params"]):
-                raise StateError(f"{name}.load_state_dict: a param group holds "
-                                 f"{len(sg['params'])} parameters saved, {len(g['params'])} here")
-            id_map.update(zip(sg["params"], g["params"], strict=True))
+        id_map = saved_param_map(self, state_dict)
         glob = saved_state.get("global")
         if not isinstance(glob, Mapping):
             raise StateError(f"{name}.load_state_dict: missing state['global'] (the global "

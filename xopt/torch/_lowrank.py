@@ -41,6 +41,7 @@ from torch import Tensor
 from xopt.errors import DecompositionError, HyperparameterError, NonFiniteError, StateError
 from xopt.specs import _lowrank
 from xopt.specs._hyperparams import Hyperparams
+from xopt.torch._state_dict import saved_param_map
 
 _FLOATING = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -199,16 +200,7 @@ class LowRankOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch's, but the saved dtypes are kept and every saved id is checked first."""
         name = type(self).__name__
-        saved_groups = state_dict.get("param_groups", [])
-        if len(saved_groups) != len(self.param_groups):
-            raise StateError(f"{name}.load_state_dict: {len(saved_groups)} param groups saved, "
-                             f"{len(self.param_groups)} in this optimizer")
-        id_map: dict[Any, Tensor] = {}
-        for sg, g in zip(saved_groups, self.param_groups, strict=True):
-            if len(sg["params"]) != len(g["params"]):
-                raise StateError(f"{name}.load_state_dict: a param group holds "
-                                 f"{len(sg['params'])} parameters saved, {len(g['params'])} here")
-            id_map.update(zip(sg["params"], g["params"], strict=True))
+        id_map = saved_param_map(self, state_dict)
         saved_state = state_dict.get("state", {})
         for k, v in saved_state.items():
             if k not in id_map:
@@ -218,7 +210,7 @@ class LowRankOptimizer(torch.optim.Optimizer):
                     raise StateError(f"{name}.load_state_dict: state {kk!r} of parameter {k} "
                                      f"is a {type(vv).__name__}")
         fields = self.hyperparams_cls.field_names()
-        for sg in saved_groups:
+        for sg in state_dict.get("param_groups", []):
             if all(f in sg for f in fields):
                 self.group_hp(sg)  # a saved group with invalid values names the field
         super().load_state_dict(state_dict)

@@ -39,6 +39,7 @@ from torch import nn
 
 from xopt.errors import HyperparameterError, StateError, XoptError
 from xopt.specs import compact as _spec
+from xopt.torch._state_dict import saved_param_map
 
 __all__ = ["CompActAdamW", "CompActFunction", "CompActLinear", "LayerError", "compact_model",
            "LLAMA_LAYERS"]
@@ -618,9 +619,7 @@ class CompActAdamW(torch.optim.Optimizer):
         # torch.optim casts floating-point state to the parameter's dtype on load; the
         # moments keep the dtype they were saved in (float32 for bfloat16 weights).
         super().load_state_dict(state_dict)
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for i, p in zip(ids, params, strict=True):
+        for i, p in saved_param_map(self, state_dict).items():
             saved = state_dict["state"].get(i, {})
             for k in ("exp_avg", "exp_avg_sq"):
                 if k in saved and p in self.state and \
