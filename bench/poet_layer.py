@@ -68,6 +68,15 @@ def measure(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int, warm
             t0 = time.perf_counter()
             once()
             times.append((time.perf_counter() - t0) * 1e3)
+    pipelined = None
+    if dev.type == "cuda":  # back to back, one sync: the host may run ahead of the GPU
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            once()
+        b.record()
+        torch.cuda.synchronize()
+        pipelined = a.elapsed_time(b) / iters
     peak = None
     if dev.type == "cuda":
         x.grad = None
@@ -80,7 +89,50 @@ def measure(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int, warm
         once()
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return statistics.median(times), peak
+    graph = graph_ms(layer, x, g, iters) if dev.type == "cuda" else None
+    return statistics.median(times), peak, pipelined, graph
+
+
+def graph_ms(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int):
+    """GPU time of one forward+backward with the host out of the way: the call is captured
+    once in a CUDA graph (after warm-up on a side stream) and the graph replayed back to
+    back. ``None`` (and a note) if the layer cannot be captured."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def reset():
+        x.grad = None
+        for p in params:
+            p.grad = None
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                reset()
+                layer(x).backward(g)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        reset()
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            layer(x).backward(g)
+        cg.replay()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            cg.replay()
+        b.record()
+        torch.cuda.synchronize()
+        ms = a.elapsed_time(b) / iters
+        del cg
+    except Exception as e:  # report, keep the eager numbers
+        print(f"note: CUDA-graph capture of {type(layer).__name__} failed: {e!r}"[:300])
+        ms = None
+    reset()
+    torch.cuda.synchronize()
+    return ms
 
 
 def authors_layer(n_in, n_out, b, mem, dtype, dev):
@@ -155,24 +207,110 @@ def check(dev) -> dict:
 
 
 def profile(dev, dtype, tokens) -> dict:
+    """Per-kernel CUDA times (torch.profiler, 5 fwd+bwd) of nn.Linear, xopt fast and mem
+    (triton) and the authors' layers when importable, at 4096×4096, b = 256; with each
+    layer's kernel count per fwd+bwd and its host time per fwd+bwd (launch-only: the
+    calls return before the GPU finishes; measured without the profiler)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
     out = {}
-    x = torch.randn(tokens, 4096, device=dev, dtype=dtype, requires_grad=True)
-    g = torch.randn(tokens, 4096, device=dev, dtype=dtype)
+    x = torch.randn(1, tokens, 4096, device=dev, dtype=dtype, requires_grad=True)
+    g = torch.randn(1, tokens, 4096, device=dev, dtype=dtype)
+    layers = {"nn.Linear": lambda: nn.Linear(4096, 4096, bias=False, device=dev, dtype=dtype)}
     for var in ("fast", "mem"):
-        layer = POETLinear(4096, 4096, 256, variant=var, impl="triton", device=dev, dtype=dtype)
+        layers[f"xopt {var}"] = lambda var=var: POETLinear(4096, 4096, 256, variant=var,
+                                                           impl="triton", device=dev,
+                                                           dtype=dtype)
+    if importlib.util.find_spec("poet_torch") is not None:
+        for mem in (False, True):
+            layers[f"authors {'mem' if mem else 'fast'}"] = \
+                lambda mem=mem: authors_layer(4096, 4096, 256, mem, dtype, dev)
+    for label, make in layers.items():
+        layer = make()
         measure(layer, x, g, 3, 3)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            layer(x).backward(g)
+        host_ms = (time.perf_counter() - t0) * 1e3 / 5
+        torch.cuda.synchronize()
         with prof(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as p:
             for _ in range(5):
                 layer(x).backward(g)
             torch.cuda.synchronize()
-        table = p.key_averages().table(sort_by="cuda_time_total", row_limit=22,
-                                       max_name_column_width=60)
-        print(f"--- profile: xopt {var} (triton), 4096x4096, b=256, 5 fwd+bwd ---")
-        print(table)
-        out[var] = table
+        kernels = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        gpu_us = sum(e.device_time for e in kernels) / 5
+        table = p.key_averages().table(sort_by="cuda_time_total", row_limit=25,
+                                       max_name_column_width=70)
+        print(f"--- profile: {label}, 4096x4096, b=256, 5 fwd+bwd: {len(kernels) / 5:.0f} "
+              f"GPU ops per fwd+bwd, their sum {gpu_us:.0f} us, host {host_ms:.3f} ms ---")
+        print(table, flush=True)
+        out[label] = {"gpu_ops": len(kernels) / 5, "gpu_us": gpu_us, "host_ms": host_ms,
+                      "table": table}
+        del layer
+    return out
+
+
+def host(dev, dtype) -> dict:
+    """Where the host time of a forward+backward goes: per-call host time of a few single
+    operations (launch only, small tensors, no sync), the host time of a whole fwd+bwd of
+    each layer at a small token count (so the GPU waits on the host), and a cProfile of
+    xopt fast's fwd+bwd, top functions by own time."""
+    import cProfile
+    import pstats
+
+    from xopt.kernels import poet_cayley as K
+    from xopt.kernels import poet_perm as PP
+
+    out = {}
+
+    def per_call_us(fn, n=200):
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+        return t
+
+    xs = torch.randn(64, 4096, device=dev, dtype=dtype)
+    p = torch.randperm(4096, device=dev).to(torch.int32)
+    p64 = p.long()
+    a3 = torch.randn(16, 64, 64, device=dev, dtype=dtype)
+    tri = torch.randn(16, 64 * 63 // 2, device=dev, dtype=dtype)
+    ops = {"empty": lambda: torch.empty_like(xs), "add": lambda: xs + xs,
+           "index_select": lambda: xs.index_select(-1, p64),
+           "rowloop gather (triton)": lambda: PP.gather(xs, p),
+           "bmm": lambda: torch.bmm(a3, a3), "skew (triton)": lambda: K.skew(tri, 64)}
+    for name, fn in ops.items():
+        out[f"op_{name}_us"] = per_call_us(fn)
+        print(f"host per call: {name:26s} {out[f'op_{name}_us']:8.1f} us", flush=True)
+    x = torch.randn(1, 256, 4096, device=dev, dtype=dtype, requires_grad=True)
+    g = torch.randn(1, 256, 4096, device=dev, dtype=dtype)
+    layers = {"nn.Linear": nn.Linear(4096, 4096, bias=False, device=dev, dtype=dtype)}
+    for var in ("fast", "mem"):
+        layers[f"xopt {var}"] = POETLinear(4096, 4096, 256, variant=var, impl="triton",
+                                           device=dev, dtype=dtype)
+    if importlib.util.find_spec("poet_torch") is not None:
+        layers["authors fast"] = authors_layer(4096, 4096, 256, False, dtype, dev)
+    for name, layer in layers.items():
+        def call(layer=layer):
+            layer(x).backward(g)
+        out[f"layer_{name}_host_us"] = per_call_us(call, 50)
+        print(f"host per fwd+bwd (256 tokens): {name:14s} {out[f'layer_{name}_host_us']:8.1f} us",
+              flush=True)
+    layer = layers["xopt fast"]
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        layer(x).backward(g)
+    prof.disable()
+    torch.cuda.synchronize()
+    print("--- cProfile: xopt fast, 50 fwd+bwd (256 tokens), by own time ---")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(28)
     return out
 
 
@@ -181,6 +319,21 @@ def _cuda_ms(fn, iters=50, warmup=5) -> float:
         fn()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / iters
+
+
+def _gpu_ms(fn, iters=20) -> float:
+    """GPU time per call: the calls are queued behind a sleeping kernel, so they run back
+    to back whatever the host's launch cost."""
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(50_000_000)  # ~25+ ms at H100 clocks: longer than the launches
     a.record()
     for _ in range(iters):
         fn()
@@ -200,6 +353,20 @@ def micro(dev, dtype, tokens) -> dict:
         x = torch.randn(tokens, d, device=dev, dtype=dtype)
         p = torch.randperm(d, device=dev).to(torch.int32)
         out[f"copy_{d}_us"] = 1e3 * _cuda_ms(lambda x=x: x.clone())
+        for rows, block_d, warps in ((None, None, 8), (2, 4096, 8), (1, 4096, 8), (4, 4096, 16),
+                                     (4, 2048, 8), (8, 1024, 8)):
+            PP.MODE = "rowloop"
+            PP.ROWLOOP.update(rows=rows, block_d=min(block_d or d, d) if block_d else None,
+                              warps=warps)
+            key = f"gather_rowloop_r{rows}_d{block_d}_w{warps}_{d}_gpu_us"
+            try:
+                out[key] = 1e3 * _gpu_ms(lambda x=x, p=p: PP.gather(x, p))
+            except Exception as e:
+                out[key] = repr(e)[:200]
+            print(f"micro {key}: {out[key]}", flush=True)
+        PP.ROWLOOP.update(rows=None, block_d=None, warps=8)
+        out[f"copy_{d}_gpu_us"] = 1e3 * _gpu_ms(lambda x=x: x.clone())
+        print(f"micro copy_{d}_gpu_us: {out[f'copy_{d}_gpu_us']}", flush=True)
         for mode in ("torch", "tiled", "rowloop"):
             PP.MODE = mode
             try:
@@ -209,15 +376,18 @@ def micro(dev, dtype, tokens) -> dict:
             print(f"micro gather_{mode}_{d}_us: {out[f'gather_{mode}_{d}_us']}", flush=True)
         PP.MODE = "auto"
     for b, n in ((256, 32), (512, 16), (256, 72)):
-        x = ((0.3 / b**0.5) * torch.randn(n, b * (b - 1) // 2, device=dev)).requires_grad_()
-        gr = torch.randn(n, b, b, device=dev)
-        for backend in ("triton", "bmm"):
-            def step(backend=backend, x=x, gr=gr, b=b):
+        for backend, cd in (("triton", torch.float32), ("bmm", torch.float32),
+                            ("bmm", torch.bfloat16)):
+            x = ((0.3 / b**0.5) * torch.randn(n, b * (b - 1) // 2, device=dev)).to(cd)
+            x.requires_grad_()
+            gr = torch.randn(n, b, b, device=dev, dtype=cd)
+
+            def step(backend=backend, x=x, gr=gr, b=b, cd=cd):
                 x.grad = None
-                K.cayley_neumann(x, b, tf32=True, backend=backend).backward(gr)
-            out[f"cnp_{backend}_n{n}_b{b}_fwdbwd_us"] = 1e3 * _cuda_ms(step, 20)
-            print(f"micro cnp_{backend}_n{n}_b{b}_fwdbwd_us: "
-                  f"{out[f'cnp_{backend}_n{n}_b{b}_fwdbwd_us']}", flush=True)
+                K.cayley_neumann(x, b, tf32=True, backend=backend, dtype=cd).backward(gr)
+            key = f"cnp_{backend}_{str(cd)[6:]}_n{n}_b{b}_fwdbwd_gpu_us"
+            out[key] = 1e3 * _gpu_ms(step)
+            print(f"micro {key}: {out[key]}", flush=True)
     x = torch.randn(tokens, 4096, device=dev, dtype=dtype, requires_grad=True)
     g = torch.randn(tokens, 4096, device=dev, dtype=dtype)
     for backend in ("bmm", "triton"):
@@ -230,8 +400,6 @@ def micro(dev, dtype, tokens) -> dict:
                 print(f"micro layer_{var}_{backend}_{mode}_ms: "
                       f"{out[f'layer_{var}_{backend}_{mode}_ms']}", flush=True)
     K.BACKEND, PP.MODE = "bmm", "auto"
-    out["perm_modes_chosen"] = {str(k): v for k, v in PP._chosen.items()}
-    print("micro perm modes chosen by auto:", out["perm_modes_chosen"], flush=True)
     return out
 
 
@@ -247,6 +415,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="print torch.profiler's per-kernel CUDA times of xopt fast and mem "
                          "(triton, 4096x4096, b=256)")
+    ap.add_argument("--host", action="store_true",
+                    help="where the host time goes (per-op launch costs, cProfile)")
     ap.add_argument("--micro", action="store_true",
                     help="time the pieces (permutation modes, CNP backends) first")
     args = ap.parse_args(argv)
@@ -274,6 +444,8 @@ def main(argv=None) -> int:
             result["check"] = {"error": repr(e)}
         print(json.dumps({k: v for k, v in result["check"].items()
                           if not k.startswith("parity_triton_cuda")}, indent=1))
+    if args.host and dev.type == "cuda":
+        result["host"] = host(dev, dtype)
     if args.micro and dev.type == "cuda":
         result["micro"] = micro(dev, dtype, args.tokens)
     if args.profile and dev.type == "cuda":
@@ -288,16 +460,23 @@ def main(argv=None) -> int:
     if not has_orig:
         print("note: the authors' poet_torch is not importable here; its rows are skipped")
     result["authors_importable"] = has_orig
-    header = (f"{'layer':34s} {'in':>6s} {'out':>6s} {'b':>4s} {'ms fwd+bwd':>11s} "
-              f"{'x Linear':>9s} {'peak MiB':>9s}")
+    header = (f"{'layer':28s} {'in':>5s} {'out':>5s} {'b':>4s} | {'eager ms':>8s} {'x Lin':>5s} | "
+              f"{'piped ms':>8s} {'x Lin':>5s} | {'graph ms':>8s} {'x Lin':>5s} | {'peak MiB':>8s}")
+    print("eager: one call, synchronized (host launch time included); piped: calls back to "
+          "back, one sync; graph: one CUDA-graph replay per call (GPU time alone)")
     print(header)
     print("-" * len(header))
+
+    def fmt(v, ref):
+        return (f"{v:8.3f} {v / ref:5.2f}" if v is not None and ref
+                else f"{'n/a':>8s} {'':5s}")
+
     for n_in, n_out in shapes:
-        x = torch.randn(tokens, n_in, device=dev, dtype=dtype, requires_grad=True)
-        g = torch.randn(tokens, n_out, device=dev, dtype=dtype)
+        x = torch.randn(1, tokens, n_in, device=dev, dtype=dtype, requires_grad=True)
+        g = torch.randn(1, tokens, n_out, device=dev, dtype=dtype)
         lin = nn.Linear(n_in, n_out, bias=False, device=dev, dtype=dtype)
-        t_lin, m_lin = measure(lin, x, g, args.iters, args.warmup)
-        rows = [("nn.Linear", None, t_lin, m_lin)]
+        ref = measure(lin, x, g, args.iters, args.warmup)
+        rows = [("nn.Linear", None, ref)]
         del lin
         for b in blocks:
             for impl in impls:
@@ -307,22 +486,32 @@ def main(argv=None) -> int:
                     with torch.no_grad():
                         layer.oft_R.normal_(0, 1e-3)
                     try:
-                        t, m = measure(layer, x, g, args.iters, args.warmup)
+                        res = measure(layer, x, g, args.iters, args.warmup)
                     except Exception as e:  # keep the other rows
                         print(f"xopt {var} ({impl}) b={b}: {e!r}")
                         continue
-                    rows.append((f"xopt {var} ({impl})", b, t, m))
+                    rows.append((f"xopt {var} ({impl})", b, res))
                     del layer
             for mem in (False, True):
-                orig = authors_layer(n_in, n_out, b, mem, dtype, dev)
-                if orig is not None:  # pragma: no cover - not installed on our machines
-                    t, m = measure(orig, x, g, args.iters, args.warmup)
-                    rows.append((f"authors POET-X {'mem' if mem else 'fast'}", b, t, m))
-        for label, b, t, m in rows:
-            print(f"{label:34s} {n_in:6d} {n_out:6d} {b or '-':>4} {t:11.3f} "
-                  f"{t / t_lin:9.2f} {m if m is not None else float('nan'):9.1f}")
-            result["rows"].append({"layer": label, "in": n_in, "out": n_out, "block_size": b,
-                                   "ms": t, "ratio_to_linear": t / t_lin, "peak_mib": m})
+                try:
+                    orig = authors_layer(n_in, n_out, b, mem, dtype, dev)
+                    if orig is not None:  # pragma: no cover - only where it is importable
+                        with torch.no_grad():
+                            orig.oft_R.normal_(0, 1e-3)
+                        rows.append((f"authors POET-X {'mem' if mem else 'fast'}", b,
+                                     measure(orig, x, g, args.iters, args.warmup)))
+                        del orig
+                except Exception as e:  # keep the other rows
+                    print(f"authors POET-X {'mem' if mem else 'fast'} b={b}: {e!r}"[:400])
+        for label, b, (t, m, pl, gr) in rows:
+            print(f"{label:28s} {n_in:5d} {n_out:5d} {b or '-':>4} | {fmt(t, ref[0])} | "
+                  f"{fmt(pl, ref[2])} | {fmt(gr, ref[3])} | "
+                  f"{m if m is not None else float('nan'):8.1f}", flush=True)
+            result["rows"].append({
+                "layer": label, "in": n_in, "out": n_out, "block_size": b, "ms": t,
+                "ratio_to_linear": t / ref[0], "peak_mib": m, "pipelined_ms": pl,
+                "pipelined_ratio": pl / ref[2] if pl is not None else None, "graph_ms": gr,
+                "graph_ratio": gr / ref[3] if gr is not None and ref[3] else None})
         del x, g
         if dev.type == "cuda":
             torch.cuda.empty_cache()

@@ -362,7 +362,7 @@ def test_cayley_kernels_match_their_references(b):
     for formula in ("product", "taylor"):
         for fwd, bwd in ((K.cnp_forward, K.cnp_backward),
                          (K.cnp_forward_bmm, K.cnp_backward_bmm)):
-            y, q2 = fwd(q, formula)
+            y, q2 = fwd(q, formula)[:2]
             ref = K.cayley_neumann_reference(q.double(), formula)
             assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
             assert torch.allclose(q2.double(), q.double() @ q.double(), atol=1e-6)
@@ -378,6 +378,46 @@ def test_cayley_kernels_match_their_references(b):
         xr = x.double().requires_grad_()
         K.cayley_neumann_reference(K.skew_reference(xr, b)).backward(g.double())
         assert (xx.grad.double() - xr.grad).abs().max() <= 1e-6 * xr.grad.abs().max()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cayley_kernels_in_low_precision(dtype):
+    """The bmm backend evaluated in bf16/fp16 (what a bf16/fp16 POETLinear uses): skew reads
+    the low-precision triangles exactly, each product accumulates in float32 and is rounded
+    once to ``dtype``, and the gradient comes back in ``x``'s dtype. Each of the forward's
+    four rounded results (Q², T, Q + Q², Y) and the backward's five carries at most half an
+    ulp of ``dtype`` relative to its own magnitude, all ≤ max|result| here, so the bound is
+    that many half-ulps of max|ref| (the float32 evaluation rounded to ``dtype`` alone is
+    within one half-ulp)."""
+    from xopt.kernels import poet_cayley as K
+
+    b = 32
+    half_ulp = torch.finfo(dtype).eps / 2
+    torch.manual_seed(7)
+    x = ((0.3 / b**0.5) * torch.randn(5, P.num_triu(b), device=DEV)).to(dtype)
+    assert torch.equal(K.skew(x, b), K.skew_reference(x.float(), b).to(dtype))
+    assert K.skew(x, b, torch.float32).dtype == torch.float32
+    g = torch.randn(5, b, b, device=DEV).to(dtype)
+    for formula in ("product", "taylor"):
+        xx = x.clone().requires_grad_()
+        y = K.cayley_neumann(xx, b, formula, backend="bmm", dtype=dtype)
+        assert y.dtype == dtype
+        y.backward(g)
+        assert xx.grad.dtype == dtype
+        xr = x.double().requires_grad_()
+        ref = K.cayley_neumann_reference(K.skew_reference(xr, b), formula)
+        ref.backward(g.double())
+        err = (y.double() - ref).abs().max()
+        assert err <= 4 * half_ulp * ref.abs().max(), (formula, float(err))
+        gerr = (xx.grad.double() - xr.grad).abs().max()
+        assert gerr <= 6 * half_ulp * xr.grad.abs().max(), (formula, float(gerr))
+        # a float32 evaluation from low-precision triangles: float32 out, grad in dtype
+        xx = x.clone().requires_grad_()
+        y32 = K.cayley_neumann(xx, b, formula, backend="bmm")
+        y32.backward(g.float())
+        assert y32.dtype == torch.float32 and xx.grad.dtype == dtype
+        assert (y32.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
 
 
 @needs_triton

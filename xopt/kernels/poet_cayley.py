@@ -41,9 +41,9 @@ import triton.language as tl
 
 from xopt.specs import poet as spec
 
-__all__ = ["BACKEND", "CayleyNeumann", "cayley_neumann", "cayley_neumann_reference",
-           "cnp_backward_bmm", "cnp_forward_bmm", "skew", "skew_reference", "triu_grad",
-           "triu_grad_reference", "rotations"]
+__all__ = ["BACKEND", "CayleyNeumann", "blocks_backward", "blocks_forward", "cayley_neumann",
+           "cayley_neumann_reference", "cnp_backward_bmm", "cnp_forward_bmm", "rotations", "skew",
+           "skew_reference", "triu_grad", "triu_grad_reference"]
 
 
 # -- references ------------------------------------------------------------------------------
@@ -75,10 +75,10 @@ def _skew_kernel(x_ptr, q_ptr, B, M, BLOCK: tl.constexpr):
     hi = tl.maximum(i, j)
     k = lo * B - (lo * (lo + 1)) // 2 + (hi - lo - 1)  # row-major strict upper index
     off = i != j
-    v = tl.load(x_ptr + n * M + k, mask=inside & off, other=0.0)
+    v = tl.load(x_ptr + n * M + k, mask=inside & off, other=0.0).to(tl.float32)
     v = tl.where(i < j, v, -v)
     v = tl.where(off, v, 0.0)
-    tl.store(q_ptr + n * B * B + e, v, mask=inside)
+    tl.store(q_ptr + n * B * B + e, v.to(q_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -88,9 +88,9 @@ def _triu_grad_kernel(dq_ptr, g_ptr, rows_ptr, cols_ptr, B, M, BLOCK: tl.constex
     inside = k < M
     r = tl.load(rows_ptr + k, mask=inside, other=0)
     c = tl.load(cols_ptr + k, mask=inside, other=0)
-    up = tl.load(dq_ptr + n * B * B + r * B + c, mask=inside, other=0.0)
-    dn = tl.load(dq_ptr + n * B * B + c * B + r, mask=inside, other=0.0)
-    tl.store(g_ptr + n * M + k, up - dn, mask=inside)
+    up = tl.load(dq_ptr + n * B * B + r * B + c, mask=inside, other=0.0).to(tl.float32)
+    dn = tl.load(dq_ptr + n * B * B + c * B + r, mask=inside, other=0.0).to(tl.float32)
+    tl.store(g_ptr + n * M + k, (up - dn).to(g_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -206,32 +206,50 @@ def _tiles(b: int) -> tuple[int, int]:
     return bm, min(bm, 32)
 
 
-def _check(t: torch.Tensor, name: str) -> torch.Tensor:
-    if t.dtype != torch.float32:
-        raise TypeError(f"xopt.kernels.poet_cayley: {name} must be float32, got {t.dtype}")
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check(t: torch.Tensor, name: str, dtypes=(torch.float32,)) -> torch.Tensor:
+    if t.dtype not in dtypes:
+        raise TypeError(f"xopt.kernels.poet_cayley: {name} must be one of "
+                        f"{', '.join(str(d) for d in dtypes)}; got {t.dtype}")
     return t.contiguous()
 
 
-def skew(x: torch.Tensor, b: int) -> torch.Tensor:
-    """Skew blocks ``(n, b, b)`` from upper triangles ``(n, b(b−1)/2)`` (float32)."""
-    x = _check(x, "x")
+def skew(x: torch.Tensor, b: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Skew blocks ``(n, b, b)`` from upper triangles ``(n, b(b−1)/2)`` (float32, bfloat16
+    or float16), written in ``dtype`` (default: ``x``'s): a cast here is free."""
+    x = _check(x, "x", _FLOATS)
     n, m = x.shape
-    q = torch.empty((n, b, b), dtype=x.dtype, device=x.device)
-    block = 256
+    q = torch.empty((n, b, b), dtype=dtype or x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(b * b))
     _skew_kernel[(n, triton.cdiv(b * b, block))](x, q, b, m, BLOCK=block)
     return q
 
 
-def triu_grad(dq: torch.Tensor, b: int) -> torch.Tensor:
-    """``∂x[k] = ∂Q[r_k, c_k] − ∂Q[c_k, r_k]``: the adjoint of :func:`skew`."""
-    dq = _check(dq, "dq")
+_TRIU: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _triu_tensors(b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The strict upper triangle's (rows, cols) as int32 on ``device``, made once: a
+    host→device copy per backward would block the host (and break CUDA-graph capture)."""
+    key = (b, device)
+    if key not in _TRIU:
+        rows, cols = spec.triu_indices(b)
+        _TRIU[key] = (torch.as_tensor(rows, dtype=torch.int32, device=device),
+                      torch.as_tensor(cols, dtype=torch.int32, device=device))
+    return _TRIU[key]
+
+
+def triu_grad(dq: torch.Tensor, b: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``∂x[k] = ∂Q[r_k, c_k] − ∂Q[c_k, r_k]``: the adjoint of :func:`skew`, in ``dtype``
+    (default: ``dq``'s); the difference is taken in float32."""
+    dq = _check(dq, "dq", _FLOATS)
     n = dq.shape[0]
     m = spec.num_triu(b)
-    rows, cols = spec.triu_indices(b)
-    rows_t = torch.as_tensor(rows, dtype=torch.int32, device=dq.device)
-    cols_t = torch.as_tensor(cols, dtype=torch.int32, device=dq.device)
-    g = torch.empty((n, m), dtype=dq.dtype, device=dq.device)
-    block = 256
+    rows_t, cols_t = _triu_tensors(b, dq.device)
+    g = torch.empty((n, m), dtype=dtype or dq.dtype, device=dq.device)
+    block = min(1024, triton.next_power_of_2(m))
     _triu_grad_kernel[(n, triton.cdiv(m, block))](dq, g, rows_t, cols_t, b, m, BLOCK=block)
     return g
 
@@ -294,67 +312,106 @@ class _Precision:
 
 
 def cnp_forward_bmm(q: torch.Tensor, formula: str = "product", tf32: bool = False,
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`cnp_forward` through batched matmuls: ``(Y, Q²)``."""
-    q = _check(q, "q")
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cnp_forward` through batched matmuls: ``(Y, Q², T)`` with
+    ``T = Q + (c/2)·Q²``, so that ``Y = 2·(Q + Q² + I/2) + 2·Q²·T`` (two products, three
+    elementwise kernels) and the backward reuses ``T``.
+
+    ``q`` may be float32 (``tf32`` picks TF32 or IEEE products) or bfloat16/float16: then
+    every product takes low-precision operands and accumulates in float32 (cuBLAS), and
+    each result is rounded once to ``q``'s dtype."""
+    q = _check(q, "q", _FLOATS)
     c4 = _c4(formula)
     with _Precision(tf32):
         q2 = torch.bmm(q, q)
-        y = torch.baddbmm(q + q2, q2, q)  # Q + Q² + Q²Q
-        y = torch.baddbmm(y, q2, q2, beta=2.0, alpha=c4)
-    y.diagonal(0, -2, -1).add_(1.0)
-    return y, q2
+        t = torch.add(q, q2, alpha=c4 / 2)
+        base = q + q2
+        base.diagonal(0, -2, -1).add_(0.5)
+        y = torch.baddbmm(base, q2, t, beta=2.0, alpha=2.0)
+    return y, q2, t
 
 
 def cnp_backward_bmm(q: torch.Tensor, q2: torch.Tensor, g: torch.Tensor,
-                     formula: str = "product", tf32: bool = False) -> torch.Tensor:
-    """:func:`cnp_backward` through batched matmuls (the kernels' formulas)."""
-    q, q2, g = _check(q, "q"), _check(q2, "q2"), _check(g, "grad")
+                     formula: str = "product", tf32: bool = False,
+                     t: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`cnp_backward` through batched matmuls (the kernels' formula, written with
+    ``T = Q + (c/2)Q²``: ``∂Q = 2(G + D) + 2TᵀD + 2(G + (c/2)D)Q²ᵀ``, ``D = QᵀG + GQᵀ``).
+    ``t``: the forward's ``T`` (recomputed when not given). Dtypes as the forward."""
+    q, q2, g = _check(q, "q", _FLOATS), _check(q2, "q2", _FLOATS), _check(g, "grad", _FLOATS)
     c4 = _c4(formula)
-    qt, q2t = q.transpose(1, 2), q2.transpose(1, 2)
+    if t is None:
+        t = torch.add(q, q2, alpha=c4 / 2)
+    qt = q.transpose(1, 2)
     with _Precision(tf32):
         d = torch.baddbmm(torch.bmm(g, qt), qt, g)  # QᵀG + GQᵀ
-        left = torch.add(q, q2, alpha=c4 / 2).transpose(1, 2)  # (2Qᵀ + c Q²ᵀ) / 2
-        out = torch.baddbmm(g + d, left, d, beta=2.0, alpha=2.0)
-        out = torch.baddbmm(out, torch.add(g, d, alpha=c4 / 2), q2t, alpha=2.0)
+        out = torch.baddbmm(g + d, t.transpose(1, 2), d, beta=2.0, alpha=2.0)
+        out = torch.baddbmm(out, torch.add(g, d, alpha=c4 / 2), q2.transpose(1, 2), alpha=2.0)
     return out
+
+
+def blocks_forward(x: torch.Tensor, b: int, formula: str, tf32: bool, backend: str,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """CNP blocks ``(n, b, b)`` in ``dtype`` from upper triangles ``x``, and what
+    :func:`blocks_backward` needs. No autograd: for use inside a Function (the layer's)."""
+    if backend == "bmm":
+        q = skew(x, b, dtype)
+        y, q2, t = cnp_forward_bmm(q, formula, tf32)
+        return y, (q, q2, t)
+    q = skew(x, b, torch.float32)
+    y, q2 = cnp_forward(q, formula, tf32)
+    return y.to(dtype), (q, q2)
+
+
+def blocks_backward(saved: tuple[torch.Tensor, ...], g: torch.Tensor, b: int, formula: str,
+                    tf32: bool, backend: str, x_dtype: torch.dtype) -> torch.Tensor:
+    """The upper triangles' gradient (in ``x_dtype``) from the blocks' cotangent ``g``."""
+    if backend == "bmm":
+        q, q2, t = saved
+        dq = cnp_backward_bmm(q, q2, g.contiguous().to(q.dtype), formula, tf32, t)
+    else:
+        q, q2 = saved
+        dq = cnp_backward(q, q2, g.contiguous().to(torch.float32), formula, tf32)
+    return triu_grad(dq, b, x_dtype)
 
 
 class CayleyNeumann(torch.autograd.Function):
     """``oft_R`` rows (upper triangles) → CNP blocks, with the fused kernels (or the
-    batched-matmul backend) both ways."""
+    batched-matmul backend) both ways. ``dtype``: the blocks' dtype; the bmm backend
+    computes in it (float32, or bfloat16/float16 products with float32 accumulation), the
+    fused kernels compute in float32 and cast. The gradient comes back in ``x``'s dtype."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, b: int, formula: str, tf32: bool = False,
-                backend: str = "triton") -> torch.Tensor:
-        q = skew(x, b)
-        fwd = cnp_forward_bmm if backend == "bmm" else cnp_forward
-        y, q2 = fwd(q, formula, tf32)
-        ctx.save_for_backward(q, q2)
-        ctx.b, ctx.formula, ctx.tf32, ctx.backend = b, formula, tf32, backend
+                backend: str = "triton", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        y, saved = blocks_forward(x, b, formula, tf32, backend, dtype)
+        ctx.save_for_backward(*saved)
+        ctx.args = (b, formula, tf32, backend, x.dtype)
         return y
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        q, q2 = ctx.saved_tensors
-        bwd = cnp_backward_bmm if ctx.backend == "bmm" else cnp_backward
-        dq = bwd(q, q2, g.contiguous().to(torch.float32), ctx.formula, ctx.tf32)
-        return triu_grad(dq, ctx.b), None, None, None, None
+        return (blocks_backward(ctx.saved_tensors, g, *ctx.args),
+                None, None, None, None, None)
 
 
 def cayley_neumann(x: torch.Tensor, b: int, formula: str = "product",
-                   tf32: bool = False, backend: str | None = None) -> torch.Tensor:
-    """CNP blocks ``(n, b, b)`` from upper triangles ``x`` (``(n, m)``), differentiable.
-    Computed in float32 whatever ``x``'s dtype; the result is float32. ``backend``:
-    ``"bmm"`` or ``"triton"`` (default :data:`BACKEND`)."""
+                   tf32: bool = False, backend: str | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """CNP blocks ``(n, b, b)`` in ``dtype`` from upper triangles ``x`` (``(n, m)``, any of
+    float32/bfloat16/float16), differentiable; the gradient is returned in ``x``'s dtype.
+    ``dtype=float32`` (default) evaluates the series in float32 whatever ``x``'s dtype.
+    ``backend``: ``"bmm"`` or ``"triton"`` (default :data:`BACKEND`)."""
     backend = backend or BACKEND
     if backend not in ("bmm", "triton"):
         raise ValueError(f"cayley_neumann backend {backend!r}: use 'bmm' or 'triton'")
-    return CayleyNeumann.apply(x.to(torch.float32), b, formula, tf32, backend)
+    if dtype not in _FLOATS:
+        raise TypeError(f"cayley_neumann: dtype must be one of {_FLOATS}; got {dtype}")
+    return CayleyNeumann.apply(x, b, formula, tf32, backend, dtype)
 
 
 def rotations(oft_r: torch.Tensor, b: int, r_out: int, formula: str = "product",
               tf32: bool = False, backend: str | None = None):
-    """``(R_out, R_in)`` from a layer's ``oft_R`` through the kernels (3 Neumann terms)."""
+    """``(R_out, R_in)`` from a layer's ``oft_R`` through the kernels (3 Neumann terms),
+    float32."""
     y = cayley_neumann(oft_r, b, formula, tf32, backend)
     return y[:r_out], y[r_out:]

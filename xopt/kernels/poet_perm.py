@@ -18,8 +18,10 @@ Kernels (``MODE``, a module attribute: ``"auto"``, ``"rowloop"``, ``"tiled"`` or
   element costs a 32-byte sector from L2, since the other elements of the sector are
   read by other programs (measured 163 µs on a 32 MB bf16 activation on an H100 against
   ~25 µs for a copy).
-* ``"auto"`` (default): on CUDA, times the three once per (width, dtype, row count) at
-  first use and keeps the fastest; elsewhere ``"rowloop"``.
+* ``"auto"`` (default): ``"rowloop"``. (It used to time the three at first use and keep
+  the fastest; back-to-back calls time the host's launches, not the GPU, and it picked
+  ``index_select``, 55 µs against rowloop's 36 µs of GPU time per 32 MB bf16 gather on
+  an H100: bench/RESULTS.md, 2026-11-22, third round.)
 
 (``tl.gather`` on a whole row, which would permute in shared memory, is not used: Triton
 lowers it to warp shuffles, 80 s to compile a 4096-wide row and quadratic in width.)
@@ -65,7 +67,6 @@ def _perm_kernel(x_ptr, idx_ptr, out_ptr, N, D, s_x, s_o, SCATTER: tl.constexpr,
 
 
 MODE = "auto"
-_chosen: dict = {}
 
 
 @triton.jit
@@ -86,14 +87,18 @@ def _perm_rowloop_kernel(x_ptr, idx_ptr, out_ptr, N, D, s_x, s_o, ROWS: tl.const
         tl.store(out_ptr + r64[:, None] * s_o + cols[None, :], v, mask=mask)
 
 
+#: rowloop launch parameters: ``None`` = the defaults below; set for tuning (bench --micro)
+ROWLOOP: dict = {"rows": None, "block_d": None, "warps": 8}
+
+
 def _rowloop_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
     n, d = x2.shape
     row_bytes = d * x2.element_size()
-    rows = max(1, min(4, 16384 // row_bytes))
-    block_d = max(16, min(triton.next_power_of_2(d), 2048 // rows))
+    rows = ROWLOOP["rows"] or max(1, min(4, 16384 // row_bytes))
+    block_d = ROWLOOP["block_d"] or max(16, min(triton.next_power_of_2(d), 2048 // rows))
     _perm_rowloop_kernel[(triton.cdiv(n, rows),)](x2, index, out, n, d, x2.stride(0),
                                                   out.stride(0), ROWS=rows, BLOCK_D=block_d,
-                                                  num_warps=8)
+                                                  num_warps=ROWLOOP["warps"])
 
 
 def _tiled_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
@@ -126,30 +131,6 @@ def _run(mode: str, x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
         _tiled_launch(x2, index, out, scatter)
 
 
-def _pick(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor, scatter: bool) -> str:
-    """The fastest mode for this shape on this GPU, timed once (CUDA events) and kept."""
-    key = (x2.shape[1], x2.dtype, x2.shape[0].bit_length(), x2.device.index)
-    if key not in _chosen:
-        best, best_t = "rowloop", float("inf")
-        for mode in ("rowloop", "tiled", "torch"):
-            try:
-                _run(mode, x2, index, out, scatter)  # compile / warm up
-                a = torch.cuda.Event(enable_timing=True)
-                b = torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(3):
-                    _run(mode, x2, index, out, scatter)
-                b.record()
-                b.synchronize()
-                t = a.elapsed_time(b)
-            except Exception:  # noqa: BLE001 - a mode that fails is not chosen
-                continue
-            if t < best_t:
-                best, best_t = mode, t
-        _chosen[key] = best
-    return _chosen[key]
-
-
 def _launch(x: torch.Tensor, index: torch.Tensor, scatter: bool) -> torch.Tensor:
     d = x.shape[-1]
     if index.shape != (d,):
@@ -161,10 +142,7 @@ def _launch(x: torch.Tensor, index: torch.Tensor, scatter: bool) -> torch.Tensor
     n = x2.shape[0]
     out = torch.empty((n, d), dtype=x.dtype, device=x.device)
     if n and d:
-        mode = MODE
-        if mode == "auto":
-            mode = _pick(x2, index, out, scatter) if x.is_cuda else "rowloop"
-        _run(mode, x2, index, out, scatter)
+        _run("rowloop" if MODE == "auto" else MODE, x2, index, out, scatter)
     return out.reshape(x.shape)
 
 

@@ -96,13 +96,30 @@ class _Chain(torch.autograd.Function):
     """``y = (blockrot(x[π_in⁻¹], R_in) W0ᵀ + bias → blockrot(·, R_out))[π_out]`` with an
     explicit backward; ``keep_y1`` selects fast (keep the gathered input ``x1`` and ``y1``)
     or mem (keep ``x``; re-gather ``x1`` and recompute ``y1``). ``r`` is the stack of the
-    ``n_out`` output blocks and then the input blocks (one tensor: one cast, one gradient)."""
+    ``n_out`` output blocks and then the input blocks (one tensor: one cast, one gradient).
+
+    ``cnp``: ``None`` (``r`` holds the blocks), or ``(b, formula, tf32, dtype, backend)``:
+    then ``r`` is ``oft_R`` and the Cayley–Neumann blocks are made here and differentiated
+    here (:func:`xopt.kernels.poet_cayley.blocks_forward`/``blocks_backward``): one autograd
+    node for the whole layer, fewer launches on the host."""
 
     @staticmethod
     def forward(ctx, x, r, n_out: int, weight, bias, perm_in, perm_in_inv, perm_out,
-                perm_out_inv, keep_y1: bool, triton_path: bool):
+                perm_out_inv, keep_y1: bool, triton_path: bool, cnp=None):
         shape = x.shape
         x2d = x.reshape(-1, shape[-1])
+        cnp_saved = ()
+        if cnp is not None:
+            from xopt.kernels import poet_cayley
+
+            b, formula, tf32, cd, backend = cnp
+            oft_dtype = r.dtype
+            r, cnp_saved = poet_cayley.blocks_forward(r, b, formula, tf32, backend, cd)
+            if r.dtype != x.dtype:
+                r = r.to(x.dtype)
+            ctx.cnp = (b, formula, tf32, backend, oft_dtype)
+        else:
+            ctx.cnp = None
         r_out, r_in = r[:n_out], r[n_out:]
         x1 = _gather(x2d, perm_in_inv, triton_path)
         x2 = _rotate(x1, r_in)
@@ -112,17 +129,19 @@ class _Chain(torch.autograd.Function):
             y1 += bias
         y = _gather(_rotate(y1, r_out), perm_out, triton_path)
         if keep_y1:  # fast: the backward needs x1 and y1, keep them (no re-gather)
-            ctx.save_for_backward(x1, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, y1)
+            ctx.save_for_backward(x1, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, y1,
+                                  *cnp_saved)
         else:
             del x1
             ctx.save_for_backward(x2d, r, weight, bias, perm_in, perm_in_inv, perm_out_inv,
-                                  None)
+                                  None, *cnp_saved)
         ctx.flags = (keep_y1, triton_path, shape, n_out)
         return y.reshape(*shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, g):
-        xs, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, y1 = ctx.saved_tensors
+        xs, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, y1, *cnp_saved = \
+            ctx.saved_tensors
         keep_y1, triton_path, shape, n_out = ctx.flags
         r_out, r_in = r[:n_out], r[n_out:]
         g2d = g.reshape(-1, g.shape[-1])
@@ -153,7 +172,13 @@ class _Chain(torch.autograd.Function):
             gx1 = _rotate(gx2, r_in, transpose=True)
             del gx2
             gx = _gather(gx1, perm_in, triton_path).reshape(shape)
-        return (gx, grad_r, None, None, grad_bias, None, None, None, None, None, None)
+        if grad_r is not None and ctx.cnp is not None:
+            from xopt.kernels import poet_cayley
+
+            b, formula, tf32, backend, oft_dtype = ctx.cnp
+            grad_r = poet_cayley.blocks_backward(tuple(cnp_saved), grad_r, b, formula, tf32,
+                                                 backend, oft_dtype)
+        return (gx, grad_r, None, None, grad_bias, None, None, None, None, None, None, None)
 
 
 # -- the layer -------------------------------------------------------------------------------
@@ -300,13 +325,16 @@ class POETLinear(nn.Module):
         if triton_path:
             from xopt.kernels import poet_cayley
 
-            # all blocks in one CNP call, one cast, one gradient (the CNP runs once per
-            # forward; the backward reuses its saved Q and Q²)
-            r = poet_cayley.cayley_neumann(self.oft_R, self.block_size,
-                                           self.hp.cayley_formula, tf32).to(x.dtype)
-            return _Chain.apply(x, r, self.num_out_blocks, w, bias, self.perm_in,
+            # all blocks in one CNP call and one gradient (the CNP runs once per forward;
+            # the backward reuses its saved Q, Q² and T). A bf16/fp16 layer whose oft_R
+            # has its dtype evaluates the series in it (products accumulate in float32,
+            # one rounding per product: below the rounding of R itself to that dtype),
+            # with no casts; otherwise float32 (TF32 products for a bf16/fp16 input).
+            cd = x.dtype if tf32 and self.oft_R.dtype == x.dtype else torch.float32
+            cnp = (self.block_size, self.hp.cayley_formula, tf32, cd, poet_cayley.BACKEND)
+            return _Chain.apply(x, self.oft_R, self.num_out_blocks, w, bias, self.perm_in,
                                 self.perm_in_inv, self.perm_out, self.perm_out_inv,
-                                self.variant == "fast", True)
+                                self.variant == "fast", True, cnp)
         r_out, r_in = self.rotations(False)
         r_out, r_in = r_out.to(x.dtype), r_in.to(x.dtype)
         pin, pin_inv = self.perm_in.long(), self.perm_in_inv.long()
