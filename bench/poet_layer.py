@@ -302,15 +302,16 @@ def host(dev, dtype) -> dict:
         out[f"layer_{name}_host_us"] = per_call_us(call, 50)
         print(f"host per fwd+bwd (256 tokens): {name:14s} {out[f'layer_{name}_host_us']:8.1f} us",
               flush=True)
-    layer = layers["xopt fast"]
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(50):
-        layer(x).backward(g)
-    prof.disable()
-    torch.cuda.synchronize()
-    print("--- cProfile: xopt fast, 50 fwd+bwd (256 tokens), by own time ---")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(28)
+    for var in ("fast", "mem"):
+        layer = layers[f"xopt {var}"]
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(50):
+            layer(x).backward(g)
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"--- cProfile: xopt {var}, 50 fwd+bwd (256 tokens), by own time ---")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(16)
     return out
 
 
