@@ -264,6 +264,17 @@ def profile(opt, loss, label: str) -> None:
     print(f"-- {label}: host time of one step (no sync) {host * 1e3:.2f} ms")
     print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=14,
                                  max_name_column_width=40))
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    cp = cProfile.Profile()
+    cp.enable()
+    opt.step(loss=loss) if loss is not None else opt.step()
+    cp.disable()
+    torch.cuda.synchronize()
+    print(f"-- {label}: host functions of one step (cProfile, by own time)")
+    pstats.Stats(cp).sort_stats("tottime").print_stats(12)
 
 
 def run_pylo(shapes, args) -> dict:

@@ -36,14 +36,22 @@ pytestmark = pytest.mark.skipif(not (HAS_TORCH and HAS_TRITON), reason="needs to
 REPO = Path(__file__).resolve().parents[1]
 #: the bound of the exact mode (max|a-b| / max|b| per tensor, as the parity harness)
 EXACT = 1e-6
-#: the exact mode's bound on the step itself (not the parameters): the MLP sums in another
-#: order than plain (the time features folded into the first bias, tensor-core tiles), so
-#: the step moves by float32 rounding of its largest element. Measured: 1.5e-6 (CPU
-#: interpreter), 1.6e-6 and 3.0e-6 (H100, small_fc_lopt and VeLO); plain's own float32 step
-#: is up to 6.4e-7 from the float64 one on these shapes.
-EXACT_STEP = 5e-6
-#: the fast mode's bound on the step (TF32 MLP on a GPU; measured 6.0e-3 here on an H100,
-#: 4.9e-3 on ViT-B/16's shapes; the interpreter computes float32)
+#: The step itself is checked against float64, not against plain: the step function is
+#: ill-conditioned at the 1e-6 level. On these shapes (small_fc_lopt, hidden 32, after two
+#: steps) a change of the gradient alone by one float32 rounding (g·(1 ± 2^-24)) moves the
+#: float64 step by up to 2.5e-6 (max|Δ|/max|step|), and plain's own float32 step is 1.6e-6
+#: from the float64 one; two float32 evaluations that round differently anywhere cannot be held
+#: within 1e-6 of each other. The kernels' divergent ops, found this way and fixed: the
+#: statistics (normalizers, VeLO's LSTM inputs) are now summed in float64 (VeLO's step:
+#: 3.2e-6 → 0.9e-6 from float64); the exact mode's split-precision matmul rounds both halves
+#: to nearest (truncation left 2^-20 per product: 3.7e-6 → 1.9e-6). The bound: the Triton
+#: step within 1e-6 of float64, or, where the function itself moves by more than that under
+#: one rounding of its float32 inputs (p, g, the state), within that movement
+#: ("sensitivity", measured in the same run). Measured (step vs float64, plain / Triton):
+#: CPU interpreter 1.6e-6 / 1.9e-6 (small_fc_lopt), 9.9e-7 / 8.6e-7 (VeLO); H100 1.4e-6 /
+#: 7.1e-7 and 1.4e-6 / 9.1e-7: on the GPU the kernels are closer to float64 than plain is.
+#: the fast mode's bound on the step (TF32 MLP on a GPU; measured 5.4e-3 here on an H100,
+#: 3.7e-3 on ViT-B/16's shapes; the interpreter computes float32)
 FAST_STEP = 2e-2
 
 SHAPES = [(), (5,), (7, 3), (3, 9), (6, 6), (2, 3, 5), (3, 2, 4, 5), (40, 36), (9, 1, 4)]
@@ -105,7 +113,77 @@ def _worker() -> dict:
                            for sa, sb in zip(xa, xb, strict=True))}
         return res
 
+    def vs_float64(method):
+        """One step from a shared state (after two plain steps): the plain and the Triton
+        step against the spec's step in float64 (``reference_step`` of the kernel module on
+        float64 copies of every input), and the float64 step's sensitivity to one float32
+        rounding of its inputs (p, g and every state tensor times 1 ± 2^-24, uniform; the
+        largest change over 3 draws): no float32 evaluation of the step can be held closer
+        to another than that."""
+        import copy
+
+        from xopt.kernels import small_fc_lopt as ks
+        from xopt.kernels import velo as kv
+        from xopt.specs import velo as sv
+
+        params = params_for(torch.float32)
+        opt = make(method, params, "plain")
+        for t in range(2):
+            for p, g in zip(params, grads(100 + t, torch.float32), strict=True):
+                p.grad = g
+            opt.step(loss=torch.tensor(2.0 - 0.1 * t))
+        sd = copy.deepcopy(opt.state_dict())
+        before = [p.detach().clone() for p in params]
+        g32 = grads(102, torch.float32)
+        loss = torch.tensor(1.8)
+        d = {}
+        for impl in ("plain", "triton"):
+            ps = [torch.nn.Parameter(b.double()) for b in before]
+            o = make(method, ps, impl)
+            o.load_state_dict(copy.deepcopy(sd))
+            for p, g in zip(ps, g32, strict=True):
+                p.grad = g.double()
+            o.step(loss=loss)
+            d[impl] = [b.double() - p.detach() for b, p in zip(before, ps, strict=True)]
+        lr = opt.param_groups[0]["lr"]
+        meta = {k: v.double() for k, v in opt.meta_on(torch.device(dev)).items()}
+        st = [{k: v.double() for k, v in opt.state[p].items()} for p in params]
+        gs = opt.state["global"]
+        p64 = [b.double() for b in before]
+
+        def ref(pl, gl, sl):
+            if method == "small_fc_lopt":
+                return ks.reference_step(opt.hp, pl, gl, sl, meta, int(gs["iteration"]))[0]
+            lfeat = sv.loss_buffer_step(torch, gs["loss_means"].double().to(dev),
+                                        gs["loss_running_min"].double().to(dev),
+                                        gs["loss_decays"].double().to(dev),
+                                        int(gs["loss_iteration"]), loss.double().to(dev))[3]
+            frac = torch.tensor(int(gs["iteration"]) / int(gs["num_steps"]),
+                                dtype=torch.float64, device=dev)
+            hidden = torch.stack([s["lstm_hidden"] for s in sl])
+            cell = torch.stack([s["lstm_cell"] for s in sl])
+            return kv.reference_step(opt.hp, pl, gl, sl, meta, hidden, cell, frac, lfeat)[0]
+
+        g64 = [g.double() for g in g32]
+        s64 = [lr * s for s in ref(p64, g64, st)]
+        sens = 0.0
+        for k in range(3):  # every float32 input (p, g, the state) rounded once more
+            gen = torch.Generator().manual_seed(k)
+
+            def jig(x, gen=gen):
+                u = 2 * torch.rand(x.shape, generator=gen, dtype=torch.float64) - 1
+                return x * (1 + 2.0 ** -24 * u.to(x.device))
+
+            out_k = ref([jig(x) for x in p64], [jig(x) for x in g64],
+                        [{n: jig(v) for n, v in s_.items()} for s_ in st])
+            sens = max(sens, max(rel(lr * a, b) for a, b in zip(out_k, s64, strict=True)))
+        return {m: max(rel(a, b) for a, b in zip(d[m], s64, strict=True)) for m in d} | {
+            "triton_vs_plain": max(rel(a, b) for a, b in zip(d["triton"], d["plain"],
+                                                             strict=True)),
+            "sensitivity": sens}
+
     for method in ("small_fc_lopt", "velo"):
+        out[f"{method}/f64_reference"] = vs_float64(method)
         # float64 parameters: the step is recovered exactly as p_before - p_after
         out[f"{method}/exact/f64"] = compare(method, "exact", torch.float64)
         out[f"{method}/exact/f32"] = compare(method, "exact")
@@ -184,8 +262,9 @@ def test_exact_mode_matches_plain_to_1e6(results, method):
     for key in ("exact/f64", "exact/f32", "coupled_accumulating"):
         r = results[f"{method}/{key}"]
         assert r["param"] <= EXACT and r["state"] <= EXACT, (key, r)
-    # the step itself (float64 parameters recover it exactly)
-    assert results[f"{method}/exact/f64"]["step"] <= EXACT_STEP, results[f"{method}/exact/f64"]
+    # the step itself, against float64 (see the note at EXACT above)
+    r = results[f"{method}/f64_reference"]
+    assert r["triton"] <= max(EXACT, r["sensitivity"]), r
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -95,12 +95,6 @@ def cat8(f0, f1, f2, f3, f4, f5, f6, f7):
     return tl.join(tl.join(p0, p2), tl.join(p1, p3))
 
 
-@triton.jit
-def col(x, cols, j):
-    """Column j of a [BLOCK, C] tile as a [BLOCK] vector (exact: one nonzero per row)."""
-    return tl.sum(tl.where(cols[None, :] == j, x, 0.0), axis=1)
-
-
 # -- pass 1: partial sums of g² over each tile's two axes (+ VeLO's old-state sums) --------------
 
 
@@ -110,7 +104,8 @@ def stats1_kernel(meta, prog, ptrs, pa, pb, sums4,
                   NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
     """Per tile: Σ_b (g² + 1e-30) per row a and Σ_a per column b (factored tensors), and with
     MOM_SUMS Σ m_k (k < 3) and Σ rms of the accumulators before the update (VeLO's LSTM
-    inputs), written to ``sums4[pid, 0:4]``. ptrs columns: 0 p, 1 g, 2 m, 3 rms."""
+    inputs), written to ``sums4[pid, 0:4]`` (float64: each sub-tile's float32 sum added in
+    float64). ptrs columns: 0 p, 1 g, 2 m, 3 rms."""
     pid = tl.program_id(0)
     t = tl.load(prog + pid)
     row = meta + t * NF
@@ -135,7 +130,7 @@ def stats1_kernel(meta, prog, ptrs, pa, pb, sums4,
     a0 = ta * TA
     n_sub = tl.minimum(TA, ia_n - a0)
     acc_b = tl.zeros([TB], F32)
-    acc4 = tl.zeros([4], F32)
+    acc4 = tl.zeros([4], tl.float64)
     lanes4 = tl.arange(0, 4)
     for s in range(0, n_sub, SA):
         ia = a0 + s + sa_i
@@ -156,7 +151,7 @@ def stats1_kernel(meta, prog, ptrs, pa, pb, sums4,
             m1 = tl.sum(tl.sum(tl.load(mp + off * 3 + 1, mask=mask, other=0.0), axis=1), axis=0)
             m2 = tl.sum(tl.sum(tl.load(mp + off * 3 + 2, mask=mask, other=0.0), axis=1), axis=0)
             r0 = tl.sum(tl.sum(tl.load(rp + off, mask=mask, other=0.0), axis=1), axis=0)
-            acc4 += tl.where(lanes4 == 0, m0, tl.where(lanes4 == 1, m1,
+            acc4 += tl.where(lanes4 == 0, m0.to(tl.float64), tl.where(lanes4 == 1, m1,
                                                        tl.where(lanes4 == 2, m2, r0)))
     if fact != 0:
         tl.store(pb + tl.load(row + 21) + (b * nta + ta) * ib_n + ib, acc_b, mask=ib < ib_n)
@@ -256,7 +251,7 @@ def seg_sum_kernel(x, out, segs, C: tl.constexpr, RB: tl.constexpr):
     count = tl.load(segs + pid * 2 + 1)
     r = tl.arange(0, RB)
     c = tl.arange(0, C)
-    acc = tl.zeros([C], F32)
+    acc = tl.zeros([C], x.dtype.element_ty)
     for r0 in range(0, count, RB):
         rr = r0 + r
         v = tl.load(x + (first + rr[:, None]).to(tl.int64) * C + c[None, :],
@@ -269,9 +264,9 @@ def seg_sum(rows: torch.Tensor, lay: L.Layout) -> torch.Tensor:
     """Per-tensor sums of per-program rows ``[n_prog_all, C]`` → ``[n_tensors, C]``, in two
     fixed-order levels (chunks of SEG_CHUNK rows, then each tensor's chunks)."""
     c = rows.shape[1]
-    mid = torch.empty((lay.seg1.shape[0], c), dtype=torch.float32, device=rows.device)
+    mid = torch.empty((lay.seg1.shape[0], c), dtype=rows.dtype, device=rows.device)
     seg_sum_kernel[(lay.seg1.shape[0],)](rows, mid, lay.seg1, C=c, RB=64)
-    out = torch.empty((lay.seg2.shape[0], c), dtype=torch.float32, device=rows.device)
+    out = torch.empty((lay.seg2.shape[0], c), dtype=rows.dtype, device=rows.device)
     seg_sum_kernel[(lay.seg2.shape[0],)](mid, out, lay.seg2, C=c, RB=64)
     return out
 
@@ -287,12 +282,12 @@ def factored_pass(lay: L.Layout, ptrs: torch.Tensor, decays: torch.Tensor, *,
     pb = torch.empty((max(lay.pb_size, 1),), dtype=torch.float32, device=dev)
     sums4 = None
     if mom_sums:
-        part = torch.empty((max(lay.n_prog_all, 1), 4), dtype=torch.float32, device=dev)
+        part = torch.empty((max(lay.n_prog_all, 1), 4), dtype=torch.float64, device=dev)
         if lay.n_prog_all:
             stats1_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, ptrs, pa, pb, part,
                                              CLIP_G=clip_g, MOM_SUMS=True, NPTR=npt,
                                              NF=L.NFIELDS, TA=L.TA, TB=L.TB, SA=sa)
-        sums4 = seg_sum(part[:lay.n_prog_all], lay)
+        sums4 = seg_sum(part[:lay.n_prog_all], lay).float()
     elif lay.n_prog_fac:
         stats1_kernel[(lay.n_prog_fac,)](lay.meta, lay.prog_fac, ptrs, pa, pb, pa,
                                          CLIP_G=clip_g, MOM_SUMS=False, NPTR=npt,
@@ -359,19 +354,107 @@ def accumulate(fact, off, mask, ridx, cidx, g, m, rms_p, vr, vc, vd, dec, rcm_b,
 
 
 @triton.jit
-def mlp(x, w0, b0, wh, bh, wl, bl, KIN: tl.constexpr, HP: tl.constexpr,
-        NHID: tl.constexpr, PREC: tl.constexpr):
-    """relu(x @ w0 + b0) → (relu(· @ wh[i] + bh[i]))_i → · @ wl + bl, [BLOCK, 16] out.
-    Weights are row-major, zero-padded: w0 [KIN, HP], wh [NHID, HP, HP], wl [HP, 16]."""
-    k_in = tl.arange(0, KIN)
+def round_tf32(x):
+    """x rounded to the nearest TF32 number (10 explicit mantissa bits; ties away from
+    zero), so that a TF32 matmul, which ignores the low 13 bits, reads it unchanged."""
+    return ((x.to(tl.int32, bitcast=True) + 4096) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dot3(x, w_hi, w_lo, PREC: tl.constexpr, TERMS: tl.constexpr):
+    """``x @ w`` [BLOCK, K] × [K, N] on the tensor cores.
+
+    ``PREC="tf32x3"`` (exact mode): split precision. ``x = x_hi + x_lo + r`` with
+    ``x_hi = round_tf32(x)``, ``x_lo = round_tf32(x − x_hi)`` (|r| ≤ 2^-22·|x|), and ``w``
+    likewise by the host (:func:`split_weights`), then ``x_lo·w_hi + x_hi·w_lo
+    (+ x_lo·w_lo if TERMS = 4) + x_hi·w_hi``, small terms first, each a TF32 product that
+    is exact, accumulated in float32. ``PREC="tf32"`` (fast mode): one TF32 product."""
+    if PREC == "tf32x3":
+        x_hi = round_tf32(x)
+        x_lo = round_tf32(x - x_hi)
+        acc = tl.dot(x_lo, w_hi, input_precision="tf32")
+        acc = tl.dot(x_hi, w_lo, acc, input_precision="tf32")
+        if TERMS == 4:
+            acc = tl.dot(x_lo, w_lo, acc, input_precision="tf32")
+        return tl.dot(x_hi, w_hi, acc, input_precision="tf32")
+    else:
+        return tl.dot(x, w_hi, input_precision="tf32")
+
+
+def _round_tf32_host(w: torch.Tensor) -> torch.Tensor:
+    return ((w.contiguous().view(torch.int32) + 4096) & -8192).view(torch.float32)
+
+
+def split_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host side of :func:`dot3`: ``(w_hi, w_lo)`` = ``round_tf32(w)``,
+    ``round_tf32(w − w_hi)``."""
+    w = w.contiguous()
+    hi = _round_tf32_host(w)
+    return hi.contiguous(), _round_tf32_host(w - hi).contiguous()
+
+
+@triton.jit
+def mlp_dot(x, w0h, w0l, b0, w1h, w1l, b1, wh, bh, wl0, wl1, bl0, bl1, HP: tl.constexpr,
+            NHID: tl.constexpr, PREC: tl.constexpr, TERMS: tl.constexpr):
+    """small_fc_lopt's MLP on the tensor cores: ``x`` [BLOCK, 32] (the normalized features,
+    zero-padded) → ``(direction, magnitude)`` [BLOCK].
+
+    Loaded once per program by the caller: the first layer ``w0h``/``w0l`` [32, HP] (TF32
+    hi/lo halves, :func:`split_weights`) and ``b0`` [HP]; the first hidden layer
+    ``w1h``/``w1l`` [HP, HP] and ``b1`` [HP] (unused when NHID = 0); the output layer's two
+    used columns ``wl0``, ``wl1`` [HP] and biases ``bl0``, ``bl1``. Further hidden layers
+    (NHID > 1) are read from ``wh`` (hi halves [NHID, HP, HP], then the lo halves) and ``bh``
+    [NHID, HP] inside the call. Hidden layers use :func:`dot3`; the output layer (2
+    columns) is float32 FMAs, a sum over HP per output, whatever PREC."""
     hc = tl.arange(0, HP)
-    oc = tl.arange(0, 16)
-    w = tl.load(w0 + k_in[:, None] * HP + hc[None, :])
-    h = tl.dot(x, w, input_precision=PREC) + tl.load(b0 + hc)[None, :]
-    h = tl.maximum(h, 0.0)
-    for i in tl.static_range(NHID):
-        w = tl.load(wh + i * HP * HP + hc[:, None] * HP + hc[None, :])
-        h = tl.dot(h, w, input_precision=PREC) + tl.load(bh + i * HP + hc)[None, :]
+    h = tl.maximum(dot3(x, w0h, w0l, PREC, TERMS) + b0[None, :], 0.0)
+    if NHID > 0:
+        h = tl.maximum(dot3(h, w1h, w1l, PREC, TERMS) + b1[None, :], 0.0)
+    for i in tl.static_range(1, NHID):
+        wofs = i * HP * HP + hc[:, None] * HP + hc[None, :]
+        w_hi = tl.load(wh + wofs)
+        w_lo = tl.load(wh + NHID * HP * HP + wofs)
+        h = dot3(h, w_hi, w_lo, PREC, TERMS) + tl.load(bh + i * HP + hc)[None, :]
         h = tl.maximum(h, 0.0)
-    w = tl.load(wl + hc[:, None] * 16 + oc[None, :])
-    return tl.dot(h, w, input_precision=PREC) + tl.load(bl + oc)[None, :]
+    direction = tl.sum(h * wl0[None, :], axis=1) + bl0
+    magnitude = tl.sum(h * wl1[None, :], axis=1) + bl1
+    return direction, magnitude
+
+
+@triton.jit
+def rank1(h0, h1, h2, h3, f, k: tl.constexpr, inv, w0):
+    """The first layer of a 4-wide MLP, one feature at a time (no feature tile):
+    ``h_j += (f · inv[k]) · w0[k, j]`` for j < 4, float32 FMAs. ``f`` [BLOCK]: feature k
+    before normalization; ``inv``: the tensor's normalizers; ``w0`` [K, 4] row-major."""
+    x = f * tl.load(inv + k)
+    w = w0 + k * 4
+    return (h0 + x * tl.load(w), h1 + x * tl.load(w + 1), h2 + x * tl.load(w + 2),
+            h3 + x * tl.load(w + 3))
+
+
+@triton.jit
+def _dense4(h0, h1, h2, h3, w, b, j: tl.constexpr, N: tl.constexpr):
+    """Output j of ``h @ w + b`` for a [4, N] row-major ``w`` (4 FMAs)."""
+    return tl.load(b + j) + h0 * tl.load(w + j) + h1 * tl.load(w + N + j) \
+        + h2 * tl.load(w + 2 * N + j) + h3 * tl.load(w + 3 * N + j)
+
+
+@triton.jit
+def mlp4_tail(h0, h1, h2, h3, b0, wh, bh, wl, bl, NHID: tl.constexpr):
+    """The rest of a 4-wide MLP after :func:`rank1`: ReLU(h + b0), NHID hidden layers
+    (``wh`` [NHID, 4, 4], ``bh`` [NHID, 4]), then the two outputs used, ``(direction,
+    magnitude)`` = columns 0 and 1 of ``h @ wl + bl`` (``wl`` [4, 16], ``bl`` [16]).
+    Float32 FMAs throughout (narrower MLPs are zero-padded to 4)."""
+    h0 = tl.maximum(h0 + tl.load(b0), 0.0)
+    h1 = tl.maximum(h1 + tl.load(b0 + 1), 0.0)
+    h2 = tl.maximum(h2 + tl.load(b0 + 2), 0.0)
+    h3 = tl.maximum(h3 + tl.load(b0 + 3), 0.0)
+    for i in tl.static_range(NHID):
+        w = wh + i * 16
+        b = bh + i * 4
+        n0 = tl.maximum(_dense4(h0, h1, h2, h3, w, b, 0, 4), 0.0)
+        n1 = tl.maximum(_dense4(h0, h1, h2, h3, w, b, 1, 4), 0.0)
+        n2 = tl.maximum(_dense4(h0, h1, h2, h3, w, b, 2, 4), 0.0)
+        n3 = tl.maximum(_dense4(h0, h1, h2, h3, w, b, 3, 4), 0.0)
+        h0, h1, h2, h3 = n0, n1, n2, n3
+    return (_dense4(h0, h1, h2, h3, wl, bl, 0, 16), _dense4(h0, h1, h2, h3, wl, bl, 1, 16))

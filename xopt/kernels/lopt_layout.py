@@ -182,6 +182,20 @@ def supported_small_fc(hp) -> str | None:
     return None
 
 
+def supported_velo(hp) -> str | None:
+    """Why the VeLO kernels cannot run these hyperparameters (None: they can)."""
+    k = (len(hp.initial_momentum_decays), len(hp.initial_rms_decays),
+         len(hp.initial_adafactor_decays))
+    if k != (3, 1, 3):
+        return ("the Triton kernels are written for 3 momentum, 1 rms and 3 Adafactor decays "
+                f"(got {k})")
+    if not 1 <= int(hp.ff_hidden_size) <= 4 or int(hp.ff_hidden_layers) < 1:
+        return ("the Triton kernels run per-element MLPs up to 4 wide with at least one hidden "
+                f"layer (got ff_hidden_size={hp.ff_hidden_size}, "
+                f"ff_hidden_layers={hp.ff_hidden_layers})")
+    return None
+
+
 class TableCache:
     """Small host tables (tensor pointers, per-tensor scalars) on the device, copied only
     when their contents change, from pinned memory without blocking (a blocking copy would

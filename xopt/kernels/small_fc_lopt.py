@@ -6,26 +6,31 @@ ops for the decays and time features), whatever the number of tensors:
 1. ``stats1`` (factored tensors only): partial sums of g² over each tile's two axes;
 2. ``fac_finalize`` + ``rcm``: the new ``v_row``/``v_col`` (written in place) and their
    row-column means, the partial sums added in a fixed order;
-3. :func:`_sfc_kernel` in statistics mode: per tile, Σ feature² of the 28 features
-   (recomputing the accumulators in registers), then a deterministic segmented sum per
-   tensor (:func:`xopt.kernels.lopt_common.seg_sum`): the second-moment normalizer;
-4. :func:`_sfc_kernel` fused: accumulators, features, normalization, the MLP (tensor-core
-   ``tl.dot``), the step and the parameter update, all in registers; writes ``p``, ``m``,
-   ``rms`` (and ``v_diag`` below rank 2).
+3. :func:`sfc_stats_kernel`: per tile, Σ feature² of the 28 features (recomputing the
+   accumulators in registers; float32 per thread, the tile's and the tensor's sums in
+   float64, :func:`xopt.kernels.lopt_common.seg_sum`, in a fixed order): the
+   second-moment normalizer;
+4. :func:`sfc_fused_kernel`: accumulators, features, normalization, the MLP, the step and
+   the parameter update, all in registers; writes ``p``, ``m``, ``rms`` (and ``v_diag``
+   below rank 2).
 
 The 11 time features are the same for every element: they are folded into the first
-bias (``b0 + tf @ W0[28:]``), so the first layer's K is 28, padded to 32.
+bias (``b0 + tf @ W0[28:]``), so the first layer's K is 28.
 
-Precision (``precision=``):
+The MLP: hidden widths up to 4 (the original's 4) run as float32 FMAs, the first layer one
+feature at a time (:func:`xopt.kernels.lopt_common.rank1`, no feature tile), in both
+precisions. Wider ones (PyLO's 32) build a [BLOCK, 32] feature tile and run on the tensor
+cores (:func:`xopt.kernels.lopt_common.mlp_dot`); the output layer (2 columns) is float32
+FMAs. Precision of the tensor-core matmuls (``precision=``):
 
-* ``"exact"`` (default): the matmuls are ``tl.dot(..., input_precision="tf32x3")``
-  (split-precision TF32, about float32 accuracy); everything else is float32 as in the
-  plain path. Only the summation order differs from :mod:`xopt.torch.small_fc_lopt`.
-* ``"fast"``: ``input_precision="tf32"`` (10-bit mantissas in the MLP). The MLP outputs
-  (direction, magnitude) move by about 1e-3 relative, the step by as much; accumulators are
-  not affected. Measured deviations from the plain path are in bench/RESULTS.md.
+* ``"exact"`` (default): split-precision TF32, both operands split into two TF32 halves
+  rounded to nearest, three exact products summed in float32
+  (:func:`xopt.kernels.lopt_common.dot3`): operands carried to 22 bits instead of
+  float32's 24. Measured against float64: see tests/test_kernels_lopt.py.
+* ``"fast"``: one TF32 product (10-bit mantissas). The MLP outputs move by about 1e-3
+  relative, the step by as much; accumulators are not affected.
 
-Under ``TRITON_INTERPRET=1`` (CPU) ``tl.dot`` is a float32 matmul whatever the precision.
+Under ``TRITON_INTERPRET=1`` (CPU) ``tl.dot`` multiplies in float32 whatever the precision.
 
 :func:`reference_step` is the pure-PyTorch reference (the spec's per-tensor
 :func:`xopt.specs.small_fc_lopt.compute_step`, as the plain path calls it).
@@ -46,20 +51,44 @@ from xopt.specs import small_fc_lopt as _spec
 
 __all__ = ["SmallFCTriton", "reference_step"]
 
-#: sub-tile rows and warps of the per-element kernels (XOPT_LOPT_SA / XOPT_LOPT_WARPS
-#: override them, for tuning)
-SA = int(os.environ.get("XOPT_LOPT_SA", "4"))
+#: sub-tile rows (SA × TB elements per sub-tile) of the per-element kernels: the statistics
+#: pass, the fused pass with the tensor-core MLP (hidden width > FMA_MAX) and with the FMA
+#: MLP; warps per program (XOPT_LOPT_SA_STATS / _SA_DOT / _SA_FMA / _WARPS, for tuning)
+SA_STATS = int(os.environ.get("XOPT_LOPT_SA_STATS", "2"))
+SA_DOT = int(os.environ.get("XOPT_LOPT_SA_DOT", "2"))
+SA_FMA = int(os.environ.get("XOPT_LOPT_SA_FMA", "4"))
 WARPS = int(os.environ.get("XOPT_LOPT_WARPS", "4"))
+#: software-pipelining stages of the per-element loop (XOPT_LOPT_STAGES)
+STAGES = int(os.environ.get("XOPT_LOPT_STAGES", "2"))
+#: products per split-precision matmul in exact mode (3, or 4 with x_lo·w_lo;
+#: XOPT_LOPT_DOT_TERMS)
+TERMS = int(os.environ.get("XOPT_LOPT_DOT_TERMS", "3"))
+#: hidden widths up to this run the MLP as float32 FMAs, zero-padded to 4 (exact in both
+#: modes), wider ones on the tensor cores
+FMA_MAX = 4
 NPTR = 8  # pointer table columns: p, g, m, rms, v_row, v_col, v_diag, out
 NFEAT = 28
 
 
 @triton.jit
-def _sfc_kernel(meta, prog, ptrs, rcm, decays, norm, scal, w0, b0, wh, bh, wl, bl, part,
-                exp_mult, step_mult,
-                FUSED: tl.constexpr, PREC: tl.constexpr, HP: tl.constexpr,
-                NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr,
-                TB: tl.constexpr, SA: tl.constexpr):
+def _sfc_body(meta, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, wl, bl, part,
+              exp_mult, step_mult, FUSED: tl.constexpr, PREC: tl.constexpr,
+              TERMS: tl.constexpr, MLP_DOT: tl.constexpr, HP: tl.constexpr,
+              NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr,
+              TB: tl.constexpr, SA: tl.constexpr):
+    """One tile [TA, TB] of one tensor (``prog[pid]``), walked in sub-tiles of SA × TB
+    elements (BLOCK; one, two or four per thread). Each sub-tile: the new accumulators and
+    the 28 features as [BLOCK] vectors.
+
+    ``FUSED=False`` (statistics): Σ over the tile of each feature² → ``part[pid, 0:32]``
+    (float64; masked elements excluded), accumulated per thread in float32 as a [BLOCK, 32]
+    tile (one row per element, :func:`xopt.kernels.lopt_common.cat32`) and reduced once at
+    the end. ``FUSED=True``: normalizes by ``norm[t, :]`` (the tensor's
+    ``rsqrt(1e-5 + mean feature²)``), runs the MLP — with ``MLP_DOT`` on the tensor cores
+    from the [BLOCK, 32] tile (:func:`~xopt.kernels.lopt_common.mlp_dot`, weights loaded
+    once per program), else 4 wide in float32 FMAs without a tile
+    (:func:`~xopt.kernels.lopt_common.rank1`, :func:`~xopt.kernels.lopt_common.mlp4_tail`)
+    — and writes the new parameter (or the step), ``m``, ``rms`` and ``v_diag``."""
     BLOCK: tl.constexpr = SA * TB
     pid = tl.program_id(0)
     t = tl.load(prog + pid)
@@ -87,12 +116,27 @@ def _sfc_kernel(meta, prog, ptrs, rcm, decays, norm, scal, w0, b0, wh, bh, wl, b
     fd2 = tl.load(decays + 6)
     cols = tl.arange(0, 32)
     if FUSED:
-        inv = tl.load(norm + t * 32 + cols)
         outp = C.ptr_f32(ptrs, t, 7, NPTR)
         lr = tl.load(scal + t * 4)
         lrwd = tl.load(scal + t * 4 + 1)
         write_step = tl.load(scal + t * 4 + 2)
-    acc = tl.zeros([32], tl.float32)
+        if MLP_DOT:  # the normalizers and first layer's weights, loaded once per program
+            inv = tl.load(norm + t * 32 + cols)
+            kk = tl.arange(0, 32)
+            hc = tl.arange(0, HP)
+            w0h_t = tl.load(w0h + kk[:, None] * HP + hc[None, :])
+            w0l_t = tl.load(w0l + kk[:, None] * HP + hc[None, :])
+            b0_t = tl.load(b0 + hc)
+            w1_ofs = hc[:, None] * HP + hc[None, :]
+            w1h_t = tl.load(wh + w1_ofs)  # the first hidden layer (a zero layer if NHID = 0)
+            w1l_t = tl.load(wh + NHID * HP * HP + w1_ofs)
+            b1_t = tl.load(bh + hc)
+            wl0_t = tl.load(wl + hc * 16)
+            wl1_t = tl.load(wl + hc * 16 + 1)
+            bl0_t = tl.load(bl)
+            bl1_t = tl.load(bl + 1)
+    else:
+        acc = tl.zeros([BLOCK, 32], tl.float32)
     sa_i = tl.arange(0, SA)
     ib = tb * TB + tl.arange(0, TB)
     a0 = ta * TA
@@ -116,20 +160,62 @@ def _sfc_kernel(meta, prog, ptrs, rcm, decays, norm, scal, w0, b0, wh, bh, wl, b
         R2, C2, FG2, FM2, V2 = C.accumulate(fact, off, mask, r3, c3, g, m2, rp, vr + 2,
                                             vc + 2, v3 + 2, fd2, rc2, 1e-6)
         rr = tl.math.rsqrt(rms + 1e-6)
-        z = tl.zeros([BLOCK], tl.float32)
-        x = C.cat32(g, p, m0, m1, m2, rms, m0 * rr, m1 * rr, m2 * rr, rr,
-                    g * FG0, g * FG1, g * FG2, R0, R1, R2, C0, C1, C2,
-                    tl.math.rsqrt(R0 + 1e-8), tl.math.rsqrt(R1 + 1e-8),
-                    tl.math.rsqrt(R2 + 1e-8), tl.math.rsqrt(C0 + 1e-8),
-                    tl.math.rsqrt(C1 + 1e-8), tl.math.rsqrt(C2 + 1e-8),
-                    m0 * FM0, m1 * FM1, m2 * FM2, z, z, z, z)
-        x = tl.reshape(x, [BLOCK, 32])
-        x = tl.where(mask[:, None], x, 0.0)
+        rsr0 = tl.math.rsqrt(R0 + 1e-8)
+        rsr1 = tl.math.rsqrt(R1 + 1e-8)
+        rsr2 = tl.math.rsqrt(R2 + 1e-8)
+        rsc0 = tl.math.rsqrt(C0 + 1e-8)
+        rsc1 = tl.math.rsqrt(C1 + 1e-8)
+        rsc2 = tl.math.rsqrt(C2 + 1e-8)
+        if FUSED and not MLP_DOT:
+            # 4-wide MLP: the first layer feature by feature (spec order), no feature tile
+            invp = norm + t * 32
+            z = tl.zeros([BLOCK], tl.float32)
+            h0, h1, h2, h3 = C.rank1(z, z, z, z, g, 0, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, p, 1, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m0, 2, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m1, 3, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m2, 4, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rms, 5, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m0 * rr, 6, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m1 * rr, 7, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m2 * rr, 8, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rr, 9, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, g * FG0, 10, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, g * FG1, 11, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, g * FG2, 12, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, R0, 13, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, R1, 14, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, R2, 15, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, C0, 16, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, C1, 17, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, C2, 18, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsr0, 19, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsr1, 20, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsr2, 21, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsc0, 22, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsc1, 23, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsc2, 24, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m0 * FM0, 25, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m1 * FM1, 26, invp, w0h)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m2 * FM2, 27, invp, w0h)
+            direction, magnitude = C.mlp4_tail(h0, h1, h2, h3, b0, wh, bh, wl, bl, NHID)
+        else:
+            z = tl.zeros([BLOCK], tl.float32)
+            x = C.cat32(g, p, m0, m1, m2, rms, m0 * rr, m1 * rr, m2 * rr, rr,
+                        g * FG0, g * FG1, g * FG2, R0, R1, R2, C0, C1, C2,
+                        rsr0, rsr1, rsr2, rsc0, rsc1, rsc2,
+                        m0 * FM0, m1 * FM1, m2 * FM2, z, z, z, z)
+            x = tl.reshape(x, [BLOCK, 32])
+            if FUSED:
+                direction, magnitude = C.mlp_dot(x * inv[None, :], w0h_t, w0l_t, b0_t, w1h_t,
+                                                 w1l_t, b1_t, wh, bh, wl0_t, wl1_t, bl0_t,
+                                                 bl1_t, HP, NHID, PREC, TERMS)
+                direction = tl.reshape(direction, [BLOCK])
+                magnitude = tl.reshape(magnitude, [BLOCK])
+            else:
+                x = tl.where(mask[:, None], x, 0.0)
+                acc += x * x
         if FUSED:
-            out = C.mlp(x * inv[None, :], w0, b0, wh, bh, wl, bl, 32, HP, NHID, PREC)
-            oc = tl.arange(0, 16)
-            direction = C.col(out, oc, 0)
-            magnitude = C.col(out, oc, 1)
             step = direction * tl.exp(magnitude * exp_mult) * step_mult
             newp = p - (lr * step + lrwd * p)
             tl.store(outp + off, tl.where(write_step != 0, step, newp), mask=mask)
@@ -141,10 +227,30 @@ def _sfc_kernel(meta, prog, ptrs, rcm, decays, norm, scal, w0, b0, wh, bh, wl, b
                 tl.store(v3, V0, mask=mask)
                 tl.store(v3 + 1, V1, mask=mask)
                 tl.store(v3 + 2, V2, mask=mask)
-        else:
-            acc += tl.sum(x * x, axis=0)
     if not FUSED:
-        tl.store(part + pid.to(tl.int64) * 32 + cols, acc)
+        tl.store(part + pid.to(tl.int64) * 32 + cols, tl.sum(acc.to(tl.float64), axis=0))
+
+
+@triton.jit
+def sfc_stats_kernel(meta, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, wl, bl,
+                     part, exp_mult, step_mult, PREC: tl.constexpr, TERMS: tl.constexpr,
+                     MLP_DOT: tl.constexpr,
+                     HP: tl.constexpr, NHID: tl.constexpr, NPTR: tl.constexpr,
+                     NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
+    """Launch 3 (statistics mode of :func:`_sfc_body`): Σ feature² per tile."""
+    _sfc_body(meta, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, wl, bl, part,
+              exp_mult, step_mult, False, PREC, TERMS, MLP_DOT, HP, NHID, NPTR, NF, TA, TB, SA)
+
+
+@triton.jit
+def sfc_fused_kernel(meta, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, wl, bl,
+                     part, exp_mult, step_mult, PREC: tl.constexpr, TERMS: tl.constexpr,
+                     MLP_DOT: tl.constexpr,
+                     HP: tl.constexpr, NHID: tl.constexpr, NPTR: tl.constexpr,
+                     NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
+    """Launch 4 (fused mode of :func:`_sfc_body`): the update."""
+    _sfc_body(meta, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, wl, bl, part,
+              exp_mult, step_mult, True, PREC, TERMS, MLP_DOT, HP, NHID, NPTR, NF, TA, TB, SA)
 
 
 def _pad(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -177,6 +283,7 @@ class SmallFCTriton:
         self._layout: L.Layout | None = None
         self._wcache: tuple | None = None
         self._tables = L.TableCache()
+        self._decays: tuple | None = None  # (key, all 7 decays, Adafactor's 3), per θ
 
     def layout(self, shapes: Sequence[tuple[int, ...]], device: torch.device) -> L.Layout:
         lay = self._layout
@@ -184,23 +291,37 @@ class SmallFCTriton:
             lay = self._layout = L.build_layout(shapes, device)
         return lay
 
-    def _weights(self, meta: Mapping[str, torch.Tensor]) -> tuple:
+    def _weights(self, meta: Mapping[str, torch.Tensor]) -> dict:
+        """The MLP's weights as the kernel reads them (cached per meta-parameter tensor):
+        zero-padded to HP columns, the first layer's 28 feature rows (padded to 32) apart
+        from its 11 time-feature rows ``wt`` (folded into the bias at each step); for the
+        tensor-core MLP in exact mode, split into TF32 hi/lo halves
+        (:func:`xopt.kernels.lopt_common.split_weights`)."""
         key = (id(meta), meta["mlp/w0"].data_ptr())
         if self._wcache is not None and self._wcache[0] == key:
             return self._wcache[1]
         hp = self.hp
         nl = int(hp.hidden_layers)
-        hp_ = _next_pow2(int(hp.hidden_size))
+        width = int(hp.hidden_size)
+        dot = width > FMA_MAX
+        hp_ = _next_pow2(width, 16) if dot else 4
         w0 = meta["mlp/w0"]
+        dev = w0.device
         w0p = _pad(w0[:NFEAT], 32, hp_)
-        wt = w0[NFEAT:]
         wh = torch.stack([_pad(meta[f"mlp/w{i}"], hp_, hp_) for i in range(1, nl)]) \
-            if nl > 1 else torch.zeros((1, hp_, hp_), device=w0.device)
+            if nl > 1 else torch.zeros((1, hp_, hp_), device=dev)
         bh = torch.stack([_pad(meta[f"mlp/b{i}"][None], 1, hp_)[0] for i in range(1, nl)]) \
-            if nl > 1 else torch.zeros((1, hp_), device=w0.device)
-        wl = _pad(meta[f"mlp/w{nl}"], hp_, 16)
-        bl = _pad(meta[f"mlp/b{nl}"][None], 1, 16)[0]
-        out = (w0p, wt, wh, bh, wl, bl, hp_, nl - 1)
+            if nl > 1 else torch.zeros((1, hp_), device=dev)
+        if dot and self.prec == "tf32x3":
+            w0h, w0l = C.split_weights(w0p)
+            whh, whl = C.split_weights(wh)
+        else:
+            w0h, w0l = w0p, torch.zeros_like(w0p)
+            whh, whl = wh, torch.zeros_like(wh)
+        out = dict(w0h=w0h, w0l=w0l, wt=w0[NFEAT:], wh=torch.cat([whh.flatten(),
+                                                                  whl.flatten()]),
+                   bh=bh.contiguous(), wl=_pad(meta[f"mlp/w{nl}"], hp_, 16),
+                   bl=_pad(meta[f"mlp/b{nl}"][None], 1, 16)[0], hp=hp_, nhid=nl - 1, dot=dot)
         self._wcache = (key, out)
         return out
 
@@ -214,12 +335,17 @@ class SmallFCTriton:
         hp = self.hp
         dev = params[0].device
         lay = self.layout([tuple(p.shape) for p in params], dev)
-        w0p, wt, wh, bh, wl, bl, hp_, nhid = self._weights(meta)
-        md, rd, fd = _spec.decays(hp, meta, xp=torch)
-        decays = torch.cat([md, rd, fd]).contiguous()
+        w = self._weights(meta)
+        hp_ = w["hp"]
+        dkey = tuple((k, v.data_ptr(), v._version) for k, v in meta.items()
+                     if k.startswith("decays/"))
+        if self._decays is None or self._decays[0] != dkey:
+            md, rd, fd = _spec.decays(hp, meta, xp=torch)
+            self._decays = (dkey, torch.cat([md, rd, fd]).contiguous(), fd)
+        _, decays, fd = self._decays
         tf = _spec.time_features(torch, torch.tensor(iteration, dtype=torch.int32),
                                  meta["mlp/b0"])
-        b0p = _pad((meta["mlp/b0"] + (tf[:, None] * wt).sum(0))[None], 1, hp_)[0]
+        b0p = _pad((meta["mlp/b0"] + (tf[:, None] * w["wt"]).sum(0))[None], 1, hp_)[0]
         ptrs = self._tables.get("ptrs", [
             [p.data_ptr(), g.data_ptr(), s["m"].data_ptr(), s["rms"].data_ptr(),
              s["v_row"].data_ptr(), s["v_col"].data_ptr(), s["v_diag"].data_ptr(),
@@ -231,18 +357,21 @@ class SmallFCTriton:
         rcm, _ = C.factored_pass(lay, ptrs, fd, clip_g=False, mom_sums=False, npt=NPTR)
         if rcm is None:
             rcm = torch.zeros((3,), dtype=torch.float32, device=dev)
-        part = torch.empty((lay.n_prog_all, 32), dtype=torch.float32, device=dev)
-        common = dict(HP=hp_, NHID=nhid, NPTR=NPTR, NF=L.NFIELDS, TA=L.TA, TB=L.TB, SA=SA,
-                      num_warps=WARPS, PREC=self.prec)
+        part = torch.empty((lay.n_prog_all, 32), dtype=torch.float64, device=dev)
+        common = dict(HP=hp_, NHID=w["nhid"], NPTR=NPTR, NF=L.NFIELDS, TA=L.TA, TB=L.TB,
+                      num_warps=WARPS, num_stages=STAGES,
+                      PREC=self.prec, TERMS=TERMS,
+                      MLP_DOT=w["dot"])
         args = (lay.meta, lay.prog_all, ptrs, rcm, decays)
-        _sfc_kernel[(lay.n_prog_all,)](*args, part, scal, w0p, b0p, wh, bh, wl, bl, part,
-                                       float(hp.exp_mult), float(hp.step_mult), FUSED=False,
-                                       **common)
+        weights = (w["w0h"], w["w0l"], b0p, w["wh"], w["bh"], w["wl"], w["bl"])
+        sfc_stats_kernel[(lay.n_prog_all,)](*args, part, scal, *weights, part,
+                                            float(hp.exp_mult), float(hp.step_mult),
+                                            SA=SA_STATS, **common)
         sums = C.seg_sum(part, lay)
-        norm = torch.rsqrt(1e-5 + sums / lay.numel[:, None]).contiguous()
-        _sfc_kernel[(lay.n_prog_all,)](*args, norm, scal, w0p, b0p, wh, bh, wl, bl, part,
-                                       float(hp.exp_mult), float(hp.step_mult), FUSED=True,
-                                       **common)
+        norm = torch.rsqrt(1e-5 + (sums / lay.numel[:, None].double()).float()).contiguous()
+        sfc_fused_kernel[(lay.n_prog_all,)](*args, norm, scal, *weights, part,
+                                            float(hp.exp_mult), float(hp.step_mult),
+                                            SA=SA_DOT if w["dot"] else SA_FMA, **common)
 
 
 def reference_step(hp: _spec.SmallFCLOpt, params: Sequence[torch.Tensor],

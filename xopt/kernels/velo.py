@@ -6,17 +6,22 @@ All of a model's tensors in six launches plus a handful of batched torch ops:
    (factored tensors) and Σ m_k, Σ rms of the accumulators before the update (the LSTM's
    inputs), summed per tensor in a fixed order;
 2. ``fac_finalize`` + ``rcm``: the new ``v_row``/``v_col`` and their row-column means;
-3. :func:`_velo_kernel` in statistics mode: Σ feature² of the 30 MLP inputs and the
-   second pass of the LSTM inputs' variances (Σ (m_k − mean m_k)², Σ (rms − mean m_k)²,
-   two-pass as the spec computes them), per tile, then per tensor in a fixed order;
+3. :func:`velo_stats_kernel`: Σ feature² of the 30 MLP inputs and the second pass of the
+   LSTM inputs' variances (Σ (m_k − mean m_k)², Σ (rms − mean m_k)², two-pass as the spec
+   computes them), float32 per thread, per tile and per tensor in float64, in a fixed order
+   (as are pass 1's Σ m_k, Σ rms: float32 statistics moved the step by 3e-6);
 4. torch, batched over tensors: the LSTM inputs, one LSTM step for all tensors
    (:func:`xopt.specs.velo.lstm_step`, as the plain path), the hypernetwork's per-tensor
-   MLP weights ``100·mean_k(controls_k·bank_k)``;
-5. :func:`_velo_kernel` fused: accumulators, features, normalization, the tensor's own MLP
-   (``tl.dot`` on per-tensor weight tables), the step and the parameter update.
+   MLP weights ``100·mean_k(controls_k·bank_k)`` for every tensor in one product, gathered
+   into one padded table;
+5. :func:`velo_fused_kernel`: accumulators, features, normalization, the tensor's own MLP,
+   the step and the parameter update.
 
-Precision: ``"exact"`` (default) runs the MLP's matmuls as 3xTF32 (float32 accuracy),
-``"fast"`` as TF32 (see :mod:`xopt.kernels.small_fc_lopt` and bench/RESULTS.md).
+Precision: the per-element MLP (30 → 4 → 4 → 3 at VeLO's size) is float32 FMAs, the first
+layer one feature at a time (:func:`xopt.kernels.lopt_common.rank1`, no feature tile):
+about 150 FMAs per element, cheaper than any tensor-core tile of that width, so ``"exact"``
+and ``"fast"`` run the same kernel (``"fast"`` is accepted for symmetry with
+small_fc_lopt). MLPs up to 4 wide are supported (:func:`check_supported`).
 
 :func:`reference_step` is the pure-PyTorch reference (the spec's functions, as
 :class:`xopt.torch.VeLO`'s plain path calls them).
@@ -37,20 +42,31 @@ from xopt.specs import velo as _spec
 
 __all__ = ["VeLOTriton", "reference_step"]
 
-#: sub-tile rows and warps of the per-element kernels (XOPT_LOPT_SA / XOPT_LOPT_WARPS
-#: override them, for tuning)
-SA = int(os.environ.get("XOPT_LOPT_SA", "4"))
+#: sub-tile rows (SA × TB elements per sub-tile) of the statistics and the fused pass,
+#: warps and software-pipelining stages of the per-element kernels (XOPT_LOPT_SA_STATS /
+#: _SA_FMA / _WARPS / _STAGES override them, for tuning)
+SA_STATS = int(os.environ.get("XOPT_LOPT_SA_STATS", "2"))
+SA = int(os.environ.get("XOPT_LOPT_SA_FMA", "4"))
+STAGES = int(os.environ.get("XOPT_LOPT_STAGES", "2"))
 WARPS = int(os.environ.get("XOPT_LOPT_WARPS", "4"))
 NPTR = 8  # pointer table columns: p, g, m, rms, v_row, v_col, v_diag, out
 NFEAT = 30
 
 
 @triton.jit
-def _velo_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
-                 exp_mult, step_mult,
-                 FUSED: tl.constexpr, PREC: tl.constexpr, HP: tl.constexpr,
-                 NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr,
-                 TB: tl.constexpr, SA: tl.constexpr):
+def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
+               exp_mult, step_mult, FUSED: tl.constexpr, NHID: tl.constexpr,
+               NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr,
+               SA: tl.constexpr):
+    """One tile [TA, TB] of one tensor, in sub-tiles of SA × TB elements.
+
+    ``FUSED=False`` (statistics): Σ over the tile of the 30 features² (a [BLOCK, 32] tile
+    accumulated, reduced once) → ``part[pid, 0:32]``, and of (m_k − mean m_k)² and
+    (rms − mean m_k)² (the LSTM inputs' variances, two-pass) → ``part[pid, 32:38]``.
+    ``FUSED=True``: the tensor's 4-wide MLP (weights ``w0`` [n, 32, 4], ``b0`` [n, 4], ``wh``
+    [n, NHID, 4, 4], ``bh`` [n, NHID, 4], ``wl`` [n, 4, 16], ``bl`` [n, 16]), its first layer
+    one feature at a time (:func:`xopt.kernels.lopt_common.rank1`), and the update."""
+    HP: tl.constexpr = 4
     BLOCK: tl.constexpr = SA * TB
     pid = tl.program_id(0)
     t = tl.load(prog + pid)
@@ -79,25 +95,25 @@ def _velo_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, 
     cols = tl.arange(0, 32)
     c8 = tl.arange(0, 8)
     if FUSED:
-        inv = tl.load(norm + t * 32 + cols)
+        invp = norm + t * 32
         outp = C.ptr_f32(ptrs, t, 7, NPTR)
         lr = tl.load(scal + t * 8)
         lrwd = tl.load(scal + t * 8 + 1)
         write_step = tl.load(scal + t * 8 + 2)
         lr_mult = tl.load(scal + t * 8 + 3)
         pscale = tl.load(scal + t * 8 + 4)
-        w0t = w0 + t * 32 * HP
-        b0t = b0 + t * HP
-        wht = wh + t * NHID * HP * HP
-        bht = bh + t * NHID * HP
-        wlt = wl + t * HP * 16
-        blt = bl + t * 16
+        w0t = w0 + t * (32 * HP + HP + NHID * (HP * HP + HP) + HP * 16 + 16)  # one table
+        b0t = w0t + 32 * HP
+        wht = b0t + HP
+        bht = wht + NHID * HP * HP
+        wlt = bht + NHID * HP
+        blt = wlt + HP * 16
     else:
+        acc = tl.zeros([BLOCK, 32], tl.float64)
+        acc8 = tl.zeros([BLOCK, 8], tl.float64)
         mu0 = tl.load(mu + t * 4)
         mu1 = tl.load(mu + t * 4 + 1)
         mu2 = tl.load(mu + t * 4 + 2)
-    acc = tl.zeros([32], tl.float32)
-    acc8 = tl.zeros([8], tl.float32)
     sa_i = tl.arange(0, SA)
     ib = tb * TB + tl.arange(0, TB)
     a0 = ta * TA
@@ -126,21 +142,47 @@ def _velo_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, 
         R2, C2, FG2, FM2, V2 = C.accumulate(fact, off, mask, r3, c3, g, m2, rp, vr + 2,
                                             vc + 2, v3 + 2, fd2, rc2, 0.0)
         rr = tl.math.rsqrt(rms + 1e-6)
+        gc = tl.minimum(tl.maximum(g, -0.1), 0.1)
+        rsr0 = tl.math.rsqrt(R0 + 1e-8)
+        rsr1 = tl.math.rsqrt(R1 + 1e-8)
+        rsr2 = tl.math.rsqrt(R2 + 1e-8)
+        rsc0 = tl.math.rsqrt(C0 + 1e-8)
+        rsc1 = tl.math.rsqrt(C1 + 1e-8)
+        rsc2 = tl.math.rsqrt(C2 + 1e-8)
         z = tl.zeros([BLOCK], tl.float32)
-        x = C.cat32(g, tl.minimum(tl.maximum(g, -0.1), 0.1), p, m0, m1, m2, rms,
-                    m0 * rr, m1 * rr, m2 * rr, rr, g * FG0, g * FG1, g * FG2, g * rr,
-                    R0, R1, R2, C0, C1, C2,
-                    tl.math.rsqrt(R0 + 1e-8), tl.math.rsqrt(R1 + 1e-8),
-                    tl.math.rsqrt(R2 + 1e-8), tl.math.rsqrt(C0 + 1e-8),
-                    tl.math.rsqrt(C1 + 1e-8), tl.math.rsqrt(C2 + 1e-8),
-                    m0 * FM0, m1 * FM1, m2 * FM2, z, z)
-        x = tl.reshape(x, [BLOCK, 32])
-        x = tl.where(mask[:, None], x, 0.0)
         if FUSED:
-            out = C.mlp(x * inv[None, :], w0t, b0t, wht, bht, wlt, blt, 32, HP, NHID, PREC)
-            oc = tl.arange(0, 16)
-            direction = C.col(out, oc, 0)
-            magnitude = C.col(out, oc, 1)
+            # the tensor's 4-wide MLP, the first layer feature by feature (spec order)
+            h0, h1, h2, h3 = C.rank1(z, z, z, z, g, 0, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, gc, 1, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, p, 2, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m0, 3, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m1, 4, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m2, 5, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rms, 6, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m0 * rr, 7, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m1 * rr, 8, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m2 * rr, 9, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rr, 10, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, g * FG0, 11, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, g * FG1, 12, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, g * FG2, 13, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, g * rr, 14, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, R0, 15, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, R1, 16, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, R2, 17, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, C0, 18, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, C1, 19, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, C2, 20, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsr0, 21, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsr1, 22, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsr2, 23, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsc0, 24, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsc1, 25, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsc2, 26, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m0 * FM0, 27, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m1 * FM1, 28, invp, w0t)
+            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m2 * FM2, 29, invp, w0t)
+            direction, magnitude = C.mlp4_tail(h0, h1, h2, h3, b0t, wht, bht, wlt, blt, NHID)
             step = direction * (pscale * tl.exp(magnitude * exp_mult)) * step_mult
             step = lr_mult * step
             newp = p - (lr * step + lrwd * p)
@@ -154,7 +196,12 @@ def _velo_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, 
                 tl.store(v3 + 1, V1, mask=mask)
                 tl.store(v3 + 2, V2, mask=mask)
         else:
-            acc += tl.sum(x * x, axis=0)
+            x = C.cat32(g, gc, p, m0, m1, m2, rms, m0 * rr, m1 * rr, m2 * rr, rr,
+                        g * FG0, g * FG1, g * FG2, g * rr, R0, R1, R2, C0, C1, C2,
+                        rsr0, rsr1, rsr2, rsc0, rsc1, rsc2, m0 * FM0, m1 * FM1, m2 * FM2,
+                        z, z)
+            x = tl.where(mask[:, None], tl.reshape(x, [BLOCK, 32]), 0.0)
+            acc += x.to(tl.float64) * x.to(tl.float64)
             d0 = om0 - mu0
             d1 = om1 - mu1
             d2 = om2 - mu2
@@ -163,37 +210,91 @@ def _velo_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, 
             e2 = orms - mu2
             y = tl.reshape(C.cat8(d0 * d0, d1 * d1, d2 * d2, e0 * e0, e1 * e1, e2 * e2, z, z),
                            [BLOCK, 8])
-            acc8 += tl.sum(tl.where(mask[:, None], y, 0.0), axis=0)
+            acc8 += tl.where(mask[:, None], y, 0.0).to(tl.float64)
     if not FUSED:
-        tl.store(part + pid.to(tl.int64) * 64 + cols, acc)
-        tl.store(part + pid.to(tl.int64) * 64 + 32 + c8, acc8)
+        tl.store(part + pid.to(tl.int64) * 64 + cols, tl.sum(acc, axis=0))
+        tl.store(part + pid.to(tl.int64) * 64 + 32 + c8, tl.sum(acc8, axis=0))
         # (columns 40-63 are not written and not read)
 
 
-def _next_pow2(n: int, lo: int = 16) -> int:
-    p = lo
-    while p < n:
-        p *= 2
-    return p
+@triton.jit
+def velo_stats_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
+                      part, exp_mult, step_mult, NHID: tl.constexpr, NPTR: tl.constexpr,
+                      NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
+    """Launch 3 (statistics mode of :func:`_velo_body`)."""
+    _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
+               exp_mult, step_mult, False, NHID, NPTR, NF, TA, TB, SA)
 
 
-def _pad3(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    out = torch.zeros((w.shape[0], rows, cols), dtype=torch.float32, device=w.device)
-    out[:, :w.shape[1], :w.shape[2]] = w
-    return out
+@triton.jit
+def velo_fused_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
+                      part, exp_mult, step_mult, NHID: tl.constexpr, NPTR: tl.constexpr,
+                      NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
+    """Launch 5 (fused mode of :func:`_velo_body`)."""
+    _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
+               exp_mult, step_mult, True, NHID, NPTR, NF, TA, TB, SA)
+
+
+check_supported = L.supported_velo
 
 
 class VeLOTriton:
     """The Triton step of one :class:`xopt.torch.VeLO` (caches its layout)."""
 
-    PRECISIONS = {"exact": "tf32x3", "fast": "tf32"}
+    PRECISIONS = ("exact", "fast")
 
     def __init__(self, hp: _spec.VeLO, precision: str = "exact") -> None:
+        why = check_supported(hp)
+        if why is not None:
+            raise ValueError(f"VeLO(impl='triton'): {why}")
+        if precision not in self.PRECISIONS:
+            raise ValueError(f"precision must be one of {self.PRECISIONS}, got {precision!r}")
         self.hp = hp
-        self.prec = self.PRECISIONS[precision]
+        self.prec = precision
         self._layout: L.Layout | None = None
         self._onehot: torch.Tensor | None = None
         self._tables = L.TableCache()
+        self._bank_cache: tuple | None = None
+        self._decays: tuple | None = None  # (all 7 decays, the 3 Adafactor ones): constants
+
+    def _bank(self, meta: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(bank [P, T], gidx)``: the MLP banks side by side (each ``[P, ...]`` flattened,
+        in :func:`xopt.specs.velo.mlp_bank_names` order) and the index of each entry of one
+        tensor's kernel table (w0 [32, 4], b0 [4], wh [NHID, 4, 4], bh [NHID, 4], wl [4, 16],
+        bl [16], zero-padded) in ``[mixed | 0]`` (T: the zero). Cached per meta tensors."""
+        names = _spec.mlp_bank_names(self.hp)
+        key = tuple((meta[k].data_ptr(), meta[k]._version) for k in names)
+        if self._bank_cache is not None and self._bank_cache[0] == key:
+            return self._bank_cache[1], self._bank_cache[2]
+        p = meta[names[0]].shape[0]
+        flat = [meta[k].reshape(p, -1) for k in names]
+        total = sum(f.shape[1] for f in flat)
+        starts, o = {}, 0
+        for k, f in zip(names, flat, strict=True):
+            starts[k.split("/")[1]] = o
+            o += f.shape[1]
+        shapes = {k.split("/")[1]: tuple(meta[k].shape[1:]) for k in names}
+        nl = int(self.hp.ff_hidden_layers)
+
+        def block(name, rows, cols):
+            shp = shapes[name]
+            r_n, c_n = (1, shp[0]) if len(shp) == 1 else shp
+            out = []
+            for r in range(rows):
+                for c in range(cols):
+                    out.append(starts[name] + r * c_n + c if r < r_n and c < c_n else total)
+            return out
+
+        idx = block("w0", 32, 4) + block("b0", 1, 4)
+        for i in range(1, nl):
+            idx += block(f"w{i}", 4, 4)
+        for i in range(1, nl):
+            idx += block(f"b{i}", 1, 4)
+        idx += block(f"w{nl}", 4, 16) + block(f"b{nl}", 1, 16)
+        bank = torch.cat(flat, 1).contiguous()
+        gidx = torch.tensor(idx, dtype=torch.int64, device=bank.device)
+        self._bank_cache = (key, bank, gidx)
+        return bank, gidx
 
     def layout(self, shapes: Sequence[tuple[int, ...]], device: torch.device) -> L.Layout:
         lay = self._layout
@@ -220,8 +321,10 @@ class VeLOTriton:
         dev = params[0].device
         lay = self.layout([tuple(p.shape) for p in params], dev)
         like = meta["lstm/init_hidden"]
-        md, rd, fd = (_spec._as_array(torch, d, like) for d in _spec.decay_arrays(hp))
-        decays = torch.cat([md, rd, fd]).contiguous()
+        if self._decays is None or self._decays[0].device != dev:
+            md, rd, fd = (_spec._as_array(torch, d, like) for d in _spec.decay_arrays(hp))
+            self._decays = (torch.cat([md, rd, fd]).contiguous(), fd)
+        decays, fd = self._decays
         ptrs = self._tables.get("ptrs", [
             [p.data_ptr(), g.data_ptr(), s["m"].data_ptr(), s["rms"].data_ptr(),
              s["v_row"].data_ptr(), s["v_col"].data_ptr(), s["v_diag"].data_ptr(),
@@ -241,17 +344,15 @@ class VeLOTriton:
         n = lay.numel[:, None]
         mu = (sums4 / n).contiguous()
         # 3: feature statistics and the variances' second pass
-        nh = int(hp.ff_hidden_layers)
-        hp_ = _next_pow2(int(hp.ff_hidden_size))
-        common = dict(HP=hp_, NHID=nh - 1, NPTR=NPTR, NF=L.NFIELDS, TA=L.TA,
-                      TB=L.TB, SA=SA, num_warps=WARPS, PREC=self.prec)
-        part = torch.empty((lay.n_prog_all, 64), dtype=torch.float32, device=dev)
-        dummy = part
-        _velo_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, ptrs, rcm, decays, mu,
-                                        dummy, dummy, dummy, dummy, dummy, dummy, dummy,
-                                        dummy, part, float(hp.exp_mult), float(hp.step_mult),
-                                        FUSED=False, **common)
-        st = C.seg_sum(part, lay)
+        nhid = int(hp.ff_hidden_layers) - 1
+        common = dict(NHID=nhid, NPTR=NPTR, NF=L.NFIELDS, TA=L.TA, TB=L.TB,
+                      num_warps=WARPS, num_stages=STAGES)
+        part = torch.empty((lay.n_prog_all, 64), dtype=torch.float64, device=dev)
+        velo_stats_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, ptrs, rcm, decays, mu,
+                                             part, part, part, part, part, part, part, part,
+                                             part, float(hp.exp_mult), float(hp.step_mult),
+                                             SA=SA_STATS, **common)
+        st = C.seg_sum(part, lay).float()
         # 4: the LSTM inputs (xopt.specs.velo.lstm_features, batched), the LSTM, the MLPs
         psq = st[:, 2] / lay.numel
         nm = torch.rsqrt(psq.clamp_min(1e-9))
@@ -268,30 +369,19 @@ class VeLOTriton:
         ], dim=1)
         controls, lr_mult, hidden, cell = _spec.lstm_step(torch, x, hidden, cell, meta)
         pscale = torch.sqrt(psq + 1e-9)
-        tabs = {}
-        for name in _spec.mlp_bank_names(hp):
-            bank = meta[name]
-            c = controls.reshape(controls.shape + (1,) * (bank.dim() - 1))
-            tabs[name.split("/")[1]] = 100.0 * (bank[None] * c).mean(1)
-        w0 = _pad3(tabs["w0"], 32, hp_)
-        b0 = _pad3(tabs["b0"][:, None], 1, hp_)[:, 0]
-        if nh > 1:
-            wh = torch.stack([_pad3(tabs[f"w{i}"], hp_, hp_) for i in range(1, nh)], 1)
-            bh = torch.stack([_pad3(tabs[f"b{i}"][:, None], 1, hp_)[:, 0]
-                              for i in range(1, nh)], 1)
-        else:
-            wh = torch.zeros((nt, 1, hp_, hp_), device=dev)
-            bh = torch.zeros((nt, 1, hp_), device=dev)
-        wl = _pad3(tabs[f"w{nh}"], hp_, 16)
-        bl = _pad3(tabs[f"b{nh}"][:, None], 1, 16)[:, 0]
+        # every tensor's MLP weights at once (xopt.specs.velo.mix_mlp_weights: 100 · mean over
+        # the bank of controls · bank), gathered into the kernel's padded table
+        bank, gidx = self._bank(meta)
+        mixed = 100.0 * (bank[None] * controls[:, :, None]).mean(1)
+        tab = torch.cat([mixed, torch.zeros((nt, 1), device=dev)], 1)[:, gidx].contiguous()
         norm = torch.rsqrt(1e-5 + st[:, :32] / n).contiguous()
         scal = torch.cat([host, lr_mult[:, None], pscale[:, None],
                           torch.zeros((nt, 3), device=dev)], 1).contiguous()
         # 5: the fused update
-        _velo_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, ptrs, rcm, decays, mu, norm,
-                                        scal, w0, b0, wh, bh, wl, bl, part,
-                                        float(hp.exp_mult), float(hp.step_mult), FUSED=True,
-                                        **common)
+        velo_fused_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, ptrs, rcm, decays, mu,
+                                             norm, scal, tab, tab, tab, tab, tab, tab, part,
+                                             float(hp.exp_mult), float(hp.step_mult),
+                                             SA=SA, **common)
         return hidden, cell
 
 

@@ -311,6 +311,7 @@ class LearnedOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         self._meta_cache = {}
         self._triton = None
+        self._lstm_views = None
 
     # -- hooks (see the module docstring) -------------------------------------------------
     def _init_param_state(self, p: Tensor) -> dict[str, Tensor]:

@@ -79,8 +79,9 @@ class VeLO(LearnedOptimizer):
         kernels of :mod:`xopt.kernels.velo`; CUDA, or the CPU under ``TRITON_INTERPRET=1``),
         or None (default): Triton when the parameters are on CUDA and Triton is
         importable, plain otherwise.
-      precision: the Triton path's MLP matmuls, ``"exact"`` (3xTF32, within 1e-6 of plain)
-        or ``"fast"`` (TF32; see bench/RESULTS.md).
+      precision: ``"exact"`` or ``"fast"``: the same kernel (VeLO's 4-wide per-element MLP
+        runs as float32 FMAs; parameters and state within 1e-6 of plain, see
+        :mod:`xopt.kernels.velo`).
 
     ``step(closure=None, *, loss=None)``: VeLO reads the loss, so one of the two is
     required; without it ``step`` raises ``ValueError`` and changes nothing.
@@ -103,6 +104,11 @@ class VeLO(LearnedOptimizer):
                          weight_decay=weight_decay, weight_decay_mode=weight_decay_mode,
                          max_training_steps=max_training_steps, **method_hyperparameters)
         self._set_impl(impl, precision)
+
+    def _triton_unsupported(self) -> str | None:
+        from xopt.kernels.lopt_layout import supported_velo
+
+        return supported_velo(self.hp)
 
     # -- state ------------------------------------------------------------------------------
     def _init_param_state(self, p: Tensor) -> dict[str, Tensor]:
@@ -157,15 +163,29 @@ class VeLO(LearnedOptimizer):
             self._triton = VeLOTriton(self.hp, self.precision)
         dev = entries[0].param.device
         io = self._triton_io(entries, _ACC_VARS)
-        hidden = torch.stack([e.state["lstm_hidden"] for e in entries]).to(dev)
-        cell = torch.stack([e.state["lstm_cell"] for e in entries]).to(dev)
-        hidden, cell = self._triton.step(io["params"], io["grads"], io["states"], io["outs"],
+        hs = [e.state["lstm_hidden"] for e in entries]
+        cs = [e.state["lstm_cell"] for e in entries]
+        views = getattr(self, "_lstm_views", None)
+        if (views is not None and len(views[2]) == len(hs) and views[0].device == dev
+                and all(a is b for a, b in zip(views[2], hs, strict=True))
+                and all(a is b for a, b in zip(views[3], cs, strict=True))):
+            hidden, cell = views[0], views[1]  # the states are still our views of these
+        else:
+            hidden = torch.stack(hs).to(dev)
+            cell = torch.stack(cs).to(dev)
+            views = None
+        new_h, new_c = self._triton.step(io["params"], io["grads"], io["states"], io["outs"],
                                          io["write_step"], io["lrs"], io["lrwds"],
                                          self.meta_on(dev), hidden, cell, frac.to(dev),
                                          lfeat.to(dev))
-        for e, h, c in zip(entries, hidden.unbind(0), cell.unbind(0), strict=True):
-            e.state["lstm_hidden"] = h
-            e.state["lstm_cell"] = c
+        hidden.copy_(new_h)
+        cell.copy_(new_c)
+        if views is None:  # each state's LSTM state: a view of one [n_tensors, H] tensor
+            hv, cv = list(hidden.unbind(0)), list(cell.unbind(0))
+            for e, h, c in zip(entries, hv, cv, strict=True):
+                e.state["lstm_hidden"] = h
+                e.state["lstm_cell"] = c
+            self._lstm_views = (hidden, cell, hv, cv)
         for e, step in io["post"]:
             self._apply_step(e, step)
 
