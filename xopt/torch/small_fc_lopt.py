@@ -57,9 +57,11 @@ class SmallFCLOpt(LearnedOptimizer):
         (the fused kernels of :mod:`xopt.kernels.small_fc_lopt`: all tensors in a few
         launches; CUDA, or the CPU under ``TRITON_INTERPRET=1``), or None (default):
         Triton when the parameters are on CUDA and Triton is importable, plain otherwise.
-      precision: the Triton path's MLP matmuls: ``"exact"`` (3xTF32, float32 accuracy: within
-        1e-6 of plain) or ``"fast"`` (TF32; the step moves by ~1e-3 relative, see
-        bench/RESULTS.md).
+      precision: the Triton path's tensor-core MLP (hidden widths above 4; narrower MLPs are
+        float32 FMAs in both modes): ``"exact"`` (split-precision TF32, parameters and
+        state within 1e-6 of plain, the step within 1e-6 of float64 where the function's
+        conditioning allows, see tests/test_kernels_lopt.py) or ``"fast"`` (one TF32
+        product; the step moves by ~5e-3 relative, see bench/RESULTS.md).
 
     ``step(closure=None, *, loss=None)``: the loss is not read by the update itself; it
     feeds coupled weight decay's and the accumulator's bookkeeping (missing: 0).
