@@ -123,7 +123,7 @@ class _Chain(torch.autograd.Function):
         r_out, r_in = r[:n_out], r[n_out:]
         x1 = _gather(x2d, perm_in_inv, triton_path)
         x2 = _rotate(x1, r_in)
-        y1 = torch.matmul(x2, weight.t())
+        y1 = torch.mm(x2, weight.t())
         del x2
         if bias is not None:
             y1 += bias
@@ -150,7 +150,7 @@ class _Chain(torch.autograd.Function):
         else:  # mem: re-gather x1, recompute y1, holding at most two activations at once
             x1 = _gather(xs, perm_in_inv, triton_path)
             x2 = _rotate(x1, r_in)
-            y1 = torch.matmul(x2, weight.t())
+            y1 = torch.mm(x2, weight.t())
             del x2
             if bias is not None:
                 y1 += bias
@@ -162,7 +162,7 @@ class _Chain(torch.autograd.Function):
         gy1 = _rotate(g2, r_out, transpose=True)
         del g2
         grad_bias = gy1.sum(0) if bias is not None and ctx.needs_input_grad[4] else None
-        gx2 = torch.matmul(gy1, weight)
+        gx2 = torch.mm(gy1, weight)
         del gy1
         if grad_r is not None:
             _outer(x1, gx2, r.shape[0] - n_out, out=grad_r[n_out:])
