@@ -517,6 +517,7 @@ def test_triton_layer_is_cuda_graph_capturable(variant):
     y = layer(x)
     y.backward(g)
     eager = (y.detach().clone(), x.grad.clone(), layer.oft_R.grad.clone())
+    del y  # a live graph keeps the leaves' AccumulateGrad nodes on the default stream
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
