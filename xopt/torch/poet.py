@@ -15,7 +15,9 @@ kernels of
 :mod:`xopt.kernels.poet_cayley` and :mod:`xopt.kernels.poet_perm`, with the block products
 as strided batched matmuls that read and write the ``(N, width)`` activations in place
 (no transposed copies); ``"auto"`` (default) picks triton on CUDA when it is importable.
-The rotations are evaluated in float32 whatever the layer's dtype and cast to it.
+The rotations are evaluated in float32 and cast to the layer's dtype, except on the triton
+path of a bf16/fp16 layer whose ``oft_R`` has that dtype: there the series runs in it
+(bf16 operands, float32 accumulation; :mod:`xopt.kernels.poet_cayley`), no casts.
 
 Merging: :meth:`POETLinear.merge_and_reset` folds the rotations into ``W0``, draws new
 permutations and zeroes ``oft_R``; :func:`merge_and_reset` does every layer of a model;
