@@ -333,3 +333,35 @@ def test_import_xopt_kernels_is_light():
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     print(json.dumps(_worker()))
+
+
+def _cuda() -> bool:
+    return HAS_TORCH and HAS_TRITON and torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (device runs)")
+@pytest.mark.parametrize("method", METHODS)
+def test_triton_step_does_not_block_the_host(method):
+    """After a warm-up step (layouts, tables, θ on the device), a Triton step issues no
+    synchronizing operation: torch's sync debug mode raises on one (a pageable host→device
+    copy of t/N or of the iteration did, and made the host wait for the backward pass)."""
+    import xopt.torch as xt
+
+    shapes = [(64, 48), (48,), (3, 5, 7)]
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
+    if method == "small_fc_lopt":
+        opt = xt.SmallFCLOpt(params, impl="triton", num_training_steps=100, hidden_size=32)
+    else:
+        opt = xt.VeLO(params, impl="triton", num_training_steps=100, seed=3)
+    loss = torch.tensor(1.5, device="cuda")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step(loss=loss)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step(loss=loss)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(p).all() for p in params)

@@ -216,3 +216,14 @@ class TableCache:
         dev = host.to(device, non_blocking=True)
         self._cache[name] = (key, dev)
         return dev
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor (the step's t/N, its iteration) on ``device`` without blocking
+    the host: from pinned memory, non-blocking, on CUDA. A pageable copy waits for every
+    kernel queued before it, in training the whole backward pass."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

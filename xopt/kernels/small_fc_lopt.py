@@ -343,8 +343,8 @@ class SmallFCTriton:
             md, rd, fd = _spec.decays(hp, meta, xp=torch)
             self._decays = (dkey, torch.cat([md, rd, fd]).contiguous(), fd)
         _, decays, fd = self._decays
-        tf = _spec.time_features(torch, torch.tensor(iteration, dtype=torch.int32),
-                                 meta["mlp/b0"])
+        tf = _spec.time_features(torch, L.to_device(torch.tensor(iteration, dtype=torch.int32),
+                                                    dev), meta["mlp/b0"])
         b0p = _pad((meta["mlp/b0"] + (tf[:, None] * w["wt"]).sum(0))[None], 1, hp_)[0]
         ptrs = self._tables.get("ptrs", [
             [p.data_ptr(), g.data_ptr(), s["m"].data_ptr(), s["rms"].data_ptr(),

@@ -37,6 +37,20 @@ def is_torch(xp: ModuleType) -> bool:
     return xp.__name__ == "torch"
 
 
+def constant(xp: ModuleType, values: Any, like: Any, dtype: Any = None) -> Any:
+    """Host numbers ``values`` as an array of ``like``'s dtype (or ``dtype``), on ``like``'s
+    device under torch. Rounded as NumPy casts (float64 → ``dtype``, to nearest). On a CUDA
+    device the copy goes through pinned memory without blocking: a pageable host→device
+    copy first waits for everything queued on the stream (in training, the backward)."""
+    dt = like.dtype if dtype is None else dtype
+    if is_torch(xp):
+        t = xp.as_tensor(np.asarray(values), dtype=dt)
+        if like.device.type == "cuda":
+            return t.pin_memory().to(like.device, non_blocking=True)
+        return t.to(like.device)
+    return xp.asarray(np.asarray(values), dtype=dt)
+
+
 def lerp(xp: ModuleType, start: Any, end: Any, weight: float) -> Any:
     """``start + weight * (end - start)``, as ``torch.lerp`` computes it under torch.
 

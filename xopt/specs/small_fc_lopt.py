@@ -236,9 +236,7 @@ META = MetaParams(shapes=meta_shapes, from_original=meta_from_original,
 
 def _const(xp: ModuleType, values: Any, like: Any) -> Any:
     """``values`` as an array of ``like``'s dtype (and device, under torch)."""
-    if _xp.is_torch(xp):
-        return xp.tensor(values, dtype=like.dtype, device=like.device)
-    return xp.asarray(values, dtype=like.dtype)
+    return _xp.constant(xp, values, like)
 
 
 def decays(hp: SmallFCLOpt, meta: Mapping[str, Any], *, xp: ModuleType) -> tuple[Any, Any, Any]:

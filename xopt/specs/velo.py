@@ -383,9 +383,7 @@ def _one_hot(xp: ModuleType, index: int, n: int, like: Any) -> Any:
 
 def _as_array(xp: ModuleType, values: Any, like: Any) -> Any:
     """A constant array in ``like``'s namespace, dtype and device."""
-    if _xp.is_torch(xp):
-        return xp.as_tensor(np.asarray(values), dtype=like.dtype, device=like.device)
-    return xp.asarray(np.asarray(values), dtype=like.dtype)
+    return _xp.constant(xp, values, like)
 
 
 # -- loss buffer (``BufferLossAccumulators``) -------------------------------------------------
@@ -435,7 +433,7 @@ def loss_buffer_update(xp: ModuleType, means: Any, running_min: Any, decays: Any
 def _as_bool(xp: ModuleType, cond: Any, like: Any) -> Any:
     if isinstance(cond, (bool, np.bool_)):
         if _xp.is_torch(xp):
-            return xp.tensor(bool(cond), device=like.device)
+            return _xp.constant(xp, bool(cond), like, dtype=xp.bool)
         return xp.asarray(bool(cond))
     return cond
 
@@ -531,9 +529,7 @@ def _mean_all(xp: ModuleType, x: Any) -> Any:
 
 
 def _scalar(xp: ModuleType, value: float, like: Any) -> Any:
-    if _xp.is_torch(xp):
-        return xp.tensor(value, dtype=like.dtype, device=like.device)
-    return xp.asarray(value, dtype=like.dtype)
+    return _xp.constant(xp, value, like)
 
 
 # -- the per-tensor LSTM (``_rnn_forward`` with haiku's LSTM) --------------------------------

@@ -157,6 +157,7 @@ class VeLO(LearnedOptimizer):
     def _triton_update(self, entries: list[Entry], frac: Tensor, lfeat: Tensor) -> None:
         """The fused Triton step (:mod:`xopt.kernels.velo`) over all entries. The LSTM state
         of the parameters is kept as views of one ``[n_tensors, H]`` tensor."""
+        from xopt.kernels.lopt_layout import to_device
         from xopt.kernels.velo import VeLOTriton
 
         if self._triton is None:
@@ -176,8 +177,8 @@ class VeLO(LearnedOptimizer):
             views = None
         new_h, new_c = self._triton.step(io["params"], io["grads"], io["states"], io["outs"],
                                          io["write_step"], io["lrs"], io["lrwds"],
-                                         self.meta_on(dev), hidden, cell, frac.to(dev),
-                                         lfeat.to(dev))
+                                         self.meta_on(dev), hidden, cell,
+                                         to_device(frac, dev), to_device(lfeat, dev))
         hidden.copy_(new_h)
         cell.copy_(new_c)
         if views is None:  # each state's LSTM state: a view of one [n_tensors, H] tensor
