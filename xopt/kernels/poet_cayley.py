@@ -103,21 +103,32 @@ def _dot(a, b, TF32: tl.constexpr):
 
 
 @triton.jit
+def _block_tile(B, BM: tl.constexpr):
+    """A program's block ``n`` (grid axis 0) and the rows and columns of its BM × BM output
+    tile (grid axis 1, row-major over the block's tiles)."""
+    tiles = tl.cdiv(B, BM)
+    ti = tl.program_id(1) // tiles
+    tj = tl.program_id(1) % tiles
+    return (tl.program_id(0), ti * BM + tl.arange(0, BM), tj * BM + tl.arange(0, BM))
+
+
+@triton.jit
 def _tile(ptr, rows, cols, s_row, s_col, B):
     mask = (rows[:, None] < B) & (cols[None, :] < B)
     return tl.load(ptr + rows[:, None] * s_row + cols[None, :] * s_col, mask=mask, other=0.0)
 
 
 @triton.jit
+def _store_tile(ptr, rows, cols, s_row, s_col, B, value):
+    mask = (rows[:, None] < B) & (cols[None, :] < B)
+    tl.store(ptr + rows[:, None] * s_row + cols[None, :] * s_col, value, mask=mask)
+
+
+@triton.jit
 def _cnp_fwd_kernel(q_ptr, q2_ptr, y_ptr, B, C4, s_b, s_r, s_c,
                     BM: tl.constexpr, BK: tl.constexpr, TF32: tl.constexpr):
     # One program per (block, output tile). Y = 2((Q²Q + Q) + Q²) + C4·Q²Q² + I.
-    n = tl.program_id(0)
-    tiles = tl.cdiv(B, BM)
-    ti = tl.program_id(1) // tiles
-    tj = tl.program_id(1) % tiles
-    rows = ti * BM + tl.arange(0, BM)
-    cols = tj * BM + tl.arange(0, BM)
+    n, rows, cols = _block_tile(B, BM)
     q = q_ptr + n * s_b
     q2 = q2_ptr + n * s_b
     acc3 = tl.zeros((BM, BM), dtype=tl.float32)
@@ -130,20 +141,14 @@ def _cnp_fwd_kernel(q_ptr, q2_ptr, y_ptr, B, C4, s_b, s_r, s_c,
     y = 2.0 * ((acc3 + _tile(q, rows, cols, s_r, s_c, B)) + _tile(q2, rows, cols, s_r, s_c, B))
     y = y + C4 * acc4
     y = y + tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
-    mask = (rows[:, None] < B) & (cols[None, :] < B)
-    tl.store(y_ptr + n * s_b + rows[:, None] * s_r + cols[None, :] * s_c, y, mask=mask)
+    _store_tile(y_ptr + n * s_b, rows, cols, s_r, s_c, B, y)
 
 
 @triton.jit
 def _cnp_bwd_d_kernel(q_ptr, g_ptr, d_ptr, B, s_b, s_r, s_c, BM: tl.constexpr, BK: tl.constexpr,
                       TF32: tl.constexpr):
     # D = QᵀG + GQᵀ, the transposes read through swapped strides.
-    n = tl.program_id(0)
-    tiles = tl.cdiv(B, BM)
-    ti = tl.program_id(1) // tiles
-    tj = tl.program_id(1) % tiles
-    rows = ti * BM + tl.arange(0, BM)
-    cols = tj * BM + tl.arange(0, BM)
+    n, rows, cols = _block_tile(B, BM)
     q = q_ptr + n * s_b
     g = g_ptr + n * s_b
     acc = tl.zeros((BM, BM), dtype=tl.float32)
@@ -151,20 +156,14 @@ def _cnp_bwd_d_kernel(q_ptr, g_ptr, d_ptr, B, s_b, s_r, s_c, BM: tl.constexpr, B
         ks = k0 + tl.arange(0, BK)
         acc += _dot(_tile(q, rows, ks, s_c, s_r, B), _tile(g, ks, cols, s_r, s_c, B), TF32)
         acc += _dot(_tile(g, rows, ks, s_r, s_c, B), _tile(q, ks, cols, s_c, s_r, B), TF32)
-    mask = (rows[:, None] < B) & (cols[None, :] < B)
-    tl.store(d_ptr + n * s_b + rows[:, None] * s_r + cols[None, :] * s_c, acc, mask=mask)
+    _store_tile(d_ptr + n * s_b, rows, cols, s_r, s_c, B, acc)
 
 
 @triton.jit
 def _cnp_bwd_final_kernel(q_ptr, q2_ptr, g_ptr, d_ptr, out_ptr, B, C4, s_b, s_r, s_c,
                           BM: tl.constexpr, BK: tl.constexpr, TF32: tl.constexpr):
     # ∂Q = 2(G + D) + (2Qᵀ + C4·Q²ᵀ) D + (2G + C4·D) Q²ᵀ
-    n = tl.program_id(0)
-    tiles = tl.cdiv(B, BM)
-    ti = tl.program_id(1) // tiles
-    tj = tl.program_id(1) % tiles
-    rows = ti * BM + tl.arange(0, BM)
-    cols = tj * BM + tl.arange(0, BM)
+    n, rows, cols = _block_tile(B, BM)
     q = q_ptr + n * s_b
     q2 = q2_ptr + n * s_b
     g = g_ptr + n * s_b
@@ -177,27 +176,20 @@ def _cnp_bwd_final_kernel(q_ptr, q2_ptr, g_ptr, d_ptr, out_ptr, B, C4, s_b, s_r,
         left = 2.0 * _tile(g, rows, ks, s_r, s_c, B) + C4 * _tile(d, rows, ks, s_r, s_c, B)
         acc += _dot(left, _tile(q2, ks, cols, s_c, s_r, B), TF32)
     acc = acc + 2.0 * (_tile(g, rows, cols, s_r, s_c, B) + _tile(d, rows, cols, s_r, s_c, B))
-    mask = (rows[:, None] < B) & (cols[None, :] < B)
-    tl.store(out_ptr + n * s_b + rows[:, None] * s_r + cols[None, :] * s_c, acc, mask=mask)
+    _store_tile(out_ptr + n * s_b, rows, cols, s_r, s_c, B, acc)
 
 
 @triton.jit
 def _square_kernel(q_ptr, out_ptr, B, s_b, s_r, s_c, BM: tl.constexpr, BK: tl.constexpr,
                    TF32: tl.constexpr):
     # Q² (kept for the backward)
-    n = tl.program_id(0)
-    tiles = tl.cdiv(B, BM)
-    ti = tl.program_id(1) // tiles
-    tj = tl.program_id(1) % tiles
-    rows = ti * BM + tl.arange(0, BM)
-    cols = tj * BM + tl.arange(0, BM)
+    n, rows, cols = _block_tile(B, BM)
     q = q_ptr + n * s_b
     acc = tl.zeros((BM, BM), dtype=tl.float32)
     for k0 in range(0, B, BK):
         ks = k0 + tl.arange(0, BK)
         acc += _dot(_tile(q, rows, ks, s_r, s_c, B), _tile(q, ks, cols, s_r, s_c, B), TF32)
-    mask = (rows[:, None] < B) & (cols[None, :] < B)
-    tl.store(out_ptr + n * s_b + rows[:, None] * s_r + cols[None, :] * s_c, acc, mask=mask)
+    _store_tile(out_ptr + n * s_b, rows, cols, s_r, s_c, B, acc)
 
 
 # -- launchers -------------------------------------------------------------------------------
