@@ -38,6 +38,21 @@ def _key_str(k: Any) -> str:
     return str(k)
 
 
+#: the leaf dtypes GaLore and COAP take (an SVD/QR needs at least float32 state)
+FLOATING = (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
+
+
+def check_float_leaf(leaf: Any, where: str, dtypes: tuple | None = FLOATING) -> None:
+    """Raise :class:`HyperparameterError` naming ``where`` (label and leaf path) unless the
+    leaf's dtype is one of ``dtypes`` (``None``: any floating dtype)."""
+    dt = jnp.result_type(leaf)
+    ok = jnp.issubdtype(dt, jnp.floating) if dtypes is None else dt in dtypes
+    if not ok:
+        allowed = ("floating dtypes only" if dtypes is None
+                   else ", ".join(jnp.dtype(d).name for d in dtypes))
+        raise HyperparameterError(f"{where}: dtype {dt} is not supported ({allowed})")
+
+
 def path_names(tree: Any) -> list[str]:
     """Leaf names of ``tree``, in flattening order: path keys joined by ``/``."""
     return ["/".join(_key_str(k) for k in path)

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from xopt.errors import HyperparameterError
 from xopt.jax._lowrank import (
+    check_float_leaf,
     decomposition_guard,
     inject_for,
     keep_if_not_finite,
@@ -45,7 +45,6 @@ from xopt.specs import coap as _spec
 __all__ = ["COAPState", "coap"]
 
 _LABEL = "xopt.jax.coap"
-_FLOATING = (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
 
 
 class COAPState(NamedTuple):
@@ -150,10 +149,7 @@ def coap(
         names = path_names(tree)
         specs = leaf_specs(tree, base, param_specs, _spec.COAP, _LABEL)
         for n, leaf, h in zip(names, jax.tree.leaves(tree), specs, strict=True):
-            dt = jnp.asarray(leaf).dtype
-            if dt not in _FLOATING:
-                raise HyperparameterError(f"{_LABEL}: {n}: dtype {dt} is not supported "
-                                          "(float32, float64, bfloat16, float16)")
+            check_float_leaf(leaf, f"{_LABEL}: {n}")
             _spec.check_param(tuple(leaf.shape), h, f"{_LABEL}: {n}")
         return names, specs
 

@@ -28,7 +28,13 @@ import numpy as np
 import optax
 
 from xopt.errors import HyperparameterError
-from xopt.jax._lowrank import inject_for, leaf_specs, path_names, raise_if_nonfinite
+from xopt.jax._lowrank import (
+    check_float_leaf,
+    inject_for,
+    leaf_specs,
+    path_names,
+    raise_if_nonfinite,
+)
 from xopt.jax._precision import full_precision
 from xopt.specs import flora as _spec
 
@@ -187,9 +193,7 @@ def flora(learning_rate: float | None = None, rank: int | None = None,
         names = path_names(params)
         specs = leaf_specs(params, hp, param_specs, _spec.Flora, _LABEL)
         for n, h, p in zip(names, specs, jax.tree.leaves(params), strict=True):
-            if not jnp.issubdtype(jnp.result_type(p), jnp.floating):
-                raise HyperparameterError(f"{_LABEL}: {n}: dtype {jnp.result_type(p)} is not "
-                                          "supported (floating only)")
+            check_float_leaf(p, f"{_LABEL}: {n}", None)
             _spec.check_param(tuple(np.shape(p)), h, f"{_LABEL}: {n}")
         return names, specs
 

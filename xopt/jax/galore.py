@@ -30,6 +30,7 @@ import optax
 
 from xopt.errors import HyperparameterError
 from xopt.jax._lowrank import (
+    check_float_leaf,
     decomposition_guard,
     inject_for,
     leaf_specs,
@@ -44,7 +45,6 @@ from xopt.specs import galore as _spec
 __all__ = ["GaLoreState", "galore"]
 
 _LABEL = "xopt.jax.galore"
-_FLOATING = (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
 
 
 class GaLoreState(NamedTuple):
@@ -139,9 +139,7 @@ def galore(
     def check(tree: Any) -> tuple[list[str], list[_spec.GaLore]]:
         names, specs = path_names(tree), specs_of(tree)
         for n, leaf, h in zip(names, jax.tree.leaves(tree), specs, strict=True):
-            if jnp.asarray(leaf).dtype not in _FLOATING:
-                raise HyperparameterError(f"{_LABEL}: {n}: dtype {jnp.asarray(leaf).dtype} is "
-                                          "not supported (float32, float64, bfloat16, float16)")
+            check_float_leaf(leaf, f"{_LABEL}: {n}")
             if _spec.is_projected(tuple(leaf.shape), h):
                 _lowrank.check_rank(h.rank, tuple(leaf.shape), f"{_LABEL}: {n}")
         return names, specs

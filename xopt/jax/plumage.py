@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import optax
 
 from xopt import random as xrandom
-from xopt.errors import HyperparameterError
 from xopt.jax._lowrank import (
+    check_float_leaf,
     decomposition_guard,
     inject_for,
     leaf_specs,
@@ -136,9 +136,7 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
         names = path_names(tree)
         specs = leaf_specs(tree, hp, param_specs, _spec.PLUMAGE, _LABEL)
         for name, h, x in zip(names, specs, jax.tree.leaves(tree), strict=True):
-            if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-                raise HyperparameterError(f"{_LABEL}: {name}: dtype {jnp.result_type(x)} is not "
-                                          "supported (floating dtypes only)")
+            check_float_leaf(x, f"{_LABEL}: {name}", None)
             _spec.check_param(tuple(x.shape), h, f"{_LABEL}: {name}")
         return names, specs
 
