@@ -354,6 +354,66 @@ def accumulate(fact, off, mask, ridx, cidx, g, m, rms_p, vr, vc, vd, dec, rcm_b,
 
 
 @triton.jit
+def program_tile(meta, prog, rcm, NF: tl.constexpr):
+    """A per-element program's place: ``(t, row, fact, ia_n, b, ta, tb, rc0, rc1, rc2)`` —
+    its tensor ``t`` and that tensor's layout row, whether it is factored, the length of
+    its tile's first axis, the tile ``(b, ta, tb)`` and the three row-column means of
+    batch ``b`` (unfactored tensors read 3 unused numbers)."""
+    pid = tl.program_id(0)
+    t = tl.load(prog + pid)
+    row = meta + t * NF
+    fact = tl.load(row + 1)
+    ia_n = tl.load(row + 2)
+    b, ta, tb = tile_of(row, pid - tl.load(row + 11))
+    rcm_b = rcm + tl.load(row + 22) + b * 3
+    return (t, row, fact, ia_n, b, ta, tb, tl.load(rcm_b), tl.load(rcm_b + 1),
+            tl.load(rcm_b + 2))
+
+
+@triton.jit
+def tensor_ptrs(ptrs, t, NPTR: tl.constexpr):
+    """Tensor ``t``'s float32 pointers ``(p, g, m, rms, v_row, v_col, v_diag)``."""
+    return (ptr_f32(ptrs, t, 0, NPTR), ptr_f32(ptrs, t, 1, NPTR), ptr_f32(ptrs, t, 2, NPTR),
+            ptr_f32(ptrs, t, 3, NPTR), ptr_f32(ptrs, t, 4, NPTR), ptr_f32(ptrs, t, 5, NPTR),
+            ptr_f32(ptrs, t, 6, NPTR))
+
+
+@triton.jit
+def load_decays(decays):
+    """``(md0, md1, md2, rd, fd0, fd1, fd2)``: the momentum, rms (clipped to [0, 1]) and
+    Adafactor decays of the step, from ``decays`` [7]."""
+    return (tl.load(decays + 0), tl.load(decays + 1), tl.load(decays + 2),
+            tl.minimum(tl.maximum(tl.load(decays + 3), 0.0), 1.0), tl.load(decays + 4),
+            tl.load(decays + 5), tl.load(decays + 6))
+
+
+@triton.jit
+def accumulate3(fact, off, mask, ridx, cidx, g, m0, m1, m2, rp, vr, vc, vd, fd0, fd1, fd2,
+                rc0, rc1, rc2, FM_EPS: tl.constexpr):
+    """:func:`accumulate` for the three decays: ``(R0, C0, FG0, FM0, V0, R1, …, V2, v3)``
+    with ``v3`` the elements' ``v_diag`` pointers (``[..., 3]`` interleaved)."""
+    r3 = ridx * 3
+    c3 = cidx * 3
+    v3 = vd + off * 3
+    R0, C0, FG0, FM0, V0 = accumulate(fact, off, mask, r3, c3, g, m0, rp, vr, vc, v3, fd0,
+                                      rc0, FM_EPS)
+    R1, C1, FG1, FM1, V1 = accumulate(fact, off, mask, r3, c3, g, m1, rp, vr + 1, vc + 1,
+                                      v3 + 1, fd1, rc1, FM_EPS)
+    R2, C2, FG2, FM2, V2 = accumulate(fact, off, mask, r3, c3, g, m2, rp, vr + 2, vc + 2,
+                                      v3 + 2, fd2, rc2, FM_EPS)
+    return (R0, C0, FG0, FM0, V0, R1, C1, FG1, FM1, V1, R2, C2, FG2, FM2, V2, v3)
+
+
+@triton.jit
+def rsqrt_features(rms, R0, R1, R2, C0, C1, C2):
+    """``(rsqrt(rms + 1e-6), rsqrt(R_k + 1e-8) for k < 3, rsqrt(C_k + 1e-8) for k < 3)``:
+    the reciprocal-root features both learned optimizers read."""
+    return (tl.math.rsqrt(rms + 1e-6), tl.math.rsqrt(R0 + 1e-8), tl.math.rsqrt(R1 + 1e-8),
+            tl.math.rsqrt(R2 + 1e-8), tl.math.rsqrt(C0 + 1e-8), tl.math.rsqrt(C1 + 1e-8),
+            tl.math.rsqrt(C2 + 1e-8))
+
+
+@triton.jit
 def round_tf32(x):
     """x rounded to the nearest TF32 number (10 explicit mantissa bits; ties away from
     zero), so that a TF32 matmul, which ignores the low 13 bits, reads it unchanged."""

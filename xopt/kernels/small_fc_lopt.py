@@ -91,29 +91,9 @@ def _sfc_body(meta, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, w
     — and writes the new parameter (or the step), ``m``, ``rms`` and ``v_diag``."""
     BLOCK: tl.constexpr = SA * TB
     pid = tl.program_id(0)
-    t = tl.load(prog + pid)
-    row = meta + t * NF
-    fact = tl.load(row + 1)
-    ia_n = tl.load(row + 2)
-    b, ta, tb = C.tile_of(row, pid - tl.load(row + 11))
-    rcm_b = rcm + tl.load(row + 22) + b * 3
-    rc0 = tl.load(rcm_b)  # (unfactored tensors read 3 unused numbers)
-    rc1 = tl.load(rcm_b + 1)
-    rc2 = tl.load(rcm_b + 2)
-    pp = C.ptr_f32(ptrs, t, 0, NPTR)
-    gp = C.ptr_f32(ptrs, t, 1, NPTR)
-    mp = C.ptr_f32(ptrs, t, 2, NPTR)
-    rp = C.ptr_f32(ptrs, t, 3, NPTR)
-    vr = C.ptr_f32(ptrs, t, 4, NPTR)
-    vc = C.ptr_f32(ptrs, t, 5, NPTR)
-    vd = C.ptr_f32(ptrs, t, 6, NPTR)
-    md0 = tl.load(decays + 0)
-    md1 = tl.load(decays + 1)
-    md2 = tl.load(decays + 2)
-    rd = tl.minimum(tl.maximum(tl.load(decays + 3), 0.0), 1.0)
-    fd0 = tl.load(decays + 4)
-    fd1 = tl.load(decays + 5)
-    fd2 = tl.load(decays + 6)
+    t, row, fact, ia_n, b, ta, tb, rc0, rc1, rc2 = C.program_tile(meta, prog, rcm, NF)
+    pp, gp, mp, rp, vr, vc, vd = C.tensor_ptrs(ptrs, t, NPTR)
+    md0, md1, md2, rd, fd0, fd1, fd2 = C.load_decays(decays)
     cols = tl.arange(0, 32)
     if FUSED:
         outp = C.ptr_f32(ptrs, t, 7, NPTR)
@@ -150,22 +130,10 @@ def _sfc_body(meta, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, w
         m1 = md1 * tl.load(mp + off * 3 + 1, mask=mask, other=0.0) + (1 - md1) * g
         m2 = md2 * tl.load(mp + off * 3 + 2, mask=mask, other=0.0) + (1 - md2) * g
         rms = rd * tl.load(rp + off, mask=mask, other=0.0) + (1 - rd) * (g * g)
-        r3 = ridx * 3
-        c3 = cidx * 3
-        v3 = vd + off * 3
-        R0, C0, FG0, FM0, V0 = C.accumulate(fact, off, mask, r3, c3, g, m0, rp, vr, vc, v3,
-                                            fd0, rc0, 1e-6)
-        R1, C1, FG1, FM1, V1 = C.accumulate(fact, off, mask, r3, c3, g, m1, rp, vr + 1,
-                                            vc + 1, v3 + 1, fd1, rc1, 1e-6)
-        R2, C2, FG2, FM2, V2 = C.accumulate(fact, off, mask, r3, c3, g, m2, rp, vr + 2,
-                                            vc + 2, v3 + 2, fd2, rc2, 1e-6)
-        rr = tl.math.rsqrt(rms + 1e-6)
-        rsr0 = tl.math.rsqrt(R0 + 1e-8)
-        rsr1 = tl.math.rsqrt(R1 + 1e-8)
-        rsr2 = tl.math.rsqrt(R2 + 1e-8)
-        rsc0 = tl.math.rsqrt(C0 + 1e-8)
-        rsc1 = tl.math.rsqrt(C1 + 1e-8)
-        rsc2 = tl.math.rsqrt(C2 + 1e-8)
+        R0, C0, FG0, FM0, V0, R1, C1, FG1, FM1, V1, R2, C2, FG2, FM2, V2, v3 = \
+            C.accumulate3(fact, off, mask, ridx, cidx, g, m0, m1, m2, rp, vr, vc, vd, fd0, fd1,
+                          fd2, rc0, rc1, rc2, 1e-6)
+        rr, rsr0, rsr1, rsr2, rsc0, rsc1, rsc2 = C.rsqrt_features(rms, R0, R1, R2, C0, C1, C2)
         if FUSED and not MLP_DOT:
             # 4-wide MLP: the first layer feature by feature (spec order), no feature tile
             invp = norm + t * 32

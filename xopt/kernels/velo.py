@@ -69,29 +69,9 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
     HP: tl.constexpr = 4
     BLOCK: tl.constexpr = SA * TB
     pid = tl.program_id(0)
-    t = tl.load(prog + pid)
-    row = meta + t * NF
-    fact = tl.load(row + 1)
-    ia_n = tl.load(row + 2)
-    b, ta, tb = C.tile_of(row, pid - tl.load(row + 11))
-    rcm_b = rcm + tl.load(row + 22) + b * 3
-    rc0 = tl.load(rcm_b)  # (unfactored tensors read 3 unused numbers)
-    rc1 = tl.load(rcm_b + 1)
-    rc2 = tl.load(rcm_b + 2)
-    pp = C.ptr_f32(ptrs, t, 0, NPTR)
-    gp = C.ptr_f32(ptrs, t, 1, NPTR)
-    mp = C.ptr_f32(ptrs, t, 2, NPTR)
-    rp = C.ptr_f32(ptrs, t, 3, NPTR)
-    vr = C.ptr_f32(ptrs, t, 4, NPTR)
-    vc = C.ptr_f32(ptrs, t, 5, NPTR)
-    vd = C.ptr_f32(ptrs, t, 6, NPTR)
-    md0 = tl.load(decays + 0)
-    md1 = tl.load(decays + 1)
-    md2 = tl.load(decays + 2)
-    rd = tl.minimum(tl.maximum(tl.load(decays + 3), 0.0), 1.0)
-    fd0 = tl.load(decays + 4)
-    fd1 = tl.load(decays + 5)
-    fd2 = tl.load(decays + 6)
+    t, row, fact, ia_n, b, ta, tb, rc0, rc1, rc2 = C.program_tile(meta, prog, rcm, NF)
+    pp, gp, mp, rp, vr, vc, vd = C.tensor_ptrs(ptrs, t, NPTR)
+    md0, md1, md2, rd, fd0, fd1, fd2 = C.load_decays(decays)
     cols = tl.arange(0, 32)
     c8 = tl.arange(0, 8)
     if FUSED:
@@ -132,23 +112,11 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
         m1 = md1 * om1 + (1 - md1) * g
         m2 = md2 * om2 + (1 - md2) * g
         rms = rd * orms + (1 - rd) * (g * g)
-        r3 = ridx * 3
-        c3 = cidx * 3
-        v3 = vd + off * 3
-        R0, C0, FG0, FM0, V0 = C.accumulate(fact, off, mask, r3, c3, g, m0, rp, vr, vc, v3,
-                                            fd0, rc0, 0.0)
-        R1, C1, FG1, FM1, V1 = C.accumulate(fact, off, mask, r3, c3, g, m1, rp, vr + 1,
-                                            vc + 1, v3 + 1, fd1, rc1, 0.0)
-        R2, C2, FG2, FM2, V2 = C.accumulate(fact, off, mask, r3, c3, g, m2, rp, vr + 2,
-                                            vc + 2, v3 + 2, fd2, rc2, 0.0)
-        rr = tl.math.rsqrt(rms + 1e-6)
+        R0, C0, FG0, FM0, V0, R1, C1, FG1, FM1, V1, R2, C2, FG2, FM2, V2, v3 = \
+            C.accumulate3(fact, off, mask, ridx, cidx, g, m0, m1, m2, rp, vr, vc, vd, fd0, fd1,
+                          fd2, rc0, rc1, rc2, 0.0)
+        rr, rsr0, rsr1, rsr2, rsc0, rsc1, rsc2 = C.rsqrt_features(rms, R0, R1, R2, C0, C1, C2)
         gc = tl.minimum(tl.maximum(g, -0.1), 0.1)
-        rsr0 = tl.math.rsqrt(R0 + 1e-8)
-        rsr1 = tl.math.rsqrt(R1 + 1e-8)
-        rsr2 = tl.math.rsqrt(R2 + 1e-8)
-        rsc0 = tl.math.rsqrt(C0 + 1e-8)
-        rsc1 = tl.math.rsqrt(C1 + 1e-8)
-        rsc2 = tl.math.rsqrt(C2 + 1e-8)
         z = tl.zeros([BLOCK], tl.float32)
         if FUSED:
             # the tensor's 4-wide MLP, the first layer feature by feature (spec order)
