@@ -8,7 +8,7 @@ reason; the bitwise claims are checked against the live libraries on this machin
 from __future__ import annotations
 
 import pytest
-from helpers import has_jax, has_torch
+from helpers import explain_disagreements, has_jax, has_torch
 
 from xopt.parity import bundled_traces
 from xopt.parity.harness import run_parity
@@ -20,10 +20,6 @@ TORCH_TRACES = [p for p in TRACES if p.stem.startswith("torch")]
 OPTAX_TRACES = [p for p in TRACES if p.stem.startswith("optax")]
 
 
-def _explain(report) -> str:
-    return "\n".join(
-        f"{r.trace} {r.backend} vs {r.against} {r.mode}: rel {r.max_rel_error:.3g} "
-        f"at {r.worst[:2]} (tol {r.tolerance.rel})" for r in report.runs if not r.agrees)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +28,7 @@ def golden_report():
 
 
 def test_all_backends_agree_with_the_golden_traces(golden_report):
-    assert golden_report.verdict == "agree", _explain(golden_report)
+    assert golden_report.verdict == "agree", explain_disagreements(golden_report)
     backends = {r.backend for r in golden_report.runs}
     assert {"xopt.torch", "xopt.jax", "oracle", "torch.optim.AdamW", "optax.adamw"} <= backends
     assert {r.mode for r in golden_report.runs} == {"teacher_forced", "closed_loop"}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import has_jax, has_torch
+from helpers import explain_disagreements, has_jax, has_torch
 
 from xopt.parity import bundled_traces, load_trace
 from xopt.parity.harness import run_parity
@@ -28,10 +28,6 @@ TRACES = bundled_traces("coap")
 PROJECTED = ["mlp/0/weight", "mlp/1/weight", "tall/weight", "wide/weight"]
 
 
-def _explain(report) -> str:
-    return "\n".join(
-        f"{r.trace} {r.backend} vs {r.against} {r.mode}: rel {r.max_rel_error:.3g} "
-        f"at {r.worst[:2]} (tol {r.tolerance.rel})" for r in report.runs if not r.agrees)
 
 
 def _hp(trace):
@@ -50,7 +46,7 @@ def test_every_variant_is_covered():
 
 
 def test_all_backends_agree_with_the_golden_traces(golden_report):
-    assert golden_report.verdict == "agree", _explain(golden_report)
+    assert golden_report.verdict == "agree", explain_disagreements(golden_report)
     runs = golden_report.runs
     assert len(runs) == len(TRACES) * 3 * 2
     for r in runs:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import has_jax, has_torch
+from helpers import explain_disagreements, has_jax, has_torch
 
 from xopt.parity import bundled_traces, load_trace
 from xopt.parity.harness import (
@@ -37,10 +37,6 @@ pytestmark = pytest.mark.skipif(not (has_torch and has_jax), reason="needs torch
 TRACES = bundled_traces("flora")
 
 
-def _explain(report) -> str:
-    return "\n".join(
-        f"{r.trace} {r.backend} vs {r.against} {r.mode}: rel {r.max_rel_error:.3g} "
-        f"at {r.worst[:2]} (tol {r.tolerance.rel})" for r in report.runs if not r.agrees)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +45,7 @@ def golden_report():
 
 
 def test_every_backend_agrees_with_the_golden_trace(golden_report):
-    assert golden_report.verdict == "agree", _explain(golden_report)
+    assert golden_report.verdict == "agree", explain_disagreements(golden_report)
     assert {r.backend for r in golden_report.runs} == {"xopt.torch", "xopt.jax", "oracle"}
     assert {r.mode for r in golden_report.runs} == {"teacher_forced", "closed_loop"}
     assert all(r.steps == 25 for r in golden_report.runs)

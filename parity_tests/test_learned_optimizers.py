@@ -16,7 +16,7 @@ is compared with it directly.
 from __future__ import annotations
 
 import pytest
-from helpers import SHARED, has_jax, has_torch
+from helpers import SHARED, explain_disagreements, has_jax, has_torch
 
 from xopt.parity import bundled_traces
 from xopt.parity.harness import run_parity
@@ -31,11 +31,6 @@ def traces(method: str) -> list[str]:
     return [str(p) for p in (shared or bundled_traces(method))]
 
 
-def _explain(report) -> str:
-    return "\n".join(
-        f"{r.trace} {r.backend} vs {r.against} {r.mode}: rel {r.max_rel_error:.3g} "
-        f"at step {r.worst[0]} {r.worst[1]} (tol {r.tolerance.rel})"
-        for r in report.runs if not r.agrees)
 
 
 def _table(report) -> str:
@@ -53,7 +48,7 @@ def golden_report(request):
 
 
 def test_every_backend_reproduces_every_golden_case(golden_report):
-    assert golden_report.verdict == "agree", _explain(golden_report)
+    assert golden_report.verdict == "agree", explain_disagreements(golden_report)
     runs = golden_report.runs
     assert {r.backend for r in runs} == {"xopt.torch", "xopt.jax", "oracle"}
     assert {r.mode for r in runs} == {"teacher_forced", "closed_loop"}
@@ -119,7 +114,7 @@ def test_xopt_against_the_live_original(method):
     report = run_parity(method, traces(method)[:2], backends=["torch", "jax"],
                         against="original", explicit_backends=True)
     print(f"\n{method} against the live original:\n{_table(report)}")
-    assert report.verdict == "agree", _explain(report)
+    assert report.verdict == "agree", explain_disagreements(report)
     assert all(r.against.startswith("learned_optimization.") for r in report.runs)
 
 
@@ -132,7 +127,7 @@ def test_the_original_on_this_machine_against_its_recording(method):
     report = run_parity(method, traces(method)[:2], backends=["original"],
                         explicit_backends=True)
     print(f"\n{method} original rerun here vs its recording:\n{_table(report)}")
-    assert report.verdict == "agree", _explain(report)
+    assert report.verdict == "agree", explain_disagreements(report)
 
 
 def test_velo_lstm_exception_is_the_originals_own_rounding():

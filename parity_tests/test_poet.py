@@ -24,7 +24,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers import has_jax, has_torch
+from helpers import explain_disagreements, has_jax, has_torch
 
 from xopt.parity import bundled_traces, load_trace
 from xopt.parity.harness import run_parity
@@ -38,9 +38,6 @@ def _load():
     return [load_trace(p) for p in TRACES]
 
 
-def _explain(report) -> str:
-    return "\n".join(f"{r.trace} {r.backend} {r.impl} {r.mode}: rel {r.max_rel_error:.3g} at "
-                     f"{r.worst[:2]}" for r in report.runs if not r.agrees)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +53,7 @@ def test_every_case_is_bundled():
 
 
 def test_both_backends_agree_with_the_golden_traces(golden_report):
-    assert golden_report.verdict == "agree", _explain(golden_report)
+    assert golden_report.verdict == "agree", explain_disagreements(golden_report)
     rows = {(r.trace.split("/")[1], r.backend, r.impl, r.mode) for r in golden_report.runs}
     for case in ("linear_in64_out48_b16", "train_in64_out48_b16_merge4"):
         for backend in ("xopt.torch", "xopt.jax"):
@@ -105,7 +102,7 @@ def test_jax_against_torch_one_step_within_1e_6():
     traces = [t for t in _load() if not t.case.startswith("cayley")]
     report = run_parity("poet", traces, backends=["jax"], against="torch",
                         modes=["teacher_forced"])
-    assert report.runs and report.verdict == "agree", _explain(report)
+    assert report.runs and report.verdict == "agree", explain_disagreements(report)
     assert max(r.max_rel_error for r in report.runs) <= 1e-6
 
 
@@ -122,7 +119,7 @@ def test_triton_kernels_agree_with_the_golden_traces():
     # runs every step of both modes
     report = run_parity("poet", _load(), backends=["torch"], impl="triton", device="cpu",
                         modes=["teacher_forced"], max_steps=5)
-    assert report.verdict == "agree", _explain(report)
+    assert report.verdict == "agree", explain_disagreements(report)
     assert all(r.impl.startswith("triton") for r in report.runs)
     for r in report.runs:
         if r.mode == "teacher_forced":

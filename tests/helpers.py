@@ -15,3 +15,13 @@ has_jax = all(importlib.util.find_spec(m) is not None for m in ("jax", "optax"))
 
 needs_torch = pytest.mark.skipif(not has_torch, reason="torch is not installed")
 needs_jax = pytest.mark.skipif(not has_jax, reason="jax/optax are not installed")
+
+
+def explain_disagreements(report) -> str:
+    """The runs of a parity report that do not agree, one line each (an assertion's
+    message): trace, backend, impl, against, mode, the largest relative error, where, and
+    the tolerance it broke."""
+    return "\n".join(
+        f"{r.trace} {r.backend} {r.impl} vs {r.against} {r.mode}: rel {r.max_rel_error:.3g} "
+        f"at step {r.worst[0]} {r.worst[1]} (tol {r.tolerance.rel})"
+        for r in report.runs if not r.agrees)
