@@ -52,6 +52,23 @@ def available(modules: Sequence[str]) -> bool:
     return all(importlib.util.find_spec(m) is not None for m in modules)
 
 
+#: what the layer drivers' backends import (the JAX layers are Flax modules)
+LAYER_REQUIRES = {"torch": ("torch",), "jax": ("jax", "optax", "flax"), "oracle": ()}
+
+
+def backend_ready(b: str, modules: Sequence[str], explicit: bool, notes: list[str],
+                  hint: str = "") -> bool:
+    """Whether backend ``b`` can run (``modules`` import). If not: :class:`BadRequest` when
+    it was asked for by name (``explicit``), else a note that it was not run."""
+    if available(modules):
+        return True
+    msg = f"backend {b!r} needs {', '.join(modules)}{hint}"
+    if explicit:
+        raise BadRequest(msg)
+    notes.append(msg + "; not run")
+    return False
+
+
 def trace_hyperparameters(trace: Trace) -> dict[str, Any]:
     """The manifest's hyperparameters (the original's names), with the learned optimizers'
     horizon (``num_training_steps``, given at init rather than to the constructor) added
@@ -327,11 +344,8 @@ def plan_backends(spec: MethodSpec, hp: Hyperparams, backends: Sequence[str],
                     continue
                 out.append(o.name)
             continue
-        if not available(_REQUIRES[b]):
-            msg = f"backend {b!r} needs {', '.join(_REQUIRES[b])} (pip install 'xopt-ml[{b}]')"
-            if explicit:
-                raise BadRequest(msg)
-            notes.append(msg + "; not run")
+        if not backend_ready(b, _REQUIRES[b], explicit, notes,
+                             f" (pip install 'xopt-ml[{b}]')"):
             continue
         out.append(b)
     return out

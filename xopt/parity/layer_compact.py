@@ -37,12 +37,19 @@ import numpy as np
 
 from xopt.errors import TraceError
 from xopt.parity.compare import closer_to, errors
-from xopt.parity.harness import BadRequest, Run, available, float32_matmuls
+from xopt.parity.harness import (
+    LAYER_REQUIRES,
+    BadRequest,
+    Run,
+    available,
+    backend_ready,
+    float32_matmuls,
+)
 from xopt.parity.trace import Trace, step_prefix
 from xopt.specs import compact as _spec
 from xopt.specs import get
 
-_REQUIRES = {"torch": ("torch",), "jax": ("jax", "optax", "flax"), "oracle": ()}
+_REQUIRES = LAYER_REQUIRES
 _LABEL = {"torch": "xopt.torch", "jax": "xopt.jax", "oracle": "oracle"}
 
 
@@ -643,11 +650,7 @@ def run(trace: Trace, *, backends: Sequence[str], against: str, modes: Sequence[
             notes.append(f"oracle not run on {trace.name}: the LLaMA model's forward is not "
                          "part of the spec (the oracle covers the single-layer case)")
             continue
-        if not available(_REQUIRES[b]):
-            msg = f"backend {b!r} needs {', '.join(_REQUIRES[b])}"
-            if explicit_backends:
-                raise BadRequest(msg)
-            notes.append(msg + "; not run")
+        if not backend_ready(b, _REQUIRES[b], explicit_backends, notes):
             continue
         selected.append(b)
     if against == "original":

@@ -29,7 +29,6 @@ spec's functions under NumPy, with the explicit backward). Rows are labelled
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Sequence
 
@@ -37,17 +36,20 @@ import numpy as np
 
 from xopt.errors import TraceError
 from xopt.parity.compare import closer_to, errors
-from xopt.parity.harness import BadRequest, Run, float32_matmuls
+from xopt.parity.harness import (
+    LAYER_REQUIRES,
+    BadRequest,
+    Run,
+    available,
+    backend_ready,
+    float32_matmuls,
+)
 from xopt.parity.trace import Trace, step_prefix
 from xopt.specs import get
 from xopt.specs import poet as P
 
-_REQUIRES = {"torch": ("torch",), "jax": ("jax", "optax", "flax"), "oracle": ()}
+_REQUIRES = LAYER_REQUIRES
 _LABEL = {"torch": "xopt.torch", "jax": "xopt.jax", "oracle": "oracle"}
-
-
-def _available(mods: Sequence[str]) -> bool:
-    return all(importlib.util.find_spec(m) is not None for m in mods)
 
 
 def formula_of(trace: Trace) -> str:
@@ -428,7 +430,7 @@ def run(trace: Trace, *, backends: Sequence[str], against: str, modes: Sequence[
     steps = trace.steps if max_steps is None else min(max_steps, trace.steps)
     cnp = _is_cnp(trace)
     if impl == "triton":
-        if not _available(("torch", "triton")):
+        if not available(("torch", "triton")):
             raise BadRequest("impl='triton' needs torch and triton")
         if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise BadRequest("impl='triton' on the CPU needs TRITON_INTERPRET=1 in the "
@@ -441,18 +443,14 @@ def run(trace: Trace, *, backends: Sequence[str], against: str, modes: Sequence[
             continue
         if b not in _REQUIRES:
             raise BadRequest(f"unknown backend {b!r}; choose from torch, jax, oracle, original")
-        if not _available(_REQUIRES[b]):
-            msg = f"backend {b!r} needs {', '.join(_REQUIRES[b])}"
-            if explicit_backends:
-                raise BadRequest(msg)
-            notes.append(msg + "; not run")
+        if not backend_ready(b, _REQUIRES[b], explicit_backends, notes):
             continue
         selected.append(b)
     if against == "original":
         raise BadRequest("--against original: poet_torch is not run live; use golden")
     if against not in ("golden", "oracle", "torch", "jax"):
         raise BadRequest(f"unknown reference {against!r}")
-    if against in _REQUIRES and not _available(_REQUIRES[against]):
+    if against in _REQUIRES and not available(_REQUIRES[against]):
         raise BadRequest(f"--against {against} needs {', '.join(_REQUIRES[against])}")
     if cnp:
         notes.append(f"{trace.name}: stateless CNP evaluations (formula {hp.cayley_formula!r}); "
