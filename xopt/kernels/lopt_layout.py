@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from xopt.specs._lopt import factored_dims
+from xopt.specs._xp import to_device
 
 #: tile shape: TA rows (walked SA at a time) × TB columns along the contiguous axis
 TA = 64
@@ -210,20 +211,7 @@ class TableCache:
         hit = self._cache.get(name)
         if hit is not None and hit[0] == key and hit[1].device == device:
             return hit[1]
-        host = torch.tensor(rows, dtype=dtype)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(device, non_blocking=True)
+        dev = to_device(torch.tensor(rows, dtype=dtype), device)
         self._cache[name] = (key, dev)
         return dev
 
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor (the step's t/N, its iteration) on ``device`` without blocking
-    the host: from pinned memory, non-blocking, on CUDA. A pageable copy waits for every
-    kernel queued before it, in training the whole backward pass."""
-    if t.device == device:
-        return t
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)

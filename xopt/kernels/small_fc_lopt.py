@@ -48,6 +48,7 @@ import triton.language as tl
 from xopt.kernels import lopt_common as C
 from xopt.kernels import lopt_layout as L
 from xopt.specs import small_fc_lopt as _spec
+from xopt.specs._xp import to_device
 
 __all__ = ["SmallFCTriton", "reference_step"]
 
@@ -311,7 +312,7 @@ class SmallFCTriton:
             md, rd, fd = _spec.decays(hp, meta, xp=torch)
             self._decays = (dkey, torch.cat([md, rd, fd]).contiguous(), fd)
         _, decays, fd = self._decays
-        tf = _spec.time_features(torch, L.to_device(torch.tensor(iteration, dtype=torch.int32),
+        tf = _spec.time_features(torch, to_device(torch.tensor(iteration, dtype=torch.int32),
                                                     dev), meta["mlp/b0"])
         b0p = _pad((meta["mlp/b0"] + (tf[:, None] * w["wt"]).sum(0))[None], 1, hp_)[0]
         ptrs = self._tables.get("ptrs", [

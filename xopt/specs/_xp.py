@@ -44,11 +44,19 @@ def constant(xp: ModuleType, values: Any, like: Any, dtype: Any = None) -> Any:
     copy first waits for everything queued on the stream (in training, the backward)."""
     dt = like.dtype if dtype is None else dtype
     if is_torch(xp):
-        t = xp.as_tensor(np.asarray(values), dtype=dt)
-        if like.device.type == "cuda":
-            return t.pin_memory().to(like.device, non_blocking=True)
-        return t.to(like.device)
+        return to_device(xp.as_tensor(np.asarray(values), dtype=dt), like.device)
     return xp.asarray(np.asarray(values), dtype=dt)
+
+
+def to_device(t: Any, device: Any) -> Any:
+    """A torch tensor on ``device`` without blocking the host: a host tensor goes to a CUDA
+    device from pinned memory, non-blocking (a pageable copy waits for every kernel queued
+    before it; in training, the whole backward pass)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def lerp(xp: ModuleType, start: Any, end: Any, weight: float) -> Any:

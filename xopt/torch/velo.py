@@ -157,8 +157,8 @@ class VeLO(LearnedOptimizer):
     def _triton_update(self, entries: list[Entry], frac: Tensor, lfeat: Tensor) -> None:
         """The fused Triton step (:mod:`xopt.kernels.velo`) over all entries. The LSTM state
         of the parameters is kept as views of one ``[n_tensors, H]`` tensor."""
-        from xopt.kernels.lopt_layout import to_device
         from xopt.kernels.velo import VeLOTriton
+        from xopt.specs._xp import to_device
 
         if self._triton is None:
             self._triton = VeLOTriton(self.hp, self.precision)
