@@ -315,19 +315,6 @@ def host(dev, dtype) -> dict:
     return out
 
 
-def _cuda_ms(fn, iters=50, warmup=5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
-
-
 def _gpu_ms(fn, iters=20) -> float:
     """GPU time per call: the calls are queued behind a sleeping kernel, so they run back
     to back whatever the host's launch cost."""
@@ -353,7 +340,6 @@ def micro(dev, dtype, tokens) -> dict:
     for d in (4096, 14336):
         x = torch.randn(tokens, d, device=dev, dtype=dtype)
         p = torch.randperm(d, device=dev).to(torch.int32)
-        out[f"copy_{d}_us"] = 1e3 * _cuda_ms(lambda x=x: x.clone())
         for rows, block_d, warps in ((None, None, 8), (2, 4096, 8), (1, 4096, 8), (4, 4096, 16),
                                      (4, 2048, 8), (8, 1024, 8)):
             PP.MODE = "rowloop"
@@ -371,10 +357,11 @@ def micro(dev, dtype, tokens) -> dict:
         for mode in ("torch", "tiled", "rowloop"):
             PP.MODE = mode
             try:
-                out[f"gather_{mode}_{d}_us"] = 1e3 * _cuda_ms(lambda x=x, p=p: PP.gather(x, p))
+                out[f"gather_{mode}_{d}_gpu_us"] = 1e3 * _gpu_ms(lambda x=x, p=p: PP.gather(x, p))
             except Exception as e:
-                out[f"gather_{mode}_{d}_us"] = repr(e)[:200]
-            print(f"micro gather_{mode}_{d}_us: {out[f'gather_{mode}_{d}_us']}", flush=True)
+                out[f"gather_{mode}_{d}_gpu_us"] = repr(e)[:200]
+            print(f"micro gather_{mode}_{d}_gpu_us: {out[f'gather_{mode}_{d}_gpu_us']}",
+                  flush=True)
         PP.MODE = "auto"
     for b, n in ((256, 32), (512, 16), (256, 72)):
         for backend, cd in (("triton", torch.float32), ("bmm", torch.float32),
