@@ -206,6 +206,10 @@ def check(dev) -> dict:
     return out
 
 
+#: --profile: leave the authors' layers out (they are profiled in earlier RESULTS sections)
+PROFILE_XOPT_ONLY = False
+
+
 def profile(dev, dtype, tokens) -> dict:
     """Per-kernel CUDA times (torch.profiler, 5 fwd+bwd) of nn.Linear, xopt fast and mem
     (triton) and the authors' layers when importable, at 4096×4096, b = 256; with each
@@ -222,7 +226,9 @@ def profile(dev, dtype, tokens) -> dict:
         layers[f"xopt {var}"] = lambda var=var: POETLinear(4096, 4096, 256, variant=var,
                                                            impl="triton", device=dev,
                                                            dtype=dtype)
-    if importlib.util.find_spec("poet_torch") is not None:
+    layers["xopt fast b=512"] = lambda: POETLinear(4096, 4096, 512, variant="fast",
+                                                   impl="triton", device=dev, dtype=dtype)
+    if importlib.util.find_spec("poet_torch") is not None and not PROFILE_XOPT_ONLY:
         for mem in (False, True):
             layers[f"authors {'mem' if mem else 'fast'}"] = \
                 lambda mem=mem: authors_layer(4096, 4096, 256, mem, dtype, dev)
@@ -340,18 +346,6 @@ def micro(dev, dtype, tokens) -> dict:
     for d in (4096, 14336):
         x = torch.randn(tokens, d, device=dev, dtype=dtype)
         p = torch.randperm(d, device=dev).to(torch.int32)
-        for rows, block_d, warps in ((None, None, 8), (2, 4096, 8), (1, 4096, 8), (4, 4096, 16),
-                                     (4, 2048, 8), (8, 1024, 8)):
-            PP.MODE = "rowloop"
-            PP.ROWLOOP.update(rows=rows, block_d=min(block_d or d, d) if block_d else None,
-                              warps=warps)
-            key = f"gather_rowloop_r{rows}_d{block_d}_w{warps}_{d}_gpu_us"
-            try:
-                out[key] = 1e3 * _gpu_ms(lambda x=x, p=p: PP.gather(x, p))
-            except Exception as e:
-                out[key] = repr(e)[:200]
-            print(f"micro {key}: {out[key]}", flush=True)
-        PP.ROWLOOP.update(rows=None, block_d=None, warps=8)
         out[f"copy_{d}_gpu_us"] = 1e3 * _gpu_ms(lambda x=x: x.clone())
         print(f"micro copy_{d}_gpu_us: {out[f'copy_{d}_gpu_us']}", flush=True)
         for mode in ("torch", "tiled", "rowloop"):
@@ -363,9 +357,12 @@ def micro(dev, dtype, tokens) -> dict:
             print(f"micro gather_{mode}_{d}_gpu_us: {out[f'gather_{mode}_{d}_gpu_us']}",
                   flush=True)
         PP.MODE = "auto"
-    for b, n in ((256, 32), (512, 16), (256, 72)):
+    tiles0 = K.CNP_TILES["lowp"]
+    sweep = [tiles0] + [t for t in ((64, 32, 4), (64, 64, 8), (128, 32, 4), (64, 32, 8),
+                                    (128, 64, 8)) if t != tiles0]
+    for b, n in ((256, 32), (512, 16)):
         for backend, cd in (("triton", torch.float32), ("bmm", torch.float32),
-                            ("bmm", torch.bfloat16)):
+                            ("bmm", torch.bfloat16), ("triton", torch.bfloat16)):
             x = ((0.3 / b**0.5) * torch.randn(n, b * (b - 1) // 2, device=dev)).to(cd)
             x.requires_grad_()
             gr = torch.randn(n, b, b, device=dev, dtype=cd)
@@ -373,21 +370,29 @@ def micro(dev, dtype, tokens) -> dict:
             def step(backend=backend, x=x, gr=gr, b=b, cd=cd):
                 x.grad = None
                 K.cayley_neumann(x, b, tf32=True, backend=backend, dtype=cd).backward(gr)
-            key = f"cnp_{backend}_{str(cd)[6:]}_n{n}_b{b}_fwdbwd_gpu_us"
-            out[key] = 1e3 * _gpu_ms(step)
-            print(f"micro {key}: {out[key]}", flush=True)
+            configs = sweep if (backend, cd) == ("triton", torch.bfloat16) else sweep[:1]
+            for cfg in configs:
+                K.CNP_TILES["lowp"] = cfg
+                tag = "" if cfg == tiles0 else "_bm{}_bk{}_w{}".format(*cfg)
+                key = f"cnp_{backend}_{str(cd)[6:]}_n{n}_b{b}{tag}_fwdbwd_gpu_us"
+                try:
+                    out[key] = 1e3 * _gpu_ms(step)
+                except Exception as e:
+                    out[key] = repr(e)[:200]
+                print(f"micro {key}: {out[key]}", flush=True)
+            K.CNP_TILES["lowp"] = tiles0
     x = torch.randn(tokens, 4096, device=dev, dtype=dtype, requires_grad=True)
     g = torch.randn(tokens, 4096, device=dev, dtype=dtype)
-    for backend in ("bmm", "triton"):
-        for mode in ("auto",):
-            K.BACKEND, PP.MODE = backend, mode
-            for var in ("fast", "mem"):
-                layer = POETLinear(4096, 4096, 256, variant=var, impl="triton", device=dev,
-                                   dtype=dtype)
-                out[f"layer_{var}_{backend}_{mode}_ms"] = measure(layer, x, g, 20, 5)[0]
-                print(f"micro layer_{var}_{backend}_{mode}_ms: "
-                      f"{out[f'layer_{var}_{backend}_{mode}_ms']}", flush=True)
-    K.BACKEND, PP.MODE = "bmm", "auto"
+    default = K.BACKEND
+    for b in (256, 512):
+        for backend in ("bmm", "triton"):
+            K.BACKEND = backend
+            layer = POETLinear(4096, 4096, b, variant="fast", impl="triton", device=dev,
+                               dtype=dtype)
+            key = f"layer_fast_b{b}_{backend}_graph_ms"
+            out[key] = graph_ms(layer, x, g, 20)
+            print(f"micro {key}: {out[key]}", flush=True)
+    K.BACKEND = default
     return out
 
 
@@ -407,6 +412,13 @@ def main(argv=None) -> int:
                     help="where the host time goes (per-op launch costs, cProfile)")
     ap.add_argument("--micro", action="store_true",
                     help="time the pieces (permutation modes, CNP backends) first")
+    ap.add_argument("--profile-xopt-only", action="store_true",
+                    help="--profile: nn.Linear and xopt only")
+    ap.add_argument("--impls", default="triton,plain",
+                    help="xopt implementations in the table (on a GPU)")
+    ap.add_argument("--cnp", default="",
+                    help="CNP backends for the triton rows, comma-separated (default: "
+                         "xopt.kernels.poet_cayley.BACKEND alone)")
     args = ap.parse_args(argv)
 
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -437,13 +449,19 @@ def main(argv=None) -> int:
     if args.micro and dev.type == "cuda":
         result["micro"] = micro(dev, dtype, args.tokens)
     if args.profile and dev.type == "cuda":
+        global PROFILE_XOPT_ONLY
+        PROFILE_XOPT_ONLY = args.profile_xopt_only
         result["profile"] = profile(dev, dtype, args.tokens)
     if args.tiny:
         shapes, blocks, tokens, impls = [(64, 64), (64, 128)], [16, 32], 64, ["plain"]
         args.iters, args.warmup = 2, 1
     else:
         shapes, blocks, tokens = [(4096, 4096), (4096, 14336)], [256, 512], args.tokens
-        impls = ["triton", "plain"] if dev.type == "cuda" else ["plain"]
+        impls = args.impls.split(",") if dev.type == "cuda" else ["plain"]
+    from xopt.kernels import poet_cayley as K
+
+    cnps = args.cnp.split(",") if args.cnp else [K.BACKEND]
+    variants = [(impl, cnp) for impl in impls for cnp in (cnps if impl == "triton" else [None])]
     has_orig = importlib.util.find_spec("poet_torch") is not None
     if not has_orig:
         print("note: the authors' poet_torch is not importable here; its rows are skipped")
@@ -467,18 +485,23 @@ def main(argv=None) -> int:
         rows = [("nn.Linear", None, ref)]
         del lin
         for b in blocks:
-            for impl in impls:
+            for impl, cnp in variants:
+                tag = impl if cnp is None or len(cnps) == 1 else f"{impl}, cnp={cnp}"
                 for var in ("fast", "mem"):
                     layer = POETLinear(n_in, n_out, b, variant=var, impl=impl, device=dev,
                                        dtype=dtype)
                     with torch.no_grad():
                         layer.oft_R.normal_(0, 1e-3)
+                    default = K.BACKEND
+                    K.BACKEND = cnp or default
                     try:
                         res = measure(layer, x, g, args.iters, args.warmup)
                     except Exception as e:  # keep the other rows
-                        print(f"xopt {var} ({impl}) b={b}: {e!r}")
+                        print(f"xopt {var} ({tag}) b={b}: {e!r}")
                         continue
-                    rows.append((f"xopt {var} ({impl})", b, res))
+                    finally:
+                        K.BACKEND = default
+                    rows.append((f"xopt {var} ({tag})", b, res))
                     del layer
             for mem in (False, True):
                 try:

@@ -381,15 +381,18 @@ def test_cayley_kernels_match_their_references(b):
 
 
 @needs_triton
+@pytest.mark.parametrize("backend", ["bmm", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cayley_kernels_in_low_precision(dtype):
-    """The bmm backend evaluated in bf16/fp16 (what a bf16/fp16 POETLinear uses): skew reads
-    the low-precision triangles exactly, each product accumulates in float32 and is rounded
-    once to ``dtype``, and the gradient comes back in ``x``'s dtype. Each of the forward's
-    four rounded results (Q², T, Q + Q², Y) and the backward's five carries at most half an
-    ulp of ``dtype`` relative to its own magnitude, all ≤ max|result| here, so the bound is
-    that many half-ulps of max|ref| (the float32 evaluation rounded to ``dtype`` alone is
-    within one half-ulp)."""
+def test_cayley_kernels_in_low_precision(dtype, backend):
+    """Both backends evaluated in bf16/fp16 (what a bf16/fp16 POETLinear uses): skew reads
+    the low-precision triangles exactly, each product takes ``dtype`` operands, accumulates
+    in float32 and is rounded once to ``dtype``, and the gradient comes back in ``x``'s
+    dtype. The bmm backend rounds four results in the forward (Q², T, Q + Q², Y) and five in
+    the backward, the fused kernels fewer (Q², Y; T and the products' left operands as
+    operands, D not at all): each rounding carries at most half an ulp of ``dtype``
+    relative to its own magnitude, all ≤ max|result| here, so the bound is that many
+    half-ulps of max|ref| (the float32 evaluation rounded to ``dtype`` alone is within one
+    half-ulp)."""
     from xopt.kernels import poet_cayley as K
 
     b = 32
@@ -401,7 +404,7 @@ def test_cayley_kernels_in_low_precision(dtype):
     g = torch.randn(5, b, b, device=DEV).to(dtype)
     for formula in ("product", "taylor"):
         xx = x.clone().requires_grad_()
-        y = K.cayley_neumann(xx, b, formula, backend="bmm", dtype=dtype)
+        y = K.cayley_neumann(xx, b, formula, backend=backend, dtype=dtype)
         assert y.dtype == dtype
         y.backward(g)
         assert xx.grad.dtype == dtype
@@ -414,7 +417,7 @@ def test_cayley_kernels_in_low_precision(dtype):
         assert gerr <= 6 * half_ulp * xr.grad.abs().max(), (formula, float(gerr))
         # a float32 evaluation from low-precision triangles: float32 out, grad in dtype
         xx = x.clone().requires_grad_()
-        y32 = K.cayley_neumann(xx, b, formula, backend="bmm")
+        y32 = K.cayley_neumann(xx, b, formula, backend=backend)
         y32.backward(g.float())
         assert y32.dtype == torch.float32 and xx.grad.dtype == dtype
         assert (y32.double() - ref).abs().max() <= 1e-6 * ref.abs().max()

@@ -1,33 +1,34 @@
 """POET-X's Cayley–Neumann series as Triton kernels on a batch of b×b blocks.
 
 For ``k = 3`` Neumann terms every power of a skew ``Q`` that the series needs is a product
-of ``Q`` and ``Q²`` (``Q³ = Q²Q``, ``Q⁴ = Q²Q²``), so one kernel reads those two matrices
-and writes ``Y = I + 2(Q + Q² + Q²Q) + c·Q²Q²`` (``c = 1``: the product form, the
-authors' GPU kernel; ``c = 2``: the Taylor form, their PyTorch fallback), tile by tile,
-both products sharing each loaded tile of ``Q²``. The backward is two kernels: first
-``D = QᵀG + GQᵀ`` (the cotangent reaching ``Q²``), then
-``∂Q = 2(G + D) + (2Qᵀ + c Q²ᵀ) D + (2G + c D) Q²ᵀ``; transposes are strides, nothing
-is copied. ``Q²`` itself comes from one batched matmul (cuBLAS) and is kept for the backward.
+of ``Q`` and ``Q²`` (``Q³ = Q²Q``, ``Q⁴ = Q²Q²``): with ``T = Q + (c/2)Q²``,
+``Y = I + 2Q + 2Q² + 2Q²·T`` (``c = 1``: ``I + 2Q + 2Q² + 2Q³ + Q⁴``, the product form of
+the authors' GPU kernel; ``c = 2``: the Taylor form of their PyTorch fallback).
 
-Two small kernels build ``Q`` from the stored upper triangles (half the parameters, as the
-paper stores them) and reduce ``∂Q`` back onto them (``∂x = ∂Q[r, c] − ∂Q[c, r]``).
+Backends (``backend=`` of :func:`cayley_neumann`, default :data:`BACKEND`):
 
-Precision: ``tl.dot`` on float32 defaults to TF32 on NVIDIA GPUs (10-bit mantissas, about
-5e-4 relative per operand); these kernels ask for ``input_precision="ieee"`` by default so
-the GPU result is float32-exact up to summation order, like the plain path and the golden
-traces. ``tf32=True`` (what POETLinear asks for when the layer computes in bfloat16 or
-float16, whose 7- or 10-bit mantissas the rotations are rounded to anyway) uses the tensor
-cores instead; the IEEE path runs on the FMA units.
-The series costs ``n·b³`` multiply-adds, a few percent of a layer's matmuls at b ≤ 512.
+* ``"triton"``, four kernels, any of float32/bfloat16/float16: ``_cnp_square_kernel``
+  reads ``Q`` straight from the stored upper triangles (both halves read along the
+  triangle's rows) and writes ``Q`` and ``Q²``; ``_cnp_series_kernel`` writes ``Y`` tile by
+  tile (``T`` is made from the loaded tiles, never stored). Backward:
+  ``_cnp_d_kernel``, ``D = QᵀG + GQᵀ = −(QG + GQ)`` (kept in float32), then
+  ``_cnp_grad_kernel``, ``∂Q = 2(G + D) + (cQ² − 2Q)·D + (2G + cD)·Q²`` (``Qᵀ = −Q`` and
+  ``Q²ᵀ = Q²``: no transposed reads), then the triangles' gradient
+  (``∂x = ∂Q[r, c] − ∂Q[c, r]``, :func:`triu_grad`).
+* ``"bmm"``, the same series as cuBLAS batched products with the additions folded into
+  ``baddbmm``'s α/β, plus :func:`skew` and :func:`triu_grad`.
 
-Backends (``backend=`` of :func:`cayley_neumann`, default :data:`BACKEND`): ``"triton"``,
-the fused kernels above (float32); ``"bmm"``, the same series written with
-``T = Q + (c/2)Q²`` (``Y = 2(Q + Q² + I/2) + 2Q²T``) as cuBLAS batched products with the
-additions folded into ``baddbmm``'s α/β, in float32 (TF32 or IEEE products, as asked; set
-for the call, restored after) or in bfloat16/float16 (``dtype=``: low-precision operands,
-float32 accumulation, one rounding per product; what a bf16/fp16 POETLinear uses). On an
-H100, 32 blocks of 256², forward+backward GPU time: 96 µs (bmm, bf16), 151 µs (bmm, TF32),
-215 µs (fused kernels, TF32): ``"bmm"`` is the default.
+Precision. Every product takes operands in the blocks' dtype and accumulates in float32;
+each stored result is rounded once to that dtype. Float32 operands: ``tf32=False`` (the
+parity path) multiplies in IEEE float32 (FMA units), ``tf32=True`` on TF32 tensor cores
+(10-bit mantissas; what a float32 evaluation for a bf16/fp16 layer asks for). Under the
+Triton interpreter, whose ``tl.dot`` misreads bf16/fp16 operands, low-precision operands
+are rounded to their dtype and multiplied in float32: the same products.
+
+GPU time, H100, forward+backward, bf16 (``bench/poet_layer.py --micro``, RESULTS.md): 32
+blocks of 256², bmm 96-235 µs, triton 87 µs; 16 blocks of 512², bmm 164 µs, triton 256 µs.
+Inside the whole layer the bmm backend is faster at both sizes (0.715 vs 0.774 ms and
+0.810 vs 1.075 ms at 4096², b = 256 / 512), so ``"bmm"`` is the default.
 
 References: :func:`skew_reference`, :func:`triu_grad_reference`,
 :func:`cayley_neumann_reference` (plain PyTorch, the spec's math) and
@@ -36,6 +37,8 @@ References: :func:`skew_reference`, :func:`triu_grad_reference`,
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -96,108 +99,167 @@ def _triu_grad_kernel(dq_ptr, g_ptr, rows_ptr, cols_ptr, B, M, BLOCK: tl.constex
 
 
 @triton.jit
-def _dot(a, b, TF32: tl.constexpr):
-    if TF32:
-        return tl.dot(a, b, input_precision="tf32")
-    return tl.dot(a, b, input_precision="ieee")
+def _dot(a, b, acc, od, PREC: tl.constexpr):
+    """``acc + a·b`` accumulated in float32, the float32 operands ``a``, ``b`` rounded to the
+    operand dtype ``od`` first. bfloat16/float16 operands: ``PREC`` is ignored. float32: at
+    ``PREC`` "tf32" or "ieee". ``PREC = "upcast"`` (the interpreter, whose ``tl.dot`` reads
+    low-precision operands as raw bits): round to ``od`` and multiply in float32, the same
+    numbers (a product of two bf16/fp16 values is exact in float32)."""
+    if PREC == "upcast":
+        return tl.dot(a.to(od).to(tl.float32), b.to(od).to(tl.float32), acc,
+                      input_precision="ieee")
+    return tl.dot(a.to(od), b.to(od), acc, input_precision=PREC)
 
 
 @triton.jit
 def _block_tile(B, BM: tl.constexpr):
-    """A program's block ``n`` (grid axis 0) and the rows and columns of its BM × BM output
-    tile (grid axis 1, row-major over the block's tiles)."""
+    """A program's block ``n`` (grid axis 0), its tile coordinates ``(ti, tj)`` (grid axis 1,
+    row-major over the block's BM × BM tiles) and the tile's rows and columns."""
     tiles = tl.cdiv(B, BM)
     ti = tl.program_id(1) // tiles
     tj = tl.program_id(1) % tiles
-    return (tl.program_id(0), ti * BM + tl.arange(0, BM), tj * BM + tl.arange(0, BM))
+    return (tl.program_id(0), ti, tj, ti * BM + tl.arange(0, BM), tj * BM + tl.arange(0, BM))
 
 
 @triton.jit
-def _tile(ptr, rows, cols, s_row, s_col, B):
+def _tile(ptr, rows, cols, B):
+    """``M[rows, cols]`` of a row-major B × B matrix at ``ptr``, as float32 (0 outside)."""
     mask = (rows[:, None] < B) & (cols[None, :] < B)
-    return tl.load(ptr + rows[:, None] * s_row + cols[None, :] * s_col, mask=mask, other=0.0)
+    return tl.load(ptr + rows[:, None] * B + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _store_tile(ptr, rows, cols, s_row, s_col, B, value):
+def _store_tile(ptr, rows, cols, B, value):
     mask = (rows[:, None] < B) & (cols[None, :] < B)
-    tl.store(ptr + rows[:, None] * s_row + cols[None, :] * s_col, value, mask=mask)
+    tl.store(ptr + rows[:, None] * B + cols[None, :], value.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _cnp_fwd_kernel(q_ptr, q2_ptr, y_ptr, B, C4, s_b, s_r, s_c,
-                    BM: tl.constexpr, BK: tl.constexpr, TF32: tl.constexpr):
-    # One program per (block, output tile). Y = 2((Q²Q + Q) + Q²) + C4·Q²Q² + I.
-    n, rows, cols = _block_tile(B, BM)
-    q = q_ptr + n * s_b
-    q2 = q2_ptr + n * s_b
-    acc3 = tl.zeros((BM, BM), dtype=tl.float32)
-    acc4 = tl.zeros((BM, BM), dtype=tl.float32)
+def _triu_index(r, c, B):
+    """Row-major index of ``(min(r, c), max(r, c))`` in a strict upper triangle of B × B."""
+    lo = tl.minimum(r, c)
+    hi = tl.maximum(r, c)
+    return lo * B - (lo * (lo + 1)) // 2 + (hi - lo - 1)
+
+
+@triton.jit
+def _skew_tile(x_ptr, rows, cols, B):
+    """``Q[rows, cols]`` (float32) of ``Q = U − Uᵀ``, ``U`` the strict upper triangle stored
+    row-major at ``x_ptr`` (the layout of ``oft_R``'s rows). Both halves are read along
+    the triangle's rows (coalesced): ``U[rows, cols]`` where r < c, and ``U[cols, rows]``
+    where c < r, transposed in registers."""
+    r = rows[:, None]
+    c = cols[None, :]
+    inside = (r < B) & (c < B)
+    up = tl.load(x_ptr + _triu_index(r, c, B), mask=inside & (r < c), other=0.0)
+    rt = rows[None, :]
+    ct = cols[:, None]
+    lo = tl.load(x_ptr + _triu_index(ct, rt, B), mask=(rt < B) & (ct < rt), other=0.0)
+    return up.to(tl.float32) - tl.trans(lo.to(tl.float32))
+
+
+@triton.jit
+def _cnp_square_kernel(src_ptr, q_ptr, q2_ptr, B, M, FROM_TRIU: tl.constexpr,
+                       BM: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    # Q² (and, FROM_TRIU, Q itself) of one block tile; Q read from the triangles or from q.
+    n, ti, tj, rows, cols = _block_tile(B, BM)
+    od = q2_ptr.dtype.element_ty
+    acc = tl.zeros((BM, BM), dtype=tl.float32)
     for k0 in range(0, B, BK):
         ks = k0 + tl.arange(0, BK)
-        a = _tile(q2, rows, ks, s_r, s_c, B)  # Q²[i, k], shared by both products
-        acc3 += _dot(a, _tile(q, ks, cols, s_r, s_c, B), TF32)
-        acc4 += _dot(a, _tile(q2, ks, cols, s_r, s_c, B), TF32)
-    y = 2.0 * ((acc3 + _tile(q, rows, cols, s_r, s_c, B)) + _tile(q2, rows, cols, s_r, s_c, B))
-    y = y + C4 * acc4
+        if FROM_TRIU:
+            a = _skew_tile(src_ptr + n * M, rows, ks, B)
+            b = _skew_tile(src_ptr + n * M, ks, cols, B)
+        else:
+            a = _tile(src_ptr + n * B * B, rows, ks, B)
+            b = _tile(src_ptr + n * B * B, ks, cols, B)
+        acc = _dot(a, b, acc, od, PREC)
+    _store_tile(q2_ptr + n * B * B, rows, cols, B, acc)
+    if FROM_TRIU:
+        _store_tile(q_ptr + n * B * B, rows, cols, B, _skew_tile(src_ptr + n * M, rows, cols, B))
+
+
+@triton.jit
+def _cnp_series_kernel(q_ptr, q2_ptr, y_ptr, B, HALF_C, BM: tl.constexpr, BK: tl.constexpr,
+                       PREC: tl.constexpr):
+    # Y = 2(Q + Q² + I/2) + 2·Q²·T,  T = Q + (c/2)Q² (made tile by tile, never stored)
+    n, ti, tj, rows, cols = _block_tile(B, BM)
+    q = q_ptr + n * B * B
+    q2 = q2_ptr + n * B * B
+    od = q_ptr.dtype.element_ty
+    acc = tl.zeros((BM, BM), dtype=tl.float32)
+    for k0 in range(0, B, BK):
+        ks = k0 + tl.arange(0, BK)
+        t = _tile(q, ks, cols, B) + HALF_C * _tile(q2, ks, cols, B)
+        acc = _dot(_tile(q2, rows, ks, B), t, acc, od, PREC)
+    y = 2.0 * acc + 2.0 * (_tile(q, rows, cols, B) + _tile(q2, rows, cols, B))
     y = y + tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
-    _store_tile(y_ptr + n * s_b, rows, cols, s_r, s_c, B, y)
+    _store_tile(y_ptr + n * B * B, rows, cols, B, y)
 
 
 @triton.jit
-def _cnp_bwd_d_kernel(q_ptr, g_ptr, d_ptr, B, s_b, s_r, s_c, BM: tl.constexpr, BK: tl.constexpr,
-                      TF32: tl.constexpr):
-    # D = QᵀG + GQᵀ, the transposes read through swapped strides.
-    n, rows, cols = _block_tile(B, BM)
-    q = q_ptr + n * s_b
-    g = g_ptr + n * s_b
+def _cnp_d_kernel(q_ptr, g_ptr, d_ptr, B, BM: tl.constexpr, BK: tl.constexpr,
+                  PREC: tl.constexpr):
+    # D = QᵀG + GQᵀ = −(QG + GQ) (Q skew: no transposed reads), kept in float32
+    n, ti, tj, rows, cols = _block_tile(B, BM)
+    q = q_ptr + n * B * B
+    g = g_ptr + n * B * B
+    od = q_ptr.dtype.element_ty
     acc = tl.zeros((BM, BM), dtype=tl.float32)
     for k0 in range(0, B, BK):
         ks = k0 + tl.arange(0, BK)
-        acc += _dot(_tile(q, rows, ks, s_c, s_r, B), _tile(g, ks, cols, s_r, s_c, B), TF32)
-        acc += _dot(_tile(g, rows, ks, s_r, s_c, B), _tile(q, ks, cols, s_c, s_r, B), TF32)
-    _store_tile(d_ptr + n * s_b, rows, cols, s_r, s_c, B, acc)
+        acc = _dot(_tile(q, rows, ks, B), _tile(g, ks, cols, B), acc, od, PREC)
+        acc = _dot(_tile(g, rows, ks, B), _tile(q, ks, cols, B), acc, od, PREC)
+    _store_tile(d_ptr + n * B * B, rows, cols, B, -acc)
 
 
 @triton.jit
-def _cnp_bwd_final_kernel(q_ptr, q2_ptr, g_ptr, d_ptr, out_ptr, B, C4, s_b, s_r, s_c,
-                          BM: tl.constexpr, BK: tl.constexpr, TF32: tl.constexpr):
-    # ∂Q = 2(G + D) + (2Qᵀ + C4·Q²ᵀ) D + (2G + C4·D) Q²ᵀ
-    n, rows, cols = _block_tile(B, BM)
-    q = q_ptr + n * s_b
-    q2 = q2_ptr + n * s_b
-    g = g_ptr + n * s_b
-    d = d_ptr + n * s_b
+def _dq_tile(q, q2, g, d, rows, cols, B, C, BM: tl.constexpr, BK: tl.constexpr, od,
+             PREC: tl.constexpr):
+    """``∂Q[rows, cols]`` (float32): ``2(G + D) + (cQ² − 2Q)·D + (2G + cD)·Q²``, i.e.
+    ``2(G + D) + 2TᵀD + 2(G + (c/2)D)Q²ᵀ`` with ``Qᵀ = −Q`` and ``Q²ᵀ = Q²``."""
     acc = tl.zeros((BM, BM), dtype=tl.float32)
     for k0 in range(0, B, BK):
         ks = k0 + tl.arange(0, BK)
-        left = 2.0 * _tile(q, rows, ks, s_c, s_r, B) + C4 * _tile(q2, rows, ks, s_c, s_r, B)
-        acc += _dot(left, _tile(d, ks, cols, s_r, s_c, B), TF32)
-        left = 2.0 * _tile(g, rows, ks, s_r, s_c, B) + C4 * _tile(d, rows, ks, s_r, s_c, B)
-        acc += _dot(left, _tile(q2, ks, cols, s_c, s_r, B), TF32)
-    acc = acc + 2.0 * (_tile(g, rows, cols, s_r, s_c, B) + _tile(d, rows, cols, s_r, s_c, B))
-    _store_tile(out_ptr + n * s_b, rows, cols, s_r, s_c, B, acc)
+        left = C * _tile(q2, rows, ks, B) - 2.0 * _tile(q, rows, ks, B)
+        acc = _dot(left, _tile(d, ks, cols, B), acc, od, PREC)
+        left = 2.0 * _tile(g, rows, ks, B) + C * _tile(d, rows, ks, B)
+        acc = _dot(left, _tile(q2, ks, cols, B), acc, od, PREC)
+    return acc + 2.0 * (_tile(g, rows, cols, B) + _tile(d, rows, cols, B))
 
 
 @triton.jit
-def _square_kernel(q_ptr, out_ptr, B, s_b, s_r, s_c, BM: tl.constexpr, BK: tl.constexpr,
-                   TF32: tl.constexpr):
-    # Q² (kept for the backward)
-    n, rows, cols = _block_tile(B, BM)
-    q = q_ptr + n * s_b
-    acc = tl.zeros((BM, BM), dtype=tl.float32)
-    for k0 in range(0, B, BK):
-        ks = k0 + tl.arange(0, BK)
-        acc += _dot(_tile(q, rows, ks, s_r, s_c, B), _tile(q, ks, cols, s_r, s_c, B), TF32)
-    _store_tile(out_ptr + n * s_b, rows, cols, s_r, s_c, B, acc)
+def _cnp_grad_kernel(q_ptr, q2_ptr, g_ptr, d_ptr, out_ptr, B, C, BM: tl.constexpr,
+                     BK: tl.constexpr, PREC: tl.constexpr):
+    # ∂Q, one tile per program (the triangles' gradient is then _triu_grad_kernel's)
+    n, ti, tj, rows, cols = _block_tile(B, BM)
+    _store_tile(out_ptr + n * B * B, rows, cols, B,
+                _dq_tile(q_ptr + n * B * B, q2_ptr + n * B * B, g_ptr + n * B * B,
+                         d_ptr + n * B * B, rows, cols, B, C, BM, BK,
+                         q_ptr.dtype.element_ty, PREC))
 
 
 # -- launchers -------------------------------------------------------------------------------
 
 
-def _tiles(b: int) -> tuple[int, int]:
-    bm = max(16, min(64, triton.next_power_of_2(b)))
-    return bm, min(bm, 32)
+#: CNP tiles (BM × BM outputs per program, BK-wide products, warps) for float32 and for
+#: bf16/fp16 operands; the low-precision one is the fastest of bench/poet_layer.py --micro's
+#: sweep on an H100 (RESULTS.md), the float32 one the earlier default
+CNP_TILES = {"f32": (64, 32, 4), "lowp": (128, 32, 8)}
+
+
+def _tiles(b: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    bm, bk, warps = CNP_TILES["f32" if dtype == torch.float32 else "lowp"]
+    bm = max(16, min(bm, triton.next_power_of_2(b)))
+    return bm, max(16, min(bm, bk)), warps
+
+
+def _prec(dtype: torch.dtype, tf32: bool) -> str:
+    # float32 operands: TF32 tensor cores or IEEE FMAs; bf16/fp16 operands ignore it, except
+    # under the interpreter (see _dot)
+    if dtype != torch.float32:
+        return "upcast" if os.environ.get("TRITON_INTERPRET") == "1" else "tf32"
+    return "tf32" if tf32 else "ieee"
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -254,41 +316,63 @@ def _c4(formula: str) -> float:
     return 1.0 if formula == "product" else 2.0
 
 
+def _cnp_forward(src: torch.Tensor, b: int, from_triu: bool, formula: str, tf32: bool,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = src.shape[0]
+    bm, bk, warps = _tiles(b, dtype)
+    grid = (n, triton.cdiv(b, bm) ** 2)
+    prec = _prec(dtype, tf32)
+    q = torch.empty((n, b, b), dtype=dtype, device=src.device) if from_triu else src
+    q2 = torch.empty((n, b, b), dtype=dtype, device=src.device)
+    _cnp_square_kernel[grid](src, q, q2, b, spec.num_triu(b), FROM_TRIU=from_triu, BM=bm,
+                             BK=bk, PREC=prec, num_warps=warps)
+    y = torch.empty_like(q2)
+    _cnp_series_kernel[grid](q, q2, y, b, _c4(formula) / 2, BM=bm, BK=bk, PREC=prec,
+                             num_warps=warps)
+    return y, q, q2
+
+
+def _cnp_backward(q: torch.Tensor, q2: torch.Tensor, g: torch.Tensor, formula: str,
+                  tf32: bool, triu_dtype: torch.dtype | None) -> torch.Tensor:
+    n, b, _ = q.shape
+    bm, bk, warps = _tiles(b, q.dtype)
+    grid = (n, triton.cdiv(b, bm) ** 2)
+    prec = _prec(q.dtype, tf32)
+    d = torch.empty((n, b, b), dtype=torch.float32, device=q.device)
+    _cnp_d_kernel[grid](q, g, d, b, BM=bm, BK=bk, PREC=prec, num_warps=warps)
+    # ∂Q in float32 when the triangles' gradient follows (one rounding, at the end)
+    dq = torch.empty((n, b, b), dtype=torch.float32 if triu_dtype is not None else q.dtype,
+                     device=q.device)
+    _cnp_grad_kernel[grid](q, q2, g, d, dq, b, _c4(formula), BM=bm, BK=bk, PREC=prec,
+                           num_warps=warps)
+    return dq if triu_dtype is None else triu_grad(dq, b, triu_dtype)
+
+
 def cnp_forward(q: torch.Tensor, formula: str = "product", tf32: bool = False,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(Y, Q²)`` for skew blocks ``q`` (``(n, b, b)`` float32).
+    """``(Y, Q²)`` for skew blocks ``q`` (``(n, b, b)``, float32, bfloat16 or float16; the
+    products take operands in ``q``'s dtype and accumulate in float32, each result rounded
+    once to it).
 
-    ``tf32=True`` lets the products use TF32 tensor cores (10-bit mantissas): for layers
+    ``tf32=True`` lets float32 products use TF32 tensor cores (10-bit mantissas): for layers
     computed in bfloat16 (7-bit) the rotations lose nothing they keep; float32 layers
     leave it off (IEEE products, the parity path)."""
-    q = _check(q, "q")
-    n, b, _ = q.shape
-    bm, bk = _tiles(b)
-    grid = (n, triton.cdiv(b, bm) ** 2)
-    q2 = torch.empty_like(q)
-    _square_kernel[grid](q, q2, b, *q.stride(), BM=bm, BK=bk, TF32=tf32)
-    y = torch.empty_like(q)
-    _cnp_fwd_kernel[grid](q, q2, y, b, _c4(formula), *q.stride(), BM=bm, BK=bk, TF32=tf32)
+    q = _check(q, "q", _FLOATS)
+    y, _, q2 = _cnp_forward(q, q.shape[1], False, formula, tf32, q.dtype)
     return y, q2
 
 
 def cnp_backward(q: torch.Tensor, q2: torch.Tensor, g: torch.Tensor,
                  formula: str = "product", tf32: bool = False) -> torch.Tensor:
-    """``∂⟨Y, G⟩/∂Q`` given ``Q``, ``Q²`` (from :func:`cnp_forward`) and ``G``."""
-    q, q2, g = _check(q, "q"), _check(q2, "q2"), _check(g, "grad")
-    n, b, _ = q.shape
-    d = torch.empty_like(q)
-    out = torch.empty_like(q)
-    bm, bk = _tiles(b)
-    grid = (n, triton.cdiv(b, bm) ** 2)
-    _cnp_bwd_d_kernel[grid](q, g, d, b, *q.stride(), BM=bm, BK=bk, TF32=tf32)
-    _cnp_bwd_final_kernel[grid](q, q2, g, d, out, b, _c4(formula), *q.stride(), BM=bm, BK=bk,
-                                TF32=tf32)
-    return out
+    """``∂⟨Y, G⟩/∂Q`` (in ``q``'s dtype) given ``Q``, ``Q²`` (from :func:`cnp_forward`) and
+    ``G`` (any float dtype)."""
+    q, q2, g = _check(q, "q", _FLOATS), _check(q2, "q2", _FLOATS), _check(g, "grad", _FLOATS)
+    return _cnp_backward(q, q2, g, formula, tf32, None)
 
 
-#: "bmm" (cuBLAS batched products) or "triton" (the fused kernels)
-BACKEND = "bmm"
+#: "bmm" (cuBLAS batched products) or "triton" (the fused kernels); XOPT_POET_CNP
+#: overrides the default (for benchmarks)
+BACKEND = os.environ.get("XOPT_POET_CNP", "bmm")
 
 
 class _Precision:
@@ -351,9 +435,8 @@ def blocks_forward(x: torch.Tensor, b: int, formula: str, tf32: bool, backend: s
         q = skew(x, b, dtype)
         y, q2, t = cnp_forward_bmm(q, formula, tf32)
         return y, (q, q2, t)
-    q = skew(x, b, torch.float32)
-    y, q2 = cnp_forward(q, formula, tf32)
-    return y.to(dtype), (q, q2)
+    y, q, q2 = _cnp_forward(_check(x, "x", _FLOATS), b, True, formula, tf32, dtype)
+    return y, (q, q2)
 
 
 def blocks_backward(saved: tuple[torch.Tensor, ...], g: torch.Tensor, b: int, formula: str,
@@ -362,17 +445,16 @@ def blocks_backward(saved: tuple[torch.Tensor, ...], g: torch.Tensor, b: int, fo
     if backend == "bmm":
         q, q2, t = saved
         dq = cnp_backward_bmm(q, q2, g.contiguous().to(q.dtype), formula, tf32, t)
-    else:
-        q, q2 = saved
-        dq = cnp_backward(q, q2, g.contiguous().to(torch.float32), formula, tf32)
-    return triu_grad(dq, b, x_dtype)
+        return triu_grad(dq, b, x_dtype)
+    q, q2 = saved
+    return _cnp_backward(q, q2, g.contiguous(), formula, tf32, x_dtype)
 
 
 class CayleyNeumann(torch.autograd.Function):
     """``oft_R`` rows (upper triangles) → CNP blocks, with the fused kernels (or the
-    batched-matmul backend) both ways. ``dtype``: the blocks' dtype; the bmm backend
-    computes in it (float32, or bfloat16/float16 products with float32 accumulation), the
-    fused kernels compute in float32 and cast. The gradient comes back in ``x``'s dtype."""
+    batched-matmul backend) both ways. ``dtype``: the blocks' dtype, in which both backends
+    compute (float32, or bfloat16/float16 products with float32 accumulation). The
+    gradient comes back in ``x``'s dtype."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, b: int, formula: str, tf32: bool = False,
