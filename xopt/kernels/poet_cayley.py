@@ -16,7 +16,8 @@ Backends (``backend=`` of :func:`cayley_neumann`, default :data:`BACKEND`):
   ``Q²ᵀ = Q²``: no transposed reads), then the triangles' gradient
   (``∂x = ∂Q[r, c] − ∂Q[c, r]``, :func:`triu_grad`).
 * ``"bmm"``, the same series as cuBLAS batched products with the additions folded into
-  ``baddbmm``'s α/β, plus :func:`skew` and :func:`triu_grad`.
+  ``baddbmm_``'s α/β (in place on temporaries: the out-of-place ``baddbmm`` copies its
+  input first), plus :func:`skew` and :func:`triu_grad`.
 
 Precision. Every product takes operands in the blocks' dtype and accumulates in float32;
 each stored result is rounded once to that dtype. Float32 operands: ``tf32=False`` (the
@@ -405,7 +406,7 @@ def cnp_forward_bmm(q: torch.Tensor, formula: str = "product", tf32: bool = Fals
         t = torch.add(q, q2, alpha=c4 / 2)
         base = q + q2
         base.diagonal(0, -2, -1).add_(0.5)
-        y = torch.baddbmm(base, q2, t, beta=2.0, alpha=2.0)
+        y = base.baddbmm_(q2, t, beta=2.0, alpha=2.0)  # in place: no copy of base
     return y, q2, t
 
 
@@ -421,9 +422,9 @@ def cnp_backward_bmm(q: torch.Tensor, q2: torch.Tensor, g: torch.Tensor,
         t = torch.add(q, q2, alpha=c4 / 2)
     qt = q.transpose(1, 2)
     with _Precision(tf32):
-        d = torch.baddbmm(torch.bmm(g, qt), qt, g)  # QᵀG + GQᵀ
-        out = torch.baddbmm(g + d, t.transpose(1, 2), d, beta=2.0, alpha=2.0)
-        out = torch.baddbmm(out, torch.add(g, d, alpha=c4 / 2), q2.transpose(1, 2), alpha=2.0)
+        d = torch.bmm(g, qt).baddbmm_(qt, g)  # QᵀG + GQᵀ (in place on temporaries)
+        out = (g + d).baddbmm_(t.transpose(1, 2), d, beta=2.0, alpha=2.0)
+        out.baddbmm_(torch.add(g, d, alpha=c4 / 2), q2.transpose(1, 2), alpha=2.0)
     return out
 
 
