@@ -1,32 +1,57 @@
 """Fused Triton step of small_fc_lopt (learned_optimization's ``AdafacMLPLOpt``).
 
-One optimizer step over all of a model's tensors in five launches (plus a few tiny torch
-ops for the decays and time features), whatever the number of tensors:
+One optimizer step over all of a model's tensors in a fixed number of launches (plus a few
+tiny torch ops for the decays and the time features), whatever the number of tensors:
 
 1. ``stats1`` (factored tensors only): partial sums of g² over each tile's two axes;
 2. ``fac_finalize`` + ``rcm``: the new ``v_row``/``v_col`` (written in place) and their
    row-column means, the partial sums added in a fixed order;
-3. :func:`sfc_stats_kernel`: per tile, Σ feature² of the 28 features (recomputing the
-   accumulators in registers; float32 per thread, the tile's and the tensor's sums in
-   float64, :func:`xopt.kernels.lopt_common.seg_sum`, in a fixed order): the
-   second-moment normalizer;
-4. :func:`sfc_fused_kernel`: accumulators, features, normalization, the MLP, the step and
-   the parameter update, all in registers; writes ``p``, ``m``, ``rms`` (and ``v_diag``
-   below rank 2).
+3. the statistics pass, per tile: Σ feature² of the 28 features (float32 per thread, the
+   tile's sums in float64), :func:`sfc_fold_stats_kernel` on the factored tensors,
+   :func:`sfc_stats_kernel` on the others; the tensors' sums
+   (:func:`xopt.kernels.lopt_common.seg_sum`, float64, in a fixed order);
+4. :func:`sfc_norm_kernel`: the normalizers ``rsqrt(1e-5 + mean feature²)`` per tensor
+   and the per-element first-layer rows with them folded in (TF32 halves in exact mode);
+5. :func:`sfc_axis_kernel`: the first-layer terms of the row and column features, one row
+   of HP numbers per entry of every ``v_row`` and ``v_col``;
+6. the fused pass: accumulators, features, the MLP, the step and the parameter update, all
+   in registers; writes ``p``, ``m``, ``rms`` (and ``v_diag`` below rank 2).
+   :func:`sfc_fold_fused_kernel` on the factored tensors, :func:`sfc_fused_kernel` on the
+   others.
 
 The 11 time features are the same for every element: they are folded into the first
-bias (``b0 + tf @ W0[28:]``), so the first layer's K is 28.
+bias (``b0 + tf @ W0[28:]``).
+
+**Row and column features folded (factored tensors, tensor-core MLP).** Of the 28 features,
+12 depend on one axis only: ``v_row`` (13-15), ``v_col`` (16-18), ``rsqrt(v_row + 1e-8)``
+(19-21), ``rsqrt(v_col + 1e-8)`` (22-24). A tile's program owns TB fixed positions ``ib``
+of its inner axis and walks SA positions ``ia`` of the outer one at a time; which of the
+two indexes ``v_row`` depends on the tensor's strides (``A_IS_D0``). The first layer is
+split as ``h = x16 @ W16n + a_term[ia] + b_term[ib] + b0``: ``x16`` [BLOCK, 16] holds the
+16 per-element features (0-12, 25-27) unnormalized, ``W16n`` their first-layer rows times
+the tensor's normalizers (step 4), on the tensor cores (K = 16 instead of 32); the axis
+terms ``Σ_k (inv_k · W0[k, :]) · f_k`` over the 6 features of an axis are float32 FMAs in
+step 5, read back as ``b_term`` [TB, HP] once per program and ``a_term`` [SA, HP] once per
+sub-tile. The row and column factors of ``fac_g`` and ``m·row_factor·col_factor`` are
+likewise computed per axis position (no per-element gathers of ``v_row``/``v_col`` and no
+per-element rsqrt of them). In the statistics pass an axis feature's Σ over a tile's
+elements is Σ over the tile's positions on that axis of f², times the tile's extent on the
+other axis. Unfactored tensors (rank < 2: their "row" and "column" features are the
+per-element ``v_diag``) and the 4-wide MLP keep the unfolded kernels.
 
 The MLP: hidden widths up to 4 (the original's 4) run as float32 FMAs, the first layer one
 feature at a time (:func:`xopt.kernels.lopt_common.rank1`, no feature tile), in both
-precisions. Wider ones (PyLO's 32) build a [BLOCK, 32] feature tile and run on the tensor
-cores (:func:`xopt.kernels.lopt_common.mlp_dot`); the output layer (2 columns) is float32
-FMAs. Precision of the tensor-core matmuls (``precision=``):
+precisions. Wider ones (PyLO's 32) run on the tensor cores (the folded first layer above;
+the unfolded kernel builds a [BLOCK, 32] feature tile); each hidden layer's input is the
+previous MMA's accumulator with its columns relabeled (:func:`_mma_to_operand`, the weight
+rows stored in the same order) so that it is already the next MMA's A operand, with no
+shuffle between threads; the output layer (2 columns) is float32 FMAs. Precision of the
+tensor-core matmuls (``precision=``):
 
 * ``"exact"`` (default): split-precision TF32, both operands split into two TF32 halves
-  rounded to nearest, three exact products summed in float32
-  (:func:`xopt.kernels.lopt_common.dot3`): operands carried to 22 bits instead of
-  float32's 24. Measured against float64: see tests/test_kernels_lopt.py.
+  rounded to nearest, three exact products summed in float32 (:func:`_dot3`): operands
+  carried to 22 bits instead of float32's 24. Measured against float64: see
+  tests/test_kernels_lopt.py and tests/test_kernels_small_fc_fold.py.
 * ``"fast"``: one TF32 product (10-bit mantissas). The MLP outputs move by about 1e-3
   relative, the step by as much; accumulators are not affected.
 
@@ -53,46 +78,465 @@ from xopt.specs._xp import to_device
 __all__ = ["SmallFCTriton", "reference_step"]
 
 #: sub-tile rows (SA × TB elements per sub-tile) of the per-element kernels: the statistics
-#: pass, the fused pass with the tensor-core MLP (hidden width > FMA_MAX) and with the FMA
-#: MLP; warps per program (XOPT_LOPT_SA_STATS / _SA_DOT / _SA_FMA / _WARPS, for tuning)
+#: passes, the fused pass with the tensor-core MLP (hidden width > FMA_MAX), folded and
+#: unfolded, and with the FMA MLP; warps per program (XOPT_LOPT_SA_STATS / _SA_FOLD /
+#: _SA_DOT / _SA_FMA / _WARPS, for tuning)
 SA_STATS = int(os.environ.get("XOPT_LOPT_SA_STATS", "2"))
+SA_FOLD = int(os.environ.get("XOPT_LOPT_SA_FOLD", "2"))
 SA_DOT = int(os.environ.get("XOPT_LOPT_SA_DOT", "2"))
 SA_FMA = int(os.environ.get("XOPT_LOPT_SA_FMA", "4"))
 WARPS = int(os.environ.get("XOPT_LOPT_WARPS", "4"))
-#: software-pipelining stages of the per-element loop (XOPT_LOPT_STAGES)
+#: software-pipelining stages of the per-element loop (XOPT_LOPT_STAGES); the folded fused
+#: kernel's (XOPT_LOPT_STAGES_FOLD, default 1: with its register cap below, 5.53 ms against
+#: 5.84 ms uncapped with 2 stages per ViT-B/16 step; H100, triton 3.6, torch.profiler)
 STAGES = int(os.environ.get("XOPT_LOPT_STAGES", "2"))
+STAGES_FOLD = int(os.environ.get("XOPT_LOPT_STAGES_FOLD", "1"))
+#: register caps (``maxnreg``; 0: the compiler's choice) of the folded fused kernel, for
+#: hidden widths up to 32 (XOPT_LOPT_MAXNREG, default 168: three programs per SM instead of
+#: two, at the cost of a few spills) and of the folded statistics kernel with SA_STATS = 2
+#: (XOPT_LOPT_MAXNREG_STATS, default 80: no spills, six programs per SM; 0.89 ms against
+#: 1.11 ms per ViT-B/16 step)
+MAXNREG_FOLD = int(os.environ.get("XOPT_LOPT_MAXNREG", "168"))
+MAXNREG_STATS = int(os.environ.get("XOPT_LOPT_MAXNREG_STATS", "80"))
 #: products per split-precision matmul in exact mode (3, or 4 with x_lo·w_lo;
 #: XOPT_LOPT_DOT_TERMS)
 TERMS = int(os.environ.get("XOPT_LOPT_DOT_TERMS", "3"))
+#: fold the row/column features of factored tensors (XOPT_LOPT_FOLD=0: the unfolded
+#: kernel for every tensor, for comparison)
+FOLD = os.environ.get("XOPT_LOPT_FOLD", "1") != "0"
 #: hidden widths up to this run the MLP as float32 FMAs, zero-padded to 4 (exact in both
 #: modes), wider ones on the tensor cores
 FMA_MAX = 4
+#: entries of v_row / v_col per program of :func:`sfc_axis_kernel`
+AXIS_BLOCK = 64
 NPTR = 8  # pointer table columns: p, g, m, rms, v_row, v_col, v_diag, out
 NFEAT = 28
+#: the per-element features of the folded kernels, in the order of their K = 16 columns
+ELEM_FEATURES = tuple(range(13)) + (25, 26, 27)
+
+
+# -- shared pieces --------------------------------------------------------------------------
 
 
 @triton.jit
-def _sfc_body(meta, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, wl, bl, part,
-              exp_mult, step_mult, FUSED: tl.constexpr, PREC: tl.constexpr,
+def _program(meta, pids, prog, rcm, NF: tl.constexpr):
+    """A per-element program's place: ``pids[program_id]`` is its index ``gpid`` among all
+    programs (the layout's ``prog_all``; a launch may cover a subset). Returns ``(gpid, t,
+    row, b, ta, tb, rc0, rc1, rc2)``: its tensor ``t`` and that tensor's layout row, its
+    tile ``(b, ta, tb)`` and the three row-column means of batch ``b`` (unfactored tensors
+    read 3 unused numbers)."""
+    gpid = tl.load(pids + tl.program_id(0))
+    t = tl.load(prog + gpid)
+    row = meta + t * NF
+    b, ta, tb = C.tile_of(row, gpid - tl.load(row + 11))
+    rcm_b = rcm + tl.load(row + 22) + b * 3
+    return (gpid, t, row, b, ta, tb, tl.load(rcm_b), tl.load(rcm_b + 1),
+            tl.load(rcm_b + 2))
+
+
+@triton.jit
+def _dot3(x, w_hi, w_lo, PREC: tl.constexpr, TERMS: tl.constexpr):
+    """``x @ w`` [BLOCK, K] × [K, N] on the tensor cores (a copy of
+    :func:`xopt.kernels.lopt_common.dot3`). ``PREC="tf32x3"`` (exact mode): ``x = x_hi +
+    x_lo + r`` with ``x_hi = round_tf32(x)``, ``x_lo = round_tf32(x − x_hi)`` (|r| ≤
+    2^-22·|x|), ``w`` split likewise by the host, then ``x_lo·w_hi + x_hi·w_lo (+ x_lo·w_lo
+    if TERMS = 4) + x_hi·w_hi``, small terms first, each an exact TF32 product, accumulated
+    in float32. ``PREC="tf32"`` (fast mode): one TF32 product."""
+    if PREC == "tf32x3":
+        x_hi = C.round_tf32(x)
+        x_lo = C.round_tf32(x - x_hi)
+        acc = tl.dot(x_lo, w_hi, input_precision="tf32")
+        acc = tl.dot(x_hi, w_lo, acc, input_precision="tf32")
+        if TERMS == 4:
+            acc = tl.dot(x_lo, w_lo, acc, input_precision="tf32")
+        return tl.dot(x_hi, w_hi, acc, input_precision="tf32")
+    else:
+        return tl.dot(x, w_hi, input_precision="tf32")
+
+
+@triton.jit
+def _mma_to_operand(h, HP: tl.constexpr):
+    """Columns of ``h`` [BLOCK, HP] permuted, ``c = 8j + 2q + r → 8j + 4r + q`` (q < 4,
+    r < 2): in a Hopper MMA accumulator a thread holds columns 8j + 2q + {0, 1}, and as the
+    TF32 A operand of the next matmul columns 8j + q + {0, 4}; after this permutation (a
+    relabeling, no data movement) the accumulator already is that operand, instead of
+    being shuffled between threads. The next layer's weight rows are permuted likewise
+    (:func:`_operand_perm`), so that the product is unchanged."""
+    h = tl.reshape(h, [h.shape[0], HP // 8, 4, 2])
+    return tl.reshape(tl.permute(h, (0, 1, 3, 2)), [h.shape[0], HP])
+
+
+def _operand_perm(hp: int) -> list[int]:
+    """Row ``k`` of a hidden layer's stored weights is row ``perm[k]`` of the layer
+    (the permutation of :func:`_mma_to_operand`: k = 8j + 4r + q holds c = 8j + 2q + r)."""
+    return [8 * (k // 8) + 2 * (k % 4) + (k % 8) // 4 for k in range(hp)]
+
+
+@triton.jit
+def _mlp_tail(h, w1h, w1l, b1, wh, bh, wl0, wl1, bl0, bl1, HP: tl.constexpr,
+              NHID: tl.constexpr, PREC: tl.constexpr, TERMS: tl.constexpr):
+    """The MLP after its first layer: ``h`` [BLOCK, HP] (after the ReLU) → ``(direction,
+    magnitude)`` [BLOCK]. The first hidden layer ``w1h``/``w1l`` [HP, HP] (TF32 halves),
+    ``b1`` [HP] is loaded once per program by the caller; further ones (NHID > 1) are read
+    from ``wh`` (hi halves [NHID, HP, HP], then the lo halves) and ``bh`` [NHID, HP]. The
+    output layer's two used columns ``wl0``, ``wl1`` [HP] and biases: float32 FMAs.
+
+    Each hidden layer's input columns are first permuted by :func:`_mma_to_operand`, and
+    the hidden layers' rows are stored permuted likewise (:func:`_operand_perm`)."""
+    hc = tl.arange(0, HP)
+    if NHID > 0:
+        h = _mma_to_operand(h, HP)
+        h = tl.maximum(_dot3(h, w1h, w1l, PREC, TERMS) + b1[None, :], 0.0)
+    for i in tl.static_range(1, NHID):
+        wofs = i * HP * HP + hc[:, None] * HP + hc[None, :]
+        w_hi = tl.load(wh + wofs)
+        w_lo = tl.load(wh + NHID * HP * HP + wofs)
+        h = _mma_to_operand(h, HP)
+        h = _dot3(h, w_hi, w_lo, PREC, TERMS) + tl.load(bh + i * HP + hc)[None, :]
+        h = tl.maximum(h, 0.0)
+    direction = tl.sum(h * wl0[None, :], axis=1) + bl0
+    magnitude = tl.sum(h * wl1[None, :], axis=1) + bl1
+    return direction, magnitude
+
+
+@triton.jit
+def _cat16(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15):
+    """16 vectors [BLOCK] → [BLOCK, 2, 2, 2, 2] whose reshape to [BLOCK, 16] holds f_i in
+    column i (``tl.join`` adds its axis last, so pairs are taken 8, 4, 2, 1 apart)."""
+    p0 = tl.join(f0, f8)
+    p1 = tl.join(f1, f9)
+    p2 = tl.join(f2, f10)
+    p3 = tl.join(f3, f11)
+    p4 = tl.join(f4, f12)
+    p5 = tl.join(f5, f13)
+    p6 = tl.join(f6, f14)
+    p7 = tl.join(f7, f15)
+    q0 = tl.join(p0, p4)
+    q1 = tl.join(p1, p5)
+    q2 = tl.join(p2, p6)
+    q3 = tl.join(p3, p7)
+    return tl.join(tl.join(q0, q2), tl.join(q1, q3))
+
+
+# -- the folded kernels (factored tensors) --------------------------------------------------
+
+
+@triton.jit
+def _axis_stats(vp, idx, msk, is_row, rc0, rc1, rc2):
+    """One axis's statistics for a vector of positions ``idx`` (flat indices into ``v_row``
+    or ``v_col``, [..., 3] interleaved, at ``vp``): ``(v0, v1, v2, s0, s1, s2, f0, f1,
+    f2)`` with ``v_k`` the statistic of decay k, ``s_k = rsqrt(v_k + 1e-8)`` and ``f_k``
+    its factor: ``rsqrt(max(v_k / (rc_k + 1e-9), 1e-9))`` for rows (``rc_k`` the
+    row-column mean), ``rsqrt(max(v_k, 1e-9))`` for columns."""
+    v0 = tl.load(vp + idx * 3, mask=msk, other=1.0)
+    v1 = tl.load(vp + idx * 3 + 1, mask=msk, other=1.0)
+    v2 = tl.load(vp + idx * 3 + 2, mask=msk, other=1.0)
+    d0 = tl.where(is_row, rc0 + 1e-9, 1.0)
+    d1 = tl.where(is_row, rc1 + 1e-9, 1.0)
+    d2 = tl.where(is_row, rc2 + 1e-9, 1.0)
+    return (v0, v1, v2, tl.math.rsqrt(v0 + 1e-8), tl.math.rsqrt(v1 + 1e-8),
+            tl.math.rsqrt(v2 + 1e-8), tl.math.rsqrt(tl.maximum(v0 / d0, 1e-9)),
+            tl.math.rsqrt(tl.maximum(v1 / d1, 1e-9)), tl.math.rsqrt(tl.maximum(v2 / d2, 1e-9)))
+
+
+@triton.jit
+def _axis_weight(invp, w0f, fi, HP: tl.constexpr):
+    """``inv[fi] · W0[fi, :]`` [HP]: the normalized first-layer row of feature ``fi``."""
+    return tl.load(invp + fi) * tl.load(w0f + fi * HP + tl.arange(0, HP))
+
+
+@triton.jit
+def sfc_axis_kernel(aprog, ptrs, norm, w0f, terms, HP: tl.constexpr, NPTR: tl.constexpr,
+                    FB: tl.constexpr):
+    """The first-layer terms of the axis features, one row of ``terms`` [E, HP] per entry
+    of every factored tensor's ``v_row`` and ``v_col``: ``Σ_k v_k · inv[fv+k]·W0[fv+k] +
+    rsqrt(v_k + 1e-8) · inv[fv+6+k]·W0[fv+6+k]`` (``fv`` = 13 for ``v_row``, 16 for
+    ``v_col``; ``inv`` the tensor's normalizers ``norm[t]``), float32 FMAs in that order.
+    Program ``pid`` covers the FB entries from ``e0`` of ``aprog[pid] = (t, which, e0, n,
+    dst)`` (``which`` 0: ``v_row``, 1: ``v_col``; ``n`` the entries in the statistic,
+    ``dst`` the row of ``terms`` of its entry 0)."""
+    pid = tl.program_id(0)
+    t = tl.load(aprog + pid * 5)
+    which = tl.load(aprog + pid * 5 + 1)
+    e = tl.load(aprog + pid * 5 + 2) + tl.arange(0, FB)
+    msk = e < tl.load(aprog + pid * 5 + 3)
+    dst = tl.load(aprog + pid * 5 + 4)
+    vp = C.ptr_f32(ptrs, t, 4 + which, NPTR)
+    invp = norm + t * 32
+    fv = 13 + 3 * which
+    hc = tl.arange(0, HP)
+    h = tl.zeros([FB, HP], tl.float32)
+    for k in tl.static_range(3):
+        v = tl.load(vp + e * 3 + k, mask=msk, other=1.0)
+        h += v[:, None] * _axis_weight(invp, w0f, fv + k, HP)[None, :]
+    for k in tl.static_range(3):
+        v = tl.load(vp + e * 3 + k, mask=msk, other=1.0)
+        h += tl.math.rsqrt(v + 1e-8)[:, None] * _axis_weight(invp, w0f, fv + 6 + k, HP)[None, :]
+    tl.store(terms + (dst + e)[:, None].to(tl.int64) * HP + hc[None, :], h, mask=msk[:, None])
+
+
+@triton.jit
+def sfc_norm_kernel(sums, numel, w16, norm, w16n, HP: tl.constexpr, SPLIT: tl.constexpr):
+    """Per tensor ``t`` (one program each): the normalizers ``norm[t] = rsqrt(1e-5 +
+    float32(sums[t] / numel[t]))`` [32] (``sums`` float64 [n_tensors, 32]: Σ feature²), and
+    the folded kernels' per-element first-layer rows with them folded in, ``w16n[t] =
+    (inv[ELEM_FEATURES, None] · W16)`` [16, HP], stored as its TF32 halves (hi, then lo:
+    [n_tensors, 2, 16, HP]) if ``SPLIT`` (exact mode), else as is (and a zero lo half)."""
+    t = tl.program_id(0)
+    c = tl.arange(0, 32)
+    inv = tl.math.rsqrt(1e-5 + (tl.load(sums + t * 32 + c)
+                                / tl.load(numel + t).to(tl.float64)).to(tl.float32))
+    tl.store(norm + t * 32 + c, inv)
+    kk = tl.arange(0, 16)
+    hc = tl.arange(0, HP)
+    inv16 = tl.math.rsqrt(1e-5 + (tl.load(sums + t * 32 + tl.where(kk < 13, kk, kk + 12))
+                                  / tl.load(numel + t).to(tl.float64)).to(tl.float32))
+    w = inv16[:, None] * tl.load(w16 + kk[:, None] * HP + hc[None, :])
+    out = w16n + t * 32 * HP + kk[:, None] * HP + hc[None, :]
+    if SPLIT:
+        hi = C.round_tf32(w)
+        tl.store(out, hi)
+        tl.store(out + 16 * HP, C.round_tf32(w - hi))
+    else:
+        tl.store(out, w)
+        tl.store(out + 16 * HP, tl.zeros([16, HP], tl.float32))
+
+
+@triton.jit
+def _put(vec, cols, i, x):
+    """``vec`` with entry ``i`` (``cols`` its indices) set to the scalar ``x``."""
+    return tl.where(cols == i, x, vec)
+
+
+@triton.jit
+def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tofs, b0,
+               wh, bh, wl, bl, part, exp_mult, step_mult, FUSED: tl.constexpr,
+               PREC: tl.constexpr, TERMS: tl.constexpr, HP: tl.constexpr,
+               NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr,
+               TB: tl.constexpr, SA: tl.constexpr):
+    """One tile [TA, TB] of a factored tensor, walked in sub-tiles [SA, TB] (BLOCK
+    elements). The b axis (TB positions ``ib``, fixed per program) and the a axis (SA
+    positions ``ia`` per sub-tile) each index ``v_row`` or ``v_col`` (``A_IS_D0``); their
+    statistics and factors are computed per position (:func:`_axis_stats`), per element only
+    the 16 features :data:`ELEM_FEATURES`.
+
+    ``FUSED=False``: Σ feature² over the tile → ``part[gpid, 0:32]`` (float64): the 16
+    per-element ones accumulated per thread in float32; an axis feature's as Σ over the
+    tile's positions on that axis (float32 per thread) times the tile's extent on the other
+    axis. ``FUSED=True``: ``h = relu(x16 @ W16n + a_term + b_term)`` with ``x16`` [BLOCK,
+    16] the raw per-element features, ``W16n`` their first-layer rows with the normalizers
+    folded in (``w16n[t]``, :func:`sfc_norm_kernel`) and the axis terms read from ``terms``
+    (rows ``tofs[t, 0] + v_row index`` and ``tofs[t, 1] + v_col index``,
+    :func:`sfc_axis_kernel`; ``b_term`` [TB, HP] plus the bias once per program, ``a_term``
+    [SA, HP] per sub-tile); then :func:`_mlp_tail`; writes the new parameter (or the step),
+    ``m`` and ``rms``."""
+    BLOCK: tl.constexpr = SA * TB
+    gpid, t, row, b, ta, tb, rc0, rc1, rc2 = _program(meta, pids, prog, rcm, NF)
+    pp, gp, mp, rp, vr, vc, vd = C.tensor_ptrs(ptrs, t, NPTR)
+    md0, md1, md2, rd, fd0, fd1, fd2 = C.load_decays(decays)
+    ia_n = tl.load(row + 2)
+    ib_n = tl.load(row + 3)
+    sap = tl.load(row + 4)
+    sbp = tl.load(row + 5)
+    bs1 = tl.load(row + 6)
+    boff = C.batch_offset(b, bs1, tl.load(row + 7), tl.load(row + 8))
+    b_row = tl.load(row + 13) != 0  # a is d0: the b axis (d1) indexes v_row
+    a_row = b_row == 0
+    rbase = C.batch_offset(b, bs1, tl.load(row + 14), tl.load(row + 15))
+    rstr = tl.load(row + 16)
+    cbase = C.batch_offset(b, bs1, tl.load(row + 17), tl.load(row + 18))
+    cstr = tl.load(row + 19)
+    vb = tl.where(b_row, tl.load(ptrs + t * NPTR + 4), tl.load(ptrs + t * NPTR + 5)
+                  ).to(tl.pointer_type(tl.float32))
+    va = tl.where(b_row, tl.load(ptrs + t * NPTR + 5), tl.load(ptrs + t * NPTR + 4)
+                  ).to(tl.pointer_type(tl.float32))
+    ib = tb * TB + tl.arange(0, TB)
+    mb = ib < ib_n
+    bidx = tl.where(b_row, rbase + ib * rstr, cbase + ib * cstr)
+    vb0, vb1, vb2, sb0, sb1, sb2, fb0, fb1, fb2 = _axis_stats(vb, bidx, mb, b_row, rc0, rc1,
+                                                              rc2)
+    hc = tl.arange(0, HP)
+    kk = tl.arange(0, 16)
+    if FUSED:
+        outp = C.ptr_f32(ptrs, t, 7, NPTR)
+        lr = tl.load(scal + t * 4)
+        lrwd = tl.load(scal + t * 4 + 1)
+        write_step = tl.load(scal + t * 4 + 2)
+        # the per-element features' first-layer rows, normalizers folded in
+        # (sfc_norm_kernel), loaded once per program
+        w16_t = w16n + t * 32 * HP + kk[:, None] * HP + hc[None, :]
+        w16h_t = tl.load(w16_t)
+        w16l_t = tl.load(w16_t + 16 * HP)
+        w1_ofs = hc[:, None] * HP + hc[None, :]
+        w1h_t = tl.load(wh + w1_ofs)  # the first hidden layer (a zero layer if NHID = 0)
+        w1l_t = tl.load(wh + NHID * HP * HP + w1_ofs)
+        b1_t = tl.load(bh + hc)
+        wl0_t = tl.load(wl + hc * 16)
+        wl1_t = tl.load(wl + hc * 16 + 1)
+        bl0_t = tl.load(bl)
+        bl1_t = tl.load(bl + 1)
+        ta_row = tl.load(tofs + t * 2 + tl.where(a_row, 0, 1))
+        tb_row = tl.load(tofs + t * 2 + tl.where(b_row, 0, 1))
+        b_term = tl.load(b0 + hc)[None, :] + tl.load(
+            terms + (tb_row + bidx)[:, None] * HP + hc[None, :], mask=mb[:, None], other=0.0)
+    else:
+        z = tl.zeros([BLOCK], tl.float32)
+        q0, q1, q2, q3, q4, q5, q6, q7 = z, z, z, z, z, z, z, z
+        q8, q9, q10, q11, q12, q13, q14, q15 = z, z, z, z, z, z, z, z
+        za = tl.zeros([SA], tl.float32)
+        qa0, qa1, qa2, qa3, qa4, qa5 = za, za, za, za, za, za
+    sa_i = tl.arange(0, SA)
+    a0 = ta * TA
+    n_sub = tl.minimum(TA, ia_n - a0)
+    for s in range(0, n_sub, SA):
+        ia = a0 + s + sa_i
+        ma = ia < ia_n
+        aidx = tl.where(a_row, rbase + ia * rstr, cbase + ia * cstr)
+        va0, va1, va2, sa0, sa1, sa2, fa0, fa1, fa2 = _axis_stats(va, aidx, ma, a_row, rc0,
+                                                                  rc1, rc2)
+        off = tl.reshape(boff + ia[:, None].to(tl.int64) * sap
+                         + ib[None, :].to(tl.int64) * sbp, [BLOCK])
+        mask = tl.reshape(ma[:, None] & mb[None, :], [BLOCK])
+        ff0 = tl.reshape(fa0[:, None] * fb0[None, :], [BLOCK])
+        ff1 = tl.reshape(fa1[:, None] * fb1[None, :], [BLOCK])
+        ff2 = tl.reshape(fa2[:, None] * fb2[None, :], [BLOCK])
+        g = tl.load(gp + off, mask=mask, other=0.0)
+        p = tl.load(pp + off, mask=mask, other=0.0)
+        m0 = md0 * tl.load(mp + off * 3, mask=mask, other=0.0) + (1 - md0) * g
+        m1 = md1 * tl.load(mp + off * 3 + 1, mask=mask, other=0.0) + (1 - md1) * g
+        m2 = md2 * tl.load(mp + off * 3 + 2, mask=mask, other=0.0) + (1 - md2) * g
+        rms = rd * tl.load(rp + off, mask=mask, other=0.0) + (1 - rd) * (g * g)
+        rr = tl.math.rsqrt(rms + 1e-6)
+        if FUSED:
+            x = _cat16(g, p, m0, m1, m2, rms, m0 * rr, m1 * rr, m2 * rr, rr,
+                       g * ff0, g * ff1, g * ff2, m0 * ff0, m1 * ff1, m2 * ff2)
+            x = tl.reshape(x, [BLOCK, 16])
+            a_term = tl.load(terms + (ta_row + aidx)[:, None] * HP + hc[None, :],
+                             mask=ma[:, None], other=0.0)
+            ab = tl.reshape(a_term[:, None, :] + b_term[None, :, :], [BLOCK, HP])
+            h = tl.maximum(_dot3(x, w16h_t, w16l_t, PREC, TERMS) + ab, 0.0)
+            direction, magnitude = _mlp_tail(h, w1h_t, w1l_t, b1_t, wh, bh, wl0_t, wl1_t,
+                                             bl0_t, bl1_t, HP, NHID, PREC, TERMS)
+            step = direction * tl.exp(magnitude * exp_mult) * step_mult
+            newp = p - (lr * step + lrwd * p)
+            tl.store(outp + off, tl.where(write_step != 0, step, newp), mask=mask)
+            tl.store(mp + off * 3, m0, mask=mask)
+            tl.store(mp + off * 3 + 1, m1, mask=mask)
+            tl.store(mp + off * 3 + 2, m2, mask=mask)
+            tl.store(rp + off, rms, mask=mask)
+        else:
+            # masked elements: g, p, m, rms are 0, so every feature but rr is 0
+            q0 += g * g
+            q1 += p * p
+            q2 += m0 * m0
+            q3 += m1 * m1
+            q4 += m2 * m2
+            q5 += rms * rms
+            q6 += (m0 * rr) * (m0 * rr)
+            q7 += (m1 * rr) * (m1 * rr)
+            q8 += (m2 * rr) * (m2 * rr)
+            q9 += tl.where(mask, rr * rr, 0.0)
+            q10 += (g * ff0) * (g * ff0)
+            q11 += (g * ff1) * (g * ff1)
+            q12 += (g * ff2) * (g * ff2)
+            q13 += (m0 * ff0) * (m0 * ff0)
+            q14 += (m1 * ff1) * (m1 * ff1)
+            q15 += (m2 * ff2) * (m2 * ff2)
+            qa0 += tl.where(ma, va0 * va0, 0.0)
+            qa1 += tl.where(ma, va1 * va1, 0.0)
+            qa2 += tl.where(ma, va2 * va2, 0.0)
+            qa3 += tl.where(ma, sa0 * sa0, 0.0)
+            qa4 += tl.where(ma, sa1 * sa1, 0.0)
+            qa5 += tl.where(ma, sa2 * sa2, 0.0)
+    if not FUSED:
+        cols = tl.arange(0, 32)
+        acc = tl.zeros([32], tl.float64)
+        acc = _put(acc, cols, 0, tl.sum(q0.to(tl.float64)))
+        acc = _put(acc, cols, 1, tl.sum(q1.to(tl.float64)))
+        acc = _put(acc, cols, 2, tl.sum(q2.to(tl.float64)))
+        acc = _put(acc, cols, 3, tl.sum(q3.to(tl.float64)))
+        acc = _put(acc, cols, 4, tl.sum(q4.to(tl.float64)))
+        acc = _put(acc, cols, 5, tl.sum(q5.to(tl.float64)))
+        acc = _put(acc, cols, 6, tl.sum(q6.to(tl.float64)))
+        acc = _put(acc, cols, 7, tl.sum(q7.to(tl.float64)))
+        acc = _put(acc, cols, 8, tl.sum(q8.to(tl.float64)))
+        acc = _put(acc, cols, 9, tl.sum(q9.to(tl.float64)))
+        acc = _put(acc, cols, 10, tl.sum(q10.to(tl.float64)))
+        acc = _put(acc, cols, 11, tl.sum(q11.to(tl.float64)))
+        acc = _put(acc, cols, 12, tl.sum(q12.to(tl.float64)))
+        acc = _put(acc, cols, 25, tl.sum(q13.to(tl.float64)))
+        acc = _put(acc, cols, 26, tl.sum(q14.to(tl.float64)))
+        acc = _put(acc, cols, 27, tl.sum(q15.to(tl.float64)))
+        # axis features: a tile's Σ over its elements = Σ over one axis × the other's extent
+        n_b = tl.minimum(TB, ib_n - tb * TB).to(tl.float64)
+        n_a = n_sub.to(tl.float64)
+        fa = tl.where(a_row, 13, 16)
+        fb = tl.where(b_row, 13, 16)
+        acc = _put(acc, cols, fa, tl.sum(qa0.to(tl.float64)) * n_b)
+        acc = _put(acc, cols, fa + 1, tl.sum(qa1.to(tl.float64)) * n_b)
+        acc = _put(acc, cols, fa + 2, tl.sum(qa2.to(tl.float64)) * n_b)
+        acc = _put(acc, cols, fa + 6, tl.sum(qa3.to(tl.float64)) * n_b)
+        acc = _put(acc, cols, fa + 7, tl.sum(qa4.to(tl.float64)) * n_b)
+        acc = _put(acc, cols, fa + 8, tl.sum(qa5.to(tl.float64)) * n_b)
+        acc = _put(acc, cols, fb, tl.sum(tl.where(mb, vb0 * vb0, 0.0).to(tl.float64)) * n_a)
+        acc = _put(acc, cols, fb + 1, tl.sum(tl.where(mb, vb1 * vb1, 0.0).to(tl.float64)) * n_a)
+        acc = _put(acc, cols, fb + 2, tl.sum(tl.where(mb, vb2 * vb2, 0.0).to(tl.float64)) * n_a)
+        acc = _put(acc, cols, fb + 6, tl.sum(tl.where(mb, sb0 * sb0, 0.0).to(tl.float64)) * n_a)
+        acc = _put(acc, cols, fb + 7, tl.sum(tl.where(mb, sb1 * sb1, 0.0).to(tl.float64)) * n_a)
+        acc = _put(acc, cols, fb + 8, tl.sum(tl.where(mb, sb2 * sb2, 0.0).to(tl.float64)) * n_a)
+        tl.store(part + gpid.to(tl.int64) * 32 + cols, acc)
+
+
+@triton.jit
+def sfc_fold_stats_kernel(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms,
+                          tofs, b0, wh, bh, wl, bl, part, exp_mult, step_mult,
+                          PREC: tl.constexpr, TERMS: tl.constexpr, HP: tl.constexpr,
+                          NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr,
+                          TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
+    """Statistics pass of the factored tensors (:func:`_fold_body`, ``FUSED=False``)."""
+    _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tofs, b0,
+               wh, bh, wl, bl, part, exp_mult, step_mult, False, PREC, TERMS, HP, NHID, NPTR,
+               NF, TA, TB, SA)
+
+
+@triton.jit
+def sfc_fold_fused_kernel(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms,
+                          tofs, b0, wh, bh, wl, bl, part, exp_mult, step_mult,
+                          PREC: tl.constexpr, TERMS: tl.constexpr, HP: tl.constexpr,
+                          NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr,
+                          TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
+    """Fused pass of the factored tensors (:func:`_fold_body`, ``FUSED=True``)."""
+    _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tofs, b0,
+               wh, bh, wl, bl, part, exp_mult, step_mult, True, PREC, TERMS, HP, NHID, NPTR,
+               NF, TA, TB, SA)
+
+
+# -- the unfolded kernels (unfactored tensors; every tensor with the 4-wide MLP) ------------
+
+
+@triton.jit
+def _sfc_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, wl, bl,
+              part, exp_mult, step_mult, FUSED: tl.constexpr, PREC: tl.constexpr,
               TERMS: tl.constexpr, MLP_DOT: tl.constexpr, HP: tl.constexpr,
               NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr,
               TB: tl.constexpr, SA: tl.constexpr):
-    """One tile [TA, TB] of one tensor (``prog[pid]``), walked in sub-tiles of SA × TB
-    elements (BLOCK; one, two or four per thread). Each sub-tile: the new accumulators and
-    the 28 features as [BLOCK] vectors.
+    """One tile [TA, TB] of one tensor (:func:`_program`), unfolded: walked in sub-tiles
+    of SA × TB elements (BLOCK; one, two or four per thread). Each sub-tile: the new
+    accumulators and the 28 features as [BLOCK] vectors.
 
-    ``FUSED=False`` (statistics): Σ over the tile of each feature² → ``part[pid, 0:32]``
+    ``FUSED=False`` (statistics): Σ over the tile of each feature² → ``part[gpid, 0:32]``
     (float64; masked elements excluded), accumulated per thread in float32 as a [BLOCK, 32]
     tile (one row per element, :func:`xopt.kernels.lopt_common.cat32`) and reduced once at
     the end. ``FUSED=True``: normalizes by ``norm[t, :]`` (the tensor's
     ``rsqrt(1e-5 + mean feature²)``), runs the MLP — with ``MLP_DOT`` on the tensor cores
-    from the [BLOCK, 32] tile (:func:`~xopt.kernels.lopt_common.mlp_dot`, weights loaded
-    once per program), else 4 wide in float32 FMAs without a tile
+    from the [BLOCK, 32] tile (:func:`_dot3`, :func:`_mlp_tail`, weights loaded once per
+    program), else 4 wide in float32 FMAs without a tile
     (:func:`~xopt.kernels.lopt_common.rank1`, :func:`~xopt.kernels.lopt_common.mlp4_tail`)
     — and writes the new parameter (or the step), ``m``, ``rms`` and ``v_diag``."""
     BLOCK: tl.constexpr = SA * TB
-    pid = tl.program_id(0)
-    t, row, fact, ia_n, b, ta, tb, rc0, rc1, rc2 = C.program_tile(meta, prog, rcm, NF)
+    gpid, t, row, b, ta, tb, rc0, rc1, rc2 = _program(meta, pids, prog, rcm, NF)
+    fact = tl.load(row + 1)
+    ia_n = tl.load(row + 2)
     pp, gp, mp, rp, vr, vc, vd = C.tensor_ptrs(ptrs, t, NPTR)
     md0, md1, md2, rd, fd0, fd1, fd2 = C.load_decays(decays)
     cols = tl.arange(0, 32)
@@ -176,9 +620,10 @@ def _sfc_body(meta, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, w
                         m0 * FM0, m1 * FM1, m2 * FM2, z, z, z, z)
             x = tl.reshape(x, [BLOCK, 32])
             if FUSED:
-                direction, magnitude = C.mlp_dot(x * inv[None, :], w0h_t, w0l_t, b0_t, w1h_t,
-                                                 w1l_t, b1_t, wh, bh, wl0_t, wl1_t, bl0_t,
-                                                 bl1_t, HP, NHID, PREC, TERMS)
+                h = tl.maximum(_dot3(x * inv[None, :], w0h_t, w0l_t, PREC, TERMS)
+                               + b0_t[None, :], 0.0)
+                direction, magnitude = _mlp_tail(h, w1h_t, w1l_t, b1_t, wh, bh, wl0_t, wl1_t,
+                                                 bl0_t, bl1_t, HP, NHID, PREC, TERMS)
                 direction = tl.reshape(direction, [BLOCK])
                 magnitude = tl.reshape(magnitude, [BLOCK])
             else:
@@ -197,28 +642,28 @@ def _sfc_body(meta, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, w
                 tl.store(v3 + 1, V1, mask=mask)
                 tl.store(v3 + 2, V2, mask=mask)
     if not FUSED:
-        tl.store(part + pid.to(tl.int64) * 32 + cols, tl.sum(acc.to(tl.float64), axis=0))
+        tl.store(part + gpid.to(tl.int64) * 32 + cols, tl.sum(acc.to(tl.float64), axis=0))
 
 
 @triton.jit
-def sfc_stats_kernel(meta, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, wl, bl,
+def sfc_stats_kernel(meta, pids, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, wl, bl,
                      part, exp_mult, step_mult, PREC: tl.constexpr, TERMS: tl.constexpr,
                      MLP_DOT: tl.constexpr,
                      HP: tl.constexpr, NHID: tl.constexpr, NPTR: tl.constexpr,
                      NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
-    """Launch 3 (statistics mode of :func:`_sfc_body`): Σ feature² per tile."""
-    _sfc_body(meta, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, wl, bl, part,
+    """Statistics pass of the unfolded kernel (:func:`_sfc_body`, ``FUSED=False``)."""
+    _sfc_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, wl, bl, part,
               exp_mult, step_mult, False, PREC, TERMS, MLP_DOT, HP, NHID, NPTR, NF, TA, TB, SA)
 
 
 @triton.jit
-def sfc_fused_kernel(meta, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, wl, bl,
+def sfc_fused_kernel(meta, pids, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, wl, bl,
                      part, exp_mult, step_mult, PREC: tl.constexpr, TERMS: tl.constexpr,
                      MLP_DOT: tl.constexpr,
                      HP: tl.constexpr, NHID: tl.constexpr, NPTR: tl.constexpr,
                      NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
-    """Launch 4 (fused mode of :func:`_sfc_body`): the update."""
-    _sfc_body(meta, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, wl, bl, part,
+    """Fused pass of the unfolded kernel (:func:`_sfc_body`, ``FUSED=True``)."""
+    _sfc_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh, bh, wl, bl, part,
               exp_mult, step_mult, True, PREC, TERMS, MLP_DOT, HP, NHID, NPTR, NF, TA, TB, SA)
 
 
@@ -250,6 +695,7 @@ class SmallFCTriton:
         self.hp = hp
         self.prec = self.PRECISIONS[precision]
         self._layout: L.Layout | None = None
+        self._pids: dict = {}
         self._wcache: tuple | None = None
         self._tables = L.TableCache()
         self._decays: tuple | None = None  # (key, all 7 decays, Adafactor's 3), per θ
@@ -258,14 +704,47 @@ class SmallFCTriton:
         lay = self._layout
         if lay is None or lay.shapes != tuple(shapes) or lay.meta.device != device:
             lay = self._layout = L.build_layout(shapes, device)
+            self._pids = self._program_sets(lay, device)
         return lay
 
+    @staticmethod
+    def _program_sets(lay: L.Layout, device: torch.device) -> dict:
+        """Per layout: the indices (into ``prog_all``) of every program, of the factored
+        tensors' and of the others' (``"all" | "fact" | "unf"``: (int32 tensor, count));
+        for the axis terms (:func:`sfc_axis_kernel`), ``"tofs"`` (int64 [n_tensors, 2]: the
+        first row of ``terms`` of each factored tensor's ``v_row`` and ``v_col``),
+        ``"aprog"`` (its programs, int64 [n, 5], and their count) and ``"n_terms"``."""
+        sets: dict[str, list[int]] = {"all": [], "fact": [], "unf": []}
+        tofs, aprog, e = [], [], 0
+        for t, r in enumerate(lay.meta_host):
+            n = r[L.NB] * r[L.NTA] * r[L.NTB]
+            ids = range(r[L.PSTART], r[L.PSTART] + n)
+            sets["all"].extend(ids)
+            sets["fact" if r[L.FACT] else "unf"].extend(ids)
+            if not r[L.FACT]:
+                tofs.append([0, 0])
+                continue
+            tofs.append([e, e + r[L.NB] * r[L.ND1]])
+            for which, count in ((0, r[L.NB] * r[L.ND1]), (1, r[L.NB] * r[L.ND0])):
+                aprog.extend([t, which, e0, count, e] for e0 in range(0, count, AXIS_BLOCK))
+                e += count
+        out = {k: (to_device(torch.tensor(v or [0], dtype=torch.int32), device), len(v))
+               for k, v in sets.items()}
+        out["tofs"] = to_device(torch.tensor(tofs, dtype=torch.int64), device)
+        out["aprog"] = (to_device(torch.tensor(aprog or [[0] * 5], dtype=torch.int64), device),
+                        len(aprog))
+        out["n_terms"] = e
+        return out
+
     def _weights(self, meta: Mapping[str, torch.Tensor]) -> dict:
-        """The MLP's weights as the kernel reads them (cached per meta-parameter tensor):
+        """The MLP's weights as the kernels read them (cached per meta-parameter tensor):
         zero-padded to HP columns, the first layer's 28 feature rows (padded to 32) apart
         from its 11 time-feature rows ``wt`` (folded into the bias at each step); for the
         tensor-core MLP in exact mode, split into TF32 hi/lo halves
-        (:func:`xopt.kernels.lopt_common.split_weights`)."""
+        (:func:`xopt.kernels.lopt_common.split_weights`). The folded kernels read the 16
+        per-element rows (:data:`ELEM_FEATURES`) from ``w16`` [16, HP] (normalized and
+        split per tensor by :func:`sfc_norm_kernel`) and the axis rows from the float32
+        ``w0f`` [32, HP]."""
         key = (id(meta), meta["mlp/w0"].data_ptr())
         if self._wcache is not None and self._wcache[0] == key:
             return self._wcache[1]
@@ -277,8 +756,11 @@ class SmallFCTriton:
         w0 = meta["mlp/w0"]
         dev = w0.device
         w0p = _pad(w0[:NFEAT], 32, hp_)
+        w16 = w0p[list(ELEM_FEATURES)].contiguous()
         wh = torch.stack([_pad(meta[f"mlp/w{i}"], hp_, hp_) for i in range(1, nl)]) \
             if nl > 1 else torch.zeros((1, hp_, hp_), device=dev)
+        if dot:  # the tensor-core MLP reads its hidden layers' rows permuted (_mma_to_operand)
+            wh = wh[:, _operand_perm(hp_)].contiguous()
         bh = torch.stack([_pad(meta[f"mlp/b{i}"][None], 1, hp_)[0] for i in range(1, nl)]) \
             if nl > 1 else torch.zeros((1, hp_), device=dev)
         if dot and self.prec == "tf32x3":
@@ -287,8 +769,8 @@ class SmallFCTriton:
         else:
             w0h, w0l = w0p, torch.zeros_like(w0p)
             whh, whl = wh, torch.zeros_like(wh)
-        out = dict(w0h=w0h, w0l=w0l, wt=w0[NFEAT:], wh=torch.cat([whh.flatten(),
-                                                                  whl.flatten()]),
+        out = dict(w0h=w0h, w0l=w0l, w16=w16, w0f=w0p.contiguous(),
+                   wt=w0[NFEAT:], wh=torch.cat([whh.flatten(), whl.flatten()]),
                    bh=bh.contiguous(), wl=_pad(meta[f"mlp/w{nl}"], hp_, 16),
                    bl=_pad(meta[f"mlp/b{nl}"][None], 1, 16)[0], hp=hp_, nhid=nl - 1, dot=dot)
         self._wcache = (key, out)
@@ -312,9 +794,6 @@ class SmallFCTriton:
             md, rd, fd = _spec.decays(hp, meta, xp=torch)
             self._decays = (dkey, torch.cat([md, rd, fd]).contiguous(), fd)
         _, decays, fd = self._decays
-        tf = _spec.time_features(torch, to_device(torch.tensor(iteration, dtype=torch.int32),
-                                                    dev), meta["mlp/b0"])
-        b0p = _pad((meta["mlp/b0"] + (tf[:, None] * w["wt"]).sum(0))[None], 1, hp_)[0]
         ptrs = self._tables.get("ptrs", [
             [p.data_ptr(), g.data_ptr(), s["m"].data_ptr(), s["rms"].data_ptr(),
              s["v_row"].data_ptr(), s["v_col"].data_ptr(), s["v_diag"].data_ptr(),
@@ -328,19 +807,59 @@ class SmallFCTriton:
             rcm = torch.zeros((3,), dtype=torch.float32, device=dev)
         part = torch.empty((lay.n_prog_all, 32), dtype=torch.float64, device=dev)
         common = dict(HP=hp_, NHID=w["nhid"], NPTR=NPTR, NF=L.NFIELDS, TA=L.TA, TB=L.TB,
-                      num_warps=WARPS, num_stages=STAGES,
-                      PREC=self.prec, TERMS=TERMS,
-                      MLP_DOT=w["dot"])
-        args = (lay.meta, lay.prog_all, ptrs, rcm, decays)
-        weights = (w["w0h"], w["w0l"], b0p, w["wh"], w["bh"], w["wl"], w["bl"])
-        sfc_stats_kernel[(lay.n_prog_all,)](*args, part, scal, *weights, part,
-                                            float(hp.exp_mult), float(hp.step_mult),
-                                            SA=SA_STATS, **common)
+                      num_warps=WARPS, num_stages=STAGES, PREC=self.prec, TERMS=TERMS)
+        fold = FOLD and w["dot"]
+        # (program indices, count, folded?) of each launch
+        if fold:
+            launches = [(*self._pids["fact"], True), (*self._pids["unf"], False)]
+        else:
+            launches = [(*self._pids["all"], False)]
+        tail = (w["wh"], w["bh"], w["wl"], w["bl"])
+        consts = (float(hp.exp_mult), float(hp.step_mult))
+
+        def run(pids, n, folded, fused, norm, w16n, terms, b0p):  # noqa: ANN001
+            if n == 0:
+                return
+            args = (lay.meta, pids, lay.prog_all, ptrs, rcm, decays, norm, scal)
+            if folded:
+                kern = sfc_fold_fused_kernel if fused else sfc_fold_stats_kernel
+                opts = dict(common)
+                # (the fused kernel's cap was measured at HP = 32; wider MLPs need more)
+                cap = (MAXNREG_FOLD if hp_ <= 32 else 0) if fused else \
+                    (MAXNREG_STATS if SA_STATS <= 2 else 0)
+                if fused:
+                    opts["num_stages"] = STAGES_FOLD
+                if cap:
+                    opts["maxnreg"] = cap
+                kern[(n,)](*args, w16n, terms, self._pids["tofs"], b0p, *tail,
+                           part, *consts, SA=SA_FOLD if fused else SA_STATS, **opts)
+            else:
+                kern = sfc_fused_kernel if fused else sfc_stats_kernel
+                sa = (SA_DOT if w["dot"] else SA_FMA) if fused else SA_STATS
+                kern[(n,)](*args, w["w0h"], w["w0l"], b0p, *tail, part, *consts,
+                           MLP_DOT=w["dot"], SA=sa, **common)
+
+        for pids, n, folded in launches:  # (norm, w16n, terms, b0 unused: placeholders)
+            run(pids, n, folded, False, part, part, part, part)
+        # the time features folded into the first bias (queued after the statistics: the
+        # host prepares them while those run)
+        tf = _spec.time_features(torch, to_device(torch.tensor(iteration, dtype=torch.int32),
+                                                    dev), meta["mlp/b0"])
+        b0p = _pad((meta["mlp/b0"] + (tf[:, None] * w["wt"]).sum(0))[None], 1, hp_)[0]
         sums = C.seg_sum(part, lay)
-        norm = torch.rsqrt(1e-5 + (sums / lay.numel[:, None].double()).float()).contiguous()
-        sfc_fused_kernel[(lay.n_prog_all,)](*args, norm, scal, *weights, part,
-                                            float(hp.exp_mult), float(hp.step_mult),
-                                            SA=SA_DOT if w["dot"] else SA_FMA, **common)
+        n_t = len(lay.shapes)
+        norm = torch.empty((n_t, 32), dtype=torch.float32, device=dev)
+        w16n = torch.empty((n_t, 2, 16, hp_), dtype=torch.float32, device=dev)
+        sfc_norm_kernel[(n_t,)](sums, lay.numel, w["w16"], norm, w16n, HP=hp_,
+                                SPLIT=self.prec == "tf32x3" and w["dot"], num_warps=4)
+        terms = part
+        if fold and self._pids["aprog"][1]:
+            aprog, n_ap = self._pids["aprog"]
+            terms = torch.empty((self._pids["n_terms"], hp_), dtype=torch.float32, device=dev)
+            sfc_axis_kernel[(n_ap,)](aprog, ptrs, norm, w["w0f"], terms, HP=hp_, NPTR=NPTR,
+                                     FB=AXIS_BLOCK, num_warps=4)
+        for pids, n, folded in launches:
+            run(pids, n, folded, True, norm, w16n, terms, b0p)
 
 
 def reference_step(hp: _spec.SmallFCLOpt, params: Sequence[torch.Tensor],

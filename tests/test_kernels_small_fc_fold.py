@@ -1,0 +1,242 @@
+"""small_fc_lopt's folded kernels (xopt.kernels.small_fc_lopt, tensor-core MLP, hidden 32).
+
+The factored tensors' row and column features are folded into per-row / per-column terms
+of the first layer (``sfc_axis_kernel``), the normalizers into the per-element weights
+(``sfc_norm_kernel``), and the statistics pass sums a row feature's square over rows times
+the number of columns. These tests check each piece against an explicit float64 computation
+and the whole step against the spec in float64, on shapes that exercise both orientations
+of the tile (which axis indexes ``v_row``), batch axes and partial tiles.
+
+As tests/test_kernels_lopt.py, the checks run in a child process (this file with
+``--worker``): on a CUDA GPU when there is one, else on the CPU under Triton's interpreter
+(``TRITON_INTERPRET=1`` set in the child only); the child prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    import torch  # noqa: F401
+
+    HAS_TORCH = True
+except ImportError:  # pragma: no cover
+    HAS_TORCH = False
+
+import importlib.util
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+pytestmark = pytest.mark.skipif(not (HAS_TORCH and HAS_TRITON), reason="needs torch and triton")
+
+REPO = Path(__file__).resolve().parents[1]
+EXACT = 1e-6
+#: rank ≥ 2 with either axis contiguous-major, batch axes, tiles cut at both edges (TA = TB =
+#: 64), plus unfactored tensors (the unfolded kernel in the same step)
+SHAPES = [(70, 130), (130, 70), (3, 2, 70, 5), (2, 65, 3), (9, 1, 4), (7, 3), (5,), ()]
+
+
+def _worker() -> dict:
+    import copy
+
+    import torch
+
+    import xopt.torch as xt
+    from xopt.kernels import small_fc_lopt as ks
+    from xopt.specs import small_fc_lopt as spec
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    out: dict = {"device": dev}
+
+    def rel(a, b):
+        if a.numel() == 0:
+            return 0.0
+        d = (a.double() - b.double()).abs().max().item()
+        return 0.0 if d == 0 else d / max(b.double().abs().max().item(), 1e-300)
+
+    def tensors(seed, dtype=torch.float32):
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randn(s, generator=g).to(dtype).to(dev) for s in SHAPES]
+
+    def make(params, impl):
+        return xt.SmallFCLOpt(params, impl=impl, num_training_steps=100, hidden_size=32,
+                              step_mult=0.01)
+
+    # a shared state after two plain steps
+    params = [torch.nn.Parameter(x) for x in tensors(0)]
+    opt = make(params, "plain")
+    for t in range(2):
+        for p, g in zip(params, tensors(100 + t), strict=True):
+            p.grad = g
+        opt.step(loss=torch.tensor(2.0))
+    sd = copy.deepcopy(opt.state_dict())
+    before = [p.detach().clone() for p in params]
+    g32 = tensors(102)
+
+    # capture the pieces of one folded Triton step (float64 parameters: the step is exact)
+    captured: dict = {}
+
+    class Spy:
+        def __init__(self, name, kern):
+            self.name, self.kern = name, kern
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                self.kern[grid](*args, **kw)
+                captured[self.name] = args
+
+            return launch
+
+    saved = {n: getattr(ks, n) for n in ("sfc_norm_kernel", "sfc_axis_kernel")}
+
+    def one_step(impl, fold):
+        ps = [torch.nn.Parameter(b.double()) for b in before]
+        o = make(ps, impl)
+        o.load_state_dict(copy.deepcopy(sd))
+        for p, g in zip(ps, g32, strict=True):
+            p.grad = g.double()
+        ks.FOLD = fold
+        try:
+            o.step(loss=torch.tensor(1.8))
+        finally:
+            ks.FOLD = True
+        return [b.double() - p.detach() for b, p in zip(before, ps, strict=True)], o
+
+    for n, k in saved.items():
+        setattr(ks, n, Spy(n, k))
+    try:
+        d_fold, o_fold = one_step("triton", True)
+    finally:
+        for n, k in saved.items():
+            setattr(ks, n, k)
+    d_unf, _ = one_step("triton", False)
+    d_plain, o_plain = one_step("plain", None)
+
+    # the float64 reference: the spec's step on float64 copies of every input
+    lr = opt.param_groups[0]["lr"]
+    meta = {k: v.double() for k, v in opt.meta_on(torch.device(dev)).items()}
+    st = [{k: v.double() for k, v in opt.state[p].items()} for p in params]
+    it = int(opt.state["global"]["iteration"])
+    p64 = [b.double() for b in before]
+    g64 = [g.double() for g in g32]
+    s64 = [lr * s for s in ks.reference_step(opt.hp, p64, g64, st, meta, it)[0]]
+    sens = 0.0
+    for k in range(3):  # every float32 input rounded once more (see test_kernels_lopt.py)
+        gen = torch.Generator().manual_seed(k)
+
+        def jig(x, gen=gen):
+            u = 2 * torch.rand(x.shape, generator=gen, dtype=torch.float64) - 1
+            return x * (1 + 2.0 ** -24 * u.to(x.device))
+
+        o_k = ks.reference_step(opt.hp, [jig(x) for x in p64], [jig(x) for x in g64],
+                                [{n: jig(v) for n, v in s_.items()} for s_ in st], meta, it)[0]
+        sens = max(sens, max(rel(lr * a, b) for a, b in zip(o_k, s64, strict=True)))
+    out["step_vs_f64"] = {
+        "fold": max(rel(a, b) for a, b in zip(d_fold, s64, strict=True)),
+        "unfolded": max(rel(a, b) for a, b in zip(d_unf, s64, strict=True)),
+        "plain": max(rel(a, b) for a, b in zip(d_plain, s64, strict=True)),
+        "sensitivity": sens}
+    out["state_vs_plain"] = max(
+        rel(o_fold.state[pa][k], o_plain.state[pb][k])
+        for pa, pb in zip(o_fold.param_groups[0]["params"], o_plain.param_groups[0]["params"],
+                          strict=True)
+        for k in ("m", "rms", "v_row", "v_col", "v_diag"))
+
+    # the statistics pass: Σ feature² per tensor against the spec's (float64) feature_sq_mean
+    sums, numel = captured["sfc_norm_kernel"][0], captured["sfc_norm_kernel"][1]
+    norm = captured["sfc_norm_kernel"][3]
+    st_new = [{k: v.double() for k, v in o_plain.state[p].items()}
+              for p in o_plain.param_groups[0]["params"]]
+    decays = spec.decays(opt.hp, meta, xp=torch)
+    tf = spec.time_features(torch, torch.tensor(it, dtype=torch.int32), meta["mlp/b0"])
+    worst_sq = 0.0
+    for i, (p, g, s_) in enumerate(zip(p64, g64, st, strict=True)):
+        _, _, aux = spec.compute_step(opt.hp, p, g, *(s_[v] for v in spec._PARAM_VARS), tf,
+                                      meta, decays, xp=torch, return_aux=True)
+        mean = sums[i, :28].double() / numel[i].double()
+        worst_sq = max(worst_sq, rel(mean, aux["feature_sq_mean"]))
+    out["feature_sq_mean_vs_f64"] = worst_sq
+
+    # the axis terms against an explicit float64 sum over the 12 row/column features
+    aprog, _, _, w0f, terms = captured["sfc_axis_kernel"][:5]
+    w0 = meta["mlp/w0"][:28]
+    inv = norm.double()
+    worst_terms = 0.0
+    for t, which, e0, count, dst in aprog.tolist():
+        if e0:
+            continue
+        v = st_new[t]["v_row" if which == 0 else "v_col"].reshape(-1, 3)
+        fv = 13 + 3 * which
+        ref = sum(v[:, k, None] * (inv[t, fv + k] * w0[fv + k])[None, :]
+                  + torch.rsqrt(v[:, k] + 1e-8)[:, None]
+                  * (inv[t, fv + 6 + k] * w0[fv + 6 + k])[None, :] for k in range(3))
+        got = terms[dst:dst + count, :w0.shape[1]].double()
+        worst_terms = max(worst_terms, rel(got, ref))
+    out["axis_terms_vs_f64"] = worst_terms
+    out["n_axis_programs"] = len(aprog.tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True, env=env)
+    if probe.stdout.strip() != "True":
+        env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, __file__, "--worker"], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(json.dumps(res, indent=1))
+    return res
+
+
+def test_folded_step_matches_float64(results):
+    r = results["step_vs_f64"]
+    bound = max(EXACT, r["sensitivity"])
+    assert r["fold"] <= bound and r["unfolded"] <= bound, r
+
+
+def test_state_matches_plain(results):
+    assert results["state_vs_plain"] <= EXACT, results["state_vs_plain"]
+
+
+def test_statistics_match_float64(results):
+    # float32 features summed in float64: a few float32 roundings per feature
+    assert results["feature_sq_mean_vs_f64"] <= EXACT, results["feature_sq_mean_vs_f64"]
+
+
+def test_axis_terms_match_float64(results):
+    assert results["n_axis_programs"] > 0
+    assert results["axis_terms_vs_f64"] <= EXACT, results["axis_terms_vs_f64"]
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    print(json.dumps(_worker()))
+
+
+def _cuda() -> bool:
+    return HAS_TORCH and HAS_TRITON and torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (ViT-B/16's shapes)")
+def test_vit_b16_shapes_match_plain():
+    """bench/lopt_step.py's check on ViT-B/16's 152 tensors (float64 parameters, one step
+    from the same state, exact mode): parameters and state within 1e-6 of plain; the step
+    itself is printed (it is compared with float64 on the small shapes above)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import lopt_step
+    finally:
+        sys.path.pop(0)
+    r = lopt_step.check_exact("small_fc_lopt", lopt_step.vit_b16(), "exact")
+    print("vit_b16 exact vs plain:", json.dumps(r))
+    assert r["param_max_rel"] <= EXACT and r["state_max_rel"] <= EXACT, r
