@@ -61,6 +61,8 @@ SHAPES = [(), (5,), (7, 3), (3, 9), (6, 6), (2, 3, 5), (3, 2, 4, 5), (40, 36), (
 
 
 def _worker() -> dict:
+    import copy
+
     import torch
 
     import xopt.torch as xt
@@ -182,7 +184,7 @@ def _worker() -> dict:
                                                              strict=True)),
             "sensitivity": sens}
 
-    for method in ("small_fc_lopt", "velo"):
+    for method in METHODS:
         out[f"{method}/f64_reference"] = vs_float64(method)
         # float64 parameters: the step is recovered exactly as p_before - p_after
         out[f"{method}/exact/f64"] = compare(method, "exact", torch.float64)
@@ -222,6 +224,60 @@ def _worker() -> dict:
             o.step(loss=torch.tensor(1.8))
         out[f"{method}/resume_bitwise"] = bool(
             all(torch.equal(a, b) for a, b in zip(params, params2, strict=True)))
+
+    # the host tables are kept between steps (xopt.torch._lopt.TritonIO): the same tensors
+    # give the same version; a new lr or a new gradient tensor gives a new one, and the step
+    # follows it (against plain, with the lr changed and the gradients replaced mid-run)
+    for method in METHODS:
+        res = {}
+        for impl in ("plain", "triton"):
+            params = params_for(torch.float32)
+            opt = make(method, params, impl, weight_decay=0.1, weight_decay_mode="decoupled")
+            versions = []
+            for t in range(5):
+                if t != 2:  # step 2 reuses step 1's gradient tensors
+                    for p, g in zip(params, grads(100 + t, torch.float32), strict=True):
+                        p.grad = g
+                if t == 3:
+                    opt.param_groups[0]["lr"] = 0.5
+                if t == 4:  # a parameter's data replaced (same values, new memory)
+                    params[7].data = params[7].data.clone()
+                opt.step(loss=torch.tensor(2.0 - 0.1 * t))
+                versions.append(opt._fio.version if opt._fio is not None else None)
+            res[impl] = (params, opt, versions)
+        (pa, oa, _), (pb, ob, vb) = res["plain"], res["triton"]
+        out[f"{method}/io_cache"] = {
+            "versions": vb,
+            "param": max(rel(b.detach(), a.detach()) for a, b in zip(pa, pb, strict=True)),
+            "state": max(rel(ob.state[b][k], oa.state[a][k]) for a, b in
+                         zip(pa, pb, strict=True) for k in oa.state[a])}
+        if method == "velo" and ob._triton is not None:
+            out[f"{method}/io_cache"]["graph_recordings"] = getattr(
+                ob._triton, "graph_recordings", None)
+
+    # VeLO's loss buffer on the device inside the step (the CUDA graph's path; eagerly on
+    # the CPU) against the host-side loss buffer, 4 steps and a state_dict round trip
+    lb = {}
+    for mode in (False, True):
+        params = params_for(torch.float32)
+        opt = make("velo", params, "triton")
+        for t in range(4):
+            for p, g in zip(params, grads(100 + t, torch.float32), strict=True):
+                p.grad = g
+            if opt._triton is not None:
+                opt._triton.loss_in_graph = mode
+            opt.step(loss=torch.tensor(2.0 - 0.3 * t + 0.2 * (t % 2)))
+            if t == 1:
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        lb[mode] = (params, opt)
+    (pa, oa), (pb, ob) = lb[False], lb[True]
+    out["velo/loss_in_graph"] = {
+        "param": max(rel(b.detach(), a.detach()) for a, b in zip(pa, pb, strict=True)),
+        "state": max(rel(ob.state[b][k], oa.state[a][k]) for a, b in
+                     zip(pa, pb, strict=True) for k in oa.state[a]),
+        "global": max(rel(ob.state["global"][k].double().cpu(),
+                          oa.state["global"][k].double().cpu()) for k in oa.state["global"]),
+        "bitwise": bool(all(torch.equal(a, b) for a, b in zip(pa, pb, strict=True)))}
 
     # the golden traces through the harness (teacher forced, the first updates)
     from xopt.parity import bundled_traces
@@ -293,10 +349,60 @@ def test_state_dict_resume_is_bit_exact(results, method):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_host_tables_are_kept_between_steps(results, method):
+    """xopt.torch._lopt.TritonIO: a step with the last step's tensors and hyperparameters
+    (step 2 reuses step 1's gradient tensors) keeps the host tables; new gradient tensors
+    (step 1), a new lr (step 3) or a parameter's new data (step 4) rebuild them, and the
+    result follows plain's (decoupled
+    weight decay, so the lr enters twice). On a GPU, VeLO's CUDA graph is recorded once and
+    replayed through all of that."""
+    r = results[f"{method}/io_cache"]
+    v = r["versions"]
+    assert None not in v, r
+    assert v[1] != v[0] and v[2] == v[1] and v[3] != v[2] and v[4] != v[3], r
+    assert r["param"] <= EXACT and r["state"] <= EXACT, r
+    if r.get("graph_recordings") is not None and results["device"] == "cuda":
+        assert r["graph_recordings"] == 1, r  # replayed through new gradients and lr
+
+
+def test_velo_loss_buffer_inside_the_step(results):
+    """The loss buffer's update on the device, inside the recorded step (CUDA graphs), agrees
+    with the host-side one (bitwise on the CPU, where both are torch's CPU ops)."""
+    r = results["velo/loss_in_graph"]
+    assert r["param"] <= EXACT and r["state"] <= EXACT and r["global"] <= EXACT, r
+    if results["device"] == "cpu":
+        assert r["bitwise"], r
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_golden_traces_through_the_harness(results, method):
     g = results[f"{method}/golden"]
     assert g["verdict"] == "agree", g
     assert all(impl == "triton" for _, impl, *_ in g["runs"])
+
+
+def test_gathered_parameters_are_kept_and_rechecked():
+    """LearnedOptimizer._gather returns the same list while nothing changed, and still
+    names the parameter whose gradient no longer fits (its data replaced by another shape)."""
+    import torch
+
+    import xopt.torch as xt
+
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in ((3, 4), (5,))]
+    opt = xt.VeLO(ps, impl="plain", num_training_steps=10)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step(loss=1.0)
+    first = opt._gather()
+    assert opt._gather() is first
+    ps[1].grad = torch.randn_like(ps[1])  # a new gradient tensor, same shape: still kept
+    assert opt._gather() is first
+    ps[0].grad = None
+    assert [it[2] for it in opt._gather()] == [ps[1]]
+    ps[0].grad = torch.randn_like(ps[0])
+    ps[0].data = torch.randn(4, 3)  # the gradient keeps the old shape
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*shape"):
+        opt.step(loss=1.0)
 
 
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error():

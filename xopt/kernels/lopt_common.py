@@ -482,6 +482,21 @@ def mlp_dot(x, w0h, w0l, b0, w1h, w1l, b1, wh, bh, wl0, wl1, bl0, bl1, HP: tl.co
 
 
 @triton.jit
+def msq(acc, f, mask):
+    """``acc + f²`` where ``mask``, ``acc`` elsewhere (a per-thread sum of squares, in
+    ``acc``'s dtype: f converted first)."""
+    x = f.to(acc.dtype)
+    return acc + tl.where(mask, x * x, 0.0)
+
+
+@triton.jit
+def sq(acc, f):
+    """``acc + f²`` in ``acc``'s dtype (f converted first)."""
+    x = f.to(acc.dtype)
+    return acc + x * x
+
+
+@triton.jit
 def rank1(h0, h1, h2, h3, f, k: tl.constexpr, inv, w0):
     """The first layer of a 4-wide MLP, one feature at a time (no feature tile):
     ``h_j += (f · inv[k]) · w0[k, j]`` for j < 4, float32 FMAs. ``f`` [BLOCK]: feature k

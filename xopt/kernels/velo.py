@@ -2,20 +2,22 @@
 
 All of a model's tensors in six launches plus a handful of batched torch ops:
 
-1. ``stats1`` (every tensor): partial sums of the clipped g² over each tile's two axes
-   (factored tensors) and Σ m_k, Σ rms of the accumulators before the update (the LSTM's
-   inputs), summed per tensor in a fixed order;
+1. ``stats1`` (factored tensors): partial sums of the clipped g² over each tile's two axes;
 2. ``fac_finalize`` + ``rcm``: the new ``v_row``/``v_col`` and their row-column means;
-3. :func:`velo_stats_kernel`: Σ feature² of the 30 MLP inputs and the second pass of the
-   LSTM inputs' variances (Σ (m_k − mean m_k)², Σ (rms − mean m_k)², two-pass as the spec
-   computes them), float32 per thread, per tile and per tensor in float64, in a fixed order
-   (as are pass 1's Σ m_k, Σ rms: float32 statistics moved the step by 3e-6);
+3. :func:`velo_stats_kernel` (every tensor): Σ feature² of the 30 MLP inputs (float32 per
+   thread over at most TA / SA terms, then float64 per tile and per tensor), and Σ m_k,
+   Σ rms, Σ m_k², Σ rms² of the accumulators before the update (float64 throughout), for
+   the LSTM inputs' means and variances, taken one-pass in float64 (float32 statistics
+   summed in float32 across the tile had moved the step by 3e-6), all in a fixed order;
 4. torch, batched over tensors: the LSTM inputs, one LSTM step for all tensors
    (:func:`xopt.specs.velo.lstm_step`, as the plain path), the hypernetwork's per-tensor
    MLP weights ``100·mean_k(controls_k·bank_k)`` for every tensor in one product, gathered
    into one padded table;
 5. :func:`velo_fused_kernel`: accumulators, features, normalization, the tensor's own MLP,
    the step and the parameter update.
+
+On a CUDA device, 1-5 are recorded once into a CUDA graph and replayed
+(:class:`VeLOTriton`): the host then spends a few copies and one launch per step.
 
 Precision: the per-element MLP (30 → 4 → 4 → 3 at VeLO's size) is float32 FMAs, the first
 layer one feature at a time (:func:`xopt.kernels.lopt_common.rank1`, no feature tile):
@@ -32,13 +34,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from xopt.kernels import lopt_common as C
 from xopt.kernels import lopt_layout as L
+from xopt.specs import _xp
 from xopt.specs import velo as _spec
+from xopt.specs._xp import to_device
 
 __all__ = ["VeLOTriton", "reference_step"]
 
@@ -49,20 +54,32 @@ SA_STATS = int(os.environ.get("XOPT_LOPT_SA_STATS", "2"))
 SA = int(os.environ.get("XOPT_LOPT_SA_FMA", "4"))
 STAGES = int(os.environ.get("XOPT_LOPT_STAGES", "2"))
 WARPS = int(os.environ.get("XOPT_LOPT_WARPS", "4"))
+#: the LSTM inputs' variances two-pass (pass 1 also sums every tensor's m_k and rms, the
+#: statistics pass then sums (m_k − mean)² in float32 per element) or one-pass from float64
+#: sums of m_k, m_k² (the statistics pass alone; XOPT_VELO_TWO_PASS=0)
+TWO_PASS = os.environ.get("XOPT_VELO_TWO_PASS", "1") != "0"
+#: per-thread sums of the features² (but p²) in float32 (over at most TA / SA terms, then
+#: float64; the default) or float64 (XOPT_VELO_STATS_F32=0: 1.3 ms slower on ViT-B/16)
+STATS_F32 = os.environ.get("XOPT_VELO_STATS_F32", "1") != "0"
+#: the loss buffer's update and t/N inside the CUDA graph (XOPT_VELO_GRAPH_LOSS=0: before
+#: it, on the host's stream, as the eager path)
+GRAPH_LOSS = os.environ.get("XOPT_VELO_GRAPH_LOSS", "1") != "0"
 NPTR = 8  # pointer table columns: p, g, m, rms, v_row, v_col, v_diag, out
 NFEAT = 30
 
 
 @triton.jit
 def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
-               exp_mult, step_mult, FUSED: tl.constexpr, NHID: tl.constexpr,
+               exp_mult, step_mult, FUSED: tl.constexpr, TWO_PASS: tl.constexpr,
+               ACC: tl.constexpr, NHID: tl.constexpr,
                NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr,
                SA: tl.constexpr):
     """One tile [TA, TB] of one tensor, in sub-tiles of SA × TB elements.
 
-    ``FUSED=False`` (statistics): Σ over the tile of the 30 features² (a [BLOCK, 32] tile
-    accumulated, reduced once) → ``part[pid, 0:32]``, and of (m_k − mean m_k)² and
-    (rms − mean m_k)² (the LSTM inputs' variances, two-pass) → ``part[pid, 32:38]``.
+    ``FUSED=False`` (statistics): Σ over the tile of the 30 features² → ``part[pid, 0:32]``
+    (per thread in float32, at most TA / SA terms, then in float64), and of the old m_k, rms
+    and their squares (float64 throughout: the LSTM inputs' variances, taken one-pass)
+    → ``part[pid, 32:40]`` = Σm_0, Σm_1, Σm_2, Σrms, Σm_0², Σm_1², Σm_2², Σrms².
     ``FUSED=True``: the tensor's 4-wide MLP (weights ``w0`` [n, 32, 4], ``b0`` [n, 4], ``wh``
     [n, NHID, 4, 4], ``bh`` [n, NHID, 4], ``wl`` [n, 4, 16], ``bl`` [n, 16]), its first layer
     one feature at a time (:func:`xopt.kernels.lopt_common.rank1`), and the update."""
@@ -89,11 +106,53 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
         wlt = bht + NHID * HP
         blt = wlt + HP * 16
     else:
-        acc = tl.zeros([BLOCK, 32], tl.float64)
-        acc8 = tl.zeros([BLOCK, 8], tl.float64)
-        mu0 = tl.load(mu + t * 4)
-        mu1 = tl.load(mu + t * 4 + 1)
-        mu2 = tl.load(mu + t * 4 + 2)
+        # per-thread sums of the 30 features² (ACC: float64, or float32 over at most TA / SA
+        # terms; p² always float64) and, for the LSTM inputs' variances, of
+        # (m_k − mean m_k)², (rms − mean m_k)² (TWO_PASS) or of m_k, rms and their squares
+        zf = tl.zeros([BLOCK], ACC)
+        zd = tl.zeros([BLOCK], tl.float64)
+        q0 = zf
+        q1 = zf
+        q2 = zd
+        q3 = zf
+        q4 = zf
+        q5 = zf
+        q6 = zf
+        q7 = zf
+        q8 = zf
+        q9 = zf
+        q10 = zf
+        q11 = zf
+        q12 = zf
+        q13 = zf
+        q14 = zf
+        q15 = zf
+        q16 = zf
+        q17 = zf
+        q18 = zf
+        q19 = zf
+        q20 = zf
+        q21 = zf
+        q22 = zf
+        q23 = zf
+        q24 = zf
+        q25 = zf
+        q26 = zf
+        q27 = zf
+        q28 = zf
+        q29 = zf
+        if TWO_PASS:
+            mu0 = tl.load(mu + t * 4)
+            mu1 = tl.load(mu + t * 4 + 1)
+            mu2 = tl.load(mu + t * 4 + 2)
+        u0 = zd
+        u1 = zd
+        u2 = zd
+        u3 = zd
+        u4 = zd
+        u5 = zd
+        u6 = zd
+        u7 = zd
     sa_i = tl.arange(0, SA)
     ib = tb * TB + tl.arange(0, TB)
     a0 = ta * TA
@@ -164,34 +223,91 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
                 tl.store(v3 + 1, V1, mask=mask)
                 tl.store(v3 + 2, V2, mask=mask)
         else:
-            x = C.cat32(g, gc, p, m0, m1, m2, rms, m0 * rr, m1 * rr, m2 * rr, rr,
-                        g * FG0, g * FG1, g * FG2, g * rr, R0, R1, R2, C0, C1, C2,
-                        rsr0, rsr1, rsr2, rsc0, rsc1, rsc2, m0 * FM0, m1 * FM1, m2 * FM2,
-                        z, z)
-            x = tl.where(mask[:, None], tl.reshape(x, [BLOCK, 32]), 0.0)
-            acc += x.to(tl.float64) * x.to(tl.float64)
-            d0 = om0 - mu0
-            d1 = om1 - mu1
-            d2 = om2 - mu2
-            e0 = orms - mu0
-            e1 = orms - mu1
-            e2 = orms - mu2
-            y = tl.reshape(C.cat8(d0 * d0, d1 * d1, d2 * d2, e0 * e0, e1 * e1, e2 * e2, z, z),
-                           [BLOCK, 8])
-            acc8 += tl.where(mask[:, None], y, 0.0).to(tl.float64)
+            # masked elements: the loads gave 0, so g, clip(g), p, m_k and rms are 0 there;
+            # the other features are masked
+            q0 = C.sq(q0, g)
+            q1 = C.sq(q1, gc)
+            q2 = C.sq(q2, p)  # float64: mean p² sets the LSTM inputs' scale
+            q3 = C.sq(q3, m0)
+            q4 = C.sq(q4, m1)
+            q5 = C.sq(q5, m2)
+            q6 = C.sq(q6, rms)
+            q7 = C.msq(q7, m0 * rr, mask)
+            q8 = C.msq(q8, m1 * rr, mask)
+            q9 = C.msq(q9, m2 * rr, mask)
+            q10 = C.msq(q10, rr, mask)
+            q11 = C.msq(q11, g * FG0, mask)
+            q12 = C.msq(q12, g * FG1, mask)
+            q13 = C.msq(q13, g * FG2, mask)
+            q14 = C.msq(q14, g * rr, mask)
+            q15 = C.msq(q15, R0, mask)
+            q16 = C.msq(q16, R1, mask)
+            q17 = C.msq(q17, R2, mask)
+            q18 = C.msq(q18, C0, mask)
+            q19 = C.msq(q19, C1, mask)
+            q20 = C.msq(q20, C2, mask)
+            q21 = C.msq(q21, rsr0, mask)
+            q22 = C.msq(q22, rsr1, mask)
+            q23 = C.msq(q23, rsr2, mask)
+            q24 = C.msq(q24, rsc0, mask)
+            q25 = C.msq(q25, rsc1, mask)
+            q26 = C.msq(q26, rsc2, mask)
+            q27 = C.msq(q27, m0 * FM0, mask)
+            q28 = C.msq(q28, m1 * FM1, mask)
+            q29 = C.msq(q29, m2 * FM2, mask)
+            if TWO_PASS:
+                # (m_k − mean m_k)², (rms − mean m_k)², float32 per element, as before
+                d0 = om0 - mu0
+                d1 = om1 - mu1
+                d2 = om2 - mu2
+                e0 = orms - mu0
+                e1 = orms - mu1
+                e2 = orms - mu2
+                u0 += tl.where(mask, d0 * d0, 0.0).to(tl.float64)
+                u1 += tl.where(mask, d1 * d1, 0.0).to(tl.float64)
+                u2 += tl.where(mask, d2 * d2, 0.0).to(tl.float64)
+                u3 += tl.where(mask, e0 * e0, 0.0).to(tl.float64)
+                u4 += tl.where(mask, e1 * e1, 0.0).to(tl.float64)
+                u5 += tl.where(mask, e2 * e2, 0.0).to(tl.float64)
+            else:
+                d0 = om0.to(tl.float64)
+                d1 = om1.to(tl.float64)
+                d2 = om2.to(tl.float64)
+                d3 = orms.to(tl.float64)
+                u0 += d0
+                u1 += d1
+                u2 += d2
+                u3 += d3
+                u4 += d0 * d0
+                u5 += d1 * d1
+                u6 += d2 * d2
+                u7 += d3 * d3
     if not FUSED:
-        tl.store(part + pid.to(tl.int64) * 64 + cols, tl.sum(acc, axis=0))
-        tl.store(part + pid.to(tl.int64) * 64 + 32 + c8, tl.sum(acc8, axis=0))
+        x = C.cat32(q0.to(tl.float64), q1.to(tl.float64), q2, q3.to(tl.float64),
+                    q4.to(tl.float64), q5.to(tl.float64), q6.to(tl.float64), q7.to(tl.float64),
+                    q8.to(tl.float64), q9.to(tl.float64), q10.to(tl.float64), q11.to(tl.float64),
+                    q12.to(tl.float64), q13.to(tl.float64), q14.to(tl.float64),
+                    q15.to(tl.float64), q16.to(tl.float64), q17.to(tl.float64),
+                    q18.to(tl.float64), q19.to(tl.float64), q20.to(tl.float64),
+                    q21.to(tl.float64), q22.to(tl.float64), q23.to(tl.float64),
+                    q24.to(tl.float64), q25.to(tl.float64), q26.to(tl.float64),
+                    q27.to(tl.float64), q28.to(tl.float64), q29.to(tl.float64), zd, zd)
+        x = tl.reshape(x, [BLOCK, 32])
+        tl.store(part + pid.to(tl.int64) * 64 + cols, tl.sum(x, axis=0))
+        y = tl.reshape(C.cat8(u0, u1, u2, u3, u4, u5, u6, u7), [BLOCK, 8])
+        tl.store(part + pid.to(tl.int64) * 64 + 32 + c8, tl.sum(y, axis=0))
         # (columns 40-63 are not written and not read)
 
 
 @triton.jit
 def velo_stats_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
-                      part, exp_mult, step_mult, NHID: tl.constexpr, NPTR: tl.constexpr,
-                      NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
+                      part, exp_mult, step_mult, TWO_PASS: tl.constexpr, ACC: tl.constexpr,
+                      NHID: tl.constexpr,
+                      NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr,
+                      TB: tl.constexpr, SA: tl.constexpr):
     """Launch 3 (statistics mode of :func:`_velo_body`)."""
     _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
-               exp_mult, step_mult, False, NHID, NPTR, NF, TA, TB, SA)
+               exp_mult, step_mult, False, TWO_PASS, ACC, NHID, NPTR, NF, TA, TB, SA)
 
 
 @triton.jit
@@ -200,14 +316,25 @@ def velo_fused_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh,
                       NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
     """Launch 5 (fused mode of :func:`_velo_body`)."""
     _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
-               exp_mult, step_mult, True, NHID, NPTR, NF, TA, TB, SA)
+               exp_mult, step_mult, True, False, tl.float32, NHID, NPTR, NF, TA, TB, SA)
 
 
 check_supported = L.supported_velo
 
 
 class VeLOTriton:
-    """The Triton step of one :class:`xopt.torch.VeLO` (caches its layout)."""
+    """The Triton step of one :class:`xopt.torch.VeLO` (caches its layout and tables).
+
+    On a CUDA device the step after the kernels' launches (launches 1-5 and the LSTM glue
+    between them, about a hundred small torch ops) is recorded once into a CUDA graph and
+    replayed: its inputs sit in static device buffers (the pointer and per-tensor scalar
+    tables, t/N, the loss features, the LSTM state, θ), updated by copies before the
+    replay, and the graph is recorded again whenever one of those buffers moves (new shapes,
+    another LSTM state or θ). The first step of a graph runs eagerly (on a side stream, as
+    the recording), so its results are those of the eager code. Not on the CPU (the
+    interpreter), nor while the caller is itself recording a graph, nor with
+    ``XOPT_LOPT_CUDA_GRAPHS=0``: the same code then runs eagerly.
+    """
 
     PRECISIONS = ("exact", "fast")
 
@@ -221,19 +348,32 @@ class VeLOTriton:
         self.prec = precision
         self._layout: L.Layout | None = None
         self._onehot: torch.Tensor | None = None
-        self._tables = L.TableCache()
         self._bank_cache: tuple | None = None
-        self._decays: tuple | None = None  # (all 7 decays, the 3 Adafactor ones): constants
+        self._decays: tuple | None = None  # (all 7 decays, the 3 Adafactor ones, timescales)
+        self._tab_key: tuple | None = None  # what the static tables below hold
+        self._ptrs: torch.Tensor | None = None   # int64 [n, NPTR] (device)
+        self._host: torch.Tensor | None = None   # float32 [n, 3]: lr, lr·λ, write_step
+        self._ptr_rows: torch.Tensor | None = None  # their host copies, to skip equal updates
+        self._host_rows: torch.Tensor | None = None
+        self._frac: torch.Tensor | None = None   # float32 0-d (device): t / N
+        self._lfeat: torch.Tensor | None = None  # float32 [9] (device)
+        self._graph = None
+        self._graph_key: tuple | None = None
+        self._stream = None
+        self.graphs = os.environ.get("XOPT_LOPT_CUDA_GRAPHS", "1") != "0"
+        self.graph_recordings = 0  # how many times a graph was recorded (tests read it)
+        self.loss_in_graph: bool | None = None  # None: graphs_loss decides
 
-    def _bank(self, meta: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(bank [P, T], gidx)``: the MLP banks side by side (each ``[P, ...]`` flattened,
-        in :func:`xopt.specs.velo.mlp_bank_names` order) and the index of each entry of one
-        tensor's kernel table (w0 [32, 4], b0 [4], wh [NHID, 4, 4], bh [NHID, 4], wl [4, 16],
-        bl [16], zero-padded) in ``[mixed | 0]`` (T: the zero). Cached per meta tensors."""
+    def _bank(self, meta: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """``(bank [P, T], gidx, key)``: the MLP banks side by side (each ``[P, ...]``
+        flattened, in :func:`xopt.specs.velo.mlp_bank_names` order) and the index of each
+        entry of one tensor's kernel table (w0 [32, 4], b0 [4], wh [NHID, 4, 4], bh [NHID, 4],
+        wl [4, 16], bl [16], zero-padded) in ``[mixed | 0]`` (T: the zero). Cached per meta
+        tensors (``key``: their pointers and versions)."""
         names = _spec.mlp_bank_names(self.hp)
         key = tuple((meta[k].data_ptr(), meta[k]._version) for k in names)
         if self._bank_cache is not None and self._bank_cache[0] == key:
-            return self._bank_cache[1], self._bank_cache[2]
+            return self._bank_cache[1], self._bank_cache[2], key
         p = meta[names[0]].shape[0]
         flat = [meta[k].reshape(p, -1) for k in names]
         total = sum(f.shape[1] for f in flat)
@@ -260,9 +400,9 @@ class VeLOTriton:
             idx += block(f"b{i}", 1, 4)
         idx += block(f"w{nl}", 4, 16) + block(f"b{nl}", 1, 16)
         bank = torch.cat(flat, 1).contiguous()
-        gidx = torch.tensor(idx, dtype=torch.int64, device=bank.device)
+        gidx = to_device(torch.tensor(idx, dtype=torch.int64), bank.device)
         self._bank_cache = (key, bank, gidx)
-        return bank, gidx
+        return bank, gidx, key
 
     def layout(self, shapes: Sequence[tuple[int, ...]], device: torch.device) -> L.Layout:
         lay = self._layout
@@ -273,60 +413,245 @@ class VeLOTriton:
             for i, r in enumerate(ranks):
                 if r < _spec.NUM_RANKS:
                     oh[i, r] = 1.0
-            self._onehot = oh.to(device)
+            self._onehot = to_device(oh, device)
         return lay
+
+    def _tables(self, params, grads, states, outs, write_step, lrs, lrwds, dev, io) -> None:
+        """The layout and the static pointer / scalar tables for these tensors. With ``io``
+        (:class:`xopt.torch._lopt.TritonIO`) nothing is read per tensor while its version is
+        the one the tables hold; else the tables' rows are rebuilt and copied (without
+        blocking) only where they changed."""
+        if io is not None and self._tab_key == (io.version, dev) and self._ptrs is not None:
+            return
+        self.layout([tuple(p.shape) for p in params], dev)
+        nt = len(params)
+        if io is not None:
+            c = io.ptrs
+            prow = torch.tensor([c["p"], c["g"], c["m"], c["rms"], c["v_row"], c["v_col"],
+                                 c["v_diag"], c["p"]], dtype=torch.int64).t().contiguous()
+        else:
+            prow = torch.tensor([
+                [p.data_ptr(), g.data_ptr(), s["m"].data_ptr(), s["rms"].data_ptr(),
+                 s["v_row"].data_ptr(), s["v_col"].data_ptr(), s["v_diag"].data_ptr(),
+                 o.data_ptr()] for p, g, s, o in zip(params, grads, states, outs, strict=True)],
+                dtype=torch.int64).reshape(nt, NPTR)
+        hrow = torch.tensor([[float(lr), float(lrwd), float(ws)] for lr, lrwd, ws in
+                             zip(lrs, lrwds, write_step, strict=True)],
+                            dtype=torch.float32).reshape(nt, 3)
+        if self._ptrs is None or self._ptrs.shape[0] != nt or self._ptrs.device != dev:
+            self._ptrs = torch.empty((nt, NPTR), dtype=torch.int64, device=dev)
+            self._host = torch.empty((nt, 3), dtype=torch.float32, device=dev)
+            self._ptr_rows = self._host_rows = None
+        if self._ptr_rows is None or not torch.equal(prow, self._ptr_rows):
+            _copy_in(self._ptrs, prow)
+            self._ptr_rows = prow
+        if self._host_rows is None or not torch.equal(hrow, self._host_rows):
+            _copy_in(self._host, hrow)
+            self._host_rows = hrow
+        self._tab_key = (io.version, dev) if io is not None else None
 
     def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
              states: Sequence[dict[str, torch.Tensor]], outs: Sequence[torch.Tensor],
              write_step: Sequence[bool], lrs: Sequence[float], lrwds: Sequence[float],
              meta: Mapping[str, torch.Tensor], hidden: torch.Tensor, cell: torch.Tensor,
-             frac: torch.Tensor, lfeat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+             frac: torch.Tensor | None, lfeat: torch.Tensor | None, *, io=None,
+             loss_state: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One step after the loss buffer: updates ``states``' accumulators in place, writes
-        each new parameter (or, where ``write_step``, its step) into ``outs`` and returns the
-        LSTM's new ``(hidden, cell)`` ``[n_tensors, H]``. ``hidden``/``cell``: the stacked
-        LSTM state; ``frac``: t / N (0-d); ``lfeat``: the 9 loss features."""
-        hp = self.hp
-        dev = params[0].device
-        lay = self.layout([tuple(p.shape) for p in params], dev)
+        each new parameter (or, where ``write_step``, its step) into ``outs`` and updates the
+        LSTM state ``hidden``/``cell`` (the stacked ``[n_tensors, H]``) in place, returning
+        them. ``frac``: t / N (0-d, any device); ``lfeat``: the 9 loss features. ``io``: the
+        optimizer's :class:`xopt.torch._lopt.TritonIO` for these lists, when it has one (its
+        version keys the tables). ``loss_state``: ``(gstate, loss)`` instead of ``frac`` and
+        ``lfeat`` when :meth:`graphs_loss` is true: the loss buffer's update
+        (:func:`xopt.specs.velo.loss_buffer_step`) and t / N then run inside the graph, on
+        static copies of ``gstate``'s buffer and counters (``gstate["loss_means"]`` and
+        ``["loss_running_min"]`` become those buffers, updated in place; the caller advances
+        the host counters as usual)."""
+        dev = hidden.device
         like = meta["lstm/init_hidden"]
         if self._decays is None or self._decays[0].device != dev:
-            md, rd, fd = (_spec._as_array(torch, d, like) for d in _spec.decay_arrays(hp))
-            self._decays = (torch.cat([md, rd, fd]).contiguous(), fd)
-        decays, fd = self._decays
-        ptrs = self._tables.get("ptrs", [
-            [p.data_ptr(), g.data_ptr(), s["m"].data_ptr(), s["rms"].data_ptr(),
-             s["v_row"].data_ptr(), s["v_col"].data_ptr(), s["v_diag"].data_ptr(),
-             o.data_ptr()] for p, g, s, o in zip(params, grads, states, outs, strict=True)],
-            torch.int64, dev)
-        host = self._tables.get("scal", [[lr, lrwd, float(ws)] for lr, lrwd, ws in
-                                         zip(lrs, lrwds, write_step, strict=True)],
-                                torch.float32, dev)
-        nt = len(params)
+            md, rd, fd = (_spec._as_array(torch, d, like) for d in _spec.decay_arrays(self.hp))
+            ts = _spec._as_array(torch, np.asarray(_spec.FRACTION_TIMESCALES, dtype=np.float32),
+                                 like)
+            self._decays = (torch.cat([md, rd, fd]).contiguous(), fd, ts)
+            self._frac = torch.zeros((), dtype=torch.float32, device=dev)
+            self._lfeat = torch.zeros((_spec.NUM_LOSS_DECAYS - 1,), dtype=torch.float32,
+                                      device=dev)
+        self._tables(params, grads, states, outs, write_step, lrs, lrwds, dev, io)
+        bank, gidx, bank_key = self._bank(meta)
         # every host-made input before the first launch (a blocking copy waits for the GPU)
-        frac_emb = _spec.fraction_embedding(torch, frac, like).expand(nt, -1)
-        lfeat = lfeat.to(dev).expand(nt, -1)
-        # 1-2: Adafactor statistics, and the old accumulators' means
-        rcm, sums4 = C.factored_pass(lay, ptrs, fd, clip_g=True, mom_sums=True, npt=NPTR)
+        if loss_state is None:
+            _copy_in(self._frac, frac.reshape(()).to(torch.float32))
+            _copy_in(self._lfeat, lfeat.reshape(-1).to(torch.float32))
+            with_loss = False
+        else:
+            self._sync_loss_buffer(*loss_state, like)
+            with_loss = True
+        lay = self._layout
+        args = (lay, meta, bank, gidx, hidden, cell, with_loss)
+        if not (self.graphs and dev.type == "cuda"
+                and not torch.cuda.is_current_stream_capturing()):
+            self._body(*args)
+            return hidden, cell
+        # everything the recording reads, held (so that no address it holds is reused while
+        # it lives) and compared by identity; bank_key: θ's pointers and versions
+        refs = (lay, self._onehot, self._decays, self._ptrs, self._host, self._frac,
+                self._lfeat, bank, gidx, hidden, cell, *meta.values())
+        if with_loss:
+            refs = refs + tuple(self._lb.values())
+        key = (bank_key, tuple(hidden.shape), tuple(cell.shape), with_loss)
+        if (self._graph is not None and self._graph_key[0] == key
+                and len(self._graph_key[1]) == len(refs)
+                and all(a is b for a, b in zip(self._graph_key[1], refs, strict=True))):
+            self._graph.replay()
+            return hidden, cell
+        self._graph = self._graph_key = None  # (frees the old graph's memory)
+        cur = torch.cuda.current_stream(dev)
+        if self._stream is None or self._stream.device != dev:
+            self._stream = torch.cuda.Stream(device=dev)
+        s = self._stream
+        s.wait_stream(cur)
+        with torch.cuda.stream(s):
+            self._body(*args)  # this step, eagerly (also the warm-up of the recording)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._body(*args)  # recorded, not run
+                finally:
+                    graph.capture_end()
+            except Exception as e:  # noqa: BLE001  (eager from now on; this step is done)
+                self.graphs = False
+                import warnings
+
+                warnings.warn(f"VeLO(impl='triton'): recording the step into a CUDA graph "
+                              f"failed ({type(e).__name__}: {e}); running it eagerly",
+                              RuntimeWarning, stacklevel=3)
+                graph = None
+        cur.wait_stream(s)
+        if graph is not None:
+            self._graph, self._graph_key = graph, (key, refs)
+            self.graph_recordings += 1
+        return hidden, cell
+
+    def graphs_loss(self, device: torch.device) -> bool:
+        """Whether a step on ``device`` records the loss buffer's update into its graph
+        (then :meth:`step` takes ``loss_state``)."""
+        if self.loss_in_graph is not None:  # (tests: the same path, eagerly, on the CPU)
+            return self.loss_in_graph
+        return (GRAPH_LOSS and self.graphs and device.type == "cuda"
+                and not torch.cuda.is_current_stream_capturing())
+
+    def _sync_loss_buffer(self, gstate: dict, loss: torch.Tensor, like: torch.Tensor) -> None:
+        """The static loss-buffer inputs of the graph (:meth:`step`'s ``loss_state``): the
+        loss copied in every step; the buffer and the counters copied from ``gstate`` only
+        when they no longer are what the last step left (a load_state_dict, a step on
+        another path)."""
+        dev = like.device
+        lb = getattr(self, "_lb", None)
+        if lb is None or lb["means"].device != dev:
+            z = torch.zeros((_spec.NUM_LOSS_DECAYS,), dtype=torch.float32, device=dev)
+            lb = self._lb = {
+                "means": z.clone(), "rmin": z.clone(), "dec": z.clone(),
+                "it": torch.zeros((), dtype=torch.int32, device=dev),
+                "t": torch.zeros((), dtype=torch.int32, device=dev),
+                "n": torch.ones((), dtype=torch.float32, device=dev),
+                "loss": torch.zeros((), dtype=torch.float32, device=dev),
+                "eps": _spec._scalar(torch, 1e-8, like)}
+            self._lb_shadow = None
+        dec = gstate["loss_decays"]
+        shadow = (int(gstate["loss_iteration"]), int(gstate["iteration"]),
+                  int(gstate["num_steps"]), id(dec), dec._version)
+        if (self._lb_shadow != shadow or gstate["loss_means"] is not lb["means"]
+                or gstate["loss_running_min"] is not lb["rmin"]):
+            lb["means"].copy_(gstate["loss_means"])
+            lb["rmin"].copy_(gstate["loss_running_min"])
+            lb["dec"].copy_(dec)
+            _copy_in(lb["it"], torch.tensor(shadow[0], dtype=torch.int32))
+            _copy_in(lb["t"], torch.tensor(shadow[1], dtype=torch.int32))
+            _copy_in(lb["n"], torch.tensor(shadow[2], dtype=torch.float32))
+            gstate["loss_means"], gstate["loss_running_min"] = lb["means"], lb["rmin"]
+            self._lb_dec_ref = dec  # (held: its id is in the shadow)
+        _copy_in(lb["loss"], loss.detach().reshape(()).to(torch.float32))
+        # what gstate's counters will be after this step (the graph advances its copies)
+        self._lb_shadow = (shadow[0] + 1, shadow[1] + 1) + shadow[2:]
+
+    def _loss_body(self) -> None:
+        """The loss buffer's update (:func:`xopt.specs.velo.loss_buffer_step`, its iteration a
+        device counter) and t / N (the host path's float32 division), from and into the
+        static buffers; then both counters advance."""
+        lb = self._lb
+        means, rmin = _spec.loss_buffer_update(torch, lb["means"], lb["rmin"], lb["dec"],
+                                               lb["it"], lb["loss"])
+        # xopt.specs.velo.loss_features, op for op, its 1e-8 a device constant
+        it1 = lb["it"] + 1
+        cor_mean = means / (1 - _spec._decay_power(torch, lb["dec"], it1))
+        approx_max = cor_mean[1:]
+        cor_mean = cor_mean[:-1]
+        rmin_ = rmin[:-1]
+        den = torch.maximum(approx_max - rmin_, lb["eps"])
+        pre_center = (cor_mean - rmin_) / den
+        f = _xp.clip(torch, pre_center - 1.0, -1.0, 1.0)
+        self._lfeat.copy_(torch.where(it1 <= 2, f * 0, f))
+        self._frac.copy_(lb["t"].to(torch.float32) / lb["n"])
+        lb["means"].copy_(means)
+        lb["rmin"].copy_(rmin)
+        lb["it"].add_(1)
+        lb["t"].add_(1)
+
+    def _body(self, lay: L.Layout, meta: Mapping[str, torch.Tensor], bank: torch.Tensor,
+              gidx: torch.Tensor, hidden: torch.Tensor, cell: torch.Tensor,
+              with_loss: bool = False) -> None:
+        """Launches 1-5 and the glue, from the static tables and inputs only (device ops,
+        no host→device copy: this is what a CUDA graph records); ``with_loss``: first the
+        loss buffer (:meth:`_loss_body`)."""
+        hp = self.hp
+        dev = hidden.device
+        if with_loss:
+            self._loss_body()
+        decays, fd, ts = self._decays
+        ptrs, host = self._ptrs, self._host
+        nt = len(lay.shapes)
+        # xopt.specs.velo.fraction_embedding, with its timescales kept on the device
+        frac_emb = _xp.tanh(torch, (self._frac - ts) * 10).expand(nt, -1)
+        lfeat = self._lfeat.expand(nt, -1)
+        # 1-2: Adafactor statistics (factored tensors: g only; every tensor's Σ m_k, Σ rms
+        # when the variances are taken two-pass)
+        rcm, sums4 = C.factored_pass(lay, ptrs, fd, clip_g=True, mom_sums=TWO_PASS,
+                                     npt=NPTR)
         if rcm is None:
             rcm = torch.zeros((3,), dtype=torch.float32, device=dev)
         n = lay.numel[:, None]
-        mu = (sums4 / n).contiguous()
-        # 3: feature statistics and the variances' second pass
+        mu = (sums4 / n).contiguous() if TWO_PASS else None
+        # 3: feature statistics, and the variances' sums
         nhid = int(hp.ff_hidden_layers) - 1
         common = dict(NHID=nhid, NPTR=NPTR, NF=L.NFIELDS, TA=L.TA, TB=L.TB,
                       num_warps=WARPS, num_stages=STAGES)
         part = torch.empty((lay.n_prog_all, 64), dtype=torch.float64, device=dev)
-        velo_stats_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, ptrs, rcm, decays, mu,
-                                             part, part, part, part, part, part, part, part,
-                                             part, float(hp.exp_mult), float(hp.step_mult),
+        velo_stats_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, ptrs, rcm, decays,
+                                             part if mu is None else mu, part, part, part,
+                                             part, part, part, part, part, part,
+                                             float(hp.exp_mult), float(hp.step_mult),
+                                             TWO_PASS=TWO_PASS,
+                                             ACC=tl.float32 if STATS_F32 else tl.float64,
                                              SA=SA_STATS, **common)
-        st = C.seg_sum(part, lay).float()
+        st64 = C.seg_sum(part, lay)
+        st = st64[:, :40].float()
         # 4: the LSTM inputs (xopt.specs.velo.lstm_features, batched), the LSTM, the MLPs
         psq = st[:, 2] / lay.numel
         nm = torch.rsqrt(psq.clamp_min(1e-9))
-        mean_rms = nm * mu[:, 3]
-        var_m = (nm * nm)[:, None] * (st[:, 32:35] / n)
-        var_rms = (nm * nm)[:, None] * (st[:, 35:38] / n)
+        if TWO_PASS:
+            mean_rms = nm * mu[:, 3]
+            var_m = (nm * nm)[:, None] * (st[:, 32:35] / n)
+            var_rms = (nm * nm)[:, None] * (st[:, 35:38] / n)
+        else:  # one-pass in float64: E[x²] − 2·E[x]·mean m_k + (mean m_k)²
+            mom = st64[:, 32:40] / lay.numel.double()[:, None]
+            mean_m = mom[:, 0:3]
+            var_m64 = mom[:, 4:7] - mean_m * mean_m
+            var_rms64 = mom[:, 7:8] - 2.0 * mom[:, 3:4] * mean_m + mean_m * mean_m
+            mean_rms = nm * mom[:, 3].float()
+            var_m = (nm * nm)[:, None] * var_m64.float()
+            var_rms = (nm * nm)[:, None] * var_rms64.float()
         x = torch.cat([
             frac_emb,
             lfeat,
@@ -335,22 +660,33 @@ class VeLOTriton:
             _spec._clip_log_abs(torch, var_m),
             _spec._clip_log_abs(torch, var_rms),
         ], dim=1)
-        controls, lr_mult, hidden, cell = _spec.lstm_step(torch, x, hidden, cell, meta)
+        controls, lr_mult, new_h, new_c = _spec.lstm_step(torch, x, hidden, cell, meta)
         pscale = torch.sqrt(psq + 1e-9)
         # every tensor's MLP weights at once (xopt.specs.velo.mix_mlp_weights: 100 · mean over
         # the bank of controls · bank), gathered into the kernel's padded table
-        bank, gidx = self._bank(meta)
         mixed = 100.0 * (bank[None] * controls[:, :, None]).mean(1)
         tab = torch.cat([mixed, torch.zeros((nt, 1), device=dev)], 1)[:, gidx].contiguous()
         norm = torch.rsqrt(1e-5 + st[:, :32] / n).contiguous()
         scal = torch.cat([host, lr_mult[:, None], pscale[:, None],
                           torch.zeros((nt, 3), device=dev)], 1).contiguous()
         # 5: the fused update
-        velo_fused_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, ptrs, rcm, decays, mu,
+        velo_fused_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, ptrs, rcm, decays, part,
                                              norm, scal, tab, tab, tab, tab, tab, tab, part,
                                              float(hp.exp_mult), float(hp.step_mult),
                                              SA=SA, **common)
-        return hidden, cell
+        hidden.copy_(new_h)
+        cell.copy_(new_c)
+
+
+def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` without blocking the host: a host tensor goes through pinned
+    memory (a fresh pinned block each time: the caching host allocator keeps it until the
+    copy has run, so a copy still queued never sees it change)."""
+    if src.device.type == "cpu" and dst.device.type == "cuda":
+        src = src.pin_memory()
+        dst.copy_(src, non_blocking=True)
+    else:
+        dst.copy_(src)
 
 
 def reference_step(hp: _spec.VeLO, params: Sequence[torch.Tensor],

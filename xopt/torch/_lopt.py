@@ -64,6 +64,15 @@ the plain path (the hook above, the reference) and the method's Triton step
 float32 contiguous parameters in place with the same ``p − (lr·step + (lr·λ)·p)``
 arithmetic as :meth:`_apply_step`, and hands other parameters' steps to it.
 
+The Triton fast path (a subclass sets ``_triton_state_vars`` and implements
+``_triton_fast_update(io, loss, gstate)``): when every parameter and gradient is float32
+and contiguous, nothing is accumulated and no coupled decay changes the gradient, the step
+builds no :class:`Entry`; :meth:`_fast_triton_io` keeps a :class:`TritonIO` (pointers,
+lrs, state dicts) between steps and re-checks it in C-level passes over the tensors
+(identity of the parameters, state dicts and state tensors; the parameters' and gradients'
+pointers), as :meth:`_gather` keeps its validated list; what changed is rebuilt, and
+``TritonIO.version`` tells the kernels' host tables when.
+
 Helpers for the hook: ``self.meta_on(device)`` (θ as float32 tensors on a device, xopt's
 naming), ``self.hp`` (the hyperparameters), ``self._apply_step(e, step)``.
 """
@@ -73,8 +82,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import numbers
+import operator
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar
+from itertools import chain, compress, repeat
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -88,6 +99,14 @@ from xopt.torch._state_dict import saved_param_map
 __all__ = ["Entry", "LearnedOptimizer"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+# C-level getters for the per-step checks (no Python frame per tensor)
+_GRAD = operator.attrgetter("grad")
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_LAYOUT = operator.attrgetter("layout")
+_DPTR = torch.Tensor.data_ptr
+_CONTIG = torch.Tensor.is_contiguous
 
 
 @dataclasses.dataclass
@@ -112,6 +131,70 @@ class Entry:
         """The parameter as float32 (the parameter itself when it is float32)."""
         p = self.param.detach()
         return p if p.dtype == torch.float32 else p.float()
+
+
+class _GatherCache(NamedTuple):
+    """What :meth:`LearnedOptimizer._gather` validated last (compared by identity and by
+    value at the next call)."""
+
+    groups: list            # the param_groups dicts
+    param_lists: list       # each group's "params" list
+    lengths: list[int]      # their lengths
+    params: list[Tensor]    # all parameters, flattened
+    no_grad: list[bool]     # which of them had no gradient
+    has_grad: list[bool]    # the complement (for compress)
+    out: list               # the validated (gi, i, p, group) list, returned again
+    shapes: list            # the shapes of the gradients (= of their parameters)
+    dtypes: list            # the gradients' dtypes
+
+
+_VERSIONS = itertools.count(1)
+
+
+class TritonIO:
+    """The fused kernels' inputs for one inner update, kept between steps
+    (:meth:`LearnedOptimizer._fast_triton_io`): every parameter and gradient float32 and
+    contiguous, no coupled decay, so the kernels read the gradients and update the
+    parameters and the state in place. Rebuilt in part when something changed; ``version``
+    (unique over all instances) changes then, so that tables keyed on it are rebuilt too.
+
+    ``ptrs`` holds one list of ``data_ptr()`` per column: ``"p"``, ``"g"`` and each state
+    variable. Item access (``io["params"]``, ...) gives the lists of :meth:`_triton_io`.
+    """
+
+    __slots__ = ("items", "params", "grads", "states", "shapes", "gidx", "groups_key", "ptrs",
+                 "lrs", "lrwds", "version", "state_obj", "state_vals", "getter", "flat")
+
+    def __init__(self, params: list[Tensor]) -> None:
+        self.items: list | None = None
+        self.state_obj: Any = None
+        self.state_vals: list = []
+        self.getter: Any = None
+        self.flat: list[Tensor] = []
+        self.params = params
+        self.grads: list[Tensor] = []
+        self.states: list[dict[str, Any]] = []
+        self.shapes: list[torch.Size] = []
+        self.gidx: list[int] = []
+        self.groups_key: list = []
+        self.ptrs: dict[str, list[int]] = {}
+        self.lrs: list[float] = []
+        self.lrwds: list[float] = []
+        self.version = next(_VERSIONS)
+
+    def states_unchanged(self, state: Any) -> bool:
+        """Whether ``state`` (the optimizer's) still holds the per-parameter dicts and state
+        tensors seen when this was built (identity, C-level loops)."""
+        return (state is self.state_obj and len(state) == len(self.state_vals)
+                and all(map(operator.is_, state.values(), self.state_vals))
+                and all(map(operator.is_, chain.from_iterable(map(self.getter, self.states)),
+                            self.flat)))
+
+    def __getitem__(self, key: str) -> Any:
+        n = len(self.params)
+        return {"params": self.params, "grads": self.grads, "states": self.states,
+                "outs": self.params, "write_step": [False] * n, "lrs": self.lrs,
+                "lrwds": self.lrwds, "post": []}[key]
 
 
 def _meta_to_torch(meta: Mapping[str, Any], where: str) -> dict[str, Tensor]:
@@ -144,6 +227,9 @@ class LearnedOptimizer(torch.optim.Optimizer):
     hyperparams_cls: ClassVar[type[LOptOptions]]
     meta_spec: ClassVar[MetaParams]
     needs_loss: ClassVar[bool] = False
+    #: the state variables the Triton step reads and writes in place (None: no fast path;
+    #: a subclass that sets it implements :meth:`_triton_fast_update`)
+    _triton_state_vars: ClassVar[tuple[str, ...] | None] = None
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]],
                  meta_params: Mapping[str, Any] | None = None, *, spec: LOptOptions | None = None,
@@ -173,6 +259,8 @@ class LearnedOptimizer(torch.optim.Optimizer):
             theta = self.meta_spec.coerce(meta_params, hp)
         self.meta = _meta_to_torch(theta, where)
         self._meta_cache: dict[torch.device, dict[str, Tensor]] = {}
+        self._fio: TritonIO | None = None
+        self._gcache: _GatherCache | None = None
         super().__init__(params, {"lr": hp.lr, "weight_decay": hp.weight_decay})
         first = next(iter(self._all_params()), None)
         self._device = first.device if first is not None else torch.device("cpu")
@@ -223,9 +311,12 @@ class LearnedOptimizer(torch.optim.Optimizer):
     def _use_triton(self, entries: list[Entry]) -> bool:
         """Whether this inner update takes the Triton path (raises for impl='triton' when it
         cannot)."""
-        if self.impl == "plain" or not entries:
+        return self._use_triton_params([e.param for e in entries])
+
+    def _use_triton_params(self, params: list[Tensor]) -> bool:
+        """:meth:`_use_triton` for the parameters to update."""
+        if self.impl == "plain" or not params:
             return False
-        params = [e.param for e in entries]
         if self.impl == "auto":
             if any(p.device.type != "cuda" for p in params):
                 return False
@@ -272,6 +363,97 @@ class LearnedOptimizer(torch.optim.Optimizer):
                 out["post"].append((e, buf))
         return out
 
+    def _fast_triton_io(self, items: list[tuple[int, int, Tensor, dict[str, Any]]],
+                        same: bool | None = None) -> TritonIO | None:
+        """The Triton step's inputs for ``items`` (from :meth:`_gather`), kept between steps:
+        None when the update does not take the Triton path or needs the general one
+        (:meth:`_triton_io`: a parameter or gradient that is not float32 and contiguous, an
+        lr or weight decay that is not a Python number). A steady-state step checks, in
+        C-level passes over the tensors (no Python call per tensor), that the parameters,
+        their state dicts and state tensors are the same objects as in the last step
+        (identity), the parameters' pointers and the gradients' pointers and contiguity;
+        what changed is re-validated and ``version`` changes."""
+        svars = self._triton_state_vars
+        if svars is None or self.impl == "plain" or not items:
+            return None
+        c = self._fio
+        groups_key = [(g["lr"], g["weight_decay"]) for g in self.param_groups]
+        for lr, wd in groups_key:
+            if type(lr) not in (float, int) or type(wd) not in (float, int):
+                return None
+        if same is None:
+            same = c is not None and c.items is items and c.states_unchanged(self.state)
+        if same:
+            ps = c.params
+            grads = list(map(_GRAD, ps))  # (not kept after the step: they may be freed)
+            if not all(map(_CONTIG, grads)):
+                return None
+            pp = list(map(_DPTR, ps))
+            gp = list(map(_DPTR, grads))
+            if pp == c.ptrs["p"]:
+                if gp != c.ptrs["g"]:
+                    c.ptrs["g"] = gp
+                    c.version = next(_VERSIONS)
+                if groups_key != c.groups_key:  # (an lr schedule: every step)
+                    c.lrs, c.lrwds = self._lrs(groups_key, c.gidx)
+                    c.groups_key = groups_key
+                    c.version = next(_VERSIONS)
+                c.grads = grads
+                return c
+        return self._build_triton_io(items, groups_key)
+
+    def _build_triton_io(self, items: list[tuple[int, int, Tensor, dict[str, Any]]],
+                         groups_key: list) -> TritonIO | None:
+        """:meth:`_fast_triton_io` when something changed: every check, new tables."""
+        svars = self._triton_state_vars
+        self._fio = None
+        ps = [it[2] for it in items]
+        if not self._use_triton_params(ps):
+            return None
+        f32 = torch.float32
+        grads = [p.grad for p in ps]
+        if not all([g.dtype == f32 and g.is_contiguous() for g in grads]):
+            return None
+        if not all([p.dtype == f32 and p.is_contiguous() for p in ps]):
+            return None
+        st = self.state
+        states = [st[p] for p in ps]
+        try:
+            for v in svars:
+                for s in states:
+                    if not s[v].is_contiguous():
+                        s[v] = s[v].contiguous()
+            ptrs = {"p": [p.data_ptr() for p in ps], "g": [g.data_ptr() for g in grads]}
+            for v in svars:
+                ptrs[v] = [s[v].data_ptr() for s in states]
+        except KeyError:
+            return None
+        c = TritonIO(ps)
+        gidx = [it[0] for it in items]
+        c.lrs, c.lrwds = self._lrs(groups_key, gidx)
+        c.items, c.states, c.shapes, c.gidx, c.groups_key, c.ptrs = items, states, \
+            [p.shape for p in ps], gidx, groups_key, ptrs
+        c.state_obj, c.state_vals = st, list(st.values())
+        c.getter = operator.itemgetter(*svars) if len(svars) > 1 else (
+            lambda s, _v=svars[0]: (s[_v],))
+        c.flat = list(chain.from_iterable(map(c.getter, states)))
+        c.grads = grads
+        self._fio = c
+        return c
+
+    def _lrs(self, groups_key: list, gidx: list[int]) -> tuple[list[float], list[float]]:
+        """Per tensor: lr and lr·λ (decoupled decay; else 0), from ``(lr, λ)`` per group."""
+        decoupled = self.hp.weight_decay_mode == "decoupled"
+        per_group = [(float(lr), float(lr * wd) if decoupled and not _is_zero(wd) else 0.0)
+                     for lr, wd in groups_key]
+        return [per_group[gi][0] for gi in gidx], [per_group[gi][1] for gi in gidx]
+
+    def _triton_fast_update(self, io: TritonIO, loss: Tensor, gstate: dict[str, Any]) -> None:
+        """The inner update on the Triton path from :meth:`_fast_triton_io`'s inputs (the
+        subclass's, when it sets ``_triton_state_vars``); as :meth:`_inner_update` otherwise
+        (the base advances ``iteration`` afterwards)."""
+        raise NotImplementedError
+
     # -- checkpoints (xopt.checkpoints.hub) ---------------------------------------------------
     @classmethod
     def from_pretrained(cls, params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -312,6 +494,8 @@ class LearnedOptimizer(torch.optim.Optimizer):
         self._meta_cache = {}
         self._triton = None
         self._lstm_views = None
+        self._fio = None
+        self._gcache = None
 
     # -- hooks (see the module docstring) -------------------------------------------------
     def _init_param_state(self, p: Tensor) -> dict[str, Tensor]:
@@ -367,6 +551,7 @@ class LearnedOptimizer(torch.optim.Optimizer):
         return names[i] if names else f"param_groups[{gi}]['params'][{i}]"
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._gcache = None
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
         group = self.param_groups[-1]
@@ -402,24 +587,55 @@ class LearnedOptimizer(torch.optim.Optimizer):
         return st
 
     def _gather(self) -> list[tuple[int, int, Tensor, dict[str, Any]]]:
-        """Parameters with a gradient, validated (nothing has changed yet)."""
+        """Parameters with a gradient, validated (nothing has changed yet). The list is kept
+        and returned again (the same object) while the parameters, which of them have a
+        gradient, and the gradients' shapes, dtypes and layouts are those of the last call:
+        checked in C-level passes, without a Python call per tensor."""
+        c = self._gcache
+        groups = self.param_groups
+        if (c is not None and len(groups) == len(c.groups)
+                and all(map(operator.is_, groups, c.groups))
+                and all(map(operator.is_, map(operator.itemgetter("params"), groups),
+                            c.param_lists))
+                and list(map(len, c.param_lists)) == c.lengths
+                and all(map(operator.is_, chain.from_iterable(c.param_lists), c.params))):
+            grads = list(map(_GRAD, c.params))
+            if list(map(operator.is_, grads, repeat(None))) == c.no_grad:
+                gg = list(compress(grads, c.has_grad))
+                if (list(map(_SHAPE, gg)) == c.shapes and list(map(_DTYPE, gg)) == c.dtypes
+                        and all(map(operator.is_, map(_LAYOUT, gg), repeat(torch.strided)))
+                        and list(map(_SHAPE, map(operator.itemgetter(2), c.out))) == c.shapes):
+                    return c.out
         out = []
-        for gi, group in enumerate(self.param_groups):
+        for gi, group in enumerate(groups):
             for i, p in enumerate(group["params"]):
                 g = p.grad
                 if g is None:
                     continue
-                where = f"{type(self).__name__}: gradient of {self._param_name(group, i, gi)}"
-                if g.is_sparse:
-                    raise RuntimeError(f"{where}: sparse gradients are not supported")
-                if tuple(g.shape) != tuple(p.shape):
-                    raise ValueError(f"{where} has shape {tuple(g.shape)}, expected "
-                                     f"{tuple(p.shape)}")
-                if g.dtype not in SUPPORTED_DTYPES:
-                    raise ValueError(f"{where} has dtype {g.dtype}; supported: "
-                                     f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+                if g.is_sparse or g.shape != p.shape or g.dtype not in _SUPPORTED:
+                    self._bad_grad(gi, i, p, group)
                 out.append((gi, i, p, group))
+        ps = [p for group in groups for p in group["params"]]
+        none = [p.grad is None for p in ps]
+        self._gcache = _GatherCache(
+            groups=list(groups), param_lists=[g["params"] for g in groups],
+            lengths=[len(g["params"]) for g in groups], params=ps, no_grad=none,
+            has_grad=[not x for x in none], out=out, shapes=[it[2].shape for it in out],
+            dtypes=[p.grad.dtype for p in ps if p.grad is not None])
         return out
+
+    def _bad_grad(self, gi: int, i: int, p: Tensor, group: dict[str, Any]) -> None:
+        """Raise the error that names parameter ``i`` of group ``gi`` and what is wrong with
+        its gradient (the message is built only here, off the fast path)."""
+        g = p.grad
+        where = f"{type(self).__name__}: gradient of {self._param_name(group, i, gi)}"
+        if g.is_sparse:
+            raise RuntimeError(f"{where}: sparse gradients are not supported")
+        if tuple(g.shape) != tuple(p.shape):
+            raise ValueError(f"{where} has shape {tuple(g.shape)}, expected {tuple(p.shape)}")
+        if g.dtype not in _SUPPORTED:
+            raise ValueError(f"{where} has dtype {g.dtype}; supported: "
+                             f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
 
     def _loss_tensor(self, loss: Any) -> Tensor:
         name = type(self).__name__
@@ -479,9 +695,12 @@ class LearnedOptimizer(torch.optim.Optimizer):
         if not items:
             return result
         # -- from here on the state changes --
-        for _, _, p, _ in items:
-            if len(self.state[p]) == 0:
-                self.state[p] = self._new_param_state(p)
+        c = self._fio
+        same = c is not None and c.items is items and c.states_unchanged(self.state)
+        if not same:
+            for _, _, p, _ in items:
+                if len(self.state[p]) == 0:
+                    self.state[p] = self._new_param_state(p)
         hp = self.hp
         gstate = self.state["global"]
         coupled = hp.weight_decay_mode == "coupled"
@@ -502,6 +721,16 @@ class LearnedOptimizer(torch.optim.Optimizer):
             return lambda: _f32(p.grad)
 
         if not hp.accumulating:
+            io = None if coupled and any(not _is_zero(g["weight_decay"])
+                                         for g in self.param_groups) \
+                else self._fast_triton_io(items, same)
+            if io is not None:
+                try:
+                    self._triton_fast_update(io, loss_t, gstate)
+                finally:
+                    io.grads = []
+                gstate["iteration"] += 1
+                return result
             entries = [Entry(p, self.state[p], group, self._param_name(group, i, gi), (gi, i),
                              decayed_grad(p, group)) for gi, i, p, group in items]
             self._inner_update(entries, loss_t, gstate)

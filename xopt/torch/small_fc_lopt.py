@@ -127,15 +127,26 @@ class SmallFCLOpt(LearnedOptimizer):
         gstate["mom_t"] += 1
         gstate["rms_t"] += 1
 
+    _triton_state_vars = _PARAM_VARS
+
+    def _triton_fast_update(self, io: Any, loss: Tensor, gstate: dict[str, Any]) -> None:
+        del loss
+        self._triton_run(io, int(gstate["iteration"]))
+        gstate["mom_t"] += 1
+        gstate["rms_t"] += 1
+
     def _triton_update(self, entries: list[Entry], iteration: int) -> None:
         """The fused Triton step (:mod:`xopt.kernels.small_fc_lopt`) over all entries."""
+        io = self._triton_io(entries, _PARAM_VARS)
+        self._triton_run(io, iteration)
+        for e, step in io["post"]:
+            self._apply_step(e, step)
+
+    def _triton_run(self, io: Any, iteration: int) -> None:
         from xopt.kernels.small_fc_lopt import SmallFCTriton
 
         if self._triton is None:
             self._triton = SmallFCTriton(self.hp, self.precision)
-        io = self._triton_io(entries, _PARAM_VARS)
-        self._triton.step(io["params"], io["grads"], io["states"], io["outs"],
-                          io["write_step"], io["lrs"], io["lrwds"],
-                          self.meta_on(entries[0].param.device), iteration)
-        for e, step in io["post"]:
-            self._apply_step(e, step)
+        params = io["params"]
+        self._triton.step(params, io["grads"], io["states"], io["outs"], io["write_step"],
+                          io["lrs"], io["lrwds"], self.meta_on(params[0].device), iteration)

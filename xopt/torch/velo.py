@@ -134,7 +134,10 @@ class VeLO(LearnedOptimizer):
         return out
 
     # -- the update -------------------------------------------------------------------------
-    def _inner_update(self, entries: list[Entry], loss: Tensor, gstate: dict[str, Any]) -> None:
+    _triton_state_vars = _ACC_VARS + ("lstm_hidden", "lstm_cell")
+
+    def _loss_step(self, loss: Tensor, gstate: dict[str, Any]) -> tuple[Tensor, ...]:
+        """The loss buffer's update: ``(means, running_min, t / N, loss features)``."""
         dev = loss.device
         for k in _LOSS_VARS:  # load_state_dict may have left them elsewhere
             if gstate[k].device != dev:
@@ -145,50 +148,82 @@ class VeLO(LearnedOptimizer):
             loss_it, loss)
         frac = (torch.tensor(int(gstate["iteration"]), dtype=torch.float32)
                 / torch.tensor(int(gstate["num_steps"]), dtype=torch.float32))
-        if self._use_triton(entries):
-            self._triton_update(entries, frac, lfeat)
-        else:
-            self._plain_update(entries, frac, lfeat, dev)
+        return means, rmin, frac, lfeat
+
+    @staticmethod
+    def _advance(gstate: dict[str, Any], means: Tensor, rmin: Tensor) -> None:
         gstate["loss_means"], gstate["loss_running_min"] = means, rmin
         gstate["loss_iteration"] += 1
         gstate["mom_t"] += 1
         gstate["rms_t"] += 1
 
-    def _triton_update(self, entries: list[Entry], frac: Tensor, lfeat: Tensor) -> None:
-        """The fused Triton step (:mod:`xopt.kernels.velo`) over all entries. The LSTM state
-        of the parameters is kept as views of one ``[n_tensors, H]`` tensor."""
+    def _inner_update(self, entries: list[Entry], loss: Tensor, gstate: dict[str, Any]) -> None:
+        means, rmin, frac, lfeat = self._loss_step(loss, gstate)
+        if self._use_triton(entries):
+            io = self._triton_io(entries, _ACC_VARS)
+            self._triton_update(io, [e.state for e in entries], frac, lfeat)
+            for e, step in io["post"]:
+                self._apply_step(e, step)
+        else:
+            self._plain_update(entries, frac, lfeat, loss.device)
+        self._advance(gstate, means, rmin)
+
+    def _triton_fast_update(self, io: Any, loss: Tensor, gstate: dict[str, Any]) -> None:
         from xopt.kernels.velo import VeLOTriton
-        from xopt.specs._xp import to_device
 
         if self._triton is None:
             self._triton = VeLOTriton(self.hp, self.precision)
-        dev = entries[0].param.device
-        io = self._triton_io(entries, _ACC_VARS)
-        hs = [e.state["lstm_hidden"] for e in entries]
-        cs = [e.state["lstm_cell"] for e in entries]
+        dev = io.params[0].device
+        if self._triton.graphs_loss(dev):  # the loss buffer's update inside the CUDA graph
+            for k in _LOSS_VARS:
+                if gstate[k].device != dev:
+                    gstate[k] = gstate[k].to(dev)
+            self._triton_update(io, io.states, None, None, fast=io, loss_state=(gstate, loss))
+            self._advance(gstate, gstate["loss_means"], gstate["loss_running_min"])
+            return
+        means, rmin, frac, lfeat = self._loss_step(loss, gstate)
+        self._triton_update(io, io.states, frac, lfeat, fast=io)
+        self._advance(gstate, means, rmin)
+
+    def _triton_update(self, io: Any, states: list[dict[str, Any]], frac: Tensor | None,
+                       lfeat: Tensor | None, fast: Any = None,
+                       loss_state: tuple | None = None) -> None:
+        """The fused Triton step (:mod:`xopt.kernels.velo`) over all tensors. The LSTM state
+        of the parameters is kept as views of one ``[n_tensors, H]`` tensor (recognized by
+        their pointers when ``fast`` is the base's :class:`~xopt.torch._lopt.TritonIO`)."""
+        from xopt.kernels.velo import VeLOTriton
+
+        if self._triton is None:
+            self._triton = VeLOTriton(self.hp, self.precision)
+        dev = io["params"][0].device
         views = getattr(self, "_lstm_views", None)
-        if (views is not None and len(views[2]) == len(hs) and views[0].device == dev
-                and all(a is b for a, b in zip(views[2], hs, strict=True))
-                and all(a is b for a, b in zip(views[3], cs, strict=True))):
+        if views is not None and (views[0].device != dev or views[0].shape[0] != len(states)):
+            views = None
+        if views is not None:
+            if fast is not None:  # the views' pointers, as the state tensors' (O(1) lists)
+                ok = (fast.ptrs["lstm_hidden"] == views[4]
+                      and fast.ptrs["lstm_cell"] == views[5])
+            else:
+                ok = (all(a is s["lstm_hidden"] for a, s in zip(views[2], states, strict=True))
+                      and all(a is s["lstm_cell"] for a, s in zip(views[3], states,
+                                                                   strict=True)))
+            if not ok:
+                views = None
+        if views is not None:
             hidden, cell = views[0], views[1]  # the states are still our views of these
         else:
-            hidden = torch.stack(hs).to(dev)
-            cell = torch.stack(cs).to(dev)
-            views = None
-        new_h, new_c = self._triton.step(io["params"], io["grads"], io["states"], io["outs"],
-                                         io["write_step"], io["lrs"], io["lrwds"],
-                                         self.meta_on(dev), hidden, cell,
-                                         to_device(frac, dev), to_device(lfeat, dev))
-        hidden.copy_(new_h)
-        cell.copy_(new_c)
+            hidden = torch.stack([s["lstm_hidden"] for s in states]).to(dev)
+            cell = torch.stack([s["lstm_cell"] for s in states]).to(dev)
+        self._triton.step(io["params"], io["grads"], io["states"], io["outs"],
+                          io["write_step"], io["lrs"], io["lrwds"], self.meta_on(dev), hidden,
+                          cell, frac, lfeat, io=fast, loss_state=loss_state)
         if views is None:  # each state's LSTM state: a view of one [n_tensors, H] tensor
             hv, cv = list(hidden.unbind(0)), list(cell.unbind(0))
-            for e, h, c in zip(entries, hv, cv, strict=True):
-                e.state["lstm_hidden"] = h
-                e.state["lstm_cell"] = c
-            self._lstm_views = (hidden, cell, hv, cv)
-        for e, step in io["post"]:
-            self._apply_step(e, step)
+            for s, h, c in zip(states, hv, cv, strict=True):
+                s["lstm_hidden"] = h
+                s["lstm_cell"] = c
+            self._lstm_views = (hidden, cell, hv, cv, [h.data_ptr() for h in hv],
+                                [c.data_ptr() for c in cv])
 
     def _plain_update(self, entries: list[Entry], frac: Tensor, lfeat: Tensor,
                       dev: torch.device) -> None:
