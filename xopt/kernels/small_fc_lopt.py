@@ -699,6 +699,7 @@ class SmallFCTriton:
         self._wcache: tuple | None = None
         self._tables = L.TableCache()
         self._decays: tuple | None = None  # (key, all 7 decays, Adafactor's 3), per θ
+        self._io_tables: tuple | None = None  # ((TritonIO version, device), ptrs, scal)
 
     def layout(self, shapes: Sequence[tuple[int, ...]], device: torch.device) -> L.Layout:
         lay = self._layout
@@ -779,13 +780,20 @@ class SmallFCTriton:
     def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
              states: Sequence[dict[str, torch.Tensor]], outs: Sequence[torch.Tensor],
              write_step: Sequence[bool], lrs: Sequence[float], lrwds: Sequence[float],
-             meta: Mapping[str, torch.Tensor], iteration: int) -> None:
+             meta: Mapping[str, torch.Tensor], iteration: int, *, io=None) -> None:
         """One step: updates ``states`` in place and writes each tensor's new parameter
         (or, where ``write_step``, its step) into ``outs``. All tensors float32,
-        contiguous, on one device."""
+        contiguous, on one device. ``io``: the optimizer's
+        :class:`xopt.torch._lopt.TritonIO` for these lists, when it has one: while its
+        ``version`` is the one the pointer and scalar tables were made for, nothing is read
+        per tensor."""
         hp = self.hp
         dev = params[0].device
-        lay = self.layout([tuple(p.shape) for p in params], dev)
+        if io is not None and self._io_tables is not None \
+                and self._io_tables[0] == (io.version, dev):
+            lay = self._layout
+        else:
+            lay = self.layout([tuple(p.shape) for p in params], dev)
         w = self._weights(meta)
         hp_ = w["hp"]
         dkey = tuple((k, v.data_ptr(), v._version) for k, v in meta.items()
@@ -794,14 +802,24 @@ class SmallFCTriton:
             md, rd, fd = _spec.decays(hp, meta, xp=torch)
             self._decays = (dkey, torch.cat([md, rd, fd]).contiguous(), fd)
         _, decays, fd = self._decays
-        ptrs = self._tables.get("ptrs", [
-            [p.data_ptr(), g.data_ptr(), s["m"].data_ptr(), s["rms"].data_ptr(),
-             s["v_row"].data_ptr(), s["v_col"].data_ptr(), s["v_diag"].data_ptr(),
-             o.data_ptr()] for p, g, s, o in zip(params, grads, states, outs, strict=True)],
-            torch.int64, dev)
-        scal = self._tables.get("scal", [[lr, lrwd, float(ws), 0.0] for lr, lrwd, ws in
-                                         zip(lrs, lrwds, write_step, strict=True)],
-                                torch.float32, dev)
+        if io is not None and self._io_tables is not None \
+                and self._io_tables[0] == (io.version, dev):
+            ptrs, scal = self._io_tables[1:]
+        else:
+            if io is not None:  # the pointers by column, as the optimizer keeps them
+                c = io.ptrs
+                rows = list(zip(c["p"], c["g"], c["m"], c["rms"], c["v_row"], c["v_col"],
+                                c["v_diag"], c["p"], strict=True))
+            else:
+                rows = [[p.data_ptr(), g.data_ptr(), s["m"].data_ptr(), s["rms"].data_ptr(),
+                         s["v_row"].data_ptr(), s["v_col"].data_ptr(),
+                         s["v_diag"].data_ptr(), o.data_ptr()]
+                        for p, g, s, o in zip(params, grads, states, outs, strict=True)]
+            ptrs = self._tables.get("ptrs", rows, torch.int64, dev)
+            scal = self._tables.get("scal", [[lr, lrwd, float(ws), 0.0] for lr, lrwd, ws in
+                                             zip(lrs, lrwds, write_step, strict=True)],
+                                    torch.float32, dev)
+            self._io_tables = ((io.version, dev), ptrs, scal) if io is not None else None
         rcm, _ = C.factored_pass(lay, ptrs, fd, clip_g=False, mom_sums=False, npt=NPTR)
         if rcm is None:
             rcm = torch.zeros((3,), dtype=torch.float32, device=dev)

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from xopt.specs import small_fc_lopt as _spec
-from xopt.torch._lopt import Entry, LearnedOptimizer
+from xopt.torch._lopt import Entry, LearnedOptimizer, TritonIO
 
 __all__ = ["SmallFCLOpt"]
 
@@ -149,4 +149,5 @@ class SmallFCLOpt(LearnedOptimizer):
             self._triton = SmallFCTriton(self.hp, self.precision)
         params = io["params"]
         self._triton.step(params, io["grads"], io["states"], io["outs"], io["write_step"],
-                          io["lrs"], io["lrwds"], self.meta_on(params[0].device), iteration)
+                          io["lrs"], io["lrwds"], self.meta_on(params[0].device), iteration,
+                          io=io if isinstance(io, TritonIO) else None)
