@@ -15,12 +15,11 @@ As tests/test_kernels_lopt.py, the checks run in a child process (this file with
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import worker_results
 
 try:
     import torch  # noqa: F401
@@ -184,19 +183,7 @@ def _worker() -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
-                           capture_output=True, text=True, env=env)
-    if probe.stdout.strip() != "True":
-        env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, __file__, "--worker"], capture_output=True,
-                          text=True, env=env, cwd=REPO, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(json.dumps(res, indent=1))
-    return res
+    return worker_results(__file__, timeout=600)
 
 
 def test_folded_step_matches_float64(results):

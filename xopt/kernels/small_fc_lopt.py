@@ -49,8 +49,9 @@ shuffle between threads; the output layer (2 columns) is float32 FMAs. Precision
 tensor-core matmuls (``precision=``):
 
 * ``"exact"`` (default): split-precision TF32, both operands split into two TF32 halves
-  rounded to nearest, three exact products summed in float32 (:func:`_dot3`): operands
-  carried to 22 bits instead of float32's 24. Measured against float64: see
+  rounded to nearest, three exact products summed in float32
+  (:func:`xopt.kernels.lopt_common.dot3`): operands carried to 22 bits instead of
+  float32's 24. Measured against float64: see
   tests/test_kernels_lopt.py and tests/test_kernels_small_fc_fold.py.
 * ``"fast"``: one TF32 product (10-bit mantissas). The MLP outputs move by about 1e-3
   relative, the step by as much; accumulators are not affected.
@@ -135,26 +136,6 @@ def _program(meta, pids, prog, rcm, NF: tl.constexpr):
 
 
 @triton.jit
-def _dot3(x, w_hi, w_lo, PREC: tl.constexpr, TERMS: tl.constexpr):
-    """``x @ w`` [BLOCK, K] × [K, N] on the tensor cores (a copy of
-    :func:`xopt.kernels.lopt_common.dot3`). ``PREC="tf32x3"`` (exact mode): ``x = x_hi +
-    x_lo + r`` with ``x_hi = round_tf32(x)``, ``x_lo = round_tf32(x − x_hi)`` (|r| ≤
-    2^-22·|x|), ``w`` split likewise by the host, then ``x_lo·w_hi + x_hi·w_lo (+ x_lo·w_lo
-    if TERMS = 4) + x_hi·w_hi``, small terms first, each an exact TF32 product, accumulated
-    in float32. ``PREC="tf32"`` (fast mode): one TF32 product."""
-    if PREC == "tf32x3":
-        x_hi = C.round_tf32(x)
-        x_lo = C.round_tf32(x - x_hi)
-        acc = tl.dot(x_lo, w_hi, input_precision="tf32")
-        acc = tl.dot(x_hi, w_lo, acc, input_precision="tf32")
-        if TERMS == 4:
-            acc = tl.dot(x_lo, w_lo, acc, input_precision="tf32")
-        return tl.dot(x_hi, w_hi, acc, input_precision="tf32")
-    else:
-        return tl.dot(x, w_hi, input_precision="tf32")
-
-
-@triton.jit
 def _mma_to_operand(h, HP: tl.constexpr):
     """Columns of ``h`` [BLOCK, HP] permuted, ``c = 8j + 2q + r → 8j + 4r + q`` (q < 4,
     r < 2): in a Hopper MMA accumulator a thread holds columns 8j + 2q + {0, 1}, and as the
@@ -186,13 +167,13 @@ def _mlp_tail(h, w1h, w1l, b1, wh, bh, wl0, wl1, bl0, bl1, HP: tl.constexpr,
     hc = tl.arange(0, HP)
     if NHID > 0:
         h = _mma_to_operand(h, HP)
-        h = tl.maximum(_dot3(h, w1h, w1l, PREC, TERMS) + b1[None, :], 0.0)
+        h = tl.maximum(C.dot3(h, w1h, w1l, PREC, TERMS) + b1[None, :], 0.0)
     for i in tl.static_range(1, NHID):
         wofs = i * HP * HP + hc[:, None] * HP + hc[None, :]
         w_hi = tl.load(wh + wofs)
         w_lo = tl.load(wh + NHID * HP * HP + wofs)
         h = _mma_to_operand(h, HP)
-        h = _dot3(h, w_hi, w_lo, PREC, TERMS) + tl.load(bh + i * HP + hc)[None, :]
+        h = C.dot3(h, w_hi, w_lo, PREC, TERMS) + tl.load(bh + i * HP + hc)[None, :]
         h = tl.maximum(h, 0.0)
     direction = tl.sum(h * wl0[None, :], axis=1) + bl0
     magnitude = tl.sum(h * wl1[None, :], axis=1) + bl1
@@ -414,7 +395,7 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
             a_term = tl.load(terms + (ta_row + aidx)[:, None] * HP + hc[None, :],
                              mask=ma[:, None], other=0.0)
             ab = tl.reshape(a_term[:, None, :] + b_term[None, :, :], [BLOCK, HP])
-            h = tl.maximum(_dot3(x, w16h_t, w16l_t, PREC, TERMS) + ab, 0.0)
+            h = tl.maximum(C.dot3(x, w16h_t, w16l_t, PREC, TERMS) + ab, 0.0)
             direction, magnitude = _mlp_tail(h, w1h_t, w1l_t, b1_t, wh, bh, wl0_t, wl1_t,
                                              bl0_t, bl1_t, HP, NHID, PREC, TERMS)
             step = direction * tl.exp(magnitude * exp_mult) * step_mult
@@ -529,8 +510,8 @@ def _sfc_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh,
     tile (one row per element, :func:`xopt.kernels.lopt_common.cat32`) and reduced once at
     the end. ``FUSED=True``: normalizes by ``norm[t, :]`` (the tensor's
     ``rsqrt(1e-5 + mean feature²)``), runs the MLP — with ``MLP_DOT`` on the tensor cores
-    from the [BLOCK, 32] tile (:func:`_dot3`, :func:`_mlp_tail`, weights loaded once per
-    program), else 4 wide in float32 FMAs without a tile
+    from the [BLOCK, 32] tile (:func:`xopt.kernels.lopt_common.dot3`, :func:`_mlp_tail`,
+    weights loaded once per program), else 4 wide in float32 FMAs without a tile
     (:func:`~xopt.kernels.lopt_common.rank1`, :func:`~xopt.kernels.lopt_common.mlp4_tail`)
     — and writes the new parameter (or the step), ``m``, ``rms`` and ``v_diag``."""
     BLOCK: tl.constexpr = SA * TB
@@ -620,7 +601,7 @@ def _sfc_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh,
                         m0 * FM0, m1 * FM1, m2 * FM2, z, z, z, z)
             x = tl.reshape(x, [BLOCK, 32])
             if FUSED:
-                h = tl.maximum(_dot3(x * inv[None, :], w0h_t, w0l_t, PREC, TERMS)
+                h = tl.maximum(C.dot3(x * inv[None, :], w0h_t, w0l_t, PREC, TERMS)
                                + b0_t[None, :], 0.0)
                 direction, magnitude = _mlp_tail(h, w1h_t, w1l_t, b1_t, wh, bh, wl0_t, wl1_t,
                                                  bl0_t, bl1_t, HP, NHID, PREC, TERMS)
