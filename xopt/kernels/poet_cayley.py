@@ -7,10 +7,10 @@ the authors' GPU kernel; ``c = 2``: the Taylor form of their PyTorch fallback).
 
 Backends (``backend=`` of :func:`cayley_neumann`, default :data:`BACKEND`):
 
-* ``"triton"``, four kernels, any of float32/bfloat16/float16: ``_cnp_square_kernel``
-  reads ``Q`` straight from the stored upper triangles (both halves read along the
-  triangle's rows) and writes ``Q`` and ``Q²``; ``_cnp_series_kernel`` writes ``Y`` tile by
-  tile (``T`` is made from the loaded tiles, never stored). Backward:
+* ``"triton"``, four kernels and the triangle kernel, any of float32/bfloat16/float16:
+  ``_cnp_square_kernel`` reads ``Q`` straight from the stored upper triangles (both halves
+  read along the triangle's rows) and writes ``Q`` and ``Q²``; ``_cnp_series_kernel``
+  writes ``Y`` tile by tile (``T`` is made from the loaded tiles, never stored). Backward:
   ``_cnp_d_kernel``, ``D = QᵀG + GQᵀ = −(QG + GQ)`` (kept in float32), then
   ``_cnp_grad_kernel``, ``∂Q = 2(G + D) + (cQ² − 2Q)·D + (2G + cD)·Q²`` (``Qᵀ = −Q`` and
   ``Q²ᵀ = Q²``: no transposed reads), then the triangles' gradient
