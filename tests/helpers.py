@@ -12,6 +12,7 @@ SHARED = REPO.parent / "shared"
 
 has_torch = importlib.util.find_spec("torch") is not None
 has_jax = all(importlib.util.find_spec(m) is not None for m in ("jax", "optax"))
+has_triton = importlib.util.find_spec("triton") is not None
 
 needs_torch = pytest.mark.skipif(not has_torch, reason="torch is not installed")
 needs_jax = pytest.mark.skipif(not has_jax, reason="jax/optax are not installed")

@@ -17,24 +17,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from helpers import worker_results
+from helpers import REPO, has_torch, has_triton, worker_results
 
-try:
-    import torch  # noqa: F401
+if has_torch:
+    import torch
 
-    HAS_TORCH = True
-except ImportError:  # pragma: no cover
-    HAS_TORCH = False
+pytestmark = pytest.mark.skipif(not (has_torch and has_triton), reason="needs torch and triton")
 
-import importlib.util
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-pytestmark = pytest.mark.skipif(not (HAS_TORCH and HAS_TRITON), reason="needs torch and triton")
-
-REPO = Path(__file__).resolve().parents[1]
 #: the bound of the exact mode (max|a-b| / max|b| per tensor, as the parity harness)
 EXACT = 1e-6
 #: The step itself is checked against float64, not against plain: the step function is
@@ -431,7 +422,7 @@ if __name__ == "__main__" and "--worker" in sys.argv:
 
 
 def _cuda() -> bool:
-    return HAS_TORCH and HAS_TRITON and torch.cuda.is_available()
+    return has_torch and has_triton and torch.cuda.is_available()
 
 
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (device runs)")

@@ -23,7 +23,7 @@ import datetime
 import importlib.util
 import math
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -67,6 +67,34 @@ def backend_ready(b: str, modules: Sequence[str], explicit: bool, notes: list[st
         raise BadRequest(msg)
     notes.append(msg + "; not run")
     return False
+
+
+def layer_backends(backends: Sequence[str], explicit: bool, notes: list[str],
+                   original_note: str, skip=None) -> list[str]:
+    """The backends a layer driver runs (:data:`LAYER_REQUIRES`): ``"original"`` is noted
+    (``original_note``: why the authors' code is not run live), an unknown name is a
+    :class:`BadRequest`, ``skip(b)`` may return a note that leaves ``b`` out, and a backend
+    whose packages are missing is refused or noted (:func:`backend_ready`)."""
+    selected = []
+    for b in backends:
+        if b == "original":
+            notes.append(original_note)
+            continue
+        if b not in LAYER_REQUIRES:
+            raise BadRequest(f"unknown backend {b!r}; choose from torch, jax, oracle, original")
+        why = skip(b) if skip is not None else None
+        if why:
+            notes.append(why)
+            continue
+        if backend_ready(b, LAYER_REQUIRES[b], explicit, notes):
+            selected.append(b)
+    return selected
+
+
+def require_reference(against: str, requires: Mapping[str, Sequence[str]]) -> None:
+    """A :class:`BadRequest` when the reference backend ``against`` cannot run here."""
+    if against in requires and not available(requires[against]):
+        raise BadRequest(f"--against {against} needs {', '.join(requires[against])}")
 
 
 def trace_hyperparameters(trace: Trace) -> dict[str, Any]:
@@ -402,8 +430,7 @@ def run_parity(method: str, traces: Sequence[str | Trace], *,
                                  f"{', '.join(origin.requires)}")
             reference = origin.name
         else:
-            if not available(_REQUIRES[against]):
-                raise BadRequest(f"--against {against} needs {', '.join(_REQUIRES[against])}")
+            require_reference(against, _REQUIRES)
             reference = against
         naming = origin.naming_for(hp)
         for t in range(-1, steps):  # every recorded state, checked before any run starts
@@ -427,12 +454,12 @@ def run_parity(method: str, traces: Sequence[str | Trace], *,
             for which in needed:
                 runner = make_runner(spec, hp, names, which, impl=impl, device=device,
                                      meta=meta)
-                outputs[_label(which)] = _drive(runner, trace, spec, hp, naming, mode,
+                outputs[backend_label(which)] = _drive(runner, trace, spec, hp, naming, mode,
                                                 steps, tick)
             outputs["golden"] = golden_steps(trace, spec, hp, naming, steps)
-            ref_label = _label(reference)
+            ref_label = backend_label(reference)
             for which in selected:
-                label = _label(which)
+                label = backend_label(which)
                 if label == ref_label:
                     continue
                 runs.append(_compare(spec, hp, trace, label, ref_label, mode, outputs,
@@ -459,7 +486,8 @@ def float32_matmuls(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-def _label(which: str) -> str:
+def backend_label(which: str) -> str:
+    """A backend's name in reports (``xopt.torch``, ``xopt.jax``; others as they are)."""
     return {"torch": "xopt.torch", "jax": "xopt.jax"}.get(which, which)
 
 

@@ -42,16 +42,14 @@ from xopt.parity.harness import (
     BadRequest,
     Run,
     available,
-    backend_ready,
+    backend_label,
     float32_matmuls,
+    layer_backends,
+    require_reference,
 )
 from xopt.parity.trace import Trace, step_prefix
 from xopt.specs import compact as _spec
 from xopt.specs import get
-
-_REQUIRES = LAYER_REQUIRES
-_LABEL = {"torch": "xopt.torch", "jax": "xopt.jax", "oracle": "oracle"}
-
 
 # -- reading the cases ---------------------------------------------------------------------------
 
@@ -636,31 +634,24 @@ def run(trace: Trace, *, backends: Sequence[str], against: str, modes: Sequence[
     spec = get("compact")
     case = _Case(trace)
     steps = trace.steps if max_steps is None else min(max_steps, trace.steps)
-    selected: list[str] = []
-    for b in backends:
-        if b == "original":
-            notes.append("the authors' CompAct (github.com/NitzanHod/compact) not run live: it "
-                         "does not install (its setup.py builds the CUDA extension lomem._C "
-                         "from sources absent from the repository); its recordings are the "
-                         "golden traces")
-            continue
-        if b not in _REQUIRES:
-            raise BadRequest(f"unknown backend {b!r}; choose from torch, jax, oracle, original")
+    def skip(b: str) -> str | None:
         if b == "oracle" and case.kind != "linear":
-            notes.append(f"oracle not run on {trace.name}: the LLaMA model's forward is not "
-                         "part of the spec (the oracle covers the single-layer case)")
-            continue
-        if not backend_ready(b, _REQUIRES[b], explicit_backends, notes):
-            continue
-        selected.append(b)
+            return (f"oracle not run on {trace.name}: the LLaMA model's forward is not "
+                    "part of the spec (the oracle covers the single-layer case)")
+        return None
+
+    selected = layer_backends(
+        backends, explicit_backends, notes,
+        "the authors' CompAct (github.com/NitzanHod/compact) not run live: it does not "
+        "install (its setup.py builds the CUDA extension lomem._C from sources absent from "
+        "the repository); its recordings are the golden traces", skip)
     if against == "original":
         raise BadRequest("--against original: the authors' CompAct cannot run here (see the "
                          "note); compare against golden, torch, jax or oracle")
     if against in ("torch", "jax", "oracle"):
         if against == "oracle" and case.kind != "linear":
             raise BadRequest(f"--against oracle: no oracle for {trace.name}")
-        if not available(_REQUIRES[against]):
-            raise BadRequest(f"--against {against} needs {', '.join(_REQUIRES[against])}")
+        require_reference(against, LAYER_REQUIRES)
     inject = against == "golden"
     if inject:
         notes.append("compact: against golden, every runner uses the authors' recorded "
@@ -681,8 +672,8 @@ def run(trace: Trace, *, backends: Sequence[str], against: str, modes: Sequence[
                 continue
             a, b = outputs[which], outputs[against]
             per_step = [errors(x, y) for x, y in zip(a, b, strict=True)]
-            r = Run(trace=trace.name, backend=_LABEL[which], impl="plain",
-                    against=_LABEL.get(against, against), mode=mode, steps=steps,
+            r = Run(trace=trace.name, backend=backend_label(which), impl="plain",
+                    against=backend_label(against), mode=mode, steps=steps,
                     tolerance=spec.tolerance(mode), per_step=per_step)
             if "oracle" in outputs and "oracle" not in (which, against):
                 t, k, _ = r.worst

@@ -41,15 +41,14 @@ from xopt.parity.harness import (
     BadRequest,
     Run,
     available,
-    backend_ready,
+    backend_label,
     float32_matmuls,
+    layer_backends,
+    require_reference,
 )
 from xopt.parity.trace import Trace, step_prefix
 from xopt.specs import get
 from xopt.specs import poet as P
-
-_REQUIRES = LAYER_REQUIRES
-_LABEL = {"torch": "xopt.torch", "jax": "xopt.jax", "oracle": "oracle"}
 
 
 def formula_of(trace: Trace) -> str:
@@ -435,23 +434,14 @@ def run(trace: Trace, *, backends: Sequence[str], against: str, modes: Sequence[
         if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise BadRequest("impl='triton' on the CPU needs TRITON_INTERPRET=1 in the "
                              "environment (set before the kernels are imported)")
-    selected = []
-    for b in backends:
-        if b == "original":
-            notes.append("poet_torch (the authors' POET-X) is not run live by xopt: its "
-                         "recordings are the golden traces")
-            continue
-        if b not in _REQUIRES:
-            raise BadRequest(f"unknown backend {b!r}; choose from torch, jax, oracle, original")
-        if not backend_ready(b, _REQUIRES[b], explicit_backends, notes):
-            continue
-        selected.append(b)
+    selected = layer_backends(backends, explicit_backends, notes,
+                              "poet_torch (the authors' POET-X) is not run live by xopt: its "
+                              "recordings are the golden traces")
     if against == "original":
         raise BadRequest("--against original: poet_torch is not run live; use golden")
     if against not in ("golden", "oracle", "torch", "jax"):
         raise BadRequest(f"unknown reference {against!r}")
-    if against in _REQUIRES and not available(_REQUIRES[against]):
-        raise BadRequest(f"--against {against} needs {', '.join(_REQUIRES[against])}")
+    require_reference(against, LAYER_REQUIRES)
     if cnp:
         notes.append(f"{trace.name}: stateless CNP evaluations (formula {hp.cayley_formula!r}); "
                      "closed loop evaluates the same as teacher-forced")
@@ -490,7 +480,7 @@ def run(trace: Trace, *, backends: Sequence[str], against: str, modes: Sequence[
                 mine = outputs[which, var]
                 per_step = [errors(a, b) for a, b in zip(mine, ref, strict=True)]
                 w_impl = impl if which == "torch" else "plain"
-                r = Run(trace=trace.name, backend=_LABEL[which],
+                r = Run(trace=trace.name, backend=backend_label(which),
                         impl=w_impl if var == "-" else f"{w_impl}/{var}", against=against,
                         mode=mode, steps=steps, tolerance=spec.tolerance(mode),
                         per_step=per_step)
