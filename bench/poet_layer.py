@@ -206,13 +206,10 @@ def check(dev) -> dict:
     return out
 
 
-#: --profile: leave the authors' layers out (they are profiled in earlier RESULTS sections)
-PROFILE_XOPT_ONLY = False
-
-
-def profile(dev, dtype, tokens) -> dict:
+def profile(dev, dtype, tokens, xopt_only: bool = False) -> dict:
     """Per-kernel CUDA times (torch.profiler, 5 fwd+bwd) of nn.Linear, xopt fast and mem
-    (triton) and the authors' layers when importable, at 4096×4096, b = 256; with each
+    (triton; fast at b = 512 too) and, unless ``xopt_only``, the authors' layers when
+    importable, at 4096×4096, b = 256; with each
     layer's kernel count per fwd+bwd and its host time per fwd+bwd (launch-only: the
     calls return before the GPU finishes; measured without the profiler)."""
     from torch.profiler import ProfilerActivity
@@ -228,7 +225,7 @@ def profile(dev, dtype, tokens) -> dict:
                                                            dtype=dtype)
     layers["xopt fast b=512"] = lambda: POETLinear(4096, 4096, 512, variant="fast",
                                                    impl="triton", device=dev, dtype=dtype)
-    if importlib.util.find_spec("poet_torch") is not None and not PROFILE_XOPT_ONLY:
+    if importlib.util.find_spec("poet_torch") is not None and not xopt_only:
         for mem in (False, True):
             layers[f"authors {'mem' if mem else 'fast'}"] = \
                 lambda mem=mem: authors_layer(4096, 4096, 256, mem, dtype, dev)
@@ -449,9 +446,7 @@ def main(argv=None) -> int:
     if args.micro and dev.type == "cuda":
         result["micro"] = micro(dev, dtype, args.tokens)
     if args.profile and dev.type == "cuda":
-        global PROFILE_XOPT_ONLY
-        PROFILE_XOPT_ONLY = args.profile_xopt_only
-        result["profile"] = profile(dev, dtype, args.tokens)
+        result["profile"] = profile(dev, dtype, args.tokens, args.profile_xopt_only)
     if args.tiny:
         shapes, blocks, tokens, impls = [(64, 64), (64, 128)], [16, 32], 64, ["plain"]
         args.iters, args.warmup = 2, 1
