@@ -26,10 +26,11 @@ parity path) multiplies in IEEE float32 (FMA units), ``tf32=True`` on TF32 tenso
 Triton interpreter, whose ``tl.dot`` misreads bf16/fp16 operands, low-precision operands
 are rounded to their dtype and multiplied in float32: the same products.
 
-GPU time, H100, forward+backward, bf16 (``bench/poet_layer.py --micro``, RESULTS.md): 32
-blocks of 256², bmm 96-235 µs, triton 87 µs; 16 blocks of 512², bmm 164 µs, triton 256 µs.
-Inside the whole layer the bmm backend is faster at both sizes (0.715 vs 0.774 ms and
-0.810 vs 1.075 ms at 4096², b = 256 / 512), so ``"bmm"`` is the default.
+GPU time, H100, 2026-11-22, forward+backward, bf16 (``bench/poet_layer.py --micro``,
+RESULTS.md): 32 blocks of 256², bmm 96-235 µs, triton 87 µs; 16 blocks of 512², bmm
+164 µs, triton 256 µs. Inside the whole layer the bmm backend is faster at both sizes
+(0.715 vs 0.774 ms and 0.810 vs 1.075 ms at 4096², b = 256 / 512), so ``"bmm"`` is the
+default.
 
 References: :func:`skew_reference`, :func:`triu_grad_reference`,
 :func:`cayley_neumann_reference` (plain PyTorch, the spec's math) and
