@@ -34,7 +34,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from xopt.torch.poet import POETLinear  # noqa: E402
+from xopt.torch.poet import POETLinear, _outer  # noqa: E402
 
 
 def _sync(dev):
@@ -333,7 +333,7 @@ def _gpu_ms(fn, iters=20) -> float:
     return a.elapsed_time(b) / iters
 
 
-def micro(dev, dtype, tokens) -> dict:
+def micro(dev, dtype, tokens, sweep_tiles: bool = False) -> dict:
     """The pieces: permutation kernels (each MODE, a copy as the floor), the CNP
     backends (forward+backward), and the whole fast layer under each combination."""
     from xopt.kernels import poet_cayley as K
@@ -354,9 +354,28 @@ def micro(dev, dtype, tokens) -> dict:
             print(f"micro gather_{mode}_{d}_gpu_us: {out[f'gather_{mode}_{d}_gpu_us']}",
                   flush=True)
         PP.MODE = "auto"
+    # the rotations' gradients as one batched product over the blocks of both rotations
+    # (activations and cotangents side by side) against one per rotation, as the layer
+    # does: on an H100 one saved about 5 µs of 51-58 but holding the cotangents side by
+    # side raised the fast layer's peak by ~66 MiB (RESULTS.md, fourth session), so the
+    # layer keeps one product per rotation
+    for b in (256, 512):
+        a = torch.randn(tokens, 2 * 4096, device=dev, dtype=dtype)
+        c = torch.randn(tokens, 2 * 4096, device=dev, dtype=dtype)
+        nb = 4096 // b
+        r = torch.empty(2 * nb, b, b, device=dev, dtype=dtype)
+
+        def two(a=a, c=c, nb=nb, r=r):
+            _outer(a[:, :4096], c[:, :4096], nb, out=r[:nb])
+            _outer(a[:, 4096:], c[:, 4096:], nb, out=r[nb:])
+        for name, fn in (("two", two), ("one", lambda a=a, c=c, nb=nb, r=r:
+                                        _outer(a, c, 2 * nb, out=r))):
+            key = f"outer_{name}_b{b}_gpu_us"
+            out[key] = 1e3 * _gpu_ms(fn)
+            print(f"micro {key}: {out[key]}", flush=True)
     tiles0 = K.CNP_TILES["lowp"]
     sweep = [tiles0] + [t for t in ((64, 32, 4), (64, 64, 8), (128, 32, 4), (64, 32, 8),
-                                    (128, 64, 8)) if t != tiles0]
+                                    (128, 64, 8)) if t != tiles0 and sweep_tiles]
     for b, n in ((256, 32), (512, 16)):
         for backend, cd in (("triton", torch.float32), ("bmm", torch.float32),
                             ("bmm", torch.bfloat16), ("triton", torch.bfloat16)):
@@ -407,6 +426,8 @@ def main(argv=None) -> int:
                          "(triton, 4096x4096, b=256)")
     ap.add_argument("--host", action="store_true",
                     help="where the host time goes (per-op launch costs, cProfile)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="--micro: also sweep the triton CNP's tiles")
     ap.add_argument("--micro", action="store_true",
                     help="time the pieces (permutation modes, CNP backends) first")
     ap.add_argument("--profile-xopt-only", action="store_true",
@@ -444,7 +465,7 @@ def main(argv=None) -> int:
     if args.host and dev.type == "cuda":
         result["host"] = host(dev, dtype)
     if args.micro and dev.type == "cuda":
-        result["micro"] = micro(dev, dtype, args.tokens)
+        result["micro"] = micro(dev, dtype, args.tokens, args.sweep)
     if args.profile and dev.type == "cuda":
         result["profile"] = profile(dev, dtype, args.tokens, args.profile_xopt_only)
     if args.tiny:

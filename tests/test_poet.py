@@ -349,7 +349,7 @@ def test_poet_adamw_resets_and_jits():
 
 
 @needs_triton
-@pytest.mark.parametrize("b", [8, 16, 40])
+@pytest.mark.parametrize("b", [8, 16, 40, 72])  # 72: the 64-wide tiles, a partial one
 def test_cayley_kernels_match_their_references(b):
     from xopt.kernels import poet_cayley as K
 
@@ -360,17 +360,23 @@ def test_cayley_kernels_match_their_references(b):
     dq = torch.randn(3, b, b, device=DEV)
     assert torch.equal(K.triu_grad(dq, b), K.triu_grad_reference(dq, b))
     for formula in ("product", "taylor"):
-        for fwd, bwd in ((K.cnp_forward, K.cnp_backward),
-                         (K.cnp_forward_bmm, K.cnp_backward_bmm)):
-            y, q2 = fwd(q, formula)[:2]
-            ref = K.cayley_neumann_reference(q.double(), formula)
-            assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
-            assert torch.allclose(q2.double(), q.double() @ q.double(), atol=1e-6)
-            g = torch.randn(3, b, b, device=DEV)
-            qq = q.double().requires_grad_()
-            K.cayley_neumann_reference(qq, formula).backward(g.double())
-            got = bwd(q, q2, g, formula).double()
-            assert (got - qq.grad).abs().max() <= 1e-6 * qq.grad.abs().max()
+        ref = K.cayley_neumann_reference(q.double(), formula)
+        g = torch.randn(3, b, b, device=DEV)
+        qq = q.double().requires_grad_()
+        K.cayley_neumann_reference(qq, formula).backward(g.double())
+        # the fused kernels: Y and Q², then the full ∂Q
+        y, q2 = K.cnp_forward(q, formula)
+        assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+        assert torch.allclose(q2.double(), q.double() @ q.double(), atol=1e-6)
+        got = K.cnp_backward(q, q2, g, formula).double()
+        assert (got - qq.grad).abs().max() <= 1e-6 * qq.grad.abs().max()
+        # the batched products: Y, then the triangles' gradient (the product form never
+        # forms the full ∂Q, only its skew part)
+        y, saved = K.cnp_forward_bmm(q, formula)
+        assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+        got = K.cnp_backward_bmm(q, saved, g, formula).double()
+        want = K.triu_grad_reference(qq.grad, b)
+        assert (got - want).abs().max() <= 1e-6 * want.abs().max()
     # the autograd Function end to end, upper triangles in and out, both backends
     for backend in ("triton", "bmm"):
         xx = x.clone().requires_grad_()
@@ -387,8 +393,10 @@ def test_cayley_kernels_in_low_precision(dtype, backend):
     """Both backends evaluated in bf16/fp16 (what a bf16/fp16 POETLinear uses): skew reads
     the low-precision triangles exactly, each product takes ``dtype`` operands, accumulates
     in float32 and is rounded once to ``dtype``, and the gradient comes back in ``x``'s
-    dtype. The bmm backend rounds four results in the forward (Q², T, Q + Q², Y) and five in
-    the backward, the fused kernels fewer (Q², Y; T and the products' left operands as
+    dtype. The bmm backend rounds three results in the forward of the product form (B =
+    I + Q², A = B + 2Q, Y = AB; Taylor: four, Q², T, Q + Q², Y) and five in the backward
+    (product: GB, AᵀG, Z, N, the triangles; Taylor: D, two sums, two products), the fused
+    kernels fewer (Q², Y; T and the products' left operands as
     operands, D not at all): each rounding carries at most half an ulp of ``dtype``
     relative to its own magnitude, all ≤ max|result| here, so the bound is that many
     half-ulps of max|ref| (the float32 evaluation rounded to ``dtype`` alone is within one

@@ -15,7 +15,13 @@ Backends (``backend=`` of :func:`cayley_neumann`, default :data:`BACKEND`):
   ``_cnp_grad_kernel``, ``∂Q = 2(G + D) + (cQ² − 2Q)·D + (2G + cD)·Q²`` (``Qᵀ = −Q`` and
   ``Q²ᵀ = Q²``: no transposed reads), then the triangles' gradient
   (``∂x = ∂Q[r, c] − ∂Q[c, r]``, :func:`triu_grad`).
-* ``"bmm"``, the same series as cuBLAS batched products with the additions folded into
+* ``"bmm"``, cuBLAS batched products. The product form (the default) as
+  ``Y = A·B``, ``A = (I + Q)²``, ``B = I + Q²``: two products forward, and three backward
+  instead of four, because only the skew part of ``∂Q`` reaches the triangles
+  (:func:`cnp_backward_bmm` derives it); four launches forward (:func:`skew` also writes
+  the identity that ``B`` is accumulated onto), five backward (three products, the
+  symmetrization ``_sym_kernel``, and the triangles' gradient, which also combines the two
+  terms). The Taylor form: the kernels' formula with the additions folded into
   ``baddbmm_``'s α/β (in place on temporaries: the out-of-place ``baddbmm`` copies its
   input first), plus :func:`skew` and :func:`triu_grad`.
 
@@ -27,10 +33,11 @@ Triton interpreter, whose ``tl.dot`` misreads bf16/fp16 operands, low-precision 
 are rounded to their dtype and multiplied in float32: the same products.
 
 GPU time, H100, 2026-11-22, forward+backward, bf16 (``bench/poet_layer.py --micro``,
-RESULTS.md): 32 blocks of 256², bmm 96-235 µs, triton 87 µs; 16 blocks of 512², bmm
-164 µs, triton 256 µs. Inside the whole layer the bmm backend is faster at both sizes
-(0.715 vs 0.774 ms and 0.810 vs 1.075 ms at 4096², b = 256 / 512), so ``"bmm"`` is the
-default.
+RESULTS.md, fourth session): 16 blocks of 512², bmm 129 µs (164 before the product form's
+three-product backward), triton 251 µs; 32 blocks of 256², triton 85 µs (that run's bmm
+figure was bound by the host's launches). Inside the whole layer (one CUDA-graph replay of
+a fwd+bwd at 4096², 4096 tokens) bmm and triton tie at b = 256 (0.713 / 0.713 ms) and bmm
+is faster at b = 512 (0.783 vs 0.911 ms), so ``"bmm"`` is the default.
 
 References: :func:`skew_reference`, :func:`triu_grad_reference`,
 :func:`cayley_neumann_reference` (plain PyTorch, the spec's math) and
@@ -72,32 +79,80 @@ def cayley_neumann_reference(q: torch.Tensor, formula: str = "product") -> torch
 
 
 @triton.jit
-def _skew_kernel(x_ptr, q_ptr, B, M, BLOCK: tl.constexpr):
-    n = tl.program_id(0)
-    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = e < B * B
-    i = e // B
-    j = e % B
-    lo = tl.minimum(i, j)
-    hi = tl.maximum(i, j)
-    k = lo * B - (lo * (lo + 1)) // 2 + (hi - lo - 1)  # row-major strict upper index
-    off = i != j
-    v = tl.load(x_ptr + n * M + k, mask=inside & off, other=0.0).to(tl.float32)
-    v = tl.where(i < j, v, -v)
-    v = tl.where(off, v, 0.0)
-    tl.store(q_ptr + n * B * B + e, v.to(q_ptr.dtype.element_ty), mask=inside)
+def _skew_kernel(x_ptr, q_ptr, eye_ptr, B, M, EYE: tl.constexpr, T: tl.constexpr):
+    """One [T, T] tile on or above the diagonal of one block: ``Q[r, c] = x[k(r, c)]``
+    (``r < c``, the triangle read along its rows), its mirror ``Q[c, r] = −x[k(r, c)]``
+    stored as the transposed tile (both stores row-wise); with ``EYE`` the identity's two
+    tiles too (for the product form's ``B = I + Q²``, accumulated onto it in place)."""
+    ti = tl.program_id(1)
+    tj = tl.program_id(2)
+    if tj >= ti:
+        n = tl.program_id(0).to(tl.int64)
+        a = tl.arange(0, T)
+        r, c = (ti * T + a)[:, None], (tj * T + a)[None, :]
+        rm, cm = (tj * T + a)[:, None], (ti * T + a)[None, :]  # the mirror tile's rows, cols
+        inb = (r < B) & (c < B)
+        inm = (rm < B) & (cm < B) & (rm > cm)
+        k = r * B - (r * (r + 1)) // 2 + (c - r - 1)  # row-major strict upper index
+        v = tl.load(x_ptr + n * M + k, mask=inb & (r < c), other=0.0).to(tl.float32)
+        base = n * B * B
+        tl.store(q_ptr + base + r * B + c, v.to(q_ptr.dtype.element_ty), mask=inb & (r <= c))
+        tl.store(q_ptr + base + rm * B + cm, tl.trans(-v).to(q_ptr.dtype.element_ty),
+                 mask=inm)
+        if EYE:
+            one = tl.where(r == c, 1.0, 0.0)
+            tl.store(eye_ptr + base + r * B + c, one.to(eye_ptr.dtype.element_ty),
+                     mask=inb & (r <= c))
+            tl.store(eye_ptr + base + rm * B + cm,
+                     tl.zeros([T, T], tl.float32).to(eye_ptr.dtype.element_ty), mask=inm)
 
 
 @triton.jit
-def _triu_grad_kernel(dq_ptr, g_ptr, rows_ptr, cols_ptr, B, M, BLOCK: tl.constexpr):
-    n = tl.program_id(0)
-    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = k < M
-    r = tl.load(rows_ptr + k, mask=inside, other=0)
-    c = tl.load(cols_ptr + k, mask=inside, other=0)
-    up = tl.load(dq_ptr + n * B * B + r * B + c, mask=inside, other=0.0).to(tl.float32)
-    dn = tl.load(dq_ptr + n * B * B + c * B + r, mask=inside, other=0.0).to(tl.float32)
-    tl.store(g_ptr + n * M + k, (up - dn).to(g_ptr.dtype.element_ty), mask=inside)
+def _triu_grad_kernel(e1_ptr, e2_ptr, g_ptr, B, M, alpha, beta, TWO: tl.constexpr,
+                      T: tl.constexpr):
+    """One [T, T] tile on or above the diagonal of one block: ``g[k(r, c)] =
+    α(E₁[r, c] − E₁[c, r])`` (``+ β(E₂[r, c] − E₂[c, r])`` with ``TWO``) for ``r < c``, in
+    float32, rounded once; the mirror tile is read row-wise and transposed in registers,
+    the triangle written along its rows."""
+    ti = tl.program_id(1)
+    tj = tl.program_id(2)
+    if tj >= ti:
+        n = tl.program_id(0).to(tl.int64)
+        a = tl.arange(0, T)
+        r, c = (ti * T + a)[:, None], (tj * T + a)[None, :]
+        rm, cm = (tj * T + a)[:, None], (ti * T + a)[None, :]
+        inb = (r < B) & (c < B)
+        inm = (rm < B) & (cm < B)
+        base = n * B * B
+        up = tl.load(e1_ptr + base + r * B + c, mask=inb, other=0.0).to(tl.float32)
+        dn = tl.load(e1_ptr + base + rm * B + cm, mask=inm, other=0.0).to(tl.float32)
+        v = alpha * (up - tl.trans(dn))
+        if TWO:
+            up2 = tl.load(e2_ptr + base + r * B + c, mask=inb, other=0.0).to(tl.float32)
+            dn2 = tl.load(e2_ptr + base + rm * B + cm, mask=inm, other=0.0).to(tl.float32)
+            v += beta * (up2 - tl.trans(dn2))
+        k = r * B - (r * (r + 1)) // 2 + (c - r - 1)
+        tl.store(g_ptr + n * M + k, v.to(g_ptr.dtype.element_ty), mask=inb & (r < c))
+
+
+@triton.jit
+def _sym_kernel(x_ptr, p_ptr, z_ptr, B, T: tl.constexpr):
+    """``Z = S + Sᵀ`` with ``S = X + P`` on one [T, T] tile of one block (float32, one
+    rounding); the mirrored tile is read row-wise and transposed in registers."""
+    n = tl.program_id(0).to(tl.int64)
+    i0 = tl.program_id(1) * T
+    j0 = tl.program_id(2) * T
+    a = tl.arange(0, T)
+    base = n * B * B
+    ri, cj = (i0 + a)[:, None], (j0 + a)[None, :]
+    m = (ri < B) & (cj < B)
+    s = (tl.load(x_ptr + base + ri * B + cj, mask=m, other=0.0).to(tl.float32)
+         + tl.load(p_ptr + base + ri * B + cj, mask=m, other=0.0).to(tl.float32))
+    rj, ci = (j0 + a)[:, None], (i0 + a)[None, :]
+    mt = (rj < B) & (ci < B)
+    st = (tl.load(x_ptr + base + rj * B + ci, mask=mt, other=0.0).to(tl.float32)
+          + tl.load(p_ptr + base + rj * B + ci, mask=mt, other=0.0).to(tl.float32))
+    tl.store(z_ptr + base + ri * B + cj, (s + tl.trans(st)).to(z_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -277,39 +332,56 @@ def _check(t: torch.Tensor, name: str, dtypes=(torch.float32,)) -> torch.Tensor:
 def skew(x: torch.Tensor, b: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Skew blocks ``(n, b, b)`` from upper triangles ``(n, b(b−1)/2)`` (float32, bfloat16
     or float16), written in ``dtype`` (default: ``x``'s): a cast here is free."""
+    return _skew(x, b, dtype, False)[0]
+
+
+def _skew(x: torch.Tensor, b: int, dtype: torch.dtype | None, eye: bool
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`skew`, and with ``eye`` a stack of identities ``(n, b, b)`` written by the
+    same launch."""
     x = _check(x, "x", _FLOATS)
     n, m = x.shape
     q = torch.empty((n, b, b), dtype=dtype or x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(b * b))
-    _skew_kernel[(n, triton.cdiv(b * b, block))](x, q, b, m, BLOCK=block)
-    return q
+    i = torch.empty_like(q) if eye else None
+    t = _edge_tile(b)
+    _skew_kernel[(n, triton.cdiv(b, t), triton.cdiv(b, t))](x, q, q if i is None else i, b, m,
+                                                            EYE=eye, T=t)
+    return q, i
 
 
-_TRIU: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _triu_tensors(b: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The strict upper triangle's (rows, cols) as int32 on ``device``, made once: a
-    host→device copy per backward would block the host (and break CUDA-graph capture)."""
-    key = (b, device)
-    if key not in _TRIU:
-        rows, cols = spec.triu_indices(b)
-        _TRIU[key] = (torch.as_tensor(rows, dtype=torch.int32, device=device),
-                      torch.as_tensor(cols, dtype=torch.int32, device=device))
-    return _TRIU[key]
+def _edge_tile(b: int) -> int:
+    """The tile edge of the skew / triangle / symmetrization kernels."""
+    return max(16, min(64, triton.next_power_of_2(b)))
 
 
 def triu_grad(dq: torch.Tensor, b: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``∂x[k] = ∂Q[r_k, c_k] − ∂Q[c_k, r_k]``: the adjoint of :func:`skew`, in ``dtype``
     (default: ``dq``'s); the difference is taken in float32."""
-    dq = _check(dq, "dq", _FLOATS)
-    n = dq.shape[0]
+    return _triu_combine(dq, None, b, 1.0, 0.0, dtype)
+
+
+def _triu_combine(e1: torch.Tensor, e2: torch.Tensor | None, b: int, alpha: float,
+                  beta: float, dtype: torch.dtype | None) -> torch.Tensor:
+    """``α·triu_grad(E₁) + β·triu_grad(E₂)`` in one launch (float32, one rounding)."""
+    e1 = _check(e1, "dq", _FLOATS)
+    if e2 is not None:
+        e2 = _check(e2, "dq", _FLOATS)
+    n = e1.shape[0]
     m = spec.num_triu(b)
-    rows_t, cols_t = _triu_tensors(b, dq.device)
-    g = torch.empty((n, m), dtype=dtype or dq.dtype, device=dq.device)
-    block = min(1024, triton.next_power_of_2(m))
-    _triu_grad_kernel[(n, triton.cdiv(m, block))](dq, g, rows_t, cols_t, b, m, BLOCK=block)
+    g = torch.empty((n, m), dtype=dtype or e1.dtype, device=e1.device)
+    t = _edge_tile(b)
+    _triu_grad_kernel[(n, triton.cdiv(b, t), triton.cdiv(b, t))](
+        e1, e1 if e2 is None else e2, g, b, m, alpha, beta, TWO=e2 is not None, T=t)
     return g
+
+
+def _sym(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``(X + P) + (X + P)ᵀ`` per block (``(n, b, b)``, ``x``'s dtype, one rounding)."""
+    n, b, _ = x.shape
+    z = torch.empty_like(x)
+    t = _edge_tile(b)
+    _sym_kernel[(n, triton.cdiv(b, t), triton.cdiv(b, t))](x, p, z, b, T=t)
+    return z
 
 
 def _c4(formula: str) -> float:
@@ -392,10 +464,17 @@ class _Precision:
 
 
 def cnp_forward_bmm(q: torch.Tensor, formula: str = "product", tf32: bool = False,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`cnp_forward` through batched matmuls: ``(Y, Q², T)`` with
-    ``T = Q + (c/2)·Q²``, so that ``Y = 2·(Q + Q² + I/2) + 2·Q²·T`` (two products, three
-    elementwise kernels) and the backward reuses ``T``.
+                    eye: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """:func:`cnp_forward` through batched matmuls: ``(Y, saved)``, ``saved`` what
+    :func:`cnp_backward_bmm` takes.
+
+    * ``"product"``: ``Y = (I + Q)²(I + Q²) = A·B`` with ``B = I + Q²`` and
+      ``A = B + 2Q = (I + Q)²``: two products (``B`` in place on an identity, ``eye``
+      when the caller has one, e.g. from :func:`_skew`; else made here), one addition;
+      ``saved = (A, B)``.
+    * ``"taylor"``: with ``T = Q + Q²``, ``Y = 2·(Q + Q² + I/2) + 2·Q²·T`` (two products,
+      three elementwise kernels); ``saved = (Q², T)``.
 
     ``q`` may be float32 (``tf32`` picks TF32 or IEEE products) or bfloat16/float16: then
     every product takes low-precision operands and accumulates in float32 (cuBLAS), and
@@ -403,30 +482,53 @@ def cnp_forward_bmm(q: torch.Tensor, formula: str = "product", tf32: bool = Fals
     q = _check(q, "q", _FLOATS)
     c4 = _c4(formula)
     with _Precision(tf32):
+        if c4 == 1.0:
+            if eye is None:
+                eye = torch.zeros_like(q)
+                eye.diagonal(0, -2, -1).fill_(1)
+            bm = eye.baddbmm_(q, q)  # B = I + Q² (in place on the identity: no copy)
+            am = torch.add(bm, q, alpha=2.0)
+            return torch.bmm(am, bm), (am, bm)
         q2 = torch.bmm(q, q)
         t = torch.add(q, q2, alpha=c4 / 2)
         base = q + q2
         base.diagonal(0, -2, -1).add_(0.5)
         y = base.baddbmm_(q2, t, beta=2.0, alpha=2.0)  # in place: no copy of base
-    return y, q2, t
+    return y, (q2, t)
 
 
-def cnp_backward_bmm(q: torch.Tensor, q2: torch.Tensor, g: torch.Tensor,
+def cnp_backward_bmm(q: torch.Tensor, saved: tuple[torch.Tensor, ...], g: torch.Tensor,
                      formula: str = "product", tf32: bool = False,
-                     t: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`cnp_backward` through batched matmuls (the kernels' formula, written with
-    ``T = Q + (c/2)Q²``: ``∂Q = 2(G + D) + 2TᵀD + 2(G + (c/2)D)Q²ᵀ``, ``D = QᵀG + GQᵀ``).
-    ``t``: the forward's ``T`` (recomputed when not given). Dtypes as the forward."""
-    q, q2, g = _check(q, "q", _FLOATS), _check(q2, "q2", _FLOATS), _check(g, "grad", _FLOATS)
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The upper triangles' gradient ``(n, b(b−1)/2)`` (in ``dtype``, default ``q``'s) of
+    ``⟨Y, G⟩`` through :func:`skew` and :func:`cnp_forward_bmm` (``saved``: its second
+    result). Dtypes as the forward.
+
+    * ``"product"`` (three products instead of four): ``Y = A·B`` gives ``∂A = G·B`` and
+      ``∂B = AᵀG``; both enter ``Q²`` (``A = I + 2Q + Q²``, ``B = I + Q²``), so with
+      ``X = G·B + AᵀG``, ``∂Q = 2G·B + QᵀX + XQᵀ = 2G·B − (QX + XQ)``. Only the skew part
+      ``∂Q − ∂Qᵀ`` reaches the triangles, and there ``QX + XQ`` contributes through
+      ``Z = X + Xᵀ`` alone: ``(QX + XQ) − (QX + XQ)ᵀ = ZQ + QZ = N − Nᵀ`` with ``N = ZQ``
+      (``Zᵀ = Z``, ``Qᵀ = −Q``). So ``∂x = 2(P − Pᵀ) − (N − Nᵀ)`` at the triangle, with
+      ``P = G·B``, ``Z = (P + AᵀG) + (P + AᵀG)ᵀ``, ``N = ZQ``.
+    * ``"taylor"``: the kernels' formula, written with ``T = Q + Q²``:
+      ``∂Q = 2(G + D) + 2TᵀD + 2(G + D)Q²ᵀ``, ``D = QᵀG + GQᵀ``, then :func:`triu_grad`.
+    """
+    q, g = _check(q, "q", _FLOATS), _check(g, "grad", _FLOATS)
     c4 = _c4(formula)
-    if t is None:
-        t = torch.add(q, q2, alpha=c4 / 2)
-    qt = q.transpose(1, 2)
+    n, b, _ = q.shape
     with _Precision(tf32):
+        if c4 == 1.0:
+            am, bm = saved
+            p = torch.bmm(g, bm)
+            z = _sym(torch.bmm(am.transpose(1, 2), g), p)
+            return _triu_combine(p, torch.bmm(z, q), b, 2.0, -1.0, dtype or q.dtype)
+        q2, t = saved
+        qt = q.transpose(1, 2)
         d = torch.bmm(g, qt).baddbmm_(qt, g)  # QᵀG + GQᵀ (in place on temporaries)
         out = (g + d).baddbmm_(t.transpose(1, 2), d, beta=2.0, alpha=2.0)
         out.baddbmm_(torch.add(g, d, alpha=c4 / 2), q2.transpose(1, 2), alpha=2.0)
-    return out
+    return triu_grad(out, b, dtype or q.dtype)
 
 
 def blocks_forward(x: torch.Tensor, b: int, formula: str, tf32: bool, backend: str,
@@ -434,9 +536,9 @@ def blocks_forward(x: torch.Tensor, b: int, formula: str, tf32: bool, backend: s
     """CNP blocks ``(n, b, b)`` in ``dtype`` from upper triangles ``x``, and what
     :func:`blocks_backward` needs. No autograd: for use inside a Function (the layer's)."""
     if backend == "bmm":
-        q = skew(x, b, dtype)
-        y, q2, t = cnp_forward_bmm(q, formula, tf32)
-        return y, (q, q2, t)
+        q, eye = _skew(x, b, dtype, _c4(formula) == 1.0)
+        y, saved = cnp_forward_bmm(q, formula, tf32, eye)
+        return y, (q, *saved)
     y, q, q2 = _cnp_forward(_check(x, "x", _FLOATS), b, True, formula, tf32, dtype)
     return y, (q, q2)
 
@@ -445,9 +547,9 @@ def blocks_backward(saved: tuple[torch.Tensor, ...], g: torch.Tensor, b: int, fo
                     tf32: bool, backend: str, x_dtype: torch.dtype) -> torch.Tensor:
     """The upper triangles' gradient (in ``x_dtype``) from the blocks' cotangent ``g``."""
     if backend == "bmm":
-        q, q2, t = saved
-        dq = cnp_backward_bmm(q, q2, g.contiguous().to(q.dtype), formula, tf32, t)
-        return triu_grad(dq, b, x_dtype)
+        q, *rest = saved
+        return cnp_backward_bmm(q, tuple(rest), g.contiguous().to(q.dtype), formula, tf32,
+                                x_dtype)
     q, q2 = saved
     return _cnp_backward(q, q2, g.contiguous(), formula, tf32, x_dtype)
 
