@@ -243,7 +243,7 @@ def _worker() -> dict:
             "param": max(rel(b.detach(), a.detach()) for a, b in zip(pa, pb, strict=True)),
             "state": max(rel(ob.state[b][k], oa.state[a][k]) for a, b in
                          zip(pa, pb, strict=True) for k in oa.state[a])}
-        if method == "velo" and ob._triton is not None:
+        if ob._triton is not None:
             out[f"{method}/io_cache"]["graph_recordings"] = getattr(
                 ob._triton, "graph_recordings", None)
 
@@ -334,8 +334,8 @@ def test_host_tables_are_kept_between_steps(results, method):
     (step 2 reuses step 1's gradient tensors) keeps the host tables; new gradient tensors
     (step 1), a new lr (step 3) or a parameter's new data (step 4) rebuild them, and the
     result follows plain's (decoupled
-    weight decay, so the lr enters twice). On a GPU, VeLO's CUDA graph is recorded once and
-    replayed through all of that."""
+    weight decay, so the lr enters twice). On a GPU, each method's CUDA graph is recorded
+    once and replayed through all of that."""
     r = results[f"{method}/io_cache"]
     v = r["versions"]
     assert None not in v, r
