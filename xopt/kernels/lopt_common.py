@@ -272,12 +272,12 @@ def seg_sum(rows: torch.Tensor, lay: L.Layout) -> torch.Tensor:
 
 
 def factored_pass(lay: L.Layout, ptrs: torch.Tensor, decays: torch.Tensor, *,
-                  clip_g: bool, mom_sums: bool, npt: int) -> tuple[torch.Tensor | None,
-                                                                   torch.Tensor | None]:
+                  clip_g: bool, mom_sums: bool, npt: int, sa: int = 4
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Pass 1 (+ finalize): updates every factored tensor's ``v_row``/``v_col`` in place and
-    returns ``(rcm [rcm_size], sums4 [n_tensors, 4] or None)``."""
+    returns ``(rcm [rcm_size], sums4 [n_tensors, 4] or None)``. ``sa``: the sub-tile rows
+    of :func:`stats1_kernel` (a power of 2 up to TA)."""
     dev = lay.meta.device
-    sa = 4
     pa = torch.empty((max(lay.pa_size, 1),), dtype=torch.float32, device=dev)
     pb = torch.empty((max(lay.pb_size, 1),), dtype=torch.float32, device=dev)
     sums4 = None

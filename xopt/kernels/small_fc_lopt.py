@@ -1,7 +1,8 @@
 """Fused Triton step of small_fc_lopt (learned_optimization's ``AdafacMLPLOpt``).
 
 One optimizer step over all of a model's tensors in a fixed number of launches (plus a few
-tiny torch ops for the decays and the time features), whatever the number of tensors:
+tiny torch ops for the decays and the time features), whatever the number of tensors, on
+a CUDA device recorded once into a CUDA graph and replayed (:class:`SmallFCTriton`):
 
 1. ``stats1`` (factored tensors only): partial sums of g² over each tile's two axes;
 2. ``fac_finalize`` + ``rcm``: the new ``v_row``/``v_col`` (written in place) and their
@@ -48,10 +49,12 @@ rows stored in the same order) so that it is already the next MMA's A operand, w
 shuffle between threads; the output layer (2 columns) is float32 FMAs. Precision of the
 tensor-core matmuls (``precision=``):
 
-* ``"exact"`` (default): split-precision TF32, both operands split into two TF32 halves
-  rounded to nearest, three exact products summed in float32
-  (:func:`xopt.kernels.lopt_common.dot3`): operands carried to 22 bits instead of
-  float32's 24. Measured against float64: see
+* ``"exact"`` (default): split-precision TF32, both operands split into two TF32 halves,
+  three exact products summed in float32 (:func:`xopt.kernels.lopt_common.dot3`):
+  operands carried to 22 bits instead of float32's 24. The weights' halves are rounded
+  to nearest; the activations' high half too, and in the folded fused kernel their low
+  half is read by the tensor cores as its TF32 truncation (:data:`SPLIT_LO`: an error
+  below 2^-22 of the operand instead of 2^-23). Measured against float64: see
   tests/test_kernels_lopt.py and tests/test_kernels_small_fc_fold.py.
 * ``"fast"``: one TF32 product (10-bit mantissas). The MLP outputs move by about 1e-3
   relative, the step by as much; accumulators are not affected.
@@ -87,32 +90,42 @@ SA_STATS = int(os.environ.get("XOPT_LOPT_SA_STATS", "2"))
 SA_FOLD = int(os.environ.get("XOPT_LOPT_SA_FOLD", "2"))
 SA_DOT = int(os.environ.get("XOPT_LOPT_SA_DOT", "2"))
 SA_FMA = int(os.environ.get("XOPT_LOPT_SA_FMA", "4"))
+#: sub-tile rows of the g² pass (:func:`xopt.kernels.lopt_common.stats1_kernel`; 16: 1024
+#: loads of g in flight per program instead of 256; XOPT_LOPT_SA_G2)
+SA_G2 = int(os.environ.get("XOPT_LOPT_SA_G2", "16"))
 WARPS = int(os.environ.get("XOPT_LOPT_WARPS", "4"))
 #: software-pipelining stages of the per-element loop (XOPT_LOPT_STAGES); the folded fused
-#: kernel's (XOPT_LOPT_STAGES_FOLD, default 1: with its register cap below, 5.53 ms against
-#: 5.84 ms uncapped with 2 stages per ViT-B/16 step; H100, triton 3.6, torch.profiler)
+#: kernel's (XOPT_LOPT_STAGES_FOLD, default 1: it prefetches by hand, PREFETCH below; 2
+#: stages: 8.62 ms against 7.18 ms per ViT-B/16 step, bench/sfc_sweep.py's ab_pf_st2 and
+#: ab_pf; H100, triton 3.6)
 STAGES = int(os.environ.get("XOPT_LOPT_STAGES", "2"))
 STAGES_FOLD = int(os.environ.get("XOPT_LOPT_STAGES_FOLD", "1"))
 #: register caps (``maxnreg``; 0: the compiler's choice) of the folded fused kernel, for
-#: hidden widths up to 32 (XOPT_LOPT_MAXNREG, default 168: three programs per SM instead of
-#: two, at the cost of a few spills) and of the folded statistics kernel with SA_STATS = 2
+#: hidden widths up to 32 (XOPT_LOPT_MAXNREG, default 0: with PREFETCH and SPLIT_LO = "hw"
+#: it needs 244 registers, two programs per SM; a cap of 168 gives three but spills in the
+#: loop: 7.34 ms against 6.51 ms per ViT-B/16 step, bench/sfc_sweep.py's ab_hw_pf and
+#: ab_hw_pf_nocap; H100, triton 3.6) and of the folded statistics kernel with SA_STATS = 2
 #: (XOPT_LOPT_MAXNREG_STATS, default 80: no spills, six programs per SM; 0.89 ms against
 #: 1.11 ms per ViT-B/16 step)
-MAXNREG_FOLD = int(os.environ.get("XOPT_LOPT_MAXNREG", "168"))
+MAXNREG_FOLD = int(os.environ.get("XOPT_LOPT_MAXNREG", "0"))
 MAXNREG_STATS = int(os.environ.get("XOPT_LOPT_MAXNREG_STATS", "80"))
 #: products per split-precision matmul in exact mode (3, or 4 with x_lo·w_lo;
 #: XOPT_LOPT_DOT_TERMS)
 TERMS = int(os.environ.get("XOPT_LOPT_DOT_TERMS", "3"))
 #: the folded fused kernel loads the next sub-tile's g, p, m and rms while it computes this
-#: one (XOPT_LOPT_PREFETCH=0: each sub-tile's loads where they are used)
+#: one (XOPT_LOPT_PREFETCH=0: each sub-tile's loads where they are used). Per ViT-B/16 step
+#: (bench/sfc_sweep.py, H100, triton 3.6, CUDA graph): 7.42 ms before these three knobs;
+#: AB_ACC 7.25; + PREFETCH 7.18; + SPLIT_LO = "hw" and no register cap 6.51
 PREFETCH = os.environ.get("XOPT_LOPT_PREFETCH", "1") != "0"
 #: the folded fused kernel's first matmul starts from the axis terms and bias as its
 #: accumulator instead of adding them after it (XOPT_LOPT_AB_ACC=0: after)
 AB_ACC = os.environ.get("XOPT_LOPT_AB_ACC", "1") != "0"
-#: exact mode: the low TF32 half of the activations rounded to nearest ("rn", 2^-23 of
-#: |x|), or passed as float32 for the tensor cores to truncate ("hw": two integer ops less
-#: per operand, 2^-22 of |x|) (XOPT_LOPT_SPLIT_LO)
-SPLIT_LO = os.environ.get("XOPT_LOPT_SPLIT_LO", "rn")
+#: exact mode, folded fused kernel: the low TF32 half of the activations passed as float32
+#: for the tensor cores to truncate ("hw", the default: error below 2^-22 of |x|, two
+#: integer ops less per operand, 743 instead of 821 SASS instructions per loop iteration),
+#: or rounded to nearest first ("rn": 2^-23 of |x|, as the other kernels)
+#: (XOPT_LOPT_SPLIT_LO; :func:`xopt.kernels.lopt_common.dot3_acc`)
+SPLIT_LO = os.environ.get("XOPT_LOPT_SPLIT_LO", "hw")
 #: fold the row/column features of factored tensors (XOPT_LOPT_FOLD=0: the unfolded
 #: kernel for every tensor, for comparison)
 FOLD = os.environ.get("XOPT_LOPT_FOLD", "1") != "0"
@@ -907,7 +920,8 @@ class SmallFCTriton:
         dev = decays.device
         ptrs, scal = self._ptrs, self._scal
         hp_ = w["hp"]
-        rcm, _ = C.factored_pass(lay, ptrs, fd, clip_g=False, mom_sums=False, npt=NPTR)
+        rcm, _ = C.factored_pass(lay, ptrs, fd, clip_g=False, mom_sums=False, npt=NPTR,
+                                 sa=SA_G2)
         if rcm is None:
             rcm = torch.zeros((3,), dtype=torch.float32, device=dev)
         part = torch.empty((lay.n_prog_all, 32), dtype=torch.float64, device=dev)
