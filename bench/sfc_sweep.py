@@ -37,6 +37,9 @@ VARIANTS = {
     "ab_pf_nocap": (dict(PREFETCH=True, AB_ACC=True, SPLIT_LO="rn", MAXNREG_FOLD=0), True),
     "ab_hw_pf_nocap": (dict(PREFETCH=True, AB_ACC=True, SPLIT_LO="hw", MAXNREG_FOLD=0), True),
     "ab_pf_st2": (dict(PREFETCH=True, AB_ACC=True, SPLIT_LO="rn", STAGES_FOLD=2), True),
+    "defaults": ({}, True),
+    "defaults_g2_sa4": (dict(SA_G2=4), True),
+    "defaults_eager": ({}, False),
 }
 
 
@@ -53,8 +56,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
-    defaults = {k: getattr(K, k) for k in ("PREFETCH", "AB_ACC", "SPLIT_LO", "MAXNREG_FOLD",
-                                           "STAGES_FOLD")}
+    defaults = {k: getattr(K, k) for c, _ in VARIANTS.values() for k in c}
     print(torch.cuda.get_device_name(), "defaults", defaults, flush=True)
     for model in args.models.split(","):
         shapes = B.MODELS[model]()
