@@ -91,7 +91,9 @@ SA_FOLD = int(os.environ.get("XOPT_LOPT_SA_FOLD", "2"))
 SA_DOT = int(os.environ.get("XOPT_LOPT_SA_DOT", "2"))
 SA_FMA = int(os.environ.get("XOPT_LOPT_SA_FMA", "4"))
 #: sub-tile rows of the g² pass (:func:`xopt.kernels.lopt_common.stats1_kernel`; 16: 1024
-#: loads of g in flight per program instead of 256; XOPT_LOPT_SA_G2)
+#: loads of g in flight per program instead of 256; XOPT_LOPT_SA_G2). No measurable change
+#: of the step: 6.64 ms against 6.66 ms with 4 per ViT-B/16 step (bench/sfc_sweep.py's
+#: defaults and defaults_g2_sa4, one H100 call); the pass took 0.34 ms of it (profile)
 SA_G2 = int(os.environ.get("XOPT_LOPT_SA_G2", "16"))
 WARPS = int(os.environ.get("XOPT_LOPT_WARPS", "4"))
 #: software-pipelining stages of the per-element loop (XOPT_LOPT_STAGES); the folded fused
@@ -115,7 +117,8 @@ TERMS = int(os.environ.get("XOPT_LOPT_DOT_TERMS", "3"))
 #: the folded fused kernel loads the next sub-tile's g, p, m and rms while it computes this
 #: one (XOPT_LOPT_PREFETCH=0: each sub-tile's loads where they are used). Per ViT-B/16 step
 #: (bench/sfc_sweep.py, H100, triton 3.6, CUDA graph): 7.42 ms before these three knobs;
-#: AB_ACC 7.25; + PREFETCH 7.18; + SPLIT_LO = "hw" and no register cap 6.51
+#: AB_ACC 7.25; + PREFETCH 7.18; + SPLIT_LO = "hw" and no register cap 6.51 (a second call,
+#: another machine: 8.44 before, 6.64 with all of them; the ratio moves between calls)
 PREFETCH = os.environ.get("XOPT_LOPT_PREFETCH", "1") != "0"
 #: the folded fused kernel's first matmul starts from the axis terms and bias as its
 #: accumulator instead of adding them after it (XOPT_LOPT_AB_ACC=0: after)
