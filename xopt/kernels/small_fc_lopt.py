@@ -886,7 +886,7 @@ class SmallFCTriton:
             self._ts = _spec._const(torch, [float(t) for t in _spec.TIMESCALES], like)
         if self._it_next != iteration:
             G.copy_in(self._it, torch.tensor(iteration, dtype=torch.int32))
-        self._it_next = iteration + 1
+        self._it_next = None  # (until the step has run: a failed step copies in again)
 
     def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
              states: Sequence[dict[str, torch.Tensor]], outs: Sequence[torch.Tensor],
@@ -913,6 +913,7 @@ class SmallFCTriton:
                 self._wcache, b0)
         self._graph.run(lambda: self._body(lay, w, self._decays[1], self._decays[2], b0),
                         refs, dev)
+        self._it_next = iteration + 1
 
     def _body(self, lay: L.Layout, w: dict, decays: torch.Tensor, fd: torch.Tensor,
               b0: torch.Tensor) -> None:
