@@ -42,6 +42,12 @@ EXACT = 1e-6
 #: ("sensitivity", measured in the same run). Measured (step vs float64, plain / Triton):
 #: CPU interpreter 1.6e-6 / 1.9e-6 (small_fc_lopt), 9.9e-7 / 8.6e-7 (VeLO); H100 1.4e-6 /
 #: 7.1e-7 and 1.4e-6 / 9.1e-7: on the GPU the kernels are closer to float64 than plain is.
+#: The folded fused kernel now hands the low TF32 half of its activations to the tensor cores
+#: unrounded (their truncation: below 2^-22 of the operand instead of 2^-23;
+#: xopt.kernels.small_fc_lopt.SPLIT_LO). The interpreter's float32 tl.dot cannot show this;
+#: on an H100 tests/test_kernels_small_fc_fold.py measured that step 5.3e-7 from float64
+#: (bound 1e-6) and bench/lopt_step.py ViT-B/16's parameters / state 5.3e-9 / 3.1e-7 from
+#: plain; this file's worker did not finish within that call's time limit.
 #: the fast mode's bound on the step (TF32 MLP on a GPU; measured 5.4e-3 here on an H100,
 #: 3.7e-3 on ViT-B/16's shapes; the interpreter computes float32)
 FAST_STEP = 2e-2
@@ -243,7 +249,7 @@ def _worker() -> dict:
             "param": max(rel(b.detach(), a.detach()) for a, b in zip(pa, pb, strict=True)),
             "state": max(rel(ob.state[b][k], oa.state[a][k]) for a, b in
                          zip(pa, pb, strict=True) for k in oa.state[a])}
-        if method == "velo" and ob._triton is not None:
+        if ob._triton is not None:
             out[f"{method}/io_cache"]["graph_recordings"] = getattr(
                 ob._triton, "graph_recordings", None)
 
@@ -334,8 +340,8 @@ def test_host_tables_are_kept_between_steps(results, method):
     (step 2 reuses step 1's gradient tensors) keeps the host tables; new gradient tensors
     (step 1), a new lr (step 3) or a parameter's new data (step 4) rebuild them, and the
     result follows plain's (decoupled
-    weight decay, so the lr enters twice). On a GPU, VeLO's CUDA graph is recorded once and
-    replayed through all of that."""
+    weight decay, so the lr enters twice). On a GPU, each method's CUDA graph is recorded
+    once and replayed through all of that."""
     r = results[f"{method}/io_cache"]
     v = r["versions"]
     assert None not in v, r

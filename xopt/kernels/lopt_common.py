@@ -272,12 +272,12 @@ def seg_sum(rows: torch.Tensor, lay: L.Layout) -> torch.Tensor:
 
 
 def factored_pass(lay: L.Layout, ptrs: torch.Tensor, decays: torch.Tensor, *,
-                  clip_g: bool, mom_sums: bool, npt: int) -> tuple[torch.Tensor | None,
-                                                                   torch.Tensor | None]:
+                  clip_g: bool, mom_sums: bool, npt: int, sa: int = 4
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Pass 1 (+ finalize): updates every factored tensor's ``v_row``/``v_col`` in place and
-    returns ``(rcm [rcm_size], sums4 [n_tensors, 4] or None)``."""
+    returns ``(rcm [rcm_size], sums4 [n_tensors, 4] or None)``. ``sa``: the sub-tile rows
+    of :func:`stats1_kernel` (a power of 2 up to TA)."""
     dev = lay.meta.device
-    sa = 4
     pa = torch.empty((max(lay.pa_size, 1),), dtype=torch.float32, device=dev)
     pb = torch.empty((max(lay.pb_size, 1),), dtype=torch.float32, device=dev)
     sums4 = None
@@ -429,16 +429,31 @@ def dot3(x, w_hi, w_lo, PREC: tl.constexpr, TERMS: tl.constexpr):
     likewise by the host (:func:`split_weights`), then ``x_lo·w_hi + x_hi·w_lo
     (+ x_lo·w_lo if TERMS = 4) + x_hi·w_hi``, small terms first, each a TF32 product that
     is exact, accumulated in float32. ``PREC="tf32"`` (fast mode): one TF32 product."""
+    return dot3_acc(x, w_hi, w_lo, tl.zeros([x.shape[0], w_hi.shape[1]], tl.float32), PREC,
+                    TERMS, True)
+
+
+@triton.jit
+def dot3_acc(x, w_hi, w_lo, acc, PREC: tl.constexpr, TERMS: tl.constexpr,
+             LO_RN: tl.constexpr):
+    """``acc + x @ w`` as :func:`dot3` (the products added to ``acc`` [BLOCK, N], small
+    first). ``LO_RN=False`` (exact mode): ``x_lo = x − x_hi`` is passed as float32 and the
+    tensor cores read its TF32 truncation: for x in [2^e, 2^(e+1)), |x_lo| ≤ 2^-11·2^e, so
+    the error is below 2^-22·2^e instead of 2^-23·2^e, for two integer ops less per
+    operand."""
     if PREC == "tf32x3":
         x_hi = round_tf32(x)
-        x_lo = round_tf32(x - x_hi)
-        acc = tl.dot(x_lo, w_hi, input_precision="tf32")
+        if LO_RN:
+            x_lo = round_tf32(x - x_hi)
+        else:
+            x_lo = x - x_hi
+        acc = tl.dot(x_lo, w_hi, acc, input_precision="tf32")
         acc = tl.dot(x_hi, w_lo, acc, input_precision="tf32")
         if TERMS == 4:
             acc = tl.dot(x_lo, w_lo, acc, input_precision="tf32")
         return tl.dot(x_hi, w_hi, acc, input_precision="tf32")
     else:
-        return tl.dot(x, w_hi, input_precision="tf32")
+        return tl.dot(x, w_hi, acc, input_precision="tf32")
 
 
 def _round_tf32_host(w: torch.Tensor) -> torch.Tensor:

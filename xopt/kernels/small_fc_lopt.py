@@ -1,7 +1,8 @@
 """Fused Triton step of small_fc_lopt (learned_optimization's ``AdafacMLPLOpt``).
 
 One optimizer step over all of a model's tensors in a fixed number of launches (plus a few
-tiny torch ops for the decays and the time features), whatever the number of tensors:
+tiny torch ops for the decays and the time features), whatever the number of tensors, on
+a CUDA device recorded once into a CUDA graph and replayed (:class:`SmallFCTriton`):
 
 1. ``stats1`` (factored tensors only): partial sums of g² over each tile's two axes;
 2. ``fac_finalize`` + ``rcm``: the new ``v_row``/``v_col`` (written in place) and their
@@ -48,10 +49,12 @@ rows stored in the same order) so that it is already the next MMA's A operand, w
 shuffle between threads; the output layer (2 columns) is float32 FMAs. Precision of the
 tensor-core matmuls (``precision=``):
 
-* ``"exact"`` (default): split-precision TF32, both operands split into two TF32 halves
-  rounded to nearest, three exact products summed in float32
-  (:func:`xopt.kernels.lopt_common.dot3`): operands carried to 22 bits instead of
-  float32's 24. Measured against float64: see
+* ``"exact"`` (default): split-precision TF32, both operands split into two TF32 halves,
+  three exact products summed in float32 (:func:`xopt.kernels.lopt_common.dot3`):
+  operands carried to 22 bits instead of float32's 24. The weights' halves are rounded
+  to nearest; the activations' high half too, and in the folded fused kernel their low
+  half is read by the tensor cores as its TF32 truncation (:data:`SPLIT_LO`: an error
+  below 2^-22 of the operand instead of 2^-23). Measured against float64: see
   tests/test_kernels_lopt.py and tests/test_kernels_small_fc_fold.py.
 * ``"fast"``: one TF32 product (10-bit mantissas). The MLP outputs move by about 1e-3
   relative, the step by as much; accumulators are not affected.
@@ -72,6 +75,7 @@ import triton
 import triton.language as tl
 
 from xopt.kernels import lopt_common as C
+from xopt.kernels import lopt_graph as G
 from xopt.kernels import lopt_layout as L
 from xopt.specs import small_fc_lopt as _spec
 from xopt.specs._xp import to_device
@@ -86,22 +90,45 @@ SA_STATS = int(os.environ.get("XOPT_LOPT_SA_STATS", "2"))
 SA_FOLD = int(os.environ.get("XOPT_LOPT_SA_FOLD", "2"))
 SA_DOT = int(os.environ.get("XOPT_LOPT_SA_DOT", "2"))
 SA_FMA = int(os.environ.get("XOPT_LOPT_SA_FMA", "4"))
+#: sub-tile rows of the g² pass (:func:`xopt.kernels.lopt_common.stats1_kernel`; 16: 1024
+#: loads of g in flight per program instead of 256; XOPT_LOPT_SA_G2). No measurable change
+#: of the step: 6.64 ms against 6.66 ms with 4 per ViT-B/16 step (bench/sfc_sweep.py's
+#: defaults and defaults_g2_sa4, one H100 call); the pass took 0.34 ms of it (profile)
+SA_G2 = int(os.environ.get("XOPT_LOPT_SA_G2", "16"))
 WARPS = int(os.environ.get("XOPT_LOPT_WARPS", "4"))
 #: software-pipelining stages of the per-element loop (XOPT_LOPT_STAGES); the folded fused
-#: kernel's (XOPT_LOPT_STAGES_FOLD, default 1: with its register cap below, 5.53 ms against
-#: 5.84 ms uncapped with 2 stages per ViT-B/16 step; H100, triton 3.6, torch.profiler)
+#: kernel's (XOPT_LOPT_STAGES_FOLD, default 1: it prefetches by hand, PREFETCH below; 2
+#: stages: 8.62 ms against 7.18 ms per ViT-B/16 step, bench/sfc_sweep.py's ab_pf_st2 and
+#: ab_pf; H100, triton 3.6)
 STAGES = int(os.environ.get("XOPT_LOPT_STAGES", "2"))
 STAGES_FOLD = int(os.environ.get("XOPT_LOPT_STAGES_FOLD", "1"))
 #: register caps (``maxnreg``; 0: the compiler's choice) of the folded fused kernel, for
-#: hidden widths up to 32 (XOPT_LOPT_MAXNREG, default 168: three programs per SM instead of
-#: two, at the cost of a few spills) and of the folded statistics kernel with SA_STATS = 2
+#: hidden widths up to 32 (XOPT_LOPT_MAXNREG, default 0: with PREFETCH and SPLIT_LO = "hw"
+#: it needs 244 registers, two programs per SM; a cap of 168 gives three but spills in the
+#: loop: 7.34 ms against 6.51 ms per ViT-B/16 step, bench/sfc_sweep.py's ab_hw_pf and
+#: ab_hw_pf_nocap; H100, triton 3.6) and of the folded statistics kernel with SA_STATS = 2
 #: (XOPT_LOPT_MAXNREG_STATS, default 80: no spills, six programs per SM; 0.89 ms against
 #: 1.11 ms per ViT-B/16 step)
-MAXNREG_FOLD = int(os.environ.get("XOPT_LOPT_MAXNREG", "168"))
+MAXNREG_FOLD = int(os.environ.get("XOPT_LOPT_MAXNREG", "0"))
 MAXNREG_STATS = int(os.environ.get("XOPT_LOPT_MAXNREG_STATS", "80"))
 #: products per split-precision matmul in exact mode (3, or 4 with x_lo·w_lo;
 #: XOPT_LOPT_DOT_TERMS)
 TERMS = int(os.environ.get("XOPT_LOPT_DOT_TERMS", "3"))
+#: the folded fused kernel loads the next sub-tile's g, p, m and rms while it computes this
+#: one (XOPT_LOPT_PREFETCH=0: each sub-tile's loads where they are used). Per ViT-B/16 step
+#: (bench/sfc_sweep.py, H100, triton 3.6, CUDA graph): 7.42 ms before these three knobs;
+#: AB_ACC 7.25; + PREFETCH 7.18; + SPLIT_LO = "hw" and no register cap 6.51 (a second call,
+#: another machine: 8.44 before, 6.64 with all of them; the ratio moves between calls)
+PREFETCH = os.environ.get("XOPT_LOPT_PREFETCH", "1") != "0"
+#: the folded fused kernel's first matmul starts from the axis terms and bias as its
+#: accumulator instead of adding them after it (XOPT_LOPT_AB_ACC=0: after)
+AB_ACC = os.environ.get("XOPT_LOPT_AB_ACC", "1") != "0"
+#: exact mode, folded fused kernel: the low TF32 half of the activations passed as float32
+#: for the tensor cores to truncate ("hw", the default: error below 2^-22 of |x|, two
+#: integer ops less per operand, 743 instead of 821 SASS instructions per loop iteration),
+#: or rounded to nearest first ("rn": 2^-23 of |x|, as the other kernels)
+#: (XOPT_LOPT_SPLIT_LO; :func:`xopt.kernels.lopt_common.dot3_acc`)
+SPLIT_LO = os.environ.get("XOPT_LOPT_SPLIT_LO", "hw")
 #: fold the row/column features of factored tensors (XOPT_LOPT_FOLD=0: the unfolded
 #: kernel for every tensor, for comparison)
 FOLD = os.environ.get("XOPT_LOPT_FOLD", "1") != "0"
@@ -154,8 +181,20 @@ def _operand_perm(hp: int) -> list[int]:
 
 
 @triton.jit
+def _load_elems(gp, pp, mp, rp, off, mask):
+    """``(g, p, m_0, m_1, m_2, rms)`` of the elements ``off`` (the old accumulators; 0 where
+    masked)."""
+    return (tl.load(gp + off, mask=mask, other=0.0), tl.load(pp + off, mask=mask, other=0.0),
+            tl.load(mp + off * 3, mask=mask, other=0.0),
+            tl.load(mp + off * 3 + 1, mask=mask, other=0.0),
+            tl.load(mp + off * 3 + 2, mask=mask, other=0.0),
+            tl.load(rp + off, mask=mask, other=0.0))
+
+
+@triton.jit
 def _mlp_tail(h, w1h, w1l, b1, wh, bh, wl0, wl1, bl0, bl1, HP: tl.constexpr,
-              NHID: tl.constexpr, PREC: tl.constexpr, TERMS: tl.constexpr):
+              NHID: tl.constexpr, PREC: tl.constexpr, TERMS: tl.constexpr,
+              LO_RN: tl.constexpr = True):
     """The MLP after its first layer: ``h`` [BLOCK, HP] (after the ReLU) → ``(direction,
     magnitude)`` [BLOCK]. The first hidden layer ``w1h``/``w1l`` [HP, HP] (TF32 halves),
     ``b1`` [HP] is loaded once per program by the caller; further ones (NHID > 1) are read
@@ -167,13 +206,15 @@ def _mlp_tail(h, w1h, w1l, b1, wh, bh, wl0, wl1, bl0, bl1, HP: tl.constexpr,
     hc = tl.arange(0, HP)
     if NHID > 0:
         h = _mma_to_operand(h, HP)
-        h = tl.maximum(C.dot3(h, w1h, w1l, PREC, TERMS) + b1[None, :], 0.0)
+        h = tl.maximum(C.dot3_acc(h, w1h, w1l, tl.zeros_like(h), PREC, TERMS, LO_RN)
+                       + b1[None, :], 0.0)
     for i in tl.static_range(1, NHID):
         wofs = i * HP * HP + hc[:, None] * HP + hc[None, :]
         w_hi = tl.load(wh + wofs)
         w_lo = tl.load(wh + NHID * HP * HP + wofs)
         h = _mma_to_operand(h, HP)
-        h = C.dot3(h, w_hi, w_lo, PREC, TERMS) + tl.load(bh + i * HP + hc)[None, :]
+        h = C.dot3_acc(h, w_hi, w_lo, tl.zeros_like(h), PREC, TERMS, LO_RN) \
+            + tl.load(bh + i * HP + hc)[None, :]
         h = tl.maximum(h, 0.0)
     direction = tl.sum(h * wl0[None, :], axis=1) + bl0
     magnitude = tl.sum(h * wl1[None, :], axis=1) + bl1
@@ -294,7 +335,8 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
                wh, bh, wl, bl, part, exp_mult, step_mult, FUSED: tl.constexpr,
                PREC: tl.constexpr, TERMS: tl.constexpr, HP: tl.constexpr,
                NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr,
-               TB: tl.constexpr, SA: tl.constexpr):
+               TB: tl.constexpr, SA: tl.constexpr, PREFETCH: tl.constexpr = False,
+               AB_ACC: tl.constexpr = False, LO_RN: tl.constexpr = True):
     """One tile [TA, TB] of a factored tensor, walked in sub-tiles [SA, TB] (BLOCK
     elements). The b axis (TB positions ``ib``, fixed per program) and the a axis (SA
     positions ``ia`` per sub-tile) each index ``v_row`` or ``v_col`` (``A_IS_D0``); their
@@ -310,7 +352,10 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
     (rows ``tofs[t, 0] + v_row index`` and ``tofs[t, 1] + v_col index``,
     :func:`sfc_axis_kernel`; ``b_term`` [TB, HP] plus the bias once per program, ``a_term``
     [SA, HP] per sub-tile); then :func:`_mlp_tail`; writes the new parameter (or the step),
-    ``m`` and ``rms``."""
+    ``m`` and ``rms``. ``PREFETCH``: the next sub-tile's g, p, m and rms are loaded before
+    this one is computed (their latency hidden behind its MLP); ``AB_ACC``: the axis terms
+    and bias are the first matmul's starting accumulator; ``LO_RN``: see
+    :func:`_dot3_acc`."""
     BLOCK: tl.constexpr = SA * TB
     gpid, t, row, b, ta, tb, rc0, rc1, rc2 = _program(meta, pids, prog, rcm, NF)
     pp, gp, mp, rp, vr, vc, vd = C.tensor_ptrs(ptrs, t, NPTR)
@@ -369,6 +414,11 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
     sa_i = tl.arange(0, SA)
     a0 = ta * TA
     n_sub = tl.minimum(TA, ia_n - a0)
+    if PREFETCH:  # the first sub-tile's loads
+        off_n = tl.reshape(boff + (a0 + sa_i)[:, None].to(tl.int64) * sap
+                           + ib[None, :].to(tl.int64) * sbp, [BLOCK])
+        mask_n = tl.reshape((sa_i < n_sub)[:, None] & mb[None, :], [BLOCK])
+        g_n, p_n, o0_n, o1_n, o2_n, or_n = _load_elems(gp, pp, mp, rp, off_n, mask_n)
     for s in range(0, n_sub, SA):
         ia = a0 + s + sa_i
         ma = ia < ia_n
@@ -381,12 +431,17 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
         ff0 = tl.reshape(fa0[:, None] * fb0[None, :], [BLOCK])
         ff1 = tl.reshape(fa1[:, None] * fb1[None, :], [BLOCK])
         ff2 = tl.reshape(fa2[:, None] * fb2[None, :], [BLOCK])
-        g = tl.load(gp + off, mask=mask, other=0.0)
-        p = tl.load(pp + off, mask=mask, other=0.0)
-        m0 = md0 * tl.load(mp + off * 3, mask=mask, other=0.0) + (1 - md0) * g
-        m1 = md1 * tl.load(mp + off * 3 + 1, mask=mask, other=0.0) + (1 - md1) * g
-        m2 = md2 * tl.load(mp + off * 3 + 2, mask=mask, other=0.0) + (1 - md2) * g
-        rms = rd * tl.load(rp + off, mask=mask, other=0.0) + (1 - rd) * (g * g)
+        if PREFETCH:  # this sub-tile's loads were issued one sub-tile ago; the next one's now
+            g, p, o0, o1, o2, orr = g_n, p_n, o0_n, o1_n, o2_n, or_n
+            off_n = off + SA * sap
+            mask_n = tl.reshape((s + SA + sa_i < n_sub)[:, None] & mb[None, :], [BLOCK])
+            g_n, p_n, o0_n, o1_n, o2_n, or_n = _load_elems(gp, pp, mp, rp, off_n, mask_n)
+        else:
+            g, p, o0, o1, o2, orr = _load_elems(gp, pp, mp, rp, off, mask)
+        m0 = md0 * o0 + (1 - md0) * g
+        m1 = md1 * o1 + (1 - md1) * g
+        m2 = md2 * o2 + (1 - md2) * g
+        rms = rd * orr + (1 - rd) * (g * g)
         rr = tl.math.rsqrt(rms + 1e-6)
         if FUSED:
             x = _cat16(g, p, m0, m1, m2, rms, m0 * rr, m1 * rr, m2 * rr, rr,
@@ -395,9 +450,13 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
             a_term = tl.load(terms + (ta_row + aidx)[:, None] * HP + hc[None, :],
                              mask=ma[:, None], other=0.0)
             ab = tl.reshape(a_term[:, None, :] + b_term[None, :, :], [BLOCK, HP])
-            h = tl.maximum(C.dot3(x, w16h_t, w16l_t, PREC, TERMS) + ab, 0.0)
+            if AB_ACC:
+                h = tl.maximum(C.dot3_acc(x, w16h_t, w16l_t, ab, PREC, TERMS, LO_RN), 0.0)
+            else:
+                h = tl.maximum(C.dot3_acc(x, w16h_t, w16l_t, tl.zeros_like(ab), PREC, TERMS,
+                                         LO_RN) + ab, 0.0)
             direction, magnitude = _mlp_tail(h, w1h_t, w1l_t, b1_t, wh, bh, wl0_t, wl1_t,
-                                             bl0_t, bl1_t, HP, NHID, PREC, TERMS)
+                                             bl0_t, bl1_t, HP, NHID, PREC, TERMS, LO_RN)
             step = direction * tl.exp(magnitude * exp_mult) * step_mult
             newp = p - (lr * step + lrwd * p)
             tl.store(outp + off, tl.where(write_step != 0, step, newp), mask=mask)
@@ -485,11 +544,12 @@ def sfc_fold_fused_kernel(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n,
                           tofs, b0, wh, bh, wl, bl, part, exp_mult, step_mult,
                           PREC: tl.constexpr, TERMS: tl.constexpr, HP: tl.constexpr,
                           NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr,
-                          TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
+                          TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr,
+                          PREFETCH: tl.constexpr, AB_ACC: tl.constexpr, LO_RN: tl.constexpr):
     """Fused pass of the factored tensors (:func:`_fold_body`, ``FUSED=True``)."""
     _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tofs, b0,
                wh, bh, wl, bl, part, exp_mult, step_mult, True, PREC, TERMS, HP, NHID, NPTR,
-               NF, TA, TB, SA)
+               NF, TA, TB, SA, PREFETCH, AB_ACC, LO_RN)
 
 
 # -- the unfolded kernels (unfactored tensors; every tensor with the 4-wide MLP) ------------
@@ -665,7 +725,18 @@ check_supported = L.supported_small_fc
 
 
 class SmallFCTriton:
-    """The Triton step of one :class:`xopt.torch.SmallFCLOpt` (caches its layout)."""
+    """The Triton step of one :class:`xopt.torch.SmallFCLOpt` (caches its layout).
+
+    The step's device work (launches 1-6 and the glue between them) is :meth:`_body`,
+    which reads only static buffers: the pointer and per-tensor scalar tables, the
+    iteration counter (advanced on the device by the step itself; copied in only when the
+    caller's iteration is not the one it holds), the layout's tables, the cached weights
+    and decays. On a CUDA device it is recorded once into a CUDA graph and replayed
+    (:class:`xopt.kernels.lopt_graph.StepGraph`: recorded again when one of those objects
+    is replaced, eager on the CPU, under a caller's capture or with
+    ``XOPT_LOPT_CUDA_GRAPHS=0``); the host then spends a few comparisons and one replay per
+    step.
+    """
 
     PRECISIONS = {"exact": "tf32x3", "fast": "tf32"}
 
@@ -678,9 +749,21 @@ class SmallFCTriton:
         self._layout: L.Layout | None = None
         self._pids: dict = {}
         self._wcache: tuple | None = None
-        self._tables = L.TableCache()
         self._decays: tuple | None = None  # (key, all 7 decays, Adafactor's 3), per θ
-        self._io_tables: tuple | None = None  # ((TritonIO version, device), ptrs, scal)
+        self._tab_key: tuple | None = None  # (TritonIO version, device) the tables hold
+        self._ptrs: torch.Tensor | None = None  # int64 [n, NPTR] (device)
+        self._scal: torch.Tensor | None = None  # float32 [n, 4]: lr, lr·λ, write_step, 0
+        self._ptr_rows: torch.Tensor | None = None  # their host copies (skip equal copies)
+        self._scal_rows: torch.Tensor | None = None
+        self._it: torch.Tensor | None = None  # int32 0-d (device): the iteration t
+        self._it_next: int | None = None  # what _it holds after the last step
+        self._ts: torch.Tensor | None = None  # float32 [11] (device): the timescales
+        self._graph = G.StepGraph("SmallFCLOpt")
+
+    @property
+    def graph_recordings(self) -> int:
+        """How many times the step was recorded into a CUDA graph (tests read it)."""
+        return self._graph.recordings
 
     def layout(self, shapes: Sequence[tuple[int, ...]], device: torch.device) -> L.Layout:
         lay = self._layout
@@ -758,6 +841,53 @@ class SmallFCTriton:
         self._wcache = (key, out)
         return out
 
+    def _tables(self, params, grads, states, outs, write_step, lrs, lrwds,  # noqa: ANN001
+                dev: torch.device, io) -> None:  # noqa: ANN001
+        """The layout and the static pointer / scalar tables for these tensors. With ``io``
+        (:class:`xopt.torch._lopt.TritonIO`) nothing is read per tensor while its version is
+        the one the tables hold; else the tables' rows are rebuilt and copied (without
+        blocking) only where they changed."""
+        if io is not None and self._tab_key == (io.version, dev) and self._ptrs is not None:
+            return
+        self.layout([tuple(p.shape) for p in params], dev)
+        nt = len(params)
+        if io is not None:  # the pointers by column, as the optimizer keeps them
+            c = io.ptrs
+            prow = torch.tensor([c["p"], c["g"], c["m"], c["rms"], c["v_row"], c["v_col"],
+                                 c["v_diag"], c["p"]], dtype=torch.int64).t().contiguous()
+        else:
+            prow = torch.tensor([
+                [p.data_ptr(), g.data_ptr(), s["m"].data_ptr(), s["rms"].data_ptr(),
+                 s["v_row"].data_ptr(), s["v_col"].data_ptr(), s["v_diag"].data_ptr(),
+                 o.data_ptr()] for p, g, s, o in zip(params, grads, states, outs, strict=True)],
+                dtype=torch.int64).reshape(nt, NPTR)
+        srow = torch.tensor([[float(lr), float(lrwd), float(ws), 0.0] for lr, lrwd, ws in
+                             zip(lrs, lrwds, write_step, strict=True)],
+                            dtype=torch.float32).reshape(nt, 4)
+        if self._ptrs is None or self._ptrs.shape[0] != nt or self._ptrs.device != dev:
+            self._ptrs = torch.empty((nt, NPTR), dtype=torch.int64, device=dev)
+            self._scal = torch.empty((nt, 4), dtype=torch.float32, device=dev)
+            self._ptr_rows = self._scal_rows = None
+        if self._ptr_rows is None or not torch.equal(prow, self._ptr_rows):
+            G.copy_in(self._ptrs, prow)
+            self._ptr_rows = prow
+        if self._scal_rows is None or not torch.equal(srow, self._scal_rows):
+            G.copy_in(self._scal, srow)
+            self._scal_rows = srow
+        self._tab_key = (io.version, dev) if io is not None else None
+
+    def _counter(self, iteration: int, like: torch.Tensor) -> None:
+        """The device iteration counter (and the timescales) for a step at ``iteration``:
+        copied in only when the counter does not already hold it (the step advances it)."""
+        dev = like.device
+        if self._it is None or self._it.device != dev:
+            self._it = torch.zeros((), dtype=torch.int32, device=dev)
+            self._it_next = None
+            self._ts = _spec._const(torch, [float(t) for t in _spec.TIMESCALES], like)
+        if self._it_next != iteration:
+            G.copy_in(self._it, torch.tensor(iteration, dtype=torch.int32))
+        self._it_next = None  # (until the step has run: a failed step copies in again)
+
     def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
              states: Sequence[dict[str, torch.Tensor]], outs: Sequence[torch.Tensor],
              write_step: Sequence[bool], lrs: Sequence[float], lrwds: Sequence[float],
@@ -768,40 +898,34 @@ class SmallFCTriton:
         :class:`xopt.torch._lopt.TritonIO` for these lists, when it has one: while its
         ``version`` is the one the pointer and scalar tables were made for, nothing is read
         per tensor."""
-        hp = self.hp
         dev = params[0].device
-        if io is not None and self._io_tables is not None \
-                and self._io_tables[0] == (io.version, dev):
-            lay = self._layout
-        else:
-            lay = self.layout([tuple(p.shape) for p in params], dev)
+        self._tables(params, grads, states, outs, write_step, lrs, lrwds, dev, io)
         w = self._weights(meta)
-        hp_ = w["hp"]
         dkey = tuple((k, v.data_ptr(), v._version) for k, v in meta.items()
                      if k.startswith("decays/"))
         if self._decays is None or self._decays[0] != dkey:
-            md, rd, fd = _spec.decays(hp, meta, xp=torch)
+            md, rd, fd = _spec.decays(self.hp, meta, xp=torch)
             self._decays = (dkey, torch.cat([md, rd, fd]).contiguous(), fd)
-        _, decays, fd = self._decays
-        if io is not None and self._io_tables is not None \
-                and self._io_tables[0] == (io.version, dev):
-            ptrs, scal = self._io_tables[1:]
-        else:
-            if io is not None:  # the pointers by column, as the optimizer keeps them
-                c = io.ptrs
-                rows = list(zip(c["p"], c["g"], c["m"], c["rms"], c["v_row"], c["v_col"],
-                                c["v_diag"], c["p"], strict=True))
-            else:
-                rows = [[p.data_ptr(), g.data_ptr(), s["m"].data_ptr(), s["rms"].data_ptr(),
-                         s["v_row"].data_ptr(), s["v_col"].data_ptr(),
-                         s["v_diag"].data_ptr(), o.data_ptr()]
-                        for p, g, s, o in zip(params, grads, states, outs, strict=True)]
-            ptrs = self._tables.get("ptrs", rows, torch.int64, dev)
-            scal = self._tables.get("scal", [[lr, lrwd, float(ws), 0.0] for lr, lrwd, ws in
-                                             zip(lrs, lrwds, write_step, strict=True)],
-                                    torch.float32, dev)
-            self._io_tables = ((io.version, dev), ptrs, scal) if io is not None else None
-        rcm, _ = C.factored_pass(lay, ptrs, fd, clip_g=False, mom_sums=False, npt=NPTR)
+        b0 = meta["mlp/b0"]
+        self._counter(iteration, b0)
+        lay = self._layout
+        refs = (lay, self._pids, self._ptrs, self._scal, self._it, self._ts, self._decays,
+                self._wcache, b0)
+        self._graph.run(lambda: self._body(lay, w, self._decays[1], self._decays[2], b0),
+                        refs, dev)
+        self._it_next = iteration + 1
+
+    def _body(self, lay: L.Layout, w: dict, decays: torch.Tensor, fd: torch.Tensor,
+              b0: torch.Tensor) -> None:
+        """Launches 1-6 and the glue, from the static tables only (device work, no
+        host→device copy: what a CUDA graph records); then the iteration counter
+        advances."""
+        hp = self.hp
+        dev = decays.device
+        ptrs, scal = self._ptrs, self._scal
+        hp_ = w["hp"]
+        rcm, _ = C.factored_pass(lay, ptrs, fd, clip_g=False, mom_sums=False, npt=NPTR,
+                                 sa=SA_G2)
         if rcm is None:
             rcm = torch.zeros((3,), dtype=torch.float32, device=dev)
         part = torch.empty((lay.n_prog_all, 32), dtype=torch.float64, device=dev)
@@ -828,6 +952,7 @@ class SmallFCTriton:
                     (MAXNREG_STATS if SA_STATS <= 2 else 0)
                 if fused:
                     opts["num_stages"] = STAGES_FOLD
+                    opts.update(PREFETCH=PREFETCH, AB_ACC=AB_ACC, LO_RN=SPLIT_LO != "hw")
                 if cap:
                     opts["maxnreg"] = cap
                 kern[(n,)](*args, w16n, terms, self._pids["tofs"], b0p, *tail,
@@ -840,11 +965,10 @@ class SmallFCTriton:
 
         for pids, n, folded in launches:  # (norm, w16n, terms, b0 unused: placeholders)
             run(pids, n, folded, False, part, part, part, part)
-        # the time features folded into the first bias (queued after the statistics: the
-        # host prepares them while those run)
-        tf = _spec.time_features(torch, to_device(torch.tensor(iteration, dtype=torch.int32),
-                                                    dev), meta["mlp/b0"])
-        b0p = _pad((meta["mlp/b0"] + (tf[:, None] * w["wt"]).sum(0))[None], 1, hp_)[0]
+        # the time features folded into the first bias: xopt.specs.small_fc_lopt's
+        # time_features op for op, t the device counter and the timescales kept there
+        tf = torch.tanh(self._it.to(dtype=b0.dtype) / self._ts - 1.0)
+        b0p = _pad((b0 + (tf[:, None] * w["wt"]).sum(0))[None], 1, hp_)[0]
         sums = C.seg_sum(part, lay)
         n_t = len(lay.shapes)
         norm = torch.empty((n_t, 32), dtype=torch.float32, device=dev)
@@ -859,6 +983,7 @@ class SmallFCTriton:
                                      FB=AXIS_BLOCK, num_warps=4)
         for pids, n, folded in launches:
             run(pids, n, folded, True, norm, w16n, terms, b0p)
+        self._it.add_(1)
 
 
 def reference_step(hp: _spec.SmallFCLOpt, params: Sequence[torch.Tensor],

@@ -1,0 +1,108 @@
+"""small_fc_lopt's Triton step under the folded fused kernel's tuning knobs, in one process.
+
+    python bench/sfc_sweep.py [--models vit_b16] [--variants A,B,...]
+
+For each variant (module constants of :mod:`xopt.kernels.small_fc_lopt` set before the
+optimizer is built, so each compiles its own kernel; the CUDA graph on or off): the
+median ms of ``step()`` (CUDA events, after warm-up) on the model's shapes, and how far
+one step from a fixed state moves the parameters and the state from the first variant's
+(max over tensors of max|a−b| / max|b|). Prints one line per variant, and fused AdamW's
+time for the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import lopt_step as B  # noqa: E402
+
+import xopt.torch as xt  # noqa: E402
+from xopt.kernels import small_fc_lopt as K  # noqa: E402
+
+#: the settings before the knobs below (commit 69e2d5c's kernels)
+OLD = dict(PREFETCH=False, AB_ACC=False, SPLIT_LO="rn", MAXNREG_FOLD=168, SA_G2=4)
+#: name -> (module constants, CUDA graph on); a constant not named keeps the module's value
+#: (the variants from "ab" on were measured with MAXNREG_FOLD = 168 and SA_G2 = 4 defaults)
+VARIANTS = {
+    "base_eager": (OLD, False),
+    "base": (OLD, True),
+    "ab": (dict(PREFETCH=False, AB_ACC=True, SPLIT_LO="rn"), True),
+    "ab_pf": (dict(PREFETCH=True, AB_ACC=True, SPLIT_LO="rn"), True),
+    "ab_hw": (dict(PREFETCH=False, AB_ACC=True, SPLIT_LO="hw"), True),
+    "ab_hw_pf": (dict(PREFETCH=True, AB_ACC=True, SPLIT_LO="hw"), True),
+    "ab_pf_nocap": (dict(PREFETCH=True, AB_ACC=True, SPLIT_LO="rn", MAXNREG_FOLD=0), True),
+    "ab_hw_pf_nocap": (dict(PREFETCH=True, AB_ACC=True, SPLIT_LO="hw", MAXNREG_FOLD=0), True),
+    "ab_pf_st2": (dict(PREFETCH=True, AB_ACC=True, SPLIT_LO="rn", STAGES_FOLD=2), True),
+    "defaults": ({}, True),
+    "defaults_g2_sa4": (dict(SA_G2=4), True),
+    "defaults_eager": ({}, False),
+}
+
+
+def one_step_state(shapes, seed: int = 3):
+    params = B.make(shapes, torch.float32, seed=seed)
+    opt = xt.SmallFCLOpt(params, impl="triton", **B.SMALL_FC)
+    opt.step()
+    return opt, params
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="vit_b16")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    defaults = {k: getattr(K, k) for c, _ in VARIANTS.values() for k in c}
+    print(torch.cuda.get_device_name(), "defaults", defaults, flush=True)
+    for model in args.models.split(","):
+        shapes = B.MODELS[model]()
+        params = B.make(shapes)
+        adam = B.time_step(torch.optim.AdamW(params, lr=1e-3, fused=True), None, 3, args.reps)
+        del params
+        torch.cuda.empty_cache()
+        print(f"== {model}: adamw/fused {adam['median_ms']:.3f} ms", flush=True)
+        ref = None
+        for name in args.variants.split(","):
+            consts, graphs = VARIANTS[name]
+            for k, v in defaults.items():
+                setattr(K, k, consts.get(k, v))
+            try:
+                # one step from a fixed state (a first step from zeros, then the timed one)
+                opt, params = one_step_state(shapes)
+                for p, g in zip(params, B.make(shapes, torch.float32, seed=4), strict=True):
+                    p.grad = g.grad
+                opt._triton._graph.enabled = graphs
+                opt.step()
+                res = ([p.detach().clone() for p in params],
+                       [{k: v.clone() for k, v in opt.state[p].items()} for p in params])
+                if ref is None:
+                    ref = res
+                    dp = ds = 0.0
+                else:
+                    dp = max(B.rel(a, b) for a, b in zip(res[0], ref[0], strict=True))
+                    ds = max(B.rel(a[k], b[k]) for a, b in zip(res[1], ref[1], strict=True)
+                             for k in b)
+                r = B.time_step(opt, None, 3, args.reps)
+                rec = opt._triton.graph_recordings
+                del opt, params, res
+                torch.cuda.empty_cache()
+                x = r["median_ms"] / adam["median_ms"]
+                print(f"{name:16s} {r['median_ms']:8.3f} ms  x{x:5.2f}"
+                      f"  min {r['min_ms']:.3f}  graphs {graphs} (recorded {rec})  vs first: "
+                      f"params {dp:.2e} state {ds:.2e}  peak extra "
+                      f"{r['peak_extra_bytes'] / 2**20:.1f} MiB", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"{name:16s} failed: {type(e).__name__}: {e}", flush=True)
+    for k, v in defaults.items():
+        setattr(K, k, v)
+
+
+if __name__ == "__main__":
+    main()

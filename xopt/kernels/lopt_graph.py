@@ -1,0 +1,107 @@
+"""A learned optimizer's step recorded once into a CUDA graph and replayed.
+
+A step of the fused kernels is a few dozen launches and small torch ops whose host cost
+(Python, the launchers, the allocator) is about a millisecond per step: it shows in the
+step time whenever the GPU waits for the host. Recorded into a CUDA graph, the step costs
+the host one replay. What the recording reads must then stay at fixed addresses: static
+device buffers (pointer and scalar tables, counters) updated by copies before the replay
+(:func:`copy_in`), and the tensors the body reads (layout tables, weights, θ) held by the
+recorder and compared by identity; when one of them is not the one recorded, the step is
+recorded again.
+
+:class:`StepGraph` is the recorder; the method's Triton step calls :meth:`StepGraph.run`
+with its body (a callable that only queues device work, with no host→device copy) and
+the objects the body reads. Eager (the body is called as is) on the CPU (the
+interpreter), while the caller is itself recording a graph, after a failed recording, and
+with ``XOPT_LOPT_CUDA_GRAPHS=0``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["StepGraph", "copy_in", "graphs_enabled"]
+
+
+def graphs_enabled() -> bool:
+    """``XOPT_LOPT_CUDA_GRAPHS`` is not ``"0"`` (read at each recorder's creation)."""
+    return os.environ.get("XOPT_LOPT_CUDA_GRAPHS", "1") != "0"
+
+
+def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` without blocking the host: a host tensor goes to a CUDA ``dst``
+    through pinned memory (a fresh pinned block each time: the caching host allocator keeps
+    it until the copy has run, so a copy still queued never sees it change)."""
+    if src.device.type == "cpu" and dst.device.type == "cuda":
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
+
+
+class StepGraph:
+    """Records a step body into a CUDA graph once and replays it while the objects it
+    reads are the ones recorded.
+
+    ``name``: the optimizer's name, for the warning when a recording fails (the step then
+    runs eagerly from then on). ``recordings`` counts the recordings (tests read it)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.enabled = graphs_enabled()
+        self.recordings = 0
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._refs: tuple = ()
+        self._stream: torch.cuda.Stream | None = None
+
+    def active(self, device: torch.device) -> bool:
+        """Whether a step on ``device`` is recorded or replayed (else it runs eagerly)."""
+        return (self.enabled and device.type == "cuda"
+                and not torch.cuda.is_current_stream_capturing())
+
+    def _same(self, refs: Sequence) -> bool:
+        return (self._graph is not None and len(refs) == len(self._refs)
+                and all(a is b for a, b in zip(self._refs, refs, strict=True)))
+
+    def run(self, body: Callable[[], None], refs: Sequence, device: torch.device) -> None:
+        """One step: ``body()`` eagerly when not :meth:`active`; else the replay of its
+        recording when every object of ``refs`` is (``is``) the one recorded, else ``body``
+        eagerly on a side stream (this step's result, and the recording's warm-up) and then
+        recorded (not run) for the next steps. ``refs`` are held while the graph lives, so
+        that no address the graph holds is reused by another tensor."""
+        if not self.active(device):
+            body()
+            return
+        refs = tuple(refs)
+        if self._same(refs):
+            self._graph.replay()
+            return
+        self._graph, self._refs = None, ()  # (frees the old graph's memory)
+        cur = torch.cuda.current_stream(device)
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device=device)
+        s = self._stream
+        s.wait_stream(cur)
+        graph: torch.cuda.CUDAGraph | None
+        with torch.cuda.stream(s):
+            body()  # this step, eagerly (also the warm-up of the recording)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    body()  # recorded, not run
+                finally:
+                    graph.capture_end()
+            except Exception as e:  # noqa: BLE001  (eager from now on; this step is done)
+                self.enabled = False
+                warnings.warn(f"{self.name}(impl='triton'): recording the step into a CUDA "
+                              f"graph failed ({type(e).__name__}: {e}); running it eagerly",
+                              RuntimeWarning, stacklevel=3)
+                graph = None
+        cur.wait_stream(s)
+        if graph is not None:
+            self._graph, self._refs = graph, refs
+            self.recordings += 1
