@@ -119,9 +119,54 @@ def _pair_sum(x, N: tl.constexpr):
 @triton.jit
 def _mom_store(out, pid, a0, a1, a2, a3, BLOCK: tl.constexpr):
     """``out[pid, 0:4]`` (float64) = Σ over the lanes of :func:`_mom_acc`'s sums
-    (:func:`_pair_sum`): Σm_0, Σm_1, Σm_2, Σrms of the program's tile."""
+    (:func:`_pair_sum`): Σm_0, Σm_1, Σm_2, Σrms of the program's tile. The sums are
+    [BLOCK] or [SA, TB] (row-major: lane s·TB + j, as the [BLOCK] ones)."""
     x = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), [BLOCK, 4])
     tl.store(out + pid.to(tl.int64) * 4 + tl.arange(0, 4), _pair_sum(x, BLOCK))
+
+
+@triton.jit
+def _axis_q(vr, vc, ridx, cidx, mask, is_row, is_col, rc):
+    """One decay's statistic on one tile axis: ``(x, f, rsqrt(x + 1e-8))`` with ``x`` the
+    ``v_row`` entries ``ridx`` (``is_row``) or the ``v_col`` entries ``cidx`` (``vr``,
+    ``vc``: that decay's pointers, entries 3 apart) and ``f`` its factor of ``fac_g``: the
+    row factor ``rsqrt(max(x / (rc + 1e-9), 1e-9))`` (``rc`` the row-column mean) or the
+    column factor ``rsqrt(max(x, 1e-9))``, as :func:`xopt.kernels.lopt_common.accumulate`
+    computes them per element (the same operations: the same bits)."""
+    x = tl.where(is_row, tl.load(vr + ridx * 3, mask=tl.where(is_row, mask, False), other=1.0),
+                 tl.load(vc + cidx * 3, mask=tl.where(is_col, mask, False), other=1.0))
+    f = tl.where(is_row, tl.math.rsqrt(tl.maximum(x / (rc + 1e-9), 1e-9)),
+                 tl.math.rsqrt(tl.maximum(x, 1e-9)))
+    return x, f, tl.math.rsqrt(x + 1e-8)
+
+
+@triton.jit
+def _axis_q3(vr, vc, ridx, cidx, mask, is_row, is_col, rc0, rc1, rc2):
+    """:func:`_axis_q` for the three decays: ``(x0, f0, s0, x1, f1, s1, x2, f2, s2)``."""
+    x0, f0, s0 = _axis_q(vr, vc, ridx, cidx, mask, is_row, is_col, rc0)
+    x1, f1, s1 = _axis_q(vr + 1, vc + 1, ridx, cidx, mask, is_row, is_col, rc1)
+    x2, f2, s2 = _axis_q(vr + 2, vc + 2, ridx, cidx, mask, is_row, is_col, rc2)
+    return x0, f0, s0, x1, f1, s1, x2, f2, s2
+
+
+@triton.jit
+def _pick(b_row, xb, xa):
+    """The [SA, TB] per-element value of an axis statistic: from the b axis (``xb`` [TB])
+    when it holds the rows' (``b_row``) statistic, else from the a axis (``xa`` [SA])."""
+    return tl.where(b_row, xb[None, :], xa[:, None])
+
+
+@triton.jit
+def _diag_q(vd3, mask, g, cd_raw):
+    """One decay's unfactored accumulator per element: ``(v, fg, fm, rsqrt(v + 1e-8))`` with
+    ``v = c·v_diag + (1 − c)·(g² + 1e-30)`` (``c`` the decay clipped to [0, 1]),
+    ``fg = rsqrt(max(v + 1e-9, 1e-9))``, ``fm = rsqrt(v)`` (VeLO's FM_EPS = 0), as
+    :func:`xopt.kernels.lopt_common.accumulate` and
+    :func:`~xopt.kernels.lopt_common.rsqrt_features` compute them."""
+    cd = tl.minimum(tl.maximum(cd_raw, 0.0), 1.0)
+    v = cd * tl.load(vd3, mask=mask, other=0.0) + (1.0 - cd) * (g * g + 1e-30)
+    return (v, tl.math.rsqrt(tl.maximum(v + 1e-9, 1e-9)), tl.math.rsqrt(v + 0.0),
+            tl.math.rsqrt(v + 1e-8))
 
 
 @triton.jit
@@ -164,7 +209,7 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
         wlt = bht + NHID * HP
         blt = wlt + HP * 16
         if TWO_PASS:  # per-lane sums of the new m_k, rms (the next step's old ones)
-            n0 = tl.zeros([BLOCK], tl.float64)
+            n0 = tl.zeros([SA, TB], tl.float64)
             n1 = n0
             n2 = n0
             n3 = n0
@@ -172,8 +217,8 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
         # per-thread sums of the 30 features² (ACC: float64, or float32 over at most TA / SA
         # terms; p² always float64) and, for the LSTM inputs' variances, of
         # (m_k − mean m_k)², (rms − mean m_k)² (TWO_PASS) or of m_k, rms and their squares
-        zf = tl.zeros([BLOCK], ACC)
-        zd = tl.zeros([BLOCK], tl.float64)
+        zf = tl.zeros([SA, TB], ACC)
+        zd = tl.zeros([SA, TB], tl.float64)
         q0 = zf
         q1 = zf
         q2 = zd
@@ -220,9 +265,30 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
     ib = tb * TB + tl.arange(0, TB)
     a0 = ta * TA
     n_sub = tl.minimum(TA, ia_n - a0)
+    # element (ia, ib) of batch b is at boff + ia·sap + ib·sbp
+    n = tl.load(row + 0)
+    bs1 = tl.load(row + 6)
+    sap = tl.load(row + 4)
+    offb = C.batch_offset(b, bs1, tl.load(row + 7), tl.load(row + 8)) \
+        + ib.to(tl.int64) * tl.load(row + 5)
+    mb = ib < tl.load(row + 3)
+    # factored: the statistics per axis position, not per element. v_row (entry
+    # rbase + i_d1·RD1 of batch b) runs along the b axis when a is d0 (A_IS_D0), v_col
+    # (cbase + i_d0·CD0) along the other; the b axis's are the program's, computed once
+    isf = fact != 0
+    b_row = tl.load(row + 13) != 0
+    b_col = tl.load(row + 13) == 0
+    rbase = C.batch_offset(b, bs1, tl.load(row + 14), tl.load(row + 15))
+    rd1 = tl.load(row + 16)
+    cbase = C.batch_offset(b, bs1, tl.load(row + 17), tl.load(row + 18))
+    cd0 = tl.load(row + 19)
+    xb0, fb0, sb0, xb1, fb1, sb1, xb2, fb2, sb2 = _axis_q3(
+        vr, vc, rbase + ib * rd1, cbase + ib * cd0, tl.where(isf, mb, False), b_row, b_col, rc0,
+        rc1, rc2)
     for s in range(0, n_sub, SA):
         ia = a0 + s + sa_i
-        off, mask, ridx, cidx = C.load_tile(row, t, b, ia, ib, ptrs, NPTR, BLOCK)
+        off = offb[None, :] + ia[:, None].to(tl.int64) * sap
+        mask = (ia[:, None] < ia_n) & mb[None, :] & (off < n)
         g = tl.load(gp + off, mask=mask, other=0.0)
         g = tl.minimum(tl.maximum(g, -1000.0), 1000.0)
         p = tl.load(pp + off, mask=mask, other=0.0)
@@ -234,12 +300,48 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
         m1 = md1 * om1 + (1 - md1) * g
         m2 = md2 * om2 + (1 - md2) * g
         rms = rd * orms + (1 - rd) * (g * g)
-        R0, C0, FG0, FM0, V0, R1, C1, FG1, FM1, V1, R2, C2, FG2, FM2, V2, v3 = \
-            C.accumulate3(fact, off, mask, ridx, cidx, g, m0, m1, m2, rp, vr, vc, vd, fd0, fd1,
-                          fd2, rc0, rc1, rc2, 0.0)
-        rr, rsr0, rsr1, rsr2, rsc0, rsc1, rsc2 = C.rsqrt_features(rms, R0, R1, R2, C0, C1, C2)
+        v3 = vd + off * 3
+        if fact != 0:  # the a axis's statistics (SA positions), then per element a product
+            xa0, fa0, sa0, xa1, fa1, sa1, xa2, fa2, sa2 = _axis_q3(
+                vr, vc, rbase + ia * rd1, cbase + ia * cd0, ia < ia_n, b_col, b_row, rc0, rc1,
+                rc2)
+            R0 = _pick(b_row, xb0, xa0)
+            R1 = _pick(b_row, xb1, xa1)
+            R2 = _pick(b_row, xb2, xa2)
+            C0 = _pick(b_col, xb0, xa0)
+            C1 = _pick(b_col, xb1, xa1)
+            C2 = _pick(b_col, xb2, xa2)
+            FG0 = _pick(b_row, fb0, fa0) * _pick(b_col, fb0, fa0)
+            FG1 = _pick(b_row, fb1, fa1) * _pick(b_col, fb1, fa1)
+            FG2 = _pick(b_row, fb2, fa2) * _pick(b_col, fb2, fa2)
+            FM0 = FG0
+            FM1 = FG1
+            FM2 = FG2
+            rsr0 = _pick(b_row, sb0, sa0)
+            rsr1 = _pick(b_row, sb1, sa1)
+            rsr2 = _pick(b_row, sb2, sa2)
+            rsc0 = _pick(b_col, sb0, sa0)
+            rsc1 = _pick(b_col, sb1, sa1)
+            rsc2 = _pick(b_col, sb2, sa2)
+            V0 = R0
+            V1 = R1
+            V2 = R2
+        else:  # v_diag per element: the row and column statistics are both v
+            V0, FG0, FM0, rsr0 = _diag_q(v3, mask, g, fd0)
+            V1, FG1, FM1, rsr1 = _diag_q(v3 + 1, mask, g, fd1)
+            V2, FG2, FM2, rsr2 = _diag_q(v3 + 2, mask, g, fd2)
+            R0 = V0
+            R1 = V1
+            R2 = V2
+            C0 = V0
+            C1 = V1
+            C2 = V2
+            rsc0 = rsr0
+            rsc1 = rsr1
+            rsc2 = rsr2
+        rr = tl.math.rsqrt(rms + 1e-6)
         gc = tl.minimum(tl.maximum(g, -0.1), 0.1)
-        z = tl.zeros([BLOCK], tl.float32)
+        z = tl.zeros([SA, TB], tl.float32)
         if FUSED:
             # the tensor's 4-wide MLP, the first layer feature by feature (spec order)
             h0, h1, h2, h3 = C.rank1(z, z, z, z, g, 0, invp, w0t)
