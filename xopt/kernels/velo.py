@@ -5,16 +5,20 @@ All of a model's tensors in six launches plus a handful of batched torch ops:
 1. ``stats1`` (factored tensors): partial sums of the clipped g² over each tile's two axes;
 2. ``fac_finalize`` + ``rcm``: the new ``v_row``/``v_col`` and their row-column means;
 3. :func:`velo_stats_kernel` (every tensor): Σ feature² of the 30 MLP inputs (float32 per
-   thread over at most TA / SA terms, then float64 per tile and per tensor), and Σ m_k,
-   Σ rms, Σ m_k², Σ rms² of the accumulators before the update (float64 throughout), for
-   the LSTM inputs' means and variances, taken one-pass in float64 (float32 statistics
-   summed in float32 across the tile had moved the step by 3e-6), all in a fixed order;
-4. torch, batched over tensors: the LSTM inputs, one LSTM step for all tensors
-   (:func:`xopt.specs.velo.lstm_step`, as the plain path), the hypernetwork's per-tensor
-   MLP weights ``100·mean_k(controls_k·bank_k)`` for every tensor in one product, gathered
-   into one padded table;
+   thread over at most TA / SA terms, then float64 per tile and per tensor), and
+   Σ (m_k − mean m_k)², Σ (rms − mean m_k)² of the accumulators before the update (float32
+   per element, float64 sums), for the LSTM inputs' variances (two-pass), all in a fixed
+   order. The means come from Σ m_k, Σ rms per program that the last step's fused pass
+   left (the sums of what it stored; :meth:`VeLOTriton._carried`), or, when those may not
+   describe the state, from :func:`velo_mom_sums_kernel` before the step (the same bits);
+4. torch, batched over tensors: the LSTM inputs (mean_rms, var_m, var_rms from the float64
+   sums in float64, rounded once), one LSTM step for all tensors
+   (:func:`xopt.specs.velo.lstm_step`, the plain path's function, in float64), the
+   hypernetwork's per-tensor MLP weights ``100·mean_k(controls_k·bank_k)`` for every
+   tensor in one float64 product, rounded to float32 and gathered into one padded table;
 5. :func:`velo_fused_kernel`: accumulators, features, normalization, the tensor's own MLP,
-   the step and the parameter update.
+   the step and the parameter update; and Σ m_k, Σ rms per program of the accumulators it
+   stores, for the next step.
 
 On a CUDA device, 1-5 are recorded once into a CUDA graph and replayed
 (:class:`VeLOTriton`): the host then spends a few copies and one launch per step.
@@ -68,20 +72,26 @@ STATS_F32 = os.environ.get("XOPT_VELO_STATS_F32", "1") != "0"
 GRAPH_LOSS = os.environ.get("XOPT_VELO_GRAPH_LOSS", "1") != "0"
 _VERSION = operator.attrgetter("_version")
 _DPTR = torch.Tensor.data_ptr
+#: per-lane sums of the accumulators in the fused pass (and velo_mom_sums_kernel): float32
+#: (over at most TA / SA terms, then float64; the default) or float64 (XOPT_VELO_MOM_ACC=f64;
+#: measured on an earlier variant of the kernel: its fused pass 2.80 ms against 2.56 ms with
+#: float32 per ViT-B/16 step, H100, torch.profiler, two runs)
+MOM_ACC = tl.float64 if os.environ.get("XOPT_VELO_MOM_ACC", "f32") == "f64" else tl.float32
 NPTR = 8  # pointer table columns: p, g, m, rms, v_row, v_col, v_diag, out
 NFEAT = 30
 
 
 @triton.jit
 def _mom_acc(a0, a1, a2, a3, m0, m1, m2, rms, mask):
-    """Per-lane float64 sums (over a tile's sub-tiles, in loop order) of the accumulators
-    ``m_k`` (k < 3) and ``rms`` [BLOCK], 0 where masked: the same lanes, values and order in
+    """Per-lane sums in ``a0``'s dtype (:data:`MOM_ACC`; over a tile's sub-tiles, in loop
+    order) of the accumulators ``m_k`` (k < 3) and ``rms`` [BLOCK], 0 where masked: the
+    same lanes, values and order in
     :func:`velo_mom_sums_kernel` (the old accumulators, loaded) and the fused pass (the
     new ones, as stored), so that both give the same bits."""
-    return (a0 + tl.where(mask, m0, 0.0).to(tl.float64),
-            a1 + tl.where(mask, m1, 0.0).to(tl.float64),
-            a2 + tl.where(mask, m2, 0.0).to(tl.float64),
-            a3 + tl.where(mask, rms, 0.0).to(tl.float64))
+    return (a0 + tl.where(mask, m0, 0.0).to(a0.dtype),
+            a1 + tl.where(mask, m1, 0.0).to(a1.dtype),
+            a2 + tl.where(mask, m2, 0.0).to(a2.dtype),
+            a3 + tl.where(mask, rms, 0.0).to(a3.dtype))
 
 
 @triton.jit
@@ -119,54 +129,9 @@ def _pair_sum(x, N: tl.constexpr):
 @triton.jit
 def _mom_store(out, pid, a0, a1, a2, a3, BLOCK: tl.constexpr):
     """``out[pid, 0:4]`` (float64) = Σ over the lanes of :func:`_mom_acc`'s sums
-    (:func:`_pair_sum`): Σm_0, Σm_1, Σm_2, Σrms of the program's tile. The sums are
-    [BLOCK] or [SA, TB] (row-major: lane s·TB + j, as the [BLOCK] ones)."""
-    x = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), [BLOCK, 4])
+    (:func:`_pair_sum`): Σm_0, Σm_1, Σm_2, Σrms of the program's tile."""
+    x = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), [BLOCK, 4]).to(tl.float64)
     tl.store(out + pid.to(tl.int64) * 4 + tl.arange(0, 4), _pair_sum(x, BLOCK))
-
-
-@triton.jit
-def _axis_q(vr, vc, ridx, cidx, mask, is_row, is_col, rc):
-    """One decay's statistic on one tile axis: ``(x, f, rsqrt(x + 1e-8))`` with ``x`` the
-    ``v_row`` entries ``ridx`` (``is_row``) or the ``v_col`` entries ``cidx`` (``vr``,
-    ``vc``: that decay's pointers, entries 3 apart) and ``f`` its factor of ``fac_g``: the
-    row factor ``rsqrt(max(x / (rc + 1e-9), 1e-9))`` (``rc`` the row-column mean) or the
-    column factor ``rsqrt(max(x, 1e-9))``, as :func:`xopt.kernels.lopt_common.accumulate`
-    computes them per element (the same operations: the same bits)."""
-    x = tl.where(is_row, tl.load(vr + ridx * 3, mask=tl.where(is_row, mask, False), other=1.0),
-                 tl.load(vc + cidx * 3, mask=tl.where(is_col, mask, False), other=1.0))
-    f = tl.where(is_row, tl.math.rsqrt(tl.maximum(x / (rc + 1e-9), 1e-9)),
-                 tl.math.rsqrt(tl.maximum(x, 1e-9)))
-    return x, f, tl.math.rsqrt(x + 1e-8)
-
-
-@triton.jit
-def _axis_q3(vr, vc, ridx, cidx, mask, is_row, is_col, rc0, rc1, rc2):
-    """:func:`_axis_q` for the three decays: ``(x0, f0, s0, x1, f1, s1, x2, f2, s2)``."""
-    x0, f0, s0 = _axis_q(vr, vc, ridx, cidx, mask, is_row, is_col, rc0)
-    x1, f1, s1 = _axis_q(vr + 1, vc + 1, ridx, cidx, mask, is_row, is_col, rc1)
-    x2, f2, s2 = _axis_q(vr + 2, vc + 2, ridx, cidx, mask, is_row, is_col, rc2)
-    return x0, f0, s0, x1, f1, s1, x2, f2, s2
-
-
-@triton.jit
-def _pick(b_row, xb, xa):
-    """The [SA, TB] per-element value of an axis statistic: from the b axis (``xb`` [TB])
-    when it holds the rows' (``b_row``) statistic, else from the a axis (``xa`` [SA])."""
-    return tl.where(b_row, xb[None, :], xa[:, None])
-
-
-@triton.jit
-def _diag_q(vd3, mask, g, cd_raw):
-    """One decay's unfactored accumulator per element: ``(v, fg, fm, rsqrt(v + 1e-8))`` with
-    ``v = c·v_diag + (1 − c)·(g² + 1e-30)`` (``c`` the decay clipped to [0, 1]),
-    ``fg = rsqrt(max(v + 1e-9, 1e-9))``, ``fm = rsqrt(v)`` (VeLO's FM_EPS = 0), as
-    :func:`xopt.kernels.lopt_common.accumulate` and
-    :func:`~xopt.kernels.lopt_common.rsqrt_features` compute them."""
-    cd = tl.minimum(tl.maximum(cd_raw, 0.0), 1.0)
-    v = cd * tl.load(vd3, mask=mask, other=0.0) + (1.0 - cd) * (g * g + 1e-30)
-    return (v, tl.math.rsqrt(tl.maximum(v + 1e-9, 1e-9)), tl.math.rsqrt(v + 0.0),
-            tl.math.rsqrt(v + 1e-8))
 
 
 @triton.jit
@@ -209,7 +174,7 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
         wlt = bht + NHID * HP
         blt = wlt + HP * 16
         if TWO_PASS:  # per-lane sums of the new m_k, rms (the next step's old ones)
-            n0 = tl.zeros([SA, TB], tl.float64)
+            n0 = tl.zeros([BLOCK], ACC)
             n1 = n0
             n2 = n0
             n3 = n0
@@ -217,8 +182,8 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
         # per-thread sums of the 30 features² (ACC: float64, or float32 over at most TA / SA
         # terms; p² always float64) and, for the LSTM inputs' variances, of
         # (m_k − mean m_k)², (rms − mean m_k)² (TWO_PASS) or of m_k, rms and their squares
-        zf = tl.zeros([SA, TB], ACC)
-        zd = tl.zeros([SA, TB], tl.float64)
+        zf = tl.zeros([BLOCK], ACC)
+        zd = tl.zeros([BLOCK], tl.float64)
         q0 = zf
         q1 = zf
         q2 = zd
@@ -265,30 +230,9 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
     ib = tb * TB + tl.arange(0, TB)
     a0 = ta * TA
     n_sub = tl.minimum(TA, ia_n - a0)
-    # element (ia, ib) of batch b is at boff + ia·sap + ib·sbp
-    n = tl.load(row + 0)
-    bs1 = tl.load(row + 6)
-    sap = tl.load(row + 4)
-    offb = C.batch_offset(b, bs1, tl.load(row + 7), tl.load(row + 8)) \
-        + ib.to(tl.int64) * tl.load(row + 5)
-    mb = ib < tl.load(row + 3)
-    # factored: the statistics per axis position, not per element. v_row (entry
-    # rbase + i_d1·RD1 of batch b) runs along the b axis when a is d0 (A_IS_D0), v_col
-    # (cbase + i_d0·CD0) along the other; the b axis's are the program's, computed once
-    isf = fact != 0
-    b_row = tl.load(row + 13) != 0
-    b_col = tl.load(row + 13) == 0
-    rbase = C.batch_offset(b, bs1, tl.load(row + 14), tl.load(row + 15))
-    rd1 = tl.load(row + 16)
-    cbase = C.batch_offset(b, bs1, tl.load(row + 17), tl.load(row + 18))
-    cd0 = tl.load(row + 19)
-    xb0, fb0, sb0, xb1, fb1, sb1, xb2, fb2, sb2 = _axis_q3(
-        vr, vc, rbase + ib * rd1, cbase + ib * cd0, tl.where(isf, mb, False), b_row, b_col, rc0,
-        rc1, rc2)
     for s in range(0, n_sub, SA):
         ia = a0 + s + sa_i
-        off = offb[None, :] + ia[:, None].to(tl.int64) * sap
-        mask = (ia[:, None] < ia_n) & mb[None, :] & (off < n)
+        off, mask, ridx, cidx = C.load_tile(row, t, b, ia, ib, ptrs, NPTR, BLOCK)
         g = tl.load(gp + off, mask=mask, other=0.0)
         g = tl.minimum(tl.maximum(g, -1000.0), 1000.0)
         p = tl.load(pp + off, mask=mask, other=0.0)
@@ -300,48 +244,12 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
         m1 = md1 * om1 + (1 - md1) * g
         m2 = md2 * om2 + (1 - md2) * g
         rms = rd * orms + (1 - rd) * (g * g)
-        v3 = vd + off * 3
-        if fact != 0:  # the a axis's statistics (SA positions), then per element a product
-            xa0, fa0, sa0, xa1, fa1, sa1, xa2, fa2, sa2 = _axis_q3(
-                vr, vc, rbase + ia * rd1, cbase + ia * cd0, ia < ia_n, b_col, b_row, rc0, rc1,
-                rc2)
-            R0 = _pick(b_row, xb0, xa0)
-            R1 = _pick(b_row, xb1, xa1)
-            R2 = _pick(b_row, xb2, xa2)
-            C0 = _pick(b_col, xb0, xa0)
-            C1 = _pick(b_col, xb1, xa1)
-            C2 = _pick(b_col, xb2, xa2)
-            FG0 = _pick(b_row, fb0, fa0) * _pick(b_col, fb0, fa0)
-            FG1 = _pick(b_row, fb1, fa1) * _pick(b_col, fb1, fa1)
-            FG2 = _pick(b_row, fb2, fa2) * _pick(b_col, fb2, fa2)
-            FM0 = FG0
-            FM1 = FG1
-            FM2 = FG2
-            rsr0 = _pick(b_row, sb0, sa0)
-            rsr1 = _pick(b_row, sb1, sa1)
-            rsr2 = _pick(b_row, sb2, sa2)
-            rsc0 = _pick(b_col, sb0, sa0)
-            rsc1 = _pick(b_col, sb1, sa1)
-            rsc2 = _pick(b_col, sb2, sa2)
-            V0 = R0
-            V1 = R1
-            V2 = R2
-        else:  # v_diag per element: the row and column statistics are both v
-            V0, FG0, FM0, rsr0 = _diag_q(v3, mask, g, fd0)
-            V1, FG1, FM1, rsr1 = _diag_q(v3 + 1, mask, g, fd1)
-            V2, FG2, FM2, rsr2 = _diag_q(v3 + 2, mask, g, fd2)
-            R0 = V0
-            R1 = V1
-            R2 = V2
-            C0 = V0
-            C1 = V1
-            C2 = V2
-            rsc0 = rsr0
-            rsc1 = rsr1
-            rsc2 = rsr2
-        rr = tl.math.rsqrt(rms + 1e-6)
+        R0, C0, FG0, FM0, V0, R1, C1, FG1, FM1, V1, R2, C2, FG2, FM2, V2, v3 = \
+            C.accumulate3(fact, off, mask, ridx, cidx, g, m0, m1, m2, rp, vr, vc, vd, fd0, fd1,
+                          fd2, rc0, rc1, rc2, 0.0)
+        rr, rsr0, rsr1, rsr2, rsc0, rsc1, rsc2 = C.rsqrt_features(rms, R0, R1, R2, C0, C1, C2)
         gc = tl.minimum(tl.maximum(g, -0.1), 0.1)
-        z = tl.zeros([SA, TB], tl.float32)
+        z = tl.zeros([BLOCK], tl.float32)
         if FUSED:
             # the tensor's 4-wide MLP, the first layer feature by feature (spec order)
             h0, h1, h2, h3 = C.rank1(z, z, z, z, g, 0, invp, w0t)
@@ -481,17 +389,19 @@ def velo_stats_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh,
 
 @triton.jit
 def velo_fused_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
-                      part, exp_mult, step_mult, MOM_OUT: tl.constexpr, NHID: tl.constexpr,
+                      part, exp_mult, step_mult, MOM_OUT: tl.constexpr, MACC: tl.constexpr,
+                      NHID: tl.constexpr,
                       NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr,
                       SA: tl.constexpr):
     """Launch 5 (fused mode of :func:`_velo_body`; MOM_OUT: the new accumulators' sums
     → ``part`` [n_prog, 4])."""
     _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
-               exp_mult, step_mult, True, MOM_OUT, tl.float32, NHID, NPTR, NF, TA, TB, SA)
+               exp_mult, step_mult, True, MOM_OUT, MACC, NHID, NPTR, NF, TA, TB, SA)
 
 
 @triton.jit
-def velo_mom_sums_kernel(meta, prog, ptrs, part, NPTR: tl.constexpr, NF: tl.constexpr,
+def velo_mom_sums_kernel(meta, prog, ptrs, part, MACC: tl.constexpr, NPTR: tl.constexpr,
+                         NF: tl.constexpr,
                          TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
     """Σm_0, Σm_1, Σm_2, Σrms of the accumulators as they are, per program
     → ``part[pid, 0:4]`` (float64): the same tiles, sub-tiles (SA must be the fused pass's),
@@ -506,7 +416,7 @@ def velo_mom_sums_kernel(meta, prog, ptrs, part, NPTR: tl.constexpr, NF: tl.cons
     b, ta, tb = C.tile_of(row, pid - tl.load(row + 11))
     mp = C.ptr_f32(ptrs, t, 2, NPTR)
     rp = C.ptr_f32(ptrs, t, 3, NPTR)
-    n0 = tl.zeros([BLOCK], tl.float64)
+    n0 = tl.zeros([BLOCK], MACC)
     n1 = n0
     n2 = n0
     n3 = n0
@@ -711,8 +621,8 @@ class VeLOTriton:
                               device=lay.meta.device)
         if lay.n_prog_all:
             velo_mom_sums_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, self._ptrs, out,
-                                                    NPTR=NPTR, NF=L.NFIELDS, TA=L.TA, TB=L.TB,
-                                                    SA=SA, num_warps=WARPS)
+                                                    MOM_ACC, NPTR=NPTR, NF=L.NFIELDS, TA=L.TA,
+                                                    TB=L.TB, SA=SA, num_warps=WARPS)
         return out
 
     def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -955,7 +865,7 @@ class VeLOTriton:
                                              norm, scal, tab, tab, tab, tab, tab, tab,
                                              mpart if TWO_PASS else part,
                                              float(hp.exp_mult), float(hp.step_mult),
-                                             MOM_OUT=TWO_PASS, SA=SA, **common)
+                                             MOM_OUT=TWO_PASS, MACC=MOM_ACC, SA=SA, **common)
         hidden.copy_(new_h)
         cell.copy_(new_c)
 
