@@ -223,6 +223,36 @@ def _worker() -> dict:
         out[f"{method}/resume_bitwise"] = bool(
             all(torch.equal(a, b) for a, b in zip(params, params2, strict=True)))
 
+    # VeLO's sums of the old accumulators carried from the last step's fused pass: the same
+    # bits as summing the state anew; summed anew only on the first step and after an
+    # in-place edit of the state (which the step then follows, against plain)
+    carry = {}
+    for impl in ("plain", "triton"):
+        params = params_for(torch.float32)
+        opt = make("velo", params, impl)
+        for t in range(4):
+            for p, g in zip(params, grads(100 + t, torch.float32), strict=True):
+                p.grad = g
+            if t == 2:
+                for p in params:
+                    opt.state[p]["m"].mul_(1.5)
+                    opt.state[p]["rms"].mul_(2.0)
+            opt.step(loss=torch.tensor(2.0 - 0.1 * t))
+            if impl == "triton" and t == 1:
+                carried = opt._triton._mpart.clone()
+                fresh = opt._triton.mom_partials()
+                carry["bitwise"] = bool(torch.equal(carried.view(torch.int64),
+                                                    fresh.view(torch.int64)))
+                carry["nonzero"] = bool((carried != 0).any())
+                carry["fallbacks_2"] = opt._triton.mom_fallbacks
+        carry[impl] = (params, opt)
+    (pa, oa), (pb, ob) = carry.pop("plain"), carry.pop("triton")
+    carry["fallbacks_4"] = ob._triton.mom_fallbacks
+    carry["param"] = max(rel(b.detach(), a.detach()) for a, b in zip(pa, pb, strict=True))
+    carry["state"] = max(rel(ob.state[b][k], oa.state[a][k]) for a, b in
+                         zip(pa, pb, strict=True) for k in oa.state[a])
+    out["velo/mom_carry"] = carry
+
     # the host tables are kept between steps (xopt.torch._lopt.TritonIO): the same tensors
     # give the same version; a new lr or a new gradient tensor gives a new one, and the step
     # follows it (against plain, with the lr changed and the gradients replaced mid-run)
@@ -349,6 +379,18 @@ def test_host_tables_are_kept_between_steps(results, method):
     assert r["param"] <= EXACT and r["state"] <= EXACT, r
     if r.get("graph_recordings") is not None and results["device"] == "cuda":
         assert r["graph_recordings"] == 1, r  # replayed through new gradients and lr
+
+
+def test_velo_carried_sums_are_the_sums_anew(results):
+    """VeLO's Σm_k, Σrms of the accumulators before a step come from the last step's
+    fused pass; they are the same bits as summing the state anew (so that a resumed run,
+    which sums anew, is bit-exact), are summed anew on the first step and after the state
+    is edited in place (4 steps, an edit before the third: 2 times), and the step follows
+    the edit as plain does."""
+    r = results["velo/mom_carry"]
+    assert r["bitwise"] and r["nonzero"], r
+    assert r["fallbacks_2"] == 1 and r["fallbacks_4"] == 2, r
+    assert r["param"] <= EXACT and r["state"] <= EXACT, r
 
 
 def test_velo_loss_buffer_inside_the_step(results):

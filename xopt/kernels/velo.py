@@ -5,16 +5,20 @@ All of a model's tensors in six launches plus a handful of batched torch ops:
 1. ``stats1`` (factored tensors): partial sums of the clipped g² over each tile's two axes;
 2. ``fac_finalize`` + ``rcm``: the new ``v_row``/``v_col`` and their row-column means;
 3. :func:`velo_stats_kernel` (every tensor): Σ feature² of the 30 MLP inputs (float32 per
-   thread over at most TA / SA terms, then float64 per tile and per tensor), and Σ m_k,
-   Σ rms, Σ m_k², Σ rms² of the accumulators before the update (float64 throughout), for
-   the LSTM inputs' means and variances, taken one-pass in float64 (float32 statistics
-   summed in float32 across the tile had moved the step by 3e-6), all in a fixed order;
-4. torch, batched over tensors: the LSTM inputs, one LSTM step for all tensors
-   (:func:`xopt.specs.velo.lstm_step`, as the plain path), the hypernetwork's per-tensor
-   MLP weights ``100·mean_k(controls_k·bank_k)`` for every tensor in one product, gathered
-   into one padded table;
+   thread over at most TA / SA terms, then float64 per tile and per tensor), and
+   Σ (m_k − mean m_k)², Σ (rms − mean m_k)² of the accumulators before the update (float32
+   per element, float64 sums), for the LSTM inputs' variances (two-pass), all in a fixed
+   order. The means come from Σ m_k, Σ rms per program that the last step's fused pass
+   left (the sums of what it stored; :meth:`VeLOTriton._carried`), or, when those may not
+   describe the state, from :func:`velo_mom_sums_kernel` before the step (the same bits);
+4. torch, batched over tensors: the LSTM inputs (mean_rms, var_m, var_rms from the float64
+   sums in float64, rounded once), one LSTM step for all tensors
+   (:func:`xopt.specs.velo.lstm_step`, the plain path's function, in float64), the
+   hypernetwork's per-tensor MLP weights ``100·mean_k(controls_k·bank_k)`` for every
+   tensor in one float64 product, rounded to float32 and gathered into one padded table;
 5. :func:`velo_fused_kernel`: accumulators, features, normalization, the tensor's own MLP,
-   the step and the parameter update.
+   the step and the parameter update; and Σ m_k, Σ rms per program of the accumulators it
+   stores, for the next step.
 
 On a CUDA device, 1-5 are recorded once into a CUDA graph and replayed
 (:class:`VeLOTriton`): the host then spends a few copies and one launch per step.
@@ -31,7 +35,9 @@ small_fc_lopt). MLPs up to 4 wide are supported (:func:`check_supported`).
 
 from __future__ import annotations
 
+import operator
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -64,8 +70,68 @@ STATS_F32 = os.environ.get("XOPT_VELO_STATS_F32", "1") != "0"
 #: the loss buffer's update and t/N inside the CUDA graph (XOPT_VELO_GRAPH_LOSS=0: before
 #: it, on the host's stream, as the eager path)
 GRAPH_LOSS = os.environ.get("XOPT_VELO_GRAPH_LOSS", "1") != "0"
+_VERSION = operator.attrgetter("_version")
+_DPTR = torch.Tensor.data_ptr
+#: per-lane sums of the accumulators in the fused pass (and velo_mom_sums_kernel): float32
+#: (over at most TA / SA terms, then float64; the default) or float64 (XOPT_VELO_MOM_ACC=f64;
+#: measured on an earlier variant of the kernel: its fused pass 2.80 ms against 2.56 ms with
+#: float32 per ViT-B/16 step, H100, torch.profiler, two runs)
+MOM_ACC = tl.float64 if os.environ.get("XOPT_VELO_MOM_ACC", "f32") == "f64" else tl.float32
 NPTR = 8  # pointer table columns: p, g, m, rms, v_row, v_col, v_diag, out
 NFEAT = 30
+
+
+@triton.jit
+def _mom_acc(a0, a1, a2, a3, m0, m1, m2, rms, mask):
+    """Per-lane sums in ``a0``'s dtype (:data:`MOM_ACC`; over a tile's sub-tiles, in loop
+    order) of the accumulators ``m_k`` (k < 3) and ``rms`` [BLOCK], 0 where masked: the
+    same lanes, values and order in
+    :func:`velo_mom_sums_kernel` (the old accumulators, loaded) and the fused pass (the
+    new ones, as stored), so that both give the same bits."""
+    return (a0 + tl.where(mask, m0, 0.0).to(a0.dtype),
+            a1 + tl.where(mask, m1, 0.0).to(a1.dtype),
+            a2 + tl.where(mask, m2, 0.0).to(a2.dtype),
+            a3 + tl.where(mask, rms, 0.0).to(a3.dtype))
+
+
+@triton.jit
+def _pair_sum(x, N: tl.constexpr):
+    """Σ over the first axis of ``x`` [N, 4] (N a power of two, 2 ≤ N ≤ 4096) as a fixed
+    binary tree: rows 2i and 2i+1 added, N/2 rows left, and so on. Each addition has two
+    operands, so the result does not depend on how the compiler lays ``x`` out over
+    threads (a + b = b + a exactly): any two kernels give the same bits. (Each step below
+    runs when N ≥ its row count, so that x has exactly that many rows then.)"""
+    if N >= 4096:
+        x = tl.sum(tl.reshape(x, [2048, 2, 4]), axis=1)
+    if N >= 2048:
+        x = tl.sum(tl.reshape(x, [1024, 2, 4]), axis=1)
+    if N >= 1024:
+        x = tl.sum(tl.reshape(x, [512, 2, 4]), axis=1)
+    if N >= 512:
+        x = tl.sum(tl.reshape(x, [256, 2, 4]), axis=1)
+    if N >= 256:
+        x = tl.sum(tl.reshape(x, [128, 2, 4]), axis=1)
+    if N >= 128:
+        x = tl.sum(tl.reshape(x, [64, 2, 4]), axis=1)
+    if N >= 64:
+        x = tl.sum(tl.reshape(x, [32, 2, 4]), axis=1)
+    if N >= 32:
+        x = tl.sum(tl.reshape(x, [16, 2, 4]), axis=1)
+    if N >= 16:
+        x = tl.sum(tl.reshape(x, [8, 2, 4]), axis=1)
+    if N >= 8:
+        x = tl.sum(tl.reshape(x, [4, 2, 4]), axis=1)
+    if N >= 4:
+        x = tl.sum(tl.reshape(x, [2, 2, 4]), axis=1)
+    return tl.sum(x, axis=0)
+
+
+@triton.jit
+def _mom_store(out, pid, a0, a1, a2, a3, BLOCK: tl.constexpr):
+    """``out[pid, 0:4]`` (float64) = Σ over the lanes of :func:`_mom_acc`'s sums
+    (:func:`_pair_sum`): Σm_0, Σm_1, Σm_2, Σrms of the program's tile."""
+    x = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), [BLOCK, 4]).to(tl.float64)
+    tl.store(out + pid.to(tl.int64) * 4 + tl.arange(0, 4), _pair_sum(x, BLOCK))
 
 
 @triton.jit
@@ -80,7 +146,9 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
     (per thread in float32, at most TA / SA terms, then in float64), and of the old m_k, rms
     and their squares (float64 throughout: the LSTM inputs' variances, taken one-pass)
     → ``part[pid, 32:40]`` = Σm_0, Σm_1, Σm_2, Σrms, Σm_0², Σm_1², Σm_2², Σrms².
-    ``FUSED=True``: the tensor's 4-wide MLP (weights ``w0`` [n, 32, 4], ``b0`` [n, 4], ``wh``
+    ``FUSED=True``: (with TWO_PASS) Σ over the tile of the new m_k, rms → ``part[pid, 0:4]``
+    (float64 [n_prog, 4], :func:`_mom_store`: the next step's old sums), and the tensor's
+    4-wide MLP (weights ``w0`` [n, 32, 4], ``b0`` [n, 4], ``wh``
     [n, NHID, 4, 4], ``bh`` [n, NHID, 4], ``wl`` [n, 4, 16], ``bl`` [n, 16]), its first layer
     one feature at a time (:func:`xopt.kernels.lopt_common.rank1`), and the update."""
     HP: tl.constexpr = 4
@@ -105,6 +173,11 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
         bht = wht + NHID * HP * HP
         wlt = bht + NHID * HP
         blt = wlt + HP * 16
+        if TWO_PASS:  # per-lane sums of the new m_k, rms (the next step's old ones)
+            n0 = tl.zeros([BLOCK], ACC)
+            n1 = n0
+            n2 = n0
+            n3 = n0
     else:
         # per-thread sums of the 30 features² (ACC: float64, or float32 over at most TA / SA
         # terms; p² always float64) and, for the LSTM inputs' variances, of
@@ -218,6 +291,8 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
             tl.store(mp + off * 3 + 1, m1, mask=mask)
             tl.store(mp + off * 3 + 2, m2, mask=mask)
             tl.store(rp + off, rms, mask=mask)
+            if TWO_PASS:
+                n0, n1, n2, n3 = _mom_acc(n0, n1, n2, n3, m0, m1, m2, rms, mask)
             if fact == 0:
                 tl.store(v3, V0, mask=mask)
                 tl.store(v3 + 1, V1, mask=mask)
@@ -297,6 +372,8 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
         y = tl.reshape(C.cat8(u0, u1, u2, u3, u4, u5, u6, u7), [BLOCK, 8])
         tl.store(part + pid.to(tl.int64) * 64 + 32 + c8, tl.sum(y, axis=0))
         # (columns 40-63 are not written and not read)
+    elif TWO_PASS:
+        _mom_store(part, pid, n0, n1, n2, n3, BLOCK)
 
 
 @triton.jit
@@ -312,11 +389,50 @@ def velo_stats_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh,
 
 @triton.jit
 def velo_fused_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
-                      part, exp_mult, step_mult, NHID: tl.constexpr, NPTR: tl.constexpr,
-                      NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
-    """Launch 5 (fused mode of :func:`_velo_body`)."""
+                      part, exp_mult, step_mult, MOM_OUT: tl.constexpr, MACC: tl.constexpr,
+                      NHID: tl.constexpr,
+                      NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr,
+                      SA: tl.constexpr):
+    """Launch 5 (fused mode of :func:`_velo_body`; MOM_OUT: the new accumulators' sums
+    → ``part`` [n_prog, 4])."""
     _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
-               exp_mult, step_mult, True, False, tl.float32, NHID, NPTR, NF, TA, TB, SA)
+               exp_mult, step_mult, True, MOM_OUT, MACC, NHID, NPTR, NF, TA, TB, SA)
+
+
+@triton.jit
+def velo_mom_sums_kernel(meta, prog, ptrs, part, MACC: tl.constexpr, NPTR: tl.constexpr,
+                         NF: tl.constexpr,
+                         TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
+    """Σm_0, Σm_1, Σm_2, Σrms of the accumulators as they are, per program
+    → ``part[pid, 0:4]`` (float64): the same tiles, sub-tiles (SA must be the fused pass's),
+    lanes and order as the fused pass's sums of what it stores (:func:`_mom_acc`,
+    :func:`_mom_store`), hence the same bits. Run when the fused pass's sums from the last
+    step may not describe the state (:meth:`VeLOTriton.step`)."""
+    BLOCK: tl.constexpr = SA * TB
+    pid = tl.program_id(0)
+    t = tl.load(prog + pid)
+    row = meta + t * NF
+    ia_n = tl.load(row + 2)
+    b, ta, tb = C.tile_of(row, pid - tl.load(row + 11))
+    mp = C.ptr_f32(ptrs, t, 2, NPTR)
+    rp = C.ptr_f32(ptrs, t, 3, NPTR)
+    n0 = tl.zeros([BLOCK], MACC)
+    n1 = n0
+    n2 = n0
+    n3 = n0
+    sa_i = tl.arange(0, SA)
+    ib = tb * TB + tl.arange(0, TB)
+    a0 = ta * TA
+    n_sub = tl.minimum(TA, ia_n - a0)
+    for s in range(0, n_sub, SA):
+        ia = a0 + s + sa_i
+        off, mask, ridx, cidx = C.load_tile(row, t, b, ia, ib, ptrs, NPTR, BLOCK)
+        m0 = tl.load(mp + off * 3, mask=mask, other=0.0)
+        m1 = tl.load(mp + off * 3 + 1, mask=mask, other=0.0)
+        m2 = tl.load(mp + off * 3 + 2, mask=mask, other=0.0)
+        rms = tl.load(rp + off, mask=mask, other=0.0)
+        n0, n1, n2, n3 = _mom_acc(n0, n1, n2, n3, m0, m1, m2, rms, mask)
+    _mom_store(part, pid, n0, n1, n2, n3, BLOCK)
 
 
 check_supported = L.supported_velo
@@ -363,17 +479,24 @@ class VeLOTriton:
         self.graphs = os.environ.get("XOPT_LOPT_CUDA_GRAPHS", "1") != "0"
         self.graph_recordings = 0  # how many times a graph was recorded (tests read it)
         self.loss_in_graph: bool | None = None  # None: graphs_loss decides
+        # the fused pass's per-program sums of the accumulators it wrote (float64 [n_prog,
+        # 4]), the next step's sums of the old ones, and what they describe (see _carried)
+        self._mpart: torch.Tensor | None = None
+        self._carry: tuple | None = None
+        self.mom_fallbacks = 0  # steps that summed the old accumulators anew (tests read it)
 
-    def _bank(self, meta: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-        """``(bank [P, T], gidx, key)``: the MLP banks side by side (each ``[P, ...]``
-        flattened, in :func:`xopt.specs.velo.mlp_bank_names` order) and the index of each
-        entry of one tensor's kernel table (w0 [32, 4], b0 [4], wh [NHID, 4, 4], bh [NHID, 4],
-        wl [4, 16], bl [16], zero-padded) in ``[mixed | 0]`` (T: the zero). Cached per meta
-        tensors (``key``: their pointers and versions)."""
+    def _bank(self, meta: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, tuple,
+                                                              dict[str, torch.Tensor]]:
+        """``(bank [P, T], gidx, key, lstm)``: the MLP banks side by side (each ``[P, ...]``
+        flattened, in :func:`xopt.specs.velo.mlp_bank_names` order; float64) and the index of
+        each entry of one tensor's kernel table (w0 [32, 4], b0 [4], wh [NHID, 4, 4], bh
+        [NHID, 4], wl [4, 16], bl [16], zero-padded) in ``[mixed | 0]`` (T: the zero), and the
+        LSTM's weights (``lstm/...``) in float64. Cached per meta tensors (``key``: the
+        pointers and versions of all of them)."""
         names = _spec.mlp_bank_names(self.hp)
-        key = tuple((meta[k].data_ptr(), meta[k]._version) for k in names)
+        key = tuple((k, v.data_ptr(), v._version) for k, v in meta.items())
         if self._bank_cache is not None and self._bank_cache[0] == key:
-            return self._bank_cache[1], self._bank_cache[2], key
+            return self._bank_cache[1], self._bank_cache[2], key, self._bank_cache[3]
         p = meta[names[0]].shape[0]
         flat = [meta[k].reshape(p, -1) for k in names]
         total = sum(f.shape[1] for f in flat)
@@ -399,10 +522,11 @@ class VeLOTriton:
         for i in range(1, nl):
             idx += block(f"b{i}", 1, 4)
         idx += block(f"w{nl}", 4, 16) + block(f"b{nl}", 1, 16)
-        bank = torch.cat(flat, 1).contiguous()
+        bank = torch.cat(flat, 1).double().contiguous()
         gidx = to_device(torch.tensor(idx, dtype=torch.int64), bank.device)
-        self._bank_cache = (key, bank, gidx)
-        return bank, gidx, key
+        lstm = {k: v.double() for k, v in meta.items() if k.startswith("lstm/")}
+        self._bank_cache = (key, bank, gidx, lstm)
+        return bank, gidx, key, lstm
 
     def layout(self, shapes: Sequence[tuple[int, ...]], device: torch.device) -> L.Layout:
         lay = self._layout
@@ -450,6 +574,57 @@ class VeLOTriton:
             self._host_rows = hrow
         self._tab_key = (io.version, dev) if io is not None else None
 
+    def _carried(self, lay: L.Layout, states: Sequence[Mapping[str, torch.Tensor]],
+                 dev: torch.device, io=None) -> tuple:
+        """Makes ``self._mpart`` hold the per-program sums Σm_k, Σrms of the accumulators
+        as they are now (before this step) and returns what the step leaves them describing.
+
+        The fused pass writes the sums of the accumulators it stores (the next step's old
+        ones) into ``_mpart``; they are used as they are (no pass over m and rms) when
+        nothing can have changed the accumulators since: the same layout and buffer, and
+        the same ``m`` / ``rms`` tensor objects (weak references: no state is kept alive)
+        at the same addresses with the same version counters (views share their base's
+        counter, so an in-place write through any view, ``copy_``, ``load_state_dict``'s
+        copies, a plain-path step, all show; the kernels' raw-pointer writes do not bump
+        it). Otherwise (the first step, new tensors or shapes, a load_state_dict, a step on
+        the plain path, an in-place edit) :func:`velo_mom_sums_kernel` sums them anew, to
+        the same bits. Not seen: writes that bypass the version counter (``tensor.data``'s
+        in-place ops, other raw-pointer kernels) between two steps. With ``io``, the
+        addresses are its lists (those of the pointer table)."""
+        ts = [s["m"] for s in states]
+        ts += [s["rms"] for s in states]
+        if io is not None:
+            key = (io.ptrs["m"], io.ptrs["rms"], list(map(_VERSION, ts)))
+        else:
+            key = (list(map(_DPTR, ts)), list(map(_VERSION, ts)))
+        c = self._carry  # (layout, weak references to the tensors, their pointers and versions)
+        self._carry = None
+        mp = self._mpart
+        if mp is None or mp.shape[0] != max(lay.n_prog_all, 1) or mp.device != dev:
+            mp = self._mpart = torch.zeros((max(lay.n_prog_all, 1), 4), dtype=torch.float64,
+                                           device=dev)
+            c = None
+        if (c is not None and c[0] is lay and c[2] == key and len(c[1]) == len(ts)
+                and all(map(operator.is_, [w() for w in c[1]], ts))):
+            return c
+        self.mom_partials(mp)
+        self.mom_fallbacks += 1
+        return (lay, [weakref.ref(x) for x in ts], key)
+
+    def mom_partials(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Σm_0, Σm_1, Σm_2, Σrms per program (float64 [n_prog, 4]) of the accumulators
+        that the current tables point at, summed anew (:func:`velo_mom_sums_kernel`) into
+        ``out`` (or a new buffer)."""
+        lay = self._layout
+        if out is None:
+            out = torch.zeros((max(lay.n_prog_all, 1), 4), dtype=torch.float64,
+                              device=lay.meta.device)
+        if lay.n_prog_all:
+            velo_mom_sums_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, self._ptrs, out,
+                                                    MOM_ACC, NPTR=NPTR, NF=L.NFIELDS, TA=L.TA,
+                                                    TB=L.TB, SA=SA, num_warps=WARPS)
+        return out
+
     def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
              states: Sequence[dict[str, torch.Tensor]], outs: Sequence[torch.Tensor],
              write_step: Sequence[bool], lrs: Sequence[float], lrwds: Sequence[float],
@@ -478,7 +653,14 @@ class VeLOTriton:
             self._lfeat = torch.zeros((_spec.NUM_LOSS_DECAYS - 1,), dtype=torch.float32,
                                       device=dev)
         self._tables(params, grads, states, outs, write_step, lrs, lrwds, dev, io)
-        bank, gidx, bank_key = self._bank(meta)
+        carry = self._carried(self._layout, states, dev, io) if TWO_PASS else None
+        self._step(meta, hidden, cell, frac, lfeat, loss_state, dev, like)
+        self._carry = carry  # (the step done: the sums in _mpart are the new state's)
+        return hidden, cell
+
+    def _step(self, meta, hidden, cell, frac, lfeat, loss_state, dev, like) -> None:
+        """:meth:`step` after the tables: the step eagerly, or its CUDA graph."""
+        bank, gidx, bank_key, lstm64 = self._bank(meta)
         # every host-made input before the first launch (a blocking copy waits for the GPU)
         if loss_state is None:
             _copy_in(self._frac, frac.reshape(()).to(torch.float32))
@@ -488,15 +670,16 @@ class VeLOTriton:
             self._sync_loss_buffer(*loss_state, like)
             with_loss = True
         lay = self._layout
-        args = (lay, meta, bank, gidx, hidden, cell, with_loss)
+        args = (lay, lstm64, bank, gidx, hidden, cell, with_loss)
         if not (self.graphs and dev.type == "cuda"
                 and not torch.cuda.is_current_stream_capturing()):
             self._body(*args)
-            return hidden, cell
+            return
         # everything the recording reads, held (so that no address it holds is reused while
         # it lives) and compared by identity; bank_key: θ's pointers and versions
         refs = (lay, self._onehot, self._decays, self._ptrs, self._host, self._frac,
-                self._lfeat, bank, gidx, hidden, cell, *meta.values())
+                self._lfeat, self._mpart, bank, gidx, hidden, cell, *meta.values(),
+                *lstm64.values())
         if with_loss:
             refs = refs + tuple(self._lb.values())
         key = (bank_key, tuple(hidden.shape), tuple(cell.shape), with_loss)
@@ -504,7 +687,7 @@ class VeLOTriton:
                 and len(self._graph_key[1]) == len(refs)
                 and all(a is b for a, b in zip(self._graph_key[1], refs, strict=True))):
             self._graph.replay()
-            return hidden, cell
+            return
         self._graph = self._graph_key = None  # (frees the old graph's memory)
         cur = torch.cuda.current_stream(dev)
         if self._stream is None or self._stream.device != dev:
@@ -532,7 +715,6 @@ class VeLOTriton:
         if graph is not None:
             self._graph, self._graph_key = graph, (key, refs)
             self.graph_recordings += 1
-        return hidden, cell
 
     def graphs_loss(self, device: torch.device) -> bool:
         """Whether a step on ``device`` records the loss buffer's update into its graph
@@ -599,12 +781,13 @@ class VeLOTriton:
         lb["it"].add_(1)
         lb["t"].add_(1)
 
-    def _body(self, lay: L.Layout, meta: Mapping[str, torch.Tensor], bank: torch.Tensor,
+    def _body(self, lay: L.Layout, lstm64: Mapping[str, torch.Tensor], bank: torch.Tensor,
               gidx: torch.Tensor, hidden: torch.Tensor, cell: torch.Tensor,
               with_loss: bool = False) -> None:
         """Launches 1-5 and the glue, from the static tables and inputs only (device ops,
         no host→device copy: this is what a CUDA graph records); ``with_loss``: first the
-        loss buffer (:meth:`_loss_body`)."""
+        loss buffer (:meth:`_loss_body`). ``lstm64``, ``bank``: θ's LSTM weights and MLP
+        banks in float64 (:meth:`_bank`)."""
         hp = self.hp
         dev = hidden.device
         if with_loss:
@@ -615,14 +798,19 @@ class VeLOTriton:
         # xopt.specs.velo.fraction_embedding, with its timescales kept on the device
         frac_emb = _xp.tanh(torch, (self._frac - ts) * 10).expand(nt, -1)
         lfeat = self._lfeat.expand(nt, -1)
-        # 1-2: Adafactor statistics (factored tensors: g only; every tensor's Σ m_k, Σ rms
-        # when the variances are taken two-pass)
-        rcm, sums4 = C.factored_pass(lay, ptrs, fd, clip_g=True, mom_sums=TWO_PASS,
-                                     npt=NPTR)
+        # 1-2: Adafactor statistics (factored tensors: g only); every tensor's Σ m_k, Σ rms
+        # when the variances are taken two-pass: from the last fused pass, or summed anew
+        # before the step (_carried), per program in _mpart
+        rcm, _ = C.factored_pass(lay, ptrs, fd, clip_g=True, mom_sums=False, npt=NPTR)
         if rcm is None:
             rcm = torch.zeros((3,), dtype=torch.float32, device=dev)
         n = lay.numel[:, None]
-        mu = (sums4 / n).contiguous() if TWO_PASS else None
+        mpart = self._mpart
+        if TWO_PASS:  # the means of the old m_k, rms: float64, then rounded once
+            mu64 = C.seg_sum(mpart, lay) / lay.numel.double()[:, None]
+            mu = mu64.float().contiguous()
+        else:
+            mu = None
         # 3: feature statistics, and the variances' sums
         nhid = int(hp.ff_hidden_layers) - 1
         common = dict(NHID=nhid, NPTR=NPTR, NF=L.NFIELDS, TA=L.TA, TB=L.TB,
@@ -640,40 +828,44 @@ class VeLOTriton:
         # 4: the LSTM inputs (xopt.specs.velo.lstm_features, batched), the LSTM, the MLPs
         psq = st[:, 2] / lay.numel
         nm = torch.rsqrt(psq.clamp_min(1e-9))
-        if TWO_PASS:
-            mean_rms = nm * mu[:, 3]
-            var_m = (nm * nm)[:, None] * (st[:, 32:35] / n)
-            var_rms = (nm * nm)[:, None] * (st[:, 35:38] / n)
+        cla = _spec._clip_log_abs
+        if TWO_PASS:  # the three features in float64 from the float64 sums, rounded once
+            n64 = lay.numel.double()[:, None]
+            nm64 = torch.rsqrt((st64[:, 2] / lay.numel.double()).clamp_min(1e-9))
+            sc = (nm64 * nm64)[:, None]
+            f_rms = cla(torch, nm64 * mu64[:, 3]).float()
+            f_var_m = cla(torch, sc * (st64[:, 32:35] / n64)).float()
+            f_var_rms = cla(torch, sc * (st64[:, 35:38] / n64)).float()
         else:  # one-pass in float64: E[x²] − 2·E[x]·mean m_k + (mean m_k)²
             mom = st64[:, 32:40] / lay.numel.double()[:, None]
             mean_m = mom[:, 0:3]
             var_m64 = mom[:, 4:7] - mean_m * mean_m
             var_rms64 = mom[:, 7:8] - 2.0 * mom[:, 3:4] * mean_m + mean_m * mean_m
-            mean_rms = nm * mom[:, 3].float()
-            var_m = (nm * nm)[:, None] * var_m64.float()
-            var_rms = (nm * nm)[:, None] * var_rms64.float()
-        x = torch.cat([
-            frac_emb,
-            lfeat,
-            _spec._clip_log_abs(torch, mean_rms)[:, None],
-            self._onehot,
-            _spec._clip_log_abs(torch, var_m),
-            _spec._clip_log_abs(torch, var_rms),
-        ], dim=1)
-        controls, lr_mult, new_h, new_c = _spec.lstm_step(torch, x, hidden, cell, meta)
+            f_rms = cla(torch, nm * mom[:, 3].float())
+            f_var_m = cla(torch, (nm * nm)[:, None] * var_m64.float())
+            f_var_rms = cla(torch, (nm * nm)[:, None] * var_rms64.float())
+        x = torch.cat([frac_emb, lfeat, f_rms[:, None], self._onehot, f_var_m, f_var_rms],
+                      dim=1)
+        # the LSTM and the hypernetwork's mixing in float64, rounded once (float32 there
+        # had the step 1.9e-6 from float64 on the tests' case, with LSTM inputs correctly
+        # rounded; 3.0e-7 so)
+        controls, lr_mult, new_h, new_c = _spec.lstm_step(torch, x.double(), hidden.double(),
+                                                          cell.double(), lstm64)
+        lr_mult = lr_mult.float()
         pscale = torch.sqrt(psq + 1e-9)
         # every tensor's MLP weights at once (xopt.specs.velo.mix_mlp_weights: 100 · mean over
         # the bank of controls · bank), gathered into the kernel's padded table
-        mixed = 100.0 * (bank[None] * controls[:, :, None]).mean(1)
+        mixed = ((controls @ bank) * (100.0 / bank.shape[0])).float()
         tab = torch.cat([mixed, torch.zeros((nt, 1), device=dev)], 1)[:, gidx].contiguous()
         norm = torch.rsqrt(1e-5 + st[:, :32] / n).contiguous()
         scal = torch.cat([host, lr_mult[:, None], pscale[:, None],
                           torch.zeros((nt, 3), device=dev)], 1).contiguous()
         # 5: the fused update
         velo_fused_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, ptrs, rcm, decays, part,
-                                             norm, scal, tab, tab, tab, tab, tab, tab, part,
+                                             norm, scal, tab, tab, tab, tab, tab, tab,
+                                             mpart if TWO_PASS else part,
                                              float(hp.exp_mult), float(hp.step_mult),
-                                             SA=SA, **common)
+                                             MOM_OUT=TWO_PASS, MACC=MOM_ACC, SA=SA, **common)
         hidden.copy_(new_h)
         cell.copy_(new_c)
 
