@@ -55,6 +55,7 @@ class StepGraph:
         self.recordings = 0
         self._graph: torch.cuda.CUDAGraph | None = None
         self._refs: tuple = ()
+        self._key = None
         self._stream: torch.cuda.Stream | None = None
 
     def active(self, device: torch.device) -> bool:
@@ -62,24 +63,26 @@ class StepGraph:
         return (self.enabled and device.type == "cuda"
                 and not torch.cuda.is_current_stream_capturing())
 
-    def _same(self, refs: Sequence) -> bool:
-        return (self._graph is not None and len(refs) == len(self._refs)
+    def _same(self, refs: Sequence, key) -> bool:
+        return (self._graph is not None and key == self._key and len(refs) == len(self._refs)
                 and all(a is b for a, b in zip(self._refs, refs, strict=True)))
 
-    def run(self, body: Callable[[], None], refs: Sequence, device: torch.device) -> None:
+    def run(self, body: Callable[[], None], refs: Sequence, device: torch.device,
+            key=None) -> None:
         """One step: ``body()`` eagerly when not :meth:`active`; else the replay of its
-        recording when every object of ``refs`` is (``is``) the one recorded, else ``body``
-        eagerly on a side stream (this step's result, and the recording's warm-up) and then
-        recorded (not run) for the next steps. ``refs`` are held while the graph lives, so
-        that no address the graph holds is reused by another tensor."""
+        recording when every object of ``refs`` is (``is``) the one recorded and ``key``
+        equals the recorded one (values the body bakes in, e.g. pointers and versions), else
+        ``body`` eagerly on a side stream (this step's result, and the recording's warm-up)
+        and then recorded (not run) for the next steps. ``refs`` are held while the graph
+        lives, so that no address the graph holds is reused by another tensor."""
         if not self.active(device):
             body()
             return
         refs = tuple(refs)
-        if self._same(refs):
+        if self._same(refs, key):
             self._graph.replay()
             return
-        self._graph, self._refs = None, ()  # (frees the old graph's memory)
+        self._graph, self._refs, self._key = None, (), None  # (frees the old graph's memory)
         cur = torch.cuda.current_stream(device)
         if self._stream is None or self._stream.device != device:
             self._stream = torch.cuda.Stream(device=device)
@@ -103,5 +106,5 @@ class StepGraph:
                 graph = None
         cur.wait_stream(s)
         if graph is not None:
-            self._graph, self._refs = graph, refs
+            self._graph, self._refs, self._key = graph, refs, key
             self.recordings += 1

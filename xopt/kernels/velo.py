@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from xopt.kernels import lopt_common as C
+from xopt.kernels import lopt_graph as G
 from xopt.kernels import lopt_layout as L
 from xopt.specs import _xp
 from xopt.specs import velo as _spec
@@ -443,7 +444,7 @@ class VeLOTriton:
 
     On a CUDA device the step after the kernels' launches (launches 1-5 and the LSTM glue
     between them, about a hundred small torch ops) is recorded once into a CUDA graph and
-    replayed: its inputs sit in static device buffers (the pointer and per-tensor scalar
+    replayed (:class:`xopt.kernels.lopt_graph.StepGraph`): its inputs sit in static device buffers (the pointer and per-tensor scalar
     tables, t/N, the loss features, the LSTM state, θ), updated by copies before the
     replay, and the graph is recorded again whenever one of those buffers moves (new shapes,
     another LSTM state or θ). The first step of a graph runs eagerly (on a side stream, as
@@ -473,11 +474,7 @@ class VeLOTriton:
         self._host_rows: torch.Tensor | None = None
         self._frac: torch.Tensor | None = None   # float32 0-d (device): t / N
         self._lfeat: torch.Tensor | None = None  # float32 [9] (device)
-        self._graph = None
-        self._graph_key: tuple | None = None
-        self._stream = None
-        self.graphs = os.environ.get("XOPT_LOPT_CUDA_GRAPHS", "1") != "0"
-        self.graph_recordings = 0  # how many times a graph was recorded (tests read it)
+        self._graph = G.StepGraph("VeLO")
         self.loss_in_graph: bool | None = None  # None: graphs_loss decides
         # the fused pass's per-program sums of the accumulators it wrote (float64 [n_prog,
         # 4]), the next step's sums of the old ones, and what they describe (see _carried)
@@ -567,10 +564,10 @@ class VeLOTriton:
             self._host = torch.empty((nt, 3), dtype=torch.float32, device=dev)
             self._ptr_rows = self._host_rows = None
         if self._ptr_rows is None or not torch.equal(prow, self._ptr_rows):
-            _copy_in(self._ptrs, prow)
+            G.copy_in(self._ptrs, prow)
             self._ptr_rows = prow
         if self._host_rows is None or not torch.equal(hrow, self._host_rows):
-            _copy_in(self._host, hrow)
+            G.copy_in(self._host, hrow)
             self._host_rows = hrow
         self._tab_key = (io.version, dev) if io is not None else None
 
@@ -663,18 +660,13 @@ class VeLOTriton:
         bank, gidx, bank_key, lstm64 = self._bank(meta)
         # every host-made input before the first launch (a blocking copy waits for the GPU)
         if loss_state is None:
-            _copy_in(self._frac, frac.reshape(()).to(torch.float32))
-            _copy_in(self._lfeat, lfeat.reshape(-1).to(torch.float32))
+            G.copy_in(self._frac, frac.reshape(()).to(torch.float32))
+            G.copy_in(self._lfeat, lfeat.reshape(-1).to(torch.float32))
             with_loss = False
         else:
             self._sync_loss_buffer(*loss_state, like)
             with_loss = True
         lay = self._layout
-        args = (lay, lstm64, bank, gidx, hidden, cell, with_loss)
-        if not (self.graphs and dev.type == "cuda"
-                and not torch.cuda.is_current_stream_capturing()):
-            self._body(*args)
-            return
         # everything the recording reads, held (so that no address it holds is reused while
         # it lives) and compared by identity; bank_key: θ's pointers and versions
         refs = (lay, self._onehot, self._decays, self._ptrs, self._host, self._frac,
@@ -683,46 +675,20 @@ class VeLOTriton:
         if with_loss:
             refs = refs + tuple(self._lb.values())
         key = (bank_key, tuple(hidden.shape), tuple(cell.shape), with_loss)
-        if (self._graph is not None and self._graph_key[0] == key
-                and len(self._graph_key[1]) == len(refs)
-                and all(a is b for a, b in zip(self._graph_key[1], refs, strict=True))):
-            self._graph.replay()
-            return
-        self._graph = self._graph_key = None  # (frees the old graph's memory)
-        cur = torch.cuda.current_stream(dev)
-        if self._stream is None or self._stream.device != dev:
-            self._stream = torch.cuda.Stream(device=dev)
-        s = self._stream
-        s.wait_stream(cur)
-        with torch.cuda.stream(s):
-            self._body(*args)  # this step, eagerly (also the warm-up of the recording)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    self._body(*args)  # recorded, not run
-                finally:
-                    graph.capture_end()
-            except Exception as e:  # noqa: BLE001  (eager from now on; this step is done)
-                self.graphs = False
-                import warnings
+        self._graph.run(lambda: self._body(lay, lstm64, bank, gidx, hidden, cell, with_loss),
+                        refs, dev, key)
 
-                warnings.warn(f"VeLO(impl='triton'): recording the step into a CUDA graph "
-                              f"failed ({type(e).__name__}: {e}); running it eagerly",
-                              RuntimeWarning, stacklevel=3)
-                graph = None
-        cur.wait_stream(s)
-        if graph is not None:
-            self._graph, self._graph_key = graph, (key, refs)
-            self.graph_recordings += 1
+    @property
+    def graph_recordings(self) -> int:
+        """How many times the step was recorded into a CUDA graph (tests read it)."""
+        return self._graph.recordings
 
     def graphs_loss(self, device: torch.device) -> bool:
         """Whether a step on ``device`` records the loss buffer's update into its graph
         (then :meth:`step` takes ``loss_state``)."""
         if self.loss_in_graph is not None:  # (tests: the same path, eagerly, on the CPU)
             return self.loss_in_graph
-        return (GRAPH_LOSS and self.graphs and device.type == "cuda"
-                and not torch.cuda.is_current_stream_capturing())
+        return GRAPH_LOSS and self._graph.active(device)
 
     def _sync_loss_buffer(self, gstate: dict, loss: torch.Tensor, like: torch.Tensor) -> None:
         """The static loss-buffer inputs of the graph (:meth:`step`'s ``loss_state``): the
@@ -749,12 +715,12 @@ class VeLOTriton:
             lb["means"].copy_(gstate["loss_means"])
             lb["rmin"].copy_(gstate["loss_running_min"])
             lb["dec"].copy_(dec)
-            _copy_in(lb["it"], torch.tensor(shadow[0], dtype=torch.int32))
-            _copy_in(lb["t"], torch.tensor(shadow[1], dtype=torch.int32))
-            _copy_in(lb["n"], torch.tensor(shadow[2], dtype=torch.float32))
+            G.copy_in(lb["it"], torch.tensor(shadow[0], dtype=torch.int32))
+            G.copy_in(lb["t"], torch.tensor(shadow[1], dtype=torch.int32))
+            G.copy_in(lb["n"], torch.tensor(shadow[2], dtype=torch.float32))
             gstate["loss_means"], gstate["loss_running_min"] = lb["means"], lb["rmin"]
             self._lb_dec_ref = dec  # (held: its id is in the shadow)
-        _copy_in(lb["loss"], loss.detach().reshape(()).to(torch.float32))
+        G.copy_in(lb["loss"], loss.detach().reshape(()).to(torch.float32))
         # what gstate's counters will be after this step (the graph advances its copies)
         self._lb_shadow = (shadow[0] + 1, shadow[1] + 1) + shadow[2:]
 
@@ -868,17 +834,6 @@ class VeLOTriton:
                                              MOM_OUT=TWO_PASS, MACC=MOM_ACC, SA=SA, **common)
         hidden.copy_(new_h)
         cell.copy_(new_c)
-
-
-def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` without blocking the host: a host tensor goes through pinned
-    memory (a fresh pinned block each time: the caching host allocator keeps it until the
-    copy has run, so a copy still queued never sees it change)."""
-    if src.device.type == "cpu" and dst.device.type == "cuda":
-        src = src.pin_memory()
-        dst.copy_(src, non_blocking=True)
-    else:
-        dst.copy_(src)
 
 
 def reference_step(hp: _spec.VeLO, params: Sequence[torch.Tensor],
