@@ -444,13 +444,14 @@ class VeLOTriton:
 
     On a CUDA device the step after the kernels' launches (launches 1-5 and the LSTM glue
     between them, about a hundred small torch ops) is recorded once into a CUDA graph and
-    replayed (:class:`xopt.kernels.lopt_graph.StepGraph`): its inputs sit in static device buffers (the pointer and per-tensor scalar
-    tables, t/N, the loss features, the LSTM state, θ), updated by copies before the
-    replay, and the graph is recorded again whenever one of those buffers moves (new shapes,
-    another LSTM state or θ). The first step of a graph runs eagerly (on a side stream, as
-    the recording), so its results are those of the eager code. Not on the CPU (the
-    interpreter), nor while the caller is itself recording a graph, nor with
-    ``XOPT_LOPT_CUDA_GRAPHS=0``: the same code then runs eagerly.
+    replayed (:class:`xopt.kernels.lopt_graph.StepGraph`): its inputs sit in static device
+    buffers (the pointer and per-tensor scalar tables, t/N, the loss features, the LSTM
+    state, θ), updated by copies before the replay, and the graph is recorded again
+    whenever one of those buffers moves (new shapes, another LSTM state or θ). The first
+    step of a graph runs eagerly (on a side stream, as the recording), so its results are
+    those of the eager code. Not on the CPU (the interpreter), nor while the caller is
+    itself recording a graph, nor with ``XOPT_LOPT_CUDA_GRAPHS=0``: the same code then runs
+    eagerly.
     """
 
     PRECISIONS = ("exact", "fast")
