@@ -24,7 +24,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["StepGraph", "copy_in", "graphs_enabled"]
+__all__ = ["NPTR", "StepGraph", "StepTables", "copy_in", "graphs_enabled"]
+
+#: pointer table columns: p, g, m, rms, v_row, v_col, v_diag, out
+NPTR = 8
 
 
 def graphs_enabled() -> bool:
@@ -108,3 +111,62 @@ class StepGraph:
         if graph is not None:
             self._graph, self._refs, self._key = graph, refs, key
             self.recordings += 1
+
+
+class StepTables:
+    """The static device tables a learned optimizer's Triton step reads (and its recording
+    holds): ``ptrs``, int64 ``[n, NPTR]`` (per tensor: p, g, m, rms, v_row, v_col, v_diag
+    and the output's addresses), and ``scal``, float32 ``[n, width]`` (lr, lr·λ,
+    write_step, then zeros).
+
+    They stay at fixed addresses while the tensor count and the device do; their rows are
+    rebuilt on the host and copied in (:func:`copy_in`) only where they changed. With the
+    optimizer's :class:`xopt.torch._lopt.TritonIO`, nothing is read per tensor while its
+    version is the one the tables hold (:meth:`current`)."""
+
+    def __init__(self, width: int) -> None:
+        if width < 3:
+            raise ValueError(f"StepTables: width {width} < 3 (lr, lr·λ, write_step)")
+        self.width = width
+        self.ptrs: torch.Tensor | None = None
+        self.scal: torch.Tensor | None = None
+        self._ptr_rows: torch.Tensor | None = None  # their host copies (skip equal copies)
+        self._scal_rows: torch.Tensor | None = None
+        self._key: tuple | None = None  # (TritonIO version, device) the tables hold
+
+    def current(self, io, dev: torch.device) -> bool:  # noqa: ANN001
+        """Whether the tables already hold ``io``'s lists on ``dev``."""
+        return io is not None and self._key == (io.version, dev) and self.ptrs is not None
+
+    def update(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+               states: Sequence[dict], outs: Sequence[torch.Tensor],
+               write_step: Sequence[bool], lrs: Sequence[float], lrwds: Sequence[float],
+               dev: torch.device, io=None) -> None:  # noqa: ANN001
+        """The rows for these tensors (the pointers from ``io``'s columns when given),
+        copied in where they changed."""
+        nt = len(params)
+        if io is not None:  # the pointers by column, as the optimizer keeps them
+            c = io.ptrs
+            prow = torch.tensor([c["p"], c["g"], c["m"], c["rms"], c["v_row"], c["v_col"],
+                                 c["v_diag"], c["p"]], dtype=torch.int64).t().contiguous()
+        else:
+            prow = torch.tensor([
+                [p.data_ptr(), g.data_ptr(), s["m"].data_ptr(), s["rms"].data_ptr(),
+                 s["v_row"].data_ptr(), s["v_col"].data_ptr(), s["v_diag"].data_ptr(),
+                 o.data_ptr()] for p, g, s, o in zip(params, grads, states, outs, strict=True)],
+                dtype=torch.int64).reshape(nt, NPTR)
+        pad = [0.0] * (self.width - 3)
+        srow = torch.tensor([[float(lr), float(lrwd), float(ws), *pad] for lr, lrwd, ws in
+                             zip(lrs, lrwds, write_step, strict=True)],
+                            dtype=torch.float32).reshape(nt, self.width)
+        if self.ptrs is None or self.ptrs.shape[0] != nt or self.ptrs.device != dev:
+            self.ptrs = torch.empty((nt, NPTR), dtype=torch.int64, device=dev)
+            self.scal = torch.empty((nt, self.width), dtype=torch.float32, device=dev)
+            self._ptr_rows = self._scal_rows = None
+        if self._ptr_rows is None or not torch.equal(prow, self._ptr_rows):
+            copy_in(self.ptrs, prow)
+            self._ptr_rows = prow
+        if self._scal_rows is None or not torch.equal(srow, self._scal_rows):
+            copy_in(self.scal, srow)
+            self._scal_rows = srow
+        self._key = (io.version, dev) if io is not None else None

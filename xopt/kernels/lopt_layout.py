@@ -26,7 +26,6 @@ from collections.abc import Sequence
 import torch
 
 from xopt.specs._lopt import factored_dims
-from xopt.specs._xp import to_device
 
 #: tile shape: TA rows (walked SA at a time) × TB columns along the contiguous axis
 TA = 64
@@ -195,23 +194,4 @@ def supported_velo(hp) -> str | None:
                 f"layer (got ff_hidden_size={hp.ff_hidden_size}, "
                 f"ff_hidden_layers={hp.ff_hidden_layers})")
     return None
-
-
-class TableCache:
-    """Small host tables (tensor pointers, per-tensor scalars) on the device, copied only
-    when their contents change, from pinned memory without blocking (a blocking copy would
-    wait for every kernel queued before it)."""
-
-    def __init__(self) -> None:
-        self._cache: dict[str, tuple[tuple, torch.Tensor]] = {}
-
-    def get(self, name: str, rows: list, dtype: torch.dtype, device: torch.device
-            ) -> torch.Tensor:
-        key = tuple(tuple(r) for r in rows)
-        hit = self._cache.get(name)
-        if hit is not None and hit[0] == key and hit[1].device == device:
-            return hit[1]
-        dev = to_device(torch.tensor(rows, dtype=dtype), device)
-        self._cache[name] = (key, dev)
-        return dev
 

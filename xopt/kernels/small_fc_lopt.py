@@ -137,7 +137,7 @@ FOLD = os.environ.get("XOPT_LOPT_FOLD", "1") != "0"
 FMA_MAX = 4
 #: entries of v_row / v_col per program of :func:`sfc_axis_kernel`
 AXIS_BLOCK = 64
-NPTR = 8  # pointer table columns: p, g, m, rms, v_row, v_col, v_diag, out
+NPTR = G.NPTR
 NFEAT = 28
 #: the per-element features of the folded kernels, in the order of their K = 16 columns
 ELEM_FEATURES = tuple(range(13)) + (25, 26, 27)
@@ -750,11 +750,7 @@ class SmallFCTriton:
         self._pids: dict = {}
         self._wcache: tuple | None = None
         self._decays: tuple | None = None  # (key, all 7 decays, Adafactor's 3), per θ
-        self._tab_key: tuple | None = None  # (TritonIO version, device) the tables hold
-        self._ptrs: torch.Tensor | None = None  # int64 [n, NPTR] (device)
-        self._scal: torch.Tensor | None = None  # float32 [n, 4]: lr, lr·λ, write_step, 0
-        self._ptr_rows: torch.Tensor | None = None  # their host copies (skip equal copies)
-        self._scal_rows: torch.Tensor | None = None
+        self._tab = G.StepTables(4)  # pointers; lr, lr·λ, write_step, 0
         self._it: torch.Tensor | None = None  # int32 0-d (device): the iteration t
         self._it_next: int | None = None  # what _it holds after the last step
         self._ts: torch.Tensor | None = None  # float32 [11] (device): the timescales
@@ -843,38 +839,12 @@ class SmallFCTriton:
 
     def _tables(self, params, grads, states, outs, write_step, lrs, lrwds,  # noqa: ANN001
                 dev: torch.device, io) -> None:  # noqa: ANN001
-        """The layout and the static pointer / scalar tables for these tensors. With ``io``
-        (:class:`xopt.torch._lopt.TritonIO`) nothing is read per tensor while its version is
-        the one the tables hold; else the tables' rows are rebuilt and copied (without
-        blocking) only where they changed."""
-        if io is not None and self._tab_key == (io.version, dev) and self._ptrs is not None:
+        """The layout and the static pointer / scalar tables for these tensors
+        (:class:`xopt.kernels.lopt_graph.StepTables`)."""
+        if self._tab.current(io, dev):
             return
         self.layout([tuple(p.shape) for p in params], dev)
-        nt = len(params)
-        if io is not None:  # the pointers by column, as the optimizer keeps them
-            c = io.ptrs
-            prow = torch.tensor([c["p"], c["g"], c["m"], c["rms"], c["v_row"], c["v_col"],
-                                 c["v_diag"], c["p"]], dtype=torch.int64).t().contiguous()
-        else:
-            prow = torch.tensor([
-                [p.data_ptr(), g.data_ptr(), s["m"].data_ptr(), s["rms"].data_ptr(),
-                 s["v_row"].data_ptr(), s["v_col"].data_ptr(), s["v_diag"].data_ptr(),
-                 o.data_ptr()] for p, g, s, o in zip(params, grads, states, outs, strict=True)],
-                dtype=torch.int64).reshape(nt, NPTR)
-        srow = torch.tensor([[float(lr), float(lrwd), float(ws), 0.0] for lr, lrwd, ws in
-                             zip(lrs, lrwds, write_step, strict=True)],
-                            dtype=torch.float32).reshape(nt, 4)
-        if self._ptrs is None or self._ptrs.shape[0] != nt or self._ptrs.device != dev:
-            self._ptrs = torch.empty((nt, NPTR), dtype=torch.int64, device=dev)
-            self._scal = torch.empty((nt, 4), dtype=torch.float32, device=dev)
-            self._ptr_rows = self._scal_rows = None
-        if self._ptr_rows is None or not torch.equal(prow, self._ptr_rows):
-            G.copy_in(self._ptrs, prow)
-            self._ptr_rows = prow
-        if self._scal_rows is None or not torch.equal(srow, self._scal_rows):
-            G.copy_in(self._scal, srow)
-            self._scal_rows = srow
-        self._tab_key = (io.version, dev) if io is not None else None
+        self._tab.update(params, grads, states, outs, write_step, lrs, lrwds, dev, io)
 
     def _counter(self, iteration: int, like: torch.Tensor) -> None:
         """The device iteration counter (and the timescales) for a step at ``iteration``:
@@ -909,7 +879,7 @@ class SmallFCTriton:
         b0 = meta["mlp/b0"]
         self._counter(iteration, b0)
         lay = self._layout
-        refs = (lay, self._pids, self._ptrs, self._scal, self._it, self._ts, self._decays,
+        refs = (lay, self._pids, self._tab.ptrs, self._tab.scal, self._it, self._ts, self._decays,
                 self._wcache, b0)
         self._graph.run(lambda: self._body(lay, w, self._decays[1], self._decays[2], b0),
                         refs, dev)
@@ -922,7 +892,7 @@ class SmallFCTriton:
         advances."""
         hp = self.hp
         dev = decays.device
-        ptrs, scal = self._ptrs, self._scal
+        ptrs, scal = self._tab.ptrs, self._tab.scal
         hp_ = w["hp"]
         rcm, _ = C.factored_pass(lay, ptrs, fd, clip_g=False, mom_sums=False, npt=NPTR,
                                  sa=SA_G2)

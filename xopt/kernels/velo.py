@@ -78,7 +78,7 @@ _DPTR = torch.Tensor.data_ptr
 #: measured on an earlier variant of the kernel: its fused pass 2.80 ms against 2.56 ms with
 #: float32 per ViT-B/16 step, H100, torch.profiler, two runs)
 MOM_ACC = tl.float64 if os.environ.get("XOPT_VELO_MOM_ACC", "f32") == "f64" else tl.float32
-NPTR = 8  # pointer table columns: p, g, m, rms, v_row, v_col, v_diag, out
+NPTR = G.NPTR
 NFEAT = 30
 
 
@@ -468,11 +468,7 @@ class VeLOTriton:
         self._onehot: torch.Tensor | None = None
         self._bank_cache: tuple | None = None
         self._decays: tuple | None = None  # (all 7 decays, the 3 Adafactor ones, timescales)
-        self._tab_key: tuple | None = None  # what the static tables below hold
-        self._ptrs: torch.Tensor | None = None   # int64 [n, NPTR] (device)
-        self._host: torch.Tensor | None = None   # float32 [n, 3]: lr, lr·λ, write_step
-        self._ptr_rows: torch.Tensor | None = None  # their host copies, to skip equal updates
-        self._host_rows: torch.Tensor | None = None
+        self._tab = G.StepTables(3)  # pointers; lr, lr·λ, write_step
         self._frac: torch.Tensor | None = None   # float32 0-d (device): t / N
         self._lfeat: torch.Tensor | None = None  # float32 [9] (device)
         self._graph = G.StepGraph("VeLO")
@@ -539,38 +535,12 @@ class VeLOTriton:
         return lay
 
     def _tables(self, params, grads, states, outs, write_step, lrs, lrwds, dev, io) -> None:
-        """The layout and the static pointer / scalar tables for these tensors. With ``io``
-        (:class:`xopt.torch._lopt.TritonIO`) nothing is read per tensor while its version is
-        the one the tables hold; else the tables' rows are rebuilt and copied (without
-        blocking) only where they changed."""
-        if io is not None and self._tab_key == (io.version, dev) and self._ptrs is not None:
+        """The layout and the static pointer / scalar tables for these tensors
+        (:class:`xopt.kernels.lopt_graph.StepTables`)."""
+        if self._tab.current(io, dev):
             return
         self.layout([tuple(p.shape) for p in params], dev)
-        nt = len(params)
-        if io is not None:
-            c = io.ptrs
-            prow = torch.tensor([c["p"], c["g"], c["m"], c["rms"], c["v_row"], c["v_col"],
-                                 c["v_diag"], c["p"]], dtype=torch.int64).t().contiguous()
-        else:
-            prow = torch.tensor([
-                [p.data_ptr(), g.data_ptr(), s["m"].data_ptr(), s["rms"].data_ptr(),
-                 s["v_row"].data_ptr(), s["v_col"].data_ptr(), s["v_diag"].data_ptr(),
-                 o.data_ptr()] for p, g, s, o in zip(params, grads, states, outs, strict=True)],
-                dtype=torch.int64).reshape(nt, NPTR)
-        hrow = torch.tensor([[float(lr), float(lrwd), float(ws)] for lr, lrwd, ws in
-                             zip(lrs, lrwds, write_step, strict=True)],
-                            dtype=torch.float32).reshape(nt, 3)
-        if self._ptrs is None or self._ptrs.shape[0] != nt or self._ptrs.device != dev:
-            self._ptrs = torch.empty((nt, NPTR), dtype=torch.int64, device=dev)
-            self._host = torch.empty((nt, 3), dtype=torch.float32, device=dev)
-            self._ptr_rows = self._host_rows = None
-        if self._ptr_rows is None or not torch.equal(prow, self._ptr_rows):
-            G.copy_in(self._ptrs, prow)
-            self._ptr_rows = prow
-        if self._host_rows is None or not torch.equal(hrow, self._host_rows):
-            G.copy_in(self._host, hrow)
-            self._host_rows = hrow
-        self._tab_key = (io.version, dev) if io is not None else None
+        self._tab.update(params, grads, states, outs, write_step, lrs, lrwds, dev, io)
 
     def _carried(self, lay: L.Layout, states: Sequence[Mapping[str, torch.Tensor]],
                  dev: torch.device, io=None) -> tuple:
@@ -618,7 +588,7 @@ class VeLOTriton:
             out = torch.zeros((max(lay.n_prog_all, 1), 4), dtype=torch.float64,
                               device=lay.meta.device)
         if lay.n_prog_all:
-            velo_mom_sums_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, self._ptrs, out,
+            velo_mom_sums_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, self._tab.ptrs, out,
                                                     MOM_ACC, NPTR=NPTR, NF=L.NFIELDS, TA=L.TA,
                                                     TB=L.TB, SA=SA, num_warps=WARPS)
         return out
@@ -670,7 +640,7 @@ class VeLOTriton:
         lay = self._layout
         # everything the recording reads, held (so that no address it holds is reused while
         # it lives) and compared by identity; bank_key: θ's pointers and versions
-        refs = (lay, self._onehot, self._decays, self._ptrs, self._host, self._frac,
+        refs = (lay, self._onehot, self._decays, self._tab.ptrs, self._tab.scal, self._frac,
                 self._lfeat, self._mpart, bank, gidx, hidden, cell, *meta.values(),
                 *lstm64.values())
         if with_loss:
@@ -760,7 +730,7 @@ class VeLOTriton:
         if with_loss:
             self._loss_body()
         decays, fd, ts = self._decays
-        ptrs, host = self._ptrs, self._host
+        ptrs, host = self._tab.ptrs, self._tab.scal
         nt = len(lay.shapes)
         # xopt.specs.velo.fraction_embedding, with its timescales kept on the device
         frac_emb = _xp.tanh(torch, (self._frac - ts) * 10).expand(nt, -1)
