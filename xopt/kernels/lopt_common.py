@@ -497,6 +497,19 @@ def mlp_dot(x, w0h, w0l, b0, w1h, w1l, b1, wh, bh, wl0, wl1, bl0, bl1, HP: tl.co
 
 
 @triton.jit
+def store_update(outp, mp, rp, off, mask, p, step, lr, lrwd, write_step, m0, m1, m2, rms):
+    """The end of a fused step: ``out = step`` (``write_step``) or the new parameter
+    ``p − (lr·step + lr·λ·p)``, and the accumulators ``m`` (three interleaved) and ``rms``
+    stored back."""
+    newp = p - (lr * step + lrwd * p)
+    tl.store(outp + off, tl.where(write_step != 0, step, newp), mask=mask)
+    tl.store(mp + off * 3, m0, mask=mask)
+    tl.store(mp + off * 3 + 1, m1, mask=mask)
+    tl.store(mp + off * 3 + 2, m2, mask=mask)
+    tl.store(rp + off, rms, mask=mask)
+
+
+@triton.jit
 def msq(acc, f, mask):
     """``acc + f²`` where ``mask``, ``acc`` elsewhere (a per-thread sum of squares, in
     ``acc``'s dtype: f converted first)."""

@@ -244,6 +244,16 @@ def _cat16(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15)
 
 
 @triton.jit
+def _tail_weights(wh, bh, wl, bl, hc, HP: tl.constexpr, NHID: tl.constexpr):
+    """The MLP's first hidden layer (its TF32 halves; a zero layer if ``NHID = 0``) and
+    output layer, loaded once per program: ``(w1_hi [HP, HP], w1_lo, b1 [HP], wl0 [HP],
+    wl1 [HP], bl0, bl1)``."""
+    w1_ofs = hc[:, None] * HP + hc[None, :]
+    return (tl.load(wh + w1_ofs), tl.load(wh + NHID * HP * HP + w1_ofs), tl.load(bh + hc),
+            tl.load(wl + hc * 16), tl.load(wl + hc * 16 + 1), tl.load(bl), tl.load(bl + 1))
+
+
+@triton.jit
 def _axis_stats(vp, idx, msk, is_row, rc0, rc1, rc2):
     """One axis's statistics for a vector of positions ``idx`` (flat indices into ``v_row``
     or ``v_col``, [..., 3] interleaved, at ``vp``): ``(v0, v1, v2, s0, s1, s2, f0, f1,
@@ -393,14 +403,8 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
         w16_t = w16n + t * 32 * HP + kk[:, None] * HP + hc[None, :]
         w16h_t = tl.load(w16_t)
         w16l_t = tl.load(w16_t + 16 * HP)
-        w1_ofs = hc[:, None] * HP + hc[None, :]
-        w1h_t = tl.load(wh + w1_ofs)  # the first hidden layer (a zero layer if NHID = 0)
-        w1l_t = tl.load(wh + NHID * HP * HP + w1_ofs)
-        b1_t = tl.load(bh + hc)
-        wl0_t = tl.load(wl + hc * 16)
-        wl1_t = tl.load(wl + hc * 16 + 1)
-        bl0_t = tl.load(bl)
-        bl1_t = tl.load(bl + 1)
+        w1h_t, w1l_t, b1_t, wl0_t, wl1_t, bl0_t, bl1_t = _tail_weights(wh, bh, wl, bl, hc, HP,
+                                                                      NHID)
         ta_row = tl.load(tofs + t * 2 + tl.where(a_row, 0, 1))
         tb_row = tl.load(tofs + t * 2 + tl.where(b_row, 0, 1))
         b_term = tl.load(b0 + hc)[None, :] + tl.load(
@@ -458,12 +462,8 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
             direction, magnitude = _mlp_tail(h, w1h_t, w1l_t, b1_t, wh, bh, wl0_t, wl1_t,
                                              bl0_t, bl1_t, HP, NHID, PREC, TERMS, LO_RN)
             step = direction * tl.exp(magnitude * exp_mult) * step_mult
-            newp = p - (lr * step + lrwd * p)
-            tl.store(outp + off, tl.where(write_step != 0, step, newp), mask=mask)
-            tl.store(mp + off * 3, m0, mask=mask)
-            tl.store(mp + off * 3 + 1, m1, mask=mask)
-            tl.store(mp + off * 3 + 2, m2, mask=mask)
-            tl.store(rp + off, rms, mask=mask)
+            C.store_update(outp, mp, rp, off, mask, p, step, lr, lrwd, write_step, m0, m1, m2,
+                           rms)
         else:
             # masked elements: g, p, m, rms are 0, so every feature but rr is 0
             q0 += g * g
@@ -593,14 +593,8 @@ def _sfc_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh,
             w0h_t = tl.load(w0h + kk[:, None] * HP + hc[None, :])
             w0l_t = tl.load(w0l + kk[:, None] * HP + hc[None, :])
             b0_t = tl.load(b0 + hc)
-            w1_ofs = hc[:, None] * HP + hc[None, :]
-            w1h_t = tl.load(wh + w1_ofs)  # the first hidden layer (a zero layer if NHID = 0)
-            w1l_t = tl.load(wh + NHID * HP * HP + w1_ofs)
-            b1_t = tl.load(bh + hc)
-            wl0_t = tl.load(wl + hc * 16)
-            wl1_t = tl.load(wl + hc * 16 + 1)
-            bl0_t = tl.load(bl)
-            bl1_t = tl.load(bl + 1)
+            w1h_t, w1l_t, b1_t, wl0_t, wl1_t, bl0_t, bl1_t = _tail_weights(wh, bh, wl, bl, hc,
+                                                                          HP, NHID)
     else:
         acc = tl.zeros([BLOCK, 32], tl.float32)
     sa_i = tl.arange(0, SA)
@@ -672,12 +666,8 @@ def _sfc_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w0h, w0l, b0, wh,
                 acc += x * x
         if FUSED:
             step = direction * tl.exp(magnitude * exp_mult) * step_mult
-            newp = p - (lr * step + lrwd * p)
-            tl.store(outp + off, tl.where(write_step != 0, step, newp), mask=mask)
-            tl.store(mp + off * 3, m0, mask=mask)
-            tl.store(mp + off * 3 + 1, m1, mask=mask)
-            tl.store(mp + off * 3 + 2, m2, mask=mask)
-            tl.store(rp + off, rms, mask=mask)
+            C.store_update(outp, mp, rp, off, mask, p, step, lr, lrwd, write_step, m0, m1, m2,
+                           rms)
             if fact == 0:
                 tl.store(v3, V0, mask=mask)
                 tl.store(v3 + 1, V1, mask=mask)

@@ -286,12 +286,8 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
             direction, magnitude = C.mlp4_tail(h0, h1, h2, h3, b0t, wht, bht, wlt, blt, NHID)
             step = direction * (pscale * tl.exp(magnitude * exp_mult)) * step_mult
             step = lr_mult * step
-            newp = p - (lr * step + lrwd * p)
-            tl.store(outp + off, tl.where(write_step != 0, step, newp), mask=mask)
-            tl.store(mp + off * 3, m0, mask=mask)
-            tl.store(mp + off * 3 + 1, m1, mask=mask)
-            tl.store(mp + off * 3 + 2, m2, mask=mask)
-            tl.store(rp + off, rms, mask=mask)
+            C.store_update(outp, mp, rp, off, mask, p, step, lr, lrwd, write_step, m0, m1, m2,
+                           rms)
             if TWO_PASS:
                 n0, n1, n2, n3 = _mom_acc(n0, n1, n2, n3, m0, m1, m2, rms, mask)
             if fact == 0:
