@@ -79,32 +79,31 @@ def cayley_neumann_reference(q: torch.Tensor, formula: str = "product") -> torch
 
 
 @triton.jit
-def _skew_kernel(x_ptr, q_ptr, eye_ptr, B, M, EYE: tl.constexpr, T: tl.constexpr):
-    """One [T, T] tile on or above the diagonal of one block: ``Q[r, c] = x[k(r, c)]``
-    (``r < c``, the triangle read along its rows), its mirror ``Q[c, r] = −x[k(r, c)]``
-    stored as the transposed tile (both stores row-wise); with ``EYE`` the identity's two
-    tiles too (for the product form's ``B = I + Q²``, accumulated onto it in place)."""
-    ti = tl.program_id(1)
-    tj = tl.program_id(2)
-    if tj >= ti:
-        n = tl.program_id(0).to(tl.int64)
-        a = tl.arange(0, T)
-        r, c = (ti * T + a)[:, None], (tj * T + a)[None, :]
-        rm, cm = (tj * T + a)[:, None], (ti * T + a)[None, :]  # the mirror tile's rows, cols
-        inb = (r < B) & (c < B)
-        inm = (rm < B) & (cm < B) & (rm > cm)
-        k = r * B - (r * (r + 1)) // 2 + (c - r - 1)  # row-major strict upper index
-        v = tl.load(x_ptr + n * M + k, mask=inb & (r < c), other=0.0).to(tl.float32)
-        base = n * B * B
-        tl.store(q_ptr + base + r * B + c, v.to(q_ptr.dtype.element_ty), mask=inb & (r <= c))
-        tl.store(q_ptr + base + rm * B + cm, tl.trans(-v).to(q_ptr.dtype.element_ty),
-                 mask=inm)
+def _skew_kernel(x_ptr, q_ptr, eye_ptr, B, M, EYE: tl.constexpr, ROWS: tl.constexpr,
+                 BC: tl.constexpr):
+    """``ROWS`` whole rows of one block, ``BC`` columns at a time: ``Q[r, c] = x[k(r, c)]``
+    above the diagonal, ``−x[k(c, r)]`` below it, 0 on it; every store row-wise. The rows'
+    upper halves read the triangle along its rows; the lower halves read it down a column
+    (strided, but a block's triangle is at most a few hundred KB and stays in cache). With
+    ``EYE`` the identity's rows too (for the product form's ``B = I + Q²``, accumulated
+    onto it in place). (Square tiles above the diagonal with their mirror stored
+    transposed took 36 µs for 32 × 256² bf16 blocks and the identity on an H100, these
+    rows 4.8 µs; bench/RESULTS.md, fifth session.)"""
+    n = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)[:, None]
+    base = n * B * B
+    for c0 in range(0, B, BC):
+        c = c0 + tl.arange(0, BC)[None, :]
+        inside = (r < B) & (c < B)
+        lo = tl.minimum(r, c)
+        hi = tl.maximum(r, c)
+        k = lo * B - (lo * (lo + 1)) // 2 + (hi - lo - 1)  # row-major strict upper index
+        v = tl.load(x_ptr + n * M + k, mask=inside & (r != c), other=0.0).to(tl.float32)
+        v = tl.where(r < c, v, -v)
+        tl.store(q_ptr + base + r * B + c, v.to(q_ptr.dtype.element_ty), mask=inside)
         if EYE:
-            one = tl.where(r == c, 1.0, 0.0)
-            tl.store(eye_ptr + base + r * B + c, one.to(eye_ptr.dtype.element_ty),
-                     mask=inb & (r <= c))
-            tl.store(eye_ptr + base + rm * B + cm,
-                     tl.zeros([T, T], tl.float32).to(eye_ptr.dtype.element_ty), mask=inm)
+            tl.store(eye_ptr + base + r * B + c,
+                     tl.where(r == c, 1.0, 0.0).to(eye_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -343,14 +342,20 @@ def _skew(x: torch.Tensor, b: int, dtype: torch.dtype | None, eye: bool
     n, m = x.shape
     q = torch.empty((n, b, b), dtype=dtype or x.dtype, device=x.device)
     i = torch.empty_like(q) if eye else None
-    t = _edge_tile(b)
-    _skew_kernel[(n, triton.cdiv(b, t), triton.cdiv(b, t))](x, q, q if i is None else i, b, m,
-                                                            EYE=eye, T=t)
+    _skew_kernel[(n, triton.cdiv(b, SKEW_ROWS))](
+        x, q, q if i is None else i, b, m, EYE=eye, ROWS=SKEW_ROWS,
+        BC=max(16, min(128, triton.next_power_of_2(b))), num_warps=4)
     return q, i
 
 
+#: rows per program of the skew kernel (H100 sweep of rows 1-8 × columns 128-512 × 2-8 warps,
+#: 32 × 256² and 16 × 512² bf16 blocks with the identity: 8 rows, 128 columns, 4 warps
+#: fastest, 4.8 and 7.6 µs)
+SKEW_ROWS = 8
+
+
 def _edge_tile(b: int) -> int:
-    """The tile edge of the skew / triangle / symmetrization kernels."""
+    """The tile edge of the triangle and symmetrization kernels."""
     return max(16, min(64, triton.next_power_of_2(b)))
 
 
