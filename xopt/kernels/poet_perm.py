@@ -87,21 +87,24 @@ def _perm_rowloop_kernel(x_ptr, idx_ptr, out_ptr, N, D, s_x, s_o, ROWS: tl.const
         tl.store(out_ptr + r64[:, None] * s_o + cols[None, :], v, mask=mask)
 
 
-#: rowloop launch parameters: ``None`` = the defaults below; set for tuning (bench --micro)
-ROWLOOP: dict = {"rows": None, "block_d": None, "warps": 8}
+#: rowloop launch parameters: ``None`` = the defaults below; set for tuning
+ROWLOOP: dict = {"rows": None, "block_d": None, "warps": None}
 
 
 def _rowloop_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
     n, d = x2.shape
     row_bytes = d * x2.element_size()
-    # one row per program for rows of 8 KB and more, walked in chunks of up to 4096
-    # columns (H100, bf16, 4096 tokens: 33 µs a 4096-wide gather against 39 µs for 2 rows
-    # in 1024-column chunks, 193 against 203 µs at 14336; bench/poet_layer.py --micro)
+    # one row per program for rows of 8 KB and more, walked in chunks of up to 8192
+    # columns, 4 warps for chunks up to 4096 columns, else 8. H100, bf16, 4096 tokens
+    # (sweep of 1-2 rows, 2048-16384 columns, 4-16 warps; bench/RESULTS.md, fifth
+    # session): 4096 wide 31.8 µs (copy 25.0), 14336 wide 120.5 µs (copy 79.4; 191.2 µs
+    # in chunks of 4096 with 8 warps, the previous default)
     rows = ROWLOOP["rows"] or max(1, min(4, 8192 // row_bytes))
-    block_d = ROWLOOP["block_d"] or max(16, min(triton.next_power_of_2(d), 4096))
+    block_d = ROWLOOP["block_d"] or max(16, min(triton.next_power_of_2(d), 8192))
+    warps = ROWLOOP["warps"] or (4 if block_d <= 4096 else 8)
     _perm_rowloop_kernel[(triton.cdiv(n, rows),)](x2, index, out, n, d, x2.stride(0),
                                                   out.stride(0), ROWS=rows, BLOCK_D=block_d,
-                                                  num_warps=ROWLOOP["warps"])
+                                                  num_warps=warps)
 
 
 def _tiled_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
