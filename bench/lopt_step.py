@@ -9,13 +9,13 @@ hidden layers) and VeLO, and PyLO's CUDA optimizers where ``pylo`` is importable
 per optimizer: median ms of ``step()`` (CUDA events, after warm-up; AdamW and the Triton
 steps timed side by side in interleaved rounds), the ratio to fused AdamW, the optimizer
 state's bytes and the peak extra memory of a step (``max_memory_allocated`` during the
-step minus what was allocated before it, plus what the optimizer keeps allocated between
-steps beyond its state: tables, caches, a CUDA graph's memory pool). Then it checks the
-Triton path against plain on the same shapes (one step from the same state with float64
-parameters, so that the step itself is recovered exactly: max relative error of the step,
-the parameters and the state, per tensor ``max|a−b| / max|b|``) and that two runs of the
-Triton path give the same bits (float32 parameters, two steps). Prints the device and
-the date; writes JSON to ``--out``.
+step minus what was allocated before it, plus what the optimizer keeps between steps
+beyond its state: tables, caches, and a CUDA graph's private pool, reserved or allocated).
+Then it checks the Triton path against plain on the same shapes (one step from the same
+state with float64 parameters, so that the step itself is recovered exactly: max relative
+error of the step, the parameters and the state, per tensor ``max|a−b| / max|b|``) and
+that two runs of the Triton path give the same bits (float32 parameters, two steps).
+Prints the device and the date; writes JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -86,16 +86,30 @@ def _step(opt, loss) -> None:
     opt.step(loss=loss) if loss is not None else opt.step()
 
 
+def graph_pool_free_bytes() -> int:
+    """Bytes that CUDA graphs' private memory pools hold reserved but not allocated to a
+    tensor: a recorded step's intermediates live there between replays, invisible to
+    ``memory_allocated`` (what such a pool holds allocated, ``memory_allocated`` counts)."""
+    try:
+        snap = torch.cuda.memory_snapshot(include_traces=False)
+    except TypeError:  # older torch: no include_traces
+        snap = torch.cuda.memory_snapshot()
+    return sum(int(seg["total_size"]) - int(seg["allocated_size"]) for seg in snap
+               if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
+
+
 def warm(opt, loss, warmup: int) -> int:
-    """``warmup`` steps; returns the bytes the optimizer keeps allocated between steps beyond
-    its state (tables, caches, a CUDA graph's pool): part of its extra memory, though
-    allocated before the timed steps."""
+    """``warmup`` steps; returns the bytes the optimizer keeps between steps beyond its
+    state (tables, caches, a CUDA graph's pool, allocated or only reserved): part of its
+    extra memory, though taken before the timed steps."""
     torch.cuda.synchronize()
     before, state0 = torch.cuda.memory_allocated(), state_bytes(opt)
+    pool0 = graph_pool_free_bytes()
     for _ in range(warmup):
         _step(opt, loss)
     torch.cuda.synchronize()
-    return max(0, torch.cuda.memory_allocated() - before - (state_bytes(opt) - state0))
+    kept = max(0, torch.cuda.memory_allocated() - before - (state_bytes(opt) - state0))
+    return kept + max(0, graph_pool_free_bytes() - pool0)
 
 
 def timed_steps(opt, loss, reps: int) -> list[float]:
