@@ -43,7 +43,48 @@ VARIANTS = {
     "defaults": ({}, True),
     "defaults_g2_sa4": (dict(SA_G2=4), True),
     "defaults_eager": ({}, False),
+    # fifth session: fused kernel (CAT2 / CAT1: fewer tensor-core waits; PF_AXIS: the next
+    # sub-tile's a-axis statistics (1) and axis terms (2) loaded ahead), statistics kernel
+    # (its own PREFETCH, PF_AXIS, register cap), g² pass sub-tile
+    "cat2": (dict(CAT2=True), True),
+    "cat1_2": (dict(CAT1=2), True),
+    "cat2_cat1_2": (dict(CAT2=True, CAT1=2), True),
+    "cat2_cat1_4": (dict(CAT2=True, CAT1=4), True),
+    "pfax1": (dict(PF_AXIS=1), True),
+    "pfax2": (dict(PF_AXIS=2), True),
+    "cat2_pfax1": (dict(CAT2=True, PF_AXIS=1), True),
+    "st_pf96": (dict(PREFETCH_STATS=True, MAXNREG_STATS=96), True),
+    "st_pfax96": (dict(PREFETCH_STATS=True, PF_AXIS_STATS=1, MAXNREG_STATS=96), True),
+    "st_pf80": (dict(PREFETCH_STATS=True), True),
+    "ra2": (dict(RA=2), True),
+    "ra4": (dict(RA=4), True),
+    "cat2_pfax1_ra2": (dict(CAT2=True, PF_AXIS=1, RA=2), True),
+    "g2_64": (dict(SA_G2=64), True),
+    "g2_32": (dict(SA_G2=32), True),
 }
+
+#: kernels whose per-step CUDA time --profile prints (name prefixes)
+PROFILED = ("sfc_fold_fused", "sfc_fold_stats", "stats1", "sfc_fused", "sfc_stats")
+
+
+def kernel_ms(opt, steps: int = 2) -> dict[str, float]:
+    """CUDA time per step of the main kernels (torch.profiler over ``steps`` steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(steps):
+            opt.step()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in p.key_averages():
+        for k in PROFILED:
+            if e.key.startswith(k):
+                t = getattr(e, "device_time_total", None)
+                if t is None:
+                    t = e.cuda_time_total
+                out[k] = out.get(k, 0.0) + t / 1e3 / steps
+    return out
 
 
 def one_step_state(shapes, seed: int = 3):
@@ -58,6 +99,8 @@ def main() -> None:
     ap.add_argument("--models", default="vit_b16")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--profile", action="store_true",
+                    help="also print each variant's main kernels' CUDA time per step")
     args = ap.parse_args()
     defaults = {k: getattr(K, k) for c, _ in VARIANTS.values() for k in c}
     print(torch.cuda.get_device_name(), "defaults", defaults, flush=True)
@@ -91,6 +134,7 @@ def main() -> None:
                              for k in b)
                 r = B.time_step(opt, None, 3, args.reps)
                 rec = opt._triton.graph_recordings
+                prof = kernel_ms(opt) if args.profile else {}
                 del opt, params, res
                 torch.cuda.empty_cache()
                 x = r["median_ms"] / adam["median_ms"]
@@ -98,6 +142,9 @@ def main() -> None:
                       f"  min {r['min_ms']:.3f}  graphs {graphs} (recorded {rec})  vs first: "
                       f"params {dp:.2e} state {ds:.2e}  peak extra "
                       f"{r['peak_extra_bytes'] / 2**20:.1f} MiB", flush=True)
+                if prof:
+                    print("    kernels ms/step: " + "  ".join(
+                        f"{k} {v:.3f}" for k, v in prof.items()), flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"{name:16s} failed: {type(e).__name__}: {e}", flush=True)
     for k, v in defaults.items():
