@@ -28,7 +28,8 @@ from xopt.kernels import small_fc_lopt as K  # noqa: E402
 
 #: the settings before the knobs below (commit 69e2d5c's kernels)
 OLD = dict(PREFETCH=False, AB_ACC=False, SPLIT_LO="rn", MAXNREG_FOLD=168, SA_G2=4)
-#: name -> (module constants, CUDA graph on); a constant not named keeps the module's value
+#: name -> (module constants, CUDA graph on[, precision]); a constant not named keeps the
+#: module's value
 #: (the variants from "ab" on were measured with MAXNREG_FOLD = 168 and SA_G2 = 4 defaults)
 VARIANTS = {
     "base_eager": (OLD, False),
@@ -60,6 +61,15 @@ VARIANTS = {
     "ra4": (dict(RA=4), True),
     "cat2_pfax1_ra2": (dict(CAT2=True, PF_AXIS=1, RA=2), True),
     "g2_64": (dict(SA_G2=64), True),
+    "g2_8": (dict(SA_G2=8), True),
+    "g2_4": (dict(SA_G2=4), True),
+    "terms4": (dict(TERMS=4), True),
+    "fast": (dict(), True, "fast"),
+    "ra2_fast": (dict(RA=2), True, "fast"),
+    "st72": (dict(MAXNREG_STATS=72), True),
+    "st_w2": (dict(SA_STATS=1, WARPS_STATS=2, MAXNREG_STATS=64), True),
+    "ra2_st72": (dict(RA=2, MAXNREG_STATS=72), True),
+    "ra2_st_w2": (dict(RA=2, SA_STATS=1, WARPS_STATS=2, MAXNREG_STATS=64), True),
     "g2_32": (dict(SA_G2=32), True),
 }
 
@@ -87,9 +97,9 @@ def kernel_ms(opt, steps: int = 2) -> dict[str, float]:
     return out
 
 
-def one_step_state(shapes, seed: int = 3):
+def one_step_state(shapes, seed: int = 3, precision: str = "exact"):
     params = B.make(shapes, torch.float32, seed=seed)
-    opt = xt.SmallFCLOpt(params, impl="triton", **B.SMALL_FC)
+    opt = xt.SmallFCLOpt(params, impl="triton", precision=precision, **B.SMALL_FC)
     opt.step()
     return opt, params
 
@@ -102,7 +112,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="also print each variant's main kernels' CUDA time per step")
     args = ap.parse_args()
-    defaults = {k: getattr(K, k) for c, _ in VARIANTS.values() for k in c}
+    defaults = {k: getattr(K, k) for c, *_ in VARIANTS.values() for k in c}
     print(torch.cuda.get_device_name(), "defaults", defaults, flush=True)
     for model in args.models.split(","):
         shapes = B.MODELS[model]()
@@ -113,12 +123,12 @@ def main() -> None:
         print(f"== {model}: adamw/fused {adam['median_ms']:.3f} ms", flush=True)
         ref = None
         for name in args.variants.split(","):
-            consts, graphs = VARIANTS[name]
+            consts, graphs, *prec = VARIANTS[name]
             for k, v in defaults.items():
                 setattr(K, k, consts.get(k, v))
             try:
                 # one step from a fixed state (a first step from zeros, then the timed one)
-                opt, params = one_step_state(shapes)
+                opt, params = one_step_state(shapes, precision=(prec or ["exact"])[0])
                 for p, g in zip(params, B.make(shapes, torch.float32, seed=4), strict=True):
                     p.grad = g.grad
                 opt._triton._graph.enabled = graphs

@@ -146,6 +146,9 @@ PREFETCH_STATS = os.environ.get("XOPT_LOPT_PREFETCH_STATS", "0") != "0"
 #: per-program set-up, loads of the weights, axis terms and factors of the b axis, done
 #: once for RA tiles)
 RA = int(os.environ.get("XOPT_LOPT_RA", "1"))
+#: warps per program of the folded statistics kernel (XOPT_LOPT_WARPS_STATS; with
+#: SA_STATS = 1 and 2 warps one element per thread as with 2 and 4)
+WARPS_STATS = int(os.environ.get("XOPT_LOPT_WARPS_STATS", str(WARPS)))
 #: pipelining stages of the folded statistics kernel (XOPT_LOPT_STAGES_STATS)
 STAGES_STATS = int(os.environ.get("XOPT_LOPT_STAGES_STATS", "2"))
 #: fold the row/column features of factored tensors (XOPT_LOPT_FOLD=0: the unfolded
@@ -1033,6 +1036,7 @@ class SmallFCTriton:
                                 CAT2=CAT2, CAT1=CAT1, PF_AXIS=PF_AXIS, RA=self._pids["ra"])
                 else:
                     opts["num_stages"] = STAGES_STATS
+                    opts["num_warps"] = WARPS_STATS
                     opts.update(PREFETCH=PREFETCH_STATS, PF_AXIS=PF_AXIS_STATS)
                 if cap:
                     opts["maxnreg"] = cap
