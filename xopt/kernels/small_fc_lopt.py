@@ -67,6 +67,7 @@ Under ``TRITON_INTERPRET=1`` (CPU) ``tl.dot`` multiplies in float32 whatever the
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 
@@ -146,6 +147,9 @@ PREFETCH_STATS = os.environ.get("XOPT_LOPT_PREFETCH_STATS", "0") != "0"
 #: per-program set-up, loads of the weights, axis terms and factors of the b axis, done
 #: once for RA tiles)
 RA = int(os.environ.get("XOPT_LOPT_RA", "1"))
+#: the folded kernels' element offsets in int32 where no tensor is too large
+#: (XOPT_LOPT_OFF32=0: int64 always)
+OFF32 = os.environ.get("XOPT_LOPT_OFF32", "0") != "0"
 #: warps per program of the folded statistics kernel (XOPT_LOPT_WARPS_STATS; with
 #: SA_STATS = 1 and 2 warps one element per thread as with 2 and 4)
 WARPS_STATS = int(os.environ.get("XOPT_LOPT_WARPS_STATS", str(WARPS)))
@@ -420,7 +424,8 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
                TB: tl.constexpr, SA: tl.constexpr, PREFETCH: tl.constexpr = False,
                AB_ACC: tl.constexpr = False, LO_RN: tl.constexpr = True,
                CAT2: tl.constexpr = False, CAT1: tl.constexpr = 0,
-               PF_AXIS: tl.constexpr = False, RA: tl.constexpr = 1):
+               PF_AXIS: tl.constexpr = False, RA: tl.constexpr = 1,
+               OFF32: tl.constexpr = False):
     """One tile [TA, TB] of a factored tensor, walked in sub-tiles [SA, TB] (BLOCK
     elements). The b axis (TB positions ``ib``, fixed per program) and the a axis (SA
     positions ``ia`` per sub-tile) each index ``v_row`` or ``v_col`` (``A_IS_D0``); their
@@ -450,6 +455,10 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
     sbp = tl.load(row + 5)
     bs1 = tl.load(row + 6)
     boff = C.batch_offset(b, bs1, tl.load(row + 7), tl.load(row + 8))
+    if OFF32:  # element offsets in int32 (every tensor's 3·numel < 2^31)
+        sap = sap.to(tl.int32)
+        sbp = sbp.to(tl.int32)
+        boff = boff.to(tl.int32)
     b_row = tl.load(row + 13) != 0  # a is d0: the b axis (d1) indexes v_row
     a_row = b_row == 0
     rbase = C.batch_offset(b, bs1, tl.load(row + 14), tl.load(row + 15))
@@ -507,8 +516,8 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
     a0 = ta * TA
     n_sub = tl.minimum(TA * RA, ia_n - a0)
     if PREFETCH:  # the first sub-tile's loads
-        off_n = tl.reshape(boff + (a0 + sa_i)[:, None].to(tl.int64) * sap
-                           + ib[None, :].to(tl.int64) * sbp, [BLOCK])
+        off_n = tl.reshape(boff + (a0 + sa_i)[:, None].to(sap.dtype) * sap
+                           + ib[None, :].to(sap.dtype) * sbp, [BLOCK])
         mask_n = tl.reshape((sa_i < n_sub)[:, None] & mb[None, :], [BLOCK])
         g_n, p_n, o0_n, o1_n, o2_n, or_n = _load_elems(gp, pp, mp, rp, off_n, mask_n)
     if PF_AXIS:  # the first sub-tile's statistics on the a axis
@@ -531,8 +540,8 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
             u0, u1, u2 = _axis_load(va, aidx, ma)
         va0, va1, va2, sa0, sa1, sa2, fa0, fa1, fa2 = _axis_from(u0, u1, u2, a_row, rc0, rc1,
                                                                  rc2)
-        off = tl.reshape(boff + ia[:, None].to(tl.int64) * sap
-                         + ib[None, :].to(tl.int64) * sbp, [BLOCK])
+        off = tl.reshape(boff + ia[:, None].to(sap.dtype) * sap
+                         + ib[None, :].to(sap.dtype) * sbp, [BLOCK])
         mask = tl.reshape(ma[:, None] & mb[None, :], [BLOCK])
         ff0 = tl.reshape(fa0[:, None] * fb0[None, :], [BLOCK])
         ff1 = tl.reshape(fa1[:, None] * fb1[None, :], [BLOCK])
@@ -645,11 +654,12 @@ def sfc_fold_stats_kernel(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n,
                           PREC: tl.constexpr, TERMS: tl.constexpr, HP: tl.constexpr,
                           NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr,
                           TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr,
-                          PREFETCH: tl.constexpr = False, PF_AXIS: tl.constexpr = False):
+                          PREFETCH: tl.constexpr = False, PF_AXIS: tl.constexpr = False,
+                          OFF32: tl.constexpr = False):
     """Statistics pass of the factored tensors (:func:`_fold_body`, ``FUSED=False``)."""
     _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tofs, b0,
                wh, bh, wl, bl, part, exp_mult, step_mult, False, PREC, TERMS, HP, NHID, NPTR,
-               NF, TA, TB, SA, PREFETCH, False, True, False, 0, PF_AXIS)
+               NF, TA, TB, SA, PREFETCH, False, True, False, 0, PF_AXIS, 1, OFF32)
 
 
 @triton.jit
@@ -660,11 +670,12 @@ def sfc_fold_fused_kernel(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n,
                           TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr,
                           PREFETCH: tl.constexpr, AB_ACC: tl.constexpr, LO_RN: tl.constexpr,
                           CAT2: tl.constexpr = False, CAT1: tl.constexpr = 0,
-                          PF_AXIS: tl.constexpr = False, RA: tl.constexpr = 1):
+                          PF_AXIS: tl.constexpr = False, RA: tl.constexpr = 1,
+                          OFF32: tl.constexpr = False):
     """Fused pass of the factored tensors (:func:`_fold_body`, ``FUSED=True``)."""
     _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tofs, b0,
                wh, bh, wl, bl, part, exp_mult, step_mult, True, PREC, TERMS, HP, NHID, NPTR,
-               NF, TA, TB, SA, PREFETCH, AB_ACC, LO_RN, CAT2, CAT1, PF_AXIS, RA)
+               NF, TA, TB, SA, PREFETCH, AB_ACC, LO_RN, CAT2, CAT1, PF_AXIS, RA, OFF32)
 
 
 # -- the unfolded kernels (unfactored tensors; every tensor with the 4-wide MLP) ------------
@@ -904,6 +915,9 @@ class SmallFCTriton:
                         len(aprog))
         out["n_terms"] = e
         out["ra"] = RA
+        # int32 element offsets in the folded kernels when they cannot overflow (m's are
+        # 3·offset + 2; the next sub-tile's, masked, may pass the end by a few rows)
+        out["off32"] = OFF32 and 4 * max((math.prod(s) for s in lay.shapes), default=0) < 2**31
         return out
 
     def _weights(self, meta: Mapping[str, torch.Tensor]) -> dict:
@@ -1033,11 +1047,13 @@ class SmallFCTriton:
                 if fused:
                     opts["num_stages"] = STAGES_FOLD
                     opts.update(PREFETCH=PREFETCH, AB_ACC=AB_ACC, LO_RN=SPLIT_LO != "hw",
-                                CAT2=CAT2, CAT1=CAT1, PF_AXIS=PF_AXIS, RA=self._pids["ra"])
+                                CAT2=CAT2, CAT1=CAT1, PF_AXIS=PF_AXIS, RA=self._pids["ra"],
+                                OFF32=self._pids["off32"])
                 else:
                     opts["num_stages"] = STAGES_STATS
                     opts["num_warps"] = WARPS_STATS
-                    opts.update(PREFETCH=PREFETCH_STATS, PF_AXIS=PF_AXIS_STATS)
+                    opts.update(PREFETCH=PREFETCH_STATS, PF_AXIS=PF_AXIS_STATS,
+                                OFF32=self._pids["off32"])
                 if cap:
                     opts["maxnreg"] = cap
                 kern[(n,)](*args, w16n, terms, self._pids["tofs"], b0p, *tail,
