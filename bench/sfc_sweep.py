@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lopt_step as B  # noqa: E402
 
 import xopt.torch as xt  # noqa: E402
+from xopt.kernels import lopt_common as C  # noqa: E402
 from xopt.kernels import small_fc_lopt as K  # noqa: E402
 
 #: the settings before the knobs below (commit 69e2d5c's kernels)
@@ -70,9 +71,18 @@ VARIANTS = {
     "fast": (dict(), True, "fast"),
     "ra2_fast": (dict(RA=2), True, "fast"),
     "st72": (dict(MAXNREG_STATS=72), True),
-    "st_w2": (dict(SA_STATS=1, WARPS_STATS=2, MAXNREG_STATS=64), True),
+    "st_w2": (dict(SA_STATS_FOLD=1, WARPS_STATS=2, MAXNREG_STATS=64), True),
     "ra2_st72": (dict(RA=2, MAXNREG_STATS=72), True),
-    "ra2_st_w2": (dict(RA=2, SA_STATS=1, WARPS_STATS=2, MAXNREG_STATS=64), True),
+    "ra2_st_w2": (dict(RA=2, SA_STATS_FOLD=1, WARPS_STATS=2, MAXNREG_STATS=64), True),
+    # the fifth session's defaults before them (RA 1, statistics kernel 2 rows, 4 warps,
+    # cap 80, g² sub-tile 16), and the g² pass's sub-tile and warps
+    "prev": (dict(RA=1, SA_STATS_FOLD=2, WARPS_STATS=4, MAXNREG_STATS=80, SA_G2=16), True),
+    "g2_2": (dict(SA_G2=2), True),
+    "g2_1": (dict(SA_G2=1), True),
+    "g2_16": (dict(SA_G2=16), True),
+    "g2_4w2": (dict(SA_G2=4, G2_WARPS=2), True),
+    "g2_2w2": (dict(SA_G2=2, G2_WARPS=2), True),
+    "g2_8w8": (dict(SA_G2=8, G2_WARPS=8), True),
     "g2_32": (dict(SA_G2=32), True),
 }
 
@@ -100,6 +110,23 @@ def kernel_ms(opt, steps: int = 2) -> dict[str, float]:
     return out
 
 
+class _Warps:
+    """``stats1_kernel`` launched with ``num_warps`` (measurement only: the variants'
+    ``G2_WARPS``; :func:`xopt.kernels.lopt_common.factored_pass` launches it with 4)."""
+
+    def __init__(self, kern, warps: int) -> None:
+        self.kern, self.warps = kern, warps
+
+    def __getitem__(self, grid):
+        launch = self.kern[grid]
+        return lambda *a, **kw: launch(*a, num_warps=self.warps, **kw)
+
+
+def set_g2_warps(warps: int) -> None:
+    base = C.stats1_kernel.kern if isinstance(C.stats1_kernel, _Warps) else C.stats1_kernel
+    C.stats1_kernel = base if warps == 4 else _Warps(base, warps)
+
+
 def one_step_state(shapes, seed: int = 3, precision: str = "exact"):
     params = B.make(shapes, torch.float32, seed=seed)
     opt = xt.SmallFCLOpt(params, impl="triton", precision=precision, **B.SMALL_FC)
@@ -115,7 +142,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="also print each variant's main kernels' CUDA time per step")
     args = ap.parse_args()
-    defaults = {k: getattr(K, k) for c, *_ in VARIANTS.values() for k in c}
+    defaults = {k: getattr(K, k) for c, *_ in VARIANTS.values() for k in c if k != "G2_WARPS"}
     print(torch.cuda.get_device_name(), "defaults", defaults, flush=True)
     for model in args.models.split(","):
         shapes = B.MODELS[model]()
@@ -129,6 +156,7 @@ def main() -> None:
             consts, graphs, *prec = VARIANTS[name]
             for k, v in defaults.items():
                 setattr(K, k, consts.get(k, v))
+            set_g2_warps(consts.get("G2_WARPS", 4))
             try:
                 # one step from a fixed state (a first step from zeros, then the timed one)
                 opt, params = one_step_state(shapes, precision=(prec or ["exact"])[0])

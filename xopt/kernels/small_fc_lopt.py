@@ -84,18 +84,25 @@ from xopt.specs._xp import to_device
 __all__ = ["SmallFCTriton", "reference_step"]
 
 #: sub-tile rows (SA × TB elements per sub-tile) of the per-element kernels: the statistics
-#: passes, the fused pass with the tensor-core MLP (hidden width > FMA_MAX), folded and
-#: unfolded, and with the FMA MLP; warps per program (XOPT_LOPT_SA_STATS / _SA_FOLD /
-#: _SA_DOT / _SA_FMA / _WARPS, for tuning)
+#: passes, unfolded and folded, the fused pass with the tensor-core MLP (hidden width >
+#: FMA_MAX), folded and unfolded, and with the FMA MLP; warps per program
+#: (XOPT_LOPT_SA_STATS / _SA_STATS_FOLD / _SA_FOLD / _SA_DOT / _SA_FMA / _WARPS, for tuning).
+#: The folded statistics kernel: 1 row of 64 elements per sub-tile, 2 warps (one element
+#: per thread, 63 registers at the cap of 64 below, no spills: 16 programs per SM): 0.775
+#: ms against 0.893 ms per ViT-B/16 step with 2 rows and 4 warps at a cap of 80 (3.033
+#: against 3.499 ms on GPT-2 medium; bench/sfc_sweep.py --profile, st_w2 and defaults;
+#: H100, triton 3.6). (Each thread's float32 sums then run over 64 elements instead of 32,
+#: before the float64 sums over threads and tiles.)
 SA_STATS = int(os.environ.get("XOPT_LOPT_SA_STATS", "2"))
+SA_STATS_FOLD = int(os.environ.get("XOPT_LOPT_SA_STATS_FOLD", "1"))
 SA_FOLD = int(os.environ.get("XOPT_LOPT_SA_FOLD", "2"))
 SA_DOT = int(os.environ.get("XOPT_LOPT_SA_DOT", "2"))
 SA_FMA = int(os.environ.get("XOPT_LOPT_SA_FMA", "4"))
-#: sub-tile rows of the g² pass (:func:`xopt.kernels.lopt_common.stats1_kernel`; 16: 1024
-#: loads of g in flight per program instead of 256; XOPT_LOPT_SA_G2). No measurable change
-#: of the step: 6.64 ms against 6.66 ms with 4 per ViT-B/16 step (bench/sfc_sweep.py's
-#: defaults and defaults_g2_sa4, one H100 call); the pass took 0.34 ms of it (profile)
-SA_G2 = int(os.environ.get("XOPT_LOPT_SA_G2", "16"))
+#: sub-tile rows of the g² pass (:func:`xopt.kernels.lopt_common.stats1_kernel`;
+#: XOPT_LOPT_SA_G2). The pass per ViT-B/16 step (bench/sfc_sweep.py --profile, H100,
+#: triton 3.6): 0.628 ms with 64 rows, 0.334 with 16, 0.317 with 8, 0.267 with 4
+#: (1.218 against 1.287 ms with 8 and 16 on GPT-2 medium)
+SA_G2 = int(os.environ.get("XOPT_LOPT_SA_G2", "4"))
 WARPS = int(os.environ.get("XOPT_LOPT_WARPS", "4"))
 #: software-pipelining stages of the per-element loop (XOPT_LOPT_STAGES); the folded fused
 #: kernel's (XOPT_LOPT_STAGES_FOLD, default 1: it prefetches by hand, PREFETCH below; 2
@@ -107,11 +114,12 @@ STAGES_FOLD = int(os.environ.get("XOPT_LOPT_STAGES_FOLD", "1"))
 #: hidden widths up to 32 (XOPT_LOPT_MAXNREG, default 0: with PREFETCH and SPLIT_LO = "hw"
 #: it needs 244 registers, two programs per SM; a cap of 168 gives three but spills in the
 #: loop: 7.34 ms against 6.51 ms per ViT-B/16 step, bench/sfc_sweep.py's ab_hw_pf and
-#: ab_hw_pf_nocap; H100, triton 3.6) and of the folded statistics kernel with SA_STATS = 2
-#: (XOPT_LOPT_MAXNREG_STATS, default 80: no spills, six programs per SM; 0.89 ms against
-#: 1.11 ms per ViT-B/16 step)
+#: ab_hw_pf_nocap; H100, triton 3.6) and of the folded statistics kernel when it has one
+#: element per thread (XOPT_LOPT_MAXNREG_STATS, default 64 for 2 warps, see SA_STATS_FOLD;
+#: with 4 warps, 80: no spills, six programs per SM, 0.89 ms against 1.11 ms uncapped per
+#: ViT-B/16 step; 72: 0.92 ms)
 MAXNREG_FOLD = int(os.environ.get("XOPT_LOPT_MAXNREG", "0"))
-MAXNREG_STATS = int(os.environ.get("XOPT_LOPT_MAXNREG_STATS", "80"))
+MAXNREG_STATS = int(os.environ.get("XOPT_LOPT_MAXNREG_STATS", "64"))
 #: products per split-precision matmul in exact mode (3, or 4 with x_lo·w_lo;
 #: XOPT_LOPT_DOT_TERMS)
 TERMS = int(os.environ.get("XOPT_LOPT_DOT_TERMS", "3"))
@@ -145,14 +153,18 @@ PF_AXIS_STATS = int(os.environ.get("XOPT_LOPT_PF_AXIS_STATS", "0"))
 PREFETCH_STATS = os.environ.get("XOPT_LOPT_PREFETCH_STATS", "0") != "0"
 #: tiles along the a axis per program of the folded fused kernel (XOPT_LOPT_RA: its
 #: per-program set-up, loads of the weights, axis terms and factors of the b axis, done
-#: once for RA tiles)
-RA = int(os.environ.get("XOPT_LOPT_RA", "1"))
+#: once for RA tiles). 2: the kernel 4.716 ms against 4.795 ms with 1 per ViT-B/16 step
+#: (4.716 with 4), 18.54 against 18.85 ms on GPT-2 medium (bench/sfc_sweep.py --profile;
+#: H100, triton 3.6); the same bits
+RA = int(os.environ.get("XOPT_LOPT_RA", "2"))
 #: the folded kernels' element offsets in int32 where no tensor is too large
-#: (XOPT_LOPT_OFF32=0: int64 always)
+#: (XOPT_LOPT_OFF32=1; default int64: int32 took 7 of 743 SASS instructions out of the
+#: fused loop and 15 of 180 out of the statistics loop, but measured no faster: fused
+#: kernel 4.813 against 4.795 ms, 4.733 against 4.716 with RA = 2)
 OFF32 = os.environ.get("XOPT_LOPT_OFF32", "0") != "0"
-#: warps per program of the folded statistics kernel (XOPT_LOPT_WARPS_STATS; with
-#: SA_STATS = 1 and 2 warps one element per thread as with 2 and 4)
-WARPS_STATS = int(os.environ.get("XOPT_LOPT_WARPS_STATS", str(WARPS)))
+#: warps per program of the folded statistics kernel (XOPT_LOPT_WARPS_STATS, see
+#: SA_STATS_FOLD)
+WARPS_STATS = int(os.environ.get("XOPT_LOPT_WARPS_STATS", "2"))
 #: pipelining stages of the folded statistics kernel (XOPT_LOPT_STAGES_STATS)
 STAGES_STATS = int(os.environ.get("XOPT_LOPT_STAGES_STATS", "2"))
 #: fold the row/column features of factored tensors (XOPT_LOPT_FOLD=0: the unfolded
@@ -1042,8 +1054,9 @@ class SmallFCTriton:
                 kern = sfc_fold_fused_kernel if fused else sfc_fold_stats_kernel
                 opts = dict(common)
                 # (the fused kernel's cap was measured at HP = 32; wider MLPs need more)
+                # (the statistics kernel's, with one element per thread)
                 cap = (MAXNREG_FOLD if hp_ <= 32 else 0) if fused else \
-                    (MAXNREG_STATS if SA_STATS <= 2 else 0)
+                    (MAXNREG_STATS if SA_STATS_FOLD * L.TB <= 32 * WARPS_STATS else 0)
                 if fused:
                     opts["num_stages"] = STAGES_FOLD
                     opts.update(PREFETCH=PREFETCH, AB_ACC=AB_ACC, LO_RN=SPLIT_LO != "hw",
@@ -1057,7 +1070,7 @@ class SmallFCTriton:
                 if cap:
                     opts["maxnreg"] = cap
                 kern[(n,)](*args, w16n, terms, self._pids["tofs"], b0p, *tail,
-                           part, *consts, SA=SA_FOLD if fused else SA_STATS, **opts)
+                           part, *consts, SA=SA_FOLD if fused else SA_STATS_FOLD, **opts)
             else:
                 kern = sfc_fused_kernel if fused else sfc_stats_kernel
                 sa = (SA_DOT if w["dot"] else SA_FMA) if fused else SA_STATS
