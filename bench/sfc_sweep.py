@@ -82,12 +82,47 @@ VARIANTS = {
     "g2_16": (dict(SA_G2=16), True),
     "g2_4w2": (dict(SA_G2=4, G2_WARPS=2), True),
     "g2_2w2": (dict(SA_G2=2, G2_WARPS=2), True),
+    "o32_cap168": (dict(OFF32=True, MAXNREG_FOLD=168), True),
+    "sa4w8": (dict(SA_FOLD=4, WARPS_FOLD=8), True),
+    "st_cap56": (dict(MAXNREG_STATS=56), True),
     "g2_8w8": (dict(SA_G2=8, G2_WARPS=8), True),
     "g2_32": (dict(SA_G2=32), True),
 }
 
 #: kernels whose per-step CUDA time --profile prints (name prefixes)
 PROFILED = ("sfc_fold_fused", "sfc_fold_stats", "stats1", "sfc_fused", "sfc_stats")
+
+
+def gap_ms(opt, steps: int = 20) -> dict[str, float]:
+    """Where a step's time goes besides its kernels: ms per step of ``steps`` steps back to
+    back (CUDA events around all of them, no synchronization between), of the host alone
+    (``perf_counter`` around the same loop, before synchronizing), and the CUDA time of
+    every kernel of one step (torch.profiler, 2 steps)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    host = (time.perf_counter() - t0) / steps
+    b.record()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(2):
+            opt.step()
+        torch.cuda.synchronize()
+    total = 0.0
+    for e in p.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = e.self_cuda_time_total
+        total += t
+    return {"back_to_back_ms": a.elapsed_time(b) / steps, "host_ms": host * 1e3,
+            "all_kernels_ms": total / 1e3 / 2}
 
 
 def kernel_ms(opt, steps: int = 2) -> dict[str, float]:
@@ -141,6 +176,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true",
                     help="also print each variant's main kernels' CUDA time per step")
+    ap.add_argument("--gap", action="store_true",
+                    help="also print the step's time back to back (no synchronization "
+                    "between steps), the host's time per step and all kernels' CUDA time")
     args = ap.parse_args()
     defaults = {k: getattr(K, k) for c, *_ in VARIANTS.values() for k in c if k != "G2_WARPS"}
     print(torch.cuda.get_device_name(), "defaults", defaults, flush=True)
@@ -176,6 +214,7 @@ def main() -> None:
                 r = B.time_step(opt, None, 3, args.reps)
                 rec = opt._triton.graph_recordings
                 prof = kernel_ms(opt) if args.profile else {}
+                gap = gap_ms(opt) if args.gap else {}
                 del opt, params, res
                 torch.cuda.empty_cache()
                 x = r["median_ms"] / adam["median_ms"]
@@ -183,6 +222,8 @@ def main() -> None:
                       f"  min {r['min_ms']:.3f}  graphs {graphs} (recorded {rec})  vs first: "
                       f"params {dp:.2e} state {ds:.2e}  peak extra "
                       f"{r['peak_extra_bytes'] / 2**20:.1f} MiB", flush=True)
+                if gap:
+                    print("    " + "  ".join(f"{k} {v:.3f}" for k, v in gap.items()), flush=True)
                 if prof:
                     print("    kernels ms/step: " + "  ".join(
                         f"{k} {v:.3f}" for k, v in prof.items()), flush=True)

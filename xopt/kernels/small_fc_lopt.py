@@ -100,10 +100,14 @@ SA_DOT = int(os.environ.get("XOPT_LOPT_SA_DOT", "2"))
 SA_FMA = int(os.environ.get("XOPT_LOPT_SA_FMA", "4"))
 #: sub-tile rows of the g² pass (:func:`xopt.kernels.lopt_common.stats1_kernel`;
 #: XOPT_LOPT_SA_G2). The pass per ViT-B/16 step (bench/sfc_sweep.py --profile, H100,
-#: triton 3.6): 0.628 ms with 64 rows, 0.334 with 16, 0.317 with 8, 0.267 with 4
-#: (1.218 against 1.287 ms with 8 and 16 on GPT-2 medium)
+#: triton 3.6): 0.628 ms with 64 rows, 0.334 with 16, 0.317 with 8, 0.265 with 4, 0.281
+#: with 2, 0.482 with 1 (1.006 against 1.287 ms with 4 and 16 on GPT-2 medium); 2 rows on
+#: 2 warps measured 0.239 (lopt_common.factored_pass launches it with 4 warps)
 SA_G2 = int(os.environ.get("XOPT_LOPT_SA_G2", "4"))
 WARPS = int(os.environ.get("XOPT_LOPT_WARPS", "4"))
+#: warps per program of the folded fused kernel (XOPT_LOPT_WARPS_FOLD; with SA_FOLD · 64 =
+#: 32 · warps, one element per thread)
+WARPS_FOLD = int(os.environ.get("XOPT_LOPT_WARPS_FOLD", str(WARPS)))
 #: software-pipelining stages of the per-element loop (XOPT_LOPT_STAGES); the folded fused
 #: kernel's (XOPT_LOPT_STAGES_FOLD, default 1: it prefetches by hand, PREFETCH below; 2
 #: stages: 8.62 ms against 7.18 ms per ViT-B/16 step, bench/sfc_sweep.py's ab_pf_st2 and
@@ -1059,6 +1063,7 @@ class SmallFCTriton:
                     (MAXNREG_STATS if SA_STATS_FOLD * L.TB <= 32 * WARPS_STATS else 0)
                 if fused:
                     opts["num_stages"] = STAGES_FOLD
+                    opts["num_warps"] = WARPS_FOLD
                     opts.update(PREFETCH=PREFETCH, AB_ACC=AB_ACC, LO_RN=SPLIT_LO != "hw",
                                 CAT2=CAT2, CAT1=CAT1, PF_AXIS=PF_AXIS, RA=self._pids["ra"],
                                 OFF32=self._pids["off32"])
