@@ -106,7 +106,8 @@ SA_FMA = int(os.environ.get("XOPT_LOPT_SA_FMA", "4"))
 SA_G2 = int(os.environ.get("XOPT_LOPT_SA_G2", "4"))
 WARPS = int(os.environ.get("XOPT_LOPT_WARPS", "4"))
 #: warps per program of the folded fused kernel (XOPT_LOPT_WARPS_FOLD; with SA_FOLD · 64 =
-#: 32 · warps, one element per thread)
+#: 32 · warps, one element per thread; SA_FOLD = 4 on 8 warps: 6.04 ms against 4.71 per
+#: ViT-B/16 step, bench/sfc_sweep.py's sa4w8; H100, triton 3.6)
 WARPS_FOLD = int(os.environ.get("XOPT_LOPT_WARPS_FOLD", str(WARPS)))
 #: software-pipelining stages of the per-element loop (XOPT_LOPT_STAGES); the folded fused
 #: kernel's (XOPT_LOPT_STAGES_FOLD, default 1: it prefetches by hand, PREFETCH below; 2
@@ -120,8 +121,8 @@ STAGES_FOLD = int(os.environ.get("XOPT_LOPT_STAGES_FOLD", "1"))
 #: loop: 7.34 ms against 6.51 ms per ViT-B/16 step, bench/sfc_sweep.py's ab_hw_pf and
 #: ab_hw_pf_nocap; H100, triton 3.6) and of the folded statistics kernel when it has one
 #: element per thread (XOPT_LOPT_MAXNREG_STATS, default 64 for 2 warps, see SA_STATS_FOLD;
-#: with 4 warps, 80: no spills, six programs per SM, 0.89 ms against 1.11 ms uncapped per
-#: ViT-B/16 step; 72: 0.92 ms)
+#: 56: 0.80 ms against 0.77; with 4 warps, 80: no spills, six programs per SM, 0.89 ms
+#: against 1.11 ms uncapped per ViT-B/16 step; 72: 0.92 ms)
 MAXNREG_FOLD = int(os.environ.get("XOPT_LOPT_MAXNREG", "0"))
 MAXNREG_STATS = int(os.environ.get("XOPT_LOPT_MAXNREG_STATS", "64"))
 #: products per split-precision matmul in exact mode (3, or 4 with x_lo·w_lo;
@@ -144,14 +145,18 @@ AB_ACC = os.environ.get("XOPT_LOPT_AB_ACC", "1") != "0"
 SPLIT_LO = os.environ.get("XOPT_LOPT_SPLIT_LO", "hw")
 #: exact mode, folded fused kernel: the first hidden layer's three products as two
 #: tensor-core matmuls, ``[h_lo, h_hi] @ [w_hi; w_lo]`` then ``+ h_hi @ w_hi`` (the same
-#: products in the same order; one wait for the tensor cores less) (XOPT_LOPT_CAT2=1)
+#: products in the same order, the same bits; one wait for the tensor cores less)
+#: (XOPT_LOPT_CAT2=1; off: the kernel 4.853 ms against 4.796 per ViT-B/16 step; with
+#: CAT1 = 2 4.950; H100, triton 3.6, bench/sfc_sweep.py --profile)
 CAT2 = os.environ.get("XOPT_LOPT_CAT2", "0") != "0"
 #: likewise for the first layer: 0 three matmuls, 2 as CAT2, 4 one matmul of depth 64 with
 #: the fourth product x_lo·w_lo (XOPT_LOPT_CAT1)
 CAT1 = int(os.environ.get("XOPT_LOPT_CAT1", "0"))
 #: the folded kernels load the next sub-tile's a-axis statistics one sub-tile ahead (1), and
 #: in the fused kernel its first-layer axis terms too (2) (XOPT_LOPT_PF_AXIS,
-#: XOPT_LOPT_PF_AXIS_STATS); the statistics kernel's PREFETCH (XOPT_LOPT_PREFETCH_STATS)
+#: XOPT_LOPT_PF_AXIS_STATS); the statistics kernel's PREFETCH (XOPT_LOPT_PREFETCH_STATS).
+#: All off: fused kernel 5.147 (1) and 4.928 (2) ms against 4.796, statistics kernel with
+#: PREFETCH at a cap of 96 0.986 against 0.889 (the settings then), same sweep
 PF_AXIS = int(os.environ.get("XOPT_LOPT_PF_AXIS", "0"))
 PF_AXIS_STATS = int(os.environ.get("XOPT_LOPT_PF_AXIS_STATS", "0"))
 PREFETCH_STATS = os.environ.get("XOPT_LOPT_PREFETCH_STATS", "0") != "0"
@@ -164,7 +169,8 @@ RA = int(os.environ.get("XOPT_LOPT_RA", "2"))
 #: the folded kernels' element offsets in int32 where no tensor is too large
 #: (XOPT_LOPT_OFF32=1; default int64: int32 took 7 of 743 SASS instructions out of the
 #: fused loop and 15 of 180 out of the statistics loop, but measured no faster: fused
-#: kernel 4.813 against 4.795 ms, 4.733 against 4.716 with RA = 2)
+#: kernel 4.813 against 4.795 ms, 4.733 against 4.716 with RA = 2; with a cap of 168
+#: registers, three programs per SM but spills, 5.13 ms against 4.71)
 OFF32 = os.environ.get("XOPT_LOPT_OFF32", "0") != "0"
 #: warps per program of the folded statistics kernel (XOPT_LOPT_WARPS_STATS, see
 #: SA_STATS_FOLD)
