@@ -24,11 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lopt_step as B  # noqa: E402
 
 import xopt.torch as xt  # noqa: E402
+from xopt.kernels import lopt_common as C  # noqa: E402
 from xopt.kernels import small_fc_lopt as K  # noqa: E402
 
 #: the settings before the knobs below (commit 69e2d5c's kernels)
 OLD = dict(PREFETCH=False, AB_ACC=False, SPLIT_LO="rn", MAXNREG_FOLD=168, SA_G2=4)
-#: name -> (module constants, CUDA graph on); a constant not named keeps the module's value
+#: name -> (module constants, CUDA graph on[, precision]); a constant not named keeps the
+#: module's value
 #: (the variants from "ab" on were measured with MAXNREG_FOLD = 168 and SA_G2 = 4 defaults)
 VARIANTS = {
     "base_eager": (OLD, False),
@@ -43,12 +45,126 @@ VARIANTS = {
     "defaults": ({}, True),
     "defaults_g2_sa4": (dict(SA_G2=4), True),
     "defaults_eager": ({}, False),
+    # fifth session: fused kernel (CAT2 / CAT1: fewer tensor-core waits; PF_AXIS: the next
+    # sub-tile's a-axis statistics (1) and axis terms (2) loaded ahead), statistics kernel
+    # (its own PREFETCH, PF_AXIS, register cap), g² pass sub-tile
+    "cat2": (dict(CAT2=True), True),
+    "cat1_2": (dict(CAT1=2), True),
+    "cat2_cat1_2": (dict(CAT2=True, CAT1=2), True),
+    "cat2_cat1_4": (dict(CAT2=True, CAT1=4), True),
+    "pfax1": (dict(PF_AXIS=1), True),
+    "pfax2": (dict(PF_AXIS=2), True),
+    "cat2_pfax1": (dict(CAT2=True, PF_AXIS=1), True),
+    "st_pf96": (dict(PREFETCH_STATS=True, MAXNREG_STATS=96), True),
+    "st_pfax96": (dict(PREFETCH_STATS=True, PF_AXIS_STATS=1, MAXNREG_STATS=96), True),
+    "st_pf80": (dict(PREFETCH_STATS=True), True),
+    "ra2": (dict(RA=2), True),
+    "ra4": (dict(RA=4), True),
+    "cat2_pfax1_ra2": (dict(CAT2=True, PF_AXIS=1, RA=2), True),
+    "g2_64": (dict(SA_G2=64), True),
+    "g2_8": (dict(SA_G2=8), True),
+    "g2_4": (dict(SA_G2=4), True),
+    "terms4": (dict(TERMS=4), True),
+    "o32": (dict(OFF32=True), True),
+    "ra2_o32": (dict(RA=2, OFF32=True), True),
+    "ra2_o32_st72": (dict(RA=2, OFF32=True, MAXNREG_STATS=72), True),
+    "fast": (dict(), True, "fast"),
+    "ra2_fast": (dict(RA=2), True, "fast"),
+    "st72": (dict(MAXNREG_STATS=72), True),
+    "st_w2": (dict(SA_STATS_FOLD=1, WARPS_STATS=2, MAXNREG_STATS=64), True),
+    "ra2_st72": (dict(RA=2, MAXNREG_STATS=72), True),
+    "ra2_st_w2": (dict(RA=2, SA_STATS_FOLD=1, WARPS_STATS=2, MAXNREG_STATS=64), True),
+    # the fifth session's defaults before them (RA 1, statistics kernel 2 rows, 4 warps,
+    # cap 80, g² sub-tile 16), and the g² pass's sub-tile and warps
+    "prev": (dict(RA=1, SA_STATS_FOLD=2, WARPS_STATS=4, MAXNREG_STATS=80, SA_G2=16), True),
+    "g2_2": (dict(SA_G2=2), True),
+    "g2_1": (dict(SA_G2=1), True),
+    "g2_16": (dict(SA_G2=16), True),
+    "g2_4w2": (dict(SA_G2=4, G2_WARPS=2), True),
+    "g2_2w2": (dict(SA_G2=2, G2_WARPS=2), True),
+    "o32_cap168": (dict(OFF32=True, MAXNREG_FOLD=168), True),
+    "sa4w8": (dict(SA_FOLD=4, WARPS_FOLD=8), True),
+    "st_cap56": (dict(MAXNREG_STATS=56), True),
+    "g2_8w8": (dict(SA_G2=8, G2_WARPS=8), True),
+    "g2_32": (dict(SA_G2=32), True),
 }
 
+#: kernels whose per-step CUDA time --profile prints (name prefixes)
+PROFILED = ("sfc_fold_fused", "sfc_fold_stats", "stats1", "sfc_fused", "sfc_stats")
 
-def one_step_state(shapes, seed: int = 3):
+
+def gap_ms(opt, steps: int = 20) -> dict[str, float]:
+    """Where a step's time goes besides its kernels: ms per step of ``steps`` steps back to
+    back (CUDA events around all of them, no synchronization between), of the host alone
+    (``perf_counter`` around the same loop, before synchronizing), and the CUDA time of
+    every kernel of one step (torch.profiler, 2 steps)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    host = (time.perf_counter() - t0) / steps
+    b.record()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(2):
+            opt.step()
+        torch.cuda.synchronize()
+    total = 0.0
+    for e in p.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = e.self_cuda_time_total
+        total += t
+    return {"back_to_back_ms": a.elapsed_time(b) / steps, "host_ms": host * 1e3,
+            "all_kernels_ms": total / 1e3 / 2}
+
+
+def kernel_ms(opt, steps: int = 2) -> dict[str, float]:
+    """CUDA time per step of the main kernels (torch.profiler over ``steps`` steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(steps):
+            opt.step()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in p.key_averages():
+        for k in PROFILED:
+            if e.key.startswith(k):
+                t = getattr(e, "device_time_total", None)
+                if t is None:
+                    t = e.cuda_time_total
+                out[k] = out.get(k, 0.0) + t / 1e3 / steps
+    return out
+
+
+class _Warps:
+    """``stats1_kernel`` launched with ``num_warps`` (measurement only: the variants'
+    ``G2_WARPS``; :func:`xopt.kernels.lopt_common.factored_pass` launches it with 4)."""
+
+    def __init__(self, kern, warps: int) -> None:
+        self.kern, self.warps = kern, warps
+
+    def __getitem__(self, grid):
+        launch = self.kern[grid]
+        return lambda *a, **kw: launch(*a, num_warps=self.warps, **kw)
+
+
+def set_g2_warps(warps: int) -> None:
+    base = C.stats1_kernel.kern if isinstance(C.stats1_kernel, _Warps) else C.stats1_kernel
+    C.stats1_kernel = base if warps == 4 else _Warps(base, warps)
+
+
+def one_step_state(shapes, seed: int = 3, precision: str = "exact"):
     params = B.make(shapes, torch.float32, seed=seed)
-    opt = xt.SmallFCLOpt(params, impl="triton", **B.SMALL_FC)
+    opt = xt.SmallFCLOpt(params, impl="triton", precision=precision, **B.SMALL_FC)
     opt.step()
     return opt, params
 
@@ -58,8 +174,13 @@ def main() -> None:
     ap.add_argument("--models", default="vit_b16")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--profile", action="store_true",
+                    help="also print each variant's main kernels' CUDA time per step")
+    ap.add_argument("--gap", action="store_true",
+                    help="also print the step's time back to back (no synchronization "
+                    "between steps), the host's time per step and all kernels' CUDA time")
     args = ap.parse_args()
-    defaults = {k: getattr(K, k) for c, _ in VARIANTS.values() for k in c}
+    defaults = {k: getattr(K, k) for c, *_ in VARIANTS.values() for k in c if k != "G2_WARPS"}
     print(torch.cuda.get_device_name(), "defaults", defaults, flush=True)
     for model in args.models.split(","):
         shapes = B.MODELS[model]()
@@ -70,12 +191,13 @@ def main() -> None:
         print(f"== {model}: adamw/fused {adam['median_ms']:.3f} ms", flush=True)
         ref = None
         for name in args.variants.split(","):
-            consts, graphs = VARIANTS[name]
+            consts, graphs, *prec = VARIANTS[name]
             for k, v in defaults.items():
                 setattr(K, k, consts.get(k, v))
+            set_g2_warps(consts.get("G2_WARPS", 4))
             try:
                 # one step from a fixed state (a first step from zeros, then the timed one)
-                opt, params = one_step_state(shapes)
+                opt, params = one_step_state(shapes, precision=(prec or ["exact"])[0])
                 for p, g in zip(params, B.make(shapes, torch.float32, seed=4), strict=True):
                     p.grad = g.grad
                 opt._triton._graph.enabled = graphs
@@ -91,6 +213,8 @@ def main() -> None:
                              for k in b)
                 r = B.time_step(opt, None, 3, args.reps)
                 rec = opt._triton.graph_recordings
+                prof = kernel_ms(opt) if args.profile else {}
+                gap = gap_ms(opt) if args.gap else {}
                 del opt, params, res
                 torch.cuda.empty_cache()
                 x = r["median_ms"] / adam["median_ms"]
@@ -98,6 +222,11 @@ def main() -> None:
                       f"  min {r['min_ms']:.3f}  graphs {graphs} (recorded {rec})  vs first: "
                       f"params {dp:.2e} state {ds:.2e}  peak extra "
                       f"{r['peak_extra_bytes'] / 2**20:.1f} MiB", flush=True)
+                if gap:
+                    print("    " + "  ".join(f"{k} {v:.3f}" for k, v in gap.items()), flush=True)
+                if prof:
+                    print("    kernels ms/step: " + "  ".join(
+                        f"{k} {v:.3f}" for k, v in prof.items()), flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"{name:16s} failed: {type(e).__name__}: {e}", flush=True)
     for k, v in defaults.items():

@@ -192,6 +192,30 @@ def _worker() -> dict:
                         and all(torch.equal(a[k], b[k]) for a, b in zip(sg, se, strict=True)
                                 for k in a)),
         "recordings": rec}
+
+    # schedule-only knobs (tiles per fused program along a, int32 offsets): the same bits
+    def step_with(**consts):
+        old = {k: getattr(ks, k) for k in consts}
+        for k, v in consts.items():
+            setattr(ks, k, v)
+        try:
+            ps = [torch.nn.Parameter(b.clone()) for b in before]
+            o = make(ps, "triton")
+            o.load_state_dict(copy.deepcopy(sd))
+            for p, g in zip(ps, g32, strict=True):
+                p.grad = g
+            o.step()
+            return [p.detach() for p in ps] + [o.state[p][k] for p in ps
+                                               for k in ("m", "rms", "v_row", "v_col")]
+        finally:
+            for k, v in old.items():
+                setattr(ks, k, v)
+
+    ref = step_with(RA=1, OFF32=False)
+    out["schedule_bitwise"] = {
+        name: bool(all(torch.equal(a, b) for a, b in zip(ref, step_with(**c), strict=True)))
+        for name, c in (("ra2", dict(RA=2, OFF32=False)), ("ra4", dict(RA=4, OFF32=False)),
+                        ("off32", dict(RA=1, OFF32=True)))}
     return out
 
 
@@ -222,6 +246,12 @@ def test_cuda_graph_replays_match_eager_steps(results):
     assert r["bitwise"] is True, r
     if results["device"] == "cuda":
         assert r["recordings"] == 1, r
+
+
+def test_schedule_knobs_keep_bits(results):
+    """RA tiles along a per fused program (shapes with 2 and 3 tiles along a) and int32
+    element offsets change the schedule only: the step's bits are those of RA = 1, int64."""
+    assert all(results["schedule_bitwise"].values()), results["schedule_bitwise"]
 
 
 def test_axis_terms_match_float64(results):
