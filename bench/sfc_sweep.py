@@ -45,29 +45,18 @@ VARIANTS = {
     "defaults": ({}, True),
     "defaults_g2_sa4": (dict(SA_G2=4), True),
     "defaults_eager": ({}, False),
-    # fifth session: fused kernel (CAT2 / CAT1: fewer tensor-core waits; PF_AXIS: the next
-    # sub-tile's a-axis statistics (1) and axis terms (2) loaded ahead), statistics kernel
-    # (its own PREFETCH, PF_AXIS, register cap), g² pass sub-tile
-    "cat2": (dict(CAT2=True), True),
-    "cat1_2": (dict(CAT1=2), True),
-    "cat2_cat1_2": (dict(CAT2=True, CAT1=2), True),
-    "cat2_cat1_4": (dict(CAT2=True, CAT1=4), True),
-    "pfax1": (dict(PF_AXIS=1), True),
-    "pfax2": (dict(PF_AXIS=2), True),
-    "cat2_pfax1": (dict(CAT2=True, PF_AXIS=1), True),
+    # fifth session: statistics kernel (its own PREFETCH, register cap, rows and warps),
+    # fused kernel (RA), g² pass sub-tile. (Variants of knobs measured slower and removed
+    # afterwards, CAT2 / CAT1, PF_AXIS, OFF32, ran at commit f018735; small_fc_lopt.py's
+    # comment at PREFETCH_STATS gives their figures.)
     "st_pf96": (dict(PREFETCH_STATS=True, MAXNREG_STATS=96), True),
-    "st_pfax96": (dict(PREFETCH_STATS=True, PF_AXIS_STATS=1, MAXNREG_STATS=96), True),
     "st_pf80": (dict(PREFETCH_STATS=True), True),
     "ra2": (dict(RA=2), True),
     "ra4": (dict(RA=4), True),
-    "cat2_pfax1_ra2": (dict(CAT2=True, PF_AXIS=1, RA=2), True),
     "g2_64": (dict(SA_G2=64), True),
     "g2_8": (dict(SA_G2=8), True),
     "g2_4": (dict(SA_G2=4), True),
     "terms4": (dict(TERMS=4), True),
-    "o32": (dict(OFF32=True), True),
-    "ra2_o32": (dict(RA=2, OFF32=True), True),
-    "ra2_o32_st72": (dict(RA=2, OFF32=True, MAXNREG_STATS=72), True),
     "fast": (dict(), True, "fast"),
     "ra2_fast": (dict(RA=2), True, "fast"),
     "st72": (dict(MAXNREG_STATS=72), True),
@@ -82,7 +71,6 @@ VARIANTS = {
     "g2_16": (dict(SA_G2=16), True),
     "g2_4w2": (dict(SA_G2=4, G2_WARPS=2), True),
     "g2_2w2": (dict(SA_G2=2, G2_WARPS=2), True),
-    "o32_cap168": (dict(OFF32=True, MAXNREG_FOLD=168), True),
     "sa4w8": (dict(SA_FOLD=4, WARPS_FOLD=8), True),
     "st_cap56": (dict(MAXNREG_STATS=56), True),
     "g2_8w8": (dict(SA_G2=8, G2_WARPS=8), True),

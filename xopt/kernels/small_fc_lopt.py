@@ -67,7 +67,6 @@ Under ``TRITON_INTERPRET=1`` (CPU) ``tl.dot`` multiplies in float32 whatever the
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
 
@@ -143,22 +142,14 @@ AB_ACC = os.environ.get("XOPT_LOPT_AB_ACC", "1") != "0"
 #: or rounded to nearest first ("rn": 2^-23 of |x|, as the other kernels)
 #: (XOPT_LOPT_SPLIT_LO; :func:`xopt.kernels.lopt_common.dot3_acc`)
 SPLIT_LO = os.environ.get("XOPT_LOPT_SPLIT_LO", "hw")
-#: exact mode, folded fused kernel: the first hidden layer's three products as two
-#: tensor-core matmuls, ``[h_lo, h_hi] @ [w_hi; w_lo]`` then ``+ h_hi @ w_hi`` (the same
-#: products in the same order, the same bits; one wait for the tensor cores less)
-#: (XOPT_LOPT_CAT2=1; off: the kernel 4.853 ms against 4.796 per ViT-B/16 step; with
-#: CAT1 = 2 4.950; H100, triton 3.6, bench/sfc_sweep.py --profile)
-CAT2 = os.environ.get("XOPT_LOPT_CAT2", "0") != "0"
-#: likewise for the first layer: 0 three matmuls, 2 as CAT2, 4 one matmul of depth 64 with
-#: the fourth product x_lo·w_lo (XOPT_LOPT_CAT1)
-CAT1 = int(os.environ.get("XOPT_LOPT_CAT1", "0"))
-#: the folded kernels load the next sub-tile's a-axis statistics one sub-tile ahead (1), and
-#: in the fused kernel its first-layer axis terms too (2) (XOPT_LOPT_PF_AXIS,
-#: XOPT_LOPT_PF_AXIS_STATS); the statistics kernel's PREFETCH (XOPT_LOPT_PREFETCH_STATS).
-#: All off: fused kernel 5.147 (1) and 4.928 (2) ms against 4.796, statistics kernel with
-#: PREFETCH at a cap of 96 0.986 against 0.889 (the settings then), same sweep
-PF_AXIS = int(os.environ.get("XOPT_LOPT_PF_AXIS", "0"))
-PF_AXIS_STATS = int(os.environ.get("XOPT_LOPT_PF_AXIS_STATS", "0"))
+#: the statistics kernel's PREFETCH (XOPT_LOPT_PREFETCH_STATS; on at a cap of 96 registers:
+#: 0.986 ms against 0.889 per ViT-B/16 step with the settings then; H100, triton 3.6).
+#: Tried in the fused kernel this session and removed (code at f018735, figures per ViT-B/16
+#: step from bench/sfc_sweep.py --profile, H100): a layer's split-precision products as
+#: fewer, deeper tensor-core matmuls (4.853-4.950 ms against 4.796: same products, fewer
+#: waits, slower); the next sub-tile's a-axis statistics and axis terms loaded one sub-tile
+#: ahead (5.147 and 4.928); element offsets in int32 (4.813 against 4.795; with a cap of 168
+#: registers, three programs per SM but spills, 5.13 against 4.71)
 PREFETCH_STATS = os.environ.get("XOPT_LOPT_PREFETCH_STATS", "0") != "0"
 #: tiles along the a axis per program of the folded fused kernel (XOPT_LOPT_RA: its
 #: per-program set-up, loads of the weights, axis terms and factors of the b axis, done
@@ -166,12 +157,6 @@ PREFETCH_STATS = os.environ.get("XOPT_LOPT_PREFETCH_STATS", "0") != "0"
 #: (4.716 with 4), 18.54 against 18.85 ms on GPT-2 medium (bench/sfc_sweep.py --profile;
 #: H100, triton 3.6); the same bits
 RA = int(os.environ.get("XOPT_LOPT_RA", "2"))
-#: the folded kernels' element offsets in int32 where no tensor is too large
-#: (XOPT_LOPT_OFF32=1; default int64: int32 took 7 of 743 SASS instructions out of the
-#: fused loop and 15 of 180 out of the statistics loop, but measured no faster: fused
-#: kernel 4.813 against 4.795 ms, 4.733 against 4.716 with RA = 2; with a cap of 168
-#: registers, three programs per SM but spills, 5.13 ms against 4.71)
-OFF32 = os.environ.get("XOPT_LOPT_OFF32", "0") != "0"
 #: warps per program of the folded statistics kernel (XOPT_LOPT_WARPS_STATS, see
 #: SA_STATS_FOLD)
 WARPS_STATS = int(os.environ.get("XOPT_LOPT_WARPS_STATS", "2"))
@@ -240,43 +225,9 @@ def _load_elems(gp, pp, mp, rp, off, mask):
 
 
 @triton.jit
-def _split(x, LO_RN: tl.constexpr):
-    """``(x_lo, x_hi)``: x_hi = round_tf32(x), x_lo = x - x_hi (rounded too if LO_RN)."""
-    x_hi = C.round_tf32(x)
-    if LO_RN:
-        x_lo = C.round_tf32(x - x_hi)
-    else:
-        x_lo = x - x_hi
-    return x_lo, x_hi
-
-
-@triton.jit
-def _dot_cat4(x, w4, acc, LO_RN: tl.constexpr):
-    """``acc + x @ w`` [BLOCK, K] × [K, N] as ONE tensor-core matmul of depth 4K:
-    ``[x_lo, x_lo, x_hi, x_hi] @ [w_lo; w_hi; w_lo; w_hi]`` (``w4`` [4K, N], rows in that
-    order): the four TF32 products x_lo·w_lo, x_lo·w_hi, x_hi·w_lo, x_hi·w_hi, small first,
-    accumulated in float32 (one wait for the tensor cores instead of three)."""
-    x_lo, x_hi = _split(x, LO_RN)
-    xx = tl.join(x_lo, x_hi)
-    xx = tl.join(xx, xx)
-    xx = tl.reshape(tl.permute(xx, (0, 2, 3, 1)), [x.shape[0], 4 * x.shape[1]])
-    return tl.dot(xx, w4, acc, input_precision="tf32")
-
-
-@triton.jit
-def _dot_cat2(x, w2, w_hi, acc, LO_RN: tl.constexpr):
-    """``acc + x @ w`` [BLOCK, K] × [K, N] in two tensor-core matmuls:
-    ``[x_lo, x_hi] @ [w_hi; w_lo]`` (``w2`` [2K, N]), then ``+ x_hi @ w_hi``."""
-    x_lo, x_hi = _split(x, LO_RN)
-    xx = tl.reshape(tl.permute(tl.join(x_lo, x_hi), (0, 2, 1)), [x.shape[0], 2 * x.shape[1]])
-    acc = tl.dot(xx, w2, acc, input_precision="tf32")
-    return tl.dot(x_hi, w_hi, acc, input_precision="tf32")
-
-
-@triton.jit
 def _mlp_tail(h, w1h, w1l, b1, wh, bh, wl0, wl1, bl0, bl1, HP: tl.constexpr,
               NHID: tl.constexpr, PREC: tl.constexpr, TERMS: tl.constexpr,
-              LO_RN: tl.constexpr = True, CAT2: tl.constexpr = False, w1c=None):
+              LO_RN: tl.constexpr = True):
     """The MLP after its first layer: ``h`` [BLOCK, HP] (after the ReLU) → ``(direction,
     magnitude)`` [BLOCK]. The first hidden layer ``w1h``/``w1l`` [HP, HP] (TF32 halves),
     ``b1`` [HP] is loaded once per program by the caller; further ones (NHID > 1) are read
@@ -288,12 +239,8 @@ def _mlp_tail(h, w1h, w1l, b1, wh, bh, wl0, wl1, bl0, bl1, HP: tl.constexpr,
     hc = tl.arange(0, HP)
     if NHID > 0:
         h = _mma_to_operand(h, HP)
-        if CAT2 and PREC == "tf32x3":
-            h = tl.maximum(_dot_cat2(h, w1c, w1h, tl.zeros_like(h), LO_RN) + b1[None, :],
-                               0.0)
-        else:
-            h = tl.maximum(C.dot3_acc(h, w1h, w1l, tl.zeros_like(h), PREC, TERMS, LO_RN)
-                           + b1[None, :], 0.0)
+        h = tl.maximum(C.dot3_acc(h, w1h, w1l, tl.zeros_like(h), PREC, TERMS, LO_RN)
+                       + b1[None, :], 0.0)
     for i in tl.static_range(1, NHID):
         wofs = i * HP * HP + hc[:, None] * HP + hc[None, :]
         w_hi = tl.load(wh + wofs)
@@ -346,21 +293,9 @@ def _axis_stats(vp, idx, msk, is_row, rc0, rc1, rc2):
     f2)`` with ``v_k`` the statistic of decay k, ``s_k = rsqrt(v_k + 1e-8)`` and ``f_k``
     its factor: ``rsqrt(max(v_k / (rc_k + 1e-9), 1e-9))`` for rows (``rc_k`` the
     row-column mean), ``rsqrt(max(v_k, 1e-9))`` for columns."""
-    v0, v1, v2 = _axis_load(vp, idx, msk)
-    return _axis_from(v0, v1, v2, is_row, rc0, rc1, rc2)
-
-
-@triton.jit
-def _axis_load(vp, idx, msk):
-    """``(v0, v1, v2)``: the three statistics of the positions ``idx`` (1 where masked)."""
-    return (tl.load(vp + idx * 3, mask=msk, other=1.0),
-            tl.load(vp + idx * 3 + 1, mask=msk, other=1.0),
-            tl.load(vp + idx * 3 + 2, mask=msk, other=1.0))
-
-
-@triton.jit
-def _axis_from(v0, v1, v2, is_row, rc0, rc1, rc2):
-    """:func:`_axis_stats` from the loaded statistics."""
+    v0 = tl.load(vp + idx * 3, mask=msk, other=1.0)
+    v1 = tl.load(vp + idx * 3 + 1, mask=msk, other=1.0)
+    v2 = tl.load(vp + idx * 3 + 2, mask=msk, other=1.0)
     d0 = tl.where(is_row, rc0 + 1e-9, 1.0)
     d1 = tl.where(is_row, rc1 + 1e-9, 1.0)
     d2 = tl.where(is_row, rc2 + 1e-9, 1.0)
@@ -445,9 +380,7 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
                NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr,
                TB: tl.constexpr, SA: tl.constexpr, PREFETCH: tl.constexpr = False,
                AB_ACC: tl.constexpr = False, LO_RN: tl.constexpr = True,
-               CAT2: tl.constexpr = False, CAT1: tl.constexpr = 0,
-               PF_AXIS: tl.constexpr = False, RA: tl.constexpr = 1,
-               OFF32: tl.constexpr = False):
+               RA: tl.constexpr = 1):
     """One tile [TA, TB] of a factored tensor, walked in sub-tiles [SA, TB] (BLOCK
     elements). The b axis (TB positions ``ib``, fixed per program) and the a axis (SA
     positions ``ia`` per sub-tile) each index ``v_row`` or ``v_col`` (``A_IS_D0``); their
@@ -477,10 +410,6 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
     sbp = tl.load(row + 5)
     bs1 = tl.load(row + 6)
     boff = C.batch_offset(b, bs1, tl.load(row + 7), tl.load(row + 8))
-    if OFF32:  # element offsets in int32 (every tensor's 3·numel < 2^31)
-        sap = sap.to(tl.int32)
-        sbp = sbp.to(tl.int32)
-        boff = boff.to(tl.int32)
     b_row = tl.load(row + 13) != 0  # a is d0: the b axis (d1) indexes v_row
     a_row = b_row == 0
     rbase = C.batch_offset(b, bs1, tl.load(row + 14), tl.load(row + 15))
@@ -510,20 +439,6 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
         w16l_t = tl.load(w16_t + 16 * HP)
         w1h_t, w1l_t, b1_t, wl0_t, wl1_t, bl0_t, bl1_t = _tail_weights(wh, bh, wl, bl, hc, HP,
                                                                       NHID)
-        if CAT1 == 4:  # [w_lo; w_hi; w_lo; w_hi] (_dot_cat4)
-            k64 = tl.arange(0, 64)
-            w16c_t = tl.load(w16n + t * 32 * HP + (((k64 // 16) % 2 == 0).to(tl.int32) * 16
-                                                   + k64 % 16)[:, None] * HP + hc[None, :])
-        elif CAT1 == 2:  # [w_hi; w_lo] (_dot_cat2)
-            w16c_t = tl.load(w16n + t * 32 * HP + tl.arange(0, 32)[:, None] * HP + hc[None, :])
-        else:
-            w16c_t = w16h_t
-        if CAT2:  # [w1_hi; w1_lo] (_dot_cat2)
-            k2 = tl.arange(0, 2 * HP)
-            w1c_t = tl.load(wh + ((k2 // HP) * (NHID * HP * HP))[:, None]
-                            + (k2 % HP)[:, None] * HP + hc[None, :])
-        else:
-            w1c_t = w1h_t
         ta_row = tl.load(tofs + t * 2 + tl.where(a_row, 0, 1))
         tb_row = tl.load(tofs + t * 2 + tl.where(b_row, 0, 1))
         b_term = tl.load(b0 + hc)[None, :] + tl.load(
@@ -538,32 +453,18 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
     a0 = ta * TA
     n_sub = tl.minimum(TA * RA, ia_n - a0)
     if PREFETCH:  # the first sub-tile's loads
-        off_n = tl.reshape(boff + (a0 + sa_i)[:, None].to(sap.dtype) * sap
-                           + ib[None, :].to(sap.dtype) * sbp, [BLOCK])
+        off_n = tl.reshape(boff + (a0 + sa_i)[:, None].to(tl.int64) * sap
+                           + ib[None, :].to(tl.int64) * sbp, [BLOCK])
         mask_n = tl.reshape((sa_i < n_sub)[:, None] & mb[None, :], [BLOCK])
         g_n, p_n, o0_n, o1_n, o2_n, or_n = _load_elems(gp, pp, mp, rp, off_n, mask_n)
-    if PF_AXIS:  # the first sub-tile's statistics on the a axis
-        ia_f = a0 + sa_i
-        aidx_n = tl.where(a_row, rbase + ia_f * rstr, cbase + ia_f * cstr)
-        u0_n, u1_n, u2_n = _axis_load(va, aidx_n, ia_f < ia_n)
-        if FUSED and PF_AXIS == 2:
-            at_n = tl.load(terms + (ta_row + aidx_n)[:, None] * HP + hc[None, :],
-                           mask=(ia_f < ia_n)[:, None], other=0.0)
     for s in range(0, n_sub, SA):
         ia = a0 + s + sa_i
         ma = ia < ia_n
         aidx = tl.where(a_row, rbase + ia * rstr, cbase + ia * cstr)
-        if PF_AXIS:  # loaded one sub-tile ago; the next one's now
-            u0, u1, u2 = u0_n, u1_n, u2_n
-            ia_f = ia + SA
-            aidx_n = tl.where(a_row, rbase + ia_f * rstr, cbase + ia_f * cstr)
-            u0_n, u1_n, u2_n = _axis_load(va, aidx_n, ia_f < tl.minimum(ia_n, a0 + n_sub))
-        else:
-            u0, u1, u2 = _axis_load(va, aidx, ma)
-        va0, va1, va2, sa0, sa1, sa2, fa0, fa1, fa2 = _axis_from(u0, u1, u2, a_row, rc0, rc1,
-                                                                 rc2)
-        off = tl.reshape(boff + ia[:, None].to(sap.dtype) * sap
-                         + ib[None, :].to(sap.dtype) * sbp, [BLOCK])
+        va0, va1, va2, sa0, sa1, sa2, fa0, fa1, fa2 = _axis_stats(va, aidx, ma, a_row, rc0,
+                                                                  rc1, rc2)
+        off = tl.reshape(boff + ia[:, None].to(tl.int64) * sap
+                         + ib[None, :].to(tl.int64) * sbp, [BLOCK])
         mask = tl.reshape(ma[:, None] & mb[None, :], [BLOCK])
         ff0 = tl.reshape(fa0[:, None] * fb0[None, :], [BLOCK])
         ff1 = tl.reshape(fa1[:, None] * fb1[None, :], [BLOCK])
@@ -584,26 +485,16 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
             x = _cat16(g, p, m0, m1, m2, rms, m0 * rr, m1 * rr, m2 * rr, rr,
                        g * ff0, g * ff1, g * ff2, m0 * ff0, m1 * ff1, m2 * ff2)
             x = tl.reshape(x, [BLOCK, 16])
-            if PF_AXIS == 2:  # loaded one sub-tile ago; the next one's now
-                a_term = at_n
-                at_n = tl.load(terms + (ta_row + aidx_n)[:, None] * HP + hc[None, :],
-                               mask=(ia_f < tl.minimum(ia_n, a0 + n_sub))[:, None], other=0.0)
-            else:
-                a_term = tl.load(terms + (ta_row + aidx)[:, None] * HP + hc[None, :],
-                                 mask=ma[:, None], other=0.0)
+            a_term = tl.load(terms + (ta_row + aidx)[:, None] * HP + hc[None, :],
+                             mask=ma[:, None], other=0.0)
             ab = tl.reshape(a_term[:, None, :] + b_term[None, :, :], [BLOCK, HP])
-            if CAT1 == 4 and PREC == "tf32x3":
-                h = tl.maximum(_dot_cat4(x, w16c_t, ab, LO_RN), 0.0)
-            elif CAT1 == 2 and PREC == "tf32x3":
-                h = tl.maximum(_dot_cat2(x, w16c_t, w16h_t, ab, LO_RN), 0.0)
-            elif AB_ACC:
+            if AB_ACC:
                 h = tl.maximum(C.dot3_acc(x, w16h_t, w16l_t, ab, PREC, TERMS, LO_RN), 0.0)
             else:
                 h = tl.maximum(C.dot3_acc(x, w16h_t, w16l_t, tl.zeros_like(ab), PREC, TERMS,
                                          LO_RN) + ab, 0.0)
             direction, magnitude = _mlp_tail(h, w1h_t, w1l_t, b1_t, wh, bh, wl0_t, wl1_t,
-                                             bl0_t, bl1_t, HP, NHID, PREC, TERMS, LO_RN,
-                                             CAT2, w1c_t)
+                                             bl0_t, bl1_t, HP, NHID, PREC, TERMS, LO_RN)
             step = direction * tl.exp(magnitude * exp_mult) * step_mult
             C.store_update(outp, mp, rp, off, mask, p, step, lr, lrwd, write_step, m0, m1, m2,
                            rms)
@@ -676,12 +567,11 @@ def sfc_fold_stats_kernel(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n,
                           PREC: tl.constexpr, TERMS: tl.constexpr, HP: tl.constexpr,
                           NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr,
                           TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr,
-                          PREFETCH: tl.constexpr = False, PF_AXIS: tl.constexpr = False,
-                          OFF32: tl.constexpr = False):
+                          PREFETCH: tl.constexpr = False):
     """Statistics pass of the factored tensors (:func:`_fold_body`, ``FUSED=False``)."""
     _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tofs, b0,
                wh, bh, wl, bl, part, exp_mult, step_mult, False, PREC, TERMS, HP, NHID, NPTR,
-               NF, TA, TB, SA, PREFETCH, False, True, False, 0, PF_AXIS, 1, OFF32)
+               NF, TA, TB, SA, PREFETCH)
 
 
 @triton.jit
@@ -691,13 +581,11 @@ def sfc_fold_fused_kernel(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n,
                           NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr,
                           TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr,
                           PREFETCH: tl.constexpr, AB_ACC: tl.constexpr, LO_RN: tl.constexpr,
-                          CAT2: tl.constexpr = False, CAT1: tl.constexpr = 0,
-                          PF_AXIS: tl.constexpr = False, RA: tl.constexpr = 1,
-                          OFF32: tl.constexpr = False):
+                          RA: tl.constexpr = 1):
     """Fused pass of the factored tensors (:func:`_fold_body`, ``FUSED=True``)."""
     _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tofs, b0,
                wh, bh, wl, bl, part, exp_mult, step_mult, True, PREC, TERMS, HP, NHID, NPTR,
-               NF, TA, TB, SA, PREFETCH, AB_ACC, LO_RN, CAT2, CAT1, PF_AXIS, RA, OFF32)
+               NF, TA, TB, SA, PREFETCH, AB_ACC, LO_RN, RA)
 
 
 # -- the unfolded kernels (unfactored tensors; every tensor with the 4-wide MLP) ------------
@@ -937,9 +825,6 @@ class SmallFCTriton:
                         len(aprog))
         out["n_terms"] = e
         out["ra"] = RA
-        # int32 element offsets in the folded kernels when they cannot overflow (m's are
-        # 3·offset + 2; the next sub-tile's, masked, may pass the end by a few rows)
-        out["off32"] = OFF32 and 4 * max((math.prod(s) for s in lay.shapes), default=0) < 2**31
         return out
 
     def _weights(self, meta: Mapping[str, torch.Tensor]) -> dict:
@@ -1071,13 +956,11 @@ class SmallFCTriton:
                     opts["num_stages"] = STAGES_FOLD
                     opts["num_warps"] = WARPS_FOLD
                     opts.update(PREFETCH=PREFETCH, AB_ACC=AB_ACC, LO_RN=SPLIT_LO != "hw",
-                                CAT2=CAT2, CAT1=CAT1, PF_AXIS=PF_AXIS, RA=self._pids["ra"],
-                                OFF32=self._pids["off32"])
+                                RA=self._pids["ra"])
                 else:
                     opts["num_stages"] = STAGES_STATS
                     opts["num_warps"] = WARPS_STATS
-                    opts.update(PREFETCH=PREFETCH_STATS, PF_AXIS=PF_AXIS_STATS,
-                                OFF32=self._pids["off32"])
+                    opts.update(PREFETCH=PREFETCH_STATS)
                 if cap:
                     opts["maxnreg"] = cap
                 kern[(n,)](*args, w16n, terms, self._pids["tofs"], b0p, *tail,
