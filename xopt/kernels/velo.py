@@ -8,17 +8,18 @@ All of a model's tensors in six launches plus a handful of batched torch ops:
    thread over at most TA / SA terms, then float64 per tile and per tensor), and
    Σ (m_k − mean m_k)², Σ (rms − mean m_k)² of the accumulators before the update (float32
    per element, float64 sums), for the LSTM inputs' variances (two-pass), all in a fixed
-   order. The means come from Σ m_k, Σ rms per program that the last step's fused pass
+   order. The means come from per-lane sums of m_k, rms that the last step's fused pass
    left (the sums of what it stored; :meth:`VeLOTriton._carried`), or, when those may not
-   describe the state, from :func:`velo_mom_sums_kernel` before the step (the same bits);
+   describe the state, from :func:`velo_mom_sums_kernel` before the step (the same bits),
+   reduced per program by :func:`velo_lane_tree_kernel` (a fixed float64 tree);
 4. torch, batched over tensors: the LSTM inputs (mean_rms, var_m, var_rms from the float64
    sums in float64, rounded once), one LSTM step for all tensors
    (:func:`xopt.specs.velo.lstm_step`, the plain path's function, in float64), the
    hypernetwork's per-tensor MLP weights ``100·mean_k(controls_k·bank_k)`` for every
    tensor in one float64 product, rounded to float32 and gathered into one padded table;
 5. :func:`velo_fused_kernel`: accumulators, features, normalization, the tensor's own MLP,
-   the step and the parameter update; and Σ m_k, Σ rms per program of the accumulators it
-   stores, for the next step.
+   the step and the parameter update; and per-lane sums (float32, over the program's
+   sub-tiles) of the accumulators it stores, for the next step.
 
 On a CUDA device, 1-5 are recorded once into a CUDA graph and replayed
 (:class:`VeLOTriton`): the host then spends a few copies and one launch per step.
@@ -73,6 +74,7 @@ STATS_F32 = os.environ.get("XOPT_VELO_STATS_F32", "1") != "0"
 GRAPH_LOSS = os.environ.get("XOPT_VELO_GRAPH_LOSS", "1") != "0"
 _VERSION = operator.attrgetter("_version")
 _DPTR = torch.Tensor.data_ptr
+_CALL = operator.call
 #: per-lane sums of the accumulators in the fused pass (and velo_mom_sums_kernel): float32
 #: (over at most TA / SA terms, then float64; the default) or float64 (XOPT_VELO_MOM_ACC=f64;
 #: measured on an earlier variant of the kernel: its fused pass 2.80 ms against 2.56 ms with
@@ -136,6 +138,32 @@ def _mom_store(out, pid, a0, a1, a2, a3, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _lanes_store(out, pid, a0, a1, a2, a3, BLOCK: tl.constexpr):
+    """``out[pid, k, 0:BLOCK]`` = :func:`_mom_acc`'s per-lane sums ``a_k`` as they are
+    (``out``: [n_prog, 4, BLOCK] of their dtype): no reduction in the pass that sums them
+    (a tree there cost the fused pass ~0.3 ms per ViT-B/16 step); :func:`velo_lane_tree_kernel`
+    reduces them afterwards."""
+    base = out + pid.to(tl.int64) * (4 * BLOCK)
+    lane = tl.arange(0, BLOCK)
+    tl.store(base + lane, a0)
+    tl.store(base + BLOCK + lane, a1)
+    tl.store(base + 2 * BLOCK + lane, a2)
+    tl.store(base + 3 * BLOCK + lane, a3)
+
+
+@triton.jit
+def velo_lane_tree_kernel(lanes, out, BLOCK: tl.constexpr):
+    """``out[pid, 0:4]`` (float64) = Σ over the lanes of ``lanes[pid, k, :]``
+    (:func:`_lanes_store`), each by :func:`_mom_store`'s fixed tree: Σm_0, Σm_1, Σm_2, Σrms of
+    program ``pid``'s tile."""
+    pid = tl.program_id(0)
+    base = lanes + pid.to(tl.int64) * (4 * BLOCK)
+    lane = tl.arange(0, BLOCK)
+    _mom_store(out, pid, tl.load(base + lane), tl.load(base + BLOCK + lane),
+               tl.load(base + 2 * BLOCK + lane), tl.load(base + 3 * BLOCK + lane), BLOCK)
+
+
+@triton.jit
 def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
                exp_mult, step_mult, FUSED: tl.constexpr, TWO_PASS: tl.constexpr,
                ACC: tl.constexpr, NHID: tl.constexpr,
@@ -147,8 +175,9 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
     (per thread in float32, at most TA / SA terms, then in float64), and of the old m_k, rms
     and their squares (float64 throughout: the LSTM inputs' variances, taken one-pass)
     → ``part[pid, 32:40]`` = Σm_0, Σm_1, Σm_2, Σrms, Σm_0², Σm_1², Σm_2², Σrms².
-    ``FUSED=True``: (with TWO_PASS) Σ over the tile of the new m_k, rms → ``part[pid, 0:4]``
-    (float64 [n_prog, 4], :func:`_mom_store`: the next step's old sums), and the tensor's
+    ``FUSED=True``: (with TWO_PASS) per-lane sums over the tile of the new m_k, rms →
+    ``part[pid, 0:4, :]`` ([n_prog, 4, SA·TB], :func:`_lanes_store`: the next step's old
+    sums, reduced by :func:`velo_lane_tree_kernel`), and the tensor's
     4-wide MLP (weights ``w0`` [n, 32, 4], ``b0`` [n, 4], ``wh``
     [n, NHID, 4, 4], ``bh`` [n, NHID, 4], ``wl`` [n, 4, 16], ``bl`` [n, 16]), its first layer
     one feature at a time (:func:`xopt.kernels.lopt_common.rank1`), and the update."""
@@ -370,7 +399,7 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
         tl.store(part + pid.to(tl.int64) * 64 + 32 + c8, tl.sum(y, axis=0))
         # (columns 40-63 are not written and not read)
     elif TWO_PASS:
-        _mom_store(part, pid, n0, n1, n2, n3, BLOCK)
+        _lanes_store(part, pid, n0, n1, n2, n3, BLOCK)
 
 
 @triton.jit
@@ -390,8 +419,8 @@ def velo_fused_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh,
                       NHID: tl.constexpr,
                       NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr,
                       SA: tl.constexpr):
-    """Launch 5 (fused mode of :func:`_velo_body`; MOM_OUT: the new accumulators' sums
-    → ``part`` [n_prog, 4])."""
+    """Launch 5 (fused mode of :func:`_velo_body`; MOM_OUT: the new accumulators' per-lane
+    sums → ``part`` [n_prog, 4, SA·TB], :func:`_lanes_store`)."""
     _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
                exp_mult, step_mult, True, MOM_OUT, MACC, NHID, NPTR, NF, TA, TB, SA)
 
@@ -400,10 +429,10 @@ def velo_fused_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh,
 def velo_mom_sums_kernel(meta, prog, ptrs, part, MACC: tl.constexpr, NPTR: tl.constexpr,
                          NF: tl.constexpr,
                          TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
-    """Σm_0, Σm_1, Σm_2, Σrms of the accumulators as they are, per program
-    → ``part[pid, 0:4]`` (float64): the same tiles, sub-tiles (SA must be the fused pass's),
+    """Per-lane sums of m_0, m_1, m_2, rms of the accumulators as they are, per program
+    → ``part[pid, 0:4, 0:SA·TB]``: the same tiles, sub-tiles (SA must be the fused pass's),
     lanes and order as the fused pass's sums of what it stores (:func:`_mom_acc`,
-    :func:`_mom_store`), hence the same bits. Run when the fused pass's sums from the last
+    :func:`_lanes_store`), hence the same bits. Run when the fused pass's sums from the last
     step may not describe the state (:meth:`VeLOTriton.step`)."""
     BLOCK: tl.constexpr = SA * TB
     pid = tl.program_id(0)
@@ -429,7 +458,7 @@ def velo_mom_sums_kernel(meta, prog, ptrs, part, MACC: tl.constexpr, NPTR: tl.co
         m2 = tl.load(mp + off * 3 + 2, mask=mask, other=0.0)
         rms = tl.load(rp + off, mask=mask, other=0.0)
         n0, n1, n2, n3 = _mom_acc(n0, n1, n2, n3, m0, m1, m2, rms, mask)
-    _mom_store(part, pid, n0, n1, n2, n3, BLOCK)
+    _lanes_store(part, pid, n0, n1, n2, n3, BLOCK)
 
 
 check_supported = L.supported_velo
@@ -469,11 +498,13 @@ class VeLOTriton:
         self._lfeat: torch.Tensor | None = None  # float32 [9] (device)
         self._graph = G.StepGraph("VeLO")
         self.loss_in_graph: bool | None = None  # None: graphs_loss decides
-        # the fused pass's per-program sums of the accumulators it wrote (float64 [n_prog,
-        # 4]), the next step's sums of the old ones, and what they describe (see _carried)
+        # the fused pass's per-program, per-lane sums of the accumulators it wrote ([n_prog,
+        # 4, SA·TB]), the next step's sums of the old ones, and what they describe (see
+        # _carried)
         self._mpart: torch.Tensor | None = None
         self._carry: tuple | None = None
         self.mom_fallbacks = 0  # steps that summed the old accumulators anew (tests read it)
+        self._mr: tuple = (None, None)  # (TritonIO build, its m and rms tensors)
 
     def _bank(self, meta: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, tuple,
                                                               dict[str, torch.Tensor]]:
@@ -484,7 +515,8 @@ class VeLOTriton:
         LSTM's weights (``lstm/...``) in float64. Cached per meta tensors (``key``: the
         pointers and versions of all of them)."""
         names = _spec.mlp_bank_names(self.hp)
-        key = tuple((k, v.data_ptr(), v._version) for k, v in meta.items())
+        vals = meta.values()
+        key = (tuple(meta), tuple(map(_DPTR, vals)), tuple(map(_VERSION, vals)))
         if self._bank_cache is not None and self._bank_cache[0] == key:
             return self._bank_cache[1], self._bank_cache[2], key, self._bank_cache[3]
         p = meta[names[0]].shape[0]
@@ -540,8 +572,9 @@ class VeLOTriton:
 
     def _carried(self, lay: L.Layout, states: Sequence[Mapping[str, torch.Tensor]],
                  dev: torch.device, io=None) -> tuple:
-        """Makes ``self._mpart`` hold the per-program sums Σm_k, Σrms of the accumulators
-        as they are now (before this step) and returns what the step leaves them describing.
+        """Makes ``self._mpart`` hold the per-program, per-lane sums of m_k, rms of the
+        accumulators as they are now (before this step) and returns what the step leaves
+        them describing.
 
         The fused pass writes the sums of the accumulators it stores (the next step's old
         ones) into ``_mpart``; they are used as they are (no pass over m and rms) when
@@ -554,35 +587,50 @@ class VeLOTriton:
         the plain path, an in-place edit) :func:`velo_mom_sums_kernel` sums them anew, to
         the same bits. Not seen: writes that bypass the version counter (``tensor.data``'s
         in-place ops, other raw-pointer kernels) between two steps. With ``io``, the
-        addresses are its lists (those of the pointer table)."""
-        ts = [s["m"] for s in states]
-        ts += [s["rms"] for s in states]
-        if io is not None:
+        addresses are its lists (those of the pointer table), and while its ``build`` is the
+        same, so are the m / rms tensors (it checks their identity each step), so only the
+        version counters are read then."""
+        build = getattr(io, "build", None)
+        mr = self._mr
+        if build is not None and mr[0] == build:  # (the io's state tensors stay while its
+            ts = mr[1]                            # build does: the same m / rms lists)
+        else:
+            ts = [s["m"] for s in states]
+            ts += [s["rms"] for s in states]
+            self._mr = (build, ts if build is not None else None)
+        if build is not None:
             key = (io.ptrs["m"], io.ptrs["rms"], list(map(_VERSION, ts)))
         else:
             key = (list(map(_DPTR, ts)), list(map(_VERSION, ts)))
-        c = self._carry  # (layout, weak references to the tensors, their pointers and versions)
+        # (layout, weak references to the tensors, key: their pointers and versions, the io
+        # build that the tensors are known to be those of)
+        c = self._carry
         self._carry = None
         mp = self._mpart
         if mp is None or mp.shape[0] != max(lay.n_prog_all, 1) or mp.device != dev:
-            mp = self._mpart = torch.zeros((max(lay.n_prog_all, 1), 4), dtype=torch.float64,
-                                           device=dev)
+            mp = self._mpart = self._lanes(lay, dev)
             c = None
-        if (c is not None and c[0] is lay and c[2] == key and len(c[1]) == len(ts)
-                and all(map(operator.is_, [w() for w in c[1]], ts))):
-            return c
+        if (c is not None and c[0] is lay and c[2] == key
+                and ((build is not None and c[3] == build) or (len(c[1]) == len(ts) and all(
+                    map(operator.is_, map(_CALL, c[1]), ts))))):
+            return c if c[3] == build else c[:3] + (build,)
         self.mom_partials(mp)
         self.mom_fallbacks += 1
-        return (lay, [weakref.ref(x) for x in ts], key)
+        return (lay, [weakref.ref(x) for x in ts], key, build)
+
+    @staticmethod
+    def _lanes(lay: L.Layout, dev: torch.device) -> torch.Tensor:
+        """A zeroed per-lane sums buffer, [n_prog, 4, SA·TB] of :data:`MOM_ACC`."""
+        dt = torch.float64 if MOM_ACC == tl.float64 else torch.float32
+        return torch.zeros((max(lay.n_prog_all, 1), 4, SA * L.TB), dtype=dt, device=dev)
 
     def mom_partials(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Σm_0, Σm_1, Σm_2, Σrms per program (float64 [n_prog, 4]) of the accumulators
-        that the current tables point at, summed anew (:func:`velo_mom_sums_kernel`) into
-        ``out`` (or a new buffer)."""
+        """Per-lane sums of m_0, m_1, m_2, rms per program ([n_prog, 4, SA·TB],
+        :func:`_lanes_store`) of the accumulators that the current tables point at, summed
+        anew (:func:`velo_mom_sums_kernel`) into ``out`` (or a new buffer)."""
         lay = self._layout
         if out is None:
-            out = torch.zeros((max(lay.n_prog_all, 1), 4), dtype=torch.float64,
-                              device=lay.meta.device)
+            out = self._lanes(lay, lay.meta.device)
         if lay.n_prog_all:
             velo_mom_sums_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, self._tab.ptrs, out,
                                                     MOM_ACC, NPTR=NPTR, NF=L.NFIELDS, TA=L.TA,
@@ -740,7 +788,10 @@ class VeLOTriton:
         n = lay.numel[:, None]
         mpart = self._mpart
         if TWO_PASS:  # the means of the old m_k, rms: float64, then rounded once
-            mu64 = C.seg_sum(mpart, lay) / lay.numel.double()[:, None]
+            msum = torch.empty((max(lay.n_prog_all, 1), 4), dtype=torch.float64, device=dev)
+            if lay.n_prog_all:
+                velo_lane_tree_kernel[(lay.n_prog_all,)](mpart, msum, BLOCK=SA * L.TB)
+            mu64 = C.seg_sum(msum, lay) / lay.numel.double()[:, None]
             mu = mu64.float().contiguous()
         else:
             mu = None
