@@ -39,9 +39,11 @@ VARIANTS = {
     "sa2": dict(SA=2),
     "sast4": dict(SA_STATS=4),
     "sast1": dict(SA_STATS=1),
+    "varf32": dict(VAR_F32=True),
+    "varp2f32": dict(VAR_F32=True, P2_F32=True),
     "defaults_again": {},
 }
-KNOBS = ("SA", "SA_STATS", "WARPS", "STAGES")
+KNOBS = ("SA", "SA_STATS", "WARPS", "STAGES", "VAR_F32", "P2_F32")
 
 
 def kernel_ms(graph, n: int = 2) -> dict[str, float]:

@@ -69,6 +69,12 @@ TWO_PASS = os.environ.get("XOPT_VELO_TWO_PASS", "1") != "0"
 #: per-thread sums of the features² (but p²) in float32 (over at most TA / SA terms, then
 #: float64; the default) or float64 (XOPT_VELO_STATS_F32=0: 1.3 ms slower on ViT-B/16)
 STATS_F32 = os.environ.get("XOPT_VELO_STATS_F32", "1") != "0"
+#: the statistics pass's per-thread sums of (m_k − mean)², (rms − mean)² (XOPT_VELO_VAR_F32=1)
+#: and of p² (XOPT_VELO_P2_F32=1) in float32 over at most TA / SA_STATS terms, then float64
+#: per tile (as the other features²), instead of float64 per element (the default: one
+#: float32 → float64 conversion per sum and element)
+VAR_F32 = os.environ.get("XOPT_VELO_VAR_F32", "0") == "1"
+P2_F32 = os.environ.get("XOPT_VELO_P2_F32", "0") == "1"
 #: the loss buffer's update and t/N inside the CUDA graph (XOPT_VELO_GRAPH_LOSS=0: before
 #: it, on the host's stream, as the eager path)
 GRAPH_LOSS = os.environ.get("XOPT_VELO_GRAPH_LOSS", "1") != "0"
@@ -166,7 +172,7 @@ def velo_lane_tree_kernel(lanes, out, BLOCK: tl.constexpr):
 @triton.jit
 def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
                exp_mult, step_mult, FUSED: tl.constexpr, TWO_PASS: tl.constexpr,
-               ACC: tl.constexpr, NHID: tl.constexpr,
+               ACC: tl.constexpr, VACC: tl.constexpr, PACC: tl.constexpr, NHID: tl.constexpr,
                NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr,
                SA: tl.constexpr):
     """One tile [TA, TB] of one tensor, in sub-tiles of SA × TB elements.
@@ -214,9 +220,13 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
         # (m_k − mean m_k)², (rms − mean m_k)² (TWO_PASS) or of m_k, rms and their squares
         zf = tl.zeros([BLOCK], ACC)
         zd = tl.zeros([BLOCK], tl.float64)
+        if TWO_PASS:
+            zv = tl.zeros([BLOCK], VACC)
+        else:
+            zv = zd
         q0 = zf
         q1 = zf
-        q2 = zd
+        q2 = tl.zeros([BLOCK], PACC)
         q3 = zf
         q4 = zf
         q5 = zf
@@ -248,12 +258,12 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
             mu0 = tl.load(mu + t * 4)
             mu1 = tl.load(mu + t * 4 + 1)
             mu2 = tl.load(mu + t * 4 + 2)
-        u0 = zd
-        u1 = zd
-        u2 = zd
-        u3 = zd
-        u4 = zd
-        u5 = zd
+        u0 = zv
+        u1 = zv
+        u2 = zv
+        u3 = zv
+        u4 = zv
+        u5 = zv
         u6 = zd
         u7 = zd
     sa_i = tl.arange(0, SA)
@@ -364,12 +374,12 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
                 e0 = orms - mu0
                 e1 = orms - mu1
                 e2 = orms - mu2
-                u0 += tl.where(mask, d0 * d0, 0.0).to(tl.float64)
-                u1 += tl.where(mask, d1 * d1, 0.0).to(tl.float64)
-                u2 += tl.where(mask, d2 * d2, 0.0).to(tl.float64)
-                u3 += tl.where(mask, e0 * e0, 0.0).to(tl.float64)
-                u4 += tl.where(mask, e1 * e1, 0.0).to(tl.float64)
-                u5 += tl.where(mask, e2 * e2, 0.0).to(tl.float64)
+                u0 += tl.where(mask, d0 * d0, 0.0).to(VACC)
+                u1 += tl.where(mask, d1 * d1, 0.0).to(VACC)
+                u2 += tl.where(mask, d2 * d2, 0.0).to(VACC)
+                u3 += tl.where(mask, e0 * e0, 0.0).to(VACC)
+                u4 += tl.where(mask, e1 * e1, 0.0).to(VACC)
+                u5 += tl.where(mask, e2 * e2, 0.0).to(VACC)
             else:
                 d0 = om0.to(tl.float64)
                 d1 = om1.to(tl.float64)
@@ -384,7 +394,7 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
                 u6 += d2 * d2
                 u7 += d3 * d3
     if not FUSED:
-        x = C.cat32(q0.to(tl.float64), q1.to(tl.float64), q2, q3.to(tl.float64),
+        x = C.cat32(q0.to(tl.float64), q1.to(tl.float64), q2.to(tl.float64), q3.to(tl.float64),
                     q4.to(tl.float64), q5.to(tl.float64), q6.to(tl.float64), q7.to(tl.float64),
                     q8.to(tl.float64), q9.to(tl.float64), q10.to(tl.float64), q11.to(tl.float64),
                     q12.to(tl.float64), q13.to(tl.float64), q14.to(tl.float64),
@@ -395,7 +405,9 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
                     q27.to(tl.float64), q28.to(tl.float64), q29.to(tl.float64), zd, zd)
         x = tl.reshape(x, [BLOCK, 32])
         tl.store(part + pid.to(tl.int64) * 64 + cols, tl.sum(x, axis=0))
-        y = tl.reshape(C.cat8(u0, u1, u2, u3, u4, u5, u6, u7), [BLOCK, 8])
+        y = tl.reshape(C.cat8(u0.to(tl.float64), u1.to(tl.float64), u2.to(tl.float64),
+                              u3.to(tl.float64), u4.to(tl.float64), u5.to(tl.float64), u6, u7),
+                       [BLOCK, 8])
         tl.store(part + pid.to(tl.int64) * 64 + 32 + c8, tl.sum(y, axis=0))
         # (columns 40-63 are not written and not read)
     elif TWO_PASS:
@@ -405,12 +417,13 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
 @triton.jit
 def velo_stats_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
                       part, exp_mult, step_mult, TWO_PASS: tl.constexpr, ACC: tl.constexpr,
-                      NHID: tl.constexpr,
+                      VACC: tl.constexpr, PACC: tl.constexpr, NHID: tl.constexpr,
                       NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr,
                       TB: tl.constexpr, SA: tl.constexpr):
     """Launch 3 (statistics mode of :func:`_velo_body`)."""
     _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
-               exp_mult, step_mult, False, TWO_PASS, ACC, NHID, NPTR, NF, TA, TB, SA)
+               exp_mult, step_mult, False, TWO_PASS, ACC, VACC, PACC, NHID, NPTR, NF, TA, TB,
+               SA)
 
 
 @triton.jit
@@ -422,7 +435,8 @@ def velo_fused_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh,
     """Launch 5 (fused mode of :func:`_velo_body`; MOM_OUT: the new accumulators' per-lane
     sums → ``part`` [n_prog, 4, SA·TB], :func:`_lanes_store`)."""
     _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
-               exp_mult, step_mult, True, MOM_OUT, MACC, NHID, NPTR, NF, TA, TB, SA)
+               exp_mult, step_mult, True, MOM_OUT, MACC, tl.float64, tl.float64, NHID, NPTR,
+               NF, TA, TB, SA)
 
 
 @triton.jit
@@ -806,6 +820,8 @@ class VeLOTriton:
                                              float(hp.exp_mult), float(hp.step_mult),
                                              TWO_PASS=TWO_PASS,
                                              ACC=tl.float32 if STATS_F32 else tl.float64,
+                                             VACC=tl.float32 if VAR_F32 else tl.float64,
+                                             PACC=tl.float32 if P2_F32 else tl.float64,
                                              SA=SA_STATS, **common)
         st64 = C.seg_sum(part, lay)
         st = st64[:, :40].float()
