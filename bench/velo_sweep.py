@@ -33,6 +33,8 @@ from xopt.kernels import velo as K  # noqa: E402
 VARIANTS = {
     "defaults": {},
     "w8": dict(WARPS=8),
+    "w2": dict(WARPS=2),
+    "sa8w8": dict(SA=8, WARPS=8),
     "st1": dict(STAGES=1),
     "st3": dict(STAGES=3),
     "sa8": dict(SA=8),
