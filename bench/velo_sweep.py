@@ -32,6 +32,14 @@ from xopt.kernels import velo as K  # noqa: E402
 #: name -> module constants of xopt.kernels.velo (a constant not named keeps its default)
 VARIANTS = {
     "defaults": {},
+    "nolanes": dict(CARRY_LANES=False),
+    "f64var": dict(VAR_F32=False, P2_F32=False),
+    "old": dict(CARRY_LANES=False, VAR_F32=False, P2_F32=False),
+    "varonly": dict(P2_F32=False),
+    "w2nolanes": dict(WARPS=2, CARRY_LANES=False),
+    "pf": dict(PREFETCH_STATS=True, PREFETCH_FUSED=True),
+    "pfnolanes": dict(PREFETCH_STATS=True, PREFETCH_FUSED=True, CARRY_LANES=False),
+    "pfw2": dict(PREFETCH_STATS=True, PREFETCH_FUSED=True, WARPS=2),
     "w8": dict(WARPS=8),
     "w2": dict(WARPS=2),
     "sa8w8": dict(SA=8, WARPS=8),
@@ -45,7 +53,8 @@ VARIANTS = {
     "varp2f32": dict(VAR_F32=True, P2_F32=True),
     "defaults_again": {},
 }
-KNOBS = ("SA", "SA_STATS", "WARPS", "STAGES", "VAR_F32", "P2_F32")
+KNOBS = ("SA", "SA_STATS", "WARPS", "STAGES", "VAR_F32", "P2_F32", "CARRY_LANES",
+         "PREFETCH_STATS", "PREFETCH_FUSED")
 
 
 def kernel_ms(graph, n: int = 2) -> dict[str, float]:

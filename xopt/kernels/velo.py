@@ -7,11 +7,12 @@ All of a model's tensors in six launches plus a handful of batched torch ops:
 3. :func:`velo_stats_kernel` (every tensor): Σ feature² of the 30 MLP inputs (float32 per
    thread over at most TA / SA terms, then float64 per tile and per tensor), and
    Σ (m_k − mean m_k)², Σ (rms − mean m_k)² of the accumulators before the update (float32
-   per element, float64 sums), for the LSTM inputs' variances (two-pass), all in a fixed
-   order. The means come from per-lane sums of m_k, rms that the last step's fused pass
-   left (the sums of what it stored; :meth:`VeLOTriton._carried`), or, when those may not
-   describe the state, from :func:`velo_mom_sums_kernel` before the step (the same bits),
-   reduced per program by :func:`velo_lane_tree_kernel` (a fixed float64 tree);
+   per element and per thread, as the features², then float64: :data:`VAR_F32`), for the
+   LSTM inputs' variances (two-pass), all in a fixed order. The means come from per-lane
+   sums of m_k, rms that the last step's fused pass left (the sums of what it stored;
+   :meth:`VeLOTriton._carried`), or, when those may not describe the state, from
+   :func:`velo_mom_sums_kernel` before the step (the same bits), reduced per program by
+   :func:`velo_lane_tree_kernel` (a fixed float64 tree);
 4. torch, batched over tensors: the LSTM inputs (mean_rms, var_m, var_rms from the float64
    sums in float64, rounded once), one LSTM step for all tensors
    (:func:`xopt.specs.velo.lstm_step`, the plain path's function, in float64), the
@@ -69,12 +70,14 @@ TWO_PASS = os.environ.get("XOPT_VELO_TWO_PASS", "1") != "0"
 #: per-thread sums of the features² (but p²) in float32 (over at most TA / SA terms, then
 #: float64; the default) or float64 (XOPT_VELO_STATS_F32=0: 1.3 ms slower on ViT-B/16)
 STATS_F32 = os.environ.get("XOPT_VELO_STATS_F32", "1") != "0"
-#: the statistics pass's per-thread sums of (m_k − mean)², (rms − mean)² (XOPT_VELO_VAR_F32=1)
-#: and of p² (XOPT_VELO_P2_F32=1) in float32 over at most TA / SA_STATS terms, then float64
-#: per tile (as the other features²), instead of float64 per element (the default: one
-#: float32 → float64 conversion per sum and element)
-VAR_F32 = os.environ.get("XOPT_VELO_VAR_F32", "0") == "1"
-P2_F32 = os.environ.get("XOPT_VELO_P2_F32", "0") == "1"
+#: the statistics pass's per-thread sums of (m_k − mean)², (rms − mean)² (XOPT_VELO_VAR_F32)
+#: and of p² (XOPT_VELO_P2_F32) in float32 over at most TA / SA_STATS terms, then float64 per
+#: tile (as the other features²; the default), or float64 per element (=0: one float32 →
+#: float64 conversion per sum and element; the statistics pass 1.31 → 1.66 ms per ViT-B/16
+#: step, H100, bench/velo_sweep.py). The tests' step vs float64 on the CPU: 3.05e-7 (both
+#: float64), 2.99e-7 (both float32)
+VAR_F32 = os.environ.get("XOPT_VELO_VAR_F32", "1") == "1"
+P2_F32 = os.environ.get("XOPT_VELO_P2_F32", "1") == "1"
 #: the loss buffer's update and t/N inside the CUDA graph (XOPT_VELO_GRAPH_LOSS=0: before
 #: it, on the host's stream, as the eager path)
 GRAPH_LOSS = os.environ.get("XOPT_VELO_GRAPH_LOSS", "1") != "0"
@@ -86,6 +89,14 @@ _CALL = operator.call
 #: measured on an earlier variant of the kernel: its fused pass 2.80 ms against 2.56 ms with
 #: float32 per ViT-B/16 step, H100, torch.profiler, two runs)
 MOM_ACC = tl.float64 if os.environ.get("XOPT_VELO_MOM_ACC", "f32") == "f64" else tl.float32
+#: the per-lane sums stored as they are ([n_prog, 4, SA·TB]) and reduced by
+#: velo_lane_tree_kernel (1), or reduced by the same tree at the end of the pass that sums
+#: them (XOPT_VELO_CARRY_LANES=0; [n_prog, 4] float64): the same bits either way
+CARRY_LANES = os.environ.get("XOPT_VELO_CARRY_LANES", "1") != "0"
+#: the statistics / fused pass issue the next sub-tile's loads (g, p, m_k, rms) before
+#: computing the current one (XOPT_VELO_PREFETCH_STATS / _FUSED = 1); the same arithmetic
+PREFETCH_STATS = os.environ.get("XOPT_VELO_PREFETCH_STATS", "0") == "1"
+PREFETCH_FUSED = os.environ.get("XOPT_VELO_PREFETCH_FUSED", "0") == "1"
 NPTR = G.NPTR
 NFEAT = 30
 
@@ -170,9 +181,20 @@ def velo_lane_tree_kernel(lanes, out, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _load_sub(gp, pp, mp, rp, off, mask):
+    """A sub-tile's g (unclipped), p, m_0, m_1, m_2, rms [BLOCK] (0 where masked)."""
+    return (tl.load(gp + off, mask=mask, other=0.0), tl.load(pp + off, mask=mask, other=0.0),
+            tl.load(mp + off * 3, mask=mask, other=0.0),
+            tl.load(mp + off * 3 + 1, mask=mask, other=0.0),
+            tl.load(mp + off * 3 + 2, mask=mask, other=0.0),
+            tl.load(rp + off, mask=mask, other=0.0))
+
+
+@triton.jit
 def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
                exp_mult, step_mult, FUSED: tl.constexpr, TWO_PASS: tl.constexpr,
-               ACC: tl.constexpr, VACC: tl.constexpr, PACC: tl.constexpr, NHID: tl.constexpr,
+               ACC: tl.constexpr, VACC: tl.constexpr, PACC: tl.constexpr, LANES: tl.constexpr,
+               PREFETCH: tl.constexpr, NHID: tl.constexpr,
                NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr,
                SA: tl.constexpr):
     """One tile [TA, TB] of one tensor, in sub-tiles of SA × TB elements.
@@ -270,16 +292,25 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
     ib = tb * TB + tl.arange(0, TB)
     a0 = ta * TA
     n_sub = tl.minimum(TA, ia_n - a0)
+    if PREFETCH:  # the first sub-tile's loads (then each iteration issues the next one's)
+        off_n, mask_n, ridx_n, cidx_n = C.load_tile(row, t, b, a0 + sa_i, ib, ptrs, NPTR,
+                                                    BLOCK)
+        g_n, p_n, om0_n, om1_n, om2_n, orms_n = _load_sub(gp, pp, mp, rp, off_n, mask_n)
     for s in range(0, n_sub, SA):
-        ia = a0 + s + sa_i
-        off, mask, ridx, cidx = C.load_tile(row, t, b, ia, ib, ptrs, NPTR, BLOCK)
-        g = tl.load(gp + off, mask=mask, other=0.0)
+        if PREFETCH:
+            off, mask, ridx, cidx = off_n, mask_n, ridx_n, cidx_n
+            g, p, om0, om1, om2, orms = g_n, p_n, om0_n, om1_n, om2_n, orms_n
+            # the next sub-tile's loads, in flight while this one is computed (none past
+            # the tile's last sub-tile: its rows then set to ia_n, which load_tile masks)
+            ia_x = tl.where(s + SA < n_sub, a0 + s + SA + sa_i, ia_n)
+            off_n, mask_n, ridx_n, cidx_n = C.load_tile(row, t, b, ia_x, ib, ptrs, NPTR,
+                                                        BLOCK)
+            g_n, p_n, om0_n, om1_n, om2_n, orms_n = _load_sub(gp, pp, mp, rp, off_n, mask_n)
+        else:
+            ia = a0 + s + sa_i
+            off, mask, ridx, cidx = C.load_tile(row, t, b, ia, ib, ptrs, NPTR, BLOCK)
+            g, p, om0, om1, om2, orms = _load_sub(gp, pp, mp, rp, off, mask)
         g = tl.minimum(tl.maximum(g, -1000.0), 1000.0)
-        p = tl.load(pp + off, mask=mask, other=0.0)
-        om0 = tl.load(mp + off * 3, mask=mask, other=0.0)
-        om1 = tl.load(mp + off * 3 + 1, mask=mask, other=0.0)
-        om2 = tl.load(mp + off * 3 + 2, mask=mask, other=0.0)
-        orms = tl.load(rp + off, mask=mask, other=0.0)
         m0 = md0 * om0 + (1 - md0) * g
         m1 = md1 * om1 + (1 - md1) * g
         m2 = md2 * om2 + (1 - md2) * g
@@ -411,36 +442,41 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
         tl.store(part + pid.to(tl.int64) * 64 + 32 + c8, tl.sum(y, axis=0))
         # (columns 40-63 are not written and not read)
     elif TWO_PASS:
-        _lanes_store(part, pid, n0, n1, n2, n3, BLOCK)
+        if LANES:
+            _lanes_store(part, pid, n0, n1, n2, n3, BLOCK)
+        else:
+            _mom_store(part, pid, n0, n1, n2, n3, BLOCK)
 
 
 @triton.jit
 def velo_stats_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
                       part, exp_mult, step_mult, TWO_PASS: tl.constexpr, ACC: tl.constexpr,
-                      VACC: tl.constexpr, PACC: tl.constexpr, NHID: tl.constexpr,
+                      VACC: tl.constexpr, PACC: tl.constexpr, PREFETCH: tl.constexpr,
+                      NHID: tl.constexpr,
                       NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr,
                       TB: tl.constexpr, SA: tl.constexpr):
     """Launch 3 (statistics mode of :func:`_velo_body`)."""
     _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
-               exp_mult, step_mult, False, TWO_PASS, ACC, VACC, PACC, NHID, NPTR, NF, TA, TB,
-               SA)
+               exp_mult, step_mult, False, TWO_PASS, ACC, VACC, PACC, False, PREFETCH, NHID,
+               NPTR, NF, TA, TB, SA)
 
 
 @triton.jit
 def velo_fused_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
                       part, exp_mult, step_mult, MOM_OUT: tl.constexpr, MACC: tl.constexpr,
-                      NHID: tl.constexpr,
+                      LANES: tl.constexpr, PREFETCH: tl.constexpr, NHID: tl.constexpr,
                       NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr,
                       SA: tl.constexpr):
     """Launch 5 (fused mode of :func:`_velo_body`; MOM_OUT: the new accumulators' per-lane
     sums → ``part`` [n_prog, 4, SA·TB], :func:`_lanes_store`)."""
     _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
-               exp_mult, step_mult, True, MOM_OUT, MACC, tl.float64, tl.float64, NHID, NPTR,
-               NF, TA, TB, SA)
+               exp_mult, step_mult, True, MOM_OUT, MACC, tl.float64, tl.float64, LANES,
+               PREFETCH, NHID, NPTR, NF, TA, TB, SA)
 
 
 @triton.jit
-def velo_mom_sums_kernel(meta, prog, ptrs, part, MACC: tl.constexpr, NPTR: tl.constexpr,
+def velo_mom_sums_kernel(meta, prog, ptrs, part, MACC: tl.constexpr, LANES: tl.constexpr,
+                         NPTR: tl.constexpr,
                          NF: tl.constexpr,
                          TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
     """Per-lane sums of m_0, m_1, m_2, rms of the accumulators as they are, per program
@@ -472,7 +508,10 @@ def velo_mom_sums_kernel(meta, prog, ptrs, part, MACC: tl.constexpr, NPTR: tl.co
         m2 = tl.load(mp + off * 3 + 2, mask=mask, other=0.0)
         rms = tl.load(rp + off, mask=mask, other=0.0)
         n0, n1, n2, n3 = _mom_acc(n0, n1, n2, n3, m0, m1, m2, rms, mask)
-    _lanes_store(part, pid, n0, n1, n2, n3, BLOCK)
+    if LANES:
+        _lanes_store(part, pid, n0, n1, n2, n3, BLOCK)
+    else:
+        _mom_store(part, pid, n0, n1, n2, n3, BLOCK)
 
 
 check_supported = L.supported_velo
@@ -634,7 +673,10 @@ class VeLOTriton:
 
     @staticmethod
     def _lanes(lay: L.Layout, dev: torch.device) -> torch.Tensor:
-        """A zeroed per-lane sums buffer, [n_prog, 4, SA·TB] of :data:`MOM_ACC`."""
+        """A zeroed buffer for the carried sums: per lane, [n_prog, 4, SA·TB] of
+        :data:`MOM_ACC` (:data:`CARRY_LANES`), or per program, [n_prog, 4] float64."""
+        if not CARRY_LANES:
+            return torch.zeros((max(lay.n_prog_all, 1), 4), dtype=torch.float64, device=dev)
         dt = torch.float64 if MOM_ACC == tl.float64 else torch.float32
         return torch.zeros((max(lay.n_prog_all, 1), 4, SA * L.TB), dtype=dt, device=dev)
 
@@ -647,7 +689,8 @@ class VeLOTriton:
             out = self._lanes(lay, lay.meta.device)
         if lay.n_prog_all:
             velo_mom_sums_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, self._tab.ptrs, out,
-                                                    MOM_ACC, NPTR=NPTR, NF=L.NFIELDS, TA=L.TA,
+                                                    MOM_ACC, CARRY_LANES, NPTR=NPTR,
+                                                    NF=L.NFIELDS, TA=L.TA,
                                                     TB=L.TB, SA=SA, num_warps=WARPS)
         return out
 
@@ -749,7 +792,9 @@ class VeLOTriton:
             G.copy_in(lb["n"], torch.tensor(shadow[2], dtype=torch.float32))
             gstate["loss_means"], gstate["loss_running_min"] = lb["means"], lb["rmin"]
             self._lb_dec_ref = dec  # (held: its id is in the shadow)
-        G.copy_in(lb["loss"], loss.detach().reshape(()).to(torch.float32))
+        if loss.dtype != torch.float32 or loss.dim() != 0 or loss.requires_grad:
+            loss = loss.detach().reshape(()).to(torch.float32)
+        G.copy_in(lb["loss"], loss)
         # what gstate's counters will be after this step (the graph advances its copies)
         self._lb_shadow = (shadow[0] + 1, shadow[1] + 1) + shadow[2:]
 
@@ -802,9 +847,12 @@ class VeLOTriton:
         n = lay.numel[:, None]
         mpart = self._mpart
         if TWO_PASS:  # the means of the old m_k, rms: float64, then rounded once
-            msum = torch.empty((max(lay.n_prog_all, 1), 4), dtype=torch.float64, device=dev)
-            if lay.n_prog_all:
-                velo_lane_tree_kernel[(lay.n_prog_all,)](mpart, msum, BLOCK=SA * L.TB)
+            msum = mpart
+            if CARRY_LANES:
+                msum = torch.empty((max(lay.n_prog_all, 1), 4), dtype=torch.float64,
+                                   device=dev)
+                if lay.n_prog_all:
+                    velo_lane_tree_kernel[(lay.n_prog_all,)](mpart, msum, BLOCK=SA * L.TB)
             mu64 = C.seg_sum(msum, lay) / lay.numel.double()[:, None]
             mu = mu64.float().contiguous()
         else:
@@ -822,6 +870,7 @@ class VeLOTriton:
                                              ACC=tl.float32 if STATS_F32 else tl.float64,
                                              VACC=tl.float32 if VAR_F32 else tl.float64,
                                              PACC=tl.float32 if P2_F32 else tl.float64,
+                                             PREFETCH=PREFETCH_STATS,
                                              SA=SA_STATS, **common)
         st64 = C.seg_sum(part, lay)
         st = st64[:, :40].float()
@@ -865,7 +914,8 @@ class VeLOTriton:
                                              norm, scal, tab, tab, tab, tab, tab, tab,
                                              mpart if TWO_PASS else part,
                                              float(hp.exp_mult), float(hp.step_mult),
-                                             MOM_OUT=TWO_PASS, MACC=MOM_ACC, SA=SA, **common)
+                                             MOM_OUT=TWO_PASS, MACC=MOM_ACC, LANES=CARRY_LANES,
+                                             PREFETCH=PREFETCH_FUSED, SA=SA, **common)
         hidden.copy_(new_h)
         cell.copy_(new_c)
 

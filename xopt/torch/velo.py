@@ -176,7 +176,7 @@ class VeLO(LearnedOptimizer):
         dev = io.params[0].device
         if self._triton.graphs_loss(dev):  # the loss buffer's update inside the CUDA graph
             for k in _LOSS_VARS:
-                if gstate[k].device != dev:
+                if gstate[k].device != dev:  # (load_state_dict may have left them elsewhere)
                     gstate[k] = gstate[k].to(dev)
             self._triton_update(io, io.states, None, None, fast=io, loss_state=(gstate, loss))
             self._advance(gstate, gstate["loss_means"], gstate["loss_running_min"])
