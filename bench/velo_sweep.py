@@ -40,6 +40,9 @@ VARIANTS = {
     "pf": dict(PREFETCH_STATS=True, PREFETCH_FUSED=True),
     "pfnolanes": dict(PREFETCH_STATS=True, PREFETCH_FUSED=True, CARRY_LANES=False),
     "pfw2": dict(PREFETCH_STATS=True, PREFETCH_FUSED=True, WARPS=2),
+    "pfstats": dict(PREFETCH_STATS=True),
+    "pffused": dict(PREFETCH_FUSED=True),
+    "pffused_nolanes": dict(PREFETCH_FUSED=True, CARRY_LANES=False),
     "w8": dict(WARPS=8),
     "w2": dict(WARPS=2),
     "sa8w8": dict(SA=8, WARPS=8),
@@ -53,6 +56,11 @@ VARIANTS = {
     "varp2f32": dict(VAR_F32=True, P2_F32=True),
     "defaults_again": {},
 }
+#: the environment variable of each knob (read when xopt.kernels.velo is imported)
+ENV = {"SA": "XOPT_LOPT_SA_FMA", "SA_STATS": "XOPT_LOPT_SA_STATS", "WARPS": "XOPT_LOPT_WARPS",
+       "STAGES": "XOPT_LOPT_STAGES", "VAR_F32": "XOPT_VELO_VAR_F32",
+       "P2_F32": "XOPT_VELO_P2_F32", "CARRY_LANES": "XOPT_VELO_CARRY_LANES",
+       "PREFETCH_STATS": "XOPT_VELO_PREFETCH_STATS", "PREFETCH_FUSED": "XOPT_VELO_PREFETCH_FUSED"}
 KNOBS = ("SA", "SA_STATS", "WARPS", "STAGES", "VAR_F32", "P2_F32", "CARRY_LANES",
          "PREFETCH_STATS", "PREFETCH_FUSED")
 
@@ -81,6 +89,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     defaults = {k: getattr(K, k) for k in KNOBS}
+    best: dict[str, tuple[float, str]] = {}
     print(torch.cuda.get_device_name(), "defaults", defaults)
     for model in args.models.split(","):
         shapes = B.MODELS[model]()
@@ -113,11 +122,18 @@ def main() -> None:
             else:
                 dp = max(B.rel(a, b) for a, b in zip(res[0], ref[0], strict=True))
                 dm = max(B.rel(a, b) for a, b in zip(res[1], ref[1], strict=True))
-            print(f"{model} {name:16s} graph {statistics.median(gms):7.3f} ms  step "
+            gmed = statistics.median(gms)
+            if model not in best or gmed < best[model][0]:
+                best[model] = (gmed, name)
+            print(f"{model} {name:16s} graph {gmed:7.3f} ms  step "
                   f"{statistics.median(step_ms):7.3f} ms  {kms}  vs first: params {dp:.1e} "
                   f"m {dm:.1e}  recordings {opt._triton.graph_recordings}", flush=True)
             del opt, params, res
             torch.cuda.empty_cache()
+    for model, (gmed, name) in best.items():  # (shell: eval "$(grep ^ENV: log | cut -c5-)")
+        env = " ".join(f"{ENV[k]}={int(v)}" for k, v in VARIANTS[name].items())
+        print(f"best {model}: {name} ({gmed:.3f} ms)")
+        print(f"ENV: export XOPT_SWEEP_BEST={name} {env}")
 
 
 if __name__ == "__main__":
