@@ -43,6 +43,8 @@ VARIANTS = {
     "pfstats": dict(PREFETCH_STATS=True),
     "pffused": dict(PREFETCH_FUSED=True),
     "pffused_nolanes": dict(PREFETCH_FUSED=True, CARRY_LANES=False),
+    "lanes": dict(CARRY_LANES=True),
+    "pflanes": dict(PREFETCH_STATS=True, PREFETCH_FUSED=True, CARRY_LANES=True),
     "w8": dict(WARPS=8),
     "w2": dict(WARPS=2),
     "sa8w8": dict(SA=8, WARPS=8),
