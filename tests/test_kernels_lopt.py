@@ -433,6 +433,54 @@ def test_gathered_parameters_are_kept_and_rechecked():
         opt.step(loss=1.0)
 
 
+def test_steady_step_rechecks_what_can_change():
+    """A Triton step reuses the kept inputs without LearnedOptimizer._gather (_steady_io)
+    through new gradient tensors and a new lr, and not after a gradient turned
+    non-contiguous, a gradient resized in place (the full path then names it), a state
+    tensor replaced, or a parameter's data replaced; after each, a step still runs."""
+    import xopt.torch as xt
+    from xopt.kernels import interpreting
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu" and not interpreting():
+        pytest.skip("the Triton path on the CPU needs TRITON_INTERPRET=1")
+    ps = [torch.nn.Parameter(torch.randn(s, device=dev)) for s in ((4, 3), (5,))]
+    opt = xt.VeLO(ps, impl="triton", num_training_steps=10)
+
+    def new_grads():
+        for p in ps:
+            p.grad = torch.randn_like(p)
+
+    new_grads()
+    for _ in range(2):  # (the first step's LSTM state views make the second rebuild)
+        opt.step(loss=1.0)
+    assert opt._steady_io() is not None
+    new_grads()
+    assert opt._steady_io() is not None
+    opt.param_groups[0]["lr"] = 0.5
+    assert opt._steady_io() is not None
+    ps[0].grad = torch.randn(3, 4, device=dev).t()  # same shape, not contiguous
+    assert opt._steady_io() is None
+    opt.step(loss=1.0)
+    new_grads()
+    opt.step(loss=1.0)
+    assert opt._steady_io() is not None
+    ps[1].grad.resize_(4)
+    assert opt._steady_io() is None
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\].*shape"):
+        opt.step(loss=1.0)
+    new_grads()
+    opt.step(loss=1.0)
+    opt.state[ps[0]]["m"] = opt.state[ps[0]]["m"].clone()
+    assert opt._steady_io() is None
+    opt.step(loss=1.0)
+    assert opt._steady_io() is not None
+    ps[1].data = ps[1].data.clone()
+    assert opt._steady_io() is None
+    opt.step(loss=1.0)
+    assert all(bool(torch.isfinite(p).all()) for p in ps)
+
+
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error():
     code = ("import torch, xopt.torch as xt\n"
             "from xopt.errors import HyperparameterError\n"

@@ -18,6 +18,7 @@ with ``XOPT_LOPT_CUDA_GRAPHS=0``.
 
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -68,7 +69,7 @@ class StepGraph:
 
     def _same(self, refs: Sequence, key) -> bool:
         return (self._graph is not None and key == self._key and len(refs) == len(self._refs)
-                and all(a is b for a, b in zip(self._refs, refs, strict=True)))
+                and all(map(operator.is_, self._refs, refs)))
 
     def run(self, body: Callable[[], None], refs: Sequence, device: torch.device,
             key=None) -> None:

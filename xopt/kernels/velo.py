@@ -7,18 +7,20 @@ All of a model's tensors in six launches plus a handful of batched torch ops:
 3. :func:`velo_stats_kernel` (every tensor): Σ feature² of the 30 MLP inputs (float32 per
    thread over at most TA / SA terms, then float64 per tile and per tensor), and
    Σ (m_k − mean m_k)², Σ (rms − mean m_k)² of the accumulators before the update (float32
-   per element, float64 sums), for the LSTM inputs' variances (two-pass), all in a fixed
-   order. The means come from Σ m_k, Σ rms per program that the last step's fused pass
-   left (the sums of what it stored; :meth:`VeLOTriton._carried`), or, when those may not
-   describe the state, from :func:`velo_mom_sums_kernel` before the step (the same bits);
+   per element and per thread, as the features², then float64: :data:`VAR_F32`), for the
+   LSTM inputs' variances (two-pass), all in a fixed order. The means come from per-lane
+   sums of m_k, rms that the last step's fused pass left (the sums of what it stored;
+   :meth:`VeLOTriton._carried`), or, when those may not describe the state, from
+   :func:`velo_mom_sums_kernel` before the step (the same bits), reduced per program by
+   :func:`velo_lane_tree_kernel` (a fixed float64 tree);
 4. torch, batched over tensors: the LSTM inputs (mean_rms, var_m, var_rms from the float64
    sums in float64, rounded once), one LSTM step for all tensors
    (:func:`xopt.specs.velo.lstm_step`, the plain path's function, in float64), the
    hypernetwork's per-tensor MLP weights ``100·mean_k(controls_k·bank_k)`` for every
    tensor in one float64 product, rounded to float32 and gathered into one padded table;
 5. :func:`velo_fused_kernel`: accumulators, features, normalization, the tensor's own MLP,
-   the step and the parameter update; and Σ m_k, Σ rms per program of the accumulators it
-   stores, for the next step.
+   the step and the parameter update; and per-lane sums (float32, over the program's
+   sub-tiles) of the accumulators it stores, for the next step.
 
 On a CUDA device, 1-5 are recorded once into a CUDA graph and replayed
 (:class:`VeLOTriton`): the host then spends a few copies and one launch per step.
@@ -68,16 +70,36 @@ TWO_PASS = os.environ.get("XOPT_VELO_TWO_PASS", "1") != "0"
 #: per-thread sums of the features² (but p²) in float32 (over at most TA / SA terms, then
 #: float64; the default) or float64 (XOPT_VELO_STATS_F32=0: 1.3 ms slower on ViT-B/16)
 STATS_F32 = os.environ.get("XOPT_VELO_STATS_F32", "1") != "0"
+#: the statistics pass's per-thread sums of (m_k − mean)², (rms − mean)² (XOPT_VELO_VAR_F32)
+#: and of p² (XOPT_VELO_P2_F32) in float32 over at most TA / SA_STATS terms, then float64 per
+#: tile (as the other features²; the default), or float64 per element (=0: one float32 →
+#: float64 conversion per sum and element; the statistics pass 1.31 → 1.66 ms per ViT-B/16
+#: step, H100, bench/velo_sweep.py). The tests' step vs float64 on the CPU: 3.05e-7 (both
+#: float64), 2.99e-7 (both float32)
+VAR_F32 = os.environ.get("XOPT_VELO_VAR_F32", "1") == "1"
+P2_F32 = os.environ.get("XOPT_VELO_P2_F32", "1") == "1"
 #: the loss buffer's update and t/N inside the CUDA graph (XOPT_VELO_GRAPH_LOSS=0: before
 #: it, on the host's stream, as the eager path)
 GRAPH_LOSS = os.environ.get("XOPT_VELO_GRAPH_LOSS", "1") != "0"
 _VERSION = operator.attrgetter("_version")
 _DPTR = torch.Tensor.data_ptr
+_CALL = operator.call
 #: per-lane sums of the accumulators in the fused pass (and velo_mom_sums_kernel): float32
 #: (over at most TA / SA terms, then float64; the default) or float64 (XOPT_VELO_MOM_ACC=f64;
 #: measured on an earlier variant of the kernel: its fused pass 2.80 ms against 2.56 ms with
 #: float32 per ViT-B/16 step, H100, torch.profiler, two runs)
 MOM_ACC = tl.float64 if os.environ.get("XOPT_VELO_MOM_ACC", "f32") == "f64" else tl.float32
+#: the per-lane sums stored as they are ([n_prog, 4, SA·TB]; XOPT_VELO_CARRY_LANES=1) and
+#: reduced by velo_lane_tree_kernel, or reduced by the same tree at the end of the pass that
+#: sums them ([n_prog, 4] float64; the default): the same bits either way. With the lanes
+#: stored, one H100 call measured the fused pass at 2.655 ms per ViT-B/16 step, against
+#: 2.400 ms with the tree in an earlier call on another machine (not side by side), and
+#: the lanes take 4·SA·TB floats per program (ViT-B/16: 84 MiB; GPT-2 medium: 340 MiB)
+CARRY_LANES = os.environ.get("XOPT_VELO_CARRY_LANES", "0") == "1"
+#: the statistics / fused pass issue the next sub-tile's loads (g, p, m_k, rms) before
+#: computing the current one (XOPT_VELO_PREFETCH_STATS / _FUSED = 1); the same arithmetic
+PREFETCH_STATS = os.environ.get("XOPT_VELO_PREFETCH_STATS", "0") == "1"
+PREFETCH_FUSED = os.environ.get("XOPT_VELO_PREFETCH_FUSED", "0") == "1"
 NPTR = G.NPTR
 NFEAT = 30
 
@@ -136,9 +158,46 @@ def _mom_store(out, pid, a0, a1, a2, a3, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _lanes_store(out, pid, a0, a1, a2, a3, BLOCK: tl.constexpr):
+    """``out[pid, k, 0:BLOCK]`` = :func:`_mom_acc`'s per-lane sums ``a_k`` as they are
+    (``out``: [n_prog, 4, BLOCK] of their dtype): no reduction in the pass that sums them
+    (a tree there cost the fused pass ~0.3 ms per ViT-B/16 step); :func:`velo_lane_tree_kernel`
+    reduces them afterwards."""
+    base = out + pid.to(tl.int64) * (4 * BLOCK)
+    lane = tl.arange(0, BLOCK)
+    tl.store(base + lane, a0)
+    tl.store(base + BLOCK + lane, a1)
+    tl.store(base + 2 * BLOCK + lane, a2)
+    tl.store(base + 3 * BLOCK + lane, a3)
+
+
+@triton.jit
+def velo_lane_tree_kernel(lanes, out, BLOCK: tl.constexpr):
+    """``out[pid, 0:4]`` (float64) = Σ over the lanes of ``lanes[pid, k, :]``
+    (:func:`_lanes_store`), each by :func:`_mom_store`'s fixed tree: Σm_0, Σm_1, Σm_2, Σrms of
+    program ``pid``'s tile."""
+    pid = tl.program_id(0)
+    base = lanes + pid.to(tl.int64) * (4 * BLOCK)
+    lane = tl.arange(0, BLOCK)
+    _mom_store(out, pid, tl.load(base + lane), tl.load(base + BLOCK + lane),
+               tl.load(base + 2 * BLOCK + lane), tl.load(base + 3 * BLOCK + lane), BLOCK)
+
+
+@triton.jit
+def _load_sub(gp, pp, mp, rp, off, mask):
+    """A sub-tile's g (unclipped), p, m_0, m_1, m_2, rms [BLOCK] (0 where masked)."""
+    return (tl.load(gp + off, mask=mask, other=0.0), tl.load(pp + off, mask=mask, other=0.0),
+            tl.load(mp + off * 3, mask=mask, other=0.0),
+            tl.load(mp + off * 3 + 1, mask=mask, other=0.0),
+            tl.load(mp + off * 3 + 2, mask=mask, other=0.0),
+            tl.load(rp + off, mask=mask, other=0.0))
+
+
+@triton.jit
 def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
                exp_mult, step_mult, FUSED: tl.constexpr, TWO_PASS: tl.constexpr,
-               ACC: tl.constexpr, NHID: tl.constexpr,
+               ACC: tl.constexpr, VACC: tl.constexpr, PACC: tl.constexpr, LANES: tl.constexpr,
+               PREFETCH: tl.constexpr, NHID: tl.constexpr,
                NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr,
                SA: tl.constexpr):
     """One tile [TA, TB] of one tensor, in sub-tiles of SA × TB elements.
@@ -147,8 +206,9 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
     (per thread in float32, at most TA / SA terms, then in float64), and of the old m_k, rms
     and their squares (float64 throughout: the LSTM inputs' variances, taken one-pass)
     → ``part[pid, 32:40]`` = Σm_0, Σm_1, Σm_2, Σrms, Σm_0², Σm_1², Σm_2², Σrms².
-    ``FUSED=True``: (with TWO_PASS) Σ over the tile of the new m_k, rms → ``part[pid, 0:4]``
-    (float64 [n_prog, 4], :func:`_mom_store`: the next step's old sums), and the tensor's
+    ``FUSED=True``: (with TWO_PASS) per-lane sums over the tile of the new m_k, rms →
+    ``part[pid, 0:4, :]`` ([n_prog, 4, SA·TB], :func:`_lanes_store`: the next step's old
+    sums, reduced by :func:`velo_lane_tree_kernel`), and the tensor's
     4-wide MLP (weights ``w0`` [n, 32, 4], ``b0`` [n, 4], ``wh``
     [n, NHID, 4, 4], ``bh`` [n, NHID, 4], ``wl`` [n, 4, 16], ``bl`` [n, 16]), its first layer
     one feature at a time (:func:`xopt.kernels.lopt_common.rank1`), and the update."""
@@ -185,9 +245,13 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
         # (m_k − mean m_k)², (rms − mean m_k)² (TWO_PASS) or of m_k, rms and their squares
         zf = tl.zeros([BLOCK], ACC)
         zd = tl.zeros([BLOCK], tl.float64)
+        if TWO_PASS:
+            zv = tl.zeros([BLOCK], VACC)
+        else:
+            zv = zd
         q0 = zf
         q1 = zf
-        q2 = zd
+        q2 = tl.zeros([BLOCK], PACC)
         q3 = zf
         q4 = zf
         q5 = zf
@@ -219,28 +283,37 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
             mu0 = tl.load(mu + t * 4)
             mu1 = tl.load(mu + t * 4 + 1)
             mu2 = tl.load(mu + t * 4 + 2)
-        u0 = zd
-        u1 = zd
-        u2 = zd
-        u3 = zd
-        u4 = zd
-        u5 = zd
+        u0 = zv
+        u1 = zv
+        u2 = zv
+        u3 = zv
+        u4 = zv
+        u5 = zv
         u6 = zd
         u7 = zd
     sa_i = tl.arange(0, SA)
     ib = tb * TB + tl.arange(0, TB)
     a0 = ta * TA
     n_sub = tl.minimum(TA, ia_n - a0)
+    if PREFETCH:  # the first sub-tile's loads (then each iteration issues the next one's)
+        off_n, mask_n, ridx_n, cidx_n = C.load_tile(row, t, b, a0 + sa_i, ib, ptrs, NPTR,
+                                                    BLOCK)
+        g_n, p_n, om0_n, om1_n, om2_n, orms_n = _load_sub(gp, pp, mp, rp, off_n, mask_n)
     for s in range(0, n_sub, SA):
-        ia = a0 + s + sa_i
-        off, mask, ridx, cidx = C.load_tile(row, t, b, ia, ib, ptrs, NPTR, BLOCK)
-        g = tl.load(gp + off, mask=mask, other=0.0)
+        if PREFETCH:
+            off, mask, ridx, cidx = off_n, mask_n, ridx_n, cidx_n
+            g, p, om0, om1, om2, orms = g_n, p_n, om0_n, om1_n, om2_n, orms_n
+            # the next sub-tile's loads, in flight while this one is computed (none past
+            # the tile's last sub-tile: its rows then set to ia_n, which load_tile masks)
+            ia_x = tl.where(s + SA < n_sub, a0 + s + SA + sa_i, ia_n)
+            off_n, mask_n, ridx_n, cidx_n = C.load_tile(row, t, b, ia_x, ib, ptrs, NPTR,
+                                                        BLOCK)
+            g_n, p_n, om0_n, om1_n, om2_n, orms_n = _load_sub(gp, pp, mp, rp, off_n, mask_n)
+        else:
+            ia = a0 + s + sa_i
+            off, mask, ridx, cidx = C.load_tile(row, t, b, ia, ib, ptrs, NPTR, BLOCK)
+            g, p, om0, om1, om2, orms = _load_sub(gp, pp, mp, rp, off, mask)
         g = tl.minimum(tl.maximum(g, -1000.0), 1000.0)
-        p = tl.load(pp + off, mask=mask, other=0.0)
-        om0 = tl.load(mp + off * 3, mask=mask, other=0.0)
-        om1 = tl.load(mp + off * 3 + 1, mask=mask, other=0.0)
-        om2 = tl.load(mp + off * 3 + 2, mask=mask, other=0.0)
-        orms = tl.load(rp + off, mask=mask, other=0.0)
         m0 = md0 * om0 + (1 - md0) * g
         m1 = md1 * om1 + (1 - md1) * g
         m2 = md2 * om2 + (1 - md2) * g
@@ -335,12 +408,12 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
                 e0 = orms - mu0
                 e1 = orms - mu1
                 e2 = orms - mu2
-                u0 += tl.where(mask, d0 * d0, 0.0).to(tl.float64)
-                u1 += tl.where(mask, d1 * d1, 0.0).to(tl.float64)
-                u2 += tl.where(mask, d2 * d2, 0.0).to(tl.float64)
-                u3 += tl.where(mask, e0 * e0, 0.0).to(tl.float64)
-                u4 += tl.where(mask, e1 * e1, 0.0).to(tl.float64)
-                u5 += tl.where(mask, e2 * e2, 0.0).to(tl.float64)
+                u0 += tl.where(mask, d0 * d0, 0.0).to(VACC)
+                u1 += tl.where(mask, d1 * d1, 0.0).to(VACC)
+                u2 += tl.where(mask, d2 * d2, 0.0).to(VACC)
+                u3 += tl.where(mask, e0 * e0, 0.0).to(VACC)
+                u4 += tl.where(mask, e1 * e1, 0.0).to(VACC)
+                u5 += tl.where(mask, e2 * e2, 0.0).to(VACC)
             else:
                 d0 = om0.to(tl.float64)
                 d1 = om1.to(tl.float64)
@@ -355,7 +428,7 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
                 u6 += d2 * d2
                 u7 += d3 * d3
     if not FUSED:
-        x = C.cat32(q0.to(tl.float64), q1.to(tl.float64), q2, q3.to(tl.float64),
+        x = C.cat32(q0.to(tl.float64), q1.to(tl.float64), q2.to(tl.float64), q3.to(tl.float64),
                     q4.to(tl.float64), q5.to(tl.float64), q6.to(tl.float64), q7.to(tl.float64),
                     q8.to(tl.float64), q9.to(tl.float64), q10.to(tl.float64), q11.to(tl.float64),
                     q12.to(tl.float64), q13.to(tl.float64), q14.to(tl.float64),
@@ -366,44 +439,53 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
                     q27.to(tl.float64), q28.to(tl.float64), q29.to(tl.float64), zd, zd)
         x = tl.reshape(x, [BLOCK, 32])
         tl.store(part + pid.to(tl.int64) * 64 + cols, tl.sum(x, axis=0))
-        y = tl.reshape(C.cat8(u0, u1, u2, u3, u4, u5, u6, u7), [BLOCK, 8])
+        y = tl.reshape(C.cat8(u0.to(tl.float64), u1.to(tl.float64), u2.to(tl.float64),
+                              u3.to(tl.float64), u4.to(tl.float64), u5.to(tl.float64), u6, u7),
+                       [BLOCK, 8])
         tl.store(part + pid.to(tl.int64) * 64 + 32 + c8, tl.sum(y, axis=0))
         # (columns 40-63 are not written and not read)
     elif TWO_PASS:
-        _mom_store(part, pid, n0, n1, n2, n3, BLOCK)
+        if LANES:
+            _lanes_store(part, pid, n0, n1, n2, n3, BLOCK)
+        else:
+            _mom_store(part, pid, n0, n1, n2, n3, BLOCK)
 
 
 @triton.jit
 def velo_stats_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
                       part, exp_mult, step_mult, TWO_PASS: tl.constexpr, ACC: tl.constexpr,
+                      VACC: tl.constexpr, PACC: tl.constexpr, PREFETCH: tl.constexpr,
                       NHID: tl.constexpr,
                       NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr,
                       TB: tl.constexpr, SA: tl.constexpr):
     """Launch 3 (statistics mode of :func:`_velo_body`)."""
     _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
-               exp_mult, step_mult, False, TWO_PASS, ACC, NHID, NPTR, NF, TA, TB, SA)
+               exp_mult, step_mult, False, TWO_PASS, ACC, VACC, PACC, False, PREFETCH, NHID,
+               NPTR, NF, TA, TB, SA)
 
 
 @triton.jit
 def velo_fused_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
                       part, exp_mult, step_mult, MOM_OUT: tl.constexpr, MACC: tl.constexpr,
-                      NHID: tl.constexpr,
+                      LANES: tl.constexpr, PREFETCH: tl.constexpr, NHID: tl.constexpr,
                       NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr,
                       SA: tl.constexpr):
-    """Launch 5 (fused mode of :func:`_velo_body`; MOM_OUT: the new accumulators' sums
-    → ``part`` [n_prog, 4])."""
+    """Launch 5 (fused mode of :func:`_velo_body`; MOM_OUT: the new accumulators' per-lane
+    sums → ``part`` [n_prog, 4, SA·TB], :func:`_lanes_store`)."""
     _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
-               exp_mult, step_mult, True, MOM_OUT, MACC, NHID, NPTR, NF, TA, TB, SA)
+               exp_mult, step_mult, True, MOM_OUT, MACC, tl.float64, tl.float64, LANES,
+               PREFETCH, NHID, NPTR, NF, TA, TB, SA)
 
 
 @triton.jit
-def velo_mom_sums_kernel(meta, prog, ptrs, part, MACC: tl.constexpr, NPTR: tl.constexpr,
+def velo_mom_sums_kernel(meta, prog, ptrs, part, MACC: tl.constexpr, LANES: tl.constexpr,
+                         NPTR: tl.constexpr,
                          NF: tl.constexpr,
                          TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
-    """Σm_0, Σm_1, Σm_2, Σrms of the accumulators as they are, per program
-    → ``part[pid, 0:4]`` (float64): the same tiles, sub-tiles (SA must be the fused pass's),
+    """Per-lane sums of m_0, m_1, m_2, rms of the accumulators as they are, per program
+    → ``part[pid, 0:4, 0:SA·TB]``: the same tiles, sub-tiles (SA must be the fused pass's),
     lanes and order as the fused pass's sums of what it stores (:func:`_mom_acc`,
-    :func:`_mom_store`), hence the same bits. Run when the fused pass's sums from the last
+    :func:`_lanes_store`), hence the same bits. Run when the fused pass's sums from the last
     step may not describe the state (:meth:`VeLOTriton.step`)."""
     BLOCK: tl.constexpr = SA * TB
     pid = tl.program_id(0)
@@ -429,7 +511,10 @@ def velo_mom_sums_kernel(meta, prog, ptrs, part, MACC: tl.constexpr, NPTR: tl.co
         m2 = tl.load(mp + off * 3 + 2, mask=mask, other=0.0)
         rms = tl.load(rp + off, mask=mask, other=0.0)
         n0, n1, n2, n3 = _mom_acc(n0, n1, n2, n3, m0, m1, m2, rms, mask)
-    _mom_store(part, pid, n0, n1, n2, n3, BLOCK)
+    if LANES:
+        _lanes_store(part, pid, n0, n1, n2, n3, BLOCK)
+    else:
+        _mom_store(part, pid, n0, n1, n2, n3, BLOCK)
 
 
 check_supported = L.supported_velo
@@ -469,11 +554,13 @@ class VeLOTriton:
         self._lfeat: torch.Tensor | None = None  # float32 [9] (device)
         self._graph = G.StepGraph("VeLO")
         self.loss_in_graph: bool | None = None  # None: graphs_loss decides
-        # the fused pass's per-program sums of the accumulators it wrote (float64 [n_prog,
-        # 4]), the next step's sums of the old ones, and what they describe (see _carried)
+        # the fused pass's per-program, per-lane sums of the accumulators it wrote ([n_prog,
+        # 4, SA·TB]), the next step's sums of the old ones, and what they describe (see
+        # _carried)
         self._mpart: torch.Tensor | None = None
         self._carry: tuple | None = None
         self.mom_fallbacks = 0  # steps that summed the old accumulators anew (tests read it)
+        self._mr: tuple = (None, None)  # (TritonIO build, its m and rms tensors)
 
     def _bank(self, meta: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, tuple,
                                                               dict[str, torch.Tensor]]:
@@ -484,7 +571,8 @@ class VeLOTriton:
         LSTM's weights (``lstm/...``) in float64. Cached per meta tensors (``key``: the
         pointers and versions of all of them)."""
         names = _spec.mlp_bank_names(self.hp)
-        key = tuple((k, v.data_ptr(), v._version) for k, v in meta.items())
+        vals = meta.values()
+        key = (tuple(meta), tuple(map(_DPTR, vals)), tuple(map(_VERSION, vals)))
         if self._bank_cache is not None and self._bank_cache[0] == key:
             return self._bank_cache[1], self._bank_cache[2], key, self._bank_cache[3]
         p = meta[names[0]].shape[0]
@@ -540,8 +628,9 @@ class VeLOTriton:
 
     def _carried(self, lay: L.Layout, states: Sequence[Mapping[str, torch.Tensor]],
                  dev: torch.device, io=None) -> tuple:
-        """Makes ``self._mpart`` hold the per-program sums Σm_k, Σrms of the accumulators
-        as they are now (before this step) and returns what the step leaves them describing.
+        """Makes ``self._mpart`` hold the per-program, per-lane sums of m_k, rms of the
+        accumulators as they are now (before this step) and returns what the step leaves
+        them describing.
 
         The fused pass writes the sums of the accumulators it stores (the next step's old
         ones) into ``_mpart``; they are used as they are (no pass over m and rms) when
@@ -554,38 +643,57 @@ class VeLOTriton:
         the plain path, an in-place edit) :func:`velo_mom_sums_kernel` sums them anew, to
         the same bits. Not seen: writes that bypass the version counter (``tensor.data``'s
         in-place ops, other raw-pointer kernels) between two steps. With ``io``, the
-        addresses are its lists (those of the pointer table)."""
-        ts = [s["m"] for s in states]
-        ts += [s["rms"] for s in states]
-        if io is not None:
+        addresses are its lists (those of the pointer table), and while its ``build`` is the
+        same, so are the m / rms tensors (it checks their identity each step), so only the
+        version counters are read then."""
+        build = getattr(io, "build", None)
+        mr = self._mr
+        if build is not None and mr[0] == build:  # (the io's state tensors stay while its
+            ts = mr[1]                            # build does: the same m / rms lists)
+        else:
+            ts = [s["m"] for s in states]
+            ts += [s["rms"] for s in states]
+            self._mr = (build, ts if build is not None else None)
+        if build is not None:
             key = (io.ptrs["m"], io.ptrs["rms"], list(map(_VERSION, ts)))
         else:
             key = (list(map(_DPTR, ts)), list(map(_VERSION, ts)))
-        c = self._carry  # (layout, weak references to the tensors, their pointers and versions)
+        # (layout, weak references to the tensors, key: their pointers and versions, the io
+        # build that the tensors are known to be those of)
+        c = self._carry
         self._carry = None
         mp = self._mpart
         if mp is None or mp.shape[0] != max(lay.n_prog_all, 1) or mp.device != dev:
-            mp = self._mpart = torch.zeros((max(lay.n_prog_all, 1), 4), dtype=torch.float64,
-                                           device=dev)
+            mp = self._mpart = self._lanes(lay, dev)
             c = None
-        if (c is not None and c[0] is lay and c[2] == key and len(c[1]) == len(ts)
-                and all(map(operator.is_, [w() for w in c[1]], ts))):
-            return c
+        if (c is not None and c[0] is lay and c[2] == key
+                and ((build is not None and c[3] == build) or (len(c[1]) == len(ts) and all(
+                    map(operator.is_, map(_CALL, c[1]), ts))))):
+            return c if c[3] == build else c[:3] + (build,)
         self.mom_partials(mp)
         self.mom_fallbacks += 1
-        return (lay, [weakref.ref(x) for x in ts], key)
+        return (lay, [weakref.ref(x) for x in ts], key, build)
+
+    @staticmethod
+    def _lanes(lay: L.Layout, dev: torch.device) -> torch.Tensor:
+        """A zeroed buffer for the carried sums: per lane, [n_prog, 4, SA·TB] of
+        :data:`MOM_ACC` (:data:`CARRY_LANES`), or per program, [n_prog, 4] float64."""
+        if not CARRY_LANES:
+            return torch.zeros((max(lay.n_prog_all, 1), 4), dtype=torch.float64, device=dev)
+        dt = torch.float64 if MOM_ACC == tl.float64 else torch.float32
+        return torch.zeros((max(lay.n_prog_all, 1), 4, SA * L.TB), dtype=dt, device=dev)
 
     def mom_partials(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Σm_0, Σm_1, Σm_2, Σrms per program (float64 [n_prog, 4]) of the accumulators
-        that the current tables point at, summed anew (:func:`velo_mom_sums_kernel`) into
-        ``out`` (or a new buffer)."""
+        """Per-lane sums of m_0, m_1, m_2, rms per program ([n_prog, 4, SA·TB],
+        :func:`_lanes_store`) of the accumulators that the current tables point at, summed
+        anew (:func:`velo_mom_sums_kernel`) into ``out`` (or a new buffer)."""
         lay = self._layout
         if out is None:
-            out = torch.zeros((max(lay.n_prog_all, 1), 4), dtype=torch.float64,
-                              device=lay.meta.device)
+            out = self._lanes(lay, lay.meta.device)
         if lay.n_prog_all:
             velo_mom_sums_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, self._tab.ptrs, out,
-                                                    MOM_ACC, NPTR=NPTR, NF=L.NFIELDS, TA=L.TA,
+                                                    MOM_ACC, CARRY_LANES, NPTR=NPTR,
+                                                    NF=L.NFIELDS, TA=L.TA,
                                                     TB=L.TB, SA=SA, num_warps=WARPS)
         return out
 
@@ -687,7 +795,9 @@ class VeLOTriton:
             G.copy_in(lb["n"], torch.tensor(shadow[2], dtype=torch.float32))
             gstate["loss_means"], gstate["loss_running_min"] = lb["means"], lb["rmin"]
             self._lb_dec_ref = dec  # (held: its id is in the shadow)
-        G.copy_in(lb["loss"], loss.detach().reshape(()).to(torch.float32))
+        if loss.dtype != torch.float32 or loss.dim() != 0 or loss.requires_grad:
+            loss = loss.detach().reshape(()).to(torch.float32)
+        G.copy_in(lb["loss"], loss)
         # what gstate's counters will be after this step (the graph advances its copies)
         self._lb_shadow = (shadow[0] + 1, shadow[1] + 1) + shadow[2:]
 
@@ -740,7 +850,13 @@ class VeLOTriton:
         n = lay.numel[:, None]
         mpart = self._mpart
         if TWO_PASS:  # the means of the old m_k, rms: float64, then rounded once
-            mu64 = C.seg_sum(mpart, lay) / lay.numel.double()[:, None]
+            msum = mpart
+            if CARRY_LANES:
+                msum = torch.empty((max(lay.n_prog_all, 1), 4), dtype=torch.float64,
+                                   device=dev)
+                if lay.n_prog_all:
+                    velo_lane_tree_kernel[(lay.n_prog_all,)](mpart, msum, BLOCK=SA * L.TB)
+            mu64 = C.seg_sum(msum, lay) / lay.numel.double()[:, None]
             mu = mu64.float().contiguous()
         else:
             mu = None
@@ -755,6 +871,9 @@ class VeLOTriton:
                                              float(hp.exp_mult), float(hp.step_mult),
                                              TWO_PASS=TWO_PASS,
                                              ACC=tl.float32 if STATS_F32 else tl.float64,
+                                             VACC=tl.float32 if VAR_F32 else tl.float64,
+                                             PACC=tl.float32 if P2_F32 else tl.float64,
+                                             PREFETCH=PREFETCH_STATS,
                                              SA=SA_STATS, **common)
         st64 = C.seg_sum(part, lay)
         st = st64[:, :40].float()
@@ -798,7 +917,8 @@ class VeLOTriton:
                                              norm, scal, tab, tab, tab, tab, tab, tab,
                                              mpart if TWO_PASS else part,
                                              float(hp.exp_mult), float(hp.step_mult),
-                                             MOM_OUT=TWO_PASS, MACC=MOM_ACC, SA=SA, **common)
+                                             MOM_OUT=TWO_PASS, MACC=MOM_ACC, LANES=CARRY_LANES,
+                                             PREFETCH=PREFETCH_FUSED, SA=SA, **common)
         hidden.copy_(new_h)
         cell.copy_(new_c)
 

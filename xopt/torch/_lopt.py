@@ -159,18 +159,19 @@ class TritonIO:
     (unique over all instances) changes then, so that tables keyed on it are rebuilt too.
 
     ``ptrs`` holds one list of ``data_ptr()`` per column: ``"p"``, ``"g"`` and each state
-    variable. Item access (``io["params"]``, ...) gives the lists of :meth:`_triton_io`.
+    variable; only ``"g"`` is replaced while the instance lives (``build`` identifies the
+    rest). Item access (``io["params"]``, ...) gives the lists of :meth:`_triton_io`.
     """
 
     __slots__ = ("items", "params", "grads", "states", "shapes", "gidx", "groups_key", "ptrs",
-                 "lrs", "lrwds", "version", "state_obj", "state_vals", "getter", "flat")
+                 "lrs", "lrwds", "version", "state_obj", "state_vals", "flat", "build",
+                 "steady")
 
     def __init__(self, params: list[Tensor]) -> None:
         self.items: list | None = None
         self.state_obj: Any = None
         self.state_vals: list = []
-        self.getter: Any = None
-        self.flat: list[Tensor] = []
+        self.flat: list[Tensor] = []  # every state dict's values, in order
         self.params = params
         self.grads: list[Tensor] = []
         self.states: list[dict[str, Any]] = []
@@ -181,13 +182,20 @@ class TritonIO:
         self.lrs: list[float] = []
         self.lrwds: list[float] = []
         self.version = next(_VERSIONS)
+        #: unique per instance, never changes: the tensor lists (params, states, their
+        #: pointers but the gradients') are those of this build while it is the same
+        self.build = next(_VERSIONS)
+        #: every parameter of every group is in ``params`` (each had a gradient), so that a
+        #: step may reuse this without :meth:`LearnedOptimizer._gather`
+        self.steady = False
 
     def states_unchanged(self, state: Any) -> bool:
         """Whether ``state`` (the optimizer's) still holds the per-parameter dicts and state
-        tensors seen when this was built (identity, C-level loops)."""
+        tensors seen when this was built (identity, C-level loops; each dict's values in
+        order)."""
         return (state is self.state_obj and len(state) == len(self.state_vals)
                 and all(map(operator.is_, state.values(), self.state_vals))
-                and all(map(operator.is_, chain.from_iterable(map(self.getter, self.states)),
+                and all(map(operator.is_, chain.from_iterable(map(dict.values, self.states)),
                             self.flat)))
 
     def __getitem__(self, key: str) -> Any:
@@ -402,6 +410,57 @@ class LearnedOptimizer(torch.optim.Optimizer):
                 return c
         return self._build_triton_io(items, groups_key)
 
+    def _steady_io(self) -> tuple[TritonIO, list[Tensor]] | None:
+        """``(io, gradients)``: the kept :class:`TritonIO` for a step that needs nothing else
+        rebuilt or re-validated (neither :meth:`_gather` nor :meth:`_fast_triton_io`), in
+        C-level passes over the tensors: the same groups, parameter lists and parameters
+        (identity, as :meth:`_gather` checks them), every parameter with a dense contiguous
+        gradient of its cached shape, the parameters at their cached addresses, and the
+        same state dicts and state tensors (:meth:`TritonIO.states_unchanged`). New gradient
+        tensors (their pointers) and new lrs / weight decays (a schedule) update the
+        instance and its ``version``; anything else: None (the general path, with all its
+        checks and errors). The gradients' dtypes need no check: torch's ``.grad`` setter
+        keeps them the parameter's, and a parameter's dtype changes only with new data
+        (another address). Not re-checked: the parameters' shapes (a new shape comes with
+        new data, except through in-place metadata ops such as ``p.unsqueeze_()``)."""
+        c = self._fio
+        g = self._gcache
+        if (c is None or not c.steady or g is None or g.out is not c.items
+                or self.impl == "plain" or self.hp.accumulating):
+            return None
+        groups = self.param_groups
+        if not (len(groups) == len(g.groups) and all(map(operator.is_, groups, g.groups))
+                and all(map(operator.is_, map(operator.itemgetter("params"), groups),
+                            g.param_lists))
+                and list(map(len, g.param_lists)) == g.lengths
+                and all(map(operator.is_, chain.from_iterable(g.param_lists), c.params))
+                and c.states_unchanged(self.state)):
+            return None
+        ps = c.params
+        grads = list(map(_GRAD, ps))
+        try:
+            gp = list(map(_DPTR, grads))  # (None: TypeError; sparse: RuntimeError)
+            if not all(map(_CONTIG, grads)):
+                return None
+        except (TypeError, RuntimeError):
+            return None
+        if list(map(_SHAPE, grads)) != c.shapes or list(map(_DPTR, ps)) != c.ptrs["p"]:
+            return None
+        groups_key = [(gr["lr"], gr["weight_decay"]) for gr in groups]
+        if groups_key != c.groups_key:  # (an lr schedule: every step)
+            coupled = self.hp.weight_decay_mode == "coupled"
+            for lr, wd in groups_key:
+                if (type(lr) not in (float, int) or type(wd) not in (float, int)
+                        or (coupled and not _is_zero(wd))):
+                    return None
+            c.lrs, c.lrwds = self._lrs(groups_key, c.gidx)
+            c.groups_key = groups_key
+            c.version = next(_VERSIONS)
+        if gp != c.ptrs["g"]:
+            c.ptrs["g"] = gp
+            c.version = next(_VERSIONS)
+        return c, grads
+
     def _build_triton_io(self, items: list[tuple[int, int, Tensor, dict[str, Any]]],
                          groups_key: list) -> TritonIO | None:
         """:meth:`_fast_triton_io` when something changed: every check, new tables."""
@@ -434,10 +493,11 @@ class LearnedOptimizer(torch.optim.Optimizer):
         c.items, c.states, c.shapes, c.gidx, c.groups_key, c.ptrs = items, states, \
             [p.shape for p in ps], gidx, groups_key, ptrs
         c.state_obj, c.state_vals = st, list(st.values())
-        c.getter = operator.itemgetter(*svars) if len(svars) > 1 else (
-            lambda s, _v=svars[0]: (s[_v],))
-        c.flat = list(chain.from_iterable(map(c.getter, states)))
+        c.flat = list(chain.from_iterable(map(dict.values, states)))
         c.grads = grads
+        g = self._gcache
+        c.steady = (g is not None and g.out is items and not any(g.no_grad)
+                    and not self.hp.accumulating)
         self._fio = c
         return c
 
@@ -688,10 +748,19 @@ class LearnedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         result = loss
-        items = self._gather()
+        steady = self._steady_io()
+        items = self._gather() if steady is None else steady[0].items
         loss_t = self._loss_tensor(loss)
         if self.check_finite:
             self._check_finite(items, None if loss is None else loss_t)
+        if steady is not None:  # nothing but the gradient tensors or the lrs changed
+            io, io.grads = steady
+            try:
+                self._triton_fast_update(io, loss_t, self.state["global"])
+            finally:
+                io.grads = []
+            self.state["global"]["iteration"] += 1
+            return result
         if not items:
             return result
         # -- from here on the state changes --

@@ -176,7 +176,7 @@ class VeLO(LearnedOptimizer):
         dev = io.params[0].device
         if self._triton.graphs_loss(dev):  # the loss buffer's update inside the CUDA graph
             for k in _LOSS_VARS:
-                if gstate[k].device != dev:
+                if gstate[k].device != dev:  # (load_state_dict may have left them elsewhere)
                     gstate[k] = gstate[k].to(dev)
             self._triton_update(io, io.states, None, None, fast=io, loss_state=(gstate, loss))
             self._advance(gstate, gstate["loss_means"], gstate["loss_running_min"])
@@ -200,9 +200,12 @@ class VeLO(LearnedOptimizer):
         if views is not None and (views[0].device != dev or views[0].shape[0] != len(states)):
             views = None
         if views is not None:
-            if fast is not None:  # the views' pointers, as the state tensors' (O(1) lists)
-                ok = (fast.ptrs["lstm_hidden"] == views[4]
-                      and fast.ptrs["lstm_cell"] == views[5])
+            if fast is not None:  # the views' pointers, as the state tensors' (O(1) lists;
+                # checked once per TritonIO build: its state tensors stay the same then)
+                ok = views[6] == fast.build or (fast.ptrs["lstm_hidden"] == views[4]
+                                                and fast.ptrs["lstm_cell"] == views[5])
+                if ok:
+                    views = self._lstm_views = views[:6] + (fast.build,)
             else:
                 ok = (all(a is s["lstm_hidden"] for a, s in zip(views[2], states, strict=True))
                       and all(a is s["lstm_cell"] for a, s in zip(views[3], states,
@@ -223,7 +226,7 @@ class VeLO(LearnedOptimizer):
                 s["lstm_hidden"] = h
                 s["lstm_cell"] = c
             self._lstm_views = (hidden, cell, hv, cv, [h.data_ptr() for h in hv],
-                                [c.data_ptr() for c in cv])
+                                [c.data_ptr() for c in cv], None)
 
     def _plain_update(self, entries: list[Entry], frac: Tensor, lfeat: Tensor,
                       dev: torch.device) -> None:
