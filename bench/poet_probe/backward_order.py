@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from graph_time import gtime  # noqa: E402
+from graph_time import fwd_bwd, gtime  # noqa: E402
 
 import xopt.torch.poet as P  # noqa: E402
 from xopt.kernels import poet_cayley  # noqa: E402
@@ -60,13 +60,7 @@ gy = torch.randn(T, 4096, device=dev, dtype=dt)
 
 
 def fb(layer):
-    def f():
-        x.grad = None
-        for p in layer.parameters():
-            p.grad = None
-        layer(x).backward(gy)
-
-    return f
+    return fwd_bwd(layer, x, gy)
 
 
 lin = nn.Linear(4096, 4096, bias=False, device=dev, dtype=dt)

@@ -47,7 +47,7 @@ from xopt.kernels import poet_cayley as K  # noqa: E402
 
 for b in (16, 48):
     x = torch.randn(3, b * (b - 1) // 2)
-    q, i = kern2.skew_rows(x, b, True, rows=4, bc=16, warps=1)
+    q, i = kern2.skew_rows(x, b, 4, 16, 1)
     print(
         "skew",
         b,

@@ -14,6 +14,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rot_kernels as rotk  # noqa: E402
+from graph_time import fwd_bwd, gtime  # noqa: E402
 
 from xopt.kernels import poet_perm as PP  # noqa: E402
 from xopt.torch.poet import POETLinear, _outer, _rotate  # noqa: E402
@@ -24,46 +25,13 @@ T, n = 4096, 4096
 res = {}
 
 
-def gtime(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    best = []
-    for _ in range(3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best.append(a.elapsed_time(b) / reps * 1e3)
-    del g
-    return min(best)
-
-
 def layer_part():
     x = torch.randn(T, n, device=dev, dtype=dt, requires_grad=True)
     gy = torch.randn(T, n, device=dev, dtype=dt)
     lin = nn.Linear(n, n, bias=False, device=dev, dtype=dt)
 
     def fb(layer):
-        def f():
-            x.grad = None
-            for p in layer.parameters():
-                p.grad = None
-            layer(x).backward(gy)
-
-        return f
+        return fwd_bwd(layer, x, gy)
 
     res["linear_us"] = gtime(fb(lin), 10)
     print("nn.Linear fwd+bwd", res["linear_us"], flush=True)

@@ -66,9 +66,9 @@ for b, nblk in ((256, 32), (512, 16)):
                 continue
             for w in (2, 4, 8):
                 try:
-                    q, i = kern2.skew_rows(x, b, True, rows, bc, w)
+                    q, i = kern2.skew_rows(x, b, rows, bc, w)
                     err = (q.float() - qr).abs().max().item()
-                    us = gtime(lambda: kern2.skew_rows(x, b, True, rows, bc, w))
+                    us = gtime(lambda: kern2.skew_rows(x, b, rows, bc, w))
                 except Exception as e:
                     print("  rows fail", rows, bc, w, str(e)[:150])
                     continue

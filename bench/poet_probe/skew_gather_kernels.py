@@ -1,7 +1,7 @@
-"""Prototype kernels of the fifth session's sweeps: the skew blocks as square tiles with the
-mirror stored transposed (xopt's kernel until df9c86a), as whole rows (what xopt now does),
-and a persistent gather holding the index vector in registers (slower than the rowloop
-gather; not used)."""
+"""Kernels of the fifth session's sweeps: the skew blocks as square tiles with the mirror
+stored transposed (xopt's kernel until df9c86a), launchers of the whole-row kernel that
+replaced it (poet_cayley._skew_kernel) at given settings, and a persistent gather holding
+the index vector in registers (slower than the rowloop gather; not used)."""
 
 import torch
 import triton
@@ -41,40 +41,6 @@ def skew_tiles_kernel(x_ptr, q_ptr, eye_ptr, B, M, EYE: tl.constexpr, T: tl.cons
 
 
 @triton.jit
-def skew_rows_kernel(
-    x_ptr, q_ptr, eye_ptr, B, M, EYE: tl.constexpr, ROWS: tl.constexpr, BC: tl.constexpr
-):
-    n = tl.program_id(0).to(tl.int64)
-    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)[:, None]
-    base = n * B * B
-    for c0 in range(0, B, BC):
-        c = c0 + tl.arange(0, BC)[None, :]
-        inside = (r < B) & (c < B)
-        lo = tl.minimum(r, c)
-        hi = tl.maximum(r, c)
-        k = lo * B - (lo * (lo + 1)) // 2 + (hi - lo - 1)
-        v = tl.load(x_ptr + n * M + k, mask=inside & (r != c), other=0.0).to(tl.float32)
-        v = tl.where(r < c, v, -v)
-        tl.store(q_ptr + base + r * B + c, v.to(q_ptr.dtype.element_ty), mask=inside)
-        if EYE:
-            tl.store(
-                eye_ptr + base + r * B + c,
-                tl.where(r == c, 1.0, 0.0).to(eye_ptr.dtype.element_ty),
-                mask=inside,
-            )
-
-
-def skew_rows(x, b, eye=True, rows=4, bc=256, warps=4):
-    n, m = x.shape
-    q = torch.empty((n, b, b), dtype=x.dtype, device=x.device)
-    i = torch.empty_like(q) if eye else q
-    skew_rows_kernel[(n, triton.cdiv(b, rows))](
-        x, q, i, b, m, EYE=eye, ROWS=rows, BC=min(bc, b), num_warps=warps
-    )
-    return q, i
-
-
-@triton.jit
 def gather_persist_kernel(
     x_ptr, idx_ptr, out_ptr, N, D, s_x, s_o, ROWS: tl.constexpr, BLOCK_D: tl.constexpr
 ):
@@ -108,3 +74,16 @@ def gather_persist(x, idx, grid, rows=1, warps=8):
         num_warps=warps,
     )
     return out
+
+
+def skew_rows(x, b, rows, bc, warps):
+    """xopt's whole-row skew kernel with the identity, ``rows`` rows per program, ``bc``
+    columns at a time, on ``warps`` warps: ``(Q, I)``."""
+    from xopt.kernels import poet_cayley as K
+
+    n, m = x.shape
+    q = torch.empty((n, b, b), dtype=x.dtype, device=x.device)
+    i = torch.empty_like(q)
+    K._skew_kernel[(n, triton.cdiv(b, rows))](x, q, i, b, m, EYE=True, ROWS=rows,
+                                              BC=min(bc, b), num_warps=warps)
+    return q, i
