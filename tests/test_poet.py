@@ -349,6 +349,24 @@ def test_poet_adamw_resets_and_jits():
 
 
 @needs_triton
+@pytest.mark.parametrize("b", [12, 136])
+def test_skew_kernel_writes_every_row_and_column(b):
+    """The skew kernel writes 8 rows a program, 128 columns at a time: b = 12 leaves a
+    program with 4 rows, b = 136 a second column chunk of 8. ``Q`` and the identity it
+    writes beside it (the product form's ``B = I + Q²`` starts from it) are exact, from
+    float32 and from bfloat16 triangles."""
+    from xopt.kernels import poet_cayley as K
+
+    torch.manual_seed(b)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, P.num_triu(b), device=DEV).to(dtype)
+        q, eye = K._skew(x, b, None, True)
+        assert q.dtype == eye.dtype == dtype
+        assert torch.equal(q, K.skew_reference(x.float(), b).to(dtype))  # (exact: ±x)
+        assert torch.equal(eye, torch.eye(b, device=DEV, dtype=dtype).expand(2, b, b))
+
+
+@needs_triton
 @pytest.mark.parametrize("b", [8, 16, 40, 72])  # 72: the 64-wide tiles, a partial one
 def test_cayley_kernels_match_their_references(b):
     from xopt.kernels import poet_cayley as K
