@@ -11,8 +11,9 @@ All of a model's tensors in six launches plus a handful of batched torch ops:
    LSTM inputs' variances (two-pass), all in a fixed order. The means come from per-lane
    sums of m_k, rms that the last step's fused pass left (the sums of what it stored;
    :meth:`VeLOTriton._carried`), or, when those may not describe the state, from
-   :func:`velo_mom_sums_kernel` before the step (the same bits), reduced per program by
-   :func:`velo_lane_tree_kernel` (a fixed float64 tree);
+   :func:`velo_mom_sums_kernel` before the step (the same bits), reduced per program by a
+   fixed float64 tree (:func:`_mom_store`; with :data:`CARRY_LANES` the lanes are stored
+   and :func:`velo_lane_tree_kernel` runs the same tree afterwards);
 4. torch, batched over tensors: the LSTM inputs (mean_rms, var_m, var_rms from the float64
    sums in float64, rounded once), one LSTM step for all tensors
    (:func:`xopt.specs.velo.lstm_step`, the plain path's function, in float64), the
@@ -172,6 +173,17 @@ def _lanes_store(out, pid, a0, a1, a2, a3, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _carry_store(out, pid, a0, a1, a2, a3, BLOCK: tl.constexpr, LANES: tl.constexpr):
+    """The carried sums of a program's tile into ``out``: per lane ([n_prog, 4, BLOCK],
+    :func:`_lanes_store`) with ``LANES`` (:data:`CARRY_LANES`), else reduced here
+    ([n_prog, 4] float64, :func:`_mom_store`); the same bits once reduced."""
+    if LANES:
+        _lanes_store(out, pid, a0, a1, a2, a3, BLOCK)
+    else:
+        _mom_store(out, pid, a0, a1, a2, a3, BLOCK)
+
+
+@triton.jit
 def velo_lane_tree_kernel(lanes, out, BLOCK: tl.constexpr):
     """``out[pid, 0:4]`` (float64) = Σ over the lanes of ``lanes[pid, k, :]``
     (:func:`_lanes_store`), each by :func:`_mom_store`'s fixed tree: Σm_0, Σm_1, Σm_2, Σrms of
@@ -206,9 +218,9 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
     (per thread in float32, at most TA / SA terms, then in float64), and of the old m_k, rms
     and their squares (float64 throughout: the LSTM inputs' variances, taken one-pass)
     → ``part[pid, 32:40]`` = Σm_0, Σm_1, Σm_2, Σrms, Σm_0², Σm_1², Σm_2², Σrms².
-    ``FUSED=True``: (with TWO_PASS) per-lane sums over the tile of the new m_k, rms →
-    ``part[pid, 0:4, :]`` ([n_prog, 4, SA·TB], :func:`_lanes_store`: the next step's old
-    sums, reduced by :func:`velo_lane_tree_kernel`), and the tensor's
+    ``FUSED=True``: (with TWO_PASS) the sums over the tile of the new m_k, rms (the next
+    step's old sums) → ``part`` (:func:`_carry_store`: ``part[pid, 0:4]``, or per lane with
+    ``LANES``), and the tensor's
     4-wide MLP (weights ``w0`` [n, 32, 4], ``b0`` [n, 4], ``wh``
     [n, NHID, 4, 4], ``bh`` [n, NHID, 4], ``wl`` [n, 4, 16], ``bl`` [n, 16]), its first layer
     one feature at a time (:func:`xopt.kernels.lopt_common.rank1`), and the update."""
@@ -445,10 +457,7 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
         tl.store(part + pid.to(tl.int64) * 64 + 32 + c8, tl.sum(y, axis=0))
         # (columns 40-63 are not written and not read)
     elif TWO_PASS:
-        if LANES:
-            _lanes_store(part, pid, n0, n1, n2, n3, BLOCK)
-        else:
-            _mom_store(part, pid, n0, n1, n2, n3, BLOCK)
+        _carry_store(part, pid, n0, n1, n2, n3, BLOCK, LANES)
 
 
 @triton.jit
@@ -470,8 +479,8 @@ def velo_fused_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh,
                       LANES: tl.constexpr, PREFETCH: tl.constexpr, NHID: tl.constexpr,
                       NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr,
                       SA: tl.constexpr):
-    """Launch 5 (fused mode of :func:`_velo_body`; MOM_OUT: the new accumulators' per-lane
-    sums → ``part`` [n_prog, 4, SA·TB], :func:`_lanes_store`)."""
+    """Launch 5 (fused mode of :func:`_velo_body`; MOM_OUT: the new accumulators' sums →
+    ``part``, :func:`_carry_store`)."""
     _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
                exp_mult, step_mult, True, MOM_OUT, MACC, tl.float64, tl.float64, LANES,
                PREFETCH, NHID, NPTR, NF, TA, TB, SA)
@@ -482,10 +491,10 @@ def velo_mom_sums_kernel(meta, prog, ptrs, part, MACC: tl.constexpr, LANES: tl.c
                          NPTR: tl.constexpr,
                          NF: tl.constexpr,
                          TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
-    """Per-lane sums of m_0, m_1, m_2, rms of the accumulators as they are, per program
-    → ``part[pid, 0:4, 0:SA·TB]``: the same tiles, sub-tiles (SA must be the fused pass's),
-    lanes and order as the fused pass's sums of what it stores (:func:`_mom_acc`,
-    :func:`_lanes_store`), hence the same bits. Run when the fused pass's sums from the last
+    """Sums of m_0, m_1, m_2, rms of the accumulators as they are, per program → ``part``
+    (:func:`_carry_store`): the same tiles, sub-tiles (SA must be the fused pass's), lanes
+    and order as the fused pass's sums of what it stores (:func:`_mom_acc`), hence the same
+    bits. Run when the fused pass's sums from the last
     step may not describe the state (:meth:`VeLOTriton.step`)."""
     BLOCK: tl.constexpr = SA * TB
     pid = tl.program_id(0)
@@ -511,10 +520,7 @@ def velo_mom_sums_kernel(meta, prog, ptrs, part, MACC: tl.constexpr, LANES: tl.c
         m2 = tl.load(mp + off * 3 + 2, mask=mask, other=0.0)
         rms = tl.load(rp + off, mask=mask, other=0.0)
         n0, n1, n2, n3 = _mom_acc(n0, n1, n2, n3, m0, m1, m2, rms, mask)
-    if LANES:
-        _lanes_store(part, pid, n0, n1, n2, n3, BLOCK)
-    else:
-        _mom_store(part, pid, n0, n1, n2, n3, BLOCK)
+    _carry_store(part, pid, n0, n1, n2, n3, BLOCK, LANES)
 
 
 check_supported = L.supported_velo
@@ -684,9 +690,9 @@ class VeLOTriton:
         return torch.zeros((max(lay.n_prog_all, 1), 4, SA * L.TB), dtype=dt, device=dev)
 
     def mom_partials(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-lane sums of m_0, m_1, m_2, rms per program ([n_prog, 4, SA·TB],
-        :func:`_lanes_store`) of the accumulators that the current tables point at, summed
-        anew (:func:`velo_mom_sums_kernel`) into ``out`` (or a new buffer)."""
+        """Sums of m_0, m_1, m_2, rms per program (:meth:`_lanes`' layout) of the
+        accumulators that the current tables point at, summed anew
+        (:func:`velo_mom_sums_kernel`) into ``out`` (or a new buffer)."""
         lay = self._layout
         if out is None:
             out = self._lanes(lay, lay.meta.device)
