@@ -99,6 +99,7 @@ MOM_ACC = tl.float64 if os.environ.get("XOPT_VELO_MOM_ACC", "f32") == "f64" else
 CARRY_LANES = os.environ.get("XOPT_VELO_CARRY_LANES", "0") == "1"
 #: the statistics / fused pass issue the next sub-tile's loads (g, p, m_k, rms) before
 #: computing the current one (XOPT_VELO_PREFETCH_STATS / _FUSED = 1); the same arithmetic
+#: (same bits on the CPU interpreter); not yet timed on a GPU
 PREFETCH_STATS = os.environ.get("XOPT_VELO_PREFETCH_STATS", "0") == "1"
 PREFETCH_FUSED = os.environ.get("XOPT_VELO_PREFETCH_FUSED", "0") == "1"
 NPTR = G.NPTR
