@@ -473,6 +473,45 @@ def test_permutation_kernels_match_their_references(mode, width, monkeypatch):
 
 
 @needs_triton
+def test_host_grid_helpers_are_tritons():
+    import triton
+
+    from xopt.kernels._grid import cdiv, next_pow2
+
+    assert [next_pow2(n) for n in range(1, 5000)] == [triton.next_power_of_2(n)
+                                                      for n in range(1, 5000)]
+    assert ([cdiv(a, b) for a in range(300) for b in range(1, 40)]
+            == [triton.cdiv(a, b) for a in range(300) for b in range(1, 40)])
+
+
+@needs_torch
+def test_block_products_read_row_strided_inputs():
+    """The layer's block rotation and block outer product (strided batched matmuls on
+    ``as_strided`` views) against einsum, on contiguous inputs and on column slices of a
+    wider tensor (their row stride is not the width)."""
+    from xopt.torch.poet import _outer, _rotate
+
+    torch.manual_seed(1)
+    nb, b, n = 3, 4, 5
+    r = torch.randn(nb, b, b, dtype=torch.float64)
+    wide = torch.randn(n, 2 * nb * b + 3, dtype=torch.float64)
+    wide2 = torch.randn(n, 2 * nb * b + 3, dtype=torch.float64)
+    for x, g in ((wide[:, :nb * b].contiguous(), wide2[:, :nb * b].contiguous()),
+                 (wide[:, 3:3 + nb * b], wide2[:, 5:5 + nb * b])):
+        xb, gb = x.reshape(n, nb, b), g.reshape(n, nb, b)
+        for t in (False, True):
+            want = torch.einsum("njk,jkl->njl", xb, r.transpose(1, 2) if t else r)
+            got = _rotate(x, r, transpose=t)
+            assert got.is_contiguous() and torch.allclose(got, want.reshape(n, nb * b),
+                                                          rtol=1e-14, atol=0)
+        want = torch.einsum("njk,njl->jkl", xb, gb)
+        assert torch.allclose(_outer(x, g, nb), want, rtol=1e-14, atol=0)
+        out = torch.empty(nb + 1, b, b, dtype=torch.float64)
+        _outer(x, g, nb, out=out[1:])
+        assert torch.allclose(out[1:], want, rtol=1e-14, atol=0)
+
+
+@needs_triton
 @pytest.mark.parametrize("backend", ["bmm", "triton"])
 @pytest.mark.parametrize("variant", ["fast", "mem"])
 def test_triton_layer_matches_plain_layer(variant, backend, monkeypatch):

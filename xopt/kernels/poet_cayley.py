@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from xopt.kernels._grid import cdiv, next_pow2
 from xopt.specs import poet as spec
 
 __all__ = ["BACKEND", "CayleyNeumann", "blocks_backward", "blocks_forward", "cayley_neumann",
@@ -306,7 +307,7 @@ CNP_TILES = {"f32": (64, 32, 4), "lowp": (128, 32, 8)}
 
 def _tiles(b: int, dtype: torch.dtype) -> tuple[int, int, int]:
     bm, bk, warps = CNP_TILES["f32" if dtype == torch.float32 else "lowp"]
-    bm = max(16, min(bm, triton.next_power_of_2(b)))
+    bm = max(16, min(bm, next_pow2(b)))
     return bm, max(16, min(bm, bk)), warps
 
 
@@ -342,9 +343,9 @@ def _skew(x: torch.Tensor, b: int, dtype: torch.dtype | None, eye: bool
     n, m = x.shape
     q = torch.empty((n, b, b), dtype=dtype or x.dtype, device=x.device)
     i = torch.empty_like(q) if eye else None
-    _skew_kernel[(n, triton.cdiv(b, SKEW_ROWS))](
+    _skew_kernel[(n, cdiv(b, SKEW_ROWS))](
         x, q, q if i is None else i, b, m, EYE=eye, ROWS=SKEW_ROWS,
-        BC=max(16, min(128, triton.next_power_of_2(b))), num_warps=4)
+        BC=max(16, min(128, next_pow2(b))), num_warps=4)
     return q, i
 
 
@@ -356,7 +357,7 @@ SKEW_ROWS = 8
 
 def _edge_tile(b: int) -> int:
     """The tile edge of the triangle and symmetrization kernels."""
-    return max(16, min(64, triton.next_power_of_2(b)))
+    return max(16, min(64, next_pow2(b)))
 
 
 def triu_grad(dq: torch.Tensor, b: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -375,7 +376,7 @@ def _triu_combine(e1: torch.Tensor, e2: torch.Tensor | None, b: int, alpha: floa
     m = spec.num_triu(b)
     g = torch.empty((n, m), dtype=dtype or e1.dtype, device=e1.device)
     t = _edge_tile(b)
-    _triu_grad_kernel[(n, triton.cdiv(b, t), triton.cdiv(b, t))](
+    _triu_grad_kernel[(n, cdiv(b, t), cdiv(b, t))](
         e1, e1 if e2 is None else e2, g, b, m, alpha, beta, TWO=e2 is not None, T=t)
     return g
 
@@ -385,7 +386,7 @@ def _sym(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     n, b, _ = x.shape
     z = torch.empty_like(x)
     t = _edge_tile(b)
-    _sym_kernel[(n, triton.cdiv(b, t), triton.cdiv(b, t))](x, p, z, b, T=t)
+    _sym_kernel[(n, cdiv(b, t), cdiv(b, t))](x, p, z, b, T=t)
     return z
 
 
@@ -399,7 +400,7 @@ def _cnp_forward(src: torch.Tensor, b: int, from_triu: bool, formula: str, tf32:
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n = src.shape[0]
     bm, bk, warps = _tiles(b, dtype)
-    grid = (n, triton.cdiv(b, bm) ** 2)
+    grid = (n, cdiv(b, bm) ** 2)
     prec = _prec(dtype, tf32)
     q = torch.empty((n, b, b), dtype=dtype, device=src.device) if from_triu else src
     q2 = torch.empty((n, b, b), dtype=dtype, device=src.device)
@@ -415,7 +416,7 @@ def _cnp_backward(q: torch.Tensor, q2: torch.Tensor, g: torch.Tensor, formula: s
                   tf32: bool, triu_dtype: torch.dtype | None) -> torch.Tensor:
     n, b, _ = q.shape
     bm, bk, warps = _tiles(b, q.dtype)
-    grid = (n, triton.cdiv(b, bm) ** 2)
+    grid = (n, cdiv(b, bm) ** 2)
     prec = _prec(q.dtype, tf32)
     d = torch.empty((n, b, b), dtype=torch.float32, device=q.device)
     _cnp_d_kernel[grid](q, g, d, b, BM=bm, BK=bk, PREC=prec, num_warps=warps)

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from xopt.kernels._grid import cdiv, next_pow2
+
 __all__ = ["Permute", "gather", "gather_reference", "permute", "scatter", "scatter_reference"]
 
 
@@ -100,9 +102,9 @@ def _rowloop_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor) ->
     # session): 4096 wide 31.8 µs (copy 25.0), 14336 wide 120.5 µs (copy 79.4; 191.2 µs
     # in chunks of 4096 with 8 warps, the previous default)
     rows = ROWLOOP["rows"] or max(1, min(4, 8192 // row_bytes))
-    block_d = ROWLOOP["block_d"] or max(16, min(triton.next_power_of_2(d), 8192))
+    block_d = ROWLOOP["block_d"] or max(16, min(next_pow2(d), 8192))
     warps = ROWLOOP["warps"] or (4 if block_d <= 4096 else 8)
-    _perm_rowloop_kernel[(triton.cdiv(n, rows),)](x2, index, out, n, d, x2.stride(0),
+    _perm_rowloop_kernel[(cdiv(n, rows),)](x2, index, out, n, d, x2.stride(0),
                                                   out.stride(0), ROWS=rows, BLOCK_D=block_d,
                                                   num_warps=warps)
 
@@ -110,9 +112,9 @@ def _rowloop_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor) ->
 def _tiled_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
                   scatter: bool) -> None:
     n, d = x2.shape
-    block_d = min(128, triton.next_power_of_2(d))
+    block_d = min(128, next_pow2(d))
     block_n = 32
-    grid = (triton.cdiv(n, block_n), triton.cdiv(d, block_d))
+    grid = (cdiv(n, block_n), cdiv(d, block_d))
     _perm_kernel[grid](x2, index, out, n, d, x2.stride(0), out.stride(0), SCATTER=scatter,
                        BLOCK_N=block_n, BLOCK_D=block_d)
 
@@ -142,14 +144,15 @@ def _launch(x: torch.Tensor, index: torch.Tensor, scatter: bool) -> torch.Tensor
     if index.shape != (d,):
         raise ValueError(f"xopt.kernels.poet_perm: index has shape {tuple(index.shape)}, "
                          f"expected ({d},) for an input of width {d}")
-    x2 = x.reshape(-1, d)
+    flat = x.dim() == 2  # (no reshape calls for the layer's 2-d activations)
+    x2 = x if flat else x.reshape(-1, d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     n = x2.shape[0]
     out = torch.empty((n, d), dtype=x.dtype, device=x.device)
     if n and d:
         _run("rowloop" if MODE == "auto" else MODE, x2, index, out, scatter)
-    return out.reshape(x.shape)
+    return out if flat else out.reshape(x.shape)
 
 
 def gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

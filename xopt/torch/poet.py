@@ -66,29 +66,40 @@ def _gather(x: Tensor, idx: Tensor, triton_path: bool) -> Tensor:
     return x.index_select(-1, idx)
 
 
+def _rows(x2d: Tensor, nb: int, b: int, transpose: bool = False) -> Tensor:
+    """``x2d`` ``(N, nb·b)`` seen as ``(nb, N, b)`` (``transpose``: ``(nb, b, N)``), block
+    ``j``'s columns of every row, with ``x2d``'s row stride: one ``as_strided`` instead of a
+    view and a transpose (each a host call of a few µs)."""
+    if x2d.stride(1) != 1:
+        x2d = x2d.contiguous()
+    n, s0 = x2d.shape[0], x2d.stride(0)
+    if transpose:
+        return x2d.as_strided((nb, b, n), (b, 1, s0))
+    return x2d.as_strided((nb, n, b), (b, s0, 1))
+
+
 def _rotate(x2d: Tensor, r: Tensor, transpose: bool = False) -> Tensor:
     """``x[:, block j] · r[j]`` (or ``· r[j]ᵀ``) for ``x`` of shape ``(N, nb·b)``.
 
     A strided batched matmul over the ``nb`` blocks: the ``(nb, N, b)`` views of input and
     output have row stride ``nb·b``, which cuBLAS takes as the leading dimension, so
-    nothing is transposed in memory."""
-    n = x2d.shape[0]
+    nothing is transposed in memory. Returns a contiguous ``(N, nb·b)`` tensor."""
+    n, width = x2d.shape
     nb, b, _ = r.shape
-    out = torch.empty_like(x2d)
     rr = r.transpose(1, 2) if transpose else r
-    xv = x2d.view(n, nb, b).transpose(0, 1)
-    if torch.is_grad_enabled() and (xv.requires_grad or rr.requires_grad):
+    if torch.is_grad_enabled() and (x2d.requires_grad or rr.requires_grad):
         # autograd (the plain fast path) cannot record out=; the result is the same
+        xv = x2d.view(n, nb, b).transpose(0, 1)
         return torch.bmm(xv, rr).transpose(0, 1).reshape(n, nb * b)
-    torch.bmm(xv, rr, out=out.view(n, nb, b).transpose(0, 1))
-    return out
+    out = torch.empty_strided((nb, n, b), (b, width, 1), dtype=x2d.dtype, device=x2d.device)
+    torch.bmm(_rows(x2d, nb, b), rr, out=out)
+    return out.as_strided((n, width), (width, 1))
 
 
 def _outer(a2d: Tensor, g2d: Tensor, nb: int, out: Tensor | None = None) -> Tensor:
     """``Σ_n a[n, block j]ᵀ g[n, block j]`` per block: ``(nb, b, b)`` (into ``out``)."""
-    n, width = a2d.shape
-    b = width // nb
-    av, gv = a2d.view(n, nb, b).permute(1, 2, 0), g2d.view(n, nb, b).transpose(0, 1)
+    b = a2d.shape[1] // nb
+    av, gv = _rows(a2d, nb, b, transpose=True), _rows(g2d, nb, b)
     if out is None:
         return torch.bmm(av, gv)
     return torch.bmm(av, gv, out=out)
@@ -125,7 +136,7 @@ class _Chain(torch.autograd.Function):
         r_out, r_in = r[:n_out], r[n_out:]
         x1 = _gather(x2d, perm_in_inv, triton_path)
         x2 = _rotate(x1, r_in)
-        y1 = torch.mm(x2, weight.t())
+        y1 = nn.functional.linear(x2, weight)  # x2 · W0ᵀ (mm; one host call)
         del x2
         if bias is not None:
             y1 += bias
@@ -152,7 +163,7 @@ class _Chain(torch.autograd.Function):
         else:  # mem: re-gather x1, recompute y1, holding at most two activations at once
             x1 = _gather(xs, perm_in_inv, triton_path)
             x2 = _rotate(x1, r_in)
-            y1 = torch.mm(x2, weight.t())
+            y1 = nn.functional.linear(x2, weight)  # x2 · W0ᵀ (mm; one host call)
             del x2
             if bias is not None:
                 y1 += bias
