@@ -37,14 +37,8 @@ VARIANTS = {
     "old": dict(CARRY_LANES=False, VAR_F32=False, P2_F32=False),
     "varonly": dict(P2_F32=False),
     "w2nolanes": dict(WARPS=2, CARRY_LANES=False),
-    "pf": dict(PREFETCH_STATS=True, PREFETCH_FUSED=True),
-    "pfnolanes": dict(PREFETCH_STATS=True, PREFETCH_FUSED=True, CARRY_LANES=False),
-    "pfw2": dict(PREFETCH_STATS=True, PREFETCH_FUSED=True, WARPS=2),
     "pfstats": dict(PREFETCH_STATS=True),
-    "pffused": dict(PREFETCH_FUSED=True),
-    "pffused_nolanes": dict(PREFETCH_FUSED=True, CARRY_LANES=False),
     "lanes": dict(CARRY_LANES=True),
-    "pflanes": dict(PREFETCH_STATS=True, PREFETCH_FUSED=True, CARRY_LANES=True),
     "w8": dict(WARPS=8),
     "w2": dict(WARPS=2),
     "sa8w8": dict(SA=8, WARPS=8),
@@ -62,9 +56,9 @@ VARIANTS = {
 ENV = {"SA": "XOPT_LOPT_SA_FMA", "SA_STATS": "XOPT_LOPT_SA_STATS", "WARPS": "XOPT_LOPT_WARPS",
        "STAGES": "XOPT_LOPT_STAGES", "VAR_F32": "XOPT_VELO_VAR_F32",
        "P2_F32": "XOPT_VELO_P2_F32", "CARRY_LANES": "XOPT_VELO_CARRY_LANES",
-       "PREFETCH_STATS": "XOPT_VELO_PREFETCH_STATS", "PREFETCH_FUSED": "XOPT_VELO_PREFETCH_FUSED"}
+       "PREFETCH_STATS": "XOPT_VELO_PREFETCH_STATS"}
 KNOBS = ("SA", "SA_STATS", "WARPS", "STAGES", "VAR_F32", "P2_F32", "CARRY_LANES",
-         "PREFETCH_STATS", "PREFETCH_FUSED")
+         "PREFETCH_STATS")
 
 
 def kernel_ms(graph, n: int = 2) -> dict[str, float]:

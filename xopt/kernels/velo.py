@@ -97,11 +97,10 @@ MOM_ACC = tl.float64 if os.environ.get("XOPT_VELO_MOM_ACC", "f32") == "f64" else
 #: 2.400 ms with the tree in an earlier call on another machine (not side by side), and
 #: the lanes take 4·SA·TB floats per program (ViT-B/16: 84 MiB; GPT-2 medium: 340 MiB)
 CARRY_LANES = os.environ.get("XOPT_VELO_CARRY_LANES", "0") == "1"
-#: the statistics / fused pass issue the next sub-tile's loads (g, p, m_k, rms) before
-#: computing the current one (XOPT_VELO_PREFETCH_STATS / _FUSED = 1); the same arithmetic
-#: (same bits on the CPU interpreter); not yet timed on a GPU
+#: the statistics pass issues the next sub-tile's loads (g, p, m_k, rms) before computing
+#: the current one (XOPT_VELO_PREFETCH_STATS=1), as the fused pass always does
+#: (:func:`velo_fused_kernel`); the same arithmetic (same bits on the CPU interpreter)
 PREFETCH_STATS = os.environ.get("XOPT_VELO_PREFETCH_STATS", "0") == "1"
-PREFETCH_FUSED = os.environ.get("XOPT_VELO_PREFETCH_FUSED", "0") == "1"
 NPTR = G.NPTR
 NFEAT = 30
 
@@ -477,14 +476,20 @@ def velo_stats_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh,
 @triton.jit
 def velo_fused_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
                       part, exp_mult, step_mult, MOM_OUT: tl.constexpr, MACC: tl.constexpr,
-                      LANES: tl.constexpr, PREFETCH: tl.constexpr, NHID: tl.constexpr,
+                      LANES: tl.constexpr, NHID: tl.constexpr,
                       NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr,
                       SA: tl.constexpr):
     """Launch 5 (fused mode of :func:`_velo_body`; MOM_OUT: the new accumulators' sums →
-    ``part``, :func:`_carry_store`)."""
+    ``part``, :func:`_carry_store`), the next sub-tile's loads issued before computing the
+    current one (``PREFETCH``). Measured side by side in one call (H100, 2026-11-22, torch
+    2.11.0+cu130, triton 3.6.0, ``python3 bench/velo_sweep.py --variants
+    defaults,pffused,pfstats,pf,lanes,pflanes,defaults_again``, ViT-B/16, ms per step from
+    torch.profiler): this kernel 2.401 ms loading each sub-tile where it is computed
+    (2.400 in ``defaults_again``), 2.283 ms with the loads ahead; the step's CUDA graph
+    4.438 (4.486) → 4.411 ms; the same bits."""
     _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
                exp_mult, step_mult, True, MOM_OUT, MACC, tl.float64, tl.float64, LANES,
-               PREFETCH, NHID, NPTR, NF, TA, TB, SA)
+               True, NHID, NPTR, NF, TA, TB, SA)
 
 
 @triton.jit
@@ -925,7 +930,7 @@ class VeLOTriton:
                                              mpart if TWO_PASS else part,
                                              float(hp.exp_mult), float(hp.step_mult),
                                              MOM_OUT=TWO_PASS, MACC=MOM_ACC, LANES=CARRY_LANES,
-                                             PREFETCH=PREFETCH_FUSED, SA=SA, **common)
+                                             SA=SA, **common)
         hidden.copy_(new_h)
         cell.copy_(new_c)
 
