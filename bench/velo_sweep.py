@@ -37,7 +37,6 @@ VARIANTS = {
     "old": dict(CARRY_LANES=False, VAR_F32=False, P2_F32=False),
     "varonly": dict(P2_F32=False),
     "w2nolanes": dict(WARPS=2, CARRY_LANES=False),
-    "pfstats": dict(PREFETCH_STATS=True),
     "lanes": dict(CARRY_LANES=True),
     "w8": dict(WARPS=8),
     "w2": dict(WARPS=2),
@@ -55,10 +54,8 @@ VARIANTS = {
 #: the environment variable of each knob (read when xopt.kernels.velo is imported)
 ENV = {"SA": "XOPT_LOPT_SA_FMA", "SA_STATS": "XOPT_LOPT_SA_STATS", "WARPS": "XOPT_LOPT_WARPS",
        "STAGES": "XOPT_LOPT_STAGES", "VAR_F32": "XOPT_VELO_VAR_F32",
-       "P2_F32": "XOPT_VELO_P2_F32", "CARRY_LANES": "XOPT_VELO_CARRY_LANES",
-       "PREFETCH_STATS": "XOPT_VELO_PREFETCH_STATS"}
-KNOBS = ("SA", "SA_STATS", "WARPS", "STAGES", "VAR_F32", "P2_F32", "CARRY_LANES",
-         "PREFETCH_STATS")
+       "P2_F32": "XOPT_VELO_P2_F32", "CARRY_LANES": "XOPT_VELO_CARRY_LANES"}
+KNOBS = ("SA", "SA_STATS", "WARPS", "STAGES", "VAR_F32", "P2_F32", "CARRY_LANES")
 
 
 def kernel_ms(graph, n: int = 2) -> dict[str, float]:

@@ -97,10 +97,6 @@ MOM_ACC = tl.float64 if os.environ.get("XOPT_VELO_MOM_ACC", "f32") == "f64" else
 #: 2.400 ms with the tree in an earlier call on another machine (not side by side), and
 #: the lanes take 4·SA·TB floats per program (ViT-B/16: 84 MiB; GPT-2 medium: 340 MiB)
 CARRY_LANES = os.environ.get("XOPT_VELO_CARRY_LANES", "0") == "1"
-#: the statistics pass issues the next sub-tile's loads (g, p, m_k, rms) before computing
-#: the current one (XOPT_VELO_PREFETCH_STATS=1), as the fused pass always does
-#: (:func:`velo_fused_kernel`); the same arithmetic (same bits on the CPU interpreter)
-PREFETCH_STATS = os.environ.get("XOPT_VELO_PREFETCH_STATS", "0") == "1"
 NPTR = G.NPTR
 NFEAT = 30
 
@@ -209,9 +205,8 @@ def _load_sub(gp, pp, mp, rp, off, mask):
 def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
                exp_mult, step_mult, FUSED: tl.constexpr, TWO_PASS: tl.constexpr,
                ACC: tl.constexpr, VACC: tl.constexpr, PACC: tl.constexpr, LANES: tl.constexpr,
-               PREFETCH: tl.constexpr, NHID: tl.constexpr,
-               NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr,
-               SA: tl.constexpr):
+               NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr,
+               TB: tl.constexpr, SA: tl.constexpr):
     """One tile [TA, TB] of one tensor, in sub-tiles of SA × TB elements.
 
     ``FUSED=False`` (statistics): Σ over the tile of the 30 features² → ``part[pid, 0:32]``
@@ -223,7 +218,12 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
     ``LANES``), and the tensor's
     4-wide MLP (weights ``w0`` [n, 32, 4], ``b0`` [n, 4], ``wh``
     [n, NHID, 4, 4], ``bh`` [n, NHID, 4], ``wl`` [n, 4, 16], ``bl`` [n, 16]), its first layer
-    one feature at a time (:func:`xopt.kernels.lopt_common.rank1`), and the update."""
+    one feature at a time (:func:`xopt.kernels.lopt_common.rank1`), and the update.
+
+    Loads: the fused pass issues the next sub-tile's (g, p, m_k, rms) before computing the
+    current one (:func:`velo_fused_kernel` gives the figures); the statistics pass loads each
+    sub-tile where it computes it (:func:`velo_stats_kernel`). The same arithmetic either
+    way."""
     HP: tl.constexpr = 4
     BLOCK: tl.constexpr = SA * TB
     pid = tl.program_id(0)
@@ -307,12 +307,12 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
     ib = tb * TB + tl.arange(0, TB)
     a0 = ta * TA
     n_sub = tl.minimum(TA, ia_n - a0)
-    if PREFETCH:  # the first sub-tile's loads (then each iteration issues the next one's)
+    if FUSED:  # the first sub-tile's loads (then each iteration issues the next one's)
         off_n, mask_n, ridx_n, cidx_n = C.load_tile(row, t, b, a0 + sa_i, ib, ptrs, NPTR,
                                                     BLOCK)
         g_n, p_n, om0_n, om1_n, om2_n, orms_n = _load_sub(gp, pp, mp, rp, off_n, mask_n)
     for s in range(0, n_sub, SA):
-        if PREFETCH:
+        if FUSED:
             off, mask, ridx, cidx = off_n, mask_n, ridx_n, cidx_n
             g, p, om0, om1, om2, orms = g_n, p_n, om0_n, om1_n, om2_n, orms_n
             # the next sub-tile's loads, in flight while this one is computed (none past
@@ -463,14 +463,17 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
 @triton.jit
 def velo_stats_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
                       part, exp_mult, step_mult, TWO_PASS: tl.constexpr, ACC: tl.constexpr,
-                      VACC: tl.constexpr, PACC: tl.constexpr, PREFETCH: tl.constexpr,
-                      NHID: tl.constexpr,
+                      VACC: tl.constexpr, PACC: tl.constexpr, NHID: tl.constexpr,
                       NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr,
                       TB: tl.constexpr, SA: tl.constexpr):
-    """Launch 3 (statistics mode of :func:`_velo_body`)."""
+    """Launch 3 (statistics mode of :func:`_velo_body`), each sub-tile loaded where it is
+    computed: issuing the next sub-tile's loads first, as the fused pass does, made this
+    kernel slower in the call that gives :func:`velo_fused_kernel`'s figures: 1.312 →
+    1.383 ms per ViT-B/16 step (1.382 with the fused pass's loads ahead too), the step's
+    CUDA graph 4.438 → 4.561 ms (4.442 with both); the same results."""
     _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
-               exp_mult, step_mult, False, TWO_PASS, ACC, VACC, PACC, False, PREFETCH, NHID,
-               NPTR, NF, TA, TB, SA)
+               exp_mult, step_mult, False, TWO_PASS, ACC, VACC, PACC, False, NHID, NPTR, NF,
+               TA, TB, SA)
 
 
 @triton.jit
@@ -481,15 +484,16 @@ def velo_fused_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh,
                       SA: tl.constexpr):
     """Launch 5 (fused mode of :func:`_velo_body`; MOM_OUT: the new accumulators' sums →
     ``part``, :func:`_carry_store`), the next sub-tile's loads issued before computing the
-    current one (``PREFETCH``). Measured side by side in one call (H100, 2026-11-22, torch
-    2.11.0+cu130, triton 3.6.0, ``python3 bench/velo_sweep.py --variants
+    current one. Measured side by side in one call (H100, 2026-11-22, torch 2.11.0+cu130,
+    triton 3.6.0, ``python3 bench/velo_sweep.py --variants
     defaults,pffused,pfstats,pf,lanes,pflanes,defaults_again``, ViT-B/16, ms per step from
     torch.profiler): this kernel 2.401 ms loading each sub-tile where it is computed
     (2.400 in ``defaults_again``), 2.283 ms with the loads ahead; the step's CUDA graph
-    4.438 (4.486) → 4.411 ms; the same bits."""
+    4.438 (4.486) → 4.411 ms; one step's parameters and m the same in every variant
+    (max|a−b| / max|b| = 0)."""
     _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
                exp_mult, step_mult, True, MOM_OUT, MACC, tl.float64, tl.float64, LANES,
-               True, NHID, NPTR, NF, TA, TB, SA)
+               NHID, NPTR, NF, TA, TB, SA)
 
 
 @triton.jit
@@ -885,7 +889,6 @@ class VeLOTriton:
                                              ACC=tl.float32 if STATS_F32 else tl.float64,
                                              VACC=tl.float32 if VAR_F32 else tl.float64,
                                              PACC=tl.float32 if P2_F32 else tl.float64,
-                                             PREFETCH=PREFETCH_STATS,
                                              SA=SA_STATS, **common)
         st64 = C.seg_sum(part, lay)
         st = st64[:, :40].float()
