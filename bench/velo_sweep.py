@@ -29,22 +29,13 @@ import lopt_step as B  # noqa: E402
 import xopt.torch as xt  # noqa: E402
 from xopt.kernels import velo as K  # noqa: E402
 
-#: name -> module constants of xopt.kernels.velo (a constant not named keeps its default)
+#: name -> module constants of xopt.kernels.velo (a constant not named keeps its default;
+#: the prefetch and carried-lanes variants went with their switches: their figures are in
+#: xopt/kernels/velo.py's velo_fused_kernel, velo_stats_kernel and _mom_store)
 VARIANTS = {
     "defaults": {},
-    "nolanes": dict(CARRY_LANES=False),
     "f64var": dict(VAR_F32=False, P2_F32=False),
-    "old": dict(CARRY_LANES=False, VAR_F32=False, P2_F32=False),
     "varonly": dict(P2_F32=False),
-    "w2nolanes": dict(WARPS=2, CARRY_LANES=False),
-    "pf": dict(PREFETCH_STATS=True, PREFETCH_FUSED=True),
-    "pfnolanes": dict(PREFETCH_STATS=True, PREFETCH_FUSED=True, CARRY_LANES=False),
-    "pfw2": dict(PREFETCH_STATS=True, PREFETCH_FUSED=True, WARPS=2),
-    "pfstats": dict(PREFETCH_STATS=True),
-    "pffused": dict(PREFETCH_FUSED=True),
-    "pffused_nolanes": dict(PREFETCH_FUSED=True, CARRY_LANES=False),
-    "lanes": dict(CARRY_LANES=True),
-    "pflanes": dict(PREFETCH_STATS=True, PREFETCH_FUSED=True, CARRY_LANES=True),
     "w8": dict(WARPS=8),
     "w2": dict(WARPS=2),
     "sa8w8": dict(SA=8, WARPS=8),
@@ -61,10 +52,8 @@ VARIANTS = {
 #: the environment variable of each knob (read when xopt.kernels.velo is imported)
 ENV = {"SA": "XOPT_LOPT_SA_FMA", "SA_STATS": "XOPT_LOPT_SA_STATS", "WARPS": "XOPT_LOPT_WARPS",
        "STAGES": "XOPT_LOPT_STAGES", "VAR_F32": "XOPT_VELO_VAR_F32",
-       "P2_F32": "XOPT_VELO_P2_F32", "CARRY_LANES": "XOPT_VELO_CARRY_LANES",
-       "PREFETCH_STATS": "XOPT_VELO_PREFETCH_STATS", "PREFETCH_FUSED": "XOPT_VELO_PREFETCH_FUSED"}
-KNOBS = ("SA", "SA_STATS", "WARPS", "STAGES", "VAR_F32", "P2_F32", "CARRY_LANES",
-         "PREFETCH_STATS", "PREFETCH_FUSED")
+       "P2_F32": "XOPT_VELO_P2_F32"}
+KNOBS = ("SA", "SA_STATS", "WARPS", "STAGES", "VAR_F32", "P2_F32")
 
 
 def kernel_ms(graph, n: int = 2) -> dict[str, float]:

@@ -8,20 +8,20 @@ All of a model's tensors in six launches plus a handful of batched torch ops:
    thread over at most TA / SA terms, then float64 per tile and per tensor), and
    Σ (m_k − mean m_k)², Σ (rms − mean m_k)² of the accumulators before the update (float32
    per element and per thread, as the features², then float64: :data:`VAR_F32`), for the
-   LSTM inputs' variances (two-pass), all in a fixed order. The means come from per-lane
+   LSTM inputs' variances (two-pass), all in a fixed order. The means come from per-program
    sums of m_k, rms that the last step's fused pass left (the sums of what it stored;
    :meth:`VeLOTriton._carried`), or, when those may not describe the state, from
-   :func:`velo_mom_sums_kernel` before the step (the same bits), reduced per program by a
-   fixed float64 tree (:func:`_mom_store`; with :data:`CARRY_LANES` the lanes are stored
-   and :func:`velo_lane_tree_kernel` runs the same tree afterwards);
+   :func:`velo_mom_sums_kernel` before the step (the same bits): per-lane sums, reduced at
+   the end of the pass that sums them by a fixed float64 tree (:func:`_mom_store`);
 4. torch, batched over tensors: the LSTM inputs (mean_rms, var_m, var_rms from the float64
    sums in float64, rounded once), one LSTM step for all tensors
    (:func:`xopt.specs.velo.lstm_step`, the plain path's function, in float64), the
    hypernetwork's per-tensor MLP weights ``100·mean_k(controls_k·bank_k)`` for every
    tensor in one float64 product, rounded to float32 and gathered into one padded table;
 5. :func:`velo_fused_kernel`: accumulators, features, normalization, the tensor's own MLP,
-   the step and the parameter update; and per-lane sums (float32, over the program's
-   sub-tiles) of the accumulators it stores, for the next step.
+   the step and the parameter update; and per-program sums of the accumulators it stores
+   (float32 per lane over the program's sub-tiles, then :func:`_mom_store`'s float64
+   tree), for the next step.
 
 On a CUDA device, 1-5 are recorded once into a CUDA graph and replayed
 (:class:`VeLOTriton`): the host then spends a few copies and one launch per step.
@@ -90,18 +90,6 @@ _CALL = operator.call
 #: measured on an earlier variant of the kernel: its fused pass 2.80 ms against 2.56 ms with
 #: float32 per ViT-B/16 step, H100, torch.profiler, two runs)
 MOM_ACC = tl.float64 if os.environ.get("XOPT_VELO_MOM_ACC", "f32") == "f64" else tl.float32
-#: the per-lane sums stored as they are ([n_prog, 4, SA·TB]; XOPT_VELO_CARRY_LANES=1) and
-#: reduced by velo_lane_tree_kernel, or reduced by the same tree at the end of the pass that
-#: sums them ([n_prog, 4] float64; the default): the same bits either way. With the lanes
-#: stored, one H100 call measured the fused pass at 2.655 ms per ViT-B/16 step, against
-#: 2.400 ms with the tree in an earlier call on another machine (not side by side), and
-#: the lanes take 4·SA·TB floats per program (ViT-B/16: 84 MiB; GPT-2 medium: 340 MiB)
-CARRY_LANES = os.environ.get("XOPT_VELO_CARRY_LANES", "0") == "1"
-#: the statistics / fused pass issue the next sub-tile's loads (g, p, m_k, rms) before
-#: computing the current one (XOPT_VELO_PREFETCH_STATS / _FUSED = 1); the same arithmetic
-#: (same bits on the CPU interpreter); not yet timed on a GPU
-PREFETCH_STATS = os.environ.get("XOPT_VELO_PREFETCH_STATS", "0") == "1"
-PREFETCH_FUSED = os.environ.get("XOPT_VELO_PREFETCH_FUSED", "0") == "1"
 NPTR = G.NPTR
 NFEAT = 30
 
@@ -154,46 +142,17 @@ def _pair_sum(x, N: tl.constexpr):
 @triton.jit
 def _mom_store(out, pid, a0, a1, a2, a3, BLOCK: tl.constexpr):
     """``out[pid, 0:4]`` (float64) = Σ over the lanes of :func:`_mom_acc`'s sums
-    (:func:`_pair_sum`): Σm_0, Σm_1, Σm_2, Σrms of the program's tile."""
+    (:func:`_pair_sum`): Σm_0, Σm_1, Σm_2, Σrms of the program's tile, the carried sums
+    (``out``: [n_prog, 4]).
+
+    Reduced here, at the end of the pass that sums them. Storing the lanes as they are
+    ([n_prog, 4, SA·TB]: 84 MiB on ViT-B/16) and reducing them by the same tree in a
+    separate kernel afterwards (the same bits; removed, code at b843ff2) was slower in the
+    call that gives :func:`velo_fused_kernel`'s figures: fused pass 2.401 → 2.658 ms per
+    ViT-B/16 step, plus 0.036 ms for that kernel, the step's CUDA graph 4.438 → 4.791 ms
+    (with both passes' loads ahead: fused pass 2.721 ms, graph 4.915 ms)."""
     x = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), [BLOCK, 4]).to(tl.float64)
     tl.store(out + pid.to(tl.int64) * 4 + tl.arange(0, 4), _pair_sum(x, BLOCK))
-
-
-@triton.jit
-def _lanes_store(out, pid, a0, a1, a2, a3, BLOCK: tl.constexpr):
-    """``out[pid, k, 0:BLOCK]`` = :func:`_mom_acc`'s per-lane sums ``a_k`` as they are
-    (``out``: [n_prog, 4, BLOCK] of their dtype): no reduction in the pass that sums them
-    (a tree there cost the fused pass ~0.3 ms per ViT-B/16 step); :func:`velo_lane_tree_kernel`
-    reduces them afterwards."""
-    base = out + pid.to(tl.int64) * (4 * BLOCK)
-    lane = tl.arange(0, BLOCK)
-    tl.store(base + lane, a0)
-    tl.store(base + BLOCK + lane, a1)
-    tl.store(base + 2 * BLOCK + lane, a2)
-    tl.store(base + 3 * BLOCK + lane, a3)
-
-
-@triton.jit
-def _carry_store(out, pid, a0, a1, a2, a3, BLOCK: tl.constexpr, LANES: tl.constexpr):
-    """The carried sums of a program's tile into ``out``: per lane ([n_prog, 4, BLOCK],
-    :func:`_lanes_store`) with ``LANES`` (:data:`CARRY_LANES`), else reduced here
-    ([n_prog, 4] float64, :func:`_mom_store`); the same bits once reduced."""
-    if LANES:
-        _lanes_store(out, pid, a0, a1, a2, a3, BLOCK)
-    else:
-        _mom_store(out, pid, a0, a1, a2, a3, BLOCK)
-
-
-@triton.jit
-def velo_lane_tree_kernel(lanes, out, BLOCK: tl.constexpr):
-    """``out[pid, 0:4]`` (float64) = Σ over the lanes of ``lanes[pid, k, :]``
-    (:func:`_lanes_store`), each by :func:`_mom_store`'s fixed tree: Σm_0, Σm_1, Σm_2, Σrms of
-    program ``pid``'s tile."""
-    pid = tl.program_id(0)
-    base = lanes + pid.to(tl.int64) * (4 * BLOCK)
-    lane = tl.arange(0, BLOCK)
-    _mom_store(out, pid, tl.load(base + lane), tl.load(base + BLOCK + lane),
-               tl.load(base + 2 * BLOCK + lane), tl.load(base + 3 * BLOCK + lane), BLOCK)
 
 
 @triton.jit
@@ -209,8 +168,7 @@ def _load_sub(gp, pp, mp, rp, off, mask):
 @triton.jit
 def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
                exp_mult, step_mult, FUSED: tl.constexpr, TWO_PASS: tl.constexpr,
-               ACC: tl.constexpr, VACC: tl.constexpr, PACC: tl.constexpr, LANES: tl.constexpr,
-               PREFETCH: tl.constexpr, NHID: tl.constexpr,
+               ACC: tl.constexpr, VACC: tl.constexpr, PACC: tl.constexpr, NHID: tl.constexpr,
                NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr,
                SA: tl.constexpr):
     """One tile [TA, TB] of one tensor, in sub-tiles of SA × TB elements.
@@ -220,11 +178,15 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
     and their squares (float64 throughout: the LSTM inputs' variances, taken one-pass)
     → ``part[pid, 32:40]`` = Σm_0, Σm_1, Σm_2, Σrms, Σm_0², Σm_1², Σm_2², Σrms².
     ``FUSED=True``: (with TWO_PASS) the sums over the tile of the new m_k, rms (the next
-    step's old sums) → ``part`` (:func:`_carry_store`: ``part[pid, 0:4]``, or per lane with
-    ``LANES``), and the tensor's
+    step's old sums) → ``part[pid, 0:4]`` (float64, :func:`_mom_store`), and the tensor's
     4-wide MLP (weights ``w0`` [n, 32, 4], ``b0`` [n, 4], ``wh``
     [n, NHID, 4, 4], ``bh`` [n, NHID, 4], ``wl`` [n, 4, 16], ``bl`` [n, 16]), its first layer
-    one feature at a time (:func:`xopt.kernels.lopt_common.rank1`), and the update."""
+    one feature at a time (:func:`xopt.kernels.lopt_common.rank1`), and the update.
+
+    Loads: the fused pass issues the next sub-tile's (g, p, m_k, rms) before computing the
+    current one (:func:`velo_fused_kernel` gives the figures); the statistics pass loads each
+    sub-tile where it computes it (:func:`velo_stats_kernel`). The same arithmetic either
+    way."""
     HP: tl.constexpr = 4
     BLOCK: tl.constexpr = SA * TB
     pid = tl.program_id(0)
@@ -308,12 +270,12 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
     ib = tb * TB + tl.arange(0, TB)
     a0 = ta * TA
     n_sub = tl.minimum(TA, ia_n - a0)
-    if PREFETCH:  # the first sub-tile's loads (then each iteration issues the next one's)
+    if FUSED:  # the first sub-tile's loads (then each iteration issues the next one's)
         off_n, mask_n, ridx_n, cidx_n = C.load_tile(row, t, b, a0 + sa_i, ib, ptrs, NPTR,
                                                     BLOCK)
         g_n, p_n, om0_n, om1_n, om2_n, orms_n = _load_sub(gp, pp, mp, rp, off_n, mask_n)
     for s in range(0, n_sub, SA):
-        if PREFETCH:
+        if FUSED:
             off, mask, ridx, cidx = off_n, mask_n, ridx_n, cidx_n
             g, p, om0, om1, om2, orms = g_n, p_n, om0_n, om1_n, om2_n, orms_n
             # the next sub-tile's loads, in flight while this one is computed (none past
@@ -458,44 +420,52 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
         tl.store(part + pid.to(tl.int64) * 64 + 32 + c8, tl.sum(y, axis=0))
         # (columns 40-63 are not written and not read)
     elif TWO_PASS:
-        _carry_store(part, pid, n0, n1, n2, n3, BLOCK, LANES)
+        _mom_store(part, pid, n0, n1, n2, n3, BLOCK)
 
 
 @triton.jit
 def velo_stats_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
                       part, exp_mult, step_mult, TWO_PASS: tl.constexpr, ACC: tl.constexpr,
-                      VACC: tl.constexpr, PACC: tl.constexpr, PREFETCH: tl.constexpr,
-                      NHID: tl.constexpr,
+                      VACC: tl.constexpr, PACC: tl.constexpr, NHID: tl.constexpr,
                       NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr,
                       TB: tl.constexpr, SA: tl.constexpr):
-    """Launch 3 (statistics mode of :func:`_velo_body`)."""
+    """Launch 3 (statistics mode of :func:`_velo_body`), each sub-tile loaded where it is
+    computed: issuing the next sub-tile's loads first, as the fused pass does, made this
+    kernel slower in the call that gives :func:`velo_fused_kernel`'s figures: 1.312 →
+    1.383 ms per ViT-B/16 step (1.382 with the fused pass's loads ahead too), the step's
+    CUDA graph 4.438 → 4.561 ms (4.442 with both); the same results."""
     _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
-               exp_mult, step_mult, False, TWO_PASS, ACC, VACC, PACC, False, PREFETCH, NHID,
-               NPTR, NF, TA, TB, SA)
+               exp_mult, step_mult, False, TWO_PASS, ACC, VACC, PACC, NHID, NPTR, NF, TA, TB,
+               SA)
 
 
 @triton.jit
 def velo_fused_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
                       part, exp_mult, step_mult, MOM_OUT: tl.constexpr, MACC: tl.constexpr,
-                      LANES: tl.constexpr, PREFETCH: tl.constexpr, NHID: tl.constexpr,
-                      NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr,
-                      SA: tl.constexpr):
+                      NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr,
+                      TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
     """Launch 5 (fused mode of :func:`_velo_body`; MOM_OUT: the new accumulators' sums →
-    ``part``, :func:`_carry_store`)."""
+    ``part``, :func:`_mom_store`), the next sub-tile's loads issued before computing the
+    current one. Measured side by side in one call (H100, 2026-11-22, torch 2.11.0+cu130,
+    triton 3.6.0, ``python3 bench/velo_sweep.py --variants
+    defaults,pffused,pfstats,pf,lanes,pflanes,defaults_again`` with the switches of b843ff2,
+    ViT-B/16, ms per step from torch.profiler): this kernel 2.401 ms loading each sub-tile
+    where it is computed (2.400 in ``defaults_again``), 2.283 ms with the loads ahead; the
+    step's CUDA graph 4.438 (4.486) → 4.411 ms; one step's parameters and m the same in
+    every variant (max|a−b| / max|b| = 0)."""
     _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
-               exp_mult, step_mult, True, MOM_OUT, MACC, tl.float64, tl.float64, LANES,
-               PREFETCH, NHID, NPTR, NF, TA, TB, SA)
+               exp_mult, step_mult, True, MOM_OUT, MACC, tl.float64, tl.float64, NHID, NPTR,
+               NF, TA, TB, SA)
 
 
 @triton.jit
-def velo_mom_sums_kernel(meta, prog, ptrs, part, MACC: tl.constexpr, LANES: tl.constexpr,
-                         NPTR: tl.constexpr,
-                         NF: tl.constexpr,
-                         TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
-    """Sums of m_0, m_1, m_2, rms of the accumulators as they are, per program → ``part``
-    (:func:`_carry_store`): the same tiles, sub-tiles (SA must be the fused pass's), lanes
-    and order as the fused pass's sums of what it stores (:func:`_mom_acc`), hence the same
-    bits. Run when the fused pass's sums from the last
+def velo_mom_sums_kernel(meta, prog, ptrs, part, MACC: tl.constexpr, NPTR: tl.constexpr,
+                         NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr,
+                         SA: tl.constexpr):
+    """Sums of m_0, m_1, m_2, rms of the accumulators as they are, per program →
+    ``part[pid, 0:4]`` (float64, :func:`_mom_store`): the same tiles, sub-tiles (SA must be
+    the fused pass's), lanes and order as the fused pass's sums of what it stores
+    (:func:`_mom_acc`), hence the same bits. Run when the fused pass's sums from the last
     step may not describe the state (:meth:`VeLOTriton.step`)."""
     BLOCK: tl.constexpr = SA * TB
     pid = tl.program_id(0)
@@ -521,7 +491,7 @@ def velo_mom_sums_kernel(meta, prog, ptrs, part, MACC: tl.constexpr, LANES: tl.c
         m2 = tl.load(mp + off * 3 + 2, mask=mask, other=0.0)
         rms = tl.load(rp + off, mask=mask, other=0.0)
         n0, n1, n2, n3 = _mom_acc(n0, n1, n2, n3, m0, m1, m2, rms, mask)
-    _carry_store(part, pid, n0, n1, n2, n3, BLOCK, LANES)
+    _mom_store(part, pid, n0, n1, n2, n3, BLOCK)
 
 
 check_supported = L.supported_velo
@@ -561,8 +531,8 @@ class VeLOTriton:
         self._lfeat: torch.Tensor | None = None  # float32 [9] (device)
         self._graph = G.StepGraph("VeLO")
         self.loss_in_graph: bool | None = None  # None: graphs_loss decides
-        # the fused pass's per-program, per-lane sums of the accumulators it wrote ([n_prog,
-        # 4, SA·TB]), the next step's sums of the old ones, and what they describe (see
+        # the fused pass's per-program sums of the accumulators it wrote ([n_prog, 4]
+        # float64), the next step's sums of the old ones, and what they describe (see
         # _carried)
         self._mpart: torch.Tensor | None = None
         self._carry: tuple | None = None
@@ -635,9 +605,8 @@ class VeLOTriton:
 
     def _carried(self, lay: L.Layout, states: Sequence[Mapping[str, torch.Tensor]],
                  dev: torch.device, io=None) -> tuple:
-        """Makes ``self._mpart`` hold the per-program, per-lane sums of m_k, rms of the
-        accumulators as they are now (before this step) and returns what the step leaves
-        them describing.
+        """Makes ``self._mpart`` hold the per-program sums of m_k, rms of the accumulators as
+        they are now (before this step) and returns what the step leaves them describing.
 
         The fused pass writes the sums of the accumulators it stores (the next step's old
         ones) into ``_mpart``; they are used as they are (no pass over m and rms) when
@@ -671,7 +640,7 @@ class VeLOTriton:
         self._carry = None
         mp = self._mpart
         if mp is None or mp.shape[0] != max(lay.n_prog_all, 1) or mp.device != dev:
-            mp = self._mpart = self._lanes(lay, dev)
+            mp = self._mpart = self._sums_buffer(lay, dev)
             c = None
         if (c is not None and c[0] is lay and c[2] == key
                 and ((build is not None and c[3] == build) or (len(c[1]) == len(ts) and all(
@@ -682,26 +651,22 @@ class VeLOTriton:
         return (lay, [weakref.ref(x) for x in ts], key, build)
 
     @staticmethod
-    def _lanes(lay: L.Layout, dev: torch.device) -> torch.Tensor:
-        """A zeroed buffer for the carried sums: per lane, [n_prog, 4, SA·TB] of
-        :data:`MOM_ACC` (:data:`CARRY_LANES`), or per program, [n_prog, 4] float64."""
-        if not CARRY_LANES:
-            return torch.zeros((max(lay.n_prog_all, 1), 4), dtype=torch.float64, device=dev)
-        dt = torch.float64 if MOM_ACC == tl.float64 else torch.float32
-        return torch.zeros((max(lay.n_prog_all, 1), 4, SA * L.TB), dtype=dt, device=dev)
+    def _sums_buffer(lay: L.Layout, dev: torch.device) -> torch.Tensor:
+        """A zeroed buffer for the carried sums: per program, [n_prog, 4] float64."""
+        return torch.zeros((max(lay.n_prog_all, 1), 4), dtype=torch.float64, device=dev)
 
     def mom_partials(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Sums of m_0, m_1, m_2, rms per program (:meth:`_lanes`' layout) of the
+        """Sums of m_0, m_1, m_2, rms per program (:meth:`_sums_buffer`' layout) of the
         accumulators that the current tables point at, summed anew
         (:func:`velo_mom_sums_kernel`) into ``out`` (or a new buffer)."""
         lay = self._layout
         if out is None:
-            out = self._lanes(lay, lay.meta.device)
+            out = self._sums_buffer(lay, lay.meta.device)
         if lay.n_prog_all:
             velo_mom_sums_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, self._tab.ptrs, out,
-                                                    MOM_ACC, CARRY_LANES, NPTR=NPTR,
-                                                    NF=L.NFIELDS, TA=L.TA,
-                                                    TB=L.TB, SA=SA, num_warps=WARPS)
+                                                    MOM_ACC, NPTR=NPTR, NF=L.NFIELDS,
+                                                    TA=L.TA, TB=L.TB, SA=SA,
+                                                    num_warps=WARPS)
         return out
 
     def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -857,13 +822,7 @@ class VeLOTriton:
         n = lay.numel[:, None]
         mpart = self._mpart
         if TWO_PASS:  # the means of the old m_k, rms: float64, then rounded once
-            msum = mpart
-            if CARRY_LANES:
-                msum = torch.empty((max(lay.n_prog_all, 1), 4), dtype=torch.float64,
-                                   device=dev)
-                if lay.n_prog_all:
-                    velo_lane_tree_kernel[(lay.n_prog_all,)](mpart, msum, BLOCK=SA * L.TB)
-            mu64 = C.seg_sum(msum, lay) / lay.numel.double()[:, None]
+            mu64 = C.seg_sum(mpart, lay) / lay.numel.double()[:, None]
             mu = mu64.float().contiguous()
         else:
             mu = None
@@ -880,7 +839,6 @@ class VeLOTriton:
                                              ACC=tl.float32 if STATS_F32 else tl.float64,
                                              VACC=tl.float32 if VAR_F32 else tl.float64,
                                              PACC=tl.float32 if P2_F32 else tl.float64,
-                                             PREFETCH=PREFETCH_STATS,
                                              SA=SA_STATS, **common)
         st64 = C.seg_sum(part, lay)
         st = st64[:, :40].float()
@@ -924,8 +882,7 @@ class VeLOTriton:
                                              norm, scal, tab, tab, tab, tab, tab, tab,
                                              mpart if TWO_PASS else part,
                                              float(hp.exp_mult), float(hp.step_mult),
-                                             MOM_OUT=TWO_PASS, MACC=MOM_ACC, LANES=CARRY_LANES,
-                                             PREFETCH=PREFETCH_FUSED, SA=SA, **common)
+                                             MOM_OUT=TWO_PASS, MACC=MOM_ACC, SA=SA, **common)
         hidden.copy_(new_h)
         cell.copy_(new_c)
 
