@@ -450,14 +450,17 @@ def test_cayley_kernels_in_low_precision(dtype, backend):
 
 
 @needs_triton
-@pytest.mark.parametrize("mode", ["auto", "rowloop", "tiled", "torch"])
+@pytest.mark.parametrize("mode", ["auto", "rowloop", "smem", "tiled", "torch"])
 @pytest.mark.parametrize("width", [48, 40, 256])
 def test_permutation_kernels_match_their_references(mode, width, monkeypatch):
     from xopt.kernels import poet_perm as PP
 
     monkeypatch.setattr(PP, "MODE", mode)
     dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if DEV == "cuda" else [])
-    for dtype in dtypes:
+    # smem: also 4 rows per program (111 rows: the last program has 3)
+    for dtype, rows in [(d, None) for d in dtypes] + ([(torch.float32, 4)]
+                                                       if mode == "smem" else []):
+        monkeypatch.setitem(PP.SMEM, "rows", rows)
         x = torch.randn(3, 37, width, device=DEV).to(dtype)
         for p in (torch.randperm(width, device=DEV).to(torch.int32),
                   torch.arange(width, device=DEV).flip(0)):  # int64 too
@@ -470,6 +473,16 @@ def test_permutation_kernels_match_their_references(mode, width, monkeypatch):
             g = torch.randn_like(x)
             PP.permute(xx, p).backward(g)
             assert torch.equal(xx.grad, PP.scatter_reference(g, p))
+
+
+@needs_triton
+def test_auto_permutation_mode_keeps_rows_in_shared_memory_up_to_the_limit():
+    from xopt.kernels import poet_perm as PP
+
+    lim = PP.SMEM_MAX_BYTES
+    assert PP._auto_mode(lim // 2, 2) == "smem" and PP._auto_mode(lim // 2 + 1, 2) == "rowloop"
+    assert PP._auto_mode(lim // 4, 4) == "smem" and PP._auto_mode(lim // 4 + 1, 4) == "rowloop"
+    assert PP._auto_mode(14336, 2) == "smem"  # LLaMA-8B's MLP width in bf16: 32 KiB blocks
 
 
 @needs_triton

@@ -7,24 +7,30 @@ gather's adjoint and inverse). The paper replaces permutation matrices by such i
 of a layer's four permutations in the training loop: the other two live in ``W0``, re-laid
 at each merge (:func:`xopt.specs.poet.merged_weight`).
 
-Kernels (``MODE``, a module attribute: ``"auto"``, ``"rowloop"``, ``"tiled"`` or
-``"torch"`` for ``index_select``):
+Kernels (``MODE``, a module attribute: ``"auto"``, ``"smem"``, ``"rowloop"``, ``"tiled"``
+or ``"torch"`` for ``index_select``):
 
+* ``"smem"``: each program reads whole rows coalesced, permutes them in shared memory
+  (``tl.gather`` of a 1-d block, which Triton stages through shared memory; a 2-d
+  ``[rows, width]`` block is lowered to warp shuffles instead, tens of thousands of them)
+  and writes them coalesced: a copy's cost. H100, bf16, 4096 rows (GPU time of graph
+  replays, ``bench/poet_probe/gather_smem.py``, bench/RESULTS.md, sixth session): 4096
+  wide 24.7-25.1 µs (copy 24.3, rowloop 30.8), 14336 wide 81.4-81.7 µs with 16-32 warps
+  (copy 79.5, rowloop 120.2). Rows up to :data:`SMEM_MAX_BYTES` (one row's block in shared
+  memory).
 * ``"rowloop"``: each program owns a few whole rows and walks along them in column
   chunks; the permuted reads (``.ca``, cached in L1) fetch each 32-byte sector of a row
   from L2 once and serve the other elements of that sector from L1; the writes are
-  coalesced. Scatters gather by the inverse permutation.
+  coalesced. Scatters gather by the inverse permutation (both modes).
 * ``"tiled"``: ``BLOCK_N × BLOCK_D`` tiles spread over the GPU; each 2-byte permuted
   element costs a 32-byte sector from L2, since the other elements of the sector are
   read by other programs (measured 163 µs on a 32 MB bf16 activation on an H100 against
   ~25 µs for a copy).
-* ``"auto"`` (default): ``"rowloop"``. (It used to time the three at first use and keep
-  the fastest; back-to-back calls time the host's launches, not the GPU, and it picked
-  ``index_select``, 55 µs against rowloop's 36 µs of GPU time per 32 MB bf16 gather on
-  an H100: bench/RESULTS.md, 2026-11-22, third round.)
-
-(``tl.gather`` on a whole row, which would permute in shared memory, is not used: Triton
-lowers it to warp shuffles, 80 s to compile a 4096-wide row and quadratic in width.)
+* ``"auto"`` (default): ``"smem"`` for rows up to :data:`SMEM_MAX_BYTES`, else
+  ``"rowloop"``. (It used to time the modes at first use and keep the fastest;
+  back-to-back calls time the host's launches, not the GPU, and it picked
+  ``index_select``, 55 µs against rowloop's 36 µs of GPU time per 32 MB bf16 gather on an
+  H100: bench/RESULTS.md, 2026-11-22, third round.)
 
 References: :func:`gather_reference` and :func:`scatter_reference` (``index_select`` and
 ``index_copy``); :class:`Permute` is the differentiable gather (its backward scatters).
@@ -89,6 +95,42 @@ def _perm_rowloop_kernel(x_ptr, idx_ptr, out_ptr, N, D, s_x, s_o, ROWS: tl.const
         tl.store(out_ptr + r64[:, None] * s_o + cols[None, :], v, mask=mask)
 
 
+@triton.jit
+def _perm_smem_kernel(x_ptr, idx_ptr, out_ptr, N, D, s_x, s_o, ROWS: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+    # out[r, k] = x[r, idx[k]] for ROWS whole rows, one after the other: each row read and
+    # written coalesced, permuted in shared memory (tl.gather of a 1-d block; Triton
+    # stages it through shared memory, BLOCK_D elements); idx loaded once per program.
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    idx = tl.load(idx_ptr + cols, mask=cmask, other=0)
+    for i in range(ROWS):
+        row = tl.program_id(0) * ROWS + i
+        r64 = row.to(tl.int64)
+        mask = cols < tl.where(row < N, D, 0)  # (a row past N: nothing)
+        v = tl.load(x_ptr + r64 * s_x + cols, mask=mask, other=0.0)
+        tl.store(out_ptr + r64 * s_o + cols, tl.gather(v, idx, 0), mask=mask)
+
+
+#: smem launch parameters (``None``: the defaults in :func:`_smem_launch`)
+SMEM: dict = {"rows": None, "warps": None}
+#: the widest row (its power-of-2 block, in bytes) that ``"auto"`` permutes in shared
+#: memory: 64 KiB (e.g. 32768 bf16 or 16384 float32 columns), a third of an H100 SM's
+SMEM_MAX_BYTES = 64 * 1024
+
+
+def _smem_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    n, d = x2.shape
+    block_d = max(16, next_pow2(d))
+    # one row per program; 4 warps up to 4096 columns, then one warp per 1024 columns up
+    # to 16 (sweep of 1-4 rows and 4-32 warps, module docstring: more rows per program
+    # were not faster; 16384-column blocks: 8 warps 87.9 µs, 16 81.7, 32 81.4)
+    rows = SMEM["rows"] or 1
+    warps = SMEM["warps"] or max(4, min(16, block_d // 1024))
+    _perm_smem_kernel[(cdiv(n, rows),)](x2, index, out, n, d, x2.stride(0), out.stride(0),
+                                        ROWS=rows, BLOCK_D=block_d, num_warps=warps)
+
+
 #: rowloop launch parameters: ``None`` = the defaults below; set for tuning
 ROWLOOP: dict = {"rows": None, "block_d": None, "warps": None}
 
@@ -135,8 +177,14 @@ def _run(mode: str, x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
             torch.index_select(x2, -1, idx, out=out)
     elif mode == "rowloop":
         _rowloop_launch(x2, _inverse(index) if scatter else index, out)
+    elif mode == "smem":
+        _smem_launch(x2, _inverse(index) if scatter else index, out)
     else:
         _tiled_launch(x2, index, out, scatter)
+
+
+def _auto_mode(d: int, element_size: int) -> str:
+    return "smem" if max(16, next_pow2(d)) * element_size <= SMEM_MAX_BYTES else "rowloop"
 
 
 def _launch(x: torch.Tensor, index: torch.Tensor, scatter: bool) -> torch.Tensor:
@@ -151,7 +199,8 @@ def _launch(x: torch.Tensor, index: torch.Tensor, scatter: bool) -> torch.Tensor
     n = x2.shape[0]
     out = torch.empty((n, d), dtype=x.dtype, device=x.device)
     if n and d:
-        _run("rowloop" if MODE == "auto" else MODE, x2, index, out, scatter)
+        _run(_auto_mode(d, x2.element_size()) if MODE == "auto" else MODE, x2, index, out,
+             scatter)
     return out if flat else out.reshape(x.shape)
 
 
