@@ -12,7 +12,8 @@ or ``"torch"`` for ``index_select``):
 
 * ``"smem"``: each program reads whole rows coalesced, permutes them in shared memory
   (``tl.gather`` of a 1-d block, which Triton stages through shared memory; a 2-d
-  ``[rows, width]`` block is lowered to warp shuffles instead, tens of thousands of them)
+  ``[rows, width]`` block is lowered to warp shuffles instead: 16384 of them in the PTX
+  for a ``[1, 4096]`` block, compiled for sm_90)
   and writes them coalesced: a copy's cost. H100, bf16, 4096 rows (GPU time of graph
   replays, ``bench/poet_probe/gather_smem.py``, bench/RESULTS.md, sixth session): 4096
   wide 24.7-25.1 µs (copy 24.3, rowloop 30.8), 14336 wide 81.4-81.7 µs with 16-32 warps
