@@ -116,7 +116,8 @@ def _perm_smem_kernel(x_ptr, idx_ptr, out_ptr, N, D, s_x, s_o, ROWS: tl.constexp
 #: smem launch parameters (``None``: the defaults in :func:`_smem_launch`)
 SMEM: dict = {"rows": None, "warps": None}
 #: the widest row (its power-of-2 block, in bytes) that ``"auto"`` permutes in shared
-#: memory: 64 KiB (e.g. 32768 bf16 or 16384 float32 columns), a third of an H100 SM's
+#: memory: 64 KiB (e.g. 32768 bf16 or 16384 float32 columns), under a third of an H100
+#: SM's 228 KiB
 SMEM_MAX_BYTES = 64 * 1024
 
 
@@ -148,8 +149,8 @@ def _rowloop_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor) ->
     block_d = ROWLOOP["block_d"] or max(16, min(next_pow2(d), 8192))
     warps = ROWLOOP["warps"] or (4 if block_d <= 4096 else 8)
     _perm_rowloop_kernel[(cdiv(n, rows),)](x2, index, out, n, d, x2.stride(0),
-                                                  out.stride(0), ROWS=rows, BLOCK_D=block_d,
-                                                  num_warps=warps)
+                                           out.stride(0), ROWS=rows, BLOCK_D=block_d,
+                                           num_warps=warps)
 
 
 def _tiled_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
