@@ -136,9 +136,16 @@ def graph_ms(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int):
 
 
 def authors_layer(n_in, n_out, b, mem, dtype, dev):
+    """The authors' layer, its ``torch.compile``'d core compiled afresh: without the reset,
+    a layer of another shape recompiles the shared ``forward_core`` with dynamic shapes
+    (dynamo's automatic dynamic shapes) and slower kernels (4096², b = 512, GPU time of a
+    fwd+bwd: 1.446 ms after the b = 256 layer against 0.926 ms compiled fresh; H100,
+    2026-11-22, bench/RESULTS.md, seventh round), or stops at its recompile limit."""
     if importlib.util.find_spec("poet_torch") is None:
         return None
     from poet_torch.layers.poet_linear import POETLinear as Orig  # pragma: no cover
+
+    torch._dynamo.reset()
 
     layer = Orig(n_in, n_out, block_size=b, mem_efficient_mode=mem, device=dev, dtype=dtype)
     nn.init.normal_(layer.weight)
