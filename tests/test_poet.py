@@ -456,7 +456,8 @@ def test_permutation_kernels_match_their_references(mode, width, monkeypatch):
     from xopt.kernels import poet_perm as PP
 
     monkeypatch.setattr(PP, "MODE", mode)
-    dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if DEV == "cuda" else [])
+    dtypes = [torch.float32, torch.float64] + ([torch.bfloat16, torch.float16]
+                                               if DEV == "cuda" else [])
     # smem: also 4 rows per program (111 rows: the last program has 3)
     for dtype, rows in [(d, None) for d in dtypes] + ([(torch.float32, 4)]
                                                        if mode == "smem" else []):
