@@ -487,6 +487,35 @@ def test_auto_permutation_mode_keeps_rows_in_shared_memory_up_to_the_limit():
 
 
 @needs_triton
+def test_smem_gather_falls_back_to_rowloop_when_the_device_refuses(monkeypatch):
+    """A device with too little shared memory for a row's block refuses the smem launch
+    (Triton raises OutOfResources when it loads the kernel): the rowloop kernel permutes
+    instead, and that block is not tried again."""
+    from triton.runtime.errors import OutOfResources
+
+    from xopt.kernels import poet_perm as PP
+
+    calls = []
+
+    class Refusing:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append(grid)
+                raise OutOfResources(2**20, 2**16, "shared memory")
+            return launch
+
+    monkeypatch.setattr(PP, "_perm_smem_kernel", Refusing())
+    monkeypatch.setattr(PP, "_SMEM_REFUSED", set())
+    monkeypatch.setattr(PP, "MODE", "smem")
+    x = torch.randn(5, 48, device=DEV)
+    p = torch.randperm(48, device=DEV).to(torch.int32)
+    for _ in range(2):
+        assert torch.equal(PP.gather(x, p), PP.gather_reference(x, p))
+        assert torch.equal(PP.scatter(x, p), PP.scatter_reference(x, p))
+    assert len(calls) == 1 and len(PP._SMEM_REFUSED) == 1
+
+
+@needs_triton
 def test_host_grid_helpers_are_tritons():
     import triton
 

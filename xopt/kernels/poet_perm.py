@@ -18,7 +18,7 @@ or ``"torch"`` for ``index_select``):
   replays, ``bench/poet_probe/gather_smem.py``, bench/RESULTS.md, sixth session): 4096
   wide 24.7-25.1 µs (copy 24.3, rowloop 30.8), 14336 wide 81.4-81.7 µs with 16-32 warps
   (copy 79.5, rowloop 120.2). Rows up to :data:`SMEM_MAX_BYTES` (one row's block in shared
-  memory).
+  memory); a launch the device refuses for lack of shared memory takes the rowloop kernel.
 * ``"rowloop"``: each program owns a few whole rows and walks along them in column
   chunks; the permuted reads (``.ca``, cached in L1) fetch each 32-byte sector of a row
   from L2 once and serve the other elements of that sector from L1; the writes are
@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from xopt.kernels._grid import cdiv, next_pow2
 
@@ -121,6 +122,11 @@ SMEM: dict = {"rows": None, "warps": None}
 SMEM_MAX_BYTES = 64 * 1024
 
 
+#: (block, dtype, warps, device) of smem launches the device refused for lack of shared
+#: memory: those take the rowloop kernel
+_SMEM_REFUSED: set = set()
+
+
 def _smem_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
     n, d = x2.shape
     block_d = max(16, next_pow2(d))
@@ -129,8 +135,16 @@ def _smem_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> No
     # were not faster; 16384-column blocks: 8 warps 87.9 µs, 16 81.7, 32 81.4)
     rows = SMEM["rows"] or 1
     warps = SMEM["warps"] or max(4, min(16, block_d // 1024))
-    _perm_smem_kernel[(cdiv(n, rows),)](x2, index, out, n, d, x2.stride(0), out.stride(0),
-                                        ROWS=rows, BLOCK_D=block_d, num_warps=warps)
+    key = (block_d, x2.dtype, warps, x2.device)
+    if key not in _SMEM_REFUSED:
+        try:
+            _perm_smem_kernel[(cdiv(n, rows),)](x2, index, out, n, d, x2.stride(0),
+                                                out.stride(0), ROWS=rows, BLOCK_D=block_d,
+                                                num_warps=warps)
+            return
+        except OutOfResources:  # a GPU with less shared memory per block than the row needs
+            _SMEM_REFUSED.add(key)
+    _rowloop_launch(x2, index, out)
 
 
 #: rowloop launch parameters: ``None`` = the defaults below; set for tuning
