@@ -269,9 +269,6 @@ def host(dev, dtype) -> dict:
     operations (launch only, small tensors, no sync), the host time of a whole fwd+bwd of
     each layer at a small token count (so the GPU waits on the host), and a cProfile of
     xopt fast's fwd+bwd, top functions by own time."""
-    import cProfile
-    import pstats
-
     from xopt.kernels import poet_cayley as K
     from xopt.kernels import poet_perm as PP
 
@@ -315,16 +312,26 @@ def host(dev, dtype) -> dict:
         print(f"host per fwd+bwd (256 tokens): {name:14s} {out[f'layer_{name}_host_us']:8.1f} us",
               flush=True)
     for var in ("fast", "mem"):
-        layer = layers[f"xopt {var}"]
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(50):
-            layer(x).backward(g)
-        prof.disable()
-        torch.cuda.synchronize()
-        print(f"--- cProfile: xopt {var}, 50 fwd+bwd (256 tokens), by own time ---")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(16)
+        cprofile_fwd_bwd(layers[f"xopt {var}"], x, g, 50,
+                         f"xopt {var}, 50 fwd+bwd (256 tokens), by own time", 16)
     return out
+
+
+def cprofile_fwd_bwd(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, n: int, title: str,
+                     top: int) -> None:
+    """Print a cProfile of ``n`` forward+backward calls of ``layer``, the ``top`` functions
+    by own time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        layer(x).backward(g)
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"--- cProfile: {title} ---")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
 def _gpu_ms(fn, iters=20) -> float:

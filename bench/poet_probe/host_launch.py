@@ -14,16 +14,20 @@ On one CUDA GPU, bf16, 4096², b = 256, 256 tokens (so the GPU waits on the host
    (twice).
 """
 
-import cProfile
-import pstats
+import sys
 import time
+from pathlib import Path
 
 import torch
 import triton
 from torch import nn
 
-from xopt.kernels import poet_perm as PP
-from xopt.torch.poet import POETLinear
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from poet_layer import cprofile_fwd_bwd  # noqa: E402
+
+from xopt.kernels import poet_perm as PP  # noqa: E402
+from xopt.torch.poet import POETLinear  # noqa: E402
 
 
 def per_call_us(fn, n=300):
@@ -143,14 +147,7 @@ def layer_host():
     print(f"host per fwd+bwd (256 tokens): nn.Linear {per_call_us(call, 100):8.1f} us")
     for _ in range(2):
         layer, x, g = pieces()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(100):
-        layer(x).backward(g)
-    prof.disable()
-    torch.cuda.synchronize()
-    print("--- cProfile: xopt fast, 100 fwd+bwd, own time ---")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    cprofile_fwd_bwd(layer, x, g, 100, "xopt fast, 100 fwd+bwd, own time", 25)
 
 
 
