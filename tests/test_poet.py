@@ -645,3 +645,43 @@ def test_triton_layer_is_cuda_graph_capturable(variant):
     torch.cuda.synchronize()
     for got, want in zip((y_static, x.grad, layer.oft_R.grad), eager, strict=True):
         assert torch.equal(got, want)
+
+
+@needs_triton
+@pytest.mark.skipif(DEV != "cuda", reason="the second stream is a CUDA stream (run on the device)")
+@pytest.mark.parametrize("variant", ["fast", "mem"])
+def test_triton_layer_side_stream_same_bits(variant, monkeypatch):
+    """The series and the rotations' gradients on a second stream (STREAMS 1 and 2) give
+    the one-stream results bit for bit, at a size where the two streams' kernels do overlap
+    and the caching allocator hands freed blocks out again between steps (a missing
+    stream order or a block reused under a running kernel changes bits)."""
+    from xopt.torch import poet
+
+    torch.manual_seed(7)
+    layer = poet.POETLinear(2048, 4096, 256, variant=variant, impl="triton", device=DEV,
+                            dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.oft_R.normal_(0, 0.02)
+    xs = [torch.randn(2048, 2048, device=DEV, dtype=torch.bfloat16) for _ in range(3)]
+    gs = [torch.randn(2048, 4096, device=DEV, dtype=torch.bfloat16) for _ in range(3)]
+
+    def run(streams):
+        monkeypatch.setattr(poet, "STREAMS", streams)
+        out = []
+        for x, g in zip(xs, gs, strict=True):
+            x = x.clone().requires_grad_()
+            layer.oft_R.grad = None
+            y = layer(x)
+            y.backward(g)
+            junk = torch.randn(2048, 4096, device=DEV, dtype=torch.bfloat16)  # reuse blocks
+            out.append((y.detach(), x.grad, layer.oft_R.grad))
+            del junk
+        torch.cuda.synchronize()
+        return out
+
+    want = run(0)
+    for streams in (1, 2):
+        got = run(streams)
+        for step_got, step_want in zip(got, want, strict=True):
+            for u, v in zip(step_got, step_want, strict=True):
+                assert torch.equal(u, v), f"STREAMS={streams}"
