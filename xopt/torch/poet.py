@@ -28,9 +28,7 @@ after each merge boundary, as the authors' optimizer does.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -107,59 +105,6 @@ def _outer(a2d: Tensor, g2d: Tensor, nb: int, out: Tensor | None = None) -> Tens
     return torch.bmm(av, gv, out=out)
 
 
-#: overlap the Cayley–Neumann series and the rotations' gradients with the gathers and
-#: rotations they do not depend on, on a second CUDA stream (the triton path): 0 off, 1 the
-#: forward's series beside the input's gather and the backward's R_in gradient and series
-#: beside the input gradient's rotation and gather, 2 also R_out's gradient beside the
-#: backward's first rotation and matmul (XOPT_POET_STREAMS; for benchmarks)
-STREAMS = int(os.environ.get("XOPT_POET_STREAMS", "1"))
-
-_SIDE: dict[torch.device, Any] = {}
-
-
-class _Fork:
-    """Work on a second stream of ``device`` (one per device, made once): each ``with``
-    body runs there, ordered after everything queued on the current stream before it;
-    :meth:`join` orders the current stream after all of it. ``fork.uses(*tensors)`` marks
-    tensors made on the current stream as used there, so that the caching allocator does
-    not hand their memory out again before that work is done."""
-
-    def __init__(self, device: torch.device):
-        self.main = torch.cuda.current_stream(device)
-        side = _SIDE.get(device)
-        if side is None:
-            side = _SIDE[device] = torch.cuda.Stream(device)
-        self.side = side
-        self._ctx = None
-
-    def uses(self, *tensors: Tensor | None) -> _Fork:
-        for t in tensors:
-            if t is not None:
-                t.record_stream(self.side)
-        return self
-
-    def __enter__(self):
-        self.side.wait_stream(self.main)
-        self._ctx = torch.cuda.stream(self.side)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
-        self._ctx = None
-
-    def join(self, *made: Tensor | None) -> None:
-        """Order the current stream after the side's work; ``made``: tensors made on the
-        side stream that the current stream goes on to use."""
-        self.main.wait_stream(self.side)
-        for t in made:
-            if t is not None:
-                t.record_stream(self.main)
-
-
-_NO_FORK = contextlib.nullcontext()
-
-
 class _Chain(torch.autograd.Function):
     """``y = (blockrot(x[π_in⁻¹], R_in) W0ᵀ + bias → blockrot(·, R_out))[π_out]`` with an
     explicit backward; ``keep_y1`` selects fast (keep the gathered input ``x1`` and ``y1``)
@@ -177,24 +122,19 @@ class _Chain(torch.autograd.Function):
         shape = x.shape
         x2d = x.reshape(-1, shape[-1])
         cnp_saved = ()
-        fork = _Fork(x.device) if STREAMS and cnp is not None and x.is_cuda else None
-        ctx.fork = fork is not None
         if cnp is not None:
             from xopt.kernels import poet_cayley
 
             b, formula, tf32, cd, backend = cnp
             oft_dtype = r.dtype
-            with fork or _NO_FORK:  # the series beside the input's gather (independent)
-                r, cnp_saved = poet_cayley.blocks_forward(r, b, formula, tf32, backend, cd)
-                if r.dtype != x.dtype:
-                    r = r.to(x.dtype)
+            r, cnp_saved = poet_cayley.blocks_forward(r, b, formula, tf32, backend, cd)
+            if r.dtype != x.dtype:
+                r = r.to(x.dtype)
             ctx.cnp = (b, formula, tf32, backend, oft_dtype)
         else:
             ctx.cnp = None
-        x1 = _gather(x2d, perm_in_inv, triton_path)
-        if fork is not None:
-            fork.join(r)
         r_out, r_in = r[:n_out], r[n_out:]
+        x1 = _gather(x2d, perm_in_inv, triton_path)
         x2 = _rotate(x1, r_in)
         y1 = nn.functional.linear(x2, weight)  # x2 · W0ᵀ (mm; one host call)
         del x2
@@ -229,35 +169,28 @@ class _Chain(torch.autograd.Function):
                 y1 += bias
         g2 = _gather(g2d, perm_out_inv, triton_path)
         grad_r = torch.empty_like(r) if ctx.needs_input_grad[1] else None
-        fork = _Fork(g.device) if ctx.fork and grad_r is not None else None
         if grad_r is not None:
-            with fork.uses(y1, g2, grad_r) if fork and STREAMS > 1 else _NO_FORK:
-                _outer(y1, g2, n_out, out=grad_r[:n_out])
+            _outer(y1, g2, n_out, out=grad_r[:n_out])
         del y1
         gy1 = _rotate(g2, r_out, transpose=True)
         del g2
         grad_bias = gy1.sum(0) if bias is not None and ctx.needs_input_grad[4] else None
         gx2 = torch.mm(gy1, weight)
         del gy1
-        # with a fork, R_in's gradient and the series' backward run beside the input
-        # gradient's rotation and gather (independent of them)
-        with fork.uses(x1, gx2, grad_r) if fork else _NO_FORK:
-            if grad_r is not None:
-                _outer(x1, gx2, r.shape[0] - n_out, out=grad_r[n_out:])
-            if grad_r is not None and ctx.cnp is not None:
-                from xopt.kernels import poet_cayley
-
-                b, formula, tf32, backend, oft_dtype = ctx.cnp
-                grad_r = poet_cayley.blocks_backward(tuple(cnp_saved), grad_r, b, formula,
-                                                     tf32, backend, oft_dtype)
+        if grad_r is not None:
+            _outer(x1, gx2, r.shape[0] - n_out, out=grad_r[n_out:])
         del x1
         gx = None
         if ctx.needs_input_grad[0]:
             gx1 = _rotate(gx2, r_in, transpose=True)
             del gx2
             gx = _gather(gx1, perm_in, triton_path).reshape(shape)
-        if fork is not None:
-            fork.join(grad_r)
+        if grad_r is not None and ctx.cnp is not None:
+            from xopt.kernels import poet_cayley
+
+            b, formula, tf32, backend, oft_dtype = ctx.cnp
+            grad_r = poet_cayley.blocks_backward(tuple(cnp_saved), grad_r, b, formula, tf32,
+                                                 backend, oft_dtype)
         return (gx, grad_r, None, None, grad_bias, None, None, None, None, None, None, None)
 
 
