@@ -108,6 +108,10 @@ GRAPH_LOSS = os.environ.get("XOPT_VELO_GRAPH_LOSS", "1") != "0"
 #: fold the 12 row and column features of factored tensors (XOPT_VELO_FOLD=0: the
 #: unfolded kernels for every tensor, for comparison): see the module docstring
 FOLD = os.environ.get("XOPT_VELO_FOLD", "1") != "0"
+#: the fused pass's first-layer rows times the tensor's normalizers, once per tensor
+#: (``W0[k, :] · inv_k``, torch before the launch; the kernel's h_j += f_k · that) instead
+#: of f_k · inv_k per element (XOPT_VELO_NORM_W=0)
+NORM_W = os.environ.get("XOPT_VELO_NORM_W", "1") != "0"
 _VERSION = operator.attrgetter("_version")
 _DPTR = torch.Tensor.data_ptr
 _CALL = operator.call
@@ -192,46 +196,55 @@ def _load_sub(gp, pp, mp, rp, off, mask):
 
 
 @triton.jit
-def _rank1_n(h0, h1, h2, h3, f, k, inv, w0):
-    """:func:`xopt.kernels.lopt_common.rank1` with the normalizer folded into the weights
-    and ``k`` a run-time index: ``h_j += f · (inv[k] · w0[k, j])`` for j < 4 (the products
-    of scalars once per call, then 4 float32 FMAs per entry of ``f``)."""
-    n = tl.load(inv + k)
+def _rank1(h0, h1, h2, h3, f, k, inv, w0, WN: tl.constexpr):
+    """The first layer of the 4-wide MLP, one feature (no feature tile): ``h_j += x · w0[k,
+    j]`` for j < 4, float32 FMAs, ``f`` [...] feature k before normalization, ``w0`` [32, 4]
+    row-major. ``WN``: ``w0``'s rows already times the tensor's normalizers (the fused
+    launch's table, :meth:`VeLOTriton._body`), ``x = f``; else ``x = f · inv[k]``
+    (:func:`xopt.kernels.lopt_common.rank1`). ``k`` may be a run-time index."""
+    if WN:
+        x = f
+    else:
+        x = f * tl.load(inv + k)
     w = w0 + k * 4
-    return (h0 + f * (n * tl.load(w)), h1 + f * (n * tl.load(w + 1)),
-            h2 + f * (n * tl.load(w + 2)), h3 + f * (n * tl.load(w + 3)))
+    return (h0 + x * tl.load(w), h1 + x * tl.load(w + 1), h2 + x * tl.load(w + 2),
+            h3 + x * tl.load(w + 3))
 
 
 @triton.jit
-def _axis_terms(v0, v1, v2, s0, s1, s2, fv, inv, w0):
+def _axis_terms(v0, v1, v2, s0, s1, s2, fv, inv, w0, WN: tl.constexpr):
     """The first-layer terms of one axis's 6 features per position of that axis (folded
     path): ``h_j = Σ_k v_k · (inv[fv+k] · W0[fv+k, j]) + Σ_k s_k · (inv[fv+6+k] ·
     W0[fv+6+k, j])``, j < 4, float32 FMAs in that order. ``v_k``, ``s_k``
     [positions]: the axis's statistic ``v_row``/``v_col`` of decay k and ``rsqrt(v_k +
     1e-8)`` (:func:`xopt.kernels.lopt_common.axis_stats`); ``fv``: 15 for ``v_row``
     (features 15-17 and 21-23), 18 for ``v_col`` (18-20, 24-26); ``inv``: the tensor's
-    normalizers, ``w0`` its first layer [32, 4]."""
+    normalizers, ``w0`` its first layer [32, 4] (``WN``: as :func:`_rank1`)."""
     z = tl.zeros_like(v0)
-    h0, h1, h2, h3 = _rank1_n(z, z, z, z, v0, fv, inv, w0)
-    h0, h1, h2, h3 = _rank1_n(h0, h1, h2, h3, v1, fv + 1, inv, w0)
-    h0, h1, h2, h3 = _rank1_n(h0, h1, h2, h3, v2, fv + 2, inv, w0)
-    h0, h1, h2, h3 = _rank1_n(h0, h1, h2, h3, s0, fv + 6, inv, w0)
-    h0, h1, h2, h3 = _rank1_n(h0, h1, h2, h3, s1, fv + 7, inv, w0)
-    return _rank1_n(h0, h1, h2, h3, s2, fv + 8, inv, w0)
+    h0, h1, h2, h3 = _rank1(z, z, z, z, v0, fv, inv, w0, WN)
+    h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, v1, fv + 1, inv, w0, WN)
+    h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, v2, fv + 2, inv, w0, WN)
+    h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, s0, fv + 6, inv, w0, WN)
+    h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, s1, fv + 7, inv, w0, WN)
+    return _rank1(h0, h1, h2, h3, s2, fv + 8, inv, w0, WN)
 
 
 @triton.jit
-def _axis_sq(cols, fv, q0, q1, q2, q3, q4, q5, n):
-    """[32] float64, 0 but at the 6 features of one axis (``fv`` as :func:`_axis_terms`):
-    the tile's Σ over its elements of an axis feature², from ``q_i`` [positions] (per
-    position f², 0 where masked; v_k² for i = k, rsqrt(v_k + 1e-8)² for i = 3 + k) as Σ
-    over the positions times ``n``, the tile's extent on the other axis (float64)."""
-    return (tl.where(cols == fv, tl.sum(q0.to(tl.float64)) * n, 0.0)
-            + tl.where(cols == fv + 1, tl.sum(q1.to(tl.float64)) * n, 0.0)
-            + tl.where(cols == fv + 2, tl.sum(q2.to(tl.float64)) * n, 0.0)
-            + tl.where(cols == fv + 6, tl.sum(q3.to(tl.float64)) * n, 0.0)
-            + tl.where(cols == fv + 7, tl.sum(q4.to(tl.float64)) * n, 0.0)
-            + tl.where(cols == fv + 8, tl.sum(q5.to(tl.float64)) * n, 0.0))
+def _axis_sq(cols, fv, vp, idx, msk, is_row, rc0, rc1, rc2, n, ACC: tl.constexpr):
+    """The statistics pass's folded features of one axis over a tile: [32] float64, 0 but
+    at the axis's 6 features (``fv`` as :func:`_axis_terms`), there the tile's Σ over its
+    elements of the feature², as Σ over the tile's positions ``idx`` on that axis (``msk``:
+    those inside the tensor) of f² (f in float32, f² in ``ACC``) times ``n``, the tile's
+    extent on the other axis (float64). The statistics are loaded here
+    (:func:`xopt.kernels.lopt_common.axis_stats`)."""
+    v0, v1, v2, s0, s1, s2, _, _, _ = C.axis_stats(vp, idx, msk, is_row, rc0, rc1, rc2)
+    z = tl.zeros(idx.shape, ACC)
+    return (tl.where(cols == fv, tl.sum(C.msq(z, v0, msk).to(tl.float64)) * n, 0.0)
+            + tl.where(cols == fv + 1, tl.sum(C.msq(z, v1, msk).to(tl.float64)) * n, 0.0)
+            + tl.where(cols == fv + 2, tl.sum(C.msq(z, v2, msk).to(tl.float64)) * n, 0.0)
+            + tl.where(cols == fv + 6, tl.sum(C.msq(z, s0, msk).to(tl.float64)) * n, 0.0)
+            + tl.where(cols == fv + 7, tl.sum(C.msq(z, s1, msk).to(tl.float64)) * n, 0.0)
+            + tl.where(cols == fv + 8, tl.sum(C.msq(z, s2, msk).to(tl.float64)) * n, 0.0))
 
 
 @triton.jit
@@ -239,7 +252,7 @@ def _velo_body(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, 
                part, exp_mult, step_mult, FUSED: tl.constexpr, TWO_PASS: tl.constexpr,
                ACC: tl.constexpr, VACC: tl.constexpr, PACC: tl.constexpr, NHID: tl.constexpr,
                NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr,
-               SA: tl.constexpr, FOLD: tl.constexpr):
+               SA: tl.constexpr, FOLD: tl.constexpr, WN: tl.constexpr):
     """One tile [TA, TB] of one tensor, in sub-tiles of SA × TB elements; the program's
     index among all programs is ``gpid = pids[program_id]`` (the launch covers those
     programs), and its outputs go to row ``gpid``.
@@ -252,7 +265,8 @@ def _velo_body(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, 
     step's old sums) → ``part[gpid, 0:4]`` (float64, :func:`_mom_store`), and the tensor's
     4-wide MLP (weights ``w0`` [n, 32, 4], ``b0`` [n, 4], ``wh``
     [n, NHID, 4, 4], ``bh`` [n, NHID, 4], ``wl`` [n, 4, 16], ``bl`` [n, 16]), its first layer
-    one feature at a time (:func:`xopt.kernels.lopt_common.rank1`), and the update.
+    one feature at a time (:func:`_rank1`; ``WN``: ``w0``'s rows already times the
+    normalizers ``norm``, else multiplied per element), and the update.
     ``FOLD=True`` (factored tensors only): features 15-26 per axis position, see the module
     docstring (the statistics: their Σ f² per position times the other axis's extent,
     :func:`_axis_sq`; the fused pass: their first-layer terms, :func:`_axis_terms`).
@@ -367,15 +381,7 @@ def _velo_body(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, 
         vb0, vb1, vb2, sb0, sb1, sb2, fb0, fb1, fb2 = C.axis_stats(vpb, bidx, mb, b_row, rc0,
                                                                    rc1, rc2)
         if FUSED:  # the b axis's first-layer terms [TB] (4 hidden units)
-            tb0, tb1, tb2, tb3 = _axis_terms(vb0, vb1, vb2, sb0, sb1, sb2, fvb, invp, w0t)
-        else:  # per a position: Σ over the sub-tiles of the a axis's features²
-            za = tl.zeros([SA], ACC)
-            qa0 = za
-            qa1 = za
-            qa2 = za
-            qa3 = za
-            qa4 = za
-            qa5 = za
+            tb0, tb1, tb2, tb3 = _axis_terms(vb0, vb1, vb2, sb0, sb1, sb2, fvb, invp, w0t, WN)
     if FUSED:  # the first sub-tile's loads (then each iteration issues the next one's)
         off_n, mask_n, ridx_n, cidx_n = C.load_tile(row, t, b, a0 + sa_i, ib, ptrs, NPTR,
                                                     BLOCK)
@@ -423,43 +429,44 @@ def _velo_body(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, 
         z = tl.zeros([BLOCK], tl.float32)
         if FUSED:
             # the tensor's 4-wide MLP, the first layer feature by feature (spec order)
-            h0, h1, h2, h3 = C.rank1(z, z, z, z, g, 0, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, gc, 1, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, p, 2, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m0, 3, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m1, 4, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m2, 5, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rms, 6, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m0 * rr, 7, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m1 * rr, 8, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m2 * rr, 9, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rr, 10, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, g * FG0, 11, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, g * FG1, 12, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, g * FG2, 13, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, g * rr, 14, invp, w0t)
+            h0, h1, h2, h3 = _rank1(z, z, z, z, g, 0, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, gc, 1, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, p, 2, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, m0, 3, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, m1, 4, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, m2, 5, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, rms, 6, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, m0 * rr, 7, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, m1 * rr, 8, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, m2 * rr, 9, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, rr, 10, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, g * FG0, 11, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, g * FG1, 12, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, g * FG2, 13, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, g * rr, 14, invp, w0t, WN)
             if FOLD:  # features 15-26: the a axis's terms [SA] + the b axis's [TB]
-                ta0, ta1, ta2, ta3 = _axis_terms(va0, va1, va2, sa0, sa1, sa2, fva, invp, w0t)
+                ta0, ta1, ta2, ta3 = _axis_terms(va0, va1, va2, sa0, sa1, sa2, fva, invp, w0t,
+                                                  WN)
                 h0 += tl.reshape(ta0[:, None] + tb0[None, :], [BLOCK])
                 h1 += tl.reshape(ta1[:, None] + tb1[None, :], [BLOCK])
                 h2 += tl.reshape(ta2[:, None] + tb2[None, :], [BLOCK])
                 h3 += tl.reshape(ta3[:, None] + tb3[None, :], [BLOCK])
             else:
-                h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, R0, 15, invp, w0t)
-                h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, R1, 16, invp, w0t)
-                h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, R2, 17, invp, w0t)
-                h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, C0, 18, invp, w0t)
-                h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, C1, 19, invp, w0t)
-                h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, C2, 20, invp, w0t)
-                h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsr0, 21, invp, w0t)
-                h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsr1, 22, invp, w0t)
-                h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsr2, 23, invp, w0t)
-                h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsc0, 24, invp, w0t)
-                h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsc1, 25, invp, w0t)
-                h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsc2, 26, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m0 * FM0, 27, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m1 * FM1, 28, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m2 * FM2, 29, invp, w0t)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, R0, 15, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, R1, 16, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, R2, 17, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, C0, 18, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, C1, 19, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, C2, 20, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, rsr0, 21, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, rsr1, 22, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, rsr2, 23, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, rsc0, 24, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, rsc1, 25, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, rsc2, 26, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, m0 * FM0, 27, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, m1 * FM1, 28, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, m2 * FM2, 29, invp, w0t, WN)
             direction, magnitude = C.mlp4_tail(h0, h1, h2, h3, b0t, wht, bht, wlt, blt, NHID)
             step = direction * (pscale * tl.exp(magnitude * exp_mult)) * step_mult
             step = lr_mult * step
@@ -490,14 +497,7 @@ def _velo_body(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, 
             q12 = C.msq(q12, g * FG1, mask)
             q13 = C.msq(q13, g * FG2, mask)
             q14 = C.msq(q14, g * rr, mask)
-            if FOLD:  # features 15-26 per a position (the b axis's after the loop)
-                qa0 = C.msq(qa0, va0, ma)
-                qa1 = C.msq(qa1, va1, ma)
-                qa2 = C.msq(qa2, va2, ma)
-                qa3 = C.msq(qa3, sa0, ma)
-                qa4 = C.msq(qa4, sa1, ma)
-                qa5 = C.msq(qa5, sa2, ma)
-            else:
+            if not FOLD:  # (folded: features 15-26 per axis position, after the loop)
                 q15 = C.msq(q15, R0, mask)
                 q16 = C.msq(q16, R1, mask)
                 q17 = C.msq(q17, R2, mask)
@@ -551,18 +551,26 @@ def _velo_body(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, 
                     q24.to(tl.float64), q25.to(tl.float64), q26.to(tl.float64),
                     q27.to(tl.float64), q28.to(tl.float64), q29.to(tl.float64), zd, zd)
         x = tl.sum(tl.reshape(x, [BLOCK, 32]), axis=0)
-        if FOLD:  # (columns 15-26 of x are 0) Σ over the positions × the other extent
-            zb = tl.zeros([TB], ACC)
-            n_a = n_sub.to(tl.float64)
-            n_b = tl.minimum(TB, ib_n - tb * TB).to(tl.float64)
-            x += _axis_sq(cols, fva, qa0, qa1, qa2, qa3, qa4, qa5, n_b)
-            x += _axis_sq(cols, fvb, C.msq(zb, vb0, mb), C.msq(zb, vb1, mb), C.msq(zb, vb2, mb),
-                          C.msq(zb, sb0, mb), C.msq(zb, sb1, mb), C.msq(zb, sb2, mb), n_a)
-        tl.store(part + gpid.to(tl.int64) * 64 + cols, x)
+        prow = part + gpid.to(tl.int64) * 64
+        if FOLD:
+            # features 15-26 (x's columns 15-26 are 0): both axes' positions in the tile,
+            # their statistics loaded again here, after x is stored (a store the loads are
+            # not moved above: fewer registers at x's reduction)
+            axc = (cols >= 15) & (cols < 27)
+            tl.store(prow + cols, x, mask=axc == 0)
+            ia_t = a0 + tl.arange(0, TA)
+            aidx_t = tl.where(a_row, rbase + ia_t * rstr, cbase + ia_t * cstr)
+            xab = _axis_sq(cols, fva, vpa, aidx_t, ia_t < ia_n, a_row, rc0, rc1, rc2,
+                           tl.minimum(TB, ib_n - tb * TB).to(tl.float64), ACC) \
+                + _axis_sq(cols, fvb, vpb, bidx, mb, b_row, rc0, rc1, rc2,
+                           n_sub.to(tl.float64), ACC)
+            tl.store(prow + cols, xab, mask=axc)
+        else:
+            tl.store(prow + cols, x)
         y = tl.reshape(C.cat8(u0.to(tl.float64), u1.to(tl.float64), u2.to(tl.float64),
                               u3.to(tl.float64), u4.to(tl.float64), u5.to(tl.float64), u6, u7),
                        [BLOCK, 8])
-        tl.store(part + gpid.to(tl.int64) * 64 + 32 + c8, tl.sum(y, axis=0))
+        tl.store(prow + 32 + c8, tl.sum(y, axis=0))
         # (columns 40-63 are not written and not read)
     elif TWO_PASS:
         _mom_store(part, gpid, n0, n1, n2, n3, BLOCK)
@@ -582,7 +590,7 @@ def velo_stats_kernel(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b
     CUDA graph 4.438 → 4.561 ms (4.442 with both); the same results."""
     _velo_body(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
                part, exp_mult, step_mult, False, TWO_PASS, ACC, VACC, PACC, NHID, NPTR, NF, TA,
-               TB, SA, FOLD)
+               TB, SA, FOLD, False)
 
 
 @triton.jit
@@ -590,7 +598,7 @@ def velo_fused_kernel(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b
                       bl, part, exp_mult, step_mult, MOM_OUT: tl.constexpr,
                       MACC: tl.constexpr, NHID: tl.constexpr, NPTR: tl.constexpr,
                       NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr,
-                      FOLD: tl.constexpr):
+                      FOLD: tl.constexpr, WN: tl.constexpr):
     """Launch 5 (fused mode of :func:`_velo_body`; MOM_OUT: the new accumulators' sums →
     ``part``, :func:`_mom_store`), the next sub-tile's loads issued before computing the
     current one. Measured side by side in one call (H100, 2026-11-22, torch 2.11.0+cu130,
@@ -602,7 +610,7 @@ def velo_fused_kernel(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b
     every variant (max|a−b| / max|b| = 0)."""
     _velo_body(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
                part, exp_mult, step_mult, True, MOM_OUT, MACC, tl.float64, tl.float64, NHID,
-               NPTR, NF, TA, TB, SA, FOLD)
+               NPTR, NF, TA, TB, SA, FOLD, WN)
 
 
 @triton.jit
@@ -1044,6 +1052,8 @@ class VeLOTriton:
         mixed = ((controls @ bank) * (100.0 / bank.shape[0])).float()
         tab = torch.cat([mixed, torch.zeros((nt, 1), device=dev)], 1)[:, gidx].contiguous()
         norm = torch.rsqrt(1e-5 + st[:, :32] / n).contiguous()
+        if NORM_W:  # the first layer's rows (tab[:, :128]: w0 [32, 4]) times the normalizers
+            tab[:, :128] *= norm.repeat_interleave(4, dim=1)
         scal = torch.cat([host, lr_mult[:, None], pscale[:, None],
                           torch.zeros((nt, 3), device=dev)], 1).contiguous()
         # 5: the fused update
@@ -1054,7 +1064,7 @@ class VeLOTriton:
                                           mpart if TWO_PASS else part,
                                           float(hp.exp_mult), float(hp.step_mult),
                                           MOM_OUT=TWO_PASS, MACC=MOM_ACC, SA=SA, FOLD=fold,
-                                          **common)
+                                          WN=NORM_W, **common)
         hidden.copy_(new_h)
         cell.copy_(new_c)
 
