@@ -19,7 +19,8 @@ plus a handful of batched torch ops:
    sums in float64, rounded once), one LSTM step for all tensors
    (:func:`xopt.specs.velo.lstm_step`, the plain path's function, in float64), the
    hypernetwork's per-tensor MLP weights ``100·mean_k(controls_k·bank_k)`` for every
-   tensor in one float64 product, rounded to float32 and gathered into one padded table;
+   tensor in one float64 product, rounded to float32 and gathered into one padded table,
+   the first layer's rows then times the tensor's normalizers (:data:`NORM_W`);
 5. :func:`velo_fused_kernel` (folded and unfolded launches, as 3): accumulators, features,
    normalization, the tensor's own MLP, the step and the parameter update; and per-program
    sums of the accumulators it stores (float32 per lane over the program's sub-tiles, then
@@ -46,11 +47,12 @@ feature's Σ over a tile's elements is Σ over the tile's positions on that axis
 (:func:`_axis_sq`). Unfactored tensors (rank < 2: their "row" and "column" features are the
 per-element ``v_diag``) keep the unfolded path; ``XOPT_VELO_FOLD=0`` runs it for every
 tensor. The launches of 3 and 5 take a list of program indices (``pids``, into the
-layout's ``prog_all``; the per-program outputs keep those indices).
+layout's ``prog_all``; the per-program outputs keep those indices). With :data:`NORM_W`,
+the step's CUDA graph per ViT-B/16 step: 4.440 → 3.792 ms (H100; figures at :data:`FOLD`).
 
 Precision: the per-element MLP (30 → 4 → 4 → 3 at VeLO's size) is float32 FMAs, the first
-layer one feature at a time (:func:`xopt.kernels.lopt_common.rank1`, no feature tile; 30
-per element unfolded, 18 folded): about 150 FMAs per element unfolded, cheaper than any
+layer one feature at a time (:func:`_rank1`, no feature tile; 30 per element unfolded,
+18 folded): about 150 FMAs per element unfolded, cheaper than any
 tensor-core tile of that width, so ``"exact"`` and ``"fast"`` run the same kernel
 (``"fast"`` is accepted for symmetry with small_fc_lopt). MLPs up to 4 wide are supported
 (:func:`check_supported`).
@@ -106,11 +108,20 @@ P2_F32 = os.environ.get("XOPT_VELO_P2_F32", "1") == "1"
 #: it, on the host's stream, as the eager path)
 GRAPH_LOSS = os.environ.get("XOPT_VELO_GRAPH_LOSS", "1") != "0"
 #: fold the 12 row and column features of factored tensors (XOPT_VELO_FOLD=0: the
-#: unfolded kernels for every tensor, for comparison): see the module docstring
+#: unfolded kernels for every tensor, for comparison): see the module docstring. Measured
+#: with :data:`NORM_W` side by side in one call (H100, 2026-11-22, torch 2.11.0+cu130,
+#: triton 3.6.0, ``python3 bench/velo_sweep.py --variants
+#: defaults,nofold,rawW,nofold_rawW``, ViT-B/16, the step's CUDA graph, then the statistics
+#: / fused kernels from torch.profiler): neither 4.440 ms (1.331 / 2.251), NORM_W alone
+#: 4.327 (1.329 / 2.135), FOLD alone 4.222 (1.219 / 2.140), both 3.792 (1.220 / 1.827).
+#: Per sub-tile of the fused loop (sm_90a SASS from triton 3.9 on the CPU): 1148
+#: instructions neither, 1054 NORM_W, 923 FOLD, 801 both. The folded statistics kernel's
+#: registers (ptxas, same build): 128, as the unfolded one's 124 (an earlier layout, the axis
+#: sums held over the loop, took 174 and was slower than unfolded: 1.698 ms against 1.330)
 FOLD = os.environ.get("XOPT_VELO_FOLD", "1") != "0"
 #: the fused pass's first-layer rows times the tensor's normalizers, once per tensor
 #: (``W0[k, :] · inv_k``, torch before the launch; the kernel's h_j += f_k · that) instead
-#: of f_k · inv_k per element (XOPT_VELO_NORM_W=0)
+#: of f_k · inv_k per element (XOPT_VELO_NORM_W=0); figures at :data:`FOLD`
 NORM_W = os.environ.get("XOPT_VELO_NORM_W", "1") != "0"
 _VERSION = operator.attrgetter("_version")
 _DPTR = torch.Tensor.data_ptr
