@@ -34,6 +34,9 @@ from xopt.kernels import velo as K  # noqa: E402
 #: xopt/kernels/velo.py's velo_fused_kernel, velo_stats_kernel and _mom_store)
 VARIANTS = {
     "defaults": {},
+    "nofold": dict(FOLD=False),
+    "rawW": dict(NORM_W=False),
+    "nofold_rawW": dict(FOLD=False, NORM_W=False),
     "f64var": dict(VAR_F32=False, P2_F32=False),
     "varonly": dict(P2_F32=False),
     "w8": dict(WARPS=8),
@@ -52,8 +55,9 @@ VARIANTS = {
 #: the environment variable of each knob (read when xopt.kernels.velo is imported)
 ENV = {"SA": "XOPT_LOPT_SA_FMA", "SA_STATS": "XOPT_LOPT_SA_STATS", "WARPS": "XOPT_LOPT_WARPS",
        "STAGES": "XOPT_LOPT_STAGES", "VAR_F32": "XOPT_VELO_VAR_F32",
-       "P2_F32": "XOPT_VELO_P2_F32"}
-KNOBS = ("SA", "SA_STATS", "WARPS", "STAGES", "VAR_F32", "P2_F32")
+       "P2_F32": "XOPT_VELO_P2_F32", "FOLD": "XOPT_VELO_FOLD",
+       "NORM_W": "XOPT_VELO_NORM_W"}
+KNOBS = ("SA", "SA_STATS", "WARPS", "STAGES", "VAR_F32", "P2_F32", "FOLD", "NORM_W")
 
 
 def kernel_ms(graph, n: int = 2) -> dict[str, float]:

@@ -354,19 +354,21 @@ def accumulate(fact, off, mask, ridx, cidx, g, m, rms_p, vr, vc, vd, dec, rcm_b,
 
 
 @triton.jit
-def program_tile(meta, prog, rcm, NF: tl.constexpr):
-    """A per-element program's place: ``(t, row, fact, ia_n, b, ta, tb, rc0, rc1, rc2)`` —
-    its tensor ``t`` and that tensor's layout row, whether it is factored, the length of
-    its tile's first axis, the tile ``(b, ta, tb)`` and the three row-column means of
-    batch ``b`` (unfactored tensors read 3 unused numbers)."""
-    pid = tl.program_id(0)
-    t = tl.load(prog + pid)
+def program_tile(meta, pids, prog, rcm, NF: tl.constexpr):
+    """A per-element program's place: ``pids[program_id]`` is its index ``gpid`` among all
+    programs (the layout's ``prog_all``; a launch may cover a subset). Returns ``(gpid, t,
+    row, fact, ia_n, b, ta, tb, rc0, rc1, rc2)``: its tensor ``t`` and that tensor's layout
+    row, whether it is factored, the length of its tile's first axis, the tile ``(b, ta,
+    tb)`` and the three row-column means of batch ``b`` (unfactored tensors read 3 unused
+    numbers)."""
+    gpid = tl.load(pids + tl.program_id(0))
+    t = tl.load(prog + gpid)
     row = meta + t * NF
     fact = tl.load(row + 1)
     ia_n = tl.load(row + 2)
-    b, ta, tb = tile_of(row, pid - tl.load(row + 11))
+    b, ta, tb = tile_of(row, gpid - tl.load(row + 11))
     rcm_b = rcm + tl.load(row + 22) + b * 3
-    return (t, row, fact, ia_n, b, ta, tb, tl.load(rcm_b), tl.load(rcm_b + 1),
+    return (gpid, t, row, fact, ia_n, b, ta, tb, tl.load(rcm_b), tl.load(rcm_b + 1),
             tl.load(rcm_b + 2))
 
 
@@ -411,6 +413,24 @@ def rsqrt_features(rms, R0, R1, R2, C0, C1, C2):
     return (tl.math.rsqrt(rms + 1e-6), tl.math.rsqrt(R0 + 1e-8), tl.math.rsqrt(R1 + 1e-8),
             tl.math.rsqrt(R2 + 1e-8), tl.math.rsqrt(C0 + 1e-8), tl.math.rsqrt(C1 + 1e-8),
             tl.math.rsqrt(C2 + 1e-8))
+
+
+@triton.jit
+def axis_stats(vp, idx, msk, is_row, rc0, rc1, rc2):
+    """One axis's statistics for a vector of positions ``idx`` (flat indices into ``v_row``
+    or ``v_col``, [..., 3] interleaved, at ``vp``): ``(v0, v1, v2, s0, s1, s2, f0, f1,
+    f2)`` with ``v_k`` the statistic of decay k, ``s_k = rsqrt(v_k + 1e-8)`` and ``f_k``
+    its factor: ``rsqrt(max(v_k / (rc_k + 1e-9), 1e-9))`` for rows (``rc_k`` the
+    row-column mean), ``rsqrt(max(v_k, 1e-9))`` for columns."""
+    v0 = tl.load(vp + idx * 3, mask=msk, other=1.0)
+    v1 = tl.load(vp + idx * 3 + 1, mask=msk, other=1.0)
+    v2 = tl.load(vp + idx * 3 + 2, mask=msk, other=1.0)
+    d0 = tl.where(is_row, rc0 + 1e-9, 1.0)
+    d1 = tl.where(is_row, rc1 + 1e-9, 1.0)
+    d2 = tl.where(is_row, rc2 + 1e-9, 1.0)
+    return (v0, v1, v2, tl.math.rsqrt(v0 + 1e-8), tl.math.rsqrt(v1 + 1e-8),
+            tl.math.rsqrt(v2 + 1e-8), tl.math.rsqrt(tl.maximum(v0 / d0, 1e-9)),
+            tl.math.rsqrt(tl.maximum(v1 / d1, 1e-9)), tl.math.rsqrt(tl.maximum(v2 / d2, 1e-9)))
 
 
 @triton.jit

@@ -287,24 +287,6 @@ def _tail_weights(wh, bh, wl, bl, hc, HP: tl.constexpr, NHID: tl.constexpr):
 
 
 @triton.jit
-def _axis_stats(vp, idx, msk, is_row, rc0, rc1, rc2):
-    """One axis's statistics for a vector of positions ``idx`` (flat indices into ``v_row``
-    or ``v_col``, [..., 3] interleaved, at ``vp``): ``(v0, v1, v2, s0, s1, s2, f0, f1,
-    f2)`` with ``v_k`` the statistic of decay k, ``s_k = rsqrt(v_k + 1e-8)`` and ``f_k``
-    its factor: ``rsqrt(max(v_k / (rc_k + 1e-9), 1e-9))`` for rows (``rc_k`` the
-    row-column mean), ``rsqrt(max(v_k, 1e-9))`` for columns."""
-    v0 = tl.load(vp + idx * 3, mask=msk, other=1.0)
-    v1 = tl.load(vp + idx * 3 + 1, mask=msk, other=1.0)
-    v2 = tl.load(vp + idx * 3 + 2, mask=msk, other=1.0)
-    d0 = tl.where(is_row, rc0 + 1e-9, 1.0)
-    d1 = tl.where(is_row, rc1 + 1e-9, 1.0)
-    d2 = tl.where(is_row, rc2 + 1e-9, 1.0)
-    return (v0, v1, v2, tl.math.rsqrt(v0 + 1e-8), tl.math.rsqrt(v1 + 1e-8),
-            tl.math.rsqrt(v2 + 1e-8), tl.math.rsqrt(tl.maximum(v0 / d0, 1e-9)),
-            tl.math.rsqrt(tl.maximum(v1 / d1, 1e-9)), tl.math.rsqrt(tl.maximum(v2 / d2, 1e-9)))
-
-
-@triton.jit
 def _axis_weight(invp, w0f, fi, HP: tl.constexpr):
     """``inv[fi] · W0[fi, :]`` [HP]: the normalized first-layer row of feature ``fi``."""
     return tl.load(invp + fi) * tl.load(w0f + fi * HP + tl.arange(0, HP))
@@ -384,8 +366,9 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
     """One tile [TA, TB] of a factored tensor, walked in sub-tiles [SA, TB] (BLOCK
     elements). The b axis (TB positions ``ib``, fixed per program) and the a axis (SA
     positions ``ia`` per sub-tile) each index ``v_row`` or ``v_col`` (``A_IS_D0``); their
-    statistics and factors are computed per position (:func:`_axis_stats`), per element only
-    the 16 features :data:`ELEM_FEATURES`.
+    statistics and factors are computed per position
+    (:func:`xopt.kernels.lopt_common.axis_stats`), per element only the 16 features
+    :data:`ELEM_FEATURES`.
 
     ``FUSED=False``: Σ feature² over the tile → ``part[gpid, 0:32]`` (float64): the 16
     per-element ones accumulated per thread in float32; an axis feature's as Σ over the
@@ -423,8 +406,8 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
     ib = tb * TB + tl.arange(0, TB)
     mb = ib < ib_n
     bidx = tl.where(b_row, rbase + ib * rstr, cbase + ib * cstr)
-    vb0, vb1, vb2, sb0, sb1, sb2, fb0, fb1, fb2 = _axis_stats(vb, bidx, mb, b_row, rc0, rc1,
-                                                              rc2)
+    vb0, vb1, vb2, sb0, sb1, sb2, fb0, fb1, fb2 = C.axis_stats(vb, bidx, mb, b_row, rc0, rc1,
+                                                               rc2)
     hc = tl.arange(0, HP)
     kk = tl.arange(0, 16)
     if FUSED:
@@ -461,8 +444,8 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
         ia = a0 + s + sa_i
         ma = ia < ia_n
         aidx = tl.where(a_row, rbase + ia * rstr, cbase + ia * cstr)
-        va0, va1, va2, sa0, sa1, sa2, fa0, fa1, fa2 = _axis_stats(va, aidx, ma, a_row, rc0,
-                                                                  rc1, rc2)
+        va0, va1, va2, sa0, sa1, sa2, fa0, fa1, fa2 = C.axis_stats(va, aidx, ma, a_row, rc0,
+                                                                   rc1, rc2)
         off = tl.reshape(boff + ia[:, None].to(tl.int64) * sap
                          + ib[None, :].to(tl.int64) * sbp, [BLOCK])
         mask = tl.reshape(ma[:, None] & mb[None, :], [BLOCK])

@@ -1,12 +1,14 @@
 """Fused Triton step of VeLO (learned_optimization's ``HyperV2`` in VeLO's configuration).
 
-All of a model's tensors in six launches plus a handful of batched torch ops:
+All of a model's tensors in six launches (eight with the fold below: 3 and 5 are two each)
+plus a handful of batched torch ops:
 
 1. ``stats1`` (factored tensors): partial sums of the clipped g² over each tile's two axes;
 2. ``fac_finalize`` + ``rcm``: the new ``v_row``/``v_col`` and their row-column means;
-3. :func:`velo_stats_kernel` (every tensor): Σ feature² of the 30 MLP inputs (float32 per
-   thread over at most TA / SA terms, then float64 per tile and per tensor), and
-   Σ (m_k − mean m_k)², Σ (rms − mean m_k)² of the accumulators before the update (float32
+3. :func:`velo_stats_kernel` (every tensor; one launch folded over the factored tensors'
+   tiles, one unfolded over the others', see below): Σ feature² of the 30 MLP inputs
+   (float32 per thread over at most TA / SA terms, then float64 per tile and per tensor),
+   and Σ (m_k − mean m_k)², Σ (rms − mean m_k)² of the accumulators before the update (float32
    per element and per thread, as the features², then float64: :data:`VAR_F32`), for the
    LSTM inputs' variances (two-pass), all in a fixed order. The means come from per-program
    sums of m_k, rms that the last step's fused pass left (the sums of what it stored;
@@ -17,20 +19,43 @@ All of a model's tensors in six launches plus a handful of batched torch ops:
    sums in float64, rounded once), one LSTM step for all tensors
    (:func:`xopt.specs.velo.lstm_step`, the plain path's function, in float64), the
    hypernetwork's per-tensor MLP weights ``100·mean_k(controls_k·bank_k)`` for every
-   tensor in one float64 product, rounded to float32 and gathered into one padded table;
-5. :func:`velo_fused_kernel`: accumulators, features, normalization, the tensor's own MLP,
-   the step and the parameter update; and per-program sums of the accumulators it stores
-   (float32 per lane over the program's sub-tiles, then :func:`_mom_store`'s float64
-   tree), for the next step.
+   tensor in one float64 product, rounded to float32 and gathered into one padded table,
+   the first layer's rows then times the tensor's normalizers (:data:`NORM_W`);
+5. :func:`velo_fused_kernel` (folded and unfolded launches, as 3): accumulators, features,
+   normalization, the tensor's own MLP, the step and the parameter update; and per-program
+   sums of the accumulators it stores (float32 per lane over the program's sub-tiles, then
+   :func:`_mom_store`'s float64 tree), for the next step.
 
 On a CUDA device, 1-5 are recorded once into a CUDA graph and replayed
 (:class:`VeLOTriton`): the host then spends a few copies and one launch per step.
 
+**Row and column features folded (factored tensors, :data:`FOLD`).** Of the 30 features,
+12 depend on one axis only: ``v_row`` (15-17), ``v_col`` (18-20), ``rsqrt(v_row + 1e-8)``
+(21-23), ``rsqrt(v_col + 1e-8)`` (24-26). A tile's program owns TB fixed positions ``ib``
+of its inner axis and walks SA positions ``ia`` of the outer one at a time; which of the
+two indexes ``v_row`` depends on the tensor's strides (``A_IS_D0``). Their statistics, the
+rsqrt's and the row and column factors of ``fac_g`` (11-13) and ``m·row_factor·
+col_factor`` (27-29) are computed per position (:func:`xopt.kernels.lopt_common.axis_stats`:
+the b axis's once per program, the a axis's once per sub-tile), and per element only the
+product of the two factors. The fused pass adds the 12 features' first-layer terms as
+``a_term[ia] + b_term[ib]`` (4 floats per position, :func:`_axis_terms`: ``Σ_k (inv_k ·
+W0[k, :]) · f_k`` over an axis's 6 features, ``inv`` the tensor's normalizers), after the
+per-element features 0-14 and before 27-29, instead of 12 per-element rank-1 updates, 12
+rsqrt's, 3 divisions and 6 gathers of ``v_row``/``v_col``. In the statistics pass an axis
+feature's Σ over a tile's elements is Σ over the tile's positions on that axis of f²
+(float32 per position, then float64) times the tile's extent on the other axis
+(:func:`_axis_sq`). Unfactored tensors (rank < 2: their "row" and "column" features are the
+per-element ``v_diag``) keep the unfolded path; ``XOPT_VELO_FOLD=0`` runs it for every
+tensor. The launches of 3 and 5 take a list of program indices (``pids``, into the
+layout's ``prog_all``; the per-program outputs keep those indices). With :data:`NORM_W`,
+the step's CUDA graph per ViT-B/16 step: 4.440 → 3.792 ms (H100; figures at :data:`FOLD`).
+
 Precision: the per-element MLP (30 → 4 → 4 → 3 at VeLO's size) is float32 FMAs, the first
-layer one feature at a time (:func:`xopt.kernels.lopt_common.rank1`, no feature tile):
-about 150 FMAs per element, cheaper than any tensor-core tile of that width, so ``"exact"``
-and ``"fast"`` run the same kernel (``"fast"`` is accepted for symmetry with
-small_fc_lopt). MLPs up to 4 wide are supported (:func:`check_supported`).
+layer one feature at a time (:func:`_rank1`, no feature tile; 30 per element unfolded,
+18 folded): about 150 FMAs per element unfolded, cheaper than any
+tensor-core tile of that width, so ``"exact"`` and ``"fast"`` run the same kernel
+(``"fast"`` is accepted for symmetry with small_fc_lopt). MLPs up to 4 wide are supported
+(:func:`check_supported`).
 
 :func:`reference_step` is the pure-PyTorch reference (the spec's functions, as
 :class:`xopt.torch.VeLO`'s plain path calls them).
@@ -82,6 +107,22 @@ P2_F32 = os.environ.get("XOPT_VELO_P2_F32", "1") == "1"
 #: the loss buffer's update and t/N inside the CUDA graph (XOPT_VELO_GRAPH_LOSS=0: before
 #: it, on the host's stream, as the eager path)
 GRAPH_LOSS = os.environ.get("XOPT_VELO_GRAPH_LOSS", "1") != "0"
+#: fold the 12 row and column features of factored tensors (XOPT_VELO_FOLD=0: the
+#: unfolded kernels for every tensor, for comparison): see the module docstring. Measured
+#: with :data:`NORM_W` side by side in one call (H100, 2026-11-22, torch 2.11.0+cu130,
+#: triton 3.6.0, ``python3 bench/velo_sweep.py --variants
+#: defaults,nofold,rawW,nofold_rawW``, ViT-B/16, the step's CUDA graph, then the statistics
+#: / fused kernels from torch.profiler): neither 4.440 ms (1.331 / 2.251), NORM_W alone
+#: 4.327 (1.329 / 2.135), FOLD alone 4.222 (1.219 / 2.140), both 3.792 (1.220 / 1.827).
+#: Per sub-tile of the fused loop (sm_90a SASS from triton 3.9 on the CPU): 1148
+#: instructions neither, 1054 NORM_W, 923 FOLD, 801 both. The folded statistics kernel's
+#: registers (ptxas, same build): 128, as the unfolded one's 124 (an earlier layout, the axis
+#: sums held over the loop, took 174 and was slower than unfolded: 1.698 ms against 1.330)
+FOLD = os.environ.get("XOPT_VELO_FOLD", "1") != "0"
+#: the fused pass's first-layer rows times the tensor's normalizers, once per tensor
+#: (``W0[k, :] · inv_k``, torch before the launch; the kernel's h_j += f_k · that) instead
+#: of f_k · inv_k per element (XOPT_VELO_NORM_W=0); figures at :data:`FOLD`
+NORM_W = os.environ.get("XOPT_VELO_NORM_W", "1") != "0"
 _VERSION = operator.attrgetter("_version")
 _DPTR = torch.Tensor.data_ptr
 _CALL = operator.call
@@ -166,22 +207,80 @@ def _load_sub(gp, pp, mp, rp, off, mask):
 
 
 @triton.jit
-def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
-               exp_mult, step_mult, FUSED: tl.constexpr, TWO_PASS: tl.constexpr,
+def _rank1(h0, h1, h2, h3, f, k, inv, w0, WN: tl.constexpr):
+    """The first layer of the 4-wide MLP, one feature (no feature tile): ``h_j += x · w0[k,
+    j]`` for j < 4, float32 FMAs, ``f`` [...] feature k before normalization, ``w0`` [32, 4]
+    row-major. ``WN``: ``w0``'s rows already times the tensor's normalizers (the fused
+    launch's table, :meth:`VeLOTriton._body`), ``x = f``; else ``x = f · inv[k]``
+    (:func:`xopt.kernels.lopt_common.rank1`). ``k`` may be a run-time index."""
+    if WN:
+        x = f
+    else:
+        x = f * tl.load(inv + k)
+    w = w0 + k * 4
+    return (h0 + x * tl.load(w), h1 + x * tl.load(w + 1), h2 + x * tl.load(w + 2),
+            h3 + x * tl.load(w + 3))
+
+
+@triton.jit
+def _axis_terms(v0, v1, v2, s0, s1, s2, fv, inv, w0, WN: tl.constexpr):
+    """The first-layer terms of one axis's 6 features per position of that axis (folded
+    path): ``h_j = Σ_k v_k · (inv[fv+k] · W0[fv+k, j]) + Σ_k s_k · (inv[fv+6+k] ·
+    W0[fv+6+k, j])``, j < 4, float32 FMAs in that order. ``v_k``, ``s_k``
+    [positions]: the axis's statistic ``v_row``/``v_col`` of decay k and ``rsqrt(v_k +
+    1e-8)`` (:func:`xopt.kernels.lopt_common.axis_stats`); ``fv``: 15 for ``v_row``
+    (features 15-17 and 21-23), 18 for ``v_col`` (18-20, 24-26); ``inv``: the tensor's
+    normalizers, ``w0`` its first layer [32, 4] (``WN``: as :func:`_rank1`)."""
+    z = tl.zeros_like(v0)
+    h0, h1, h2, h3 = _rank1(z, z, z, z, v0, fv, inv, w0, WN)
+    h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, v1, fv + 1, inv, w0, WN)
+    h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, v2, fv + 2, inv, w0, WN)
+    h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, s0, fv + 6, inv, w0, WN)
+    h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, s1, fv + 7, inv, w0, WN)
+    return _rank1(h0, h1, h2, h3, s2, fv + 8, inv, w0, WN)
+
+
+@triton.jit
+def _axis_sq(cols, fv, vp, idx, msk, is_row, rc0, rc1, rc2, n, ACC: tl.constexpr):
+    """The statistics pass's folded features of one axis over a tile: [32] float64, 0 but
+    at the axis's 6 features (``fv`` as :func:`_axis_terms`), there the tile's Σ over its
+    elements of the feature², as Σ over the tile's positions ``idx`` on that axis (``msk``:
+    those inside the tensor) of f² (f in float32, f² in ``ACC``) times ``n``, the tile's
+    extent on the other axis (float64). The statistics are loaded here
+    (:func:`xopt.kernels.lopt_common.axis_stats`)."""
+    v0, v1, v2, s0, s1, s2, _, _, _ = C.axis_stats(vp, idx, msk, is_row, rc0, rc1, rc2)
+    z = tl.zeros(idx.shape, ACC)
+    return (tl.where(cols == fv, tl.sum(C.msq(z, v0, msk).to(tl.float64)) * n, 0.0)
+            + tl.where(cols == fv + 1, tl.sum(C.msq(z, v1, msk).to(tl.float64)) * n, 0.0)
+            + tl.where(cols == fv + 2, tl.sum(C.msq(z, v2, msk).to(tl.float64)) * n, 0.0)
+            + tl.where(cols == fv + 6, tl.sum(C.msq(z, s0, msk).to(tl.float64)) * n, 0.0)
+            + tl.where(cols == fv + 7, tl.sum(C.msq(z, s1, msk).to(tl.float64)) * n, 0.0)
+            + tl.where(cols == fv + 8, tl.sum(C.msq(z, s2, msk).to(tl.float64)) * n, 0.0))
+
+
+@triton.jit
+def _velo_body(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
+               part, exp_mult, step_mult, FUSED: tl.constexpr, TWO_PASS: tl.constexpr,
                ACC: tl.constexpr, VACC: tl.constexpr, PACC: tl.constexpr, NHID: tl.constexpr,
                NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr,
-               SA: tl.constexpr):
-    """One tile [TA, TB] of one tensor, in sub-tiles of SA × TB elements.
+               SA: tl.constexpr, FOLD: tl.constexpr, WN: tl.constexpr):
+    """One tile [TA, TB] of one tensor, in sub-tiles of SA × TB elements; the program's
+    index among all programs is ``gpid = pids[program_id]`` (the launch covers those
+    programs), and its outputs go to row ``gpid``.
 
-    ``FUSED=False`` (statistics): Σ over the tile of the 30 features² → ``part[pid, 0:32]``
+    ``FUSED=False`` (statistics): Σ over the tile of the 30 features² → ``part[gpid, 0:32]``
     (per thread in float32, at most TA / SA terms, then in float64), and of the old m_k, rms
     and their squares (float64 throughout: the LSTM inputs' variances, taken one-pass)
-    → ``part[pid, 32:40]`` = Σm_0, Σm_1, Σm_2, Σrms, Σm_0², Σm_1², Σm_2², Σrms².
+    → ``part[gpid, 32:40]`` = Σm_0, Σm_1, Σm_2, Σrms, Σm_0², Σm_1², Σm_2², Σrms².
     ``FUSED=True``: (with TWO_PASS) the sums over the tile of the new m_k, rms (the next
-    step's old sums) → ``part[pid, 0:4]`` (float64, :func:`_mom_store`), and the tensor's
+    step's old sums) → ``part[gpid, 0:4]`` (float64, :func:`_mom_store`), and the tensor's
     4-wide MLP (weights ``w0`` [n, 32, 4], ``b0`` [n, 4], ``wh``
     [n, NHID, 4, 4], ``bh`` [n, NHID, 4], ``wl`` [n, 4, 16], ``bl`` [n, 16]), its first layer
-    one feature at a time (:func:`xopt.kernels.lopt_common.rank1`), and the update.
+    one feature at a time (:func:`_rank1`; ``WN``: ``w0``'s rows already times the
+    normalizers ``norm``, else multiplied per element), and the update.
+    ``FOLD=True`` (factored tensors only): features 15-26 per axis position, see the module
+    docstring (the statistics: their Σ f² per position times the other axis's extent,
+    :func:`_axis_sq`; the fused pass: their first-layer terms, :func:`_axis_terms`).
 
     Loads: the fused pass issues the next sub-tile's (g, p, m_k, rms) before computing the
     current one (:func:`velo_fused_kernel` gives the figures); the statistics pass loads each
@@ -189,8 +288,8 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
     way."""
     HP: tl.constexpr = 4
     BLOCK: tl.constexpr = SA * TB
-    pid = tl.program_id(0)
-    t, row, fact, ia_n, b, ta, tb, rc0, rc1, rc2 = C.program_tile(meta, prog, rcm, NF)
+    gpid, t, row, fact, ia_n, b, ta, tb, rc0, rc1, rc2 = C.program_tile(meta, pids, prog,
+                                                                        rcm, NF)
     pp, gp, mp, rp, vr, vc, vd = C.tensor_ptrs(ptrs, t, NPTR)
     md0, md1, md2, rd, fd0, fd1, fd2 = C.load_decays(decays)
     cols = tl.arange(0, 32)
@@ -270,6 +369,30 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
     ib = tb * TB + tl.arange(0, TB)
     a0 = ta * TA
     n_sub = tl.minimum(TA, ia_n - a0)
+    if FOLD:
+        # factored tensor: the b axis (TB positions ib, fixed per program) and the a axis
+        # (SA positions per sub-tile) each index v_row or v_col (A_IS_D0); their statistics,
+        # rsqrt's and factors per position (C.axis_stats), the b axis's once per program
+        b_row = tl.load(row + 13) != 0  # a is d0: the b axis (d1) indexes v_row
+        a_row = b_row == 0
+        ib_n = tl.load(row + 3)
+        bs1 = tl.load(row + 6)
+        rbase = C.batch_offset(b, bs1, tl.load(row + 14), tl.load(row + 15))
+        rstr = tl.load(row + 16)
+        cbase = C.batch_offset(b, bs1, tl.load(row + 17), tl.load(row + 18))
+        cstr = tl.load(row + 19)
+        vpb = tl.where(b_row, tl.load(ptrs + t * NPTR + 4), tl.load(ptrs + t * NPTR + 5)
+                       ).to(tl.pointer_type(tl.float32))
+        vpa = tl.where(b_row, tl.load(ptrs + t * NPTR + 5), tl.load(ptrs + t * NPTR + 4)
+                       ).to(tl.pointer_type(tl.float32))
+        fvb = tl.where(b_row, 15, 18)  # the axes' first features (_axis_terms)
+        fva = tl.where(a_row, 15, 18)
+        mb = ib < ib_n
+        bidx = tl.where(b_row, rbase + ib * rstr, cbase + ib * cstr)
+        vb0, vb1, vb2, sb0, sb1, sb2, fb0, fb1, fb2 = C.axis_stats(vpb, bidx, mb, b_row, rc0,
+                                                                   rc1, rc2)
+        if FUSED:  # the b axis's first-layer terms [TB] (4 hidden units)
+            tb0, tb1, tb2, tb3 = _axis_terms(vb0, vb1, vb2, sb0, sb1, sb2, fvb, invp, w0t, WN)
     if FUSED:  # the first sub-tile's loads (then each iteration issues the next one's)
         off_n, mask_n, ridx_n, cidx_n = C.load_tile(row, t, b, a0 + sa_i, ib, ptrs, NPTR,
                                                     BLOCK)
@@ -293,44 +416,68 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
         m1 = md1 * om1 + (1 - md1) * g
         m2 = md2 * om2 + (1 - md2) * g
         rms = rd * orms + (1 - rd) * (g * g)
-        R0, C0, FG0, FM0, V0, R1, C1, FG1, FM1, V1, R2, C2, FG2, FM2, V2, v3 = \
-            C.accumulate3(fact, off, mask, ridx, cidx, g, m0, m1, m2, rp, vr, vc, vd, fd0, fd1,
-                          fd2, rc0, rc1, rc2, 0.0)
-        rr, rsr0, rsr1, rsr2, rsc0, rsc1, rsc2 = C.rsqrt_features(rms, R0, R1, R2, C0, C1, C2)
+        if FOLD:
+            # this sub-tile's a positions; row factor × column factor per element
+            ia_c = a0 + s + sa_i
+            ma = ia_c < ia_n
+            aidx = tl.where(a_row, rbase + ia_c * rstr, cbase + ia_c * cstr)
+            va0, va1, va2, sa0, sa1, sa2, fa0, fa1, fa2 = C.axis_stats(vpa, aidx, ma, a_row,
+                                                                       rc0, rc1, rc2)
+            FG0 = tl.reshape(fa0[:, None] * fb0[None, :], [BLOCK])
+            FG1 = tl.reshape(fa1[:, None] * fb1[None, :], [BLOCK])
+            FG2 = tl.reshape(fa2[:, None] * fb2[None, :], [BLOCK])
+            FM0 = FG0
+            FM1 = FG1
+            FM2 = FG2
+            rr = tl.math.rsqrt(rms + 1e-6)
+        else:
+            R0, C0, FG0, FM0, V0, R1, C1, FG1, FM1, V1, R2, C2, FG2, FM2, V2, v3 = \
+                C.accumulate3(fact, off, mask, ridx, cidx, g, m0, m1, m2, rp, vr, vc, vd, fd0,
+                              fd1, fd2, rc0, rc1, rc2, 0.0)
+            rr, rsr0, rsr1, rsr2, rsc0, rsc1, rsc2 = C.rsqrt_features(rms, R0, R1, R2, C0, C1,
+                                                                      C2)
         gc = tl.minimum(tl.maximum(g, -0.1), 0.1)
         z = tl.zeros([BLOCK], tl.float32)
         if FUSED:
             # the tensor's 4-wide MLP, the first layer feature by feature (spec order)
-            h0, h1, h2, h3 = C.rank1(z, z, z, z, g, 0, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, gc, 1, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, p, 2, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m0, 3, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m1, 4, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m2, 5, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rms, 6, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m0 * rr, 7, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m1 * rr, 8, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m2 * rr, 9, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rr, 10, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, g * FG0, 11, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, g * FG1, 12, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, g * FG2, 13, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, g * rr, 14, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, R0, 15, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, R1, 16, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, R2, 17, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, C0, 18, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, C1, 19, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, C2, 20, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsr0, 21, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsr1, 22, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsr2, 23, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsc0, 24, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsc1, 25, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, rsc2, 26, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m0 * FM0, 27, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m1 * FM1, 28, invp, w0t)
-            h0, h1, h2, h3 = C.rank1(h0, h1, h2, h3, m2 * FM2, 29, invp, w0t)
+            h0, h1, h2, h3 = _rank1(z, z, z, z, g, 0, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, gc, 1, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, p, 2, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, m0, 3, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, m1, 4, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, m2, 5, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, rms, 6, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, m0 * rr, 7, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, m1 * rr, 8, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, m2 * rr, 9, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, rr, 10, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, g * FG0, 11, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, g * FG1, 12, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, g * FG2, 13, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, g * rr, 14, invp, w0t, WN)
+            if FOLD:  # features 15-26: the a axis's terms [SA] + the b axis's [TB]
+                ta0, ta1, ta2, ta3 = _axis_terms(va0, va1, va2, sa0, sa1, sa2, fva, invp, w0t,
+                                                  WN)
+                h0 += tl.reshape(ta0[:, None] + tb0[None, :], [BLOCK])
+                h1 += tl.reshape(ta1[:, None] + tb1[None, :], [BLOCK])
+                h2 += tl.reshape(ta2[:, None] + tb2[None, :], [BLOCK])
+                h3 += tl.reshape(ta3[:, None] + tb3[None, :], [BLOCK])
+            else:
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, R0, 15, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, R1, 16, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, R2, 17, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, C0, 18, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, C1, 19, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, C2, 20, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, rsr0, 21, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, rsr1, 22, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, rsr2, 23, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, rsc0, 24, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, rsc1, 25, invp, w0t, WN)
+                h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, rsc2, 26, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, m0 * FM0, 27, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, m1 * FM1, 28, invp, w0t, WN)
+            h0, h1, h2, h3 = _rank1(h0, h1, h2, h3, m2 * FM2, 29, invp, w0t, WN)
             direction, magnitude = C.mlp4_tail(h0, h1, h2, h3, b0t, wht, bht, wlt, blt, NHID)
             step = direction * (pscale * tl.exp(magnitude * exp_mult)) * step_mult
             step = lr_mult * step
@@ -338,10 +485,11 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
                            rms)
             if TWO_PASS:
                 n0, n1, n2, n3 = _mom_acc(n0, n1, n2, n3, m0, m1, m2, rms, mask)
-            if fact == 0:
-                tl.store(v3, V0, mask=mask)
-                tl.store(v3 + 1, V1, mask=mask)
-                tl.store(v3 + 2, V2, mask=mask)
+            if not FOLD:
+                if fact == 0:
+                    tl.store(v3, V0, mask=mask)
+                    tl.store(v3 + 1, V1, mask=mask)
+                    tl.store(v3 + 2, V2, mask=mask)
         else:
             # masked elements: the loads gave 0, so g, clip(g), p, m_k and rms are 0 there;
             # the other features are masked
@@ -360,18 +508,19 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
             q12 = C.msq(q12, g * FG1, mask)
             q13 = C.msq(q13, g * FG2, mask)
             q14 = C.msq(q14, g * rr, mask)
-            q15 = C.msq(q15, R0, mask)
-            q16 = C.msq(q16, R1, mask)
-            q17 = C.msq(q17, R2, mask)
-            q18 = C.msq(q18, C0, mask)
-            q19 = C.msq(q19, C1, mask)
-            q20 = C.msq(q20, C2, mask)
-            q21 = C.msq(q21, rsr0, mask)
-            q22 = C.msq(q22, rsr1, mask)
-            q23 = C.msq(q23, rsr2, mask)
-            q24 = C.msq(q24, rsc0, mask)
-            q25 = C.msq(q25, rsc1, mask)
-            q26 = C.msq(q26, rsc2, mask)
+            if not FOLD:  # (folded: features 15-26 per axis position, after the loop)
+                q15 = C.msq(q15, R0, mask)
+                q16 = C.msq(q16, R1, mask)
+                q17 = C.msq(q17, R2, mask)
+                q18 = C.msq(q18, C0, mask)
+                q19 = C.msq(q19, C1, mask)
+                q20 = C.msq(q20, C2, mask)
+                q21 = C.msq(q21, rsr0, mask)
+                q22 = C.msq(q22, rsr1, mask)
+                q23 = C.msq(q23, rsr2, mask)
+                q24 = C.msq(q24, rsc0, mask)
+                q25 = C.msq(q25, rsc1, mask)
+                q26 = C.msq(q26, rsc2, mask)
             q27 = C.msq(q27, m0 * FM0, mask)
             q28 = C.msq(q28, m1 * FM1, mask)
             q29 = C.msq(q29, m2 * FM2, mask)
@@ -412,38 +561,55 @@ def _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl
                     q21.to(tl.float64), q22.to(tl.float64), q23.to(tl.float64),
                     q24.to(tl.float64), q25.to(tl.float64), q26.to(tl.float64),
                     q27.to(tl.float64), q28.to(tl.float64), q29.to(tl.float64), zd, zd)
-        x = tl.reshape(x, [BLOCK, 32])
-        tl.store(part + pid.to(tl.int64) * 64 + cols, tl.sum(x, axis=0))
+        x = tl.sum(tl.reshape(x, [BLOCK, 32]), axis=0)
+        prow = part + gpid.to(tl.int64) * 64
+        if FOLD:
+            # features 15-26 (x's columns 15-26 are 0): both axes' positions in the tile,
+            # their statistics loaded again here, after x is stored (a store the loads are
+            # not moved above: fewer registers at x's reduction)
+            axc = (cols >= 15) & (cols < 27)
+            tl.store(prow + cols, x, mask=axc == 0)
+            ia_t = a0 + tl.arange(0, TA)
+            aidx_t = tl.where(a_row, rbase + ia_t * rstr, cbase + ia_t * cstr)
+            xab = _axis_sq(cols, fva, vpa, aidx_t, ia_t < ia_n, a_row, rc0, rc1, rc2,
+                           tl.minimum(TB, ib_n - tb * TB).to(tl.float64), ACC) \
+                + _axis_sq(cols, fvb, vpb, bidx, mb, b_row, rc0, rc1, rc2,
+                           n_sub.to(tl.float64), ACC)
+            tl.store(prow + cols, xab, mask=axc)
+        else:
+            tl.store(prow + cols, x)
         y = tl.reshape(C.cat8(u0.to(tl.float64), u1.to(tl.float64), u2.to(tl.float64),
                               u3.to(tl.float64), u4.to(tl.float64), u5.to(tl.float64), u6, u7),
                        [BLOCK, 8])
-        tl.store(part + pid.to(tl.int64) * 64 + 32 + c8, tl.sum(y, axis=0))
+        tl.store(prow + 32 + c8, tl.sum(y, axis=0))
         # (columns 40-63 are not written and not read)
     elif TWO_PASS:
-        _mom_store(part, pid, n0, n1, n2, n3, BLOCK)
+        _mom_store(part, gpid, n0, n1, n2, n3, BLOCK)
 
 
 @triton.jit
-def velo_stats_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
-                      part, exp_mult, step_mult, TWO_PASS: tl.constexpr, ACC: tl.constexpr,
-                      VACC: tl.constexpr, PACC: tl.constexpr, NHID: tl.constexpr,
-                      NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr,
-                      TB: tl.constexpr, SA: tl.constexpr):
+def velo_stats_kernel(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl,
+                      bl, part, exp_mult, step_mult, TWO_PASS: tl.constexpr,
+                      ACC: tl.constexpr, VACC: tl.constexpr, PACC: tl.constexpr,
+                      NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr,
+                      TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr,
+                      FOLD: tl.constexpr):
     """Launch 3 (statistics mode of :func:`_velo_body`), each sub-tile loaded where it is
     computed: issuing the next sub-tile's loads first, as the fused pass does, made this
     kernel slower in the call that gives :func:`velo_fused_kernel`'s figures: 1.312 →
     1.383 ms per ViT-B/16 step (1.382 with the fused pass's loads ahead too), the step's
     CUDA graph 4.438 → 4.561 ms (4.442 with both); the same results."""
-    _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
-               exp_mult, step_mult, False, TWO_PASS, ACC, VACC, PACC, NHID, NPTR, NF, TA, TB,
-               SA)
+    _velo_body(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
+               part, exp_mult, step_mult, False, TWO_PASS, ACC, VACC, PACC, NHID, NPTR, NF, TA,
+               TB, SA, FOLD, False)
 
 
 @triton.jit
-def velo_fused_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
-                      part, exp_mult, step_mult, MOM_OUT: tl.constexpr, MACC: tl.constexpr,
-                      NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr,
-                      TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
+def velo_fused_kernel(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl,
+                      bl, part, exp_mult, step_mult, MOM_OUT: tl.constexpr,
+                      MACC: tl.constexpr, NHID: tl.constexpr, NPTR: tl.constexpr,
+                      NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr,
+                      FOLD: tl.constexpr, WN: tl.constexpr):
     """Launch 5 (fused mode of :func:`_velo_body`; MOM_OUT: the new accumulators' sums →
     ``part``, :func:`_mom_store`), the next sub-tile's loads issued before computing the
     current one. Measured side by side in one call (H100, 2026-11-22, torch 2.11.0+cu130,
@@ -453,9 +619,9 @@ def velo_fused_kernel(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh,
     where it is computed (2.400 in ``defaults_again``), 2.283 ms with the loads ahead; the
     step's CUDA graph 4.438 (4.486) → 4.411 ms; one step's parameters and m the same in
     every variant (max|a−b| / max|b| = 0)."""
-    _velo_body(meta, prog, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl, part,
-               exp_mult, step_mult, True, MOM_OUT, MACC, tl.float64, tl.float64, NHID, NPTR,
-               NF, TA, TB, SA)
+    _velo_body(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
+               part, exp_mult, step_mult, True, MOM_OUT, MACC, tl.float64, tl.float64, NHID,
+               NPTR, NF, TA, TB, SA, FOLD, WN)
 
 
 @triton.jit
@@ -524,6 +690,7 @@ class VeLOTriton:
         self.prec = precision
         self._layout: L.Layout | None = None
         self._onehot: torch.Tensor | None = None
+        self._pids: dict = {}  # the program sets of the layout (_program_sets)
         self._bank_cache: tuple | None = None
         self._decays: tuple | None = None  # (all 7 decays, the 3 Adafactor ones, timescales)
         self._tab = G.StepTables(3)  # pointers; lr, lr·λ, write_step
@@ -587,6 +754,7 @@ class VeLOTriton:
         lay = self._layout
         if lay is None or lay.shapes != tuple(shapes) or lay.meta.device != device:
             lay = self._layout = L.build_layout(shapes, device)
+            self._pids = self._program_sets(lay, device)
             ranks = [_spec.tensor_rank(s) for s in shapes]
             oh = torch.zeros((len(shapes), _spec.NUM_RANKS), dtype=torch.float32)
             for i, r in enumerate(ranks):
@@ -594,6 +762,19 @@ class VeLOTriton:
                     oh[i, r] = 1.0
             self._onehot = to_device(oh, device)
         return lay
+
+    @staticmethod
+    def _program_sets(lay: L.Layout, device: torch.device) -> dict:
+        """Per layout: the indices (into ``prog_all``) of every program, of the factored
+        tensors' (the folded kernels') and of the others' (``"all" | "fact" | "unf"``:
+        (int32 tensor, count))."""
+        sets: dict[str, list[int]] = {"all": [], "fact": [], "unf": []}
+        for r in lay.meta_host:
+            ids = range(r[L.PSTART], r[L.PSTART] + r[L.NB] * r[L.NTA] * r[L.NTB])
+            sets["all"].extend(ids)
+            sets["fact" if r[L.FACT] else "unf"].extend(ids)
+        return {k: (to_device(torch.tensor(v or [0], dtype=torch.int32), device), len(v))
+                for k, v in sets.items()}
 
     def _tables(self, params, grads, states, outs, write_step, lrs, lrwds, dev, io) -> None:
         """The layout and the static pointer / scalar tables for these tensors
@@ -716,8 +897,8 @@ class VeLOTriton:
         lay = self._layout
         # everything the recording reads, held (so that no address it holds is reused while
         # it lives) and compared by identity; bank_key: θ's pointers and versions
-        refs = (lay, self._onehot, self._decays, self._tab.ptrs, self._tab.scal, self._frac,
-                self._lfeat, self._mpart, bank, gidx, hidden, cell, *meta.values(),
+        refs = (lay, self._pids, self._onehot, self._decays, self._tab.ptrs, self._tab.scal,
+                self._frac, self._lfeat, self._mpart, bank, gidx, hidden, cell, *meta.values(),
                 *lstm64.values())
         if with_loss:
             refs = refs + tuple(self._lb.values())
@@ -831,15 +1012,22 @@ class VeLOTriton:
         common = dict(NHID=nhid, NPTR=NPTR, NF=L.NFIELDS, TA=L.TA, TB=L.TB,
                       num_warps=WARPS, num_stages=STAGES)
         part = torch.empty((lay.n_prog_all, 64), dtype=torch.float64, device=dev)
-        velo_stats_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, ptrs, rcm, decays,
-                                             part if mu is None else mu, part, part, part,
-                                             part, part, part, part, part, part,
-                                             float(hp.exp_mult), float(hp.step_mult),
-                                             TWO_PASS=TWO_PASS,
-                                             ACC=tl.float32 if STATS_F32 else tl.float64,
-                                             VACC=tl.float32 if VAR_F32 else tl.float64,
-                                             PACC=tl.float32 if P2_F32 else tl.float64,
-                                             SA=SA_STATS, **common)
+        # (program indices, count, folded?) of each launch: the factored tensors' programs
+        # folded, the others' not (FOLD), or every program unfolded
+        sets = self._pids
+        launches = ([(*sets["fact"], True), (*sets["unf"], False)] if FOLD
+                    else [(*sets["all"], False)])
+        for pids, n_p, fold in launches:
+            if n_p:
+                velo_stats_kernel[(n_p,)](lay.meta, lay.prog_all, pids, ptrs, rcm, decays,
+                                          part if mu is None else mu, part, part, part,
+                                          part, part, part, part, part, part,
+                                          float(hp.exp_mult), float(hp.step_mult),
+                                          TWO_PASS=TWO_PASS,
+                                          ACC=tl.float32 if STATS_F32 else tl.float64,
+                                          VACC=tl.float32 if VAR_F32 else tl.float64,
+                                          PACC=tl.float32 if P2_F32 else tl.float64,
+                                          SA=SA_STATS, FOLD=fold, **common)
         st64 = C.seg_sum(part, lay)
         st = st64[:, :40].float()
         # 4: the LSTM inputs (xopt.specs.velo.lstm_features, batched), the LSTM, the MLPs
@@ -875,14 +1063,19 @@ class VeLOTriton:
         mixed = ((controls @ bank) * (100.0 / bank.shape[0])).float()
         tab = torch.cat([mixed, torch.zeros((nt, 1), device=dev)], 1)[:, gidx].contiguous()
         norm = torch.rsqrt(1e-5 + st[:, :32] / n).contiguous()
+        if NORM_W:  # the first layer's rows (tab[:, :128]: w0 [32, 4]) times the normalizers
+            tab[:, :128] *= norm.repeat_interleave(4, dim=1)
         scal = torch.cat([host, lr_mult[:, None], pscale[:, None],
                           torch.zeros((nt, 3), device=dev)], 1).contiguous()
         # 5: the fused update
-        velo_fused_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, ptrs, rcm, decays, part,
-                                             norm, scal, tab, tab, tab, tab, tab, tab,
-                                             mpart if TWO_PASS else part,
-                                             float(hp.exp_mult), float(hp.step_mult),
-                                             MOM_OUT=TWO_PASS, MACC=MOM_ACC, SA=SA, **common)
+        for pids, n_p, fold in launches:
+            if n_p:
+                velo_fused_kernel[(n_p,)](lay.meta, lay.prog_all, pids, ptrs, rcm, decays,
+                                          part, norm, scal, tab, tab, tab, tab, tab, tab,
+                                          mpart if TWO_PASS else part,
+                                          float(hp.exp_mult), float(hp.step_mult),
+                                          MOM_OUT=TWO_PASS, MACC=MOM_ACC, SA=SA, FOLD=fold,
+                                          WN=NORM_W, **common)
         hidden.copy_(new_h)
         cell.copy_(new_c)
 

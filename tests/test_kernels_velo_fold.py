@@ -1,0 +1,239 @@
+"""VeLO's folded kernels (xopt.kernels.velo, ``FOLD``): the row and column features folded.
+
+For factored tensors the 12 features that depend on one axis only (``v_row``, ``v_col`` and
+their rsqrt's, features 15-26) are computed per row and per column: their first-layer
+terms per axis position, their sums of squares in the statistics pass as Σ over a tile's
+positions on that axis times the tile's extent on the other axis, and the row and column
+factors of ``fac_g`` and ``m·row_factor·col_factor`` per position. These tests check the
+statistics against the spec's float64 ``feature_sq_mean``, the step against the spec's
+step in float64 and the state against plain, the carried sums of the accumulators and
+determinism, on shapes that exercise both orientations of the tile (which axis indexes
+``v_row``), rectangular tensors with several tiles per axis (TA = TB = 64) and a partial
+last tile on both axes, batch axes (rank 3 and 4) and unfactored tensors (rank 0 and 1:
+the unfolded kernel in the same step).
+
+As tests/test_kernels_lopt.py, the checks run in a child process (this file with
+``--worker``): on a CUDA GPU when there is one, else on the CPU under Triton's interpreter
+(``TRITON_INTERPRET=1`` set in the child only); the child prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from helpers import has_torch, has_triton, worker_results
+
+pytestmark = pytest.mark.skipif(not (has_torch and has_triton), reason="needs torch and triton")
+
+EXACT = 1e-6
+#: (70, 130) and (130, 70): 2 × 3 tiles, both edges partial, either axis contiguous; batch
+#: axes (rank 3, 4); unfactored tensors (rank 0, 1) in the same launches
+SHAPES = [(70, 130), (130, 70), (3, 2, 70, 5), (2, 65, 3), (9, 1, 4), (7, 3), (5,), ()]
+
+
+def _worker() -> dict:
+    import copy
+
+    import torch
+
+    import xopt.torch as xt
+    from xopt.kernels import lopt_common as C
+    from xopt.kernels import velo as kv
+    from xopt.specs import velo as sv
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    out: dict = {"device": dev}
+
+    def rel(a, b):
+        if a.numel() == 0:
+            return 0.0
+        d = (a.double() - b.double()).abs().max().item()
+        return 0.0 if d == 0 else d / max(b.double().abs().max().item(), 1e-300)
+
+    def tensors(seed, dtype=torch.float32):
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randn(s, generator=g).to(dtype).to(dev) for s in SHAPES]
+
+    def make(params, impl):
+        return xt.VeLO(params, impl=impl, num_training_steps=100, seed=3)
+
+    # a shared state after two plain steps
+    params = [torch.nn.Parameter(x) for x in tensors(0)]
+    opt = make(params, "plain")
+    for t in range(2):
+        for p, g in zip(params, tensors(100 + t), strict=True):
+            p.grad = g
+        opt.step(loss=torch.tensor(2.0 - 0.1 * t))
+    sd = copy.deepcopy(opt.state_dict())
+    before = [p.detach().clone() for p in params]
+    g32 = tensors(102)
+    loss = torch.tensor(1.8)
+
+    # the statistics kernel's launches: their FOLD flags and the first launch's per-program
+    # sums (on a GPU the step is then recorded into a CUDA graph: launched again, not run)
+    captured: dict = {"fold": []}
+
+    class Spy:
+        def __init__(self, kern):
+            self.kern = kern
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                self.kern[grid](*args, **kw)
+                captured["fold"].append(bool(kw["FOLD"]))
+                captured.setdefault("part", args[15])
+
+            return launch
+
+    def one_step(impl, fold, spy=False):
+        """One step from the shared state, float64 parameters (the step is then exact)."""
+        ps = [torch.nn.Parameter(b.double()) for b in before]
+        o = make(ps, impl)
+        o.load_state_dict(copy.deepcopy(sd))
+        for p, g in zip(ps, g32, strict=True):
+            p.grad = g.double()
+        saved = kv.FOLD, kv.velo_stats_kernel
+        kv.FOLD = fold if fold is not None else kv.FOLD
+        if spy:
+            kv.velo_stats_kernel = Spy(saved[1])
+        try:
+            o.step(loss=loss)
+        finally:
+            kv.FOLD, kv.velo_stats_kernel = saved
+        return [b.double() - p.detach() for b, p in zip(before, ps, strict=True)], o
+
+    d_fold, o_fold = one_step("triton", True, spy=True)
+    d_unf, _ = one_step("triton", False)
+    d_plain, o_plain = one_step("plain", None)
+    out["launches"] = captured["fold"]
+
+    # the float64 reference: the spec's step on float64 copies of every input
+    lr = opt.param_groups[0]["lr"]
+    meta = {k: v.double() for k, v in opt.meta_on(torch.device(dev)).items()}
+    st = [{k: v.double() for k, v in opt.state[p].items()} for p in params]
+    gs = opt.state["global"]
+    p64 = [b.double() for b in before]
+    g64 = [g.double() for g in g32]
+    lfeat = sv.loss_buffer_step(torch, gs["loss_means"].double().to(dev),
+                                gs["loss_running_min"].double().to(dev),
+                                gs["loss_decays"].double().to(dev),
+                                int(gs["loss_iteration"]), loss.double().to(dev))[3]
+    frac = torch.tensor(int(gs["iteration"]) / int(gs["num_steps"]), dtype=torch.float64,
+                        device=dev)
+
+    def ref(pl, gl, sl):
+        hidden = torch.stack([s["lstm_hidden"] for s in sl])
+        cell = torch.stack([s["lstm_cell"] for s in sl])
+        return kv.reference_step(opt.hp, pl, gl, sl, meta, hidden, cell, frac, lfeat)[0]
+
+    s64 = [lr * s for s in ref(p64, g64, st)]
+    sens = 0.0
+    for k in range(3):  # every float32 input rounded once more (see test_kernels_lopt.py)
+        gen = torch.Generator().manual_seed(k)
+
+        def jig(x, gen=gen):
+            u = 2 * torch.rand(x.shape, generator=gen, dtype=torch.float64) - 1
+            return x * (1 + 2.0 ** -24 * u.to(x.device))
+
+        o_k = ref([jig(x) for x in p64], [jig(x) for x in g64],
+                  [{n: jig(v) for n, v in s_.items()} for s_ in st])
+        sens = max(sens, max(rel(lr * a, b) for a, b in zip(o_k, s64, strict=True)))
+    out["step_vs_f64"] = {
+        "fold": max(rel(a, b) for a, b in zip(d_fold, s64, strict=True)),
+        "unfolded": max(rel(a, b) for a, b in zip(d_unf, s64, strict=True)),
+        "plain": max(rel(a, b) for a, b in zip(d_plain, s64, strict=True)),
+        "fold_vs_unfolded": max(rel(a, b) for a, b in zip(d_fold, d_unf, strict=True)),
+        "sensitivity": sens}
+    pf, pp_ = o_fold.param_groups[0]["params"], o_plain.param_groups[0]["params"]
+    out["state_vs_plain"] = max(rel(o_fold.state[a][k], o_plain.state[b][k])
+                                for a, b in zip(pf, pp_, strict=True)
+                                for k in ("m", "rms", "v_row", "v_col", "v_diag"))
+
+    # the statistics pass: Σ feature² per tensor against the spec's float64 feature_sq_mean
+    # (the features do not depend on the MLP's weights: zero controls)
+    lay = o_fold._triton._layout
+    if dev == "cuda":  # (the eager step ran on a side stream)
+        torch.cuda.synchronize()
+    sums = C.seg_sum(captured["part"], lay)[:, :30]
+    decays = tuple(sv._as_array(torch, d, meta["lstm/init_hidden"])
+                   for d in sv.decay_arrays(opt.hp))
+    zero = torch.zeros_like(st[0]["lstm_hidden"][:0])  # (dtype, device)
+    worst_sq, worst_axis = 0.0, 0.0
+    for i, (p, g, s_) in enumerate(zip(p64, g64, st, strict=True)):
+        aux: dict = {}
+        controls = zero.new_zeros((int(opt.hp.param_inits),))
+        sv.update_tensor(torch, opt.hp, p, g, *(s_[v] for v in ("m", "rms", "v_row", "v_col",
+                                                                 "v_diag")),
+                         controls, zero.new_ones(()), meta, decays, aux=aux)
+        mean = sums[i].double() / max(1, p.numel())
+        worst_sq = max(worst_sq, rel(mean, aux["feature_sq_mean"]))
+        if len(SHAPES[i]) >= 2:  # the folded features alone
+            worst_axis = max(worst_axis, rel(mean[15:27], aux["feature_sq_mean"][15:27]))
+    out["feature_sq_mean_vs_f64"] = worst_sq
+    out["axis_feature_sq_mean_vs_f64"] = worst_axis
+
+    # the sums of the new accumulators carried by the folded fused pass: the same bits as
+    # summing them anew (velo_mom_sums_kernel, every program)
+    carried = o_fold._triton._mpart.clone()
+    fresh = o_fold._triton.mom_partials()
+    out["carry_bitwise"] = bool(torch.equal(carried.view(torch.int64),
+                                            fresh.view(torch.int64)))
+
+    # two runs (float32, three steps, folded): the same bits
+    runs = []
+    for _ in range(2):
+        ps = [torch.nn.Parameter(b.clone()) for b in before]
+        o = make(ps, "triton")
+        o.load_state_dict(copy.deepcopy(sd))
+        for t in range(3):
+            for p, g in zip(ps, tensors(200 + t), strict=True):
+                p.grad = g
+            o.step(loss=torch.tensor(1.7 - 0.1 * t))
+        runs.append(([p.detach().clone() for p in ps], [o.state[p] for p in ps]))
+    (pa, sa), (pb, sb) = runs
+    out["bitwise"] = bool(all(torch.equal(a, b) for a, b in zip(pa, pb, strict=True))
+                          and all(torch.equal(a[k], b[k]) for a, b in zip(sa, sb, strict=True)
+                                  for k in a))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return worker_results(__file__, timeout=900)
+
+
+def test_factored_tensors_take_the_folded_kernel(results):
+    """The statistics pass: one folded launch (factored tensors), one unfolded (the
+    others); on a GPU twice (the eager first step, then its CUDA graph's recording)."""
+    n = len(results["launches"])
+    assert n in (2, 4) and results["launches"] == [True, False] * (n // 2), results["launches"]
+
+
+def test_folded_step_matches_float64(results):
+    r = results["step_vs_f64"]
+    bound = max(EXACT, r["sensitivity"])
+    assert r["fold"] <= bound and r["unfolded"] <= bound, r
+
+
+def test_state_matches_plain(results):
+    assert results["state_vs_plain"] <= EXACT, results["state_vs_plain"]
+
+
+def test_statistics_match_float64(results):
+    # float32 features summed in float64 (per thread in float32 first): a few roundings
+    assert results["feature_sq_mean_vs_f64"] <= EXACT, results["feature_sq_mean_vs_f64"]
+    assert results["axis_feature_sq_mean_vs_f64"] <= EXACT, results
+
+
+def test_carried_sums_are_the_sums_anew(results):
+    assert results["carry_bitwise"] is True
+
+
+def test_two_runs_give_the_same_bits(results):
+    assert results["bitwise"] is True
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    print(json.dumps(_worker()))
