@@ -20,7 +20,9 @@ plus a handful of batched torch ops:
    (:func:`xopt.specs.velo.lstm_step`, the plain path's function, in float64), the
    hypernetwork's per-tensor MLP weights ``100·mean_k(controls_k·bank_k)`` for every
    tensor in one float64 product, rounded to float32 and gathered into one padded table,
-   the first layer's rows then times the tensor's normalizers (:data:`NORM_W`);
+   the first layer's rows then times the tensor's normalizers (:data:`NORM_W`); all of it
+   :func:`lstm_glue`, compiled on CUDA (:data:`COMPILE_GLUE`: its ~90 small kernels were
+   ~0.2 ms of a ViT-B/16 step's graph, 3.78 → 3.58 ms compiled, H100, bench/velo_sweep.py);
 5. :func:`velo_fused_kernel` (folded and unfolded launches, as 3): accumulators, features,
    normalization, the tensor's own MLP, the step and the parameter update; and per-program
    sums of the accumulators it stores (float32 per lane over the program's sub-tiles, then
@@ -990,17 +992,12 @@ class VeLOTriton:
             self._loss_body()
         decays, fd, ts = self._decays
         ptrs, host = self._tab.ptrs, self._tab.scal
-        nt = len(lay.shapes)
-        # xopt.specs.velo.fraction_embedding, with its timescales kept on the device
-        frac_emb = _xp.tanh(torch, (self._frac - ts) * 10).expand(nt, -1)
-        lfeat = self._lfeat.expand(nt, -1)
         # 1-2: Adafactor statistics (factored tensors: g only); every tensor's Σ m_k, Σ rms
         # when the variances are taken two-pass: from the last fused pass, or summed anew
         # before the step (_carried), per program in _mpart
         rcm, _ = C.factored_pass(lay, ptrs, fd, clip_g=True, mom_sums=False, npt=NPTR)
         if rcm is None:
             rcm = torch.zeros((3,), dtype=torch.float32, device=dev)
-        n = lay.numel[:, None]
         mpart = self._mpart
         if TWO_PASS:  # the means of the old m_k, rms: float64, then rounded once
             mu64 = C.seg_sum(mpart, lay) / lay.numel.double()[:, None]
@@ -1029,44 +1026,10 @@ class VeLOTriton:
                                           PACC=tl.float32 if P2_F32 else tl.float64,
                                           SA=SA_STATS, FOLD=fold, **common)
         st64 = C.seg_sum(part, lay)
-        st = st64[:, :40].float()
-        # 4: the LSTM inputs (xopt.specs.velo.lstm_features, batched), the LSTM, the MLPs
-        psq = st[:, 2] / lay.numel
-        nm = torch.rsqrt(psq.clamp_min(1e-9))
-        cla = _spec._clip_log_abs
-        if TWO_PASS:  # the three features in float64 from the float64 sums, rounded once
-            n64 = lay.numel.double()[:, None]
-            nm64 = torch.rsqrt((st64[:, 2] / lay.numel.double()).clamp_min(1e-9))
-            sc = (nm64 * nm64)[:, None]
-            f_rms = cla(torch, nm64 * mu64[:, 3]).float()
-            f_var_m = cla(torch, sc * (st64[:, 32:35] / n64)).float()
-            f_var_rms = cla(torch, sc * (st64[:, 35:38] / n64)).float()
-        else:  # one-pass in float64: E[x²] − 2·E[x]·mean m_k + (mean m_k)²
-            mom = st64[:, 32:40] / lay.numel.double()[:, None]
-            mean_m = mom[:, 0:3]
-            var_m64 = mom[:, 4:7] - mean_m * mean_m
-            var_rms64 = mom[:, 7:8] - 2.0 * mom[:, 3:4] * mean_m + mean_m * mean_m
-            f_rms = cla(torch, nm * mom[:, 3].float())
-            f_var_m = cla(torch, (nm * nm)[:, None] * var_m64.float())
-            f_var_rms = cla(torch, (nm * nm)[:, None] * var_rms64.float())
-        x = torch.cat([frac_emb, lfeat, f_rms[:, None], self._onehot, f_var_m, f_var_rms],
-                      dim=1)
-        # the LSTM and the hypernetwork's mixing in float64, rounded once (float32 there
-        # had the step 1.9e-6 from float64 on the tests' case, with LSTM inputs correctly
-        # rounded; 3.0e-7 so)
-        controls, lr_mult, new_h, new_c = _spec.lstm_step(torch, x.double(), hidden.double(),
-                                                          cell.double(), lstm64)
-        lr_mult = lr_mult.float()
-        pscale = torch.sqrt(psq + 1e-9)
-        # every tensor's MLP weights at once (xopt.specs.velo.mix_mlp_weights: 100 · mean over
-        # the bank of controls · bank), gathered into the kernel's padded table
-        mixed = ((controls @ bank) * (100.0 / bank.shape[0])).float()
-        tab = torch.cat([mixed, torch.zeros((nt, 1), device=dev)], 1)[:, gidx].contiguous()
-        norm = torch.rsqrt(1e-5 + st[:, :32] / n).contiguous()
-        if NORM_W:  # the first layer's rows (tab[:, :128]: w0 [32, 4]) times the normalizers
-            tab[:, :128] *= norm.repeat_interleave(4, dim=1)
-        scal = torch.cat([host, lr_mult[:, None], pscale[:, None],
-                          torch.zeros((nt, 3), device=dev)], 1).contiguous()
+        # 4: the LSTM inputs, the LSTM, the MLPs' weights and the per-tensor scalars
+        tab, norm, scal, new_h, new_c = _glue(dev)(
+            st64, mu64 if TWO_PASS else None, lay.numel, self._frac, ts, self._lfeat,
+            self._onehot, hidden, cell, lstm64, bank, gidx, host)
         # 5: the fused update
         for pids, n_p, fold in launches:
             if n_p:
@@ -1078,6 +1041,90 @@ class VeLOTriton:
                                           WN=NORM_W, **common)
         hidden.copy_(new_h)
         cell.copy_(new_c)
+
+
+def lstm_glue(st64: torch.Tensor, mu64: torch.Tensor | None, numel: torch.Tensor,
+              frac: torch.Tensor, ts: torch.Tensor, lfeat: torch.Tensor,
+              onehot: torch.Tensor, hidden: torch.Tensor, cell: torch.Tensor,
+              lstm64: Mapping[str, torch.Tensor], bank: torch.Tensor, gidx: torch.Tensor,
+              host: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Step 4 of the module docstring, batched over the ``nt`` tensors: from the statistics
+    pass's per-tensor float64 sums ``st64`` [nt, 64] (and, two-pass, the old accumulators'
+    means ``mu64`` [nt, 4]) to ``(tab, norm, scal, new_hidden, new_cell)``: the fused pass's
+    padded MLP-weight table [nt, W], the features' normalizers ``rsqrt(1e-5 + mean f²)``
+    [nt, 32], the per-tensor scalars [nt, 8] (``host``'s 4 columns, the LSTM's learning-rate
+    multiplier, the parameter scale ``sqrt(mean p² + 1e-9)``, 3 zeros) and the LSTM state.
+
+    The LSTM inputs (:func:`xopt.specs.velo.lstm_features`, batched: ``frac`` and ``lfeat``
+    the 0-d time fraction and the 9 loss features, ``ts`` the fraction timescales) are
+    rounded to float32 once; the LSTM (:func:`xopt.specs.velo.lstm_step`, θ's weights
+    ``lstm64``) and the hypernetwork's mixing ``100 · mean_k(controls_k · bank_k)`` run in
+    float64 (``bank`` [n_bank, W'] float64, ``gidx`` the padded table's columns), each
+    result rounded to float32 once. Torch ops only: a CUDA step may run it compiled
+    (:data:`COMPILE_GLUE`)."""
+    nt = st64.shape[0]
+    dev = st64.device
+    # xopt.specs.velo.fraction_embedding, with its timescales kept on the device
+    frac_emb = _xp.tanh(torch, (frac - ts) * 10).expand(nt, -1)
+    st = st64[:, :40].float()
+    n = numel[:, None]
+    psq = st[:, 2] / numel
+    nm = torch.rsqrt(psq.clamp_min(1e-9))
+    cla = _spec._clip_log_abs
+    if mu64 is not None:  # two-pass: the three features in float64 from the float64 sums
+        n64 = numel.double()[:, None]
+        nm64 = torch.rsqrt((st64[:, 2] / numel.double()).clamp_min(1e-9))
+        sc = (nm64 * nm64)[:, None]
+        f_rms = cla(torch, nm64 * mu64[:, 3]).float()
+        f_var_m = cla(torch, sc * (st64[:, 32:35] / n64)).float()
+        f_var_rms = cla(torch, sc * (st64[:, 35:38] / n64)).float()
+    else:  # one-pass in float64: E[x²] − 2·E[x]·mean m_k + (mean m_k)²
+        mom = st64[:, 32:40] / numel.double()[:, None]
+        mean_m = mom[:, 0:3]
+        var_m64 = mom[:, 4:7] - mean_m * mean_m
+        var_rms64 = mom[:, 7:8] - 2.0 * mom[:, 3:4] * mean_m + mean_m * mean_m
+        f_rms = cla(torch, nm * mom[:, 3].float())
+        f_var_m = cla(torch, (nm * nm)[:, None] * var_m64.float())
+        f_var_rms = cla(torch, (nm * nm)[:, None] * var_rms64.float())
+    x = torch.cat([frac_emb, lfeat.expand(nt, -1), f_rms[:, None], onehot, f_var_m,
+                   f_var_rms], dim=1)
+    # the LSTM and the hypernetwork's mixing in float64, rounded once (float32 there had the
+    # step 1.9e-6 from float64 on the tests' case, with LSTM inputs correctly rounded;
+    # 3.0e-7 so)
+    controls, lr_mult, new_h, new_c = _spec.lstm_step(torch, x.double(), hidden.double(),
+                                                      cell.double(), lstm64)
+    lr_mult = lr_mult.float()
+    pscale = torch.sqrt(psq + 1e-9)
+    # every tensor's MLP weights at once (xopt.specs.velo.mix_mlp_weights: 100 · mean over
+    # the bank of controls · bank), gathered into the kernel's padded table
+    mixed = ((controls @ bank) * (100.0 / bank.shape[0])).float()
+    tab = torch.cat([mixed, torch.zeros((nt, 1), device=dev)], 1)[:, gidx]
+    norm = torch.rsqrt(1e-5 + st[:, :32] / n)
+    if NORM_W:  # the first layer's rows (tab[:, :128]: w0 [32, 4]) times the normalizers
+        tab = torch.cat([tab[:, :128] * norm.repeat_interleave(4, dim=1), tab[:, 128:]], 1)
+    scal = torch.cat([host, lr_mult[:, None], pscale[:, None],
+                      torch.zeros((nt, 3), device=dev)], 1)
+    return (tab.contiguous(), norm.contiguous(), scal.contiguous(), new_h.to(hidden.dtype),
+            new_c.to(cell.dtype))
+
+
+#: run :func:`lstm_glue` through ``torch.compile`` on CUDA devices (its ~90 small kernels
+#: fused into a few; the first step compiles it, once per process and set of shapes;
+#: XOPT_VELO_COMPILE_GLUE=0: eager, as on the CPU). H100, 2026-11-22, bench/lopt_step.py
+#: --only velo/triton/exact, one call: ViT-B/16 4.162 → 3.884 ms per step, GPT-2 medium
+#: 14.123 → 13.882 ms
+COMPILE_GLUE = os.environ.get("XOPT_VELO_COMPILE_GLUE", "1") != "0"
+_COMPILED: list = []
+
+
+def _glue(device: torch.device):
+    """:func:`lstm_glue`, compiled once per process for CUDA devices when
+    :data:`COMPILE_GLUE` (eager otherwise)."""
+    if device.type != "cuda" or not COMPILE_GLUE:
+        return lstm_glue
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(lstm_glue, fullgraph=True, dynamic=False))
+    return _COMPILED[0]
 
 
 def reference_step(hp: _spec.VeLO, params: Sequence[torch.Tensor],
