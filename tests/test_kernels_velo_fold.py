@@ -237,3 +237,23 @@ def test_two_runs_give_the_same_bits(results):
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     print(json.dumps(_worker()))
+
+
+def test_glue_compile_failure_runs_eagerly(monkeypatch):
+    """A compiled LSTM glue that fails (no compiler, an unsupported op) warns once and the
+    step goes on with the eager glue, from then on without trying the compiled one."""
+    from xopt.kernels import velo as K
+
+    calls = []
+    monkeypatch.setattr(K, "lstm_glue", lambda *a: calls.append(a) or "eager")
+    tried = []
+
+    def broken(*a):
+        tried.append(a)
+        raise RuntimeError("no compiler here")
+
+    glue = K._compiled_or_eager(broken)
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        assert glue(1, 2) == "eager"
+    assert glue(3) == "eager"
+    assert tried == [(1, 2)] and calls == [(1, 2), (3,)]

@@ -1119,13 +1119,33 @@ _COMPILED: list = []
 
 def _glue(device: torch.device):
     """:func:`lstm_glue`, compiled once per process for CUDA devices when
-    :data:`COMPILE_GLUE` (eager otherwise)."""
+    :data:`COMPILE_GLUE` (eager otherwise, and from the first compilation that fails on:
+    a warning says why; the step's numbers do not depend on it)."""
     if device.type != "cuda" or not COMPILE_GLUE:
         return lstm_glue
     if not _COMPILED:
-        _COMPILED.append(torch.compile(lstm_glue, fullgraph=True, dynamic=False))
+        _COMPILED.append(_compiled_or_eager(torch.compile(lstm_glue, fullgraph=True,
+                                                          dynamic=False)))
     return _COMPILED[0]
 
+
+def _compiled_or_eager(compiled):
+    state = {"fn": compiled}
+
+    def call(*args):
+        try:
+            return state["fn"](*args)
+        except Exception as e:  # noqa: BLE001 (a compiler failure: run the same ops eagerly)
+            if state["fn"] is lstm_glue:
+                raise
+            import warnings
+
+            warnings.warn(f"xopt VeLO: torch.compile of the LSTM glue failed ({type(e).__name__}:"
+                          f" {e}); running it eagerly", RuntimeWarning, stacklevel=2)
+            state["fn"] = lstm_glue
+            return lstm_glue(*args)
+
+    return call
 
 def reference_step(hp: _spec.VeLO, params: Sequence[torch.Tensor],
                    grads: Sequence[torch.Tensor], states: Sequence[Mapping[str, torch.Tensor]],
