@@ -50,14 +50,23 @@ VARIANTS = {
     "sast1": dict(SA_STATS=1),
     "varf32": dict(VAR_F32=True),
     "varp2f32": dict(VAR_F32=True, P2_F32=True),
+    "st_cap96": dict(MAXNREG_STATS=96),
+    "st_cap80": dict(MAXNREG_STATS=80),
+    "st_cap72": dict(MAXNREG_STATS=72),
+    "st_cap64": dict(MAXNREG_STATS=64),
+    "fu_cap128": dict(MAXNREG=128),
+    "fu_cap96": dict(MAXNREG=96),
+    "fu_cap80": dict(MAXNREG=80),
     "defaults_again": {},
 }
 #: the environment variable of each knob (read when xopt.kernels.velo is imported)
 ENV = {"SA": "XOPT_LOPT_SA_FMA", "SA_STATS": "XOPT_LOPT_SA_STATS", "WARPS": "XOPT_LOPT_WARPS",
        "STAGES": "XOPT_LOPT_STAGES", "VAR_F32": "XOPT_VELO_VAR_F32",
        "P2_F32": "XOPT_VELO_P2_F32", "FOLD": "XOPT_VELO_FOLD",
-       "NORM_W": "XOPT_VELO_NORM_W"}
-KNOBS = ("SA", "SA_STATS", "WARPS", "STAGES", "VAR_F32", "P2_F32", "FOLD", "NORM_W")
+       "NORM_W": "XOPT_VELO_NORM_W", "MAXNREG_STATS": "XOPT_VELO_MAXNREG_STATS",
+       "MAXNREG": "XOPT_VELO_MAXNREG"}
+KNOBS = ("SA", "SA_STATS", "WARPS", "STAGES", "VAR_F32", "P2_F32", "FOLD", "NORM_W",
+         "MAXNREG_STATS", "MAXNREG")
 
 
 def kernel_ms(graph, n: int = 2) -> dict[str, float]:

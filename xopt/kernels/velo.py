@@ -91,6 +91,14 @@ SA_STATS = int(os.environ.get("XOPT_LOPT_SA_STATS", "2"))
 SA = int(os.environ.get("XOPT_LOPT_SA_FMA", "4"))
 STAGES = int(os.environ.get("XOPT_LOPT_STAGES", "2"))
 WARPS = int(os.environ.get("XOPT_LOPT_WARPS", "4"))
+#: register caps (``maxnreg``; 0: the compiler's choice) of the statistics and the fused
+#: kernels (XOPT_VELO_MAXNREG_STATS, XOPT_VELO_MAXNREG). H100, triton 3.6, 2026-11-22,
+#: ``bench/velo_sweep.py --models vit_b16`` (one call; same bits in every variant), the
+#: statistics kernel per ViT-B/16 step: uncapped 1.218 ms, 96: 1.115, 80: 1.071 (the
+#: default: more programs per SM for a kernel bound by loads in flight), 72: 1.061, 64:
+#: 1.300; the fused kernel uncapped 1.824 ms, 128: 1.824, 96: 1.923, 80: 2.301
+MAXNREG_STATS = int(os.environ.get("XOPT_VELO_MAXNREG_STATS", "80"))
+MAXNREG = int(os.environ.get("XOPT_VELO_MAXNREG", "0"))
 #: the LSTM inputs' variances two-pass (pass 1 also sums every tensor's m_k and rms, the
 #: statistics pass then sums (m_k − mean)² in float32 per element) or one-pass from float64
 #: sums of m_k, m_k² (the statistics pass alone; XOPT_VELO_TWO_PASS=0)
@@ -1024,7 +1032,8 @@ class VeLOTriton:
                                           ACC=tl.float32 if STATS_F32 else tl.float64,
                                           VACC=tl.float32 if VAR_F32 else tl.float64,
                                           PACC=tl.float32 if P2_F32 else tl.float64,
-                                          SA=SA_STATS, FOLD=fold, **common)
+                                          SA=SA_STATS, FOLD=fold, **common,
+                                          **_cap(MAXNREG_STATS))
         st64 = C.seg_sum(part, lay)
         # 4: the LSTM inputs, the LSTM, the MLPs' weights and the per-tensor scalars
         tab, norm, scal, new_h, new_c = _glue(dev)(
@@ -1038,10 +1047,14 @@ class VeLOTriton:
                                           mpart if TWO_PASS else part,
                                           float(hp.exp_mult), float(hp.step_mult),
                                           MOM_OUT=TWO_PASS, MACC=MOM_ACC, SA=SA, FOLD=fold,
-                                          WN=NORM_W, **common)
+                                          WN=NORM_W, **common, **_cap(MAXNREG))
         hidden.copy_(new_h)
         cell.copy_(new_c)
 
+
+def _cap(regs: int) -> dict:
+    """A launch's ``maxnreg`` option, none for 0."""
+    return {"maxnreg": regs} if regs else {}
 
 def lstm_glue(st64: torch.Tensor, mu64: torch.Tensor | None, numel: torch.Tensor,
               frac: torch.Tensor, ts: torch.Tensor, lfeat: torch.Tensor,
