@@ -10,6 +10,8 @@ Reference: :func:`xopt.specs._lopt.factored_update` (and ``torch.mean`` for the 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -99,9 +101,18 @@ def cat8(f0, f1, f2, f3, f4, f5, f6, f7):
 
 
 @triton.jit
+def _g_sub(gp, boff, ia, ib, sap, sbp, ia_n, ib_n, n):
+    """``(g, inside)`` on the sub-tile ``ia × ib`` of a tile (g 0 outside the tensor)."""
+    off = boff + ia[:, None].to(tl.int64) * sap + ib[None, :].to(tl.int64) * sbp
+    mask = (ia[:, None] < ia_n) & (ib[None, :] < ib_n) & (off < n)
+    return tl.load(gp + off, mask=mask, other=0.0), mask
+
+
+@triton.jit
 def stats1_kernel(meta, prog, ptrs, pa, pb, sums4,
                   CLIP_G: tl.constexpr, MOM_SUMS: tl.constexpr, NPTR: tl.constexpr,
-                  NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr):
+                  NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr,
+                  PREFETCH: tl.constexpr = False):
     """Per tile: Σ_b (g² + 1e-30) per row a and Σ_a per column b (factored tensors), and with
     MOM_SUMS Σ m_k (k < 3) and Σ rms of the accumulators before the update (VeLO's LSTM
     inputs), written to ``sums4[pid, 0:4]`` (float64: each sub-tile's float32 sum added in
@@ -132,27 +143,43 @@ def stats1_kernel(meta, prog, ptrs, pa, pb, sums4,
     acc_b = tl.zeros([TB], F32)
     acc4 = tl.zeros([4], tl.float64)
     lanes4 = tl.arange(0, 4)
-    for s in range(0, n_sub, SA):
-        ia = a0 + s + sa_i
-        off = boff + ia[:, None].to(tl.int64) * sap + ib[None, :].to(tl.int64) * sbp
-        mask = (ia[:, None] < ia_n) & (ib[None, :] < ib_n) & (off < n)
-        if fact != 0:
-            g = tl.load(gp + off, mask=mask, other=0.0)
+    if PREFETCH:  # factored tensors' g only (no MOM_SUMS): the next sub-tile's g loaded
+        # before this one's sums, twice the loads in flight (the same sums, in order)
+        g_next, m_next = _g_sub(gp, boff, a0 + sa_i, ib, sap, sbp, a0 + n_sub, ib_n, n)
+        for s in range(0, n_sub, SA):
+            ia = a0 + s + sa_i
+            g = g_next
+            mask = m_next
+            g_next, m_next = _g_sub(gp, boff, ia + SA, ib, sap, sbp, a0 + n_sub, ib_n,
+                                    n)
             if CLIP_G:
                 g = tl.minimum(tl.maximum(g, -1000.0), 1000.0)
             g2 = tl.where(mask, g * g + 1e-30, 0.0)
             rs = tl.sum(g2, axis=1)
             tl.store(pa + tl.load(row + 20) + (b * ntb + tb) * ia_n + ia, rs, mask=ia < ia_n)
             acc_b += tl.sum(g2, axis=0)
-        if MOM_SUMS:
-            mp = ptr_f32(ptrs, t, 2, NPTR)
-            rp = ptr_f32(ptrs, t, 3, NPTR)
-            m0 = tl.sum(tl.sum(tl.load(mp + off * 3, mask=mask, other=0.0), axis=1), axis=0)
-            m1 = tl.sum(tl.sum(tl.load(mp + off * 3 + 1, mask=mask, other=0.0), axis=1), axis=0)
-            m2 = tl.sum(tl.sum(tl.load(mp + off * 3 + 2, mask=mask, other=0.0), axis=1), axis=0)
-            r0 = tl.sum(tl.sum(tl.load(rp + off, mask=mask, other=0.0), axis=1), axis=0)
-            acc4 += tl.where(lanes4 == 0, m0.to(tl.float64), tl.where(lanes4 == 1, m1,
-                                                       tl.where(lanes4 == 2, m2, r0)))
+    else:
+        for s in range(0, n_sub, SA):
+            ia = a0 + s + sa_i
+            off = boff + ia[:, None].to(tl.int64) * sap + ib[None, :].to(tl.int64) * sbp
+            mask = (ia[:, None] < ia_n) & (ib[None, :] < ib_n) & (off < n)
+            if fact != 0:
+                g = tl.load(gp + off, mask=mask, other=0.0)
+                if CLIP_G:
+                    g = tl.minimum(tl.maximum(g, -1000.0), 1000.0)
+                g2 = tl.where(mask, g * g + 1e-30, 0.0)
+                rs = tl.sum(g2, axis=1)
+                tl.store(pa + tl.load(row + 20) + (b * ntb + tb) * ia_n + ia, rs, mask=ia < ia_n)
+                acc_b += tl.sum(g2, axis=0)
+            if MOM_SUMS:
+                mp = ptr_f32(ptrs, t, 2, NPTR)
+                rp = ptr_f32(ptrs, t, 3, NPTR)
+                m0 = tl.sum(tl.sum(tl.load(mp + off * 3, mask=mask, other=0.0), axis=1), axis=0)
+                m1 = tl.sum(tl.sum(tl.load(mp + off * 3 + 1, mask=mask, other=0.0), axis=1), axis=0)
+                m2 = tl.sum(tl.sum(tl.load(mp + off * 3 + 2, mask=mask, other=0.0), axis=1), axis=0)
+                r0 = tl.sum(tl.sum(tl.load(rp + off, mask=mask, other=0.0), axis=1), axis=0)
+                acc4 += tl.where(lanes4 == 0, m0.to(tl.float64), tl.where(lanes4 == 1, m1,
+                                                           tl.where(lanes4 == 2, m2, r0)))
     if fact != 0:
         tl.store(pb + tl.load(row + 21) + (b * nta + ta) * ib_n + ib, acc_b, mask=ib < ib_n)
     if MOM_SUMS:
@@ -271,6 +298,16 @@ def seg_sum(rows: torch.Tensor, lay: L.Layout) -> torch.Tensor:
     return out
 
 
+#: the g² pass (:func:`stats1_kernel` without MOM_SUMS): the next sub-tile's g loaded before
+#: this one's sums (XOPT_LOPT_G2_PREFETCH=0: not), warps per program (XOPT_LOPT_G2_WARPS).
+#: The pass per step in VeLO's Triton step (H100, triton 3.6, 2026-11-22, torch.profiler in
+#: ``bench/lopt_step.py --only velo/triton/exact --profile``, one call), ViT-B/16 / GPT-2
+#: medium: 4 warps 0.271 / 1.038 ms, with the prefetch 0.216 / 0.818; 2 warps 0.294 / 1.113,
+#: with the prefetch 0.172 / 0.641 (the defaults)
+G2_PREFETCH = os.environ.get("XOPT_LOPT_G2_PREFETCH", "1") == "1"
+G2_WARPS = int(os.environ.get("XOPT_LOPT_G2_WARPS", "2"))
+
+
 def factored_pass(lay: L.Layout, ptrs: torch.Tensor, decays: torch.Tensor, *,
                   clip_g: bool, mom_sums: bool, npt: int, sa: int = 4
                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -291,7 +328,8 @@ def factored_pass(lay: L.Layout, ptrs: torch.Tensor, decays: torch.Tensor, *,
     elif lay.n_prog_fac:
         stats1_kernel[(lay.n_prog_fac,)](lay.meta, lay.prog_fac, ptrs, pa, pb, pa,
                                          CLIP_G=clip_g, MOM_SUMS=False, NPTR=npt,
-                                         NF=L.NFIELDS, TA=L.TA, TB=L.TB, SA=sa)
+                                         NF=L.NFIELDS, TA=L.TA, TB=L.TB, SA=sa,
+                                         PREFETCH=G2_PREFETCH, num_warps=G2_WARPS)
     rcm = None
     if lay.any_factored:
         fac_finalize_kernel[(lay.fin_prog.shape[0],)](lay.meta, lay.fin_prog, ptrs, pa, pb,
