@@ -101,7 +101,8 @@ SA_FMA = int(os.environ.get("XOPT_LOPT_SA_FMA", "4"))
 #: XOPT_LOPT_SA_G2). The pass per ViT-B/16 step (bench/sfc_sweep.py --profile, H100,
 #: triton 3.6): 0.628 ms with 64 rows, 0.334 with 16, 0.317 with 8, 0.265 with 4, 0.281
 #: with 2, 0.482 with 1 (1.006 against 1.287 ms with 4 and 16 on GPT-2 medium); 2 rows on
-#: 2 warps measured 0.239 (lopt_common.factored_pass launches it with 4 warps)
+#: 2 warps measured 0.239 (then with 4 warps; lopt_common.factored_pass now launches it with
+#: G2_WARPS = 2 and the next sub-tile prefetched, figures there)
 SA_G2 = int(os.environ.get("XOPT_LOPT_SA_G2", "4"))
 WARPS = int(os.environ.get("XOPT_LOPT_WARPS", "4"))
 #: warps per program of the folded fused kernel (XOPT_LOPT_WARPS_FOLD; with SA_FOLD · 64 =
