@@ -109,6 +109,17 @@ def _g_sub(gp, boff, ia, ib, sap, sbp, ia_n, ib_n, n):
 
 
 @triton.jit
+def _g2_sums(g, inside, ia, ia_n, pa_rows, CLIP_G: tl.constexpr):
+    """A sub-tile's g² + 1e-30 (g clipped to ±1000 with ``CLIP_G``; 0 outside the tensor):
+    its row sums stored at ``pa_rows + ia``, its column sums returned."""
+    if CLIP_G:
+        g = tl.minimum(tl.maximum(g, -1000.0), 1000.0)
+    g2 = tl.where(inside, g * g + 1e-30, 0.0)
+    tl.store(pa_rows + ia, tl.sum(g2, axis=1), mask=ia < ia_n)
+    return tl.sum(g2, axis=0)
+
+
+@triton.jit
 def stats1_kernel(meta, prog, ptrs, pa, pb, sums4,
                   CLIP_G: tl.constexpr, MOM_SUMS: tl.constexpr, NPTR: tl.constexpr,
                   NF: tl.constexpr, TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr,
@@ -152,12 +163,8 @@ def stats1_kernel(meta, prog, ptrs, pa, pb, sums4,
             mask = m_next
             g_next, m_next = _g_sub(gp, boff, ia + SA, ib, sap, sbp, a0 + n_sub, ib_n,
                                     n)
-            if CLIP_G:
-                g = tl.minimum(tl.maximum(g, -1000.0), 1000.0)
-            g2 = tl.where(mask, g * g + 1e-30, 0.0)
-            rs = tl.sum(g2, axis=1)
-            tl.store(pa + tl.load(row + 20) + (b * ntb + tb) * ia_n + ia, rs, mask=ia < ia_n)
-            acc_b += tl.sum(g2, axis=0)
+            acc_b += _g2_sums(g, mask, ia, ia_n, pa + tl.load(row + 20) + (b * ntb + tb) * ia_n,
+                              CLIP_G)
     else:
         for s in range(0, n_sub, SA):
             ia = a0 + s + sa_i
@@ -165,12 +172,8 @@ def stats1_kernel(meta, prog, ptrs, pa, pb, sums4,
             mask = (ia[:, None] < ia_n) & (ib[None, :] < ib_n) & (off < n)
             if fact != 0:
                 g = tl.load(gp + off, mask=mask, other=0.0)
-                if CLIP_G:
-                    g = tl.minimum(tl.maximum(g, -1000.0), 1000.0)
-                g2 = tl.where(mask, g * g + 1e-30, 0.0)
-                rs = tl.sum(g2, axis=1)
-                tl.store(pa + tl.load(row + 20) + (b * ntb + tb) * ia_n + ia, rs, mask=ia < ia_n)
-                acc_b += tl.sum(g2, axis=0)
+                acc_b += _g2_sums(g, mask, ia, ia_n,
+                                  pa + tl.load(row + 20) + (b * ntb + tb) * ia_n, CLIP_G)
             if MOM_SUMS:
                 mp = ptr_f32(ptrs, t, 2, NPTR)
                 rp = ptr_f32(ptrs, t, 3, NPTR)
@@ -451,6 +454,22 @@ def rsqrt_features(rms, R0, R1, R2, C0, C1, C2):
     return (tl.math.rsqrt(rms + 1e-6), tl.math.rsqrt(R0 + 1e-8), tl.math.rsqrt(R1 + 1e-8),
             tl.math.rsqrt(R2 + 1e-8), tl.math.rsqrt(C0 + 1e-8), tl.math.rsqrt(C1 + 1e-8),
             tl.math.rsqrt(C2 + 1e-8))
+
+
+@triton.jit
+def axis_layout(row, ptrs, t, b, bs1, NPTR: tl.constexpr):
+    """Where a factored tensor's tile finds ``v_row`` and ``v_col`` (the folded kernels):
+    ``(b_row, a_row, rbase, rstr, cbase, cstr, vb, va)``: whether the b axis (else the a
+    axis) indexes ``v_row``, batch ``b``'s base offset and the position stride of ``v_row``
+    and of ``v_col``, and the pointers of the statistic the b axis and the a axis index."""
+    b_row = tl.load(row + 13) != 0  # a is d0: the b axis (d1) indexes v_row
+    rbase = batch_offset(b, bs1, tl.load(row + 14), tl.load(row + 15))
+    cbase = batch_offset(b, bs1, tl.load(row + 17), tl.load(row + 18))
+    vr = tl.load(ptrs + t * NPTR + 4)
+    vc = tl.load(ptrs + t * NPTR + 5)
+    vb = tl.where(b_row, vr, vc).to(tl.pointer_type(tl.float32))
+    va = tl.where(b_row, vc, vr).to(tl.pointer_type(tl.float32))
+    return (b_row, b_row == 0, rbase, tl.load(row + 16), cbase, tl.load(row + 19), vb, va)
 
 
 @triton.jit

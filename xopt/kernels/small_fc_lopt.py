@@ -394,16 +394,7 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
     sbp = tl.load(row + 5)
     bs1 = tl.load(row + 6)
     boff = C.batch_offset(b, bs1, tl.load(row + 7), tl.load(row + 8))
-    b_row = tl.load(row + 13) != 0  # a is d0: the b axis (d1) indexes v_row
-    a_row = b_row == 0
-    rbase = C.batch_offset(b, bs1, tl.load(row + 14), tl.load(row + 15))
-    rstr = tl.load(row + 16)
-    cbase = C.batch_offset(b, bs1, tl.load(row + 17), tl.load(row + 18))
-    cstr = tl.load(row + 19)
-    vb = tl.where(b_row, tl.load(ptrs + t * NPTR + 4), tl.load(ptrs + t * NPTR + 5)
-                  ).to(tl.pointer_type(tl.float32))
-    va = tl.where(b_row, tl.load(ptrs + t * NPTR + 5), tl.load(ptrs + t * NPTR + 4)
-                  ).to(tl.pointer_type(tl.float32))
+    b_row, a_row, rbase, rstr, cbase, cstr, vb, va = C.axis_layout(row, ptrs, t, b, bs1, NPTR)
     ib = tb * TB + tl.arange(0, TB)
     mb = ib < ib_n
     bidx = tl.where(b_row, rbase + ib * rstr, cbase + ib * cstr)

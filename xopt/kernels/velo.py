@@ -383,18 +383,10 @@ def _velo_body(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, 
         # factored tensor: the b axis (TB positions ib, fixed per program) and the a axis
         # (SA positions per sub-tile) each index v_row or v_col (A_IS_D0); their statistics,
         # rsqrt's and factors per position (C.axis_stats), the b axis's once per program
-        b_row = tl.load(row + 13) != 0  # a is d0: the b axis (d1) indexes v_row
-        a_row = b_row == 0
         ib_n = tl.load(row + 3)
         bs1 = tl.load(row + 6)
-        rbase = C.batch_offset(b, bs1, tl.load(row + 14), tl.load(row + 15))
-        rstr = tl.load(row + 16)
-        cbase = C.batch_offset(b, bs1, tl.load(row + 17), tl.load(row + 18))
-        cstr = tl.load(row + 19)
-        vpb = tl.where(b_row, tl.load(ptrs + t * NPTR + 4), tl.load(ptrs + t * NPTR + 5)
-                       ).to(tl.pointer_type(tl.float32))
-        vpa = tl.where(b_row, tl.load(ptrs + t * NPTR + 5), tl.load(ptrs + t * NPTR + 4)
-                       ).to(tl.pointer_type(tl.float32))
+        b_row, a_row, rbase, rstr, cbase, cstr, vpb, vpa = C.axis_layout(row, ptrs, t, b, bs1,
+                                                                          NPTR)
         fvb = tl.where(b_row, 15, 18)  # the axes' first features (_axis_terms)
         fva = tl.where(a_row, 15, 18)
         mb = ib < ib_n
