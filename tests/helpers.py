@@ -51,3 +51,34 @@ def worker_results(test_file: str | Path, timeout: int) -> dict:
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     print(json.dumps(res, indent=1))
     return res
+
+
+def max_rel(a, b) -> float:
+    """``max|a − b| / max|b|`` of two tensors, in float64 (0 for empty or equal tensors)."""
+    if a.numel() == 0:
+        return 0.0
+    d = (a.double() - b.double()).abs().max().item()
+    return 0.0 if d == 0 else d / max(b.double().abs().max().item(), 1e-300)
+
+
+def rounding_sensitivity(ref, p64, g64, states, want, lr, rounds: int = 3) -> float:
+    """How far the float64 reference step moves when every float32 input is rounded once
+    more: ``ref(params, grads, states)`` (float64 lists, its steps) rerun ``rounds`` times
+    on inputs each scaled by ``1 + 2⁻²⁴·u`` (``u`` uniform in [−1, 1), one draw per
+    element, seeds 0, 1, …), as :func:`max_rel` of ``lr · step`` against ``want`` (the
+    reference's ``lr · step``), the largest. A float32 path cannot be held closer to the
+    float64 step than this (tests/test_kernels_lopt.py)."""
+    import torch
+
+    sens = 0.0
+    for k in range(rounds):
+        gen = torch.Generator().manual_seed(k)
+
+        def jig(x, gen=gen):
+            u = 2 * torch.rand(x.shape, generator=gen, dtype=torch.float64) - 1
+            return x * (1 + 2.0 ** -24 * u.to(x.device))
+
+        out = ref([jig(x) for x in p64], [jig(x) for x in g64],
+                  [{n: jig(v) for n, v in s_.items()} for s_ in states])
+        sens = max(sens, max(max_rel(lr * a, b) for a, b in zip(out, want, strict=True)))
+    return sens

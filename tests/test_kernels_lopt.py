@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, has_torch, has_triton, worker_results
+from helpers import REPO, has_torch, has_triton, max_rel, rounding_sensitivity, worker_results
 
 if has_torch:
     import torch
@@ -77,11 +77,7 @@ def _worker() -> dict:
         g = torch.Generator().manual_seed(seed)
         return [torch.randn(s, generator=g).to(dtype).to(dev) for s in SHAPES]
 
-    def rel(a, b):
-        if a.numel() == 0:
-            return 0.0
-        d = (a.double() - b.double()).abs().max().item()
-        return 0.0 if d == 0 else d / max(b.double().abs().max().item(), 1e-300)
+    rel = max_rel
 
     def make(method, params, impl, precision="exact", **kw):
         if method == "small_fc_lopt":
@@ -166,17 +162,8 @@ def _worker() -> dict:
 
         g64 = [g.double() for g in g32]
         s64 = [lr * s for s in ref(p64, g64, st)]
-        sens = 0.0
-        for k in range(3):  # every float32 input (p, g, the state) rounded once more
-            gen = torch.Generator().manual_seed(k)
-
-            def jig(x, gen=gen):
-                u = 2 * torch.rand(x.shape, generator=gen, dtype=torch.float64) - 1
-                return x * (1 + 2.0 ** -24 * u.to(x.device))
-
-            out_k = ref([jig(x) for x in p64], [jig(x) for x in g64],
-                        [{n: jig(v) for n, v in s_.items()} for s_ in st])
-            sens = max(sens, max(rel(lr * a, b) for a, b in zip(out_k, s64, strict=True)))
+        # every float32 input (p, g, the state) rounded once more
+        sens = rounding_sensitivity(ref, p64, g64, st, s64, lr)
         return {m: max(rel(a, b) for a, b in zip(d[m], s64, strict=True)) for m in d} | {
             "triton_vs_plain": max(rel(a, b) for a, b in zip(d["triton"], d["plain"],
                                                              strict=True)),

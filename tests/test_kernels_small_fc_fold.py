@@ -18,7 +18,7 @@ import json
 import sys
 
 import pytest
-from helpers import REPO, has_torch, has_triton, worker_results
+from helpers import REPO, has_torch, has_triton, max_rel, rounding_sensitivity, worker_results
 
 if has_torch:
     import torch
@@ -43,11 +43,7 @@ def _worker() -> dict:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     out: dict = {"device": dev}
 
-    def rel(a, b):
-        if a.numel() == 0:
-            return 0.0
-        d = (a.double() - b.double()).abs().max().item()
-        return 0.0 if d == 0 else d / max(b.double().abs().max().item(), 1e-300)
+    rel = max_rel
 
     def tensors(seed, dtype=torch.float32):
         g = torch.Generator().manual_seed(seed)
@@ -117,17 +113,9 @@ def _worker() -> dict:
     p64 = [b.double() for b in before]
     g64 = [g.double() for g in g32]
     s64 = [lr * s for s in ks.reference_step(opt.hp, p64, g64, st, meta, it)[0]]
-    sens = 0.0
-    for k in range(3):  # every float32 input rounded once more (see test_kernels_lopt.py)
-        gen = torch.Generator().manual_seed(k)
-
-        def jig(x, gen=gen):
-            u = 2 * torch.rand(x.shape, generator=gen, dtype=torch.float64) - 1
-            return x * (1 + 2.0 ** -24 * u.to(x.device))
-
-        o_k = ks.reference_step(opt.hp, [jig(x) for x in p64], [jig(x) for x in g64],
-                                [{n: jig(v) for n, v in s_.items()} for s_ in st], meta, it)[0]
-        sens = max(sens, max(rel(lr * a, b) for a, b in zip(o_k, s64, strict=True)))
+    sens = rounding_sensitivity(  # every float32 input rounded once more
+        lambda pl, gl, sl: ks.reference_step(opt.hp, pl, gl, sl, meta, it)[0],
+        p64, g64, st, s64, lr)
     out["step_vs_f64"] = {
         "fold": max(rel(a, b) for a, b in zip(d_fold, s64, strict=True)),
         "unfolded": max(rel(a, b) for a, b in zip(d_unf, s64, strict=True)),
