@@ -284,3 +284,23 @@ def test_glue_compile_failure_runs_eagerly(monkeypatch):
     assert glue(3) == "eager"
     assert tried == [(1, 2)] and calls == [(1, 2), (3,)]
 
+
+
+def test_glue_not_compiled_inside_a_callers_capture(monkeypatch):
+    """While a CUDA stream is being captured and the compiled glue has not run yet, the
+    eager glue runs (compiling could synchronize and invalidate the caller's capture);
+    once the compiled glue has run outside a capture, captures use it too."""
+    import torch
+
+    from xopt.kernels import velo as K
+
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(K, "lstm_glue", lambda *a: "eager")
+    glue = K._compiled_or_eager(lambda *a: "compiled")
+    assert glue(1) == "eager"  # captured, not warm: eager
+    capturing[0] = False
+    assert glue(2) == "compiled"  # not captured: compiles (here: runs) and is warm
+    capturing[0] = True
+    assert glue(3) == "compiled"  # captured after warm-up: the compiled glue

@@ -1135,11 +1135,22 @@ def _glue(device: torch.device):
 
 
 def _compiled_or_eager(compiled):
-    state = {"fn": compiled}
+    """``compiled`` (``torch.compile`` of :func:`lstm_glue`) made safe to call: a call that
+    raises warns and runs :func:`lstm_glue` instead, from then on; and until one call of
+    ``compiled`` has returned, a call made while the current CUDA stream is being captured
+    (a caller recording the optimizer's first step into its own CUDA graph, with no eager
+    step before it) runs :func:`lstm_glue`: compiling may synchronize, which would
+    invalidate the caller's capture."""
+    state = {"fn": compiled, "warm": False}
 
     def call(*args):
+        if not state["warm"] and state["fn"] is not lstm_glue \
+                and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return lstm_glue(*args)
         try:
-            return state["fn"](*args)
+            out = state["fn"](*args)
+            state["warm"] = True
+            return out
         except Exception as e:  # noqa: BLE001 (a compiler failure: run the same ops eagerly)
             if state["fn"] is lstm_glue:
                 raise
