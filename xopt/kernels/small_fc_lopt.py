@@ -151,6 +151,12 @@ SPLIT_LO = os.environ.get("XOPT_LOPT_SPLIT_LO", "hw")
 #: waits, slower); the next sub-tile's a-axis statistics and axis terms loaded one sub-tile
 #: ahead (5.147 and 4.928); element offsets in int32 (4.813 against 4.795; with a cap of 168
 #: registers, three programs per SM but spills, 5.13 against 4.71)
+#: Tried in the eighth session and removed (code at d379140; bench/sfc_sweep.py --profile,
+#: H100, the fused kernel per ViT-B/16 step): the output layer as one chain of FMAs per
+#: thread and row (31 fewer instructions per sub-tile: 4.738-4.743 ms against 4.717 for
+#: tl.sum), the next sub-tile's a-axis statistics loaded ahead (5.081) and its axis terms too
+#: (4.908): the kernel is bound by latency at two warps per scheduler, not by issue
+#: (bench/RESULTS.md, eighth session)
 PREFETCH_STATS = os.environ.get("XOPT_LOPT_PREFETCH_STATS", "0") != "0"
 #: tiles along the a axis per program of the folded fused kernel (XOPT_LOPT_RA: its
 #: per-program set-up, loads of the weights, axis terms and factors of the b axis, done
@@ -163,13 +169,6 @@ RA = int(os.environ.get("XOPT_LOPT_RA", "2"))
 WARPS_STATS = int(os.environ.get("XOPT_LOPT_WARPS_STATS", "2"))
 #: pipelining stages of the folded statistics kernel (XOPT_LOPT_STAGES_STATS)
 STAGES_STATS = int(os.environ.get("XOPT_LOPT_STAGES_STATS", "2"))
-#: the folded fused kernel's output layer (hidden width 32) as one chain of FMAs per thread
-#: and row (:func:`_row_dot_chain`; XOPT_LOPT_OUT_CHAIN=0: ``tl.sum`` of the products)
-OUT_CHAIN = os.environ.get("XOPT_LOPT_OUT_CHAIN", "1") != "0"
-#: the folded fused kernel loads the next sub-tile's a-axis statistics (three numbers per
-#: position) one sub-tile ahead (XOPT_LOPT_PF_V=1; the factors are computed where used),
-#: and its first-layer axis terms too (2)
-PF_V = int(os.environ.get("XOPT_LOPT_PF_V", "0"))
 #: fold the row/column features of factored tensors (XOPT_LOPT_FOLD=0: the unfolded
 #: kernel for every tensor, for comparison)
 FOLD = os.environ.get("XOPT_LOPT_FOLD", "1") != "0"
@@ -235,7 +234,7 @@ def _load_elems(gp, pp, mp, rp, off, mask):
 @triton.jit
 def _mlp_tail(h, w1h, w1l, b1, wh, bh, wl0, wl1, bl0, bl1, HP: tl.constexpr,
               NHID: tl.constexpr, PREC: tl.constexpr, TERMS: tl.constexpr,
-              LO_RN: tl.constexpr = True, OUT_CHAIN: tl.constexpr = False):
+              LO_RN: tl.constexpr = True):
     """The MLP after its first layer: ``h`` [BLOCK, HP] (after the ReLU) → ``(direction,
     magnitude)`` [BLOCK]. The first hidden layer ``w1h``/``w1l`` [HP, HP] (TF32 halves),
     ``b1`` [HP] is loaded once per program by the caller; further ones (NHID > 1) are read
@@ -257,51 +256,9 @@ def _mlp_tail(h, w1h, w1l, b1, wh, bh, wl0, wl1, bl0, bl1, HP: tl.constexpr,
         h = C.dot3_acc(h, w_hi, w_lo, tl.zeros_like(h), PREC, TERMS, LO_RN) \
             + tl.load(bh + i * HP + hc)[None, :]
         h = tl.maximum(h, 0.0)
-    if OUT_CHAIN and HP == 32:
-        direction = _row_dot_chain(h, wl0) + bl0
-        magnitude = _row_dot_chain(h, wl1) + bl1
-    else:
-        direction = tl.sum(h * wl0[None, :], axis=1) + bl0
-        magnitude = tl.sum(h * wl1[None, :], axis=1) + bl1
+    direction = tl.sum(h * wl0[None, :], axis=1) + bl0
+    magnitude = tl.sum(h * wl1[None, :], axis=1) + bl1
     return direction, magnitude
-
-
-@triton.jit
-def _eighths(h):
-    """``h`` [M, 32] in a Hopper MMA accumulator's layout (a thread holds columns 8j + 2q
-    + {0, 1}, j < 4, for one q < 4) → the 8 tensors [M, 4] ``h[:, 8j + 2q + r]`` over q,
-    for (j, r) = (0, 0), (2, 0), (1, 0), (3, 0), (0, 1), (2, 1), (1, 1), (3, 1): each
-    thread's 8 columns as 8 registers (a relabeling, no data movement)."""
-    x = tl.reshape(h, [h.shape[0], 4, 4, 2])  # (j, q, r)
-    x = tl.permute(x, (0, 2, 1, 3))
-    x = tl.reshape(x, [h.shape[0], 4, 2, 2, 2])  # (q, j1, j0, r), j = 2·j1 + j0
-    r0, r1 = tl.split(x)
-    a, b = tl.split(r0)
-    c, d = tl.split(r1)
-    a0, a1 = tl.split(a)
-    b0, b1 = tl.split(b)
-    c0, c1 = tl.split(c)
-    d0, d1 = tl.split(d)
-    return a0, a1, b0, b1, c0, c1, d0, d1
-
-
-@triton.jit
-def _row_dot_chain(h, w):
-    """``Σ_c h[:, c]·w[c]`` [BLOCK] for ``h`` [BLOCK, 32] in an MMA accumulator's layout:
-    each thread's 8 columns summed as one chain of FMAs (one product and 7 FMAs per row,
-    against 4 products, 4 FMAs and 3 additions of a pairwise sum), then over the 4
-    threads holding a row (``tl.sum``)."""
-    h0, h1, h2, h3, h4, h5, h6, h7 = _eighths(h)
-    w0, w1, w2, w3, w4, w5, w6, w7 = _eighths(w[None, :])
-    acc = h0 * w0
-    acc = acc + h1 * w1
-    acc = acc + h2 * w2
-    acc = acc + h3 * w3
-    acc = acc + h4 * w4
-    acc = acc + h5 * w5
-    acc = acc + h6 * w6
-    acc = acc + h7 * w7
-    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -412,8 +369,7 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
                NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr, TA: tl.constexpr,
                TB: tl.constexpr, SA: tl.constexpr, PREFETCH: tl.constexpr = False,
                AB_ACC: tl.constexpr = False, LO_RN: tl.constexpr = True,
-               RA: tl.constexpr = 1, OUT_CHAIN: tl.constexpr = False,
-               PF_V: tl.constexpr = 0):
+               RA: tl.constexpr = 1):
     """One tile [TA, TB] of a factored tensor, walked in sub-tiles [SA, TB] (BLOCK
     elements). The b axis (TB positions ``ib``, fixed per program) and the a axis (SA
     positions ``ia`` per sub-tile) each index ``v_row`` or ``v_col`` (``A_IS_D0``); their
@@ -482,30 +438,12 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
                            + ib[None, :].to(tl.int64) * sbp, [BLOCK])
         mask_n = tl.reshape((sa_i < n_sub)[:, None] & mb[None, :], [BLOCK])
         g_n, p_n, o0_n, o1_n, o2_n, or_n = _load_elems(gp, pp, mp, rp, off_n, mask_n)
-    if PF_V:  # the first sub-tile's a-axis statistics (and first-layer terms)
-        ia_v = a0 + sa_i
-        aidx_v = tl.where(a_row, rbase + ia_v * rstr, cbase + ia_v * cstr)
-        vn0, vn1, vn2 = C.axis_load(va, aidx_v, ia_v < ia_n)
-        if FUSED and PF_V == 2:
-            at_n = tl.load(terms + (ta_row + aidx_v)[:, None] * HP + hc[None, :],
-                           mask=(ia_v < ia_n)[:, None], other=0.0)
     for s in range(0, n_sub, SA):
         ia = a0 + s + sa_i
         ma = ia < ia_n
         aidx = tl.where(a_row, rbase + ia * rstr, cbase + ia * cstr)
-        if PF_V:  # loaded one sub-tile ago; the next sub-tile's now
-            va0, va1, va2 = vn0, vn1, vn2
-            aidx_n = aidx + SA * tl.where(a_row, rstr, cstr)
-            vn0, vn1, vn2 = C.axis_load(va, aidx_n, ia + SA < ia_n)
-            if FUSED and PF_V == 2:
-                a_term = at_n
-                at_n = tl.load(terms + (ta_row + aidx_n)[:, None] * HP + hc[None, :],
-                               mask=(ia + SA < ia_n)[:, None], other=0.0)
-            va0, va1, va2, sa0, sa1, sa2, fa0, fa1, fa2 = C.axis_from(va0, va1, va2, a_row,
-                                                                      rc0, rc1, rc2)
-        else:
-            va0, va1, va2, sa0, sa1, sa2, fa0, fa1, fa2 = C.axis_stats(va, aidx, ma, a_row,
-                                                                       rc0, rc1, rc2)
+        va0, va1, va2, sa0, sa1, sa2, fa0, fa1, fa2 = C.axis_stats(va, aidx, ma, a_row, rc0,
+                                                                   rc1, rc2)
         off = tl.reshape(boff + ia[:, None].to(tl.int64) * sap
                          + ib[None, :].to(tl.int64) * sbp, [BLOCK])
         mask = tl.reshape(ma[:, None] & mb[None, :], [BLOCK])
@@ -528,9 +466,8 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
             x = _cat16(g, p, m0, m1, m2, rms, m0 * rr, m1 * rr, m2 * rr, rr,
                        g * ff0, g * ff1, g * ff2, m0 * ff0, m1 * ff1, m2 * ff2)
             x = tl.reshape(x, [BLOCK, 16])
-            if PF_V != 2:
-                a_term = tl.load(terms + (ta_row + aidx)[:, None] * HP + hc[None, :],
-                                 mask=ma[:, None], other=0.0)
+            a_term = tl.load(terms + (ta_row + aidx)[:, None] * HP + hc[None, :],
+                             mask=ma[:, None], other=0.0)
             ab = tl.reshape(a_term[:, None, :] + b_term[None, :, :], [BLOCK, HP])
             if AB_ACC:
                 h = tl.maximum(C.dot3_acc(x, w16h_t, w16l_t, ab, PREC, TERMS, LO_RN), 0.0)
@@ -538,8 +475,7 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
                 h = tl.maximum(C.dot3_acc(x, w16h_t, w16l_t, tl.zeros_like(ab), PREC, TERMS,
                                          LO_RN) + ab, 0.0)
             direction, magnitude = _mlp_tail(h, w1h_t, w1l_t, b1_t, wh, bh, wl0_t, wl1_t,
-                                             bl0_t, bl1_t, HP, NHID, PREC, TERMS, LO_RN,
-                                             OUT_CHAIN)
+                                             bl0_t, bl1_t, HP, NHID, PREC, TERMS, LO_RN)
             step = direction * tl.exp(magnitude * exp_mult) * step_mult
             C.store_update(outp, mp, rp, off, mask, p, step, lr, lrwd, write_step, m0, m1, m2,
                            rms)
@@ -626,12 +562,11 @@ def sfc_fold_fused_kernel(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n,
                           NHID: tl.constexpr, NPTR: tl.constexpr, NF: tl.constexpr,
                           TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr,
                           PREFETCH: tl.constexpr, AB_ACC: tl.constexpr, LO_RN: tl.constexpr,
-                          RA: tl.constexpr = 1, OUT_CHAIN: tl.constexpr = False,
-                          PF_V: tl.constexpr = 0):
+                          RA: tl.constexpr = 1):
     """Fused pass of the factored tensors (:func:`_fold_body`, ``FUSED=True``)."""
     _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tofs, b0,
                wh, bh, wl, bl, part, exp_mult, step_mult, True, PREC, TERMS, HP, NHID, NPTR,
-               NF, TA, TB, SA, PREFETCH, AB_ACC, LO_RN, RA, OUT_CHAIN, PF_V)
+               NF, TA, TB, SA, PREFETCH, AB_ACC, LO_RN, RA)
 
 
 # -- the unfolded kernels (unfactored tensors; every tensor with the 4-wide MLP) ------------
@@ -1002,7 +937,6 @@ class SmallFCTriton:
                     opts["num_stages"] = STAGES_FOLD
                     opts["num_warps"] = WARPS_FOLD
                     opts.update(PREFETCH=PREFETCH, AB_ACC=AB_ACC, LO_RN=SPLIT_LO != "hw",
-                                OUT_CHAIN=OUT_CHAIN, PF_V=PF_V,
                                 RA=self._pids["ra"])
                 else:
                     opts["num_stages"] = STAGES_STATS
