@@ -75,12 +75,6 @@ VARIANTS = {
     "st_cap56": (dict(MAXNREG_STATS=56), True),
     "g2_8w8": (dict(SA_G2=8, G2_WARPS=8), True),
     "g2_32": (dict(SA_G2=32), True),
-    # eighth session: the output layer as tl.sum of the products (before OUT_CHAIN), the
-    # next sub-tile's a-axis statistics (and first-layer terms) loaded ahead
-    "sum_out": (dict(OUT_CHAIN=False), True),
-    "pfv1": (dict(PF_V=1), True),
-    "pfv2": (dict(PF_V=2), True),
-    "sum_out_pfv1": (dict(OUT_CHAIN=False, PF_V=1), True),
 }
 
 #: kernels whose per-step CUDA time --profile prints (name prefixes)

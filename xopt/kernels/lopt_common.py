@@ -479,22 +479,9 @@ def axis_stats(vp, idx, msk, is_row, rc0, rc1, rc2):
     f2)`` with ``v_k`` the statistic of decay k, ``s_k = rsqrt(v_k + 1e-8)`` and ``f_k``
     its factor: ``rsqrt(max(v_k / (rc_k + 1e-9), 1e-9))`` for rows (``rc_k`` the
     row-column mean), ``rsqrt(max(v_k, 1e-9))`` for columns."""
-    v0, v1, v2 = axis_load(vp, idx, msk)
-    return axis_from(v0, v1, v2, is_row, rc0, rc1, rc2)
-
-
-@triton.jit
-def axis_load(vp, idx, msk):
-    """The three statistics ``(v0, v1, v2)`` of the positions ``idx`` (1 where masked), as
-    :func:`axis_stats` reads them."""
-    return (tl.load(vp + idx * 3, mask=msk, other=1.0),
-            tl.load(vp + idx * 3 + 1, mask=msk, other=1.0),
-            tl.load(vp + idx * 3 + 2, mask=msk, other=1.0))
-
-
-@triton.jit
-def axis_from(v0, v1, v2, is_row, rc0, rc1, rc2):
-    """:func:`axis_stats` from statistics already loaded (:func:`axis_load`)."""
+    v0 = tl.load(vp + idx * 3, mask=msk, other=1.0)
+    v1 = tl.load(vp + idx * 3 + 1, mask=msk, other=1.0)
+    v2 = tl.load(vp + idx * 3 + 2, mask=msk, other=1.0)
     d0 = tl.where(is_row, rc0 + 1e-9, 1.0)
     d1 = tl.where(is_row, rc1 + 1e-9, 1.0)
     d2 = tl.where(is_row, rc2 + 1e-9, 1.0)
