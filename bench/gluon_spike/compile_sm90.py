@@ -4,13 +4,18 @@
     python bench/gluon_spike/compile_sm90.py [A B0 B0s B1 B1s B0sh1 B1sh1 B1sh2 ...]
     PRODUCTS=1 python bench/gluon_spike/compile_sm90.py A B0s   # fast mode
 """
-import os, sys, subprocess, re
+import os
+import re
+import subprocess
+import sys
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mlp_core as M
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
-import mlp_core as M
+
 B = os.path.dirname(triton.__file__) + "/backends/nvidia/bin"
 names = "g_ptr p_ptr t_ptr cf_ptr w1_ptr w2_ptr vec_ptr d_ptr m_ptr".split()
 def sig():
@@ -20,29 +25,35 @@ def sig():
 def build(tag, which, **cons):
     s = sig()
     cons = dict(BLOCK=128, K1=16, HP=32, PRODUCTS=int(os.environ.get("PRODUCTS", 3)), **cons)
-    for c in cons: s[c] = "constexpr"
+    for c in cons:
+        s[c] = "constexpr"
     if which == "A":
         src = ASTSource(fn=M.mlp_a_kernel, signature=s, constexprs=cons)
     else:
         src = GluonASTSource(fn=M.mlp_b_kernel, signature=s, constexprs=cons)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, num_stages=1))
     d = f"/tmp/gsp/{triton.__version__}"
     os.makedirs(d, exist_ok=True)
     for ext in ("ttgir", "ptx"):
         open(f"{d}/{tag}.{ext}", "w").write(k.asm[ext])
     open(f"{d}/{tag}.cubin", "wb").write(k.asm["cubin"])
-    sass = subprocess.run([f"{B}/cuobjdump", "-sass", f"{d}/{tag}.cubin"], capture_output=True, text=True).stdout
+    sass = subprocess.run([f"{B}/cuobjdump", "-sass", f"{d}/{tag}.cubin"],
+                          capture_output=True, text=True).stdout
     open(f"{d}/{tag}.sass", "w").write(sass)
     n_ins = len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))
-    v = subprocess.run([f"{B}/ptxas", "-arch=sm_90a", "-v", f"{d}/{tag}.ptx", "-o", "/dev/null"], capture_output=True, text=True).stderr
-    regs = re.findall(r"Used (\d+) registers", v); spill = re.findall(r"(\d+) bytes spill stores", v)
+    v = subprocess.run([f"{B}/ptxas", "-arch=sm_90a", "-v", f"{d}/{tag}.ptx", "-o", "/dev/null"],
+                       capture_output=True, text=True).stderr
+    regs = re.findall(r"Used (\d+) registers", v)
+    spill = re.findall(r"(\d+) bytes spill stores", v)
     print(f"{tag}: regs {regs} spill_st {spill} shared {k.metadata.shared} "
           f"SASS {n_ins} HGMMA {sass.count('HGMMA')} DEPBAR {sass.count('WARPGROUP.DEPBAR')} "
           f"ARRIVE {sass.count('WARPGROUP.ARRIVE')} BAR.SYNC {sass.count('BAR.SYNC')}", flush=True)
 which = sys.argv[1:] or ["A", "B0", "B1", "B0s", "B1s", "B0sh1", "B1sh1", "B1sh2", "B1h2"]
 for w in which:
     try:
-        if w == "A": build("A", "A")
+        if w == "A":
+            build("A", "A")
         else:
             # B<pipe>[s: layer-1 A in smem][h<HBUF>: layer-2 A in smem]
             build(w, "B", PIPE=w[1] == "1", A1_SMEM="s" in w, A2_SMEM="h" in w,

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import sys
 
 import torch
@@ -42,15 +41,17 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared,
-                                                              warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 BLOCK = 128
 K1 = 16
 HP = 32
 #: gl.thread_barrier (triton 3.6) was renamed gl.barrier later
-_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 # -- plain Triton (kernel A) -----------------------------------------------------------------
@@ -140,7 +141,7 @@ def mlp_a_kernel(g_ptr, p_ptr, t_ptr, cf_ptr, w1_ptr, w2_ptr, vec_ptr, d_ptr, m_
     g_n = tl.load(g_ptr + off_n, mask=msk_n, other=0.0)
     p_n = tl.load(p_ptr + off_n, mask=msk_n, other=0.0)
     t_n = tl.load(t_ptr + off_n, mask=msk_n, other=0.0)
-    for s in range(pid, n_sub, nprog):
+    for _ in range(pid, n_sub, nprog):
         off = off_n
         msk = msk_n
         g, p, t = g_n, p_n, t_n
@@ -447,7 +448,10 @@ def make_params(device, seed=0):
     """Random MLP weights (float32): W1 [16, 32], b0, wt, b1 [32], W2 [32, 32], wo [32, 2],
     bo [2]."""
     gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float32)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float32)
+
     prm = dict(W1=r(K1, HP) * 0.25, b0=r(HP) * 0.1, wt=r(HP) * 0.1, W2=r(HP, HP) * 0.25,
                b1=r(HP) * 0.1, wo=r(HP, 2) * 0.25, bo=r(2) * 0.1)
     return {k: v.to(device) for k, v in prm.items()}
@@ -467,7 +471,9 @@ def kernel_args(prm, relabel: bool):
 
 def reference(g, p, t, prm, lo, hi):
     """float64 ``(d, m)`` of rows lo:hi (features from the float32 inputs)."""
-    d64 = lambda x: x.double()
+    def d64(x):
+        return x.double()
+
     g, p, t = d64(g[lo:hi]), d64(p[lo:hi]), d64(t[lo:hi])
     gr = g * torch.rsqrt(p * p + 1e-3)
     c = torch.arange(K1, device=g.device, dtype=torch.float64)
@@ -527,7 +533,10 @@ def main():
     prm = make_params(dev)
     args_rel = kernel_args(prm, relabel=True)
     args_plain = kernel_args(prm, relabel=False)
-    wargs = lambda name: args_plain if VARIANTS[name][1].get("A2_SMEM") else args_rel
+
+    def wargs(name):
+        return args_plain if VARIANTS[name][1].get("A2_SMEM") else args_rel
+
     for n in a.n:
         gen = torch.Generator(device=dev).manual_seed(n)
         g = torch.randn(n, device=dev, generator=gen)
@@ -581,12 +590,14 @@ def main():
                   + cmp, flush=True)
         del outs
         times = {}
-        for r in range(a.rounds):
+        for _ in range(a.rounds):
             for name in occ:
                 for ps in dict.fromkeys(occ[name] if x == 0 else x for x in a.per_sm):
                     if ps > occ[name]:
                         continue
-                    fn = lambda: launch(name, ps * n_sm, g, p, t, wargs(name), d, m)
+                    def fn(name=name, ps=ps, g=g, p=p, t=t, d=d, m=m):
+                        launch(name, ps * n_sm, g, p, t, wargs(name), d, m)
+
                     ms = triton.testing.do_bench(fn, rep=a.rep, return_mode="median")
                     times.setdefault((name, ps), []).append(ms)
         for name in occ:
