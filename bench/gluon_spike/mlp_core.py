@@ -225,13 +225,7 @@ def _g_layer1(x, t, b0, wt, w1h_s, w1l_s, xs_hi, xs_lo, A1_SMEM: gl.constexpr,
     tb, wtb = gl.broadcast(t[:, None], wt[None, :])
     tb, b0b = gl.broadcast(tb, b0[None, :])
     ab = gl.fma(tb, wtb, b0b)
-    if PRODUCTS == 1:
-        acc = warpgroup_mma(a_hi, w1h_s, ab, is_async=True)
-    else:
-        acc = warpgroup_mma(a_lo, w1h_s, ab, is_async=True)
-        acc = warpgroup_mma(a_hi, w1l_s, acc, is_async=True)
-        acc = warpgroup_mma(a_hi, w1h_s, acc, is_async=True)
-    return acc, a_hi, a_lo
+    return _g_products(a_hi, a_lo, w1h_s, w1l_s, ab, PRODUCTS), a_hi, a_lo
 
 
 @gluon.jit
@@ -268,13 +262,19 @@ def _g_layer2(acc1, w2h_s, w2l_s, hs_hi, hs_lo, HP: gl.constexpr, A_LAYOUT: gl.c
             a_hi = _g_round_tf32(h)
             a_lo = h - a_hi
     z = gl.zeros([acc1.shape[0], HP], gl.float32, MMA)
+    return _g_products(a_hi, a_lo, w2h_s, w2l_s, z, PRODUCTS), a_hi, a_lo
+
+
+@gluon.jit
+def _g_products(a_hi, a_lo, wh_s, wl_s, acc, PRODUCTS: gl.constexpr):
+    """``acc + a·w`` issued asynchronously on one accumulator: ``a_lo·w_hi, a_hi·w_lo,
+    a_hi·w_hi`` (exact mode), or ``a_hi·w_hi`` alone (``PRODUCTS = 1``). Returns the
+    accumulator's token (wait with ``warpgroup_mma_wait``)."""
     if PRODUCTS == 1:
-        acc = warpgroup_mma(a_hi, w2h_s, z, is_async=True)
-    else:
-        acc = warpgroup_mma(a_lo, w2h_s, z, is_async=True)
-        acc = warpgroup_mma(a_hi, w2l_s, acc, is_async=True)
-        acc = warpgroup_mma(a_hi, w2h_s, acc, is_async=True)
-    return acc, a_hi, a_lo
+        return warpgroup_mma(a_hi, wh_s, acc, is_async=True)
+    acc = warpgroup_mma(a_lo, wh_s, acc, is_async=True)
+    acc = warpgroup_mma(a_hi, wl_s, acc, is_async=True)
+    return warpgroup_mma(a_hi, wh_s, acc, is_async=True)
 
 
 @gluon.jit
