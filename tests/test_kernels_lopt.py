@@ -78,13 +78,18 @@ def _worker() -> dict:
         return [torch.randn(s, generator=g).to(dtype).to(dev) for s in SHAPES]
 
     rel = max_rel
+    #: VeLO's θ (seed 3), drawn by the first VeLO made and given to the others: the same
+    #: bits (meta_init takes ~3.5 s a call here; tests/test_velo.py checks it)
+    velo_theta: dict = {}
 
     def make(method, params, impl, precision="exact", **kw):
         if method == "small_fc_lopt":
             return xt.SmallFCLOpt(params, impl=impl, precision=precision, num_training_steps=100,
                                   hidden_size=32, step_mult=0.01, **kw)
-        return xt.VeLO(params, impl=impl, precision=precision, num_training_steps=100, seed=3,
-                       **kw)
+        opt = xt.VeLO(params, velo_theta.get("theta"), impl=impl, precision=precision,
+                      num_training_steps=100, seed=3, **kw)
+        velo_theta.setdefault("theta", opt.meta)
+        return opt
 
     def run(method, impl, precision="exact", dtype=torch.float32, steps=2, **kw):
         params = params_for(dtype)
@@ -99,9 +104,13 @@ def _worker() -> dict:
                             zip(before, params, strict=True)])
         return params, opt, history
 
-    def compare(method, precision, dtype=torch.float32, **kw):
+    def compare(method, precision, dtype=torch.float32, keep=None, **kw):
+        """Plain against Triton, 2 steps each; ``keep``: a list the Triton run's
+        ``(params, optimizer)`` is appended to (for the checks that go on from it)."""
         pa, oa, ha = run(method, "plain", dtype=dtype, **kw)
         pb, ob, hb = run(method, "triton", precision, dtype=dtype, **kw)
+        if keep is not None:
+            keep.append((pb, ob))
         res = {"param": max(rel(b.detach(), a.detach()) for a, b in zip(pa, pb, strict=True)),
                "state": max(rel(ob.state[b][k], oa.state[a][k]) for a, b in
                             zip(pa, pb, strict=True) for k in oa.state[a]),
@@ -173,7 +182,8 @@ def _worker() -> dict:
         out[f"{method}/f64_reference"] = vs_float64(method)
         # float64 parameters: the step is recovered exactly as p_before - p_after
         out[f"{method}/exact/f64"] = compare(method, "exact", torch.float64)
-        out[f"{method}/exact/f32"] = compare(method, "exact")
+        kept: list = []
+        out[f"{method}/exact/f32"] = compare(method, "exact", keep=kept)
         if dev == "cuda":  # the interpreter's tl.dot is float32 whatever the precision
             out[f"{method}/fast/f64"] = compare(method, "fast", torch.float64)
         out[f"{method}/bf16_decoupled"] = compare(method, "exact", torch.bfloat16,
@@ -181,20 +191,17 @@ def _worker() -> dict:
                                                   weight_decay_mode="decoupled")
         out[f"{method}/coupled_accumulating"] = compare(method, "exact", weight_decay=0.01,
                                                         max_training_steps=50)
-        # determinism: two runs, the same bits
-        pa, oa, _ = run(method, "triton")
+        # determinism: two runs, the same bits (the first: exact/f32's Triton run, which
+        # is run(method, "triton"))
+        (pa, oa), = kept
         pb, ob, _ = run(method, "triton")
         out[f"{method}/bitwise"] = bool(
             all(torch.equal(a, b) for a, b in zip(pa, pb, strict=True))
             and all(torch.equal(oa.state[a][k], ob.state[b][k])
                     for a, b in zip(pa, pb, strict=True) for k in oa.state[a]))
-        # resume: 2 steps, state_dict, a new optimizer, 1 step == 3 steps straight
-        params = params_for(torch.float32)
-        opt = make(method, params, "triton")
-        for t in range(2):
-            for p, g in zip(params, grads(100 + t, torch.float32), strict=True):
-                p.grad = g
-            opt.step(loss=torch.tensor(2.0 - 0.1 * t))
+        # resume: 2 steps (the second run above: run's 2 steps), state_dict, a new
+        # optimizer, 1 step == 3 steps straight
+        params, opt = pb, ob
         import io
 
         buf = io.BytesIO()
@@ -396,7 +403,16 @@ def test_golden_traces_through_the_harness(results, method):
     assert all(impl == "triton" for _, impl, *_ in g["runs"])
 
 
-def test_gathered_parameters_are_kept_and_rechecked():
+@pytest.fixture(scope="module")
+def velo_theta() -> dict:
+    """VeLO's default θ (``meta_init``, seed 0: what ``VeLO(params)`` draws), drawn once for
+    the in-process tests below (~3.5 s a draw on a CPU)."""
+    from xopt.specs import velo as sv
+
+    return sv.meta_init(sv.VeLO(num_training_steps=10), 0)
+
+
+def test_gathered_parameters_are_kept_and_rechecked(velo_theta):
     """LearnedOptimizer._gather returns the same list while nothing changed, and still
     names the parameter whose gradient no longer fits (its data replaced by another shape)."""
     import torch
@@ -404,7 +420,7 @@ def test_gathered_parameters_are_kept_and_rechecked():
     import xopt.torch as xt
 
     ps = [torch.nn.Parameter(torch.randn(s)) for s in ((3, 4), (5,))]
-    opt = xt.VeLO(ps, impl="plain", num_training_steps=10)
+    opt = xt.VeLO(ps, velo_theta, impl="plain", num_training_steps=10)
     for p in ps:
         p.grad = torch.randn_like(p)
     opt.step(loss=1.0)
@@ -420,7 +436,7 @@ def test_gathered_parameters_are_kept_and_rechecked():
         opt.step(loss=1.0)
 
 
-def test_steady_step_rechecks_what_can_change():
+def test_steady_step_rechecks_what_can_change(velo_theta):
     """A Triton step reuses the kept inputs without LearnedOptimizer._gather (_steady_io)
     through new gradient tensors and a new lr, and not after a gradient turned
     non-contiguous, a gradient resized in place (the full path then names it), a state
@@ -432,7 +448,7 @@ def test_steady_step_rechecks_what_can_change():
     if dev == "cpu" and not interpreting():
         pytest.skip("the Triton path on the CPU needs TRITON_INTERPRET=1")
     ps = [torch.nn.Parameter(torch.randn(s, device=dev)) for s in ((4, 3), (5,))]
-    opt = xt.VeLO(ps, impl="triton", num_training_steps=10)
+    opt = xt.VeLO(ps, velo_theta, impl="triton", num_training_steps=10)
 
     def new_grads():
         for p in ps:
@@ -469,16 +485,20 @@ def test_steady_step_rechecks_what_can_change():
 
 
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error():
+    # VeLO with a small θ (lstm_hidden_size 8, param_inits 4; the Triton kernels support
+    # it): the default θ's meta_init takes ~3.5 s, drawn before the impl is checked
     code = ("import torch, xopt.torch as xt\n"
             "from xopt.errors import HyperparameterError\n"
             "p = [torch.nn.Parameter(torch.zeros(3))]\n"
+            "small = {xt.VeLO: dict(lstm_hidden_size=8, param_inits=4)}\n"
             "for cls in (xt.SmallFCLOpt, xt.VeLO):\n"
             "    try:\n"
-            "        cls(p, impl='triton', num_training_steps=10)\n"
+            "        cls(p, impl='triton', num_training_steps=10, **small.get(cls, {}))\n"
             "    except HyperparameterError as e:\n"
             "        print('ERR', e)\n"
             "o = xt.SmallFCLOpt(p, num_training_steps=10); print('AUTO', o.impl)\n"
-            "print('PLAIN', xt.VeLO(p, impl='plain', num_training_steps=10).impl)\n")
+            "print('PLAIN', xt.VeLO(p, impl='plain', num_training_steps=10,\n"
+            "                       **small[xt.VeLO]).impl)\n")
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")

@@ -27,8 +27,11 @@ pytestmark = pytest.mark.skipif(not (has_torch and has_triton), reason="needs to
 
 EXACT = 1e-6
 #: rank ≥ 2 with either axis contiguous-major, batch axes, tiles cut at both edges (TA = TB =
-#: 64), plus unfactored tensors (the unfolded kernel in the same step)
-SHAPES = [(70, 130), (130, 70), (3, 2, 70, 5), (2, 65, 3), (9, 1, 4), (7, 3), (5,), ()]
+#: 64), plus unfactored tensors (the unfolded kernel in the same step). Batch axes: two tiles
+#: along a after a batch offset in (2, 65, 3), two batch axes of different sizes (3 × 2:
+#: swapping them moves elements) in (3, 2, 9, 5) (it was (3, 2, 70, 5): 6 × 2 tiles of 70
+#: rows, no path that the two do not take, as tests/test_kernels_velo_fold.py)
+SHAPES = [(70, 130), (130, 70), (3, 2, 9, 5), (2, 65, 3), (9, 1, 4), (7, 3), (5,), ()]
 
 
 def _worker() -> dict:

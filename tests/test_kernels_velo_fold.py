@@ -29,8 +29,11 @@ pytestmark = pytest.mark.skipif(not (has_torch and has_triton), reason="needs to
 
 EXACT = 1e-6
 #: (70, 130) and (130, 70): 2 × 3 tiles, both edges partial, either axis contiguous; batch
-#: axes (rank 3, 4); unfactored tensors (rank 0, 1) in the same launches
-SHAPES = [(70, 130), (130, 70), (3, 2, 70, 5), (2, 65, 3), (9, 1, 4), (7, 3), (5,), ()]
+#: axes (rank 3, 4): two tiles along a after a batch offset in (2, 65, 3), two batch axes of
+#: different sizes (3 × 2: swapping them moves elements) in (3, 2, 9, 5), one partial tile a
+#: batch (it was (3, 2, 70, 5): 6 × 2 tiles of 70 rows, 40% of a step under the interpreter,
+#: no path that the two do not take); unfactored tensors (rank 0, 1) in the same launches
+SHAPES = [(70, 130), (130, 70), (3, 2, 9, 5), (2, 65, 3), (9, 1, 4), (7, 3), (5,), ()]
 
 
 def _worker() -> dict:
@@ -52,8 +55,15 @@ def _worker() -> dict:
         g = torch.Generator().manual_seed(seed)
         return [torch.randn(s, generator=g).to(dtype).to(dev) for s in SHAPES]
 
+    #: θ (seed 3), drawn by the first VeLO made and given to the others: the same bits
+    #: (meta_init takes ~3.5 s a call here; tests/test_velo.py checks it)
+    velo_theta: dict = {}
+
     def make(params, impl):
-        return xt.VeLO(params, impl=impl, num_training_steps=100, seed=3)
+        opt = xt.VeLO(params, velo_theta.get("theta"), impl=impl, num_training_steps=100,
+                      seed=3)
+        velo_theta.setdefault("theta", opt.meta)
+        return opt
 
     # a shared state after two plain steps
     params = [torch.nn.Parameter(x) for x in tensors(0)]
