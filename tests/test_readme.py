@@ -17,7 +17,9 @@ def _readme_commands() -> list[str]:
 def test_readme_opens_with_install_and_test_commands():
     install_and_run, test = _readme_commands()[:2]
     assert "xopt parity adamw" in install_and_run and "pip install" in install_and_run
-    assert test.endswith("python -m pytest")
+    # the suite on every core (pytest-xdist, in the dev group), one test file per worker
+    # (each file's module fixtures, e.g. the kernel tests' child processes, run once)
+    assert test.endswith("python -m pytest -n auto --dist loadfile")
 
 
 def test_ci_runs_exactly_the_readme_test_command():
