@@ -17,9 +17,9 @@ def _readme_commands() -> list[str]:
 def test_readme_opens_with_install_and_test_commands():
     install_and_run, test = _readme_commands()[:2]
     assert "xopt parity adamw" in install_and_run and "pip install" in install_and_run
-    # the suite on every core (pytest-xdist, in the dev group), one test file per worker
+    # the suite on up to 4 cores (pytest-xdist, in the dev group), one test file per worker
     # (each file's module fixtures, e.g. the kernel tests' child processes, run once)
-    assert test.endswith("python -m pytest -n auto --dist loadfile")
+    assert test.endswith("python -m pytest -n auto --maxprocesses 4 --dist loadfile")
 
 
 def test_ci_runs_exactly_the_readme_test_command():
