@@ -52,8 +52,8 @@ def build(tag, which, **cons):
 which = sys.argv[1:] or ["A", "B0", "B1", "B0s", "B1s", "B0sh1", "B1sh1", "B1sh2", "B1h2"]
 for w in which:
     try:
-        if w == "A":
-            build("A", "A")
+        if w in ("A", "A_h"):  # A_h: kernel A with float16 halves
+            build(w, "A", F16=w == "A_h")
         else:
             # B<pipe>[s: layer-1 A in smem][h<HBUF>: layer-2 A in smem]
             build(w, "B", PIPE=w[1] == "1", A1_SMEM="s" in w, A2_SMEM="h" in w,

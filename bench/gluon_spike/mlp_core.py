@@ -77,6 +77,25 @@ def _dot3_acc(x, w_hi, w_lo, acc, PRODUCTS: tl.constexpr):
 
 
 @triton.jit
+def _split16(w):
+    """``(w_hi, w_lo)`` float16: ``w_hi = fp16(w)``, ``w_lo = fp16(w − w_hi)`` (11-bit
+    significands, as TF32's; no scaling: the spike's values sit in float16's range)."""
+    w_hi = w.to(tl.float16)
+    return w_hi, (w - w_hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _dot3_acc16(x, w_hi, w_lo, acc):
+    """``acc + x @ w`` with float16 halves (``w_hi``, ``w_lo`` from :func:`_split16`):
+    x_lo·w_hi, x_hi·w_lo, x_hi·w_hi, float32 accumulation; float16 products are exact in
+    float32 and the tensor cores take K = 16 per instruction, twice TF32's."""
+    x_hi, x_lo = _split16(x)
+    acc = tl.dot(x_lo, w_hi, acc)
+    acc = tl.dot(x_hi, w_lo, acc)
+    return tl.dot(x_hi, w_hi, acc)
+
+
+@triton.jit
 def _mma_to_operand(h, HP: tl.constexpr):
     """Columns ``c = 8j + 2q + r → 8j + 4r + q`` (small_fc_lopt's relabeling)."""
     h = tl.reshape(h, [h.shape[0], HP // 8, 4, 2])
@@ -115,9 +134,12 @@ def _features16(g, p, gr, cf_ptr, K1: tl.constexpr):
 @triton.jit
 def mlp_a_kernel(g_ptr, p_ptr, t_ptr, cf_ptr, w1_ptr, w2_ptr, vec_ptr, d_ptr, m_ptr, N,
                  BLOCK: tl.constexpr, K1: tl.constexpr, HP: tl.constexpr,
-                 PRODUCTS: tl.constexpr = 3):
+                 PRODUCTS: tl.constexpr = 3, F16: tl.constexpr = False):
     """Kernel A. ``cf`` [3, K1] (ca, cb, cc); ``w1`` [2, K1, HP] (hi, lo); ``w2`` [2, HP, HP]
-    (hi, lo; rows permuted); ``vec`` [6, HP]: b0, wt, b1, wo0, wo1, (bo0, bo1, 0...)."""
+    (hi, lo; rows permuted); ``vec`` [6, HP]: b0, wt, b1, wo0, wo1, (bo0, bo1, 0...).
+    ``F16``: the three products with float16 halves instead of TF32 (``w`` = hi + lo split
+    again in the kernel; ``w2`` not permuted: a float16 operand's register layout is the
+    accumulator's, so the hidden layer needs no relabeling)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n_sub = tl.cdiv(N, BLOCK)
@@ -135,6 +157,9 @@ def mlp_a_kernel(g_ptr, p_ptr, t_ptr, cf_ptr, w1_ptr, w2_ptr, vec_ptr, d_ptr, m_
     wo1 = tl.load(vec_ptr + 4 * HP + hc)
     bo0 = tl.load(vec_ptr + 5 * HP)
     bo1 = tl.load(vec_ptr + 5 * HP + 1)
+    if F16:
+        w1h, w1l = _split16(w1h + w1l)
+        w2h, w2l = _split16(w2h + w2l)
     # the first sub-tile's inputs
     off_n = pid.to(tl.int64) * BLOCK + r
     msk_n = off_n < N
@@ -155,9 +180,14 @@ def mlp_a_kernel(g_ptr, p_ptr, t_ptr, cf_ptr, w1_ptr, w2_ptr, vec_ptr, d_ptr, m_
         ab = tl.fma(tl.broadcast_to(t[:, None], [BLOCK, HP]),
                     tl.broadcast_to(wt[None, :], [BLOCK, HP]),
                     tl.broadcast_to(b0[None, :], [BLOCK, HP]))
-        h = tl.maximum(_dot3_acc(x, w1h, w1l, ab, PRODUCTS), 0.0)
-        h = _mma_to_operand(h, HP)
-        h = tl.maximum(_dot3_acc(h, w2h, w2l, tl.zeros_like(h), PRODUCTS) + b1[None, :], 0.0)
+        if F16:
+            h = tl.maximum(_dot3_acc16(x, w1h, w1l, ab), 0.0)
+            h = tl.maximum(_dot3_acc16(h, w2h, w2l, tl.zeros_like(h)) + b1[None, :], 0.0)
+        else:
+            h = tl.maximum(_dot3_acc(x, w1h, w1l, ab, PRODUCTS), 0.0)
+            h = _mma_to_operand(h, HP)
+            h = tl.maximum(_dot3_acc(h, w2h, w2l, tl.zeros_like(h), PRODUCTS) + b1[None, :],
+                           0.0)
         d = tl.sum(h * wo0[None, :], axis=1) + bo0
         m = tl.sum(h * wo1[None, :], axis=1) + bo1
         tl.store(d_ptr + off, d, mask=msk)
@@ -410,7 +440,8 @@ def mlp_b_kernel(g_ptr, p_ptr, t_ptr, cf_ptr, w1_ptr, w2_ptr, vec_ptr, d_ptr, m_
 #: kernel variants: name → (kernel, constexprs and launch options). B variants' names: 0/1 =
 #: PIPE; "s" = layer 1's A operand from shared memory; "h<n>" = layer 2's A operand from
 #: shared memory with n buffers (else relabeled registers); "_r<n>": register cap n; "_f":
-#: fast mode (one TF32 product per layer instead of three)
+#: fast mode (one TF32 product per layer instead of three); "A_h": kernel A with float16
+#: halves instead of TF32 ones (eighth session, for the products' cost)
 VARIANTS = {
     "A": ("A", {}),
     "B0": ("B", dict(PIPE=False, A1_SMEM=False)),
@@ -422,6 +453,7 @@ VARIANTS = {
     "B1sh2": ("B", dict(PIPE=True, A1_SMEM=True, A2_SMEM=True, HBUF=2)),
     "B1s_r168": ("B", dict(PIPE=True, A1_SMEM=True, maxnreg=168)),
     "A_f": ("A", dict(PRODUCTS=1)),
+    "A_h": ("A", dict(F16=True)),
     "B0_f": ("B", dict(PIPE=False, A1_SMEM=False, PRODUCTS=1)),
     "B0s_f": ("B", dict(PIPE=False, A1_SMEM=True, PRODUCTS=1)),
     "B1s_f": ("B", dict(PIPE=True, A1_SMEM=True, PRODUCTS=1)),
@@ -535,7 +567,8 @@ def main():
     args_plain = kernel_args(prm, relabel=False)
 
     def wargs(name):
-        return args_plain if VARIANTS[name][1].get("A2_SMEM") else args_rel
+        cons = VARIANTS[name][1]
+        return args_plain if cons.get("A2_SMEM") or cons.get("F16") else args_rel
 
     for n in a.n:
         gen = torch.Generator(device=dev).manual_seed(n)
