@@ -53,6 +53,23 @@ def worker_results(test_file: str | Path, timeout: int) -> dict:
     return res
 
 
+def velo_sharing_theta(**fixed):
+    """``make(params, **kw)``: ``xopt.torch.VeLO(params, θ, **fixed, **kw)`` where θ is the
+    one the first optimizer made drew (``meta_init`` takes seconds a call on a CPU; with
+    ``fixed``'s seed every optimizer would draw the same bits, tests/test_velo.py checks
+    it)."""
+    import xopt.torch as xt
+
+    theta: dict = {}
+
+    def make(params, **kw):
+        opt = xt.VeLO(params, theta.get("theta"), **fixed, **kw)
+        theta.setdefault("theta", opt.meta)
+        return opt
+
+    return make
+
+
 def max_rel(a, b) -> float:
     """``max|a − b| / max|b|`` of two tensors, in float64 (0 for empty or equal tensors)."""
     if a.numel() == 0:

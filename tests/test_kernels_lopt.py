@@ -19,7 +19,15 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, has_torch, has_triton, max_rel, rounding_sensitivity, worker_results
+from helpers import (
+    REPO,
+    has_torch,
+    has_triton,
+    max_rel,
+    rounding_sensitivity,
+    velo_sharing_theta,
+    worker_results,
+)
 
 if has_torch:
     import torch
@@ -78,18 +86,13 @@ def _worker() -> dict:
         return [torch.randn(s, generator=g).to(dtype).to(dev) for s in SHAPES]
 
     rel = max_rel
-    #: VeLO's θ (seed 3), drawn by the first VeLO made and given to the others: the same
-    #: bits (meta_init takes ~3.5 s a call here; tests/test_velo.py checks it)
-    velo_theta: dict = {}
+    make_velo = velo_sharing_theta(num_training_steps=100, seed=3)  # θ drawn once
 
     def make(method, params, impl, precision="exact", **kw):
         if method == "small_fc_lopt":
             return xt.SmallFCLOpt(params, impl=impl, precision=precision, num_training_steps=100,
                                   hidden_size=32, step_mult=0.01, **kw)
-        opt = xt.VeLO(params, velo_theta.get("theta"), impl=impl, precision=precision,
-                      num_training_steps=100, seed=3, **kw)
-        velo_theta.setdefault("theta", opt.meta)
-        return opt
+        return make_velo(params, impl=impl, precision=precision, **kw)
 
     def run(method, impl, precision="exact", dtype=torch.float32, steps=2, **kw):
         params = params_for(dtype)

@@ -23,7 +23,14 @@ import json
 import sys
 
 import pytest
-from helpers import has_torch, has_triton, max_rel, rounding_sensitivity, worker_results
+from helpers import (
+    has_torch,
+    has_triton,
+    max_rel,
+    rounding_sensitivity,
+    velo_sharing_theta,
+    worker_results,
+)
 
 pytestmark = pytest.mark.skipif(not (has_torch and has_triton), reason="needs torch and triton")
 
@@ -41,7 +48,6 @@ def _worker() -> dict:
 
     import torch
 
-    import xopt.torch as xt
     from xopt.kernels import lopt_common as C
     from xopt.kernels import velo as kv
     from xopt.specs import velo as sv
@@ -55,15 +61,10 @@ def _worker() -> dict:
         g = torch.Generator().manual_seed(seed)
         return [torch.randn(s, generator=g).to(dtype).to(dev) for s in SHAPES]
 
-    #: θ (seed 3), drawn by the first VeLO made and given to the others: the same bits
-    #: (meta_init takes ~3.5 s a call here; tests/test_velo.py checks it)
-    velo_theta: dict = {}
+    make_velo = velo_sharing_theta(num_training_steps=100, seed=3)  # θ drawn once
 
     def make(params, impl):
-        opt = xt.VeLO(params, velo_theta.get("theta"), impl=impl, num_training_steps=100,
-                      seed=3)
-        velo_theta.setdefault("theta", opt.meta)
-        return opt
+        return make_velo(params, impl=impl)
 
     # a shared state after two plain steps
     params = [torch.nn.Parameter(x) for x in tensors(0)]
@@ -293,7 +294,6 @@ def test_glue_compile_failure_runs_eagerly(monkeypatch):
         assert glue(1, 2) == "eager"
     assert glue(3) == "eager"
     assert tried == [(1, 2)] and calls == [(1, 2), (3,)]
-
 
 
 def test_glue_not_compiled_inside_a_callers_capture(monkeypatch):
