@@ -67,6 +67,24 @@ def loop_opcodes(sass: str) -> collections.Counter:
                                for a, t in ins if start <= a <= end)
 
 
+def assemble(ptx: str, out: Path, stem: str) -> tuple[str, str, str]:
+    """``ptx`` assembled for sm_90a with Triton's bundled ``ptxas -v`` (into
+    ``out/stem.cubin``) and disassembled: ``(registers, spill store bytes, SASS)``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.ptx").write_text(ptx)
+    nv = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    ptxas = next(p for p in (nv / "ptxas-blackwell", nv / "ptxas") if p.exists())
+    res = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(out / f"{stem}.ptx"), "-o",
+                          str(out / f"{stem}.cubin")], capture_output=True, text=True)
+    if res.returncode:
+        sys.exit(res.stderr)
+    regs = re.findall(r"Used (\d+) registers", res.stderr)
+    spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
+    sass = subprocess.run([str(nv / "cuobjdump"), "-sass", str(out / f"{stem}.cubin")],
+                          capture_output=True, text=True).stdout
+    return regs[0] if regs else "?", spills[0] if spills else "0", sass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--warps", type=int, default=K.WARPS_FOLD)
@@ -75,24 +93,11 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/xopt_sm90")
     a = ap.parse_args()
     kern = compile_fused(a.warps, a.sa, a.maxnreg)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fused.ptx").write_text(kern.asm["ptx"])
-    nv = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    ptxas = next(p for p in (nv / "ptxas-blackwell", nv / "ptxas") if p.exists())
-    res = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(out / "fused.ptx"), "-o",
-                          str(out / "fused.cubin")], capture_output=True, text=True)
-    if res.returncode:
-        sys.exit(res.stderr)
-    regs = re.findall(r"Used (\d+) registers", res.stderr)
-    spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
-    sass = subprocess.run([str(nv / "cuobjdump"), "-sass", str(out / "fused.cubin")],
-                          capture_output=True, text=True).stdout
+    regs, spills, sass = assemble(kern.asm["ptx"], Path(a.out), "fused")
     ops = loop_opcodes(sass)
-    print(f"triton {triton.__version__}, {ptxas.name}, warps {a.warps}, SA {a.sa}, maxnreg "
+    print(f"triton {triton.__version__}, warps {a.warps}, SA {a.sa}, maxnreg "
           f"{a.maxnreg or '-'}, DISABLE_MMA_V3={os.environ.get('DISABLE_MMA_V3', '')}: "
-          f"registers {regs[0] if regs else '?'}, spill stores {spills[0] if spills else 0} "
-          f"B, loop instructions {sum(ops.values())}")
+          f"registers {regs}, spill stores {spills} B, loop instructions {sum(ops.values())}")
     print("  " + ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
 
 

@@ -6,17 +6,19 @@
 """
 import os
 import re
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pathlib import Path
+
 import mlp_core as M
 import triton
+from sm90_compile import assemble
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
-B = os.path.dirname(triton.__file__) + "/backends/nvidia/bin"
 names = "g_ptr p_ptr t_ptr cf_ptr w1_ptr w2_ptr vec_ptr d_ptr m_ptr".split()
 def sig():
     s = {n: "*fp32" for n in names}
@@ -33,19 +35,10 @@ def build(tag, which, **cons):
         src = GluonASTSource(fn=M.mlp_b_kernel, signature=s, constexprs=cons)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=4, num_stages=1))
-    d = f"/tmp/gsp/{triton.__version__}"
-    os.makedirs(d, exist_ok=True)
-    for ext in ("ttgir", "ptx"):
-        open(f"{d}/{tag}.{ext}", "w").write(k.asm[ext])
-    open(f"{d}/{tag}.cubin", "wb").write(k.asm["cubin"])
-    sass = subprocess.run([f"{B}/cuobjdump", "-sass", f"{d}/{tag}.cubin"],
-                          capture_output=True, text=True).stdout
-    open(f"{d}/{tag}.sass", "w").write(sass)
+    out = Path(f"/tmp/gsp/{triton.__version__}")
+    regs, spill, sass = assemble(k.asm["ptx"], out, tag)
+    (out / f"{tag}.ttgir").write_text(k.asm["ttgir"])
     n_ins = len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))
-    v = subprocess.run([f"{B}/ptxas", "-arch=sm_90a", "-v", f"{d}/{tag}.ptx", "-o", "/dev/null"],
-                       capture_output=True, text=True).stderr
-    regs = re.findall(r"Used (\d+) registers", v)
-    spill = re.findall(r"(\d+) bytes spill stores", v)
     print(f"{tag}: regs {regs} spill_st {spill} shared {k.metadata.shared} "
           f"SASS {n_ins} HGMMA {sass.count('HGMMA')} DEPBAR {sass.count('WARPGROUP.DEPBAR')} "
           f"ARRIVE {sass.count('WARPGROUP.ARRIVE')} BAR.SYNC {sass.count('BAR.SYNC')}", flush=True)
