@@ -57,6 +57,9 @@ VARIANTS = {
     "g2_8": (dict(SA_G2=8), True),
     "g2_4": (dict(SA_G2=4), True),
     "terms4": (dict(TERMS=4), True),
+    # ninth session: exact mode's products on TF32 halves (as before) instead of float16
+    "tf32": (dict(F16=False), True),
+    "tf32_terms4": (dict(F16=False, TERMS=4), True),
     "fast": (dict(), True, "fast"),
     "ra2_fast": (dict(RA=2), True, "fast"),
     "st72": (dict(MAXNREG_STATS=72), True),
@@ -164,6 +167,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true",
                     help="also print each variant's main kernels' CUDA time per step")
+    ap.add_argument("--check", action="store_true",
+                    help="also print each variant's step, parameters and state against the "
+                    "plain path's in float64 (bench/lopt_step.py's check_exact)")
     ap.add_argument("--gap", action="store_true",
                     help="also print the step's time back to back (no synchronization "
                     "between steps), the host's time per step and all kernels' CUDA time")
@@ -215,6 +221,11 @@ def main() -> None:
                 if prof:
                     print("    kernels ms/step: " + "  ".join(
                         f"{k} {v:.3f}" for k, v in prof.items()), flush=True)
+                if args.check:
+                    chk = B.check_exact("small_fc_lopt", shapes, (prec or ["exact"])[0])
+                    print("    vs plain (float64): " + "  ".join(
+                        f"{k} {v:.3e}" if isinstance(v, float) else f"{k} {v}"
+                        for k, v in chk.items()), flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"{name:16s} failed: {type(e).__name__}: {e}", flush=True)
     for k, v in defaults.items():
