@@ -57,9 +57,8 @@ VARIANTS = {
     "g2_8": (dict(SA_G2=8), True),
     "g2_4": (dict(SA_G2=4), True),
     "terms4": (dict(TERMS=4), True),
-    # ninth session: exact mode's products on TF32 halves (as before) instead of float16
-    "tf32": (dict(F16=False), True),
-    "tf32_terms4": (dict(F16=False, TERMS=4), True),
+    # (ninth session: float16 halves, F16 = True, against "tf32" = F16=False and "terms4",
+    # ran at commit 79ae17d and were removed; figures in bench/RESULTS.md)
     "fast": (dict(), True, "fast"),
     "ra2_fast": (dict(RA=2), True, "fast"),
     "st72": (dict(MAXNREG_STATS=72), True),

@@ -1,11 +1,9 @@
 """small_fc_lopt's folded fused kernel compiled for sm_90a on a machine without a GPU.
 
-    python bench/sm90_compile.py [--maxnreg N] [--warps W] [--sa SA] [--prec P] [--terms T]
-                                 [--out DIR]
+    python bench/sm90_compile.py [--maxnreg N] [--warps W] [--sa SA] [--out DIR]
 
 Compiles :func:`xopt.kernels.small_fc_lopt.sfc_fold_fused_kernel` with the module's
-settings (PyLO's MLP: hidden width 32, one hidden layer, exact mode: float16 halves
-unless ``--prec tf32x3`` or ``XOPT_LOPT_F16=0``) through
+settings (PyLO's MLP: hidden width 32, one hidden layer, exact mode) through
 ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, assembles the PTX with Triton's
 bundled ``ptxas`` (``-arch=sm_90a -v``: registers, spills) and disassembles it with
 ``cuobjdump -sass``; prints the registers, the spill bytes and the instructions of the
@@ -39,17 +37,13 @@ POINTERS = dict(meta="*i64", pids="*i32", prog="*i32", ptrs="*i64", rcm="*fp32",
                 part="*fp64", exp_mult="fp32", step_mult="fp32")
 
 
-def compile_fused(warps: int, sa: int, maxnreg: int, prec: str = "tf32x3",
-                  terms: int = K.TERMS):
+def compile_fused(warps: int, sa: int, maxnreg: int):
     fn = K.sfc_fold_fused_kernel
-    cons = dict(PREC=prec, TERMS=terms, HP=32, NHID=1, NPTR=K.NPTR, NF=L.NFIELDS,
+    cons = dict(PREC="tf32x3", TERMS=K.TERMS, HP=32, NHID=1, NPTR=K.NPTR, NF=L.NFIELDS,
                 TA=L.TA, TB=L.TB, SA=sa, PREFETCH=K.PREFETCH, AB_ACC=K.AB_ACC,
                 LO_RN=K.SPLIT_LO != "hw", RA=K.RA)
     cons = {k: v for k, v in cons.items() if k in fn.arg_names}
-    ptrs = dict(POINTERS)
-    if prec == "f16x3":  # float16 halves: the per-tensor first layer and the hidden layer
-        ptrs.update(w16n="*fp16", wh="*fp16")
-    sig = {**ptrs, **{k: "constexpr" for k in cons}}
+    sig = {**POINTERS, **{k: "constexpr" for k in cons}}
     opts = dict(num_warps=warps, num_stages=K.STAGES_FOLD)
     if maxnreg:
         opts["maxnreg"] = maxnreg
@@ -96,16 +90,12 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=K.WARPS_FOLD)
     ap.add_argument("--sa", type=int, default=K.SA_FOLD)
     ap.add_argument("--maxnreg", type=int, default=0)
-    ap.add_argument("--prec", default="f16x3" if K.F16 else "tf32x3",
-                    choices=("tf32x3", "f16x3", "tf32"))
-    ap.add_argument("--terms", type=int, default=K.TERMS)
     ap.add_argument("--out", default="/tmp/xopt_sm90")
     a = ap.parse_args()
-    kern = compile_fused(a.warps, a.sa, a.maxnreg, a.prec, a.terms)
+    kern = compile_fused(a.warps, a.sa, a.maxnreg)
     regs, spills, sass = assemble(kern.asm["ptx"], Path(a.out), "fused")
     ops = loop_opcodes(sass)
-    print(f"triton {triton.__version__}, {a.prec} ({a.terms} products), warps {a.warps}, "
-          f"SA {a.sa}, maxnreg "
+    print(f"triton {triton.__version__}, warps {a.warps}, SA {a.sa}, maxnreg "
           f"{a.maxnreg or '-'}, DISABLE_MMA_V3={os.environ.get('DISABLE_MMA_V3', '')}: "
           f"registers {regs}, spill stores {spills} B, loop instructions {sum(ops.values())}")
     print("  " + ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))

@@ -517,10 +517,7 @@ def dot3_acc(x, w_hi, w_lo, acc, PREC: tl.constexpr, TERMS: tl.constexpr,
     first). ``LO_RN=False`` (exact mode): ``x_lo = x − x_hi`` is passed as float32 and the
     tensor cores read its TF32 truncation: for x in [2^e, 2^(e+1)), |x_lo| ≤ 2^-11·2^e, so
     the error is below 2^-22·2^e instead of 2^-23·2^e, for two integer ops less per
-    operand. ``PREC="f16x3"``: the same three products on float16 halves
-    (:func:`split_f16`; ``w_hi``, ``w_lo`` float16), where wgmma takes K = 16 per
-    instruction instead of TF32's 8; the caller keeps ``x`` and ``w`` inside float16's
-    range."""
+    operand."""
     if PREC == "tf32x3":
         x_hi = round_tf32(x)
         if LO_RN:
@@ -532,27 +529,8 @@ def dot3_acc(x, w_hi, w_lo, acc, PREC: tl.constexpr, TERMS: tl.constexpr,
         if TERMS == 4:
             acc = tl.dot(x_lo, w_lo, acc, input_precision="tf32")
         return tl.dot(x_hi, w_hi, acc, input_precision="tf32")
-    elif PREC == "f16x3":
-        x_hi, x_lo = split_f16(x)
-        acc = tl.dot(x_lo, w_hi, acc)
-        acc = tl.dot(x_hi, w_lo, acc)
-        if TERMS == 4:
-            acc = tl.dot(x_lo, w_lo, acc)
-        return tl.dot(x_hi, w_hi, acc)
     else:
         return tl.dot(x, w_hi, acc, input_precision="tf32")
-
-
-@triton.jit
-def split_f16(x):
-    """``(x_hi, x_lo)`` float16 halves of float32 ``x``: ``x_hi = fp16(x)``, ``x_lo =
-    fp16(x − x_hi)``, both rounded to nearest even. float16 carries TF32's 11-bit
-    significand, so ``x_hi + x_lo`` holds x to 2^-23 of |x| where ``x_lo`` is a normal
-    number (|x| ≥ 2^-3) and to 2^-25 absolutely below that; |x| must stay below 65504
-    (the caller scales x by a power of two: see xopt.kernels.small_fc_lopt's float16
-    halves). A product of two float16 numbers is exact in float32."""
-    x_hi = x.to(tl.float16)
-    return x_hi, (x - x_hi.to(tl.float32)).to(tl.float16)
 
 
 def _round_tf32_host(w: torch.Tensor) -> torch.Tensor:
@@ -565,15 +543,6 @@ def split_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = w.contiguous()
     hi = _round_tf32_host(w)
     return hi.contiguous(), _round_tf32_host(w - hi).contiguous()
-
-
-def split_weights_f16(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host side of :func:`dot3_acc`'s ``"f16x3"``: ``(w_hi, w_lo)`` float16, ``w_hi =
-    fp16(w)``, ``w_lo = fp16(w − w_hi)`` (as :func:`split_f16`; ``w`` float32, scaled by
-    the caller into float16's range)."""
-    w = w.contiguous()
-    hi = w.to(torch.float16)
-    return hi, (w - hi.to(torch.float32)).to(torch.float16)
 
 
 @triton.jit

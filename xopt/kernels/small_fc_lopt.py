@@ -143,12 +143,6 @@ AB_ACC = os.environ.get("XOPT_LOPT_AB_ACC", "1") != "0"
 #: or rounded to nearest first ("rn": 2^-23 of |x|, as the other kernels)
 #: (XOPT_LOPT_SPLIT_LO; :func:`xopt.kernels.lopt_common.dot3_acc`)
 SPLIT_LO = os.environ.get("XOPT_LOPT_SPLIT_LO", "hw")
-#: exact mode, folded fused kernel, MLPs with at most one hidden-to-hidden layer: the three
-#: split-precision products on float16 halves instead of TF32 halves ("f16x3",
-#: :func:`xopt.kernels.lopt_common.dot3_acc`; XOPT_LOPT_F16=0: TF32 halves). Both carry
-#: 11-bit significands; float16's range is kept by power-of-two scales that change no bit
-#: of the products (see "Float16 halves" in the module's docstring)
-F16 = os.environ.get("XOPT_LOPT_F16", "1") != "0"
 #: the statistics kernel's PREFETCH (XOPT_LOPT_PREFETCH_STATS; on at a cap of 96 registers:
 #: 0.986 ms against 0.889 per ViT-B/16 step with the settings then; H100, triton 3.6).
 #: Tried in the fused kernel this session and removed (code at f018735, figures per ViT-B/16
@@ -162,7 +156,12 @@ F16 = os.environ.get("XOPT_LOPT_F16", "1") != "0"
 #: thread and row (31 fewer instructions per sub-tile: 4.738-4.743 ms against 4.717 for
 #: tl.sum), the next sub-tile's a-axis statistics loaded ahead (5.081) and its axis terms too
 #: (4.908): the kernel is bound by latency at two warps per scheduler, not by issue
-#: (bench/RESULTS.md, eighth session)
+#: (bench/RESULTS.md, eighth session). Tried in the ninth session and removed (code at
+#: 79ae17d): exact mode's three products on float16 halves instead of TF32 halves (K = 16
+#: per wgmma, half the HGMMA; features, hidden layer and weights kept in float16's range by
+#: power-of-two scales): 229 registers, 770 loop instructions; the fused kernel 4.560
+#: against 4.714 ms per ViT-B/16 step, 17.87 against 18.34 on GPT-2 medium (-3%), the step
+#: 2.05e-6 from float64 against 1.86e-6 on ViT-B/16's shapes
 PREFETCH_STATS = os.environ.get("XOPT_LOPT_PREFETCH_STATS", "0") != "0"
 #: tiles along the a axis per program of the folded fused kernel (XOPT_LOPT_RA: its
 #: per-program set-up, loads of the weights, axis terms and factors of the b axis, done
@@ -248,14 +247,10 @@ def _mlp_tail(h, w1h, w1l, b1, wh, bh, wl0, wl1, bl0, bl1, HP: tl.constexpr,
     output layer's two used columns ``wl0``, ``wl1`` [HP] and biases: float32 FMAs.
 
     Each hidden layer's input columns are first permuted by :func:`_mma_to_operand`, and
-    the hidden layers' rows are stored permuted likewise (:func:`_operand_perm`), except
-    with ``PREC="f16x3"``: a float16 A operand's register layout is the accumulator's
-    (rows not permuted; at most one hidden-to-hidden layer)."""
-    tl.static_assert(PREC != "f16x3" or NHID <= 1)
+    the hidden layers' rows are stored permuted likewise (:func:`_operand_perm`)."""
     hc = tl.arange(0, HP)
     if NHID > 0:
-        if PREC != "f16x3":
-            h = _mma_to_operand(h, HP)
+        h = _mma_to_operand(h, HP)
         h = tl.maximum(C.dot3_acc(h, w1h, w1l, tl.zeros_like(h), PREC, TERMS, LO_RN)
                        + b1[None, :], 0.0)
     for i in tl.static_range(1, NHID):
@@ -310,17 +305,15 @@ def _axis_weight(invp, w0f, fi, HP: tl.constexpr):
 
 
 @triton.jit
-def sfc_axis_kernel(aprog, ptrs, norm, w0f, terms, scales, HP: tl.constexpr,
-                    NPTR: tl.constexpr, FB: tl.constexpr, SCALED: tl.constexpr = False):
+def sfc_axis_kernel(aprog, ptrs, norm, w0f, terms, HP: tl.constexpr, NPTR: tl.constexpr,
+                    FB: tl.constexpr):
     """The first-layer terms of the axis features, one row of ``terms`` [E, HP] per entry
     of every factored tensor's ``v_row`` and ``v_col``: ``Σ_k v_k · inv[fv+k]·W0[fv+k] +
     rsqrt(v_k + 1e-8) · inv[fv+6+k]·W0[fv+6+k]`` (``fv`` = 13 for ``v_row``, 16 for
     ``v_col``; ``inv`` the tensor's normalizers ``norm[t]``), float32 FMAs in that order.
     Program ``pid`` covers the FB entries from ``e0`` of ``aprog[pid] = (t, which, e0, n,
     dst)`` (``which`` 0: ``v_row``, 1: ``v_col``; ``n`` the entries in the statistic,
-    ``dst`` the row of ``terms`` of its entry 0). ``SCALED`` (float16 halves): the terms
-    times the tensor's hidden scale ``scales[t, 16]`` (a power of two: the same bits
-    scaled)."""
+    ``dst`` the row of ``terms`` of its entry 0)."""
     pid = tl.program_id(0)
     t = tl.load(aprog + pid * 5)
     which = tl.load(aprog + pid * 5 + 1)
@@ -338,44 +331,16 @@ def sfc_axis_kernel(aprog, ptrs, norm, w0f, terms, scales, HP: tl.constexpr,
     for k in tl.static_range(3):
         v = tl.load(vp + e * 3 + k, mask=msk, other=1.0)
         h += tl.math.rsqrt(v + 1e-8)[:, None] * _axis_weight(invp, w0f, fv + 6 + k, HP)[None, :]
-    if SCALED:
-        h = h * tl.load(scales + t * 32 + 16)
     tl.store(terms + (dst + e)[:, None].to(tl.int64) * HP + hc[None, :], h, mask=msk[:, None])
 
 
 @triton.jit
-def _pow2_floor(x):
-    """The largest power of two ≤ x (x > 0, finite, normal): x with its mantissa cleared."""
-    return (x.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _pow2_recip(p):
-    """1 / p for a power of two p (normal, 2^-126 < 1/p): exact, by the exponent."""
-    return (0x7F000000 - p.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def sfc_norm_kernel(sums, numel, w16, norm, w16n, colabs, b0, scales, HP: tl.constexpr,
-                    SPLIT: tl.constexpr):
+def sfc_norm_kernel(sums, numel, w16, norm, w16n, HP: tl.constexpr, SPLIT: tl.constexpr):
     """Per tensor ``t`` (one program each): the normalizers ``norm[t] = rsqrt(1e-5 +
     float32(sums[t] / numel[t]))`` [32] (``sums`` float64 [n_tensors, 32]: Σ feature²), and
     the folded kernels' per-element first-layer rows with them folded in, ``w16n[t] =
     (inv[ELEM_FEATURES, None] · W16)`` [16, HP], stored as its TF32 halves (hi, then lo:
-    [n_tensors, 2, 16, HP]) if ``SPLIT = 1`` (exact mode), as is (and a zero lo half) if
-    ``SPLIT = 0``.
-
-    ``SPLIT = 2`` (exact mode, float16 halves): the per-element feature k is multiplied in
-    the fused kernel by ``s_k``, the largest power of two ≤ ``inv_k``, and the hidden layer
-    by ``tsc``, a power of two with ``tsc · B < 2^14`` for the bound ``B = max_j (2·√numel ·
-    Σ_k |W0[k, j]| + |b0[j]|)`` on the first layer's outputs (a normalized feature is at most
-    √numel in magnitude: max f² ≤ Σ f²; the 2 covers the rounding of the sums; ``colabs`` =
-    Σ_k |W0[k, :]| over the 28 feature rows, ``b0`` the bias with the time features).
-    ``w16n[t]`` holds the float16 halves of ``W16n · tsc / s_k`` (row k), the same float32
-    numbers scaled by powers of two, so that ``(x_k·s_k) · (W16n[k]·tsc/s_k)`` are
-    ``tsc`` times the products of the TF32 path's operands; ``scales[t]`` = (s_0 … s_15,
-    tsc, 1/tsc, unused …) [32]. The normalized features (≤ √numel ≤ 2^13 for 67M elements) and
-    the scaled hidden activations (< 2^14) then lie in float16's range."""
+    [n_tensors, 2, 16, HP]) if ``SPLIT`` (exact mode), else as is (and a zero lo half)."""
     t = tl.program_id(0)
     c = tl.arange(0, 32)
     inv = tl.math.rsqrt(1e-5 + (tl.load(sums + t * 32 + c)
@@ -387,19 +352,7 @@ def sfc_norm_kernel(sums, numel, w16, norm, w16n, colabs, b0, scales, HP: tl.con
                                   / tl.load(numel + t).to(tl.float64)).to(tl.float32))
     w = inv16[:, None] * tl.load(w16 + kk[:, None] * HP + hc[None, :])
     out = w16n + t * 32 * HP + kk[:, None] * HP + hc[None, :]
-    if SPLIT == 2:
-        s16 = _pow2_floor(inv16)
-        bound = tl.max(2.0 * tl.sqrt(tl.load(numel + t).to(tl.float32))
-                       * tl.load(colabs + hc) + tl.abs(tl.load(b0 + hc)))
-        tsc = 8192.0 * _pow2_recip(_pow2_floor(tl.maximum(bound, 1e-30)))
-        w = w * (_pow2_recip(s16) * tsc)[:, None]
-        hi, lo = C.split_f16(w)
-        tl.store(out, hi)
-        tl.store(out + 16 * HP, lo)
-        tl.store(scales + t * 32 + kk, s16)
-        tl.store(scales + t * 32 + 16, tsc)
-        tl.store(scales + t * 32 + 17, _pow2_recip(tsc))
-    elif SPLIT == 1:
+    if SPLIT:
         hi = C.round_tf32(w)
         tl.store(out, hi)
         tl.store(out + 16 * HP, C.round_tf32(w - hi))
@@ -441,11 +394,7 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
     ``m`` and ``rms``. ``PREFETCH``: the next sub-tile's g, p, m and rms are loaded before
     this one is computed (their latency hidden behind its MLP); ``AB_ACC``: the axis terms
     and bias are the first matmul's starting accumulator; ``LO_RN``: see
-    :func:`_dot3_acc`. ``PREC="f16x3"`` (float16 halves): ``norm`` is the tensors'
-    ``scales`` table (:func:`sfc_norm_kernel`, ``SPLIT = 2``): each feature column k is
-    multiplied by ``s_k``, the bias and axis terms are ``tsc`` times the unscaled ones, and
-    the output layer's rows are multiplied by ``1/tsc`` (the tail weights: see
-    :meth:`SmallFCTriton._weights`)."""
+    :func:`_dot3_acc`."""
     BLOCK: tl.constexpr = SA * TB
     gpid, t, row, b, ta, tb, rc0, rc1, rc2 = _program(meta, pids, prog, rcm, NF)
     pp, gp, mp, rp, vr, vc, vd = C.tensor_ptrs(ptrs, t, NPTR)
@@ -478,16 +427,7 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
                                                                       NHID)
         ta_row = tl.load(tofs + t * 2 + tl.where(a_row, 0, 1))
         tb_row = tl.load(tofs + t * 2 + tl.where(b_row, 0, 1))
-        b0_t = tl.load(b0 + hc)
-        if PREC == "f16x3":
-            s16 = tl.load(norm + t * 32 + kk)
-            tsc = tl.load(norm + t * 32 + 16)
-            rtsc = tl.load(norm + t * 32 + 17)
-            b0_t = b0_t * tsc
-            b1_t = b1_t * tsc
-            wl0_t = wl0_t * rtsc
-            wl1_t = wl1_t * rtsc
-        b_term = b0_t[None, :] + tl.load(
+        b_term = tl.load(b0 + hc)[None, :] + tl.load(
             terms + (tb_row + bidx)[:, None] * HP + hc[None, :], mask=mb[:, None], other=0.0)
     else:
         z = tl.zeros([BLOCK], tl.float32)
@@ -528,15 +468,9 @@ def _fold_body(meta, pids, prog, ptrs, rcm, decays, norm, scal, w16n, terms, tof
         rms = rd * orr + (1 - rd) * (g * g)
         rr = tl.math.rsqrt(rms + 1e-6)
         if FUSED:
-            if PREC == "f16x3":  # masked rows: rr alone is not 0 (and unbounded by s_9)
-                rr_x = tl.where(mask, rr, 0.0)
-            else:
-                rr_x = rr
-            x = _cat16(g, p, m0, m1, m2, rms, m0 * rr, m1 * rr, m2 * rr, rr_x,
+            x = _cat16(g, p, m0, m1, m2, rms, m0 * rr, m1 * rr, m2 * rr, rr,
                        g * ff0, g * ff1, g * ff2, m0 * ff0, m1 * ff1, m2 * ff2)
             x = tl.reshape(x, [BLOCK, 16])
-            if PREC == "f16x3":
-                x = x * s16[None, :]
             a_term = tl.load(terms + (ta_row + aidx)[:, None] * HP + hc[None, :],
                              mask=ma[:, None], other=0.0)
             ab = tl.reshape(a_term[:, None, :] + b_term[None, :, :], [BLOCK, HP])
@@ -912,42 +846,12 @@ class SmallFCTriton:
         else:
             w0h, w0l = w0p, torch.zeros_like(w0p)
             whh, whl = wh, torch.zeros_like(wh)
-        wl = _pad(meta[f"mlp/w{nl}"], hp_, 16)
         out = dict(w0h=w0h, w0l=w0l, w16=w16, w0f=w0p.contiguous(),
                    wt=w0[NFEAT:], wh=torch.cat([whh.flatten(), whl.flatten()]),
-                   bh=bh.contiguous(), wl=wl,
+                   bh=bh.contiguous(), wl=_pad(meta[f"mlp/w{nl}"], hp_, 16),
                    bl=_pad(meta[f"mlp/b{nl}"][None], 1, 16)[0], hp=hp_, nhid=nl - 1, dot=dot)
-        out["f16"] = F16 and dot and FOLD and self.prec == "tf32x3" and nl <= 2
-        if out["f16"]:
-            out.update(self._f16_tail(w0p, meta["mlp/w1"] if nl > 1 else None, bh[0], wl))
         self._wcache = (key, out)
         return out
-
-    @staticmethod
-    def _f16_tail(w0p: torch.Tensor, w1: torch.Tensor | None, b1: torch.Tensor,
-                  wl: torch.Tensor) -> dict:
-        """The float16 halves' tail weights (exact mode, folded fused kernel): ``colabs``
-        [HP] = Σ_k |W0[k, :]| over the 28 feature rows (for :func:`sfc_norm_kernel`'s
-        bound); the hidden layer ``W1`` (unpermuted, [HP, HP]) with its column l times
-        ``u_l``, the power of two that puts max_j |W1[j, l]|·u_l in [2^7, 2^8), as float16
-        halves ``wh16`` [2, HP, HP]; ``b1·u`` and the output layer's rows divided by ``u``
-        (``bh16`` [1, HP], ``wl16`` [HP, 16]): powers of two, so that the hidden layer's
-        outputs are ``u_l·tsc`` times the unscaled ones and the output layer's products the
-        same float32 numbers. Without a hidden-to-hidden layer (``w1`` None) u = 1."""
-        hp_ = w0p.shape[1]
-        colabs = w0p[:NFEAT].abs().sum(0).contiguous()
-        if w1 is None:
-            u = torch.ones(hp_, dtype=torch.float32, device=w0p.device)
-            w1s = torch.zeros((hp_, hp_), dtype=torch.float32, device=w0p.device)
-        else:
-            w1p = _pad(w1, hp_, hp_)
-            _, e = torch.frexp(w1p.abs().amax(0))  # max = m·2^e, m in [0.5, 1)
-            u = torch.where(w1p.abs().amax(0) > 0, torch.ldexp(torch.ones_like(e,
-                            dtype=torch.float32), 8 - e), 1.0)
-            w1s = w1p * u[None, :]
-        hi, lo = C.split_weights_f16(w1s)
-        return dict(colabs=colabs, wh16=torch.stack([hi, lo]).contiguous(),
-                    bh16=(b1 * u)[None].contiguous(), wl16=(wl / u[:, None]).contiguous())
 
     def _tables(self, params, grads, states, outs, write_step, lrs, lrwds,  # noqa: ANN001
                 dev: torch.device, io) -> None:  # noqa: ANN001
@@ -1021,22 +925,15 @@ class SmallFCTriton:
         else:
             launches = [(*self._pids["all"], False)]
         tail = (w["wh"], w["bh"], w["wl"], w["bl"])
-        tail16 = (w["wh16"], w["bh16"], w["wl16"], w["bl"]) if w["f16"] else None
         consts = (float(hp.exp_mult), float(hp.step_mult))
-
-        f16 = fold and w["f16"]
 
         def run(pids, n, folded, fused, norm, w16n, terms, b0p):  # noqa: ANN001
             if n == 0:
                 return
-            f16_fused = f16 and folded and fused
-            args = (lay.meta, pids, lay.prog_all, ptrs, rcm, decays,
-                    scales if f16_fused else norm, scal)
+            args = (lay.meta, pids, lay.prog_all, ptrs, rcm, decays, norm, scal)
             if folded:
                 kern = sfc_fold_fused_kernel if fused else sfc_fold_stats_kernel
                 opts = dict(common)
-                if f16_fused:
-                    opts["PREC"] = "f16x3"
                 # (the fused kernel's cap was measured at HP = 32; wider MLPs need more)
                 # (the statistics kernel's, with one element per thread)
                 cap = (MAXNREG_FOLD if hp_ <= 32 else 0) if fused else \
@@ -1052,9 +949,8 @@ class SmallFCTriton:
                     opts.update(PREFETCH=PREFETCH_STATS)
                 if cap:
                     opts["maxnreg"] = cap
-                kern[(n,)](*args, w16n, terms, self._pids["tofs"], b0p,
-                           *(tail16 if f16_fused else tail), part, *consts,
-                           SA=SA_FOLD if fused else SA_STATS_FOLD, **opts)
+                kern[(n,)](*args, w16n, terms, self._pids["tofs"], b0p, *tail,
+                           part, *consts, SA=SA_FOLD if fused else SA_STATS_FOLD, **opts)
             else:
                 kern = sfc_fused_kernel if fused else sfc_stats_kernel
                 sa = (SA_DOT if w["dot"] else SA_FMA) if fused else SA_STATS
@@ -1063,7 +959,6 @@ class SmallFCTriton:
 
         for pids, n, folded in launches:  # (norm, w16n, terms, b0 unused: placeholders)
             run(pids, n, folded, False, part, part, part, part)
-        scales = part
         # the time features folded into the first bias: xopt.specs.small_fc_lopt's
         # time_features op for op, t the device counter and the timescales kept there
         tf = torch.tanh(self._it.to(dtype=b0.dtype) / self._ts - 1.0)
@@ -1071,20 +966,15 @@ class SmallFCTriton:
         sums = C.seg_sum(part, lay)
         n_t = len(lay.shapes)
         norm = torch.empty((n_t, 32), dtype=torch.float32, device=dev)
-        w16n = torch.empty((n_t, 2, 16, hp_), dtype=torch.float16 if f16 else torch.float32,
-                           device=dev)
-        split = 2 if f16 else int(self.prec == "tf32x3" and w["dot"])
-        if f16:
-            scales = torch.empty((n_t, 32), dtype=torch.float32, device=dev)
-        sfc_norm_kernel[(n_t,)](sums, lay.numel, w["w16"], norm, w16n,
-                                w["colabs"] if f16 else norm, b0p, scales, HP=hp_,
-                                SPLIT=split, num_warps=4)
+        w16n = torch.empty((n_t, 2, 16, hp_), dtype=torch.float32, device=dev)
+        sfc_norm_kernel[(n_t,)](sums, lay.numel, w["w16"], norm, w16n, HP=hp_,
+                                SPLIT=self.prec == "tf32x3" and w["dot"], num_warps=4)
         terms = part
         if fold and self._pids["aprog"][1]:
             aprog, n_ap = self._pids["aprog"]
             terms = torch.empty((self._pids["n_terms"], hp_), dtype=torch.float32, device=dev)
-            sfc_axis_kernel[(n_ap,)](aprog, ptrs, norm, w["w0f"], terms, scales, HP=hp_,
-                                     NPTR=NPTR, FB=AXIS_BLOCK, SCALED=f16, num_warps=4)
+            sfc_axis_kernel[(n_ap,)](aprog, ptrs, norm, w["w0f"], terms, HP=hp_, NPTR=NPTR,
+                                     FB=AXIS_BLOCK, num_warps=4)
         for pids, n, folded in (fused_launches if fold else launches):
             run(pids, n, folded, True, norm, w16n, terms, b0p)
         self._it.add_(1)
