@@ -115,8 +115,9 @@ def gap_ms(opt, steps: int = 20) -> dict[str, float]:
             "all_kernels_ms": total / 1e3 / 2}
 
 
-def kernel_ms(opt, steps: int = 2) -> dict[str, float]:
-    """CUDA time per step of the main kernels (torch.profiler over ``steps`` steps)."""
+def kernel_ms(opt, steps: int = 2, every: bool = False) -> dict[str, float]:
+    """CUDA time per step of the main kernels (torch.profiler over ``steps`` steps); of
+    every kernel (by name, the first 60 characters) if ``every``."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -126,7 +127,7 @@ def kernel_ms(opt, steps: int = 2) -> dict[str, float]:
         torch.cuda.synchronize()
     out: dict[str, float] = {}
     for e in p.key_averages():
-        for k in PROFILED:
+        for k in ((e.key[:60],) if every else PROFILED):
             if e.key.startswith(k):
                 t = getattr(e, "device_time_total", None)
                 if t is None:
@@ -166,6 +167,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true",
                     help="also print each variant's main kernels' CUDA time per step")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also print every kernel's CUDA time per step (torch.profiler)")
     ap.add_argument("--check", action="store_true",
                     help="also print each variant's step, parameters and state against the "
                     "plain path's in float64 (bench/lopt_step.py's check_exact)")
@@ -207,6 +210,7 @@ def main() -> None:
                 r = B.time_step(opt, None, 3, args.reps)
                 rec = opt._triton.graph_recordings
                 prof = kernel_ms(opt) if args.profile else {}
+                every = kernel_ms(opt, every=True) if args.kernels else {}
                 gap = gap_ms(opt) if args.gap else {}
                 del opt, params, res
                 torch.cuda.empty_cache()
@@ -220,6 +224,11 @@ def main() -> None:
                 if prof:
                     print("    kernels ms/step: " + "  ".join(
                         f"{k} {v:.3f}" for k, v in prof.items()), flush=True)
+                if args.kernels:
+                    ks = every
+                    print("    every kernel, ms/step (total %.3f):" % sum(ks.values()))
+                    for k, v in sorted(ks.items(), key=lambda kv: -kv[1]):
+                        print(f"      {v:8.4f}  {k}", flush=True)
                 if args.check:
                     chk = B.check_exact("small_fc_lopt", shapes, (prec or ["exact"])[0])
                     print("    vs plain (float64): " + "  ".join(
