@@ -275,6 +275,31 @@ def test_torch_closure_and_loss_rules():
 
 
 @needs_torch
+def test_torch_step_without_a_loss_reuses_one_zero_scalar():
+    """An optimizer that does not need the loss, stepped without one: its update sees a
+    float32 zero scalar, the same tensor at every step (no allocation, and on a GPU no fill
+    kernel, per step), and still 0 after the updates."""
+    import torch
+
+    seen = []
+
+    class NoLoss(_torch_toy()):
+        needs_loss = False
+
+        def _inner_update(self, entries, loss, gstate):
+            seen.append(loss)
+            super()._inner_update(entries, loss, gstate)
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = NoLoss([p], THETA, num_training_steps=5)
+    for _ in range(3):
+        p.grad = torch.ones(3)
+        opt.step()
+    assert len(seen) == 3 and all(s is seen[0] for s in seen)
+    assert seen[0].dtype == torch.float32 and seen[0].shape == () and float(seen[0]) == 0.0
+
+
+@needs_torch
 def test_torch_float64_param_update_is_taken_in_float64():
     import torch
 

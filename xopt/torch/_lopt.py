@@ -703,7 +703,12 @@ class LearnedOptimizer(torch.optim.Optimizer):
             if self.needs_loss:
                 raise ValueError(f"{name}.step needs the loss: call step(closure) with a closure "
                                  "that returns it, or step(loss=loss)")
-            return torch.zeros((), dtype=torch.float32, device=self._device)
+            # one zero scalar per optimizer and device, not a new one (an allocation and a
+            # fill kernel outside the step's CUDA graph) per step; every use is out of place
+            z = getattr(self, "_zero_loss", None)
+            if z is None or z.device != self._device:
+                z = self._zero_loss = torch.zeros((), dtype=torch.float32, device=self._device)
+            return z
         if isinstance(loss, Tensor):
             if loss.numel() != 1 or loss.is_complex() or not (
                     loss.is_floating_point() or loss.dtype in (torch.int32, torch.int64)):
