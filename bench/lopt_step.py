@@ -8,7 +8,8 @@ path (``precision="exact"`` and ``"fast"``) for small_fc_lopt (PyLO's size: hidd
 hidden layers) and VeLO, and PyLO's CUDA optimizers where ``pylo`` is importable. Reported
 per optimizer: median ms of ``step()`` (CUDA events, after warm-up; AdamW and the Triton
 steps timed side by side in interleaved rounds, each optimizer's timed steps after
-untimed ones of its own), the ratio to fused AdamW (and to AdamW's fastest round), the optimizer
+untimed ones of its own), the ratio to fused AdamW (and to AdamW's fastest round), the GPU's
+ms per step back to back and its ratio (AdamW and the Triton steps), the optimizer
 state's bytes and the peak extra memory of a step (``max_memory_allocated`` during the
 step minus what was allocated before it, plus what the optimizer keeps between steps
 beyond its state: tables, caches, and a CUDA graph's private pool, reserved or allocated).
@@ -145,6 +146,24 @@ def time_step(opt, loss, warmup: int, reps: int) -> dict:
     return summary(opt, loss, timed_steps(opt, loss, reps), held)
 
 
+#: steps per back-to-back block (the first step's host work is spread over them; with 2,
+#: fused AdamW's back-to-back time was its one-at-a-time time: 1.616 against 1.646 ms)
+B2B_STEPS = 20
+
+
+def back_to_back(opt, loss, reps: int) -> float:
+    """ms per step of ``reps`` steps queued back to back (CUDA events around all of them,
+    one synchronization at the end): the GPU's time per step once the host runs ahead of
+    it, as in training, where a step queues behind the backward pass."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        _step(opt, loss)
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
+
+
 def time_interleaved(entries: dict, warmup: int, rounds: int, reps: int,
                      settle: int = 3) -> dict:
     """Optimizers (``label -> (opt, loss)``) timed side by side: ``rounds`` rounds, each
@@ -153,10 +172,14 @@ def time_interleaved(entries: dict, warmup: int, rounds: int, reps: int,
     (fused AdamW timed alone first moved from 1.30 to 1.73 ms on ViT-B/16 across calls),
     while no timed step directly follows another optimizer's (AdamW timed right after a
     learned-optimizer step, with no settling steps, measured 20-40% slower than alone:
-    that would flatter the ratios). Each result also has ``round_medians_ms``."""
+    that would flatter the ratios). Each result also has ``round_medians_ms`` and
+    ``back_to_back_ms`` (the median over rounds of :func:`back_to_back`, ``max(reps,
+    B2B_STEPS)`` steps after each round's timed ones: a step timed alone includes the host's work before its
+    first kernel, about half of fused AdamW's step, bench/RESULTS.md, ninth session)."""
     held = {k: warm(opt, loss, warmup) for k, (opt, loss) in entries.items()}
     times: dict = {k: [] for k in entries}
     medians: dict = {k: [] for k in entries}
+    b2b: dict = {k: [] for k in entries}
     for _ in range(rounds):
         for k, (opt, loss) in entries.items():
             for _ in range(settle):
@@ -164,10 +187,12 @@ def time_interleaved(entries: dict, warmup: int, rounds: int, reps: int,
             t = timed_steps(opt, loss, reps)
             times[k] += t
             medians[k].append(statistics.median(t))
+            b2b[k].append(back_to_back(opt, loss, max(reps, B2B_STEPS)))
     out = {}
     for k, (opt, loss) in entries.items():
         out[k] = summary(opt, loss, times[k], held[k])
         out[k]["round_medians_ms"] = medians[k]
+        out[k]["back_to_back_ms"] = statistics.median(b2b[k])
     return out
 
 
@@ -316,6 +341,8 @@ def main() -> None:
                     r["ratio_to_adamw_best_round"] = (
                         r["median_ms"] / min(base["round_medians_ms"]))
                 r["peak_extra_over_adamw_state"] = r["peak_extra_bytes"] / adam_state
+                if "back_to_back_ms" in r and "back_to_back_ms" in base:
+                    r["back_to_back_ratio"] = r["back_to_back_ms"] / base["back_to_back_ms"]
                 print(f"{label:32s} {r['median_ms']:9.3f} ms  x{r['ratio_to_adamw']:6.2f}  "
                       f"state {r['state_bytes'] / 2**20:8.1f} MiB  peak extra "
                       f"{r['peak_extra_bytes'] / 2**20:8.1f} MiB "
@@ -323,7 +350,10 @@ def main() -> None:
                       + (f"  x{r['ratio_to_adamw_best_round']:.2f} AdamW's fastest round"
                          if "ratio_to_adamw_best_round" in r else "")
                       + (f"  rounds {[round(t, 3) for t in r['round_medians_ms']]}"
-                         if "round_medians_ms" in r else ""))
+                         if "round_medians_ms" in r else "")
+                      + (f"  back to back {r['back_to_back_ms']:.3f} ms "
+                         f"(x{r['back_to_back_ratio']:.2f})" if "back_to_back_ratio" in r
+                         else ""))
             else:
                 print(f"{label:32s} {r}")
         checks = {}
