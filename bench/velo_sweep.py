@@ -69,8 +69,9 @@ KNOBS = ("SA", "SA_STATS", "WARPS", "STAGES", "VAR_F32", "P2_F32", "FOLD", "NORM
          "MAXNREG_STATS", "MAXNREG")
 
 
-def kernel_ms(graph, n: int = 2) -> dict[str, float]:
-    """CUDA ms per replay of each velo_* / stats kernel (torch.profiler over ``n``)."""
+def kernel_ms(graph, n: int = 2, every: bool = False) -> dict[str, float]:
+    """CUDA ms per replay of each velo_* / stats kernel (torch.profiler over ``n``); of
+    every kernel (its name's first 60 characters) if ``every``."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -80,9 +81,10 @@ def kernel_ms(graph, n: int = 2) -> dict[str, float]:
         torch.cuda.synchronize()
     out = {}
     for e in p.key_averages():
-        if "velo_" in e.key or "stats1" in e.key:
+        if every or "velo_" in e.key or "stats1" in e.key:
             t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-            out[e.key.split("(")[0][:24]] = round(t / n / 1e3, 3)
+            key = e.key[:60] if every else e.key.split("(")[0][:24]
+            out[key] = out.get(key, 0.0) + round(t / n / 1e3, 4)
     return out
 
 
@@ -91,6 +93,8 @@ def main() -> None:
     ap.add_argument("--models", default="vit_b16")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--kernels", action="store_true",
+                    help="also print every kernel of a replay with its CUDA time")
     args = ap.parse_args()
     defaults = {k: getattr(K, k) for k in KNOBS}
     best: dict[str, tuple[float, str]] = {}
@@ -132,6 +136,12 @@ def main() -> None:
             print(f"{model} {name:16s} graph {gmed:7.3f} ms  step "
                   f"{statistics.median(step_ms):7.3f} ms  {kms}  vs first: params {dp:.1e} "
                   f"m {dm:.1e}  recordings {opt._triton.graph_recordings}", flush=True)
+            if args.kernels:
+                every = kernel_ms(g, every=True)
+                print(f"    every kernel, ms per replay (total {sum(every.values()):.3f}):")
+                for k, v in sorted(every.items(), key=lambda kv: -kv[1]):
+                    if v > 0:
+                        print(f"      {v:8.4f}  {k}", flush=True)
             del opt, params, res
             torch.cuda.empty_cache()
     for model, (gmed, name) in best.items():  # (shell: eval "$(grep ^ENV: log | cut -c5-)")
