@@ -174,8 +174,9 @@ def time_interleaved(entries: dict, warmup: int, rounds: int, reps: int,
     learned-optimizer step, with no settling steps, measured 20-40% slower than alone:
     that would flatter the ratios). Each result also has ``round_medians_ms`` and
     ``back_to_back_ms`` (the median over rounds of :func:`back_to_back`, ``max(reps,
-    B2B_STEPS)`` steps after each round's timed ones: a step timed alone includes the host's work before its
-    first kernel, about half of fused AdamW's step, bench/RESULTS.md, ninth session)."""
+    B2B_STEPS)`` steps after each round's timed ones: a step timed alone includes the
+    host's work before its first kernel, about half of fused AdamW's step,
+    bench/RESULTS.md, ninth session)."""
     held = {k: warm(opt, loss, warmup) for k, (opt, loss) in entries.items()}
     times: dict = {k: [] for k in entries}
     medians: dict = {k: [] for k in entries}

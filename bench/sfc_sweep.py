@@ -225,9 +225,8 @@ def main() -> None:
                     print("    kernels ms/step: " + "  ".join(
                         f"{k} {v:.3f}" for k, v in prof.items()), flush=True)
                 if args.kernels:
-                    ks = every
-                    print("    every kernel, ms/step (total %.3f):" % sum(ks.values()))
-                    for k, v in sorted(ks.items(), key=lambda kv: -kv[1]):
+                    print(f"    every kernel, ms/step (total {sum(every.values()):.3f}):")
+                    for k, v in sorted(every.items(), key=lambda kv: -kv[1]):
                         print(f"      {v:8.4f}  {k}", flush=True)
                 if args.check:
                     chk = B.check_exact("small_fc_lopt", shapes, (prec or ["exact"])[0])

@@ -19,7 +19,13 @@ from __future__ import annotations
 import importlib.util
 import os
 
-__all__ = ["interpreting", "triton_available"]
+__all__ = ["FP_FUSION", "interpreting", "triton_available"]
+
+#: launch option of every xopt kernel: float32 ``a·b + c`` contracted to one FMA, as the
+#: kernels were written, measured and tuned (Triton's default through 3.9; Triton 3.9 warns
+#: that 3.10 will turn it off by default, which would change the kernels' rounding and add
+#: instructions to their loops)
+FP_FUSION = {"enable_fp_fusion": True}
 
 
 def triton_available() -> bool:

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from xopt.kernels import FP_FUSION
 from xopt.kernels import lopt_layout as L
 
 F32 = tl.float32
@@ -295,9 +296,9 @@ def seg_sum(rows: torch.Tensor, lay: L.Layout) -> torch.Tensor:
     fixed-order levels (chunks of SEG_CHUNK rows, then each tensor's chunks)."""
     c = rows.shape[1]
     mid = torch.empty((lay.seg1.shape[0], c), dtype=rows.dtype, device=rows.device)
-    seg_sum_kernel[(lay.seg1.shape[0],)](rows, mid, lay.seg1, C=c, RB=64)
+    seg_sum_kernel[(lay.seg1.shape[0],)](rows, mid, lay.seg1, C=c, RB=64, **FP_FUSION)
     out = torch.empty((lay.seg2.shape[0], c), dtype=rows.dtype, device=rows.device)
-    seg_sum_kernel[(lay.seg2.shape[0],)](mid, out, lay.seg2, C=c, RB=64)
+    seg_sum_kernel[(lay.seg2.shape[0],)](mid, out, lay.seg2, C=c, RB=64, **FP_FUSION)
     return out
 
 
@@ -326,21 +327,21 @@ def factored_pass(lay: L.Layout, ptrs: torch.Tensor, decays: torch.Tensor, *,
         if lay.n_prog_all:
             stats1_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, ptrs, pa, pb, part,
                                              CLIP_G=clip_g, MOM_SUMS=True, NPTR=npt,
-                                             NF=L.NFIELDS, TA=L.TA, TB=L.TB, SA=sa)
+                                             NF=L.NFIELDS, TA=L.TA, TB=L.TB, SA=sa, **FP_FUSION)
         sums4 = seg_sum(part[:lay.n_prog_all], lay).float()
     elif lay.n_prog_fac:
         stats1_kernel[(lay.n_prog_fac,)](lay.meta, lay.prog_fac, ptrs, pa, pb, pa,
                                          CLIP_G=clip_g, MOM_SUMS=False, NPTR=npt,
                                          NF=L.NFIELDS, TA=L.TA, TB=L.TB, SA=sa,
-                                         PREFETCH=G2_PREFETCH, num_warps=G2_WARPS)
+                                         PREFETCH=G2_PREFETCH, num_warps=G2_WARPS, **FP_FUSION)
     rcm = None
     if lay.any_factored:
         fac_finalize_kernel[(lay.fin_prog.shape[0],)](lay.meta, lay.fin_prog, ptrs, pa, pb,
                                                       decays, NPTR=npt, NF=L.NFIELDS,
-                                                      FB=L.FIN_BLOCK, CH=32)
+                                                      FB=L.FIN_BLOCK, CH=32, **FP_FUSION)
         rcm = torch.empty((lay.rcm_size,), dtype=torch.float32, device=dev)
         rcm_kernel[(lay.rcm_prog.shape[0],)](lay.meta, lay.rcm_prog, ptrs, rcm, NPTR=npt,
-                                             NF=L.NFIELDS, BLOCK=128)
+                                             NF=L.NFIELDS, BLOCK=128, **FP_FUSION)
     return rcm, sums4
 
 

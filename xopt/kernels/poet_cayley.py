@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from xopt.kernels import FP_FUSION
 from xopt.kernels._grid import cdiv, next_pow2
 from xopt.specs import poet as spec
 
@@ -345,7 +346,7 @@ def _skew(x: torch.Tensor, b: int, dtype: torch.dtype | None, eye: bool
     i = torch.empty_like(q) if eye else None
     _skew_kernel[(n, cdiv(b, SKEW_ROWS))](
         x, q, q if i is None else i, b, m, EYE=eye, ROWS=SKEW_ROWS,
-        BC=max(16, min(128, next_pow2(b))), num_warps=4)
+        BC=max(16, min(128, next_pow2(b))), num_warps=4, **FP_FUSION)
     return q, i
 
 
@@ -377,7 +378,7 @@ def _triu_combine(e1: torch.Tensor, e2: torch.Tensor | None, b: int, alpha: floa
     g = torch.empty((n, m), dtype=dtype or e1.dtype, device=e1.device)
     t = _edge_tile(b)
     _triu_grad_kernel[(n, cdiv(b, t), cdiv(b, t))](
-        e1, e1 if e2 is None else e2, g, b, m, alpha, beta, TWO=e2 is not None, T=t)
+        e1, e1 if e2 is None else e2, g, b, m, alpha, beta, TWO=e2 is not None, T=t, **FP_FUSION)
     return g
 
 
@@ -386,7 +387,7 @@ def _sym(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     n, b, _ = x.shape
     z = torch.empty_like(x)
     t = _edge_tile(b)
-    _sym_kernel[(n, cdiv(b, t), cdiv(b, t))](x, p, z, b, T=t)
+    _sym_kernel[(n, cdiv(b, t), cdiv(b, t))](x, p, z, b, T=t, **FP_FUSION)
     return z
 
 
@@ -405,10 +406,10 @@ def _cnp_forward(src: torch.Tensor, b: int, from_triu: bool, formula: str, tf32:
     q = torch.empty((n, b, b), dtype=dtype, device=src.device) if from_triu else src
     q2 = torch.empty((n, b, b), dtype=dtype, device=src.device)
     _cnp_square_kernel[grid](src, q, q2, b, spec.num_triu(b), FROM_TRIU=from_triu, BM=bm,
-                             BK=bk, PREC=prec, num_warps=warps)
+                             BK=bk, PREC=prec, num_warps=warps, **FP_FUSION)
     y = torch.empty_like(q2)
     _cnp_series_kernel[grid](q, q2, y, b, _c4(formula) / 2, BM=bm, BK=bk, PREC=prec,
-                             num_warps=warps)
+                             num_warps=warps, **FP_FUSION)
     return y, q, q2
 
 
@@ -419,12 +420,12 @@ def _cnp_backward(q: torch.Tensor, q2: torch.Tensor, g: torch.Tensor, formula: s
     grid = (n, cdiv(b, bm) ** 2)
     prec = _prec(q.dtype, tf32)
     d = torch.empty((n, b, b), dtype=torch.float32, device=q.device)
-    _cnp_d_kernel[grid](q, g, d, b, BM=bm, BK=bk, PREC=prec, num_warps=warps)
+    _cnp_d_kernel[grid](q, g, d, b, BM=bm, BK=bk, PREC=prec, num_warps=warps, **FP_FUSION)
     # ∂Q in float32 when the triangles' gradient follows (one rounding, at the end)
     dq = torch.empty((n, b, b), dtype=torch.float32 if triu_dtype is not None else q.dtype,
                      device=q.device)
     _cnp_grad_kernel[grid](q, q2, g, d, dq, b, _c4(formula), BM=bm, BK=bk, PREC=prec,
-                           num_warps=warps)
+                           num_warps=warps, **FP_FUSION)
     return dq if triu_dtype is None else triu_grad(dq, b, triu_dtype)
 
 

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from xopt.kernels import FP_FUSION
 from xopt.kernels._grid import cdiv, next_pow2
 
 __all__ = ["Permute", "gather", "gather_reference", "permute", "scatter", "scatter_reference"]
@@ -140,7 +141,7 @@ def _smem_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> No
         try:
             _perm_smem_kernel[(cdiv(n, rows),)](x2, index, out, n, d, x2.stride(0),
                                                 out.stride(0), ROWS=rows, BLOCK_D=block_d,
-                                                num_warps=warps)
+                                                num_warps=warps, **FP_FUSION)
             return
         except OutOfResources:  # a GPU with less shared memory per block than the row needs
             _SMEM_REFUSED.add(key)
@@ -164,7 +165,7 @@ def _rowloop_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor) ->
     warps = ROWLOOP["warps"] or (4 if block_d <= 4096 else 8)
     _perm_rowloop_kernel[(cdiv(n, rows),)](x2, index, out, n, d, x2.stride(0),
                                            out.stride(0), ROWS=rows, BLOCK_D=block_d,
-                                           num_warps=warps)
+                                           num_warps=warps, **FP_FUSION)
 
 
 def _tiled_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
@@ -174,7 +175,7 @@ def _tiled_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
     block_n = 32
     grid = (cdiv(n, block_n), cdiv(d, block_d))
     _perm_kernel[grid](x2, index, out, n, d, x2.stride(0), out.stride(0), SCATTER=scatter,
-                       BLOCK_N=block_n, BLOCK_D=block_d)
+                       BLOCK_N=block_n, BLOCK_D=block_d, **FP_FUSION)
 
 
 def _inverse(index: torch.Tensor) -> torch.Tensor:

@@ -74,6 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
+from xopt.kernels import FP_FUSION
 from xopt.kernels import lopt_common as C
 from xopt.kernels import lopt_graph as G
 from xopt.kernels import lopt_layout as L
@@ -950,12 +951,13 @@ class SmallFCTriton:
                 if cap:
                     opts["maxnreg"] = cap
                 kern[(n,)](*args, w16n, terms, self._pids["tofs"], b0p, *tail,
-                           part, *consts, SA=SA_FOLD if fused else SA_STATS_FOLD, **opts)
+                           part, *consts, SA=SA_FOLD if fused else SA_STATS_FOLD, **opts,
+                           **FP_FUSION)
             else:
                 kern = sfc_fused_kernel if fused else sfc_stats_kernel
                 sa = (SA_DOT if w["dot"] else SA_FMA) if fused else SA_STATS
                 kern[(n,)](*args, w["w0h"], w["w0l"], b0p, *tail, part, *consts,
-                           MLP_DOT=w["dot"], SA=sa, **common)
+                           MLP_DOT=w["dot"], SA=sa, **common, **FP_FUSION)
 
         for pids, n, folded in launches:  # (norm, w16n, terms, b0 unused: placeholders)
             run(pids, n, folded, False, part, part, part, part)
@@ -968,13 +970,13 @@ class SmallFCTriton:
         norm = torch.empty((n_t, 32), dtype=torch.float32, device=dev)
         w16n = torch.empty((n_t, 2, 16, hp_), dtype=torch.float32, device=dev)
         sfc_norm_kernel[(n_t,)](sums, lay.numel, w["w16"], norm, w16n, HP=hp_,
-                                SPLIT=self.prec == "tf32x3" and w["dot"], num_warps=4)
+                                SPLIT=self.prec == "tf32x3" and w["dot"], num_warps=4, **FP_FUSION)
         terms = part
         if fold and self._pids["aprog"][1]:
             aprog, n_ap = self._pids["aprog"]
             terms = torch.empty((self._pids["n_terms"], hp_), dtype=torch.float32, device=dev)
             sfc_axis_kernel[(n_ap,)](aprog, ptrs, norm, w["w0f"], terms, HP=hp_, NPTR=NPTR,
-                                     FB=AXIS_BLOCK, num_warps=4)
+                                     FB=AXIS_BLOCK, num_warps=4, **FP_FUSION)
         for pids, n, folded in (fused_launches if fold else launches):
             run(pids, n, folded, True, norm, w16n, terms, b0p)
         self._it.add_(1)

@@ -75,6 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
+from xopt.kernels import FP_FUSION
 from xopt.kernels import lopt_common as C
 from xopt.kernels import lopt_graph as G
 from xopt.kernels import lopt_layout as L
@@ -849,7 +850,7 @@ class VeLOTriton:
             velo_mom_sums_kernel[(lay.n_prog_all,)](lay.meta, lay.prog_all, self._tab.ptrs, out,
                                                     MOM_ACC, NPTR=NPTR, NF=L.NFIELDS,
                                                     TA=L.TA, TB=L.TB, SA=SA,
-                                                    num_warps=WARPS)
+                                                    num_warps=WARPS, **FP_FUSION)
         return out
 
     def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -1025,7 +1026,7 @@ class VeLOTriton:
                                           VACC=tl.float32 if VAR_F32 else tl.float64,
                                           PACC=tl.float32 if P2_F32 else tl.float64,
                                           SA=SA_STATS, FOLD=fold, **common,
-                                          **_cap(MAXNREG_STATS))
+                                          **_cap(MAXNREG_STATS), **FP_FUSION)
         st64 = C.seg_sum(part, lay)
         # 4: the LSTM inputs, the LSTM, the MLPs' weights and the per-tensor scalars
         tab, norm, scal, new_h, new_c = _glue(dev)(
@@ -1039,7 +1040,7 @@ class VeLOTriton:
                                           mpart if TWO_PASS else part,
                                           float(hp.exp_mult), float(hp.step_mult),
                                           MOM_OUT=TWO_PASS, MACC=MOM_ACC, SA=SA, FOLD=fold,
-                                          WN=NORM_W, **common, **_cap(MAXNREG))
+                                          WN=NORM_W, **common, **_cap(MAXNREG), **FP_FUSION)
         hidden.copy_(new_h)
         cell.copy_(new_c)
 
