@@ -28,6 +28,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from xopt.kernels import FP_FUSION  # noqa: E402
 from xopt.kernels import lopt_layout as L  # noqa: E402
 from xopt.kernels import small_fc_lopt as K  # noqa: E402
 
@@ -44,7 +45,7 @@ def compile_fused(warps: int, sa: int, maxnreg: int):
                 LO_RN=K.SPLIT_LO != "hw", RA=K.RA)
     cons = {k: v for k, v in cons.items() if k in fn.arg_names}
     sig = {**POINTERS, **{k: "constexpr" for k in cons}}
-    opts = dict(num_warps=warps, num_stages=K.STAGES_FOLD)
+    opts = dict(num_warps=warps, num_stages=K.STAGES_FOLD, **FP_FUSION)
     if maxnreg:
         opts["maxnreg"] = maxnreg
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cons),
