@@ -114,18 +114,42 @@ def warm(opt, loss, warmup: int) -> int:
     return kept + max(0, graph_pool_free_bytes() - pool0)
 
 
-def timed_steps(opt, loss, reps: int) -> list[float]:
-    """``reps`` steps, each between two CUDA events and followed by a synchronization, so
-    each time includes the host work before the step's first kernel."""
+def timed_calls(fn, reps: int) -> list[float]:
+    """ms of ``reps`` calls of ``fn``, each between two CUDA events and followed by a
+    synchronization, so each time includes the host work before the call's first kernel."""
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        _step(opt, loss)
+        fn()
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     return times
+
+
+def timed_steps(opt, loss, reps: int) -> list[float]:
+    """``reps`` steps timed one at a time (:func:`timed_calls`)."""
+    return timed_calls(lambda: _step(opt, loss), reps)
+
+
+def profile_kernels(fn, n: int = 2) -> dict[str, float]:
+    """CUDA ms per call of ``fn`` of every kernel it runs, by name (torch.profiler over
+    ``n`` calls, synchronized before and after)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in p.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = e.cuda_time_total
+        out[e.key] = out.get(e.key, 0.0) + t / 1e3 / n
+    return out
 
 
 def summary(opt, loss, times: list[float], held: int) -> dict:
@@ -151,17 +175,24 @@ def time_step(opt, loss, warmup: int, reps: int) -> dict:
 B2B_STEPS = 20
 
 
-def back_to_back(opt, loss, reps: int) -> float:
-    """ms per step of ``reps`` steps queued back to back (CUDA events around all of them,
-    one synchronization at the end): the GPU's time per step once the host runs ahead of
-    it, as in training, where a step queues behind the backward pass."""
+def back_to_back(opt, loss, reps: int) -> dict[str, float]:
+    """``reps`` steps queued back to back (CUDA events around all of them, one
+    synchronization at the end): ``back_to_back_ms``, the GPU's ms per step once the host
+    runs ahead of it, as in training, where a step queues behind the backward pass; and
+    ``host_ms``, the host's ms per step (``perf_counter`` around the same loop, before
+    synchronizing)."""
+    import time
+
+    torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
+    t0 = time.perf_counter()
     for _ in range(reps):
         _step(opt, loss)
+    host = (time.perf_counter() - t0) / reps
     b.record()
     torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
+    return {"back_to_back_ms": a.elapsed_time(b) / reps, "host_ms": host * 1e3}
 
 
 def time_interleaved(entries: dict, warmup: int, rounds: int, reps: int,
@@ -188,7 +219,7 @@ def time_interleaved(entries: dict, warmup: int, rounds: int, reps: int,
             t = timed_steps(opt, loss, reps)
             times[k] += t
             medians[k].append(statistics.median(t))
-            b2b[k].append(back_to_back(opt, loss, max(reps, B2B_STEPS)))
+            b2b[k].append(back_to_back(opt, loss, max(reps, B2B_STEPS))["back_to_back_ms"])
     out = {}
     for k, (opt, loss) in entries.items():
         out[k] = summary(opt, loss, times[k], held[k])

@@ -88,19 +88,9 @@ def gap_ms(opt, steps: int = 20) -> dict[str, float]:
     back (CUDA events around all of them, no synchronization between), of the host alone
     (``perf_counter`` around the same loop, before synchronizing), and the CUDA time of
     every kernel of one step (torch.profiler, 2 steps)."""
-    import time
-
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        opt.step()
-    host = (time.perf_counter() - t0) / steps
-    b.record()
-    torch.cuda.synchronize()
+    r = B.back_to_back(opt, None, steps)
     with profile(activities=[ProfilerActivity.CUDA]) as p:
         for _ in range(2):
             opt.step()
@@ -111,28 +101,17 @@ def gap_ms(opt, steps: int = 20) -> dict[str, float]:
         if t is None:
             t = e.self_cuda_time_total
         total += t
-    return {"back_to_back_ms": a.elapsed_time(b) / steps, "host_ms": host * 1e3,
-            "all_kernels_ms": total / 1e3 / 2}
+    return {**r, "all_kernels_ms": total / 1e3 / 2}
 
 
 def kernel_ms(opt, steps: int = 2, every: bool = False) -> dict[str, float]:
     """CUDA time per step of the main kernels (torch.profiler over ``steps`` steps); of
     every kernel (by name, the first 60 characters) if ``every``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(steps):
-            opt.step()
-        torch.cuda.synchronize()
     out: dict[str, float] = {}
-    for e in p.key_averages():
-        for k in ((e.key[:60],) if every else PROFILED):
-            if e.key.startswith(k):
-                t = getattr(e, "device_time_total", None)
-                if t is None:
-                    t = e.cuda_time_total
-                out[k] = out.get(k, 0.0) + t / 1e3 / steps
+    for name, ms in B.profile_kernels(opt.step, steps).items():
+        for k in ((name[:60],) if every else PROFILED):
+            if name.startswith(k):
+                out[k] = out.get(k, 0.0) + ms
     return out
 
 

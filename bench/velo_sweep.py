@@ -72,19 +72,11 @@ KNOBS = ("SA", "SA_STATS", "WARPS", "STAGES", "VAR_F32", "P2_F32", "FOLD", "NORM
 def kernel_ms(graph, n: int = 2, every: bool = False) -> dict[str, float]:
     """CUDA ms per replay of each velo_* / stats kernel (torch.profiler over ``n``); of
     every kernel (its name's first 60 characters) if ``every``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(n):
-            graph.replay()
-        torch.cuda.synchronize()
-    out = {}
-    for e in p.key_averages():
-        if every or "velo_" in e.key or "stats1" in e.key:
-            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-            key = e.key[:60] if every else e.key.split("(")[0][:24]
-            out[key] = out.get(key, 0.0) + round(t / n / 1e3, 4)
+    out: dict[str, float] = {}
+    for name, ms in B.profile_kernels(graph.replay, n).items():
+        if every or "velo_" in name or "stats1" in name:
+            key = name[:60] if every else name.split("(")[0][:24]
+            out[key] = round(out.get(key, 0.0) + ms, 4)
     return out
 
 
