@@ -1,9 +1,11 @@
 """small_fc_lopt's folded fused kernel compiled for sm_90a on a machine without a GPU.
 
-    python bench/sm90_compile.py [--maxnreg N] [--warps W] [--sa SA] [--out DIR]
+    python bench/sm90_compile.py [--maxnreg N] [--warps W] [--sa SA] [--prec P] [--nhid N]
+                                 [--out DIR]
 
 Compiles :func:`xopt.kernels.small_fc_lopt.sfc_fold_fused_kernel` with the module's
-settings (PyLO's MLP: hidden width 32, one hidden layer, exact mode) through
+settings (PyLO's MLP: hidden width 32, one hidden layer, exact mode; ``--prec tf32`` is
+fast mode, ``--nhid 0`` drops the hidden layer, to see what each part costs) through
 ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, assembles the PTX with Triton's
 bundled ``ptxas`` (``-arch=sm_90a -v``: registers, spills) and disassembles it with
 ``cuobjdump -sass``; prints the registers, the spill bytes and the instructions of the
@@ -38,9 +40,9 @@ POINTERS = dict(meta="*i64", pids="*i32", prog="*i32", ptrs="*i64", rcm="*fp32",
                 part="*fp64", exp_mult="fp32", step_mult="fp32")
 
 
-def compile_fused(warps: int, sa: int, maxnreg: int):
+def compile_fused(warps: int, sa: int, maxnreg: int, prec: str = "tf32x3", nhid: int = 1):
     fn = K.sfc_fold_fused_kernel
-    cons = dict(PREC="tf32x3", TERMS=K.TERMS, HP=32, NHID=1, NPTR=K.NPTR, NF=L.NFIELDS,
+    cons = dict(PREC=prec, TERMS=K.TERMS, HP=32, NHID=nhid, NPTR=K.NPTR, NF=L.NFIELDS,
                 TA=L.TA, TB=L.TB, SA=sa, PREFETCH=K.PREFETCH, AB_ACC=K.AB_ACC,
                 LO_RN=K.SPLIT_LO != "hw", RA=K.RA)
     cons = {k: v for k, v in cons.items() if k in fn.arg_names}
@@ -91,12 +93,15 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=K.WARPS_FOLD)
     ap.add_argument("--sa", type=int, default=K.SA_FOLD)
     ap.add_argument("--maxnreg", type=int, default=0)
+    ap.add_argument("--prec", default="tf32x3", choices=("tf32x3", "tf32"))
+    ap.add_argument("--nhid", type=int, default=1)
     ap.add_argument("--out", default="/tmp/xopt_sm90")
     a = ap.parse_args()
-    kern = compile_fused(a.warps, a.sa, a.maxnreg)
+    kern = compile_fused(a.warps, a.sa, a.maxnreg, a.prec, a.nhid)
     regs, spills, sass = assemble(kern.asm["ptx"], Path(a.out), "fused")
     ops = loop_opcodes(sass)
-    print(f"triton {triton.__version__}, warps {a.warps}, SA {a.sa}, maxnreg "
+    print(f"triton {triton.__version__}, {a.prec}, hidden layers {a.nhid}, warps {a.warps}, "
+          f"SA {a.sa}, maxnreg "
           f"{a.maxnreg or '-'}, DISABLE_MMA_V3={os.environ.get('DISABLE_MMA_V3', '')}: "
           f"registers {regs}, spill stores {spills} B, loop instructions {sum(ops.values())}")
     print("  " + ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
