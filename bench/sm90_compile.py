@@ -1,7 +1,7 @@
 """small_fc_lopt's folded fused kernel compiled for sm_90a on a machine without a GPU.
 
     python bench/sm90_compile.py [--maxnreg N] [--warps W] [--sa SA] [--prec P] [--nhid N]
-                                 [--out DIR]
+                                 [--no-fp-fusion] [--out DIR]
 
 Compiles :func:`xopt.kernels.small_fc_lopt.sfc_fold_fused_kernel` with the module's
 settings (PyLO's MLP: hidden width 32, one hidden layer, exact mode; ``--prec tf32`` is
@@ -40,14 +40,16 @@ POINTERS = dict(meta="*i64", pids="*i32", prog="*i32", ptrs="*i64", rcm="*fp32",
                 part="*fp64", exp_mult="fp32", step_mult="fp32")
 
 
-def compile_fused(warps: int, sa: int, maxnreg: int, prec: str = "tf32x3", nhid: int = 1):
+def compile_fused(warps: int, sa: int, maxnreg: int, prec: str = "tf32x3", nhid: int = 1,
+                  fp_fusion: bool = True):
     fn = K.sfc_fold_fused_kernel
     cons = dict(PREC=prec, TERMS=K.TERMS, HP=32, NHID=nhid, NPTR=K.NPTR, NF=L.NFIELDS,
                 TA=L.TA, TB=L.TB, SA=sa, PREFETCH=K.PREFETCH, AB_ACC=K.AB_ACC,
                 LO_RN=K.SPLIT_LO != "hw", RA=K.RA)
     cons = {k: v for k, v in cons.items() if k in fn.arg_names}
     sig = {**POINTERS, **{k: "constexpr" for k in cons}}
-    opts = dict(num_warps=warps, num_stages=K.STAGES_FOLD, **FP_FUSION)
+    opts = dict(num_warps=warps, num_stages=K.STAGES_FOLD,
+                **(FP_FUSION if fp_fusion else {"enable_fp_fusion": False}))
     if maxnreg:
         opts["maxnreg"] = maxnreg
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cons),
@@ -95,9 +97,11 @@ def main() -> None:
     ap.add_argument("--maxnreg", type=int, default=0)
     ap.add_argument("--prec", default="tf32x3", choices=("tf32x3", "tf32"))
     ap.add_argument("--nhid", type=int, default=1)
+    ap.add_argument("--no-fp-fusion", action="store_true",
+                    help="compile without FMA contraction (xopt.kernels.FP_FUSION off)")
     ap.add_argument("--out", default="/tmp/xopt_sm90")
     a = ap.parse_args()
-    kern = compile_fused(a.warps, a.sa, a.maxnreg, a.prec, a.nhid)
+    kern = compile_fused(a.warps, a.sa, a.maxnreg, a.prec, a.nhid, not a.no_fp_fusion)
     regs, spills, sass = assemble(kern.asm["ptx"], Path(a.out), "fused")
     ops = loop_opcodes(sass)
     print(f"triton {triton.__version__}, {a.prec}, hidden layers {a.nhid}, warps {a.warps}, "

@@ -26,7 +26,7 @@ __all__ = ["FP_FUSION", "interpreting", "triton_available"]
 #: that 3.10 will turn it off by default, which would change the kernels' rounding and add
 #: instructions to their loops: small_fc_lopt's folded fused kernel compiled for sm_90a
 #: without it has 779 loop instructions instead of 743 and no FFMA, triton 3.9,
-#: bench/sm90_compile.py with ``enable_fp_fusion=False``)
+#: ``python bench/sm90_compile.py --no-fp-fusion``)
 FP_FUSION = {"enable_fp_fusion": True}
 
 
