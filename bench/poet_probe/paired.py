@@ -1,8 +1,9 @@
-"""The fast layer's two outer products as one batched product (``xopt.torch.poet.PAIRED``)
-against two, side by side: GPU time of one forward+backward (CUDA-graph replays,
-interleaved rounds), the backward's peak memory, and whether outputs and gradients agree.
+"""The fast layer's two outer products as one batched product (``xopt.torch.poet.PAIRED``,
+at bfd0b08 only: measured and reverted, bench/RESULTS.md, eleventh session) against two,
+side by side: GPU time of one forward+backward (CUDA-graph replays, interleaved rounds),
+the backward's peak memory, and whether outputs and gradients agree.
 
-    PYTHONPATH=$PWD python3 bench/poet_probe/paired.py [--rounds 3]
+    git checkout bfd0b08 -- xopt && PYTHONPATH=$PWD python3 bench/poet_probe/paired.py [--rounds 3]
 
 bf16, 4096 tokens, LLaMA-8B-like shapes (bench/poet_layer.py's).
 """

@@ -204,8 +204,7 @@ def _auto_mode(d: int, element_size: int) -> str:
     return "smem" if max(16, next_pow2(d)) * element_size <= SMEM_MAX_BYTES else "rowloop"
 
 
-def _launch(x: torch.Tensor, index: torch.Tensor, scatter: bool,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+def _launch(x: torch.Tensor, index: torch.Tensor, scatter: bool) -> torch.Tensor:
     d = x.shape[-1]
     if index.shape != (d,):
         raise ValueError(f"xopt.kernels.poet_perm: index has shape {tuple(index.shape)}, "
@@ -215,28 +214,16 @@ def _launch(x: torch.Tensor, index: torch.Tensor, scatter: bool,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     n = x2.shape[0]
-    if out is None:
-        out = torch.empty((n, d), dtype=x.dtype, device=x.device)
-    elif (not flat or out.shape != x2.shape or out.dtype != x.dtype or out.device != x.device
-          or out.stride(-1) != 1):
-        raise ValueError(
-            f"xopt.kernels.poet_perm: out must be a 2-d ({n}, {d}) {x.dtype} tensor on "
-            f"{x.device} with unit column stride, for a 2-d input; got "
-            f"{tuple(out.shape)} {out.dtype} on {out.device}, strides {tuple(out.stride())}"
-            + ("" if flat else f" (input has {x.dim()} dimensions)"))
+    out = torch.empty((n, d), dtype=x.dtype, device=x.device)
     if n and d:
         _run(_auto_mode(d, x2.element_size()) if MODE == "auto" else MODE, x2, index, out,
              scatter)
     return out if flat else out.reshape(x.shape)
 
 
-def gather(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """``out[..., k] = x[..., index[k]]`` (``index``: int32/int64 of the last axis's length).
-
-    ``out``: for a 2-d ``x`` of shape ``(N, D)``, an ``(N, D)`` tensor of ``x``'s dtype to
-    write into, whose rows may be strided (a column slice of a wider buffer); returned."""
-    return _launch(x, index, scatter=False, out=out)
+def gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``out[..., k] = x[..., index[k]]`` (``index``: int32/int64 of the last axis's length)."""
+    return _launch(x, index, scatter=False)
 
 
 def scatter(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,6 @@ after each merge boundary, as the authors' optimizer does.
 from __future__ import annotations
 
 import math
-import os
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -59,24 +58,12 @@ def _triton_ok(device: torch.device) -> bool:
 # -- the chain: gathers and block products --------------------------------------------------
 
 
-def _gather(x: Tensor, idx: Tensor, triton_path: bool, out: Tensor | None = None) -> Tensor:
+def _gather(x: Tensor, idx: Tensor, triton_path: bool) -> Tensor:
     if triton_path:
         from xopt.kernels import poet_perm
 
-        return poet_perm.gather(x, idx, out=out)
-    if out is None:
-        return x.index_select(-1, idx)
-    out.copy_(x.index_select(-1, idx))
-    return out
-
-
-#: the fast variant's two outer products (``R_out``'s and ``R_in``'s gradients) as one
-#: batched product over all ``r_out + r_in`` blocks: the forward writes ``y1`` and ``x1``
-#: side by side into one ``(N, d_out + d_in)`` buffer and the backward ``g2`` and ``gx2``
-#: likewise, so that the blocks of both sides are one strided batch (a module attribute;
-#: XOPT_POET_PAIRED=0 for two products, as before). The backward then holds ``g2`` until
-#: ``gx2`` exists: one ``N × d_out`` activation more at its peak.
-PAIRED = os.environ.get("XOPT_POET_PAIRED", "1") != "0"
+        return poet_perm.gather(x, idx)
+    return x.index_select(-1, idx)
 
 
 def _rows(x2d: Tensor, nb: int, b: int, transpose: bool = False) -> Tensor:
@@ -147,44 +134,30 @@ class _Chain(torch.autograd.Function):
         else:
             ctx.cnp = None
         r_out, r_in = r[:n_out], r[n_out:]
-        paired = keep_y1 and PAIRED and ctx.needs_input_grad[1]
-        if paired:  # y1 and x1 side by side: act = [y1 | x1] (see PAIRED)
-            d_out = weight.shape[0]
-            act = x2d.new_empty((x2d.shape[0], d_out + x2d.shape[1]))
-            y1, x1 = act[:, :d_out], act[:, d_out:]
-            _gather(x2d, perm_in_inv, triton_path, out=x1)
-            torch.mm(_rotate(x1, r_in), weight.t(), out=y1)  # x2 · W0ᵀ
-        else:
-            x1 = _gather(x2d, perm_in_inv, triton_path)
-            x2 = _rotate(x1, r_in)
-            y1 = nn.functional.linear(x2, weight)  # x2 · W0ᵀ (mm; one host call)
-            del x2
+        x1 = _gather(x2d, perm_in_inv, triton_path)
+        x2 = _rotate(x1, r_in)
+        y1 = nn.functional.linear(x2, weight)  # x2 · W0ᵀ (mm; one host call)
+        del x2
         if bias is not None:
             y1 += bias
         y = _gather(_rotate(y1, r_out), perm_out, triton_path)
-        if paired:
-            ctx.save_for_backward(act, r, weight, bias, perm_in, perm_in_inv, perm_out_inv,
-                                  None, *cnp_saved)
-        elif keep_y1:  # fast: the backward needs x1 and y1, keep them (no re-gather)
+        if keep_y1:  # fast: the backward needs x1 and y1, keep them (no re-gather)
             ctx.save_for_backward(x1, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, y1,
                                   *cnp_saved)
         else:
             del x1
             ctx.save_for_backward(x2d, r, weight, bias, perm_in, perm_in_inv, perm_out_inv,
                                   None, *cnp_saved)
-        ctx.flags = (keep_y1, triton_path, shape, n_out, paired)
+        ctx.flags = (keep_y1, triton_path, shape, n_out)
         return y.reshape(*shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, g):
         xs, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, y1, *cnp_saved = \
             ctx.saved_tensors
-        keep_y1, triton_path, shape, n_out, paired = ctx.flags
+        keep_y1, triton_path, shape, n_out = ctx.flags
         r_out, r_in = r[:n_out], r[n_out:]
         g2d = g.reshape(-1, g.shape[-1])
-        if paired:
-            return _Chain._backward_paired(ctx, g2d, xs, r, weight, bias, perm_in,
-                                           perm_out_inv, cnp_saved)
         if keep_y1:
             x1 = xs
         else:  # mem: re-gather x1, recompute y1, holding at most two activations at once
@@ -213,37 +186,6 @@ class _Chain(torch.autograd.Function):
             del gx2
             gx = _gather(gx1, perm_in, triton_path).reshape(shape)
         if grad_r is not None and ctx.cnp is not None:
-            from xopt.kernels import poet_cayley
-
-            b, formula, tf32, backend, oft_dtype = ctx.cnp
-            grad_r = poet_cayley.blocks_backward(tuple(cnp_saved), grad_r, b, formula, tf32,
-                                                 backend, oft_dtype)
-        return (gx, grad_r, None, None, grad_bias, None, None, None, None, None, None, None)
-
-    @staticmethod
-    def _backward_paired(ctx, g2d, act, r, weight, bias, perm_in, perm_out_inv, cnp_saved):
-        """The fast backward with :data:`PAIRED`: ``act = [y1 | x1]``; ``g2`` and ``gx2``
-        are written side by side into ``gact``, and one batched product over all blocks
-        gives ``grad_r`` (``R_out``'s blocks from ``y1ᵀ g2``, then ``R_in``'s from
-        ``x1ᵀ gx2``)."""
-        _, triton_path, shape, n_out, _ = ctx.flags
-        r_out, r_in = r[:n_out], r[n_out:]
-        d_out = weight.shape[0]
-        gact = g2d.new_empty(act.shape)
-        g2, gx2 = gact[:, :d_out], gact[:, d_out:]
-        _gather(g2d, perm_out_inv, triton_path, out=g2)
-        gy1 = _rotate(g2, r_out, transpose=True)
-        grad_bias = gy1.sum(0) if bias is not None and ctx.needs_input_grad[4] else None
-        torch.mm(gy1, weight, out=gx2)
-        del gy1
-        grad_r = _outer(act, gact, r.shape[0], out=torch.empty_like(r))
-        del act
-        gx = None
-        if ctx.needs_input_grad[0]:
-            gx = _gather(_rotate(gx2, r_in, transpose=True), perm_in, triton_path)
-            gx = gx.reshape(shape)
-        del gact, g2, gx2
-        if ctx.cnp is not None:
             from xopt.kernels import poet_cayley
 
             b, formula, tf32, backend, oft_dtype = ctx.cnp
