@@ -78,24 +78,32 @@ def max_rel(a, b) -> float:
     return 0.0 if d == 0 else d / max(b.double().abs().max().item(), 1e-300)
 
 
-def rounding_sensitivity(ref, p64, g64, states, want, lr, rounds: int = 3) -> float:
+def rounding_sensitivity(ref, p64, g64, states, want, lr, rounds: int = 3, *,
+                         weights: dict | None = None, weight_bits: int = 24,
+                         per_tensor: bool = False):
     """How far the float64 reference step moves when every float32 input is rounded once
     more: ``ref(params, grads, states)`` (float64 lists, its steps) rerun ``rounds`` times
     on inputs each scaled by ``1 + 2⁻²⁴·u`` (``u`` uniform in [−1, 1), one draw per
     element, seeds 0, 1, …), as :func:`max_rel` of ``lr · step`` against ``want`` (the
     reference's ``lr · step``), the largest. A float32 path cannot be held closer to the
-    float64 step than this (tests/test_kernels_lopt.py)."""
+    float64 step than this (tests/test_kernels_lopt.py).
+
+    ``weights``: named tensors also perturbed, by ``1 + 2^-weight_bits·u`` (drawn first in
+    each round), and passed to ``ref`` as a fourth argument (e.g. an MLP's weights at a
+    kernel's operand precision). ``per_tensor``: the largest movement of each step, a list,
+    instead of the largest over all of them."""
     import torch
 
-    sens = 0.0
+    worst = [0.0] * len(want)
     for k in range(rounds):
         gen = torch.Generator().manual_seed(k)
 
-        def jig(x, gen=gen):
+        def jig(x, bits=24, gen=gen):
             u = 2 * torch.rand(x.shape, generator=gen, dtype=torch.float64) - 1
-            return x * (1 + 2.0 ** -24 * u.to(x.device))
+            return x * (1 + 2.0 ** -bits * u.to(x.device))
 
+        extra = () if weights is None else ({n: jig(v, weight_bits) for n, v in weights.items()},)
         out = ref([jig(x) for x in p64], [jig(x) for x in g64],
-                  [{n: jig(v) for n, v in s_.items()} for s_ in states])
-        sens = max(sens, max(max_rel(lr * a, b) for a, b in zip(out, want, strict=True)))
-    return sens
+                  [{n: jig(v) for n, v in s_.items()} for s_ in states], *extra)
+        worst = [max(w, max_rel(lr * a, b)) for w, a, b in zip(worst, out, want, strict=True)]
+    return worst if per_tensor else max(worst, default=0.0)

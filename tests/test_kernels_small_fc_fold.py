@@ -18,7 +18,7 @@ import json
 import sys
 
 import pytest
-from helpers import REPO, has_torch, has_triton, max_rel, worker_results
+from helpers import REPO, has_torch, has_triton, max_rel, rounding_sensitivity, worker_results
 
 if has_torch:
     import torch
@@ -120,7 +120,13 @@ def _worker() -> dict:
         "fold": [rel(a, b) for a, b in zip(d_fold, s64, strict=True)],
         "unfolded": [rel(a, b) for a, b in zip(d_unf, s64, strict=True)],
         "plain": [rel(a, b) for a, b in zip(d_plain, s64, strict=True)],
-        "sensitivity": _sensitivity(ks, opt.hp, p64, g64, st, meta, it, s64, lr)}
+        # inputs rounded once more (2^-24), the MLP's weights and biases at the exact
+        # mode's operand precision (2^-22: split TF32 carries operands to 22 bits)
+        "sensitivity": rounding_sensitivity(
+            lambda pl, gl, sl, mlp: ks.reference_step(opt.hp, pl, gl, sl, {**meta, **mlp},
+                                                      it)[0],
+            p64, g64, st, s64, lr, rounds=8, per_tensor=True, weight_bits=22,
+            weights={n: v for n, v in meta.items() if n.startswith("mlp/")})}
     out["state_vs_plain"] = max(
         rel(o_fold.state[pa][k], o_plain.state[pb][k])
         for pa, pb in zip(o_fold.param_groups[0]["params"], o_plain.param_groups[0]["params"],
@@ -206,30 +212,6 @@ def _worker() -> dict:
     return out
 
 
-def _sensitivity(ks, hp, p64, g64, st, meta, it, want, lr, rounds: int = 8) -> list[float]:
-    """Per tensor, how far the float64 step moves (:func:`max_rel` against ``want``, the
-    largest of ``rounds`` draws) when every float32 input (p, g, the state) is rounded once
-    more (× (1 + 2⁻²⁴·u)) and every MLP weight and bias is perturbed at the exact mode's
-    operand precision (× (1 + 2⁻²²·u); split TF32 carries operands to 22 bits,
-    xopt.kernels.small_fc_lopt), u uniform in [−1, 1), one draw per element."""
-    import torch
-
-    worst = [0.0] * len(p64)
-    for k in range(rounds):
-        gen = torch.Generator().manual_seed(k)
-
-        def jig(x, bits=24, gen=gen):
-            u = 2 * torch.rand(x.shape, generator=gen, dtype=torch.float64) - 1
-            return x * (1 + 2.0 ** -bits * u.to(x.device))
-
-        m = {n: jig(v, 22) if n.startswith("mlp/") else v for n, v in meta.items()}
-        steps = ks.reference_step(hp, [jig(x) for x in p64], [jig(x) for x in g64],
-                                  [{n: jig(v) for n, v in s_.items()} for s_ in st], m, it)[0]
-        worst = [max(w, max_rel(lr * a, b))
-                 for w, a, b in zip(worst, steps, want, strict=True)]
-    return worst
-
-
 @pytest.fixture(scope="module")
 def results() -> dict:
     return worker_results(__file__, timeout=600)
@@ -238,7 +220,8 @@ def results() -> dict:
 def test_folded_step_matches_float64(results):
     """Each tensor's step within 1e-6 of float64 (max|Δ| / max|step|), or, for a tensor
     whose float64 step moves by more than that under one more rounding of its float32
-    inputs and its MLP weights at the kernel's operand precision (:func:`_sensitivity`),
+    inputs and its MLP weights at the kernel's operand precision (``rounding_sensitivity``
+    with ``weights``),
     within that movement.
 
     The one tensor that needs the second clause is the scalar ``()``: its step is a single
