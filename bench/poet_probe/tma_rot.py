@@ -3,7 +3,7 @@ Triton kernels that load through TMA descriptors, against the cuBLAS strided bat
 products that ``xopt.torch.poet`` uses (``_rotate``/``_outer``). GPU µs from CUDA-graph
 replays; bf16, 4096 tokens, LLaMA-8B-like widths.
 
-    PYTHONPATH=$PWD python3 bench/poet_probe/tma_rot.py [--out FILE]
+    PYTHONPATH=$PWD python3 bench/poet_probe/tma_rot.py [--out FILE] [--occupancy]
 
 Rotation: ``out[:, jB:(j+1)B] = x[:, jB:(j+1)B] · R[j]`` (or ``· R[j]ᵀ``), x ``(N, nb·B)``.
 Outer: ``G[j] = x[:, jB:(j+1)B]ᵀ · g[:, jB:(j+1)B]``, ``(nb, B, B)``, optionally split
@@ -55,7 +55,7 @@ def _rot_tma(x_desc, r_desc, o_desc, N, NB, B: tl.constexpr, BM: tl.constexpr,
 
 
 def rot(x, r, transpose=False, bm=128, bn=128, bk=64, warps=8, stages=3, flatten=False,
-        ws=False, out=None):
+        ws=False, out=None, per_sm=1):
     n, w = x.shape
     nb, b, _ = r.shape
     if out is None:
@@ -63,8 +63,10 @@ def rot(x, r, transpose=False, bm=128, bn=128, bk=64, warps=8, stages=3, flatten
     xd = TensorDescriptor.from_tensor(x, [bm, bk])
     rd = TensorDescriptor(r, [nb * b, b], [b, 1], [bn, bk] if transpose else [bk, bn])
     od = TensorDescriptor.from_tensor(out, [bm, bn])
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count * per_sm
     tiles = triton.cdiv(n, bm) * nb * (b // bn)
+    if per_sm == 0:  # not persistent: one program per tile
+        sms = tiles
     _rot_tma[(min(sms, tiles),)](xd, rd, od, n, nb, B=b, BM=bm, BN=bn, BK=bk, TRANS=transpose,
                                  NUM_SMS=sms, FLATTEN=flatten, WS=ws, num_warps=warps,
                                  num_stages=stages)
@@ -133,7 +135,12 @@ def outer(a, g, nb, split=1, bm=128, bn=128, bk=64, warps=8, stages=3, out_dtype
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--occupancy", action="store_true",
+                    help="only the rotation at 4096 wide, with small tiles at 1 and 2 programs "
+                         "per SM and one program per tile")
     args = ap.parse_args()
+    if args.occupancy:
+        return occupancy(args)
     dev, dt = torch.device("cuda"), torch.bfloat16
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__}
@@ -193,6 +200,45 @@ def main():
                         continue
                     res[f"{key}_outer_{tag}"] = [us, err]
                     line.append(f"{tag} {us:6.1f} ({err:.1e})")
+            print(" | ".join(line), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+def occupancy(args):
+    """Can co-resident programs (two per SM, or one per tile) overlap one tile's epilogue
+    with another's products, as a ping-pong schedule would? 4096 wide, b = 256 and 512."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    res = {"device": torch.cuda.get_device_name(), "triton": triton.__version__}
+    torch.manual_seed(0)
+    x = torch.randn(4096, 4096, device=dev, dtype=dt)
+    out = torch.empty_like(x)
+    cfgs = [(128, 128, 64, 4, 2), (128, 128, 64, 4, 3), (64, 256, 64, 4, 2),
+            (64, 128, 64, 4, 3), (128, 256, 64, 8, 2), (128, 256, 64, 8, 3),
+            (128, 128, 128, 8, 3)]
+    for b in (256, 512):
+        r = (torch.randn(4096 // b, b, b, device=dev) / b**0.5).to(dt)
+        for tr in (False, True):
+            ref = _rotate(x, r, transpose=tr)
+            key = f"b{b}_rot{'T' if tr else ''}"
+            res[f"{key}_cublas"] = gtime(lambda: _rotate(x, r, transpose=tr))
+            line = [f"{key} cublas {res[f'{key}_cublas']:.1f}"]
+            for cfg in cfgs:
+                bm, bn, bk, w, st = cfg
+                for per_sm, fl in ((1, True), (2, True), (2, False), (0, False)):
+                    tag = f"{cfg}x{per_sm}{'F' if fl else ''}"
+                    try:
+                        o = rot(x, r, tr, bm, bn, bk, w, st, fl, False, out=out, per_sm=per_sm)
+                        torch.cuda.synchronize()
+                        same = torch.equal(o, ref)
+                        us = gtime(lambda: rot(x, r, tr, bm, bn, bk, w, st, fl, False, out=out,
+                                               per_sm=per_sm))
+                    except Exception as e:  # noqa: BLE001
+                        line.append(f"{tag} {type(e).__name__}")
+                        continue
+                    res[f"{key}_{tag}"] = [us, same]
+                    line.append(f"{tag} {us:.1f}{'' if same else ' (bits differ)'}")
             print(" | ".join(line), flush=True)
     if args.out:
         with open(args.out, "w") as f:
