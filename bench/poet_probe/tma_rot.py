@@ -132,6 +132,24 @@ def outer(a, g, nb, split=1, bm=128, bn=128, bk=64, warps=8, stages=3, out_dtype
     return out
 
 
+def _trial(call, measure):
+    """Run ``call`` once, ``measure(output)`` it, then time it: ``(µs, measure)``, or the
+    exception that compiling or running it raised (e.g. too little shared memory)."""
+    try:
+        o = call()
+        torch.cuda.synchronize()
+        m = measure(o)
+        return gtime(call), m
+    except Exception as e:  # noqa: BLE001
+        return e
+
+
+def _dump(res, path):
+    if path:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -168,15 +186,12 @@ def main():
                         continue
                     for fl, ws in ((False, False), (True, False), (False, True)):
                         tag = f"{cfg}{'F' if fl else ''}{'W' if ws else ''}"
-                        try:
-                            o = rot(x, r, tr, bm, bn, bk, w, st, fl, ws, out=out)
-                            torch.cuda.synchronize()
-                            err = (o.float() - ref.float()).abs().max().item()
-                            us = gtime(lambda: rot(x, r, tr, bm, bn, bk, w, st, fl, ws,
-                                                   out=out))
-                        except Exception as e:  # noqa: BLE001
-                            print(f"   {tag}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                        t = _trial(lambda: rot(x, r, tr, bm, bn, bk, w, st, fl, ws, out=out),
+                                   lambda o: (o.float() - ref.float()).abs().max().item())
+                        if isinstance(t, Exception):
+                            print(f"   {tag}: {type(t).__name__}: {str(t)[:160]}", flush=True)
                             continue
+                        us, err = t
                         res[f"{key}_rot{'T' if tr else ''}_{tag}"] = [us, err]
                         line.append(f"{tag} {us:6.1f} ({err:.1e})")
                 print(" | ".join(line), flush=True)
@@ -189,21 +204,17 @@ def main():
                             (128, 256, 64, 8, 3)):
                     bm, bn, bk, w, st = cfg
                     tag = f"s{split}{cfg}"
-                    try:
-                        o = outer(x, g, nb, split, bm, bn, bk, w, st)
-                        torch.cuda.synchronize()
-                        err = ((o.float() - oref.float()).abs().max()
-                               / oref.float().abs().max()).item()
-                        us = gtime(lambda: outer(x, g, nb, split, bm, bn, bk, w, st))
-                    except Exception as e:  # noqa: BLE001
-                        print(f"   {tag}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    t = _trial(lambda: outer(x, g, nb, split, bm, bn, bk, w, st),
+                               lambda o: ((o.float() - oref.float()).abs().max()
+                                          / oref.float().abs().max()).item())
+                    if isinstance(t, Exception):
+                        print(f"   {tag}: {type(t).__name__}: {str(t)[:160]}", flush=True)
                         continue
+                    us, err = t
                     res[f"{key}_outer_{tag}"] = [us, err]
                     line.append(f"{tag} {us:6.1f} ({err:.1e})")
             print(" | ".join(line), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    _dump(res, args.out)
 
 
 def occupancy(args):
@@ -228,21 +239,17 @@ def occupancy(args):
                 bm, bn, bk, w, st = cfg
                 for per_sm, fl in ((1, True), (2, True), (2, False), (0, False)):
                     tag = f"{cfg}x{per_sm}{'F' if fl else ''}"
-                    try:
-                        o = rot(x, r, tr, bm, bn, bk, w, st, fl, False, out=out, per_sm=per_sm)
-                        torch.cuda.synchronize()
-                        same = torch.equal(o, ref)
-                        us = gtime(lambda: rot(x, r, tr, bm, bn, bk, w, st, fl, False, out=out,
-                                               per_sm=per_sm))
-                    except Exception as e:  # noqa: BLE001
-                        line.append(f"{tag} {type(e).__name__}")
+                    t = _trial(lambda: rot(x, r, tr, bm, bn, bk, w, st, fl, False, out=out,
+                                           per_sm=per_sm),
+                               lambda o: torch.equal(o, ref))
+                    if isinstance(t, Exception):
+                        line.append(f"{tag} {type(t).__name__}")
                         continue
+                    us, same = t
                     res[f"{key}_{tag}"] = [us, same]
                     line.append(f"{tag} {us:.1f}{'' if same else ' (bits differ)'}")
             print(" | ".join(line), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    _dump(res, args.out)
 
 
 if __name__ == "__main__":
