@@ -93,10 +93,10 @@ def measure(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int, warm
     return statistics.median(times), peak, pipelined, graph
 
 
-def graph_ms(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int):
-    """GPU time of one forward+backward with the host out of the way: the call is captured
-    once in a CUDA graph (after warm-up on a side stream) and the graph replayed back to
-    back. ``None`` (and a note) if the layer cannot be captured."""
+def capture(layer: nn.Module, x: torch.Tensor, g: torch.Tensor):
+    """One forward+backward of ``layer`` captured in a CUDA graph (after warm-up on a side
+    stream; the leaves' gradients dropped first, so no accumulation is captured). Returns
+    ``(graph, reset)``; ``reset()`` drops the gradients again."""
     params = [p for p in layer.parameters() if p.requires_grad]
 
     def reset():
@@ -104,35 +104,88 @@ def graph_ms(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int):
         for p in params:
             p.grad = None
 
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                reset()
-                layer(x).backward(g)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        reset()
-        cg = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cg):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            reset()
             layer(x).backward(g)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    reset()
+    cg = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cg):
+        layer(x).backward(g)
+    cg.replay()
+    torch.cuda.synchronize()
+    return cg, reset
+
+
+def replay_ms(cg, iters: int) -> float:
+    """Mean ms of ``iters`` back-to-back replays of ``cg``."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
         cg.replay()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            cg.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ms = a.elapsed_time(b) / iters
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / iters
+
+
+def graph_ms(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int):
+    """GPU time of one forward+backward with the host out of the way: the call is captured
+    once in a CUDA graph (:func:`capture`) and the graph replayed back to back. ``None``
+    (and a note) if the layer cannot be captured."""
+    reset = None
+    try:
+        cg, reset = capture(layer, x, g)
+        ms = replay_ms(cg, iters)
         del cg
     except Exception as e:  # report, keep the eager numbers
         print(f"note: CUDA-graph capture of {type(layer).__name__} failed: {e!r}"[:300])
         ms = None
-    reset()
+    if reset is not None:
+        reset()
     torch.cuda.synchronize()
     return ms
+
+
+def side_by_side(builders: dict, x: torch.Tensor, g: torch.Tensor, rounds: int,
+                 iters: int, idle_s: float = 0.05) -> dict:
+    """Graph ms of each layer of ``builders`` ({label: function returning the module or
+    ``None``}) in ``rounds`` interleaved rounds: each layer is built and captured at once
+    (before the next is built: the authors' compiled core is compiled for its own shape,
+    see :func:`authors_layer`), then each round replays every graph ``iters`` times, the
+    order rotated by one each round, each batch of replays after ``idle_s`` of idle GPU.
+
+    The idle gap matters: on the H200, nn.Linear's and the fast layer's graphs each ran in
+    one of two states, about 10% apart, when replayed back to back after other work (SM
+    clock sampled down to 1.6-1.7 GHz from 1.98), and always in the faster one after 50 ms
+    idle (bench/poet_probe/interleave.py; bench/RESULTS.md, thirteenth session). Without
+    the gap a ratio could compare one layer's fast state with the other's slow one.
+    Returns {label: [ms per round]}."""
+    graphs, keep = {}, []
+    for label, build in builders.items():
+        try:
+            layer = build()
+            if layer is None:
+                continue
+            graphs[label] = capture(layer, x, g)
+            keep.append(layer)
+        except Exception as e:  # keep the others
+            print(f"note: building or capturing {label} failed: {e!r}"[:300])
+    labels = list(graphs)
+    out = {label: [] for label in labels}
+    for r in range(rounds):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            torch.cuda.synchronize()
+            time.sleep(idle_s)
+            out[label].append(replay_ms(graphs[label][0], iters))
+    for _cg, reset in graphs.values():
+        reset()
+    del graphs, keep
+    torch.cuda.synchronize()
+    return out
 
 
 def authors_layer(n_in, n_out, b, mem, dtype, dev):
@@ -428,6 +481,50 @@ def micro(dev, dtype, tokens, sweep_tiles: bool = False) -> dict:
     return out
 
 
+def rounds_table(n_in, n_out, blocks, x, g, rounds, iters, dtype, dev) -> list:
+    """:func:`side_by_side` for nn.Linear, xopt fast (``impl="triton"``) and the authors'
+    fast layer (when importable) at each block size of one shape; prints and returns the
+    rows: median ms over rounds, its range, the ratio of medians to nn.Linear and the
+    range of the per-round ratios (each round against that round's nn.Linear)."""
+    def xopt_fast(b):
+        layer = POETLinear(n_in, n_out, b, variant="fast", impl="triton", device=dev,
+                           dtype=dtype)
+        with torch.no_grad():
+            layer.oft_R.normal_(0, 1e-3)
+        return layer
+
+    def authors_fast(b):
+        orig = authors_layer(n_in, n_out, b, False, dtype, dev)
+        if orig is not None:  # pragma: no cover - only where it is importable
+            with torch.no_grad():
+                orig.oft_R.normal_(0, 1e-3)
+        return orig
+
+    builders = {"nn.Linear": lambda: nn.Linear(n_in, n_out, bias=False, device=dev,
+                                               dtype=dtype)}
+    for b in blocks:
+        builders[f"xopt fast b={b}"] = lambda b=b: xopt_fast(b)
+        builders[f"authors fast b={b}"] = lambda b=b: authors_fast(b)
+    times = side_by_side(builders, x, g, rounds, iters)
+    ref = times.get("nn.Linear")
+    print(f"side by side, {n_in}->{n_out}: {rounds} interleaved rounds of {iters} graph "
+          f"replays each after 50 ms idle; median ms [range], x nn.Linear (ratio of medians) "
+          f"[per-round range]")
+    rows = []
+    for label, ms in times.items():
+        med = statistics.median(ms)
+        row = {"layer": label, "in": n_in, "out": n_out, "rounds_ms": ms, "median_ms": med}
+        text = f"  {label:22s} {med:8.4f} [{min(ms):.4f}, {max(ms):.4f}]"
+        if ref and label != "nn.Linear":
+            per = [a / r for a, r in zip(ms, ref, strict=True)]
+            row.update(ratio=med / statistics.median(ref), round_ratios=per)
+            text += f"  x{row['ratio']:.3f} [{min(per):.3f}, {max(per):.3f}]"
+        print(text, flush=True)
+        rows.append(row)
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="write results as JSON here")
@@ -435,6 +532,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="after each shape's table, time nn.Linear and the fast layers "
+                         "(xopt's, the authors') side by side in this many interleaved rounds "
+                         "of CUDA-graph replays (see side_by_side)")
     ap.add_argument("--check", action="store_true", help="validate kernels and parity first")
     ap.add_argument("--tiny", action="store_true", help="small CPU smoke run")
     ap.add_argument("--profile", action="store_true",
@@ -555,6 +656,9 @@ def main(argv=None) -> int:
                 "ratio_to_linear": t / ref[0], "peak_mib": m, "pipelined_ms": pl,
                 "pipelined_ratio": pl / ref[2] if pl is not None else None, "graph_ms": gr,
                 "graph_ratio": gr / ref[3] if gr is not None and ref[3] else None})
+        if args.rounds and dev.type == "cuda":
+            result.setdefault("side_by_side", []).extend(
+                rounds_table(n_in, n_out, blocks, x, g, args.rounds, args.iters, dtype, dev))
         del x, g
         if dev.type == "cuda":
             torch.cuda.empty_cache()

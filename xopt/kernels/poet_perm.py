@@ -131,11 +131,14 @@ _SMEM_REFUSED: set = set()
 def _smem_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
     n, d = x2.shape
     block_d = max(16, next_pow2(d))
-    # one row per program; 4 warps up to 4096 columns, then one warp per 1024 columns up
-    # to 16 (sweep of 1-4 rows and 4-32 warps, module docstring: more rows per program
-    # were not faster; 16384-column blocks: 8 warps 87.9 µs, 16 81.7, 32 81.4)
+    # one row per program; 4 warps up to 2048 columns, 8 for 4096, then one warp per 1024
+    # columns up to 16 (sweep of 1-4 rows and 4-32 warps, module docstring: more rows per
+    # program were not faster; 16384-column blocks: 8 warps 87.9 µs, 16 81.7, 32 81.4;
+    # 4096 columns, 4 / 8 warps: H100 25.1 / 24.7 µs, H200 19.4 / 18.6 µs,
+    # bench/poet_probe/gather_bw.py, bench/RESULTS.md, thirteenth session)
     rows = SMEM["rows"] or 1
-    warps = SMEM["warps"] or max(4, min(16, block_d // 1024))
+    warps = SMEM["warps"] or max(4, min(16, block_d // 1024 if block_d > 4096
+                                        else block_d // 512))
     key = (block_d, x2.dtype, warps, x2.device)
     if key not in _SMEM_REFUSED:
         try:
