@@ -1,6 +1,7 @@
 """POET-X layer benchmark: forward+backward latency and peak memory of one layer.
 
     python bench/poet_layer.py [--out RESULTS.json] [--dtype bf16|fp32] [--check] [--tiny]
+                               [--rounds N]
 
 At LLaMA-8B-like shapes (4096×4096 and 4096→14336, block sizes 256 and 512, 4096 tokens)
 it times, in one run: ``nn.Linear`` (the weight trained, as in AdamW pre-training), xopt's
@@ -10,7 +11,9 @@ kernels; ``impl="plain"`` too, to show what the kernels buy) and the authors' PO
 ``y = layer(x); y.backward(g)`` after warm-up. Peak memory: ``max_memory_allocated``
 during that call minus what was allocated before it (layer, input, cotangent), i.e. the
 memory the forward/backward itself needs (activations kept for backward, gradients,
-workspaces).
+workspaces). ``--rounds N`` adds, per shape, nn.Linear and the fast layers timed side by
+side: N interleaved rounds of CUDA-graph replays, each after 50 ms of idle GPU
+(:func:`side_by_side`); the ratio of medians is the figure for a speed target.
 
 ``--check`` first validates the kernels on the device against their PyTorch references
 (float32) and runs the parity harness on the bundled POET traces with ``impl="triton"``.
