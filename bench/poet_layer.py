@@ -96,10 +96,8 @@ def measure(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int, warm
     return statistics.median(times), peak, pipelined, graph
 
 
-def capture(layer: nn.Module, x: torch.Tensor, g: torch.Tensor):
-    """One forward+backward of ``layer`` captured in a CUDA graph (after warm-up on a side
-    stream; the leaves' gradients dropped first, so no accumulation is captured). Returns
-    ``(graph, reset)``; ``reset()`` drops the gradients again."""
+def _grad_reset(layer: nn.Module, x: torch.Tensor):
+    """A function that drops ``x``'s and ``layer``'s trainable parameters' gradients."""
     params = [p for p in layer.parameters() if p.requires_grad]
 
     def reset():
@@ -107,6 +105,14 @@ def capture(layer: nn.Module, x: torch.Tensor, g: torch.Tensor):
         for p in params:
             p.grad = None
 
+    return reset
+
+
+def capture(layer: nn.Module, x: torch.Tensor, g: torch.Tensor):
+    """One forward+backward of ``layer`` captured in a CUDA graph (after warm-up on a side
+    stream; the leaves' gradients dropped first, so no accumulation is captured). Returns
+    ``(graph, reset)``; ``reset()`` drops the gradients again."""
+    reset = _grad_reset(layer, x)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -139,16 +145,14 @@ def graph_ms(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int):
     """GPU time of one forward+backward with the host out of the way: the call is captured
     once in a CUDA graph (:func:`capture`) and the graph replayed back to back. ``None``
     (and a note) if the layer cannot be captured."""
-    reset = None
     try:
-        cg, reset = capture(layer, x, g)
+        cg, _ = capture(layer, x, g)
         ms = replay_ms(cg, iters)
         del cg
     except Exception as e:  # report, keep the eager numbers
         print(f"note: CUDA-graph capture of {type(layer).__name__} failed: {e!r}"[:300])
         ms = None
-    if reset is not None:
-        reset()
+    _grad_reset(layer, x)()  # (also after a failed capture, as before)
     torch.cuda.synchronize()
     return ms
 

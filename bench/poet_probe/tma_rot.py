@@ -144,6 +144,17 @@ def _trial(call, measure):
         return e
 
 
+def _record(res, name, tag, t, line):
+    """A :func:`_trial` result ``t``: its exception printed, or ``[µs, error]`` stored under
+    ``name`` and ``"tag µs (error)"`` added to the printed ``line``."""
+    if isinstance(t, Exception):
+        print(f"   {tag}: {type(t).__name__}: {str(t)[:160]}", flush=True)
+        return
+    us, err = t
+    res[name] = [us, err]
+    line.append(f"{tag} {us:6.1f} ({err:.1e})")
+
+
 def _dump(res, path):
     if path:
         with open(path, "w") as f:
@@ -188,12 +199,7 @@ def main():
                         tag = f"{cfg}{'F' if fl else ''}{'W' if ws else ''}"
                         t = _trial(lambda: rot(x, r, tr, bm, bn, bk, w, st, fl, ws, out=out),
                                    lambda o: (o.float() - ref.float()).abs().max().item())
-                        if isinstance(t, Exception):
-                            print(f"   {tag}: {type(t).__name__}: {str(t)[:160]}", flush=True)
-                            continue
-                        us, err = t
-                        res[f"{key}_rot{'T' if tr else ''}_{tag}"] = [us, err]
-                        line.append(f"{tag} {us:6.1f} ({err:.1e})")
+                        _record(res, f"{key}_rot{'T' if tr else ''}_{tag}", tag, t, line)
                 print(" | ".join(line), flush=True)
             oref = _outer(x, g, nb)
             cub = gtime(lambda: _outer(x, g, nb))
@@ -207,12 +213,7 @@ def main():
                     t = _trial(lambda: outer(x, g, nb, split, bm, bn, bk, w, st),
                                lambda o: ((o.float() - oref.float()).abs().max()
                                           / oref.float().abs().max()).item())
-                    if isinstance(t, Exception):
-                        print(f"   {tag}: {type(t).__name__}: {str(t)[:160]}", flush=True)
-                        continue
-                    us, err = t
-                    res[f"{key}_outer_{tag}"] = [us, err]
-                    line.append(f"{tag} {us:6.1f} ({err:.1e})")
+                    _record(res, f"{key}_outer_{tag}", tag, t, line)
             print(" | ".join(line), flush=True)
     _dump(res, args.out)
 
