@@ -200,7 +200,7 @@ def test_xopt_format_keeps_training_options(tmp_path):
     C.save(tmp_path / "x", method, hp, theta)
     assert C.load(tmp_path / "x")[1] == hp
     cfg = json.loads((tmp_path / "x" / "config.json").read_text())
-    assert cfg["format"] == "xopt-checkpoint/1" and cfg["method"] == method
+    assert cfg["format"] == "xopt-checkpoint/2" and cfg["method"] == method
 
 
 # -- bad input -------------------------------------------------------------------------------

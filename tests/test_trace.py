@@ -83,7 +83,7 @@ def test_manifest_problems_are_named(tmp_path):
     manifest, arrays, path = _copy_case(tmp_path)
     write_trace(path, manifest, arrays)
     path.write_text("{not json")
-    with pytest.raises(TraceError, match="manifest is not valid JSON"):
+    with pytest.raises(TraceError, match="manifest: not valid JSON"):
         load_trace(path)
     bad = dict(manifest)
     del bad["params"]
