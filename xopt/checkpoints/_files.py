@@ -202,7 +202,8 @@ def safetensors_bytes(tensors: Mapping[str, Any],
                       metadata: Mapping[str, str] | None = None) -> bytes:
     """The bytes the ``safetensors`` package writes for these tensors: data ordered by
     dtype (widest first) then name, a compact JSON header in that order after
-    ``__metadata__``, padded with spaces to a multiple of 8 bytes."""
+    ``__metadata__`` (keys sorted: the package keeps a hash map's order), padded with spaces
+    to a multiple of 8 bytes."""
     arrays = {}
     for k, v in tensors.items():
         a = np.asarray(v)
@@ -245,14 +246,14 @@ def check_finite(file: str | os.PathLike[str], key: str, a: np.ndarray) -> None:
     finite = np.isfinite(a)
     if not finite.all():
         idx = tuple(int(i) for i in np.argwhere(~finite)[0])
-        raise CheckpointError(f"{file}: key {key!r} holds {a[idx]} at index {idx} "
+        raise CheckpointError(f"{file}: key {key!r} holds {a[idx].item()} at index {idx} "
                               f"({int((~finite).sum())} non-finite values); learned-"
                               "optimizer weights must be finite")
     if a.dtype.itemsize > 4:
         big = np.abs(a) > _F32_MAX
         if big.any():
             idx = tuple(int(i) for i in np.argwhere(big)[0])
-            raise CheckpointError(f"{file}: key {key!r} holds {a[idx]!r} at index {idx}, "
+            raise CheckpointError(f"{file}: key {key!r} holds {a[idx].item()!r} at index {idx}, "
                                   "beyond float32's range (the optimizers compute in "
                                   "float32)")
 

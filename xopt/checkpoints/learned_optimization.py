@@ -313,7 +313,7 @@ def _check_syntax(value: str, where: str) -> None:
     try:
         ast.literal_eval(_STRING_OR_REF.sub(stand_in, value.replace("\\\n", " ")).strip())
     except Exception:  # noqa: BLE001 - any parse failure is a syntax error
-        raise CheckpointError(f"{where}: {value!r} is not a gin value") from None
+        raise CheckpointError(f"{where}: {value.strip()!r} is not a gin value") from None
 
 
 def _module_ok(selector: str, name: str) -> bool:

@@ -148,7 +148,13 @@ def port(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: str = "xo
         if m2 != method:
             result.max_abs_diff = float("inf")
             return result
-        result.max_abs_diff = _max_diff(_run(method, hp, theta), _run(m2, hp2, theta2))
+        with np.errstate(all="ignore"):  # overflow is reported below, not warned about
+            ran = _run(method, hp, theta), _run(m2, hp2, theta2)
+        for which, steps in zip(("source", "written"), ran, strict=True):
+            if not all(np.isfinite(v).all() for step in steps for v in step.values()):
+                result.notes.append(f"the synthetic trace gives NaN or inf with the {which} "
+                                    "checkpoint's θ (not usable as it stands)")
+        result.max_abs_diff = _max_diff(*ran)
         if hp2 != hp:
             result.notes.append(f"hyperparameters differ after the round trip: {hp} vs {hp2}")
             result.max_abs_diff = float("inf")

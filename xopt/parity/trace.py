@@ -31,6 +31,7 @@ import os
 import re
 import struct
 import zipfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ MAX_DIM = 1 << 31
 MAX_ARRAY_BYTES = 1 << 30
 #: what reading a corrupt npz can raise (zipfile's and numpy's npy reader's own errors)
 _NPZ_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError,
-               struct.error, NotImplementedError, KeyError)
+               struct.error, zlib.error, NotImplementedError, KeyError)
 
 
 def step_prefix(t: int) -> str:
