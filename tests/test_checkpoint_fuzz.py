@@ -625,7 +625,7 @@ def manifest_edit(fmt):
         if how == "issue":  # the mistyped fields of issue 27
             k, v = _pick(data, [("source", "x"), ("dtype", {}), ("hyperparameters", [1]),
                                 ("steps", True), ("params", {"w": "x"}), ("steps", 2 ** 40),
-                                ("meta_params_file", "/etc/passwd"),
+                                ("meta_params_file", "/etc/passwd"), ("meta_params_file", 7),
                                 ("meta_params_file", "../../x.npz"),
                                 ("meta_params", {"sha256": 1}), ("kind", "model"),
                                 ("num_training_steps", -1), ("inputs", 3)], "field")

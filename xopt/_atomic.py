@@ -75,10 +75,13 @@ def clean_stale(final: str | os.PathLike[str]) -> list[Path]:
 
 def fsync_path(path: str | os.PathLike[str]) -> None:
     """fsync a file or a directory (a directory's fsync makes its entries durable)."""
-    flags = os.O_RDONLY
-    if os.path.isdir(path):
-        flags |= getattr(os, "O_DIRECTORY", 0)
-    fd = os.open(path, flags)
+    is_dir = os.path.isdir(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if is_dir else 0))
+    except OSError:
+        if is_dir:  # a directory cannot be opened here (Windows): nothing to sync
+            return
+        raise
     try:
         os.fsync(fd)
     except OSError as e:  # some file systems cannot fsync a directory; the data is synced

@@ -25,6 +25,7 @@ are written to temporary names, fsynced and renamed into place.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
@@ -125,8 +126,9 @@ class Trace:
         theta: dict[str, np.ndarray] = {}
         base = info.get("base_file")
         if base is not None:
-            theta.update(_read_meta(self.path.parent / base, info.get("base_sha256")))
-        theta.update(_read_meta(self.path.parent / rel, info.get("sha256")))
+            theta.update(_read_meta(self.path.parent / base, info.get("base_sha256"),
+                                    self.path))
+        theta.update(_read_meta(self.path.parent / rel, info.get("sha256"), self.path))
         return theta
 
     @property
@@ -208,23 +210,26 @@ def _check_member(npz: Any, path: Path, key: str) -> None:
                          f"({nbytes} bytes) but its entry holds {info.file_size} bytes")
 
 
-def _read_meta(path: Path, sha256: str | None) -> dict[str, np.ndarray]:
+def _read_meta(path: Path, sha256: str | None, manifest: Path) -> dict[str, np.ndarray]:
     import hashlib
 
+    where = f"{path}: meta-parameter file (of {manifest})"
     try:
+        if not path.is_file() or path.stat().st_size > MAX_ARRAY_BYTES:
+            raise TraceError(f"{where} is not a regular file of at most {MAX_ARRAY_BYTES} "
+                             "bytes")
         data = path.read_bytes()
     except OSError as e:
-        raise TraceError(f"{path}: meta-parameter file unreadable ({e})") from None
+        raise TraceError(f"{where} unreadable ({e.strerror or e})") from None
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
-        raise TraceError(f"{path}: SHA-256 does not match the manifest's {sha256}")
+        raise TraceError(f"{where}: SHA-256 does not match the manifest's {sha256}")
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
             for k in z.files:
                 _check_member(z, path, k)
             return {k: z[k] for k in z.files}
     except _NPZ_ERRORS as e:
-        raise TraceError(f"{path}: meta-parameter file unreadable ({type(e).__name__}: {e})"
-                         ) from None
+        raise TraceError(f"{where} unreadable ({type(e).__name__}: {e})") from None
 
 
 def _fail(path: Path, msg: str) -> TraceError:
@@ -235,11 +240,10 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_relpath(path: Path, field: str, v: Any) -> None:
-    if (not isinstance(v, str) or not v or v.startswith(("/", "\\")) or "\\" in v
-            or ".." in Path(v).parts or re.match(r"^[A-Za-z]:", v)):
-        raise _fail(path, f"{field!r} = {v!r} must be a path relative to the manifest's "
-                          "folder, inside it")
+def _check_path(path: Path, field: str, v: Any) -> None:
+    if not isinstance(v, str) or not v or "\x00" in v:
+        raise _fail(path, f"{field!r} = {v!r} must be a file path (relative to the "
+                          "manifest's folder, or absolute)")
 
 
 def _check_sha(path: Path, field: str, v: Any) -> None:
@@ -298,13 +302,13 @@ def check_manifest(path: str | os.PathLike[str], m: Any) -> None:
     if n is not None and (not _is_int(n) or n < 1):
         raise _fail(path, f"'num_training_steps' = {n!r} must be a positive integer")
     if "meta_params_file" in m:
-        _check_relpath(path, "meta_params_file", m["meta_params_file"])
+        _check_path(path, "meta_params_file", m["meta_params_file"])
     if "meta_params" in m:
         info = m["meta_params"]
         if not isinstance(info, dict):
             raise _fail(path, f"'meta_params' = {info!r} must be an object")
         if "base_file" in info:
-            _check_relpath(path, "meta_params.base_file", info["base_file"])
+            _check_path(path, "meta_params.base_file", info["base_file"])
         for key in ("sha256", "base_sha256"):
             if key in info:
                 _check_sha(path, f"meta_params.{key}", info[key])
