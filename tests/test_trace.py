@@ -15,6 +15,7 @@ from xopt.parity import bundled_traces, load_trace, write_trace
 from xopt.parity.trace import step_prefix
 
 ADAMW = bundled_traces("adamw")
+TORCH_ADAMW = next(p for p in ADAMW if p.stem.startswith("torch_"))
 GALORE = Path(__file__).resolve().parents[1] / "xopt/parity/data/galore/adamw_left_r4_gap5.json"
 
 
@@ -229,3 +230,15 @@ def test_an_array_declaring_more_data_than_its_entry_holds_is_refused(tmp_path):
                                          r"\(100000000000,\) of float32 \(400000000000 bytes\)"):
         t.array("step_0000/aux/huge")
     t.close()
+
+
+@pytest.mark.parametrize("betas", ["x", [], None, [0.9]])
+def test_a_mistyped_hyperparameter_value_exits_2_naming_the_trace(tmp_path, capsys, betas):
+    from xopt.cli import main
+
+    manifest, arrays, path = _copy_case(tmp_path, TORCH_ADAMW)
+    write_trace(path, {**manifest, "hyperparameters": {**manifest["hyperparameters"],
+                                                       "betas": betas}}, arrays)
+    rc = main(["parity", "adamw", "--trace", str(path), "--backends", "oracle", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"xopt: error: {path}: hyperparameters: " in err, err
