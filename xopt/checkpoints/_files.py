@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -73,9 +74,12 @@ def recording_digests() -> Iterator[dict[Path, str]]:
 
 
 def read_bytes(path: str | os.PathLike[str], limit: int | None = None) -> bytes:
-    """A file's bytes; a missing or unreadable file, or one larger than ``limit``, is a
+    """A regular file's bytes; a missing or unreadable file, anything but a regular file
+    (a FIFO or device would never end), or one larger than ``limit`` is a
     :class:`CheckpointError` naming it."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # before open: a FIFO's open blocks
+            raise CheckpointError(f"{path}: not a regular file")
         with open(path, "rb") as f:
             data = f.read() if limit is None else f.read(limit + 1)
     except OSError as e:
