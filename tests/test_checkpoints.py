@@ -13,7 +13,7 @@ import types
 
 import numpy as np
 import pytest
-from helpers import REPO, SHARED
+from helpers import REPO, SHARED, has_torch
 
 from xopt import checkpoints as C
 from xopt.checkpoints import learned_optimization as lo
@@ -200,7 +200,7 @@ def test_xopt_format_keeps_training_options(tmp_path):
     C.save(tmp_path / "x", method, hp, theta)
     assert C.load(tmp_path / "x")[1] == hp
     cfg = json.loads((tmp_path / "x" / "config.json").read_text())
-    assert cfg["format"] == "xopt-checkpoint/1" and cfg["method"] == method
+    assert cfg["format"] == "xopt-checkpoint/2" and cfg["method"] == method
 
 
 # -- bad input -------------------------------------------------------------------------------
@@ -575,11 +575,32 @@ def test_hub_ids_need_the_hub_extra_and_paths_are_not_ids(tmp_path, monkeypatch)
 
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # as if not installed
     with pytest.raises(ImportError, match=r"xopt-ml\[hub\]"):
-        hub.load_pretrained("someone/velo")
+        hub.load_pretrained("hf://someone/velo")
+    with pytest.raises(ImportError, match=r"xopt-ml\[hub\]"):
+        hub.load_pretrained(repo_id="someone/velo")
     with pytest.raises(ImportError, match=r"xopt-ml\[hub\]"):
         hub.push_to_hub("velo", *C.load(LO_VELO)[1:], "someone/velo")
     with pytest.raises(CheckpointError, match="no such checkpoint directory"):
         hub.load_pretrained(str(tmp_path / "absent" / "dir"))
+
+
+def test_a_missing_path_that_looks_like_a_repo_id_is_an_error_not_a_download(tmp_path,
+                                                                            monkeypatch):
+    from xopt.checkpoints import hub
+
+    fake = _FakeHub(tmp_path / "hub")
+    monkeypatch.setitem(sys.modules, "huggingface_hub", fake.module)
+    monkeypatch.chdir(tmp_path)
+    for source in ("someone/velo", ("someone/velo-rnn", "someone/velo-mlp")):
+        with pytest.raises(CheckpointError, match=r"someone/velo\S*: no such checkpoint "
+                                                  r"directory \(for the Hugging Face Hub "
+                                                  r"repository, write hf://someone/velo"):
+            hub.load_pretrained(source)
+    with pytest.raises(CheckpointError, match="either a source .* or repo_id="):
+        hub.load_pretrained("x", repo_id="someone/velo")
+    with pytest.raises(CheckpointError, match="not a Hub repository id"):
+        hub.load_pretrained("hf://not a repo")
+    assert fake.calls == []
 
 
 class _FakeHub:
@@ -618,7 +639,8 @@ def test_push_to_hub_and_from_pretrained_round_trip_through_the_hub_api(tmp_path
     method, hp, theta = C.load(LO_VELO)
     urls = hub.push_to_hub(method, hp, theta, "someone/velo", token="t0k")
     assert urls == ["https://hub/someone/velo/commit/1"]
-    got_method, got_hp, got_theta = hub.load_pretrained("someone/velo", revision="main")
+    got_method, got_hp, got_theta = hub.load_pretrained("hf://someone/velo", revision="main")
+    assert hub.load_pretrained(repo_id="someone/velo")[1] == hp
     assert (got_method, got_hp) == (method, hp)
     assert theta.keys() == got_theta.keys()
     assert all(np.array_equal(theta[k], got_theta[k]) for k in theta)
@@ -626,10 +648,18 @@ def test_push_to_hub_and_from_pretrained_round_trip_through_the_hub_api(tmp_path
     urls = hub.push_to_hub(method, hp, theta, ("someone/velo-rnn", "someone/velo-mlp"),
                            format="pylo")
     assert len(urls) == 2
-    _, _, pair_theta = hub.load_pretrained(("someone/velo-rnn", "someone/velo-mlp"))
+    _, _, pair_theta = hub.load_pretrained(("hf://someone/velo-rnn", "hf://someone/velo-mlp"))
     assert all(np.array_equal(theta[k], pair_theta[k]) for k in theta)
     assert ("create_repo", "someone/velo", None, True) in fake.calls
     assert ("snapshot_download", "someone/velo", "main", None) in fake.calls
+    if has_torch:
+        import torch
+
+        import xopt.torch as xt
+
+        w = torch.nn.Parameter(torch.ones(3))
+        opt = xt.VeLO.from_pretrained([w], repo_id="someone/velo", num_training_steps=10)
+        assert opt.hp.lstm_hidden_size == hp.lstm_hidden_size
 
 
 def test_the_hub_calls_match_huggingface_hubs_signatures():
@@ -668,7 +698,7 @@ def test_gin_macros_resolve_and_unrelated_lines_are_skipped():
     text = ("STEPS = 1000\nP = 64\nrun_train.num_steps = %STEPS\noptax.adam.lr = 1e-3\n"
             "HyperV2.param_inits = %P\nrun_train.lopt = @HyperV2()\n")
     assert lo.parse_gin(text) == ("HyperV2", {"param_inits": 64})
-    with pytest.raises(CheckpointError, match=r"config.gin:1: HyperV2.param_inits"):
+    with pytest.raises(CheckpointError, match=r"config.gin:1: macro %UNDEFINED is not defined"):
         lo.parse_gin("HyperV2.param_inits = %UNDEFINED\nrun_train.lopt = @HyperV2()\n")
 
 
@@ -689,3 +719,426 @@ def test_jax_optax_from_pretrained_and_save(tmp_path):
     method, hp, theta = C.load(LO_SF, num_training_steps=10)
     hub.save_optax_pretrained(theta, hp, tmp_path / "x")
     assert C.load(tmp_path / "x")[1] == hp
+
+
+# -- corrupt and hostile input: every loader refuses it, naming the file and the field -------
+
+
+def _pylo_copy(tmp_path, name="p"):
+    d = tmp_path / name
+    shutil.copytree(PYLO_SF, d)
+    for f in d.iterdir():
+        os.chmod(f, 0o644)
+    return d
+
+
+def _edit_safetensors(f, edit):
+    from xopt.checkpoints import _files
+
+    tensors = _files.read_safetensors(f)
+    edit(tensors)
+    f.write_bytes(_files.safetensors_bytes(tensors))
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_non_finite_theta_is_refused_by_port_and_from_pretrained(tmp_path, capsys, value):
+    from xopt.cli import main
+
+    d = _pylo_copy(tmp_path)
+
+    def poison(t):
+        t["network.output.bias"][0] = value
+
+    _edit_safetensors(d / "model.safetensors", poison)
+    rc = main(["port", str(d), str(tmp_path / "out"), "--decays", "pylo-defaults", "--verify"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert f"{d / 'model.safetensors'}: key 'network.output.bias' holds {value}" in err
+    assert not (tmp_path / "out").exists()
+    torch = pytest.importorskip("torch")
+    import xopt.torch as xt
+
+    with pytest.raises(CheckpointError, match="network.output.bias.*must be finite"):
+        xt.SmallFCLOpt.from_pretrained([torch.nn.Parameter(torch.ones(2))], d,
+                                       num_training_steps=10, **SF_PYLO_EXTRA)
+
+
+def test_non_finite_or_float32_overflowing_theta_in_lo_params_is_refused(tmp_path):
+    d = _lo_copy(tmp_path)
+    _rewrite_params(d, lambda t: t["nn/~/b1"].__setitem__(3, np.inf))
+    with pytest.raises(CheckpointError, match=r"params: key 'nn/~/b1' holds inf at index "
+                                              r"\(3,\)"):
+        C.load(d)
+    shutil.copy(LO_SF / "params", d / "params")
+    _rewrite_params(d, lambda t: t.update({"nn/~/b1": np.full(32, 1e39)}))
+    with pytest.raises(CheckpointError, match=r"'nn/~/b1' holds 1e\+39 .*beyond float32's "
+                                              "range"):
+        C.load(d)
+    method, hp, theta = C.load(LO_SF)
+    theta["mlp/w0"] = theta["mlp/w0"].copy()
+    theta["mlp/w0"][0, 0] = np.nan
+    with pytest.raises(CheckpointError, match=r"θ to save: key 'mlp/w0' holds nan"):
+        C.save(tmp_path / "never", method, hp, theta)
+    assert not (tmp_path / "never").exists()
+
+
+def _gin(tmp_path, extra, replace=None):
+    d = tmp_path / "gin"
+    if not d.exists():
+        d = _lo_copy(tmp_path)
+        d.rename(tmp_path / "gin")
+        d = tmp_path / "gin"
+    text = (LO_SF / "config.gin").read_text()
+    if replace:
+        text = text.replace(*replace)
+    (d / "config.gin").write_text(text + extra)
+    return d
+
+
+def test_gin_scoped_bindings_apply_only_within_their_scope(tmp_path):
+    # gin: 'scope/Class.arg' binds only calls made inside that scope (gin/config.py merges
+    # the bindings of every prefix of the active scope, the deepest last)
+    d = _gin(tmp_path, "eval/AdafacMLPLOpt.step_mult = 0.5\n")
+    assert C.load(d)[1].step_mult == 0.01
+    d = _gin(tmp_path, "other/AdafacMLPLOpt.hidden_size = 8\n")
+    assert C.load(d)[1].hidden_size == 32  # a valid checkpoint stays valid
+    d = _gin(tmp_path, "eval/AdafacMLPLOpt.step_mult = 0.5\n"
+                       "run_train.lopt = @eval/AdafacMLPLOpt()\n")
+    assert C.load(d)[1].step_mult == 0.5  # called in scope eval: its binding applies
+    d = _gin(tmp_path, "a/b/AdafacMLPLOpt.exp_mult = 0.003\na/AdafacMLPLOpt.exp_mult = 0.002\n"
+                       "a/AdafacMLPLOpt.step_mult = 0.02\nb/AdafacMLPLOpt.step_mult = 0.7\n"
+                       "run_train.lopt = @a/b/AdafacMLPLOpt()\n")
+    _, hp, _ = C.load(d)
+    assert (hp.exp_mult, hp.step_mult) == (0.003, 0.02)  # deepest scope wins; 'b' is not 'a/b'
+    d = _gin(tmp_path, "eval/run_train.lopt = @HyperV2()\nAdafacMLPLOpt.step_mult = 0.03\n")
+    _, hp, _ = C.load(d)  # run_train runs unscoped; the later unscoped binding wins
+    assert hp.step_mult == 0.03 and C.load(d)[0] == "small_fc_lopt"
+
+
+@pytest.mark.parametrize("extra,match", [
+    ("AdafacMLPLOpt.step_mult = 1e999\n", r"config.gin:10: AdafacMLPLOpt.step_mult: inf is "
+                                          "not a finite number"),
+    ("AdafacMLPLOpt.hidden_size = 1180591620717411303424\n", "hidden_size: integer .* out of "
+                                                             "range"),
+    ("AdafacMLPLOpt.hidden_size = 100000\n", r"hidden_size = 100000; expected an integer in "
+                                             r"\[0, 65536\]"),
+    ("AdafacMLPLOpt.step_mult = nan\n", "config.gin:10: 'nan' is not a gin value"),
+    ("AdafacMLPLOpt.hidden_siz = 8\n", "AdafacMLPLOpt has no argument 'hidden_siz'"),
+    ("foo.AdafacMLPLOpt.step_mult = 0.1\n", "'foo.AdafacMLPLOpt' is not learned_optimization"),
+    ("eval/AdafacMLPLOpt.hidden_siz = 8\n", "AdafacMLPLOpt has no argument 'hidden_siz'"),
+    ("include 'base.gin'\n", "'include' is not supported"),
+    ("AdafacMLPLOpt.step_mult 0.1\n", "is not a gin binding"),
+    ("AdafacMLPLOpt.step_mult = (0.1\n", "not valid gin"),
+    ("AdafacMLPLOpt.step_mult = @eval/f()\n", "a configurable reference where xopt reads a "
+                                              "literal"),
+])
+def test_gin_values_and_syntax_gin_would_refuse_are_refused(tmp_path, extra, match):
+    d = _gin(tmp_path, extra)
+    with pytest.raises(CheckpointError, match=match) as e:
+        C.load(d)
+    assert str(d / "config.gin") in str(e.value)
+
+
+def test_non_utf8_configs_are_named_errors(tmp_path):
+    d = _gin(tmp_path, "")
+    (d / "config.gin").write_bytes(b"# \xff\n" + (LO_SF / "config.gin").read_bytes())
+    with pytest.raises(CheckpointError, match=r"config.gin: not UTF-8"):
+        C.load(d)
+    p = _pylo_copy(tmp_path)
+    (p / "config.json").write_bytes(b'{"hidden_layers": 1, "\xc3\x28": 2}')
+    with pytest.raises(CheckpointError, match=r"config.json: not UTF-8"):
+        C.load(p, **SF_PYLO_EXTRA)
+
+
+def test_oversized_integers_and_deep_nesting_exit_2_through_the_cli(tmp_path, capsys):
+    from xopt.cli import main
+
+    p = _pylo_copy(tmp_path)
+    cfg = json.loads((p / "config.json").read_text())
+    (p / "config.json").write_text(json.dumps({**cfg, "hidden_layers": 1180591620717411303424}))
+    assert main(["port", str(p), str(tmp_path / "o"), "--decays", "pylo-defaults"]) == 2
+    assert (f"{p / 'config.json'}: key 'hidden_layers' is 1180591620717411303424, out of "
+            "range" in capsys.readouterr().err)
+    (p / "config.json").write_text(json.dumps({**cfg, "hidden_layers": 10 ** 6}))
+    assert main(["port", str(p), str(tmp_path / "o"), "--decays", "pylo-defaults"]) == 2
+    assert "key 'hidden_layers' is 1000000, expected an integer in [0, 63]" in \
+        capsys.readouterr().err
+    (p / "config.json").write_text('{"a":' * 100_000 + "1" + "}" * 100_000)
+    assert main(["port", str(p), str(tmp_path / "o"), "--decays", "pylo-defaults"]) == 2
+    assert "config.json: JSON nested deeper than 32 levels" in capsys.readouterr().err
+    d = _lo_copy(tmp_path)
+    (d / "params").write_bytes(b"\x81\xa1a" * 100_000 + b"\xc0")
+    assert main(["port", str(d), str(tmp_path / "o")]) == 2
+    assert "params: not a valid flax msgpack checkpoint (containers nested deeper than 32 " \
+           "levels" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["lo", "p"]
+
+
+def test_msgpack_declared_lengths_are_checked_before_anything_is_allocated():
+    data = (LO_SF / "params").read_bytes()
+    for forged, match in [(b"\xdf\xff\xff\xff\xff" + data[1:], "map declares 4294967295 "
+                                                               "elements but"),
+                          (b"\xdb\xff\xff\xff\xff" + data[2:], "string declares 4294967295 "
+                                                               "bytes but"),
+                          (data + b"\x00", "1 bytes of trailing data"),
+                          (b"\x82\xa1a\x01\xa1a\x02", "map key 'a' appears twice"),
+                          (b"\x81\x01\x02", "map key is a int, not a string"),
+                          (b"\xc1", "byte 0xc1 is not a msgpack type")]:
+        with pytest.raises(CheckpointError, match=match):
+            lo.read_params_bytes(forged, "params")
+
+
+def test_safetensors_headers_are_checked_in_full(tmp_path):
+    from xopt.checkpoints import _files
+
+    good = (PYLO_SF / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", good[:8])
+    header, body = json.loads(good[8:8 + n]), good[8 + n:]
+
+    def with_header(h, length=None):
+        raw = json.dumps(h).encode()
+        return struct.pack("<Q", len(raw) if length is None else length) + raw + body
+
+    b0 = header["network.input.bias"]
+    cases = [
+        (with_header(header, 2 ** 63), "header length 9223372036854775808"),
+        (with_header({**header, "network.input.bias": {**b0, "dtype": "BF16"}}), "bfloat16"),
+        (with_header({**header, "network.input.bias": {**b0, "dtype": "F64"}}),
+         "F64 of shape \\[32\\] needs 256 bytes, data_offsets give 128"),
+        (with_header({**header, "network.input.bias": {**b0, "shape": [2 ** 40, 0]}}),
+         "starts at byte 0 of the data, expected 0|tile|needs 0 bytes"),
+        (with_header({**header, "network.input.bias": {**b0, "extra": 1}}), "header entry is"),
+        (with_header({**header, "network.input.bias": {**b0, "data_offsets": [0, 2 ** 40]}}),
+         "data_offsets \\[0, 1099511627776\\] are not \\[begin, end\\] within the 9608"),
+        (with_header({**header, "network.input.bias": {**b0, "data_offsets": [0, 2 ** 64]}}),
+         "key 'network.input.bias.data_offsets\\[1\\]' is 18446744073709551616, out of "
+         "range"),
+        (with_header({k: v for k, v in header.items() if k != "network.input.bias"}),
+         "starts at byte 128 of the data, expected 0"),
+        (with_header({**header, "__metadata__": {"a": 1}}), "'__metadata__' is not a map of "
+                                                           "strings"),
+    ]
+    f = tmp_path / "model.safetensors"
+    for data, match in cases:
+        f.write_bytes(data)
+        with pytest.raises(CheckpointError, match=match) as e:
+            _files.read_safetensors(f)
+        assert str(f) in str(e.value)
+
+
+def test_safetensors_and_msgpack_bytes_match_the_packages():
+    """xopt's writers (NumPy only) write what the safetensors and msgpack packages write,
+    and its readers read what they read."""
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    msgpack = pytest.importorskip("msgpack")
+    from xopt.checkpoints import _files
+    from xopt.checkpoints import _msgpack as M
+
+    rng = np.random.default_rng(0)
+    tensors = {"b": rng.standard_normal(3).astype(np.float32), "a": rng.standard_normal((2, 2)),
+               "c": np.ones(1, np.float16), "z/y": np.zeros((0, 3), np.float32),
+               "aa": rng.standard_normal(4).astype(np.float32)}
+    for meta in (None, {"xopt.format": "x"}):
+        ours = _files.safetensors_bytes(tensors, meta)
+        assert ours == safetensors_numpy.save(tensors, metadata=meta)
+        back, got_meta = _files.parse_safetensors(ours, "mem")
+        assert got_meta == (meta or {})
+        assert_bit_equal(back, {k: np.asarray(v) for k, v in tensors.items()})
+    for f in (PYLO_SF / "model.safetensors",):
+        assert_bit_equal(_files.read_safetensors(f),
+                         safetensors_numpy.load(f.read_bytes()))
+    doc = {"params": {"nn": {"~": {"w0": M.ExtType(1, b"x" * 300)}}}, "gen_id": "g" * 40,
+           "step": 70000, "n": [-1, -33, -129, -40000, -2 ** 40, 2 ** 63, 1.5, None, True,
+                               b"\x00" * 70000]}
+    lib = {**doc, "params": {"nn": {"~": {"w0": msgpack.ExtType(1, b"x" * 300)}}}}
+    assert M.packb(doc) == msgpack.packb(lib, use_bin_type=True)
+    assert M.unpackb(M.packb(doc)) == {**doc, "n": [*doc["n"][:-1], b"\x00" * 70000]}
+    data = (LO_SF / "params").read_bytes()
+    assert M.packb(M.unpackb(data)) == data
+
+
+# -- xopt's format: content hashes ------------------------------------------------------------
+
+
+def _xopt_copy(tmp_path, name="x"):
+    method, hp, theta = C.load(LO_SF, num_training_steps=100)
+    return C.save(tmp_path / name, method, hp, theta)
+
+
+def test_xopt_format_hashes_catch_bit_flips_swaps_and_edited_configs(tmp_path):
+    from xopt.checkpoints import _files
+
+    d = _xopt_copy(tmp_path)
+    f = d / "model.safetensors"
+    good = f.read_bytes()
+    tensors, meta = _files.parse_safetensors(good, f)
+    assert set(meta) == {"xopt.format", "xopt.sha256:config.json"} | {
+        f"xopt.sha256:{k}" for k in tensors}
+    assert meta["xopt.sha256:config.json"] == _files.sha256((d / "config.json").read_bytes())
+    (n,) = struct.unpack("<Q", good[:8])
+    header = json.loads(good[8:8 + n])
+    s0, e0 = header["mlp/b0"]["data_offsets"]
+    s1, e1 = header["mlp/b1"]["data_offsets"]
+    flipped = bytearray(good)
+    flipped[8 + n + s0 + 5] ^= 0x10
+    swapped = bytearray(good)
+    swapped[8 + n + s0:8 + n + e0], swapped[8 + n + s1:8 + n + e1] = (
+        good[8 + n + s1:8 + n + e1], good[8 + n + s0:8 + n + e0])
+    for data, match in [(flipped, "tensor 'mlp/b0' does not match its recorded SHA-256"),
+                        (swapped, "tensor 'mlp/b[01]' does not match its recorded SHA-256")]:
+        f.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match=match):
+            C.load(d)
+    f.write_bytes(good)
+    cfg = (d / "config.json").read_text()
+    (d / "config.json").write_text(cfg.replace('"step_mult": 0.01', '"step_mult": 0.02'))
+    with pytest.raises(CheckpointError, match=r"config.json: does not match the SHA-256 "
+                                              r"recorded in .*model.safetensors"):
+        C.load(d)
+    (d / "config.json").write_text(cfg)
+    assert C.load(d, step_mult=0.02)[1].step_mult == 0.02  # overrides are the way
+    tensors["mlp/b0"][0] += 1  # rewritten without xopt's hashes
+    f.write_bytes(_files.safetensors_bytes(tensors, {"format": "pt"}))
+    with pytest.raises(CheckpointError, match="metadata 'xopt.format' is None"):
+        C.load(d)
+
+
+def test_port_records_the_source_files_hashes(tmp_path, capsys):
+    import hashlib
+
+    from xopt.cli import main
+
+    assert main(["port", str(LO_SF), str(tmp_path / "x")]) == 0
+    out = capsys.readouterr().out
+    cfg = json.loads((tmp_path / "x" / "config.json").read_text())
+    want = {f: hashlib.sha256((LO_SF / f).read_bytes()).hexdigest()
+            for f in ("config.gin", "params")}
+    assert cfg["source"] == {"format": "learned_optimization", "sha256": want}
+    for f, digest in want.items():
+        assert f"source sha256: {digest}  {f}" in out
+    assert C.load(tmp_path / "x")[0] == "small_fc_lopt"
+
+
+def test_port_verify_calls_a_non_finite_run_different(tmp_path, capsys):
+    from xopt.cli import main
+
+    d = _pylo_copy(tmp_path)
+    _edit_safetensors(d / "model.safetensors",
+                      lambda t: t["network.output.weight"].__setitem__((0, 0), 3e38))
+    assert main(["port", str(d), str(tmp_path / "o"), "--decays", "pylo-defaults",
+                 "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "gives NaN or inf with the source checkpoint's θ" in out and "DIFFERENT" in out
+
+
+# -- writes: atomic, durable, and only where safe ----------------------------------------------
+
+
+def test_overwrite_refuses_links_the_source_s_parents_dot_files_and_foreign_dirs(
+        tmp_path, capsys, monkeypatch):
+    from xopt.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    src = _lo_copy(tmp_path)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("mine")
+    before = sorted(os.listdir(tmp_path))
+    for dst, match in [("link", "is a symbolic link"), (".", "not a checkpoint directory "
+                                                             "name"),
+                       (str(tmp_path), "is the working directory or one above it"),
+                       (str(tmp_path.parent), "is the working directory or one above it"),
+                       ("lo", "contains the source checkpoint"),
+                       ("file", "exists and is not a directory"),
+                       ("home", "holds 'notes.txt', which no checkpoint has")]:
+        assert main(["port", str(src), dst, "--overwrite"]) == 2, dst
+        assert match in capsys.readouterr().err, dst
+    (tmp_path / "outer").mkdir()
+    shutil.copytree(src, tmp_path / "outer" / "src")
+    assert main(["port", "outer/src", "outer", "--overwrite"]) == 2
+    assert "outer: contains the source checkpoint outer/src" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == sorted(before + ["outer"])
+    assert os.readlink(tmp_path / "link") == str(tmp_path / "real")
+    assert os.listdir(tmp_path / "real") == [] and (tmp_path / "home" / "notes.txt").exists()
+    assert C.load(src)[0] == C.load(tmp_path / "outer" / "src")[0] == "small_fc_lopt"
+
+
+def test_overwrite_replaces_a_checkpoint_whole_with_or_without_an_atomic_swap(tmp_path,
+                                                                            monkeypatch):
+    from xopt import _atomic
+
+    method, hp, theta = C.load(LO_SF)
+    C.save(tmp_path / "out", method, hp, theta, "pylo")
+    C.save(tmp_path / "out", method, hp, theta, "lo", overwrite=True)
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.gin", "params"]
+    monkeypatch.setattr(_atomic, "_exchange", lambda a, b: False)  # no renameat2 here
+    C.save(tmp_path / "out", method, hp, theta, "xopt", overwrite=True)
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    assert os.listdir(tmp_path) == ["out"]
+
+
+_KILLED_PORT = """
+import os, signal, sys
+from xopt.checkpoints import _files
+def dying(path, data):
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+    os.kill(os.getpid(), signal.SIGKILL)
+_files.write_file = dying
+from xopt.cli import main
+main(["port", sys.argv[1], sys.argv[2]])
+"""
+
+
+def test_a_killed_port_leaves_a_temporary_that_the_next_write_removes(tmp_path):
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH",
+                                                                               "")}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_PORT, str(LO_SF), str(tmp_path / "d")],
+                          env=env, capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()
+    left = os.listdir(tmp_path)
+    assert len(left) == 1 and left[0].startswith(".d.") and left[0].endswith(".tmp")
+    [(name, data)] = [(p.name, p.read_bytes()) for p in (tmp_path / left[0]).iterdir()]
+    full = C.files(*C.load(LO_SF), "xopt")[name]
+    assert 0 < len(data) < len(full) and full.startswith(data)  # a truncated file
+    C.save(tmp_path / "d", *C.load(LO_SF))
+    assert os.listdir(tmp_path) == ["d"]
+
+
+def test_a_directory_moved_aside_by_a_killed_replacement_is_restored(tmp_path):
+    import subprocess
+
+    from xopt import _atomic
+
+    C.save(tmp_path / "d", *C.load(LO_SF))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    aside = tmp_path / f".d.{dead}@{_atomic._HOST}.abc123.old"
+    os.replace(tmp_path / "d", aside)  # as a killed fallback replacement leaves it
+    (tmp_path / f".d.{dead}@{_atomic._HOST}.def456.tmp").mkdir()
+    assert len(_atomic.clean_stale(tmp_path / "d")) == 2
+    assert os.listdir(tmp_path) == ["d"] and C.detect(tmp_path / "d") == "xopt"
+
+
+def test_writes_fsync_every_file_and_directory(tmp_path, monkeypatch):
+    synced = []
+    real = os.fsync
+
+    def spy(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    if not os.path.exists("/proc/self/fd"):
+        pytest.skip("needs /proc to name file descriptors")
+    monkeypatch.setattr(os, "fsync", spy)
+    method, hp, theta = C.load(LO_VELO if VELO_FIXTURES else LO_SF)
+    out = C.save(tmp_path / "out", method, hp, theta, "pylo")
+    names = {os.path.relpath(p, tmp_path) for p in synced}
+    written = {os.path.relpath(p, tmp_path) for p in out.rglob("*")}
+    tmp_names = {n.replace(n.split("/")[0], "out", 1) for n in names if n.startswith(".out.")}
+    assert written <= tmp_names  # every file and subdirectory, synced before the rename
+    assert "." in names  # the parent, after it

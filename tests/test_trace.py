@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from xopt.parity import bundled_traces, load_trace, write_trace
 from xopt.parity.trace import step_prefix
 
 ADAMW = bundled_traces("adamw")
+TORCH_ADAMW = next(p for p in ADAMW if p.stem.startswith("torch_"))
 GALORE = Path(__file__).resolve().parents[1] / "xopt/parity/data/galore/adamw_left_r4_gap5.json"
 
 
@@ -83,7 +85,7 @@ def test_manifest_problems_are_named(tmp_path):
     manifest, arrays, path = _copy_case(tmp_path)
     write_trace(path, manifest, arrays)
     path.write_text("{not json")
-    with pytest.raises(TraceError, match="manifest is not valid JSON"):
+    with pytest.raises(TraceError, match="manifest: not valid JSON"):
         load_trace(path)
     bad = dict(manifest)
     del bad["params"]
@@ -158,3 +160,85 @@ def test_npz_path_accepted_and_missing_npz_named(tmp_path):
     shutil.move(path.with_suffix(".npz"), tmp_path / "elsewhere.npz")
     with pytest.raises(TraceError, match="no such trace array file"):
         load_trace(path)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("source", "x", "'source' = 'x' must be an object"),
+    ("dtype", {}, "'dtype' = {} must name a floating NumPy dtype"),
+    ("dtype", "int32", "'dtype' = 'int32' must name a floating NumPy dtype"),
+    ("hyperparameters", [1], "'hyperparameters' = [1] must be an object"),
+    ("steps", True, "'steps' = True must be a positive integer"),
+    ("steps", 0, "'steps' = 0 must be a positive integer"),
+    ("steps", 2 ** 40, "'steps' = 1099511627776 must be a positive integer (at most"),
+    ("params", {"w": "x"}, "'params' entry 'w' = 'x' must be a shape"),
+    ("params", [], "'params' = [] must be an object"),
+    ("kind", "model", "'kind' = 'model' must be one of optimizer, layer"),
+    ("method", 3, "'method' = 3 must be a non-empty string"),
+    ("num_training_steps", 0, "'num_training_steps' = 0 must be a positive integer"),
+    ("meta_params_file", 3, "'meta_params_file' = 3 must be a file path"),
+    ("meta_params", {"base_file": ""}, "'meta_params.base_file' = '' must be a file path"),
+    ("meta_params", {"sha256": 1}, "'meta_params.sha256' = 1 is not a SHA-256 hex digest"),
+    ("inputs", 3, "'inputs' = 3 must be a list or an object"),
+])
+def test_mistyped_manifest_fields_exit_2_naming_the_field(tmp_path, capsys, field, value,
+                                                          match):
+    from xopt.cli import main
+
+    manifest, arrays, path = _copy_case(tmp_path)
+    write_trace(path, manifest, arrays)
+    path.write_text(json.dumps({**manifest, field: value}))
+    rc = main(["parity", "adamw", "--trace", str(path), "--backends", "oracle", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"xopt: error: {path}: {match}" in err, err
+    with pytest.raises(TraceError, match=re.escape(match)):
+        load_trace(path)
+    with pytest.raises(TraceError, match=re.escape(match)):  # nor is such a trace written
+        write_trace(tmp_path / "other.json", {**manifest, field: value}, arrays)
+    assert not (tmp_path / "other.json").exists() and not (tmp_path / "other.npz").exists()
+
+
+@pytest.mark.parametrize("text,match", [
+    (b'{"format": "xopt-trace/1", "format": "x"}', "key 'format' appears twice"),
+    (b'{"steps": NaN}', "key 'steps' is nan, not a finite number"),
+    (b'{"steps": 1e999}', "key 'steps' is inf, not a finite number"),
+    (b'{"a": ' * 1000 + b"1" + b"}" * 1000, "JSON nested deeper than 32 levels"),
+    (b'{"case": "\xff"}', "not UTF-8"),
+])
+def test_hostile_manifest_json_is_a_trace_error(tmp_path, text, match):
+    manifest, arrays, path = _copy_case(tmp_path)
+    write_trace(path, manifest, arrays)
+    path.write_bytes(text)
+    with pytest.raises(TraceError, match=re.escape(match)) as e:
+        load_trace(path)
+    assert str(path) in str(e.value)
+
+
+def test_an_array_declaring_more_data_than_its_entry_holds_is_refused(tmp_path):
+    import io
+    import zipfile
+
+    manifest, arrays, path = _copy_case(tmp_path)
+    write_trace(path, manifest, arrays)
+    npz = path.with_suffix(".npz")
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, np.zeros(4, np.float32))
+    raw = buf.getvalue().replace(b"'shape': (4,)", b"'shape': (100000000000,)", 1)
+    with zipfile.ZipFile(npz, "a") as z:
+        z.writestr("step_0000/aux/huge.npy", raw)
+    t = load_trace(path)
+    with pytest.raises(TraceError, match=r"'step_0000/aux/huge' declares shape "
+                                         r"\(100000000000,\) of float32 \(400000000000 bytes\)"):
+        t.array("step_0000/aux/huge")
+    t.close()
+
+
+@pytest.mark.parametrize("betas", ["x", [], None, [0.9]])
+def test_a_mistyped_hyperparameter_value_exits_2_naming_the_trace(tmp_path, capsys, betas):
+    from xopt.cli import main
+
+    manifest, arrays, path = _copy_case(tmp_path, TORCH_ADAMW)
+    write_trace(path, {**manifest, "hyperparameters": {**manifest["hyperparameters"],
+                                                       "betas": betas}}, arrays)
+    rc = main(["parity", "adamw", "--trace", str(path), "--backends", "oracle", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"xopt: error: {path}: hyperparameters: " in err, err

@@ -13,7 +13,8 @@ diverges, and 2 on bad input (unknown method, malformed trace, unknown hyperpara
 an unavailable backend that was asked for by name), printing what is at fault.
 ``xopt port`` exits 0 when the checkpoint was written (and, with ``--verify``, behaves
 identically), 1 when ``--verify`` finds a difference, 2 on bad input (a corrupt or unknown
-checkpoint, a missing key, an unsupported optimizer).
+checkpoint, a missing key, a non-finite value, an unsupported optimizer, a destination it
+may not replace: see ``xopt.checkpoints.save``).
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ def _port(args: argparse.Namespace) -> int:
     r = port(args.src, args.dst, args.to, verify=args.verify, overwrite=args.overwrite,
              decays=decays, overrides=overrides)
     print(f"{r.method}: {r.src_format} {args.src} -> {r.dst_format} {r.dst}")
+    for name, digest in r.source.get("sha256", {}).items():
+        print(f"source sha256: {digest}  {name}")
     for note in r.notes:
         print(f"note: {note}")
     if r.max_abs_diff is None:
@@ -201,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="destination format (default: xopt)")
     q.add_argument("--verify", action="store_true",
                    help="run source and result on a synthetic trace and compare bit for bit")
-    q.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    q.add_argument("--overwrite", action="store_true",
+                   help="replace an existing DST directory that holds only checkpoint files "
+                        "(never '.', a link, a file, or a directory containing SRC)")
     q.add_argument("--decays", help="small_fc_lopt decay offsets for a PyLO source (PyLO "
                                     "does not store them): 'pylo-defaults' or a JSON object")
     q.add_argument("--set", action="append", metavar="FIELD=VALUE",

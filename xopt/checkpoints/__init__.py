@@ -12,15 +12,21 @@
 >>> save("out", method, hp, theta, format="pylo")     # atomic; strict about θ's keys
 
 Every failure is a :class:`xopt.errors.CheckpointError` naming the file (and the key):
-a missing, extra or misshaped key, a corrupt msgpack or safetensors file, an unsupported
-optimizer class, a directory in no known format. Writes are atomic: the directory appears
-complete or not at all, and an existing one is untouched unless the write succeeds.
+a missing, extra or misshaped key, a corrupt msgpack or safetensors file, a NaN, inf or
+out-of-range value in θ or a config, a size beyond :mod:`xopt.checkpoints._files`'s bounds,
+an unsupported optimizer class, a directory in no known format; xopt's own format also
+verifies the content hash of every tensor and of its config. Nothing is built before the
+whole checkpoint is validated. Writes are atomic and durable (a temporary directory beside
+the destination, fsynced, renamed into place; leftovers of a killed write are removed by the
+next write): the directory appears complete or not at all, and an existing one is untouched
+unless the write succeeds. A destination that is a link, not a directory, ``.``, holds the
+source, or holds files no checkpoint has is refused (:func:`save`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +62,8 @@ def detect(path: str | os.PathLike[str]) -> str:
     ``"xopt"``. A directory in none of them is a :class:`CheckpointError` naming it."""
     d = _dir_of(path)
     if not d.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
+        what = "not a directory" if d.exists() else "no such checkpoint directory"
+        raise CheckpointError(f"{path}: {what}")
     if (d / lo.PARAMS_FILE).is_file():
         if not (d / lo.GIN_FILE).is_file():
             raise CheckpointError(f"{d}: has a learned_optimization 'params' file but no "
@@ -68,7 +75,8 @@ def detect(path: str | os.PathLike[str]) -> str:
             return "xopt"
         if "format" in config:
             raise CheckpointError(f"{d / _files.CONFIG}: key 'format' is "
-                                  f"{config['format']!r}; xopt reads {xopt_format.FORMAT!r}")
+                                  f"{config['format']!r}; xopt reads {xopt_format.FORMAT!r} "
+                                  "(an xopt checkpoint of another version, or a corrupt one)")
         if (d / _files.WEIGHTS).is_file():
             return "pylo"
     if all((d / sub / _files.CONFIG).is_file() for sub in (pylo.RNN_DIR, pylo.MLP_DIR)):
@@ -85,9 +93,11 @@ def _replace(hp: Any, overrides: Mapping[str, Any], where: Path) -> Any:
     if not overrides:
         return hp
     try:
-        return dataclasses.replace(hp, **overrides)
+        hp = dataclasses.replace(hp, **overrides)
     except TypeError as e:
         raise CheckpointError(f"{where}: bad hyperparameter override ({e})") from None
+    _files.check_arch(f"{where}: overrides", hp)
+    return hp
 
 
 def load_learned_optimization(path: str | os.PathLike[str], **overrides: Any
@@ -156,9 +166,11 @@ def _to_numpy(x: Any) -> np.ndarray:
 
 
 def files(method: str, hp: Any, theta: Mapping[str, Any], format: str = "xopt", *,
-          gen_id: str = "", step: int = 0) -> dict[str, bytes | str]:
+          gen_id: str = "", step: int = 0, source: Mapping[str, Any] | None = None
+          ) -> dict[str, bytes | str]:
     """``{relative file name: contents}`` of a checkpoint, without writing anything; θ in
-    either naming (strict)."""
+    either naming (strict, finite). ``source`` (``{"format", "sha256": {file: digest}}``,
+    what :func:`source_digests` gives) is recorded by the xopt format only."""
     from xopt import specs
 
     fmt = _format_name(format)
@@ -176,8 +188,11 @@ def files(method: str, hp: Any, theta: Mapping[str, Any], format: str = "xopt", 
     except XoptError as e:
         raise CheckpointError(f"θ to save: {e}") from None
     canon = {k: np.asarray(v) for k, v in canon.items()}
+    _files.check_arch(f"hyperparameters to save ({type(hp).__name__})", hp)
+    for k, a in canon.items():
+        _files.check_finite("θ to save", k, a)
     if fmt == "xopt":
-        return xopt_format.files(method, hp, canon)
+        return xopt_format.files(method, hp, canon, source)
     if fmt == "learned_optimization":
         original = {k: np.asarray(v) for k, v in spec.meta.to_original(canon, hp).items()}
         return {lo.PARAMS_FILE: lo.params_bytes(original, gen_id, step),
@@ -189,15 +204,22 @@ def files(method: str, hp: Any, theta: Mapping[str, Any], format: str = "xopt", 
 
 def save(path: str | os.PathLike[str], method: str, hp: Any, theta: Mapping[str, Any],
          format: str = "xopt", *, overwrite: bool = False, gen_id: str = "",
-         step: int = 0) -> Path:
-    """Write a checkpoint directory atomically (everything is built and checked first; the
-    directory then appears complete or not at all). An existing non-empty ``path`` is an
-    error unless ``overwrite``. ``gen_id``/``step`` go into learned_optimization's
-    ``params``. Returns the directory."""
-    contents = files(method, hp, theta, format, gen_id=gen_id, step=step)
-    with _files.atomic_dir(path, overwrite=overwrite) as tmp:
+         step: int = 0, source: Mapping[str, Any] | None = None,
+         protect: Sequence[str | os.PathLike[str]] = ()) -> Path:
+    """Write a checkpoint directory atomically and durably (everything is built and checked
+    first; the directory then appears complete or not at all).
+
+    An existing non-empty ``path`` is an error unless ``overwrite``; with it, ``path`` must
+    still be a real directory holding only checkpoint files, neither ``.`` nor a symbolic
+    link, and must not contain any of ``protect`` (the source of a port). ``gen_id``/``step``
+    go into learned_optimization's ``params``; ``source`` into xopt's ``config.json``.
+    Returns the directory."""
+    _files.check_destination(path, overwrite=overwrite, sources=protect)
+    contents = files(method, hp, theta, format, gen_id=gen_id, step=step, source=source)
+    with _files.atomic_dir(path, overwrite=overwrite, sources=protect) as tmp:
         for rel, data in contents.items():
             target = tmp / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             _files.write_file(target, data)
     return Path(path)
+

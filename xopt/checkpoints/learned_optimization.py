@@ -2,7 +2,8 @@
 
 This is the layout of the pretrained folders that learned_optimization's
 ``opt_from_checkpoint(<dir>/params)`` reads (``gs://gresearch/learned_optimization/
-pretrained_lopts/<name>/``). Read and written with msgpack and NumPy only (no jax, no flax).
+pretrained_lopts/<name>/``). Read and written with NumPy and the standard library only (no
+jax, no flax, no msgpack package: :mod:`xopt.checkpoints._msgpack` says why).
 
 ``params`` is ``flax.serialization.to_bytes(ParameterCheckpoint(θ, gen_id, step))``:
 
@@ -19,8 +20,9 @@ pretrained_lopts/<name>/``). Read and written with msgpack and NumPy only (no ja
 :func:`write_params` reproduces the original's bytes exactly for the same θ, gen_id, step.
 
 ``config.gin`` is ``gin.config_str()`` after the optimizer's constructor bindings and
-``run_train.lopt = @Class()``. Only ``AdafacMLPLOpt`` (xopt's ``small_fc_lopt``) and
-``HyperV2`` (``velo``) are supported.
+``run_train.lopt = @Class()``; it is read with gin's scoping rules (:func:`parse_gin`), without
+gin. Only ``AdafacMLPLOpt`` (xopt's ``small_fc_lopt``) and ``HyperV2`` (``velo``) are
+supported.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from xopt.checkpoints import _files
+from xopt.checkpoints._msgpack import ExtType, MsgpackError, packb, unpackb
 from xopt.errors import CheckpointError, XoptError
 
 PARAMS_FILE = "params"
@@ -52,43 +56,24 @@ _DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32"
 # -- the msgpack file ------------------------------------------------------------------------
 
 
-class _Array:
-    """An array decoded lazily from an ExtType payload (so errors name the key)."""
-
-    __slots__ = ("payload",)
-
-    def __init__(self, payload: bytes) -> None:
-        self.payload = payload
-
-
-def _ext_hook(code: int, data: bytes) -> Any:
-    if code == _EXT_NDARRAY:
-        return _Array(data)
-    raise ValueError(f"msgpack ExtType code {code} "
-                     f"({_EXT_OTHER.get(code, 'unknown to flax')}) where arrays use code 1")
-
-
-def _msgpack() -> Any:
+def _decode_array(ext: ExtType, file: str, key: str) -> np.ndarray:
+    if ext.code != _EXT_NDARRAY:
+        raise CheckpointError(f"{file}: {key!r} is a msgpack ExtType of code {ext.code} "
+                              f"({_EXT_OTHER.get(ext.code, 'unknown to flax')}) where arrays "
+                              "use code 1")
     try:
-        import msgpack
-    except ImportError:
-        raise ImportError("learned_optimization checkpoints need msgpack: pip install "
-                          "'xopt-ml[hub]'") from None
-    return msgpack
-
-
-def _decode_array(payload: bytes, file: str, key: str) -> np.ndarray:
-    msgpack = _msgpack()
-    try:
-        shape, dtype_name, buf = msgpack.unpackb(payload, use_list=True, raw=False)
-    except Exception as e:  # noqa: BLE001 - any decoder failure is a corrupt file
-        raise CheckpointError(f"{file}: array {key!r} is corrupt ({type(e).__name__}: {e})") \
-            from None
-    if (not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape)
-            or not isinstance(dtype_name, str) or not isinstance(buf, bytes)):
+        payload = unpackb(ext.data)
+    except MsgpackError as e:
+        raise CheckpointError(f"{file}: array {key!r} is corrupt ({e})") from None
+    if not isinstance(payload, list) or len(payload) != 3:
+        raise CheckpointError(f"{file}: array {key!r} is corrupt (expected (shape, dtype, "
+                              f"bytes), got {type(payload).__name__})")
+    shape, dtype_name, buf = payload
+    if not isinstance(dtype_name, str) or not isinstance(buf, bytes):
         raise CheckpointError(f"{file}: array {key!r} is corrupt (expected (shape, dtype, "
                               f"bytes), got types {type(shape).__name__}, "
                               f"{type(dtype_name).__name__}, {type(buf).__name__})")
+    shape = _files.shape_of(shape, f"{file}: array {key!r}")
     if dtype_name not in _DTYPES:
         raise CheckpointError(f"{file}: array {key!r} has unsupported dtype {dtype_name!r}")
     if dtype_name == "bfloat16":
@@ -97,14 +82,16 @@ def _decode_array(payload: bytes, file: str, key: str) -> np.ndarray:
     dtype = np.dtype(dtype_name)
     n = math.prod(shape)
     if n * dtype.itemsize != len(buf):
-        raise CheckpointError(f"{file}: array {key!r} of shape {tuple(shape)} and dtype "
+        raise CheckpointError(f"{file}: array {key!r} of shape {shape} and dtype "
                               f"{dtype_name} needs {n * dtype.itemsize} bytes, has {len(buf)}")
     return np.frombuffer(buf, dtype=dtype).reshape(shape).copy()
 
 
 def _flatten(tree: Any, file: str, prefix: str, out: dict[str, np.ndarray]) -> None:
-    if isinstance(tree, _Array):
-        out[prefix] = _decode_array(tree.payload, file, prefix)
+    if isinstance(tree, ExtType):
+        a = _decode_array(tree, file, prefix)
+        _files.check_finite(file, prefix, a)
+        out[prefix] = a
         return
     if isinstance(tree, dict):
         if _CHUNKED in tree:
@@ -113,9 +100,8 @@ def _flatten(tree: Any, file: str, prefix: str, out: dict[str, np.ndarray]) -> N
         if not tree:
             raise CheckpointError(f"{file}: {prefix or 'params'!r} is an empty map")
         for k, v in tree.items():
-            if not isinstance(k, str) or not k:
-                raise CheckpointError(f"{file}: map {prefix or 'params'!r} has a non-string "
-                                      f"or empty key {k!r}")
+            if not k:
+                raise CheckpointError(f"{file}: map {prefix or 'params'!r} has an empty key")
             _flatten(v, file, f"{prefix}/{k}" if prefix else k, out)
         return
     raise CheckpointError(f"{file}: {prefix!r} is a {type(tree).__name__}, expected an array "
@@ -125,14 +111,12 @@ def _flatten(tree: Any, file: str, prefix: str, out: dict[str, np.ndarray]) -> N
 def read_params_bytes(data: bytes, file: str = PARAMS_FILE) -> tuple[dict[str, np.ndarray],
                                                                      str, int]:
     """The ``params`` file's bytes → ``(θ by flat original name, gen_id, step)``; any
-    corruption is a :class:`CheckpointError` naming ``file`` (and the key where known)."""
-    msgpack = _msgpack()
+    corruption (and a non-finite θ value) is a :class:`CheckpointError` naming ``file``
+    (and the key where known)."""
     try:
-        top = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False,
-                              use_list=True)
-    except Exception as e:  # noqa: BLE001 - msgpack raises many types on corrupt input
-        raise CheckpointError(f"{file}: not a valid flax msgpack checkpoint "
-                              f"({type(e).__name__}: {e})") from None
+        top = unpackb(data)
+    except MsgpackError as e:
+        raise CheckpointError(f"{file}: not a valid flax msgpack checkpoint ({e})") from None
     if not isinstance(top, dict):
         raise CheckpointError(f"{file}: top level is a {type(top).__name__}, expected the map "
                               "{params, gen_id, step}")
@@ -147,14 +131,14 @@ def read_params_bytes(data: bytes, file: str = PARAMS_FILE) -> tuple[dict[str, n
     if not isinstance(gen_id, str):
         raise CheckpointError(f"{file}: key 'gen_id' is a {type(gen_id).__name__}, expected "
                               "a string")
-    if isinstance(step, _Array):
-        arr = _decode_array(step.payload, file, "step")
+    if isinstance(step, ExtType):
+        arr = _decode_array(step, file, "step")
         if arr.shape != () or arr.dtype.kind not in "iu":
             raise CheckpointError(f"{file}: key 'step' is an array of shape {arr.shape} and "
                                   f"dtype {arr.dtype}, expected an integer")
         step = int(arr)
-    if not isinstance(step, int) or isinstance(step, bool):
-        raise CheckpointError(f"{file}: key 'step' is a {type(step).__name__}, expected an "
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= _files.MAX_INT:
+        raise CheckpointError(f"{file}: key 'step' is {step!r}, expected a non-negative "
                               "integer")
     if not isinstance(top["params"], dict):
         raise CheckpointError(f"{file}: key 'params' is a {type(top['params']).__name__}, "
@@ -166,12 +150,7 @@ def read_params_bytes(data: bytes, file: str = PARAMS_FILE) -> tuple[dict[str, n
 
 def read_params(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], str, int]:
     """Read a ``params`` file (see :func:`read_params_bytes`)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
-    return read_params_bytes(data, str(path))
+    return read_params_bytes(_files.read_bytes(path), str(path))
 
 
 def _nest(theta: Mapping[str, Any]) -> dict[str, Any]:
@@ -205,14 +184,11 @@ def _ordered(tree: Any) -> Any:
     return {k: _ordered(tree[k]) for k in keys}
 
 
-def _pack_default(obj: Any) -> Any:
-    msgpack = _msgpack()
-    if isinstance(obj, np.ndarray):
-        arr = np.ascontiguousarray(obj)
-        payload = msgpack.packb((list(arr.shape), arr.dtype.name, arr.tobytes("C")),
-                                use_bin_type=True)
-        return msgpack.ExtType(_EXT_NDARRAY, payload)
-    raise TypeError(f"cannot serialize {type(obj).__name__}")
+def _arrays_to_ext(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _arrays_to_ext(v) for k, v in tree.items()}
+    arr = np.ascontiguousarray(tree)
+    return ExtType(_EXT_NDARRAY, packb((list(arr.shape), arr.dtype.name, arr.tobytes("C"))))
 
 
 def params_bytes(theta: Mapping[str, Any], gen_id: str = "", step: int = 0) -> bytes:
@@ -225,8 +201,9 @@ def params_bytes(theta: Mapping[str, Any], gen_id: str = "", step: int = 0) -> b
             raise CheckpointError(f"θ key {k!r} has dtype {a.dtype}, which a learned_"
                                   "optimization checkpoint cannot hold")
         arrays[k] = a
-    doc = {"params": _ordered(_nest(arrays)), "gen_id": str(gen_id), "step": int(step)}
-    return _msgpack().packb(doc, default=_pack_default, use_bin_type=True, strict_types=True)
+    doc = {"params": _arrays_to_ext(_ordered(_nest(arrays))), "gen_id": str(gen_id),
+           "step": int(step)}
+    return packb(doc)
 
 
 # -- config.gin ------------------------------------------------------------------------------
@@ -252,105 +229,222 @@ CLASSES: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
                 ("lstm_hidden_size", "param_inits")),
 }
 METHOD_CLASS = {method: cls for cls, (method, _, _) in CLASSES.items()}
-_LOPT_BINDING = "run_train.lopt"
+#: where gin registers each supported class, and ``run_train`` (a module path written before
+#: a name in a config must be a suffix of these, as gin resolves it)
+MODULES = {"AdafacMLPLOpt": "learned_optimization.learned_optimizers.adafac_mlp_lopt",
+           "HyperV2": "learned_optimization.research.general_lopt.hyper_v2",
+           "run_train": "learned_optimization.outer_train"}
+_LOPT = ("run_train", "lopt")
 _RULE = "=" * 78
+_NAME = r"[A-Za-z_]\w*"
+_LHS = re.compile(rf"(?:(?P<scope>{_NAME}(?:/{_NAME})*)/)?(?P<selector>{_NAME}(?:\.{_NAME})*)")
+_REF = re.compile(rf"@(?:(?P<scope>{_NAME}(?:/{_NAME})*)/)?(?P<selector>{_NAME}(?:\.{_NAME})*)"
+                  r"(?P<call>\(\))?")
+_MACRO_REF = re.compile(rf"%(?P<name>{_NAME}(?:\.{_NAME})*)")
+_STRING_OR_REF = re.compile(r"""('(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")|[@%][\w./]+(?:\(\))?""")
 
 
-def _logical_lines(text: str) -> list[tuple[int, str]]:
-    """Lines with comments removed, backslash continuations and open brackets joined."""
-    text = text.replace("\\\n", "")
+def _statements(text: str, file: str) -> list[tuple[int, str]]:
+    """``(first line, source)`` of each gin statement, split as gin does, with Python's
+    tokenizer: comments dropped, brackets and backslashes continue a statement."""
+    import io
+    import tokenize
+
+    starts = [0]
+    for line in text.split("\n"):
+        starts.append(starts[-1] + len(line) + 1)
     out: list[tuple[int, str]] = []
-    buf, start, depth = "", 0, 0
-    for n, raw in enumerate(text.split("\n"), 1):
-        line = raw
-        if depth == 0 and line.lstrip().startswith("#"):
-            continue
-        if not buf:
-            start = n
-        buf += (" " if buf else "") + line.strip()
-        in_str: str | None = None
-        for ch in line:
-            if in_str:
-                if ch == in_str:
-                    in_str = None
-            elif ch in "\"'":
-                in_str = ch
-            elif ch in "([{":
-                depth += 1
-            elif ch in ")]}":
-                depth -= 1
-        if depth <= 0:
-            if buf.strip():
-                out.append((start, buf.strip()))
-            buf, depth = "", 0
-    if buf.strip():
-        out.append((start, buf.strip()))
+    first = last = None
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type in (tokenize.COMMENT, tokenize.NL, tokenize.INDENT, tokenize.DEDENT,
+                            tokenize.ENCODING):
+                continue
+            if tok.type in (tokenize.NEWLINE, tokenize.ENDMARKER):
+                if first is not None:
+                    src = text[starts[first[0] - 1] + first[1]:starts[last[0] - 1] + last[1]]
+                    out.append((first[0], src))
+                first = last = None
+                continue
+            if tok.type == tokenize.ERRORTOKEN and not tok.string.isspace():
+                raise CheckpointError(f"{file}:{tok.start[0]}: {tok.string!r} is not gin "
+                                      "syntax")
+            if first is None:
+                first = tok.start
+            last = tok.end
+    except (tokenize.TokenError, SyntaxError) as e:
+        raise CheckpointError(f"{file}: not valid gin ({e})") from None
     return out
 
 
-_BINDING = re.compile(r"^(?:(?P<scope>[\w./]+)/)?(?P<target>[\w.]+)\.(?P<arg>\w+)\s*=\s*"
-                      r"(?P<value>.+)$")
+def _check_literal(v: Any, where: str, depth: int = 0) -> Any:
+    """``v`` if it is a gin literal xopt can use: finite numbers, bounded integers,
+    strings, booleans, None, and tuples/lists of them."""
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int):
+        if abs(v) > _files.MAX_INT:
+            raise CheckpointError(f"{where}: integer {v} is out of range (|x| <= 2**62)")
+        return v
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise CheckpointError(f"{where}: {v} is not a finite number")
+        return v
+    if isinstance(v, (tuple, list)) and depth < 4:
+        return type(v)(_check_literal(x, where, depth + 1) for x in v)
+    raise CheckpointError(f"{where}: a {type(v).__name__} is not a value xopt reads")
 
 
-_MACRO = re.compile(r"^(?P<name>[A-Za-z_]\w*)\s*=\s*(?P<value>.+)$")
+def _literal(value: str, where: str) -> Any:
+    try:
+        v = ast.literal_eval(value.replace("\\\n", " ").strip())
+    except Exception:  # noqa: BLE001 - ValueError, SyntaxError, TypeError, MemoryError...
+        raise CheckpointError(f"{where}: {value!r} is not a literal xopt can read") from None
+    return _check_literal(v, where)
+
+
+def _check_syntax(value: str, where: str) -> None:
+    """A value of a binding xopt does not use is still checked to be a gin value: a Python
+    literal in which configurable references (``@name``, ``@name()``) and macros
+    (``%NAME``) may stand for values."""
+    def stand_in(m: re.Match[str]) -> str:
+        return m.group(1) or "None"
+
+    try:
+        ast.literal_eval(_STRING_OR_REF.sub(stand_in, value.replace("\\\n", " ")).strip())
+    except Exception:  # noqa: BLE001 - any parse failure is a syntax error
+        raise CheckpointError(f"{where}: {value.strip()!r} is not a gin value") from None
+
+
+def _module_ok(selector: str, name: str) -> bool:
+    """``selector`` (``[module.]name``) can name ``name`` as gin resolves it: any module
+    path given must be a suffix of the one gin registers it under."""
+    parts = selector.split(".")
+    if parts[-1] != name:
+        return False
+    given = parts[:-1]
+    real = MODULES[name].split(".")
+    return not given or real[-len(given):] == given
+
+
+class _Binding:
+    __slots__ = ("scope", "selector", "arg", "value", "line")
+
+    def __init__(self, scope: tuple[str, ...], selector: str, arg: str, value: str,
+                 line: int) -> None:
+        self.scope, self.selector, self.arg, self.value, self.line = (scope, selector, arg,
+                                                                      value, line)
 
 
 def parse_gin(text: str, file: str = GIN_FILE) -> tuple[str, dict[str, Any]]:
-    """``config.gin`` text → ``(class name, its bindings)``. The class is the one
-    ``run_train.lopt = @Class()`` names (a module path before it is dropped); only its
-    bindings are kept. Unsupported classes and unreadable values raise
-    :class:`CheckpointError` naming ``file``."""
-    bindings: dict[str, dict[str, tuple[int, str]]] = {}
-    macros: dict[str, str] = {}
-    lopt: tuple[int, str] | None = None
-    for lineno, line in _logical_lines(text):
-        if line.startswith(("import ", "from ", "include ")):
+    """``config.gin`` text → ``(class name, the bindings that apply to it)``, with gin's
+    rules:
+
+    * the class is the one the unscoped ``run_train.lopt = @[scope/]Class()`` names (the
+      last such binding, as gin keeps the last); ``run_train`` is called unscoped, so
+      ``scope/run_train.lopt`` bindings do not apply;
+    * a binding ``a/b/Class.arg`` applies only when the class is called within scope
+      ``a/b`` or one nested in it, more specific scopes overriding less specific ones, the
+      last binding winning within one scope; bindings for other scopes are ignored (never
+      applied), as are bindings of other configurables;
+    * ``%NAME`` is the macro ``NAME = value``; a module path before a name must be a
+      suffix of the module gin registers it under; an argument the class's constructor
+      does not have is an error, as in gin.
+
+    Values must be finite literals. Anything gin would not parse, ``include`` (the file
+    must be self-contained) and unsupported classes raise :class:`CheckpointError`
+    naming ``file`` and the line."""
+    from xopt.specs import velo
+
+    bindings: list[_Binding] = []
+    macros: dict[str, tuple[int, str]] = {}
+    for line, src in _statements(text, file):
+        head = src.split(None, 1)[0]
+        if head in ("import", "from"):
             continue
-        macro = _MACRO.match(line)
-        if macro:
-            macros[macro["name"]] = macro["value"].strip()
+        if head == "include":
+            raise CheckpointError(f"{file}:{line}: 'include' is not supported (a checkpoint's "
+                                  "config must be self-contained)")
+        lhs, eq, value = src.partition("=")
+        m = _LHS.fullmatch(lhs.strip())
+        if not eq or not m or not value.strip():
+            raise CheckpointError(f"{file}:{line}: {src[:80]!r} is not a gin binding "
+                                  "('scope/name.arg = value' or 'MACRO = value')")
+        where = f"{file}:{line}"
+        _check_syntax(value, where)
+        scope = tuple(m["scope"].split("/")) if m["scope"] else ()
+        if "." not in m["selector"]:
+            if scope:
+                raise CheckpointError(f"{where}: a macro name cannot have a scope")
+            macros[m["selector"]] = (line, value)
             continue
-        m = _BINDING.match(line)
-        if not m:  # other gin syntax: learned_optimization also skips what it cannot use
-            continue
-        target, arg, value = m["target"], m["arg"], m["value"].strip()
-        if f"{target}.{arg}" == _LOPT_BINDING:
-            lopt = (lineno, value)
-            continue
-        cls = target.rsplit(".", 1)[-1]
-        bindings.setdefault(cls, {})[arg] = (lineno, value)
-    if lopt is None:
-        raise CheckpointError(f"{file}: no '{_LOPT_BINDING} = @Class()' binding; cannot tell "
-                              "which learned optimizer the checkpoint is for")
-    lineno, ref = lopt
-    m = re.fullmatch(r"@(?:[\w./]+/)?(?P<cls>[\w.]+)(?:\(\))?", ref)
-    if not m:
-        raise CheckpointError(f"{file}:{lineno}: {_LOPT_BINDING} = {ref!r} is not a "
-                              "configurable reference '@Class()'")
-    cls = m["cls"].rsplit(".", 1)[-1]
+        selector, arg = m["selector"].rsplit(".", 1)
+        bindings.append(_Binding(scope, selector, arg, value, line))
+
+    def resolve(b: _Binding) -> tuple[str, str]:
+        """A binding's value with macros followed: (text, where it is)."""
+        value, where, seen = b.value.strip(), f"{file}:{b.line}", set()
+        while (m := _MACRO_REF.fullmatch(value)) is not None:
+            name = m["name"]
+            if name in seen or name not in macros:
+                why = "refers to itself" if name in seen else "is not defined in the file"
+                raise CheckpointError(f"{where}: macro %{name} {why}")
+            seen.add(name)
+            line, value = macros[name]
+            value, where = value.strip(), f"{file}:{line}"
+        return value, where
+
+    lopt = [b for b in bindings if not b.scope and b.arg == _LOPT[1]
+            and b.selector.split(".")[-1] == _LOPT[0]]
+    if not lopt:
+        raise CheckpointError(f"{file}: no unscoped 'run_train.lopt = @Class()' binding; "
+                              "cannot tell which learned optimizer the checkpoint is for")
+    b = lopt[-1]
+    ref, where = resolve(b)
+    if not _module_ok(b.selector, _LOPT[0]):
+        raise CheckpointError(f"{file}:{b.line}: {b.selector!r} is not learned_optimization's "
+                              f"run_train ({MODULES['run_train']})")
+    m = _REF.fullmatch(ref)
+    if not m or not m["call"]:
+        raise CheckpointError(f"{where}: run_train.lopt = {ref!r} is not a configurable "
+                              "reference '@Class()'")
+    cls = m["selector"].split(".")[-1]
     if cls not in CLASSES:
-        raise CheckpointError(f"{file}:{lineno}: {_LOPT_BINDING} names {cls!r}, which xopt "
-                              f"does not support; supported: {', '.join(CLASSES)}")
+        raise CheckpointError(f"{where}: run_train.lopt names {cls!r}, which xopt does not "
+                              f"support; supported: {', '.join(CLASSES)}")
+    if not _module_ok(m["selector"], cls):
+        raise CheckpointError(f"{where}: {m['selector']!r} is not {MODULES[cls]}.{cls}")
+    call_scope = tuple(m["scope"].split("/")) if m["scope"] else ()
+    known = set(CLASSES[cls][1])
+    if cls == "HyperV2":
+        known |= set(velo.VELO_FIXED) | set(velo.INERT)
+
     kwargs: dict[str, Any] = {}
-    for arg, (n, value) in bindings.get(cls, {}).items():
-        seen = set()
-        while value.startswith("%") and value[1:] in macros and value not in seen:
-            seen.add(value)
-            value = macros[value[1:]]
-        try:
-            kwargs[arg] = ast.literal_eval(value)
-        except Exception:  # noqa: BLE001 - ValueError, SyntaxError, TypeError, RecursionError
-            raise CheckpointError(f"{file}:{n}: {cls}.{arg} = {value!r} is not a literal "
-                                  "xopt can read") from None
+    ours = [b for b in bindings if b.selector.split(".")[-1] == cls]
+    for b in ours:
+        if not _module_ok(b.selector, cls):
+            raise CheckpointError(f"{file}:{b.line}: {b.selector!r} is not "
+                                  f"{MODULES[cls]}.{cls}")
+        if b.arg not in known:
+            raise CheckpointError(f"{file}:{b.line}: {cls} has no argument {b.arg!r}; its "
+                                  f"arguments: {', '.join(sorted(known))}")
+    for depth in range(len(call_scope) + 1):  # root scope first: deeper scopes override
+        for b in ours:
+            if b.scope == call_scope[:depth]:
+                value, where = resolve(b)
+                if value.startswith("@"):
+                    raise CheckpointError(f"{where}: {cls}.{b.arg} = {value!r}: a "
+                                          "configurable reference where xopt reads a literal")
+                kwargs[b.arg] = _literal(value, f"{where}: {cls}.{b.arg}")
     return cls, kwargs
 
 
 def read_gin(path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
+    data = _files.read_bytes(path, _files.MAX_CONFIG_BYTES)
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read ({e})") from None
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 ({e})") from None
     return parse_gin(text, str(path))
 
 
@@ -363,10 +457,11 @@ def hparams_from_gin(cls: str, kwargs: Mapping[str, Any], file: str = GIN_FILE):
     method, defaults, _ = CLASSES[cls]
     spec = specs.get(method)
     full = {**defaults, **kwargs}
+    _files.check_arch(f"{file}: {cls}", full)
     original = next(iter(spec.originals.values()))
     try:
         return method, original.from_kwargs(full)
-    except (XoptError, TypeError, ValueError) as e:
+    except (XoptError, TypeError, ValueError, ArithmeticError) as e:
         raise CheckpointError(f"{file}: {cls} bindings: {e}") from None
 
 
@@ -391,7 +486,7 @@ def gin_text(method: str, hp: Any) -> str:
         if arg in always or arg not in defaults or v != defaults[arg]:
             lines.append(f"{cls}.{arg} = {_gin_value(v)}")
     return (f"# Parameters for {cls}:\n# {_RULE}\n" + "\n".join(lines) + "\n\n"
-            f"# Parameters for run_train:\n# {_RULE}\n{_LOPT_BINDING} = @{cls}()\n")
+            f"# Parameters for run_train:\n# {_RULE}\nrun_train.lopt = @{cls}()\n")
 
 
 def _arch_kwargs(method: str, hp: Any) -> dict[str, Any]:

@@ -5,9 +5,14 @@ conversion by behaviour.
 written checkpoint (read back) on the same synthetic trace (seeded gradients and losses on
 tensors of rank 0 to 3, NumPy float32, the spec's own step) and compares every parameter
 and state tensor at every step bit for bit. Both runs use one implementation, so any
-difference comes from θ or the hyperparameters, i.e. from the port. What the destination
-format cannot store (PyLO: small_fc_lopt's decay offsets and the non-architecture
-hyperparameters) is taken from the source when reading it back, and the report says so.
+difference comes from θ or the hyperparameters, i.e. from the port; a NaN or inf in either
+run counts as a difference (θ is finite, so a non-finite output means the optimizer is not
+usable as ported). What the destination format cannot store (PyLO: small_fc_lopt's decay
+offsets and the non-architecture hyperparameters) is taken from the source when reading it
+back, and the report says so.
+
+The SHA-256 of every source file read is in :attr:`PortResult.source`; an xopt-format
+destination records it in its ``config.json``.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class PortResult:
     dst: Path
     notes: list[str]
     max_abs_diff: float | None = None  # None: not verified
+    #: ``{"format": ..., "sha256": {file: digest}}`` of the source files that were read
+    source: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _not_stored(method: str, hp: Any, theta: Mapping[str, Any], fmt: str
@@ -99,11 +106,10 @@ def _max_diff(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) ->
             x, y = np.asarray(sa[k], np.float64), np.asarray(sb[k], np.float64)
             if x.shape != y.shape:
                 return float("inf")
-            same = (x == y) | (np.isnan(x) & np.isnan(y))
-            if not same.all():
-                worst = max(worst, float(np.nanmax(np.abs(x - y))) if x.size else 0.0)
-                if worst == 0.0:
-                    worst = float("inf")
+            if not (np.isfinite(x).all() and np.isfinite(y).all()):
+                return float("inf")
+            if not (x == y).all():
+                worst = max(worst, float(np.max(np.abs(x - y))))
     return worst
 
 
@@ -111,26 +117,44 @@ def port(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: str = "xo
          verify: bool = False, overwrite: bool = False, decays: Any = None,
          overrides: Mapping[str, Any] | None = None) -> PortResult:
     """Read ``src`` (format detected), write ``dst`` in format ``to`` atomically, and with
-    ``verify`` compare the two on a synthetic trace (see the module docstring)."""
+    ``verify`` compare the two on a synthetic trace (see the module docstring).
+
+    ``dst`` is checked first (:func:`xopt.checkpoints.save`'s rules; it may not contain
+    ``src``), so a refused destination reads and writes nothing."""
+    from xopt.checkpoints import _files
+
+    dst_fmt = C._format_name(to)
+    src_dir = C._dir_of(src)
+    _files.check_destination(dst, overwrite=overwrite, sources=[src_dir])
     src_fmt = C.detect(src)
     overrides = dict(overrides or {})
-    if src_fmt == "learned_optimization":
-        method, hp, theta, gen_id, step = C.load_learned_optimization(src, **overrides)
-        if decays is not None:
-            raise CheckpointError(f"{src}: decays= is only for PyLO checkpoints")
-    else:
-        method, hp, theta = C.load(src, decays=decays, **overrides)
-        gen_id, step = "", 0
-    dst_fmt = C._format_name(to)
-    C.save(dst, method, hp, theta, dst_fmt, overwrite=overwrite, gen_id=gen_id, step=step)
+    with _files.recording_digests() as digests:
+        if src_fmt == "learned_optimization":
+            if decays is not None:
+                raise CheckpointError(f"{src}: decays= is only for PyLO checkpoints")
+            method, hp, theta, gen_id, step = C.load_learned_optimization(src, **overrides)
+        else:
+            method, hp, theta = C.load(src, decays=decays, **overrides)
+            gen_id, step = "", 0
+    source = {"format": src_fmt, "sha256": {
+        (p.relative_to(src_dir).as_posix() if p.is_relative_to(src_dir) else str(p)): h
+        for p, h in sorted(digests.items())}}
+    C.save(dst, method, hp, theta, dst_fmt, overwrite=overwrite, gen_id=gen_id, step=step,
+           source=source, protect=[src_dir])
     kw, notes = _not_stored(method, hp, theta, dst_fmt)
-    result = PortResult(src_fmt, dst_fmt, method, Path(dst), notes)
+    result = PortResult(src_fmt, dst_fmt, method, Path(dst), notes, source=source)
     if verify:
         m2, hp2, theta2 = C.load(dst, **kw)
         if m2 != method:
             result.max_abs_diff = float("inf")
             return result
-        result.max_abs_diff = _max_diff(_run(method, hp, theta), _run(m2, hp2, theta2))
+        with np.errstate(all="ignore"):  # overflow is reported below, not warned about
+            ran = _run(method, hp, theta), _run(m2, hp2, theta2)
+        for which, steps in zip(("source", "written"), ran, strict=True):
+            if not all(np.isfinite(v).all() for step in steps for v in step.values()):
+                result.notes.append(f"the synthetic trace gives NaN or inf with the {which} "
+                                    "checkpoint's θ (not usable as it stands)")
+        result.max_abs_diff = _max_diff(*ran)
         if hp2 != hp:
             result.notes.append(f"hyperparameters differ after the round trip: {hp} vs {hp2}")
             result.max_abs_diff = float("inf")

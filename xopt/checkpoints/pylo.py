@@ -97,7 +97,13 @@ def _decays(decays: Any, hp: Any, path: Path) -> dict[str, np.ndarray]:
         found = [n for n in names if n in decays]
         if len(found) != 1:
             raise CheckpointError(f"{where}: decays needs exactly one of {names}")
-        out[f"decays/{kind}"] = np.asarray(decays[found[0]], dtype=np.float32)
+        try:
+            value = np.asarray(decays[found[0]], dtype=np.float32)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise CheckpointError(f"{where}: decays {found[0]!r} is not a list of numbers "
+                                  f"({e})") from None
+        _files.check_finite(f"{where}: decays=", found[0], value)
+        out[f"decays/{kind}"] = value
     allowed = {n for kind in ("momentum", "rms", "adafactor")
                for n in (kind, f"{kind}_decays", f"decays/{kind}")}
     extra = sorted(set(decays) - allowed)
@@ -117,14 +123,15 @@ def read_small_fc(path: str | os.PathLike[str], *, decays: Any = None,
     config = _files.read_json(cfg_file)
     _check_config(cfg_file, config, {"hidden_layers": None, "hidden_size": None,
                                      "input_size": None})
-    layers = _files.config_int(cfg_file, config, "hidden_layers") + 1
-    size = _files.config_int(cfg_file, config, "hidden_size")
+    layers = _files.config_int(cfg_file, config, "hidden_layers", _files.MAX_LAYERS - 1) + 1
+    size = _files.config_int(cfg_file, config, "hidden_size", _files.MAX_WIDTH)
+    input_size = _files.config_int(cfg_file, config, "input_size", _files.MAX_WIDTH)
     try:
         hp = sf.SmallFCLOpt(**{**overrides, "hidden_layers": layers, "hidden_size": size})
     except TypeError as e:
         raise CheckpointError(f"{path}: bad hyperparameter override ({e})") from None
-    if config["input_size"] != sf.num_inputs(hp):
-        raise CheckpointError(f"{cfg_file}: key 'input_size' is {config['input_size']!r}; "
+    if input_size != sf.num_inputs(hp):
+        raise CheckpointError(f"{cfg_file}: key 'input_size' is {input_size!r}; "
                               f"these hyperparameters need {sf.num_inputs(hp)}")
     shapes = sf.meta_shapes(hp)
     names = _metamlp_names(layers + 1)
@@ -229,14 +236,15 @@ def read_velo_pair(rnn_dir: str | os.PathLike[str], mlp_dir: str | os.PathLike[s
     _check_config(mcfg, mc, {"hidden_layers": None, "hidden_size": None,
                              "input_size": v.NUM_MLP_FEATURES,
                              "output_size": v.NUM_MLP_OUTPUTS, "param_inits": None})
-    h = _files.config_int(rcfg, rc, "lstm_hidden_size")
-    p = _files.config_int(rcfg, rc, "param_inits")
-    if _files.config_int(mcfg, mc, "param_inits") != p:
+    h = _files.config_int(rcfg, rc, "lstm_hidden_size", _files.MAX_WIDTH)
+    p = _files.config_int(rcfg, rc, "param_inits", _files.MAX_WIDTH)
+    if _files.config_int(mcfg, mc, "param_inits", _files.MAX_WIDTH) != p:
         raise CheckpointError(f"{mcfg}: key 'param_inits' is {mc['param_inits']!r}, but "
                               f"{rcfg} has {p!r}")
     arch = dict(lstm_hidden_size=h, param_inits=p,
-                ff_hidden_size=_files.config_int(mcfg, mc, "hidden_size"),
-                ff_hidden_layers=_files.config_int(mcfg, mc, "hidden_layers") + 1)
+                ff_hidden_size=_files.config_int(mcfg, mc, "hidden_size", _files.MAX_WIDTH),
+                ff_hidden_layers=_files.config_int(mcfg, mc, "hidden_layers",
+                                                   _files.MAX_LAYERS - 1) + 1)
     try:
         hp = v.VeLO(**{**overrides, **arch})
     except TypeError as e:

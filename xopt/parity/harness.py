@@ -107,6 +107,17 @@ def trace_hyperparameters(trace: Trace) -> dict[str, Any]:
     return kwargs
 
 
+def hyperparameters_of(origin: Original, trace: Trace) -> Any:
+    """The spec's hyperparameters for ``trace``. ``from_kwargs`` reads nothing but the
+    manifest's JSON, so any failure there (a mistyped value: ``"betas": "x"``) is bad input,
+    a :class:`HyperparameterError` naming the trace."""
+    try:
+        return origin.from_kwargs(trace_hyperparameters(trace))
+    except (HyperparameterError, TypeError, ValueError, KeyError, IndexError, AttributeError,
+            ArithmeticError) as e:
+        raise HyperparameterError(f"{trace.path}: hyperparameters: {e}") from None
+
+
 def original_of(spec: MethodSpec, trace: Trace) -> Original:
     """The original implementation that recorded ``trace`` (from ``source.object``)."""
     obj = trace.source_object
@@ -416,10 +427,7 @@ def run_parity(method: str, traces: Sequence[str | Trace], *,
                                  explicit_backends=explicit_backends)
             continue
         origin = original_of(spec, trace)
-        try:
-            hp = origin.from_kwargs(trace_hyperparameters(trace))
-        except HyperparameterError as e:
-            raise HyperparameterError(f"{trace.path}: hyperparameters: {e}") from e
+        hp = hyperparameters_of(origin, trace)
         steps = trace.steps if max_steps is None else min(max_steps, trace.steps)
         selected = plan_backends(spec, hp, backends, notes, explicit_backends, trace.name)
         if against in ("golden", "oracle"):
@@ -539,7 +547,7 @@ def aux_errors(method: str, trace: str | Trace, *, max_steps: int | None = None,
     spec = get(method)
     t = trace if isinstance(trace, Trace) else load_trace(trace)
     origin = original_of(spec, t)
-    hp = origin.from_kwargs(trace_hyperparameters(t))
+    hp = hyperparameters_of(origin, t)
     naming = origin.naming_for(hp)
     meta = t.meta_params() if spec.meta is not None else None
     extra = {"meta": meta} if meta is not None else {}

@@ -517,11 +517,12 @@ class LearnedOptimizer(torch.optim.Optimizer):
     # -- checkpoints (xopt.checkpoints.hub) ---------------------------------------------------
     @classmethod
     def from_pretrained(cls, params: Iterable[Tensor] | Iterable[dict[str, Any]],
-                        path_or_repo_id: Any, **kwargs: Any) -> LearnedOptimizer:
+                        path_or_repo_id: Any = None, **kwargs: Any) -> LearnedOptimizer:
         """The optimizer with θ and hyperparameters from a checkpoint: a local directory in
-        any format :mod:`xopt.checkpoints` reads, a Hub repository id, or PyLO VeLO's pair
-        ``(rnn, mlp)``; keywords (``num_training_steps=...``, ``decays=`` for a PyLO
-        small_fc_lopt) as :func:`xopt.checkpoints.hub.from_pretrained`."""
+        any format :mod:`xopt.checkpoints` reads, a Hub repository (``"hf://owner/name"``
+        or ``repo_id="owner/name"``), or PyLO VeLO's pair ``(rnn, mlp)``; keywords
+        (``num_training_steps=...``, ``decays=`` for a PyLO small_fc_lopt) as
+        :func:`xopt.checkpoints.hub.from_pretrained`."""
         from xopt.checkpoints import hub
 
         return hub.from_pretrained(cls, params, path_or_repo_id, **kwargs)
