@@ -3,7 +3,7 @@
     xopt parity METHOD [--trace FILE ...] [--backends torch,jax,oracle,original]
                        [--against golden|original|torch|jax|oracle] [--mode teacher,closed]
                        [--impl plain|triton] [--device cpu|cuda] [--steps N]
-                       [--json REPORT] [--plot PNG] [--quiet]
+                       [--json REPORT] [--plot PNG] [--quiet] [--localise]
     xopt record IMPL [--problem NAME] [--steps N] [--seed S] [--case NAME] --out FILE
     xopt compare A B [--problem NAME] [--steps N] [--seed S] [--mode teacher,closed]
                      [--map B_STATE=A_STATE ...] [--tol REL] [--closed-tol REL]
@@ -108,7 +108,7 @@ def _parity(args: argparse.Namespace) -> int:
         explicit_backends=args.backends is not None,
         against=args.against, modes=[MODES[m] for m in args.mode], impl=args.impl,
         device=args.device, max_steps=args.steps,
-        progress=_progress_factory(not args.quiet),
+        progress=_progress_factory(not args.quiet), localise=args.localise,
     )
     print(table(report))
     if args.aux:
@@ -260,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="REPORT", help="write the JSON report here")
     p.add_argument("--plot", metavar="PNG", help="write a PNG of error against step here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--localise", action="store_true",
+                   help="name each teacher-forced run's first step and tensor above float32 "
+                        "rounding and the side further from the float64 oracle (reruns "
+                        "the oracle on perturbed inputs where needed)")
     p.add_argument("--aux", action="store_true",
                    help="also compare the spec's internals (float32) with each trace's "
                         "recorded aux, teacher-forced, to localize a divergence")

@@ -68,11 +68,12 @@ def perturb(arrays: Mapping[str, Any], rng: np.random.Generator, bits: int = 24,
             ) -> dict[str, np.ndarray]:
     """Every floating-point array scaled elementwise by 1 + 2^-bits·u, u uniform in
     [−1, 1), returned in float64 (a float32 step needs ``bits=23`` for the change to
-    survive rounding its inputs back to float32); integer arrays unchanged."""
+    survive rounding its inputs back to float32). Integer arrays, and float arrays holding
+    only whole numbers (torch's float step counter), are exact and left as they are."""
     out = {}
     for k, v in arrays.items():
         a = np.asarray(v)
-        if np.issubdtype(a.dtype, np.floating):
+        if np.issubdtype(a.dtype, np.floating) and not np.array_equal(a, np.round(a)):
             out[k] = a.astype(np.float64) * (1.0 + 2.0 ** -bits * rng.uniform(-1, 1, a.shape))
         else:
             out[k] = a

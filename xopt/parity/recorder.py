@@ -173,7 +173,7 @@ class _TorchModelProblem(Problem):
 
         with torch.no_grad():
             for k, p in self.named:
-                p.copy_(torch.from_numpy(np.asarray(params[k])).to(p.dtype))
+                p.copy_(torch.from_numpy(np.array(params[k])).to(p.dtype))
         for _, p in self.named:
             p.grad = None
         loss = self.loss_fn(self.model, _batch(self.data, t, self.name))
@@ -364,12 +364,14 @@ class TorchImplementation(Implementation):
                 raise RecordError(f"{self.label}: state key {key!r} names no parameter "
                                   f"({', '.join(self.names)})")
             head, _, idx = var.rpartition("/")
-            if head and idx.isdigit() and self._types.get(head) == "list":
+            if head and idx.isdigit() and self._types.get(head, "").startswith("list"):
                 lists.setdefault((i, head), {})[int(idx)] = value
                 continue
             by_param.setdefault(i, {})[var] = self._value(var, value, torch)
         for (i, var), items in lists.items():
-            seq = [None] * (max(items) + 1)
+            kind = self._types[var]
+            n = int(kind[5:-1]) if kind.startswith("list[") else max(items) + 1
+            seq = [None] * max(n, max(items) + 1)
             for j, v in items.items():
                 seq[j] = self._value(var, v, torch)
             by_param.setdefault(i, {})[var] = seq
@@ -425,11 +427,15 @@ class TorchImplementation(Implementation):
     def _flatten(self, key: str, var: str, v: Any, out: Arrays) -> None:
         if hasattr(v, "detach"):
             self._like.setdefault(var, v.dtype)
-            if self._types.get(var) != "list":
+            if not self._types.get(var, "").startswith("list"):
                 self._types.pop(var, None)  # LBFGS's H_diag: an int at first, then a tensor
             out[key] = _numpy(v)
         elif isinstance(v, (list, tuple)):
-            self._types[var] = "list"
+            # a list holding None (LBFGS's ``al``) keeps its length: "list[n]"
+            if any(x is None for x in v) or self._types.get(var, "").startswith("list["):
+                self._types[var] = f"list[{len(v)}]"
+            else:
+                self._types[var] = "list"
             for j, item in enumerate(v):
                 if item is not None:
                     self._flatten(f"{key}/{j}", var, item, out)
