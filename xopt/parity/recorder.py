@@ -344,7 +344,8 @@ class TorchImplementation(Implementation):
         self.tensors = []
         for k in self.names:
             a = np.array(params[k], dtype=self.dtype or np.asarray(params[k]).dtype, copy=True)
-            self.tensors.append(torch.from_numpy(a))
+            # as model parameters are: some optimizers skip tensors that need no gradient
+            self.tensors.append(torch.from_numpy(a).requires_grad_(True))
         opt = self.factory(self.tensors)
         if not isinstance(opt, torch.optim.Optimizer):
             raise RecordError(f"{self.label}: the factory returned {type(opt).__name__}, "
@@ -364,6 +365,10 @@ class TorchImplementation(Implementation):
                 raise RecordError(f"{self.label}: state key {key!r} names no parameter "
                                   f"({', '.join(self.names)})")
             head, _, idx = var.rpartition("/")
+            if self._types.get(head) == "object":
+                raise RecordError(f"{self.label}: state {head!r} of {self.names[i]!r} is an "
+                                  f"object ({key!r}); it cannot be set from a trace, so "
+                                  f"compare this optimizer closed loop only")
             if head and idx.isdigit() and self._types.get(head, "").startswith("list"):
                 lists.setdefault((i, head), {})[int(idx)] = value
                 continue
@@ -450,6 +455,13 @@ class TorchImplementation(Implementation):
             out[key] = np.asarray(v, dtype=np.float64)
         elif v is None:
             return
+        elif hasattr(v, "__dict__"):
+            # an object in the state (GaLore's and COAP's projectors): its tensors, read
+            # only (``<key>/<attribute>``); such a state cannot be set from a trace
+            self._types[var] = "object"
+            for attr, item in vars(v).items():
+                if hasattr(item, "detach"):
+                    out[f"{key}/{attr}"] = _numpy(item)
         else:
             raise RecordError(f"{self.label}: state {key!r} holds a {type(v).__name__}, "
                               f"which a trace cannot store")
@@ -804,7 +816,8 @@ def machine() -> str:
 
 def record(optimizer: Any, problem: str | Problem = "mlp", *, steps: int = 20, seed: int = 0,
            path: str | Path | None = None, case: str | None = None,
-           label: str | None = None, method: str | None = None) -> Recording:
+           label: str | None = None, method: str | None = None,
+           hyperparameters: Mapping[str, Any] | None = None) -> Recording:
     """Run ``optimizer`` on ``problem`` for ``steps`` updates and return the trace
     (written to ``path``, ``<case>.json`` + ``<case>.npz``, when given).
 
@@ -814,7 +827,9 @@ def record(optimizer: Any, problem: str | Problem = "mlp", *, steps: int = 20, s
     :func:`jax_problem` or :func:`gradient_sequence`. ``seed`` seeds the bundled problems.
     ``method``: the manifest's method (default: the implementation's name); name a
     registered method (``"adamw"``) when recording one of its originals, and
-    ``xopt parity <method> --trace`` replays the trace.
+    ``xopt parity <method> --trace`` replays the trace; ``hyperparameters`` then gives the
+    manifest's in the form that method's harness reads (default: the call's arguments, or
+    the torch optimizer's ``defaults``).
     """
     if not isinstance(steps, int) or steps < 1:
         raise RecordError(f"steps = {steps!r} must be a positive integer")
@@ -860,7 +875,8 @@ def record(optimizer: Any, problem: str | Problem = "mlp", *, steps: int = 20, s
         "case": case,
         "kind": "optimizer",
         "source": source,
-        "hyperparameters": impl.hyperparameters,
+        "hyperparameters": dict(hyperparameters) if hyperparameters is not None
+        else impl.hyperparameters,
         "dtype": str(dtype),
         "params": {k: list(np.shape(v)) for k, v in params.items()},
         "steps": steps,

@@ -65,7 +65,9 @@ def table(report: Report) -> str:
                    f"{r.mode.replace('_', '-')}: beyond tolerance, but {r.backend} is "
                    f"{_fmt(r.backend_to_exact)} from the {r.exact_estimate} where "
                    f"{r.against} is {_fmt(r.against_to_exact)}: the excess is the "
-                   f"reference's own rounding")
+                   f"reference's own rounding"
+                   + (f" (undecided, equally far or too sensitive a step: "
+                      f"{', '.join(r.undecided)})" if r.undecided else ""))
     for note in report.notes:
         out.append(f"note: {note}")
     n_bad = sum(r.verdict == "diverge" for r in report.runs)
