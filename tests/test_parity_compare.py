@@ -132,7 +132,7 @@ def test_report_json_and_cli_exit_codes(tmp_path, capsys):
     run = report["runs"][0]
     assert run["verdict"] == "diverge" and run["localisation"]["first"]["step"] == 0
     assert run["localisation"]["cause"] == "formulation"
-    assert set(run["exact"]) == {"estimate", "backend", "against"}
+    assert set(run["exact"]) == {"estimate", "backend", "against", "undecided"}
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
     # the recorded reference replays against an aligned optax: agreement, exit 0
     assert main(["compare", str(tmp_path / "a.json"),
