@@ -86,8 +86,11 @@ def test_a_corrupted_recording_is_reported_at_its_step_and_tensor(method, tmp_pa
     path = write_trace(tmp_path / "case.json", manifest, arrays)
     report = run_parity(method, [path], backends=["torch"], modes=["teacher_forced"],
                         max_steps=5)
-    assert report.verdict == "diverge"
+    # the corruption is in the reference: beyond tolerance, with xopt the closer to the
+    # float64 oracle, so reported apart from both agreement and divergence
+    assert report.verdict == "closer_to_exact"
     (run,) = report.runs
+    assert run.against_to_exact > run.backend_to_exact
     tol = run.tolerance
     first = [(t, k) for t, errs in enumerate(run.per_step) for k, e in errs.items()
              if not e.within(tol.for_tensor(k))]

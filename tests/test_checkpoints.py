@@ -691,7 +691,9 @@ def test_golden_trace_check_sees_a_changed_theta():
     t.meta_params = lambda: specs.get(method).meta.to_original(theta, hp)
     report = run_parity(method, [t], backends=["torch"], modes=["teacher_forced"],
                         explicit_backends=True, max_steps=2)
-    assert report.verdict == "diverge"
+    # the oracle runs the changed θ too, so the recording (made with the original θ) is
+    # the side off the float64 result: beyond tolerance, reported apart from agreement
+    assert not report.runs[0].agrees and report.verdict != "agree"
 
 
 def test_gin_macros_resolve_and_unrelated_lines_are_skipped():

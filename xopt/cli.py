@@ -3,7 +3,12 @@
     xopt parity METHOD [--trace FILE ...] [--backends torch,jax,oracle,original]
                        [--against golden|original|torch|jax|oracle] [--mode teacher,closed]
                        [--impl plain|triton] [--device cpu|cuda] [--steps N]
-                       [--json REPORT] [--plot PNG] [--quiet]
+                       [--json REPORT] [--plot PNG] [--quiet] [--localise]
+    xopt record IMPL [--problem NAME] [--steps N] [--seed S] [--case NAME] --out FILE
+    xopt compare A B [--problem NAME] [--steps N] [--seed S] [--mode teacher,closed]
+                     [--map B_STATE=A_STATE ...] [--tol REL] [--closed-tol REL]
+                     [--json REPORT] [--plot PNG] [--record FILE]
+    xopt compare --table PAGE [--check]
     xopt methods
     xopt port SRC DST [--to lo|pylo|xopt] [--verify] [--overwrite]
                       [--decays pylo-defaults|JSON] [--set FIELD=VALUE ...]
@@ -11,6 +16,12 @@
 ``xopt parity`` exits 0 when every run agrees within its stated tolerance, 1 when any
 diverges, and 2 on bad input (unknown method, malformed trace, unknown hyperparameters,
 an unavailable backend that was asked for by name), printing what is at fault.
+``xopt record`` writes a trace of any torch.optim optimizer or optax transformation (IMPL:
+a call such as ``"torch.optim.Adam(lr=1e-3)"`` or ``"optax.adam(1e-3)"``). ``xopt compare``
+exits like ``xopt parity``; both exit 3 when no run diverges but some run is beyond its
+tolerance while the implementation is closer to the exact (float64) result than the
+reference. ``xopt compare --table`` writes the torch.optim-against-optax page
+(``--check``: exit 1 if the page on disk differs beyond machine rounding).
 ``xopt port`` exits 0 when the checkpoint was written (and, with ``--verify``, behaves
 identically), 1 when ``--verify`` finds a difference, 2 on bad input (a corrupt or unknown
 checkpoint, a missing key, a non-finite value, an unsupported optimizer, a destination it
@@ -26,7 +37,12 @@ from collections.abc import Callable, Sequence
 
 from xopt.errors import XoptError
 
-EXIT_AGREE, EXIT_DIVERGE, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_AGREE, EXIT_DIVERGE, EXIT_BAD_INPUT, EXIT_CLOSER_TO_EXACT = 0, 1, 2, 3
+
+
+def _exit_code(verdict: str) -> int:
+    return {"agree": EXIT_AGREE, "closer_to_exact": EXIT_CLOSER_TO_EXACT}.get(verdict,
+                                                                             EXIT_DIVERGE)
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -93,7 +109,7 @@ def _parity(args: argparse.Namespace) -> int:
         explicit_backends=args.backends is not None,
         against=args.against, modes=[MODES[m] for m in args.mode], impl=args.impl,
         device=args.device, max_steps=args.steps,
-        progress=_progress_factory(not args.quiet),
+        progress=_progress_factory(not args.quiet), localise=args.localise,
     )
     print(table(report))
     if args.aux:
@@ -112,7 +128,65 @@ def _parity(args: argparse.Namespace) -> int:
         print(f"report: {write_json(report, args.json)}")
     if args.plot:
         print(f"plot: {write_plot(report, args.plot)}")
-    return EXIT_AGREE if report.verdict == "agree" else EXIT_DIVERGE
+    return _exit_code(report.verdict)
+
+
+def _record(args: argparse.Namespace) -> int:
+    from xopt.parity.recorder import record
+
+    rec = record(args.impl, args.problem, steps=args.steps, seed=args.seed, path=args.out,
+                 case=args.case)
+    print(f"{rec.manifest['source']['object']}: {rec.steps} steps on "
+          f"{rec.manifest['case']} -> {args.out}")
+    return EXIT_AGREE
+
+
+def _mapping(items: Sequence[str] | None) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        b, eq, a = item.partition("=")
+        if not eq or not b or not a:
+            raise XoptError(f"--map {item!r}: expected B_STATE=A_STATE (or B_STATE=@count)")
+        out[b.strip()] = a.strip()
+    return out
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from xopt.parity.report import table, write_json, write_plot
+
+    if args.table:
+        if args.a or args.b:
+            raise XoptError("--table takes no A and B")
+        from xopt.parity.pairs import check_page, write_page
+
+        if args.check:
+            diffs = check_page(args.table)
+            for d in diffs:
+                print(d)
+            print(f"{args.table}: " + ("differs" if diffs else "up to date"))
+            return EXIT_DIVERGE if diffs else EXIT_AGREE
+        print(f"wrote {write_page(args.table)}")
+        return EXIT_AGREE
+    if not (args.a and args.b):
+        raise XoptError("compare needs A and B (a trace file or a call such as "
+                        "'torch.optim.Adam(lr=1e-3)'), or --table PAGE")
+    from xopt.parity.anyopt import TOLERANCES, compare
+    from xopt.specs import Tolerance
+
+    tolerances = {}
+    for mode, value in (("teacher_forced", args.tol), ("closed_loop", args.closed_tol)):
+        if value is not None:
+            tolerances[mode] = Tolerance(value, 0.0, "given on the command line; default: "
+                                         + TOLERANCES[mode].why)
+    report = compare(args.a, args.b, problem=args.problem, steps=args.steps, seed=args.seed,
+                     modes=args.mode, mapping=_mapping(args.map), tolerances=tolerances,
+                     record_to=args.record)
+    print(table(report))
+    if args.json:
+        print(f"report: {write_json(report, args.json)}")
+    if args.plot:
+        print(f"plot: {write_plot(report, args.plot)}")
+    return _exit_code(report.verdict)
 
 
 def _methods(args: argparse.Namespace) -> int:
@@ -189,10 +263,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="REPORT", help="write the JSON report here")
     p.add_argument("--plot", metavar="PNG", help="write a PNG of error against step here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--localise", action="store_true",
+                   help="name each teacher-forced run's first step and tensor above float32 "
+                        "rounding and the side further from the float64 oracle (reruns "
+                        "the oracle on perturbed inputs where needed)")
     p.add_argument("--aux", action="store_true",
                    help="also compare the spec's internals (float32) with each trace's "
                         "recorded aux, teacher-forced, to localize a divergence")
     p.set_defaults(func=_parity)
+
+    r = sub.add_parser("record", help="record a trace of any torch.optim optimizer or optax "
+                                      "transformation")
+    r.add_argument("impl", help="a call: 'torch.optim.Adam(lr=1e-3)', 'optax.adam(1e-3)', "
+                                "'package.module:factory(...)'")
+    r.add_argument("--problem", default="mlp",
+                   help="bundled problem (mlp, mlp-nobias, linear) or module:attr of a "
+                        "xopt.parity.Problem (default: mlp)")
+    r.add_argument("--steps", type=int, default=20, help="updates to record (default: 20)")
+    r.add_argument("--seed", type=int, default=0, help="the problem's seed (default: 0)")
+    r.add_argument("--case", help="the trace's case name (default: <problem>_seed<seed>)")
+    r.add_argument("--out", "-o", required=True, metavar="FILE",
+                   help="manifest path (<case>.json; the arrays go beside it as .npz)")
+    r.set_defaults(func=_record)
+
+    c = sub.add_parser("compare", help="compare an implementation with a trace or another "
+                                       "implementation (B against the reference A)")
+    c.add_argument("a", nargs="?", help="reference: trace manifest (.json) or a call")
+    c.add_argument("b", nargs="?", help="implementation under test: a call (or a trace whose "
+                                        "manifest names its call)")
+    c.add_argument("--problem", default="mlp", help="problem to record A on when A is a call")
+    c.add_argument("--steps", type=int, default=None,
+                   help="steps (default: the trace's, or 20 when A is recorded here)")
+    c.add_argument("--seed", type=int, default=0, help="the problem's seed (default: 0)")
+    c.add_argument("--mode", type=_csv(("teacher", "closed")), default=["teacher", "closed"],
+                   help="teacher-forced and/or closed-loop (default: teacher,closed)")
+    c.add_argument("--map", action="append", metavar="B_STATE=A_STATE",
+                   help="feed B's state key or variable from A's (or =@count, the number "
+                        "of updates); repeatable")
+    c.add_argument("--tol", type=float, help="teacher-forced relative tolerance "
+                                             "(default: 1e-6)")
+    c.add_argument("--closed-tol", type=float, help="closed-loop relative tolerance "
+                                                    "(default: 1e-5)")
+    c.add_argument("--json", metavar="REPORT", help="write the JSON report here")
+    c.add_argument("--plot", metavar="PNG", help="write a PNG of error against step here")
+    c.add_argument("--record", metavar="FILE", help="also write A's trace here, when A is "
+                                                    "recorded")
+    c.add_argument("--table", metavar="PAGE",
+                   help="write the torch.optim-against-optax page here instead")
+    c.add_argument("--check", action="store_true",
+                   help="with --table: compare the page on disk with a fresh run")
+    c.set_defaults(func=_compare)
 
     m = sub.add_parser("methods", help="list the registered methods and their hyperparameters")
     m.set_defaults(func=_methods)

@@ -154,6 +154,21 @@ class Run:
     tolerance: Tolerance
     per_step: list[dict[str, TensorError]]
     oracle_agrees_with: str | None = None
+    #: distance of the backend and of the reference from the exact (float64) result,
+    #: relative, the largest over the entries beyond tolerance (else at the worst entry);
+    #: None where no float64 result exists (see :func:`judge_against_exact`)
+    backend_to_exact: float | None = None
+    against_to_exact: float | None = None
+    #: what "exact" was: "float64 oracle", "float64 twins", ...
+    exact_estimate: str | None = None
+    #: beyond tolerance, but at every such entry the backend is at least as close to the
+    #: exact result as the reference: the excess is the reference's own rounding
+    closer_to_exact: bool = False
+    #: entries beyond tolerance the float64 result cannot judge ("step: tensor"): the two
+    #: sides equally far from it, or the float64 step moving as much under input rounding
+    undecided: list[str] = dataclasses.field(default_factory=list)
+    #: the first divergence above float32 rounding (teacher-forced runs, where computed)
+    localisation: Any = None
 
     @property
     def worst(self) -> tuple[int, str, TensorError]:
@@ -179,6 +194,15 @@ class Run:
         return all(e.within(self.tolerance.for_tensor(k))
                    for errs in self.per_step for k, e in errs.items())
 
+    @property
+    def verdict(self) -> str:
+        """``agree`` (within tolerance), ``closer_to_exact`` (beyond it, the backend at
+        least as close to the exact result as the reference everywhere it is beyond) or
+        ``diverge``."""
+        if self.agrees:
+            return "agree"
+        return "closer_to_exact" if self.closer_to_exact else "diverge"
+
     def to_json(self) -> dict[str, Any]:
         t, k, _ = self.worst
         tensors = sorted({k for errs in self.per_step for k in errs})
@@ -193,9 +217,12 @@ class Run:
             "max_rel_error": self.max_rel_error,
             "worst": {"step": t, "tensor": k},
             "tolerance": self.tolerance.to_dict(),
-            "verdict": "agree" if self.agrees else "diverge",
+            "verdict": self.verdict,
             "bitwise": self.max_abs_error == 0.0,
             "oracle_agrees_with": self.oracle_agrees_with,
+            "exact": {"estimate": self.exact_estimate, "backend": self.backend_to_exact,
+                      "against": self.against_to_exact, "undecided": self.undecided},
+            "localisation": None if self.localisation is None else self.localisation.to_json(),
             "tolerance_reason": self.tolerance.why,
             "errors": {
                 name: {"abs": [errs[name].abs for errs in self.per_step],
@@ -223,7 +250,18 @@ class Report:
 
     @property
     def verdict(self) -> str:
-        return "agree" if all(r.agrees for r in self.runs) else "diverge"
+        """``diverge`` if any run diverges, else ``closer_to_exact`` if any run is beyond
+        tolerance while closer to exact than its reference, else ``agree``."""
+        verdicts = {r.verdict for r in self.runs}
+        for v in ("diverge", "closer_to_exact"):
+            if v in verdicts:
+                return v
+        return "agree"
+
+    def __str__(self) -> str:
+        from xopt.parity.report import table
+
+        return table(self)
 
     def to_json(self) -> dict[str, Any]:
         from xopt import __version__
@@ -394,8 +432,14 @@ def run_parity(method: str, traces: Sequence[str | Trace], *,
                backends: Sequence[str] = BACKENDS, against: str = "golden",
                modes: Sequence[str] = ("teacher_forced", "closed_loop"), impl: str = "plain",
                device: str = "cpu", max_steps: int | None = None, explicit_backends: bool = False,
-               progress: Callable[[int], Callable[[], None]] | None = None) -> Report:
+               progress: Callable[[int], Callable[[], None]] | None = None,
+               localise: bool = False) -> Report:
     """Run the parity comparisons and return a :class:`Report`.
+
+    ``localise``: name, for every teacher-forced run, the first step and tensor whose
+    error rises above float32 rounding and the side further from the float64 oracle
+    (:func:`localise_run`; it reruns the oracle on perturbed inputs at the steps that
+    need it).
 
     Raises :class:`UnknownMethodError`, :class:`TraceError`, :class:`HyperparameterError`
     (and its subclass :class:`BadRequest`) for bad input, before any long computation.
@@ -472,6 +516,9 @@ def run_parity(method: str, traces: Sequence[str | Trace], *,
                     continue
                 runs.append(_compare(spec, hp, trace, label, ref_label, mode, outputs,
                                      impl if which == "torch" else "plain", origin))
+                if localise and mode == "teacher_forced" and label != "oracle":
+                    localise_run(runs[-1], outputs[label], outputs[ref_label],
+                                 outputs["oracle"], spec, hp, names, trace, naming, meta)
     return Report(method=method, traces=[t.name for t in loaded], runs=runs,
                   notes=list(dict.fromkeys(notes)))
 
@@ -524,7 +571,136 @@ def _compare(spec: MethodSpec, hp: Hyperparams, trace: Trace, label: str, ref: s
         if k:
             run.oracle_agrees_with = closer_to(outputs["oracle"][t].tensors()[k],
                                                a_steps[t].tensors()[k], b_steps[t].tensors()[k])
+        sens = None
+        if mode == "teacher_forced" and not run.agrees:
+            meta = trace.meta_params() if spec.meta is not None else None
+            sens = oracle_sensitivity(spec, hp, list(trace.params), trace,
+                                      origin.naming_for(hp), meta)
+        judge_against_exact(run, [s.tensors() for s in a_steps],
+                            [s.tensors() for s in b_steps],
+                            [s.tensors() for s in outputs["oracle"]], estimate="float64 oracle",
+                            sensitivity_at=sens)
     return run
+
+
+def oracle_sensitivity(spec: MethodSpec, hp: Hyperparams, names: list[str], trace: Trace,
+                       naming: str, meta: dict[str, np.ndarray] | None,
+                       ) -> Callable[[int], dict[str, float]]:
+    """``at(t)``: per tensor, how far the float64 oracle's teacher-forced step t moves when
+    the trace's parameters, state and gradient before it are rounded once more
+    (:func:`xopt.parity.localise.sensitivity`); computed on first use per step."""
+    from xopt.parity.localise import perturb, sensitivity
+
+    cache: dict[int, dict[str, float]] = {}
+
+    def at(t: int) -> dict[str, float]:
+        if t in cache:
+            return cache[t]
+        params = trace.init_params() if t == 0 else trace.params_after(t - 1)
+        state = trace_state(trace, spec, hp, naming, t - 1)
+        grads, loss = trace.grads(t), trace.loss(t)
+        inject = spec.inject(trace, t, hp) if spec.inject is not None else None
+
+        def step(seed: int) -> dict[str, np.ndarray]:
+            runner = make_runner(spec, hp, names, "oracle", meta=meta)
+            if seed < 0:
+                runner.reset(params, state)
+                runner.step(grads, loss, inject)
+            else:
+                rng = np.random.default_rng(seed)
+                runner.reset(perturb(params, rng), None if state is None else perturb(state, rng))
+                runner.step(perturb(grads, rng), loss, inject)
+            return Step(*runner.read()).tensors()
+
+        cache[t] = sensitivity(step)
+        return cache[t]
+
+    return at
+
+
+def localise_run(run: Run, backend: Sequence[Step], against: Sequence[Step],
+                 oracle: Sequence[Step], spec: MethodSpec, hp: Hyperparams, names: list[str],
+                 trace: Trace, naming: str, meta: dict[str, np.ndarray] | None) -> None:
+    """Set ``run.localisation`` (see :mod:`xopt.parity.localise`): the rounding level of
+    step t is the float64 oracle's movement when the trace's parameters, state and
+    gradient before step t are rounded once more (:func:`oracle_sensitivity`)."""
+    from xopt.parity.localise import localise
+
+    run.localisation = localise([s.tensors() for s in backend], [s.tensors() for s in against],
+                                exact=[s.tensors() for s in oracle],
+                                sensitivity_at=oracle_sensitivity(spec, hp, names, trace, naming,
+                                                                  meta),
+                                estimate="float64 oracle")
+
+
+def judge_against_exact(run: Run, backend: Sequence[Mapping[str, np.ndarray]],
+                        against: Sequence[Mapping[str, np.ndarray]],
+                        exact: Sequence[Mapping[str, np.ndarray]] | None,
+                        exact_backend: Sequence[Mapping[str, np.ndarray]] | None = None, *,
+                        estimate: str = "float64 twins",
+                        sensitivity_at: Callable[[int], Mapping[str, float]] | None = None,
+                        ) -> None:
+    """Measure both sides of ``run`` against the exact (float64) result, per step.
+
+    ``exact``: the float64 result of the reference's mathematics (a spec's oracle, or the
+    reference's float64 twin); ``exact_backend``: the backend's own float64 twin where it
+    may compute other mathematics. Sets ``backend_to_exact``/``against_to_exact`` (relative,
+    the largest over the entries beyond tolerance, else at the worst entry) and
+    ``closer_to_exact``.
+
+    Each entry (step, tensor) beyond tolerance is judged: the side nearer the exact result
+    is the closer one, unless the exact result itself moves by at least the two sides'
+    distance when its inputs are rounded once more (``sensitivity_at(t)[tensor]``, see
+    :func:`xopt.parity.localise.sensitivity`; teacher-forced runs): there the float64 result
+    cannot tell them apart, and the entry is undecided; so is one where the two distances
+    differ by no more than a few float32 ulps of the tensor. The run is closer to exact when no
+    entry has the reference closer and at least one has the backend closer; float64 twins
+    that disagree (the pair computes different mathematics) keep it a divergence.
+    """
+    from xopt.parity.localise import ROUNDING_FACTOR, max_abs, ulp_floor
+
+    if exact is None:
+        return
+    run.exact_estimate = estimate
+    over = [(t, k) for t, errs in enumerate(run.per_step) for k, e in errs.items()
+            if not e.within(run.tolerance.for_tensor(k))]
+    entries = over or ([run.worst[:2]] if run.worst[1] else [])
+    backend_closer, against_closer, formulation = 0, 0, False
+    undecided: list[str] = []
+    worst_b = worst_a = 0.0
+    decided_b = decided_a = None
+    for t, k in entries:
+        if k not in exact[t] or k not in backend[t] or k not in against[t]:
+            against_closer += 1  # nothing to judge by: not in the backend's favour
+            continue
+        ref, ex = against[t][k], exact[t][k]
+        scale = float(np.max(np.abs(np.asarray(ref, dtype=np.float64)))) if np.size(ref) else 0
+        scale = scale or 1.0
+        db, da = max_abs(backend[t][k], ex) / scale, max_abs(ref, ex) / scale
+        worst_b, worst_a = max(worst_b, db, key=_nan_max_key), max(worst_a, da, key=_nan_max_key)
+        if exact_backend is not None and k in exact_backend[t] and (
+                max_abs(exact_backend[t][k], ex) > ROUNDING_FACTOR * ulp_floor(ref)):
+            formulation = True
+        if not over:
+            continue
+        moves = sensitivity_at(t).get(k, 0.0) if sensitivity_at is not None else 0.0
+        if moves >= max_abs(backend[t][k], ref) or (
+                abs(db - da) * scale <= ROUNDING_FACTOR * ulp_floor(ref)):
+            undecided.append(f"{t}: {k}")
+            continue
+        decided_b = max(decided_b or 0.0, db, key=_nan_max_key)
+        decided_a = max(decided_a or 0.0, da, key=_nan_max_key)
+        if db <= da:
+            backend_closer += 1
+        else:
+            against_closer += 1
+    # the distances where the float64 result decides, where it decides anywhere
+    run.backend_to_exact = worst_b if decided_b is None else decided_b
+    run.against_to_exact = worst_a if decided_a is None else decided_a
+    run.undecided = undecided
+    if formulation:
+        run.exact_estimate = f"{estimate} (they differ: another formulation)"
+    run.closer_to_exact = (backend_closer > 0 and against_closer == 0 and not formulation)
 
 
 # -- internals: where in the update a divergence starts ----------------------------------------

@@ -25,7 +25,7 @@ def _fmt(x: float) -> str:
 def table(report: Report) -> str:
     """A fixed-width table, one row per run, with the verdict last."""
     head = ("trace", "backend", "impl", "against", "mode", "steps", "max abs", "max rel",
-            "worst (step: tensor)", "tol rel", "oracle closer", "verdict")
+            "worst (step: tensor)", "tol rel", "oracle closer", "from exact (b | a)", "verdict")
     rows = []
     exceptions: dict[tuple[str, float], str] = {}
     for r in report.runs:
@@ -36,14 +36,17 @@ def table(report: Report) -> str:
             prefix = next(p for p, v in r.tolerance.tensors.items() if v is tol)
             exceptions[prefix, tol.rel] = f"{prefix}* within {_fmt(tol.rel)} rel: {tol.why}"
             mark = "*"
-        verdict = "agree" if r.agrees else "DIVERGE"
+        verdict = {"agree": "agree", "diverge": "DIVERGE",
+                   "closer_to_exact": "CLOSER TO EXACT"}[r.verdict]
         if r.agrees and r.max_abs_error == 0.0:
             verdict = "agree (bitwise)"
+        exact = "-" if r.backend_to_exact is None else \
+            f"{_fmt(r.backend_to_exact)} | {_fmt(r.against_to_exact)}"
         rows.append((r.trace.split("/", 1)[-1], r.backend, r.impl, r.against,
                      r.mode.replace("_", "-"), str(r.steps), _fmt(r.max_abs_error),
                      _fmt(r.max_rel_error), f"{t}: {k}" if k else "-",
                      "bitwise" if tol.rel == 0 and tol.abs == 0 else _fmt(tol.rel) + mark,
-                     r.oracle_agrees_with or "-", verdict))
+                     r.oracle_agrees_with or "-", exact, verdict))
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
               for i, h in enumerate(head)]
     line = "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))
@@ -52,11 +55,27 @@ def table(report: Report) -> str:
     out.append("")
     for text in exceptions.values():
         out.append(f"* {text}")
+    for r in report.runs:
+        if r.localisation is not None:
+            out.append(f"{r.trace.split('/', 1)[-1]} {r.backend} vs {r.against} "
+                       f"{r.mode.replace('_', '-')}: {r.localisation.summary()}")
+    closer = [r for r in report.runs if r.verdict == "closer_to_exact"]
+    for r in closer:
+        out.append(f"closer to exact: {r.trace.split('/', 1)[-1]} {r.backend} vs {r.against} "
+                   f"{r.mode.replace('_', '-')}: beyond tolerance, but {r.backend} is "
+                   f"{_fmt(r.backend_to_exact)} from the {r.exact_estimate} where "
+                   f"{r.against} is {_fmt(r.against_to_exact)}: the excess is the "
+                   f"reference's own rounding"
+                   + (f" (undecided, equally far or too sensitive a step: "
+                      f"{', '.join(r.undecided)})" if r.undecided else ""))
     for note in report.notes:
         out.append(f"note: {note}")
-    n_bad = sum(not r.agrees for r in report.runs)
+    n_bad = sum(r.verdict == "diverge" for r in report.runs)
+    counts = [f"{n_bad} diverge"] if n_bad else []
+    if closer:
+        counts.append(f"{len(closer)} beyond tolerance but closer to exact than the reference")
     out.append(f"{report.method}: {len(report.runs)} runs on {len(report.traces)} trace(s); "
-               f"verdict: {report.verdict}" + (f" ({n_bad} diverge)" if n_bad else ""))
+               f"verdict: {report.verdict}" + (f" ({'; '.join(counts)})" if counts else ""))
     return "\n".join(out)
 
 

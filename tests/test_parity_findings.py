@@ -1,0 +1,192 @@
+"""Issue 29's findings on cases outside the bundled traces, each reproduced on a trace of
+the original code (tests/fixtures/parity/, recorded by tools/record_coap_resumed.py and
+tools/record_velo_cases.py) and explained.
+
+1. COAP resumed mid-run, rank 6, interval 4, factor 3: at step 12 (QR and SVD refresh P,
+   the moments are carried to the new subspace) xopt.jax's update leaves float32 rounding
+   while xopt.torch reproduces the authors' code. Not an accuracy loss of xopt.jax: the
+   carried moments are as accurate in both backends; the Adam direction M/(√V + ε) then
+   amplifies their (different) roundings where the carried V is small, and the float64
+   oracle sides with the authors on one tensor and with xopt.jax on the other. xopt.torch
+   matches the authors because it rounds in the same BLAS order.
+2. VeLO, Triton path (exact mode), zero-initialised bias, horizon 200, seed 1: the first
+   step's bias is 2.1e-6 from the original while the plain path is within 1e-6, and the
+   float64 oracle is nearer the Triton path. The kernel's glue (xopt.kernels.velo,
+   ``lstm_glue``) runs the LSTM and the hypernetwork's mixing in float64 from correctly
+   rounded inputs, where the plain path and the original run float32: nearer exact, and
+   reported as such. Not fixed: the same glue in float32 brings this case to 1.2e-7 of
+   plain but puts tests/test_kernels_lopt.py's case 1.0e-6 from plain and 1.46e-6 from
+   float64 (against 8.6e-7), because the LSTM's inputs still differ from plain's by a
+   rounding (float64 sums against float32 means) and the LSTM amplifies it; tracking plain
+   would need plain's float32 reductions in the statistics pass.
+3. VeLO, plain torch, zero-initialised bias, horizon 10,000, seed 3: the first step's bias
+   is 1.15e-6 from the original (beyond 1e-6), and the float64 oracle is nearer xopt: the
+   original's own float32 rounding. The verdict says "closer to exact", apart from
+   agreement and divergence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import REPO, has_jax, has_torch
+
+FIX = REPO / "tests" / "fixtures" / "parity"
+COAP = FIX / "coap" / "adamw_r6_tu4_rf3_resumed8_seed1.json"
+VELO_N200 = FIX / "velo" / "linear_zero_bias_n200_seed1.json"
+VELO_N10000 = FIX / "velo" / "linear_zero_bias_n10000_seed3.json"
+
+pytestmark = pytest.mark.skipif(not (has_torch and has_jax), reason="needs torch and jax")
+
+
+def test_coap_refresh_step_is_ill_conditioned_not_a_jax_accuracy_loss():
+    from xopt.parity.harness import run_parity
+
+    report = run_parity("coap", [COAP], backends=["torch", "jax"], modes=["teacher_forced"],
+                        max_steps=13)
+    torch_run, jax_run = report.runs
+    assert torch_run.agrees, torch_run.worst
+    # xopt.jax: every entry beyond tolerance at step 12, none of them a formulation
+    over = [(t, k) for t, errs in enumerate(jax_run.per_step) for k, e in errs.items()
+            if not e.within(jax_run.tolerance.for_tensor(k))]
+    assert over and {t for t, _ in over} == {12}, over
+    # the float64 oracle sides with the authors on one tensor, with xopt.jax on the other
+    from xopt.parity import load_trace
+    from xopt.parity.harness import make_runner, original_of, trace_hyperparameters, trace_state
+    from xopt.specs import get
+
+    t = load_trace(COAP)
+    spec = get("coap")
+    origin = original_of(spec, t)
+    hp = origin.from_kwargs(trace_hyperparameters(t))
+    out = {}
+    for w in ("jax", "oracle"):
+        r = make_runner(spec, hp, list(t.params), w)
+        r.reset(t.params_after(11), trace_state(t, spec, hp, origin.naming_for(hp), 11))
+        r.step(t.grads(12), t.loss(12), spec.inject(t, 12, hp))
+        out[w] = r.read()[0]
+    sides = {}
+    for k in ("mlp/0/weight", "mlp/1/weight"):
+        ex = out["oracle"][k]
+        sides[k] = ("jax" if np.abs(out["jax"][k] - ex).max()
+                    < np.abs(t.params_after(12)[k] - ex).max() else "authors")
+    assert sorted(sides.values()) == ["authors", "jax"], sides
+    assert jax_run.verdict == "diverge"  # the authors are nearer on one tensor
+
+
+def test_coap_carried_moments_are_as_accurate_in_jax_as_in_torch():
+    # step 12's restore and moment update, from the authors' state after step 11, in float32
+    # torch, float32 jax (jitted) and float64: the moments' errors agree; the direction's
+    # do not (amplified where the carried V is small)
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from xopt.parity import load_trace
+    from xopt.parity.harness import original_of, trace_hyperparameters
+    from xopt.specs import coap as S
+    from xopt.specs import get
+    from xopt.specs._groups import hp_for
+    from xopt.specs._lowrank import hf_adam_direction, hf_adam_moments
+
+    t = load_trace(COAP)
+    spec = get("coap")
+    hp = original_of(spec, t).from_kwargs(trace_hyperparameters(t))
+    before, after, grads = t.state_after(11), t.state_after(12), t.grads(12)
+    for name in ("mlp/0/weight", "mlp/1/weight"):
+        h, side = hp_for(hp, name), S.side_of(t.params[name])
+        args = (before[f"{name}/exp_avg"], before[f"{name}/exp_avg_sq"],
+                before[f"{name}/projector/ortho_matrix"],
+                after[f"{name}/projector/ortho_matrix"], grads[name])
+
+        def step(xp, m, v, p0, p1, g, h=h, side=side):
+            m, v = S.restore_moments(xp, h, m, v, p0, p1, side)
+            m, v = hf_adam_moments(xp, m, v, S.project(xp, g, p1, side), h.b1, h.b2)
+            return m, v, hf_adam_direction(xp, m, v, h.eps)
+
+        exact = step(np, *(a.astype(np.float64) for a in args))
+        ours = {"torch": [x.numpy() for x in step(torch, *map(torch.tensor, args))],
+                "jax": [np.asarray(x) for x in jax.jit(lambda *a: step(jnp, *a))(
+                    *map(jnp.asarray, args))]}
+        err = {w: [np.abs(o - e).max() / np.abs(e).max() for o, e in zip(r, exact, strict=True)]
+               for w, r in ours.items()}
+        for i in (0, 1):  # M and V: the same accuracy (float32 rounding of the products)
+            assert err["jax"][i] <= 2 * err["torch"][i] + 1e-7, (name, err)
+            assert err["jax"][i] < 5e-7, (name, err)
+
+
+def _velo_worker() -> dict:
+    """Child process (TRITON_INTERPRET=1): VeLO's first update on VELO_N200, teacher-forced:
+    the Triton exact mode against the original (the harness), and against plain."""
+    from xopt.parity import load_trace
+    from xopt.parity.harness import (
+        _drive,
+        make_runner,
+        original_of,
+        run_parity,
+        trace_hyperparameters,
+    )
+    from xopt.specs import get
+
+    report = run_parity("velo", [VELO_N200], backends=["torch"], impl="triton",
+                        modes=["teacher_forced"], max_steps=1)
+    (run,) = report.runs
+    t = load_trace(VELO_N200)
+    spec = get("velo")
+    origin = original_of(spec, t)
+    hp = origin.from_kwargs(trace_hyperparameters(t))
+
+    def first(impl):
+        r = make_runner(spec, hp, list(t.params), "torch", impl=impl, meta=t.meta_params())
+        return _drive(r, t, spec, hp, origin.naming_for(hp), "teacher_forced", 1,
+                      lambda: None)[0].params["bias"].astype(np.float64)
+
+    gold = t.params_after(0)["bias"].astype(np.float64)
+    plain, triton = first("plain"), first("triton")
+    scale = np.abs(gold).max()
+    return {"verdict": run.verdict, "rel": run.per_step[0]["param/bias"].rel,
+            "backend_to_exact": run.backend_to_exact, "against_to_exact": run.against_to_exact,
+            "plain-golden": float(np.abs(plain - gold).max() / scale),
+            "triton-plain": float(np.abs(triton - plain).max() / scale)}
+
+
+def test_velo_triton_exact_mode_nearer_float64_than_the_original():
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = ("import json, sys; sys.path.insert(0, 'tests'); import test_parity_findings as f; "
+            "print(json.dumps(f._velo_worker()))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(r)
+    # the plain path is within 1e-6 of the original; the Triton path is not, and is 1e-6
+    # from plain: the float64 LSTM and mixing of its glue
+    assert r["plain-golden"] <= 1e-6 and r["rel"] > 1.5e-6 and r["triton-plain"] > 1e-6, r
+    # ... which put it nearer the float64 oracle than the original: reported as such
+    assert r["backend_to_exact"] < 0.25 * r["against_to_exact"], r
+    assert r["verdict"] == "closer_to_exact", r
+
+
+def test_velo_plain_closer_to_exact_than_the_original_is_reported_as_such():
+    from xopt.parity.harness import run_parity
+    from xopt.parity.report import table
+
+    report = run_parity("velo", [VELO_N10000], backends=["torch"], modes=["teacher_forced"])
+    (run,) = report.runs
+    print(table(report))
+    assert not run.agrees
+    e0 = run.per_step[0]["param/bias"]
+    assert e0.rel > 1e-6 and not e0.within(run.tolerance.for_tensor("param/bias"))
+    # decided where the float64 oracle can tell: xopt nearer it than the original
+    assert run.verdict == report.verdict == "closer_to_exact"
+    assert run.backend_to_exact < run.against_to_exact
+    # where xopt and the original are equally far from float64 (step 2), or the float64
+    # step moves by as much under one rounding of its inputs (step 6), the run says so
+    assert "6: param/bias" in run.undecided
+    assert "closer to exact" in table(report)
