@@ -65,6 +65,7 @@ def main(out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     rec = record(Resumed(make, "coap_torch.CoapAdamW"), prob, steps=STEPS,
                  path=out_dir / f"{case}.json", case=case, method="coap", hyperparameters=hp)
+    rec.manifest["source"].update(repo="https://github.com/bytedance/coap", commit="deabc3a")
     rec.manifest["source"]["notes"].append(
         f"coap_torch from https://github.com/bytedance/coap at deabc3a on PYTHONPATH; "
         f"resumed at step {RESUME} through state_dict()/load_state_dict(); parameters "

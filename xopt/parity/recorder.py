@@ -859,7 +859,6 @@ def record(optimizer: Any, problem: str | Problem = "mlp", *, steps: int = 20, s
             arrays[f"{pre}/state/{k}"] = v
     case = case or f"{prob.name}_seed{seed}"
     source: dict[str, Any] = {
-        "repo": None,
         "object": impl.label,
         "framework": impl.framework,
         "versions": versions(),
