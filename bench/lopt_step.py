@@ -192,25 +192,6 @@ def timed_steps(opt, loss, reps: int) -> list[float]:
     return timed_calls(lambda: _step(opt, loss), reps)
 
 
-def profile_kernels(fn, n: int = 2) -> dict[str, float]:
-    """CUDA ms per call of ``fn`` of every kernel it runs, by name (torch.profiler over
-    ``n`` calls, synchronized before and after)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    out: dict[str, float] = {}
-    for e in p.key_averages():
-        t = getattr(e, "device_time_total", None)
-        if t is None:
-            t = e.cuda_time_total
-        out[e.key] = out.get(e.key, 0.0) + t / 1e3 / n
-    return out
-
-
 def summary(opt, loss, times: list[float], held: int) -> dict:
     """Median/min of ``times``, the state's bytes and the peak extra memory of one more
     step (``max_memory_allocated`` during it minus what was allocated before, plus ``held``)."""
@@ -230,8 +211,8 @@ def time_step(opt, loss, warmup: int, reps: int) -> dict:
     return summary(opt, loss, timed_steps(opt, loss, reps), held)
 
 
-#: steps per back-to-back block (the first step's host work is spread over them; with 2,
-#: fused AdamW's back-to-back time was its one-at-a-time time: 1.616 against 1.646 ms)
+#: steps per back-to-back block (the first step's host work is spread over them; with too
+#: few, the back-to-back time is the one-at-a-time time)
 B2B_STEPS = 20
 
 
@@ -257,15 +238,13 @@ def time_interleaved(entries: dict, warmup: int, rounds: int, reps: int,
                      settle: int = 3) -> dict:
     """Optimizers (``label -> (opt, loss)``) timed side by side: ``rounds`` rounds, each
     giving every optimizer in turn ``settle`` untimed steps and then ``reps`` timed ones, so
-    a drift of the GPU's clocks or of the host over the run reaches every optimizer alike
-    (fused AdamW timed alone first moved from 1.30 to 1.73 ms on ViT-B/16 across calls),
+    a drift of the GPU's clocks or of the host over the run reaches every optimizer alike,
     while no timed step directly follows another optimizer's (AdamW timed right after a
-    learned-optimizer step, with no settling steps, measured 20-40% slower than alone:
-    that would flatter the ratios). Each result also has ``round_medians_ms`` and
-    ``back_to_back_ms`` (the median over rounds of :func:`back_to_back`, ``max(reps,
-    B2B_STEPS)`` steps after each round's timed ones: a step timed alone includes the
-    host's work before its first kernel, about half of fused AdamW's step,
-    bench/RESULTS.md, ninth session)."""
+    learned-optimizer step, with no settling steps, runs slower than alone, which would
+    flatter the ratios). Each result also has ``round_medians_ms`` and ``back_to_back_ms``
+    (the median over rounds of :func:`back_to_back`, ``max(reps, B2B_STEPS)`` steps after
+    each round's timed ones: a step timed alone includes the host's work before its first
+    kernel, about half of fused AdamW's step)."""
     b2b_steps = B2B_STEPS if _on_gpu() else 1  # --tiny: the interpreter is slow
     settle = settle if _on_gpu() else 0
     held = {k: warm(opt, loss, warmup) for k, (opt, loss) in entries.items()}

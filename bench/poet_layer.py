@@ -153,7 +153,7 @@ def graph_ms(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int):
     except Exception as e:  # report, keep the eager numbers
         print(f"note: CUDA-graph capture of {type(layer).__name__} failed: {e!r}"[:300])
         ms = None
-    _grad_reset(layer, x)()  # (also after a failed capture, as before)
+    _grad_reset(layer, x)()  # (also after a failed capture)
     torch.cuda.synchronize()
     return ms
 
@@ -199,11 +199,8 @@ def side_by_side(builders: dict, x: torch.Tensor, g: torch.Tensor, rounds: int,
 def authors_layer(n_in, n_out, b, mem, dtype, dev):
     """The authors' layer, its ``torch.compile``'d core compiled afresh: without the reset,
     a layer of another shape recompiles the shared ``forward_core`` with dynamic shapes
-    (dynamo's automatic dynamic shapes) and slower kernels, or stops at its recompile limit
-    (H100, 2026-11-22, GPU time of their fast fwd+bwd in this bench before and after the
-    reset: 4096² b = 512 1.446 → 0.917 ms, 4096→14336 b = 256 3.196 → 2.471, b = 512
-    4.029 → 2.765; the first layer compiled, 4096² b = 256, 0.768 and 0.796 ms;
-    bench/RESULTS.md, seventh round)."""
+    (dynamo's automatic dynamic shapes) and slower kernels, or stops at its recompile
+    limit, and every shape but the first would be measured too slow."""
     if importlib.util.find_spec("poet_torch") is None:
         return None
     from poet_torch.layers.poet_linear import POETLinear as Orig  # pragma: no cover
