@@ -11,7 +11,7 @@ import re
 
 import griffe
 
-_ROLE = re.compile(r":(?:py:)?(?:func|class|meth|mod|data|attr|obj|exc|const)`~?([^`]+)`")
+_ROLE = re.compile(r":(?:py:)?(?:func|class|meth|mod|data|attr|obj|exc|const):`~?([^`]+)`")
 
 
 def _markdown(text: str) -> str:
@@ -36,6 +36,6 @@ def _markdown(text: str) -> str:
 
 
 class SphinxRolesToMarkdown(griffe.Extension):
-    def on_instance(self, *, node, obj, agent, **kwargs) -> None:  # noqa: ARG002
+    def on_object(self, *, obj, **kwargs) -> None:  # noqa: ARG002  (once the tree is built)
         if obj.docstring is not None:
             obj.docstring.value = _markdown(obj.docstring.value)
