@@ -13,10 +13,10 @@ from pathlib import Path
 from mkdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parents[2]
-#: page -> (title, packages whose modules it documents, single modules it documents)
+#: page -> (title, packages whose modules it documents, single modules it documents);
+#: api/xopt.md also takes every top-level module, and every package no other page has
 AREAS = {
-    "api/xopt.md": ("xopt", (), ("xopt", "xopt.errors", "xopt.nonfinite", "xopt.random",
-                                 "xopt.cli")),
+    "api/xopt.md": ("xopt", (), ("xopt",)),
     "api/specs.md": ("xopt.specs", ("xopt.specs",), ()),
     "api/torch.md": ("xopt.torch", ("xopt.torch",), ()),
     "api/jax.md": ("xopt.jax", ("xopt.jax",), ()),
@@ -41,7 +41,24 @@ def public_modules(package: str) -> list[str]:
     return sorted(found, key=lambda m: (m != package, m))
 
 
+def top_level() -> tuple[list[str], list[str]]:
+    """xopt's public top-level modules, and its public packages that no page lists."""
+    listed = {pkg for _, packages, _ in AREAS.values() for pkg in packages}
+    modules, packages = [], []
+    for path in sorted((ROOT / "xopt").iterdir()):
+        if path.name.startswith(("_", ".")):
+            continue
+        if path.suffix == ".py":
+            modules.append(f"xopt.{path.stem}")
+        elif (path / "__init__.py").is_file() and f"xopt.{path.name}" not in listed:
+            packages.append(f"xopt.{path.name}")
+    return modules, packages
+
+
 def page(title: str, packages: tuple[str, ...], modules: tuple[str, ...]) -> str:
+    if title == "xopt":
+        extra_modules, extra_packages = top_level()
+        modules, packages = (*modules, *extra_modules), (*packages, *extra_packages)
     names = list(modules) + [m for pkg in packages for m in public_modules(pkg)]
     lines = [f"# `{title}`", "",
              "Generated from the docstrings (every public module and name).", ""]
