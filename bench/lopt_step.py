@@ -18,6 +18,10 @@ state with float64 parameters, so that the step itself is recovered exactly: max
 error of the step, the parameters and the state, per tensor ``max|a−b| / max|b|``) and
 that two runs of the Triton path give the same bits (float32 parameters, two steps).
 Prints the device and the date; writes JSON to ``--out``.
+
+``--tiny`` runs a few small tensors on the CPU, the Triton path under Triton's interpreter
+(``TRITON_INTERPRET=1``), one step of each kind: a smoke test of this script, whose
+timings mean nothing.
 """
 
 from __future__ import annotations
@@ -25,8 +29,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -58,17 +65,67 @@ def gpt2_medium() -> list[tuple[int, ...]]:
     return shapes
 
 
-MODELS = {"vit_b16": vit_b16, "gpt2_medium": gpt2_medium}
+def tiny() -> list[tuple[int, ...]]:
+    """A few small tensors of ranks 0-3 (``--tiny``)."""
+    return [(), (5,), (7, 3), (3, 9), (2, 3, 5)]
+
+
+MODELS = {"vit_b16": vit_b16, "gpt2_medium": gpt2_medium, "tiny": tiny}
+#: where the benchmark runs: "cuda", or "cpu" under ``--tiny``
+DEV = "cuda"
+
+
+def _on_gpu() -> bool:
+    return DEV == "cuda"
+
+
+def sync() -> None:
+    if _on_gpu():
+        torch.cuda.synchronize()
+
+
+def empty_cache() -> None:
+    if _on_gpu():
+        empty_cache()
+
+
+def allocated() -> int:
+    return torch.cuda.memory_allocated() if _on_gpu() else 0
+
+
+class Clock:
+    """Elapsed ms between :meth:`start` and :meth:`stop`: CUDA events on the GPU (read
+    after a synchronization), ``perf_counter`` on the CPU."""
+
+    def __init__(self):
+        if _on_gpu():
+            self.a = torch.cuda.Event(enable_timing=True)
+            self.b = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if _on_gpu():
+            self.a.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if _on_gpu():
+            self.b.record()
+        else:
+            self.t1 = time.perf_counter()
+
+    def ms(self) -> float:
+        return self.a.elapsed_time(self.b) if _on_gpu() else (self.t1 - self.t0) * 1e3
 SMALL_FC = dict(hidden_size=32, hidden_layers=2, num_training_steps=10_000)
 VELO = dict(num_training_steps=10_000)
 
 
 def make(shapes, dtype=torch.float32, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    params = [torch.nn.Parameter(0.02 * torch.randn(s, device="cuda", generator=g)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    params = [torch.nn.Parameter(0.02 * torch.randn(s, device=DEV, generator=g)
                                  .to(torch.float32).to(dtype)) for s in shapes]
     for p in params:
-        p.grad = (1e-3 * torch.randn(p.shape, device="cuda", generator=g)).to(dtype)
+        p.grad = (1e-3 * torch.randn(p.shape, device=DEV, generator=g)).to(dtype)
     return params
 
 
@@ -76,7 +133,7 @@ def state_bytes(opt) -> int:
     seen, total = set(), 0
     for st in opt.state.values():
         for v in st.values():
-            if isinstance(v, torch.Tensor) and v.is_cuda:
+            if isinstance(v, torch.Tensor) and v.device.type == DEV:
                 key = (v.untyped_storage().data_ptr(), v.data_ptr(), v.numel())
                 if key not in seen:
                     seen.add(key)
@@ -92,6 +149,8 @@ def graph_pool_free_bytes() -> int:
     """Bytes that CUDA graphs' private memory pools hold reserved but not allocated to a
     tensor: a recorded step's intermediates live there between replays, invisible to
     ``memory_allocated`` (what such a pool holds allocated, ``memory_allocated`` counts)."""
+    if not _on_gpu():
+        return 0
     try:
         snap = torch.cuda.memory_snapshot(include_traces=False)
     except TypeError:  # older torch: no include_traces
@@ -104,13 +163,13 @@ def warm(opt, loss, warmup: int) -> int:
     """``warmup`` steps; returns the bytes the optimizer keeps between steps beyond its
     state (tables, caches, a CUDA graph's pool, allocated or only reserved): part of its
     extra memory, though taken before the timed steps."""
-    torch.cuda.synchronize()
-    before, state0 = torch.cuda.memory_allocated(), state_bytes(opt)
+    sync()
+    before, state0 = allocated(), state_bytes(opt)
     pool0 = graph_pool_free_bytes()
     for _ in range(warmup):
         _step(opt, loss)
-    torch.cuda.synchronize()
-    kept = max(0, torch.cuda.memory_allocated() - before - (state_bytes(opt) - state0))
+    sync()
+    kept = max(0, allocated() - before - (state_bytes(opt) - state0))
     return kept + max(0, graph_pool_free_bytes() - pool0)
 
 
@@ -119,12 +178,12 @@ def timed_calls(fn, reps: int) -> list[float]:
     synchronization, so each time includes the host work before the call's first kernel."""
     times = []
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+        c = Clock()
+        c.start()
         fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+        c.stop()
+        sync()
+        times.append(c.ms())
     return times
 
 
@@ -133,33 +192,15 @@ def timed_steps(opt, loss, reps: int) -> list[float]:
     return timed_calls(lambda: _step(opt, loss), reps)
 
 
-def profile_kernels(fn, n: int = 2) -> dict[str, float]:
-    """CUDA ms per call of ``fn`` of every kernel it runs, by name (torch.profiler over
-    ``n`` calls, synchronized before and after)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    out: dict[str, float] = {}
-    for e in p.key_averages():
-        t = getattr(e, "device_time_total", None)
-        if t is None:
-            t = e.cuda_time_total
-        out[e.key] = out.get(e.key, 0.0) + t / 1e3 / n
-    return out
-
-
 def summary(opt, loss, times: list[float], held: int) -> dict:
     """Median/min of ``times``, the state's bytes and the peak extra memory of one more
     step (``max_memory_allocated`` during it minus what was allocated before, plus ``held``)."""
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    base = allocated()
+    if _on_gpu():
+        torch.cuda.reset_peak_memory_stats()
     _step(opt, loss)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    sync()
+    peak = torch.cuda.max_memory_allocated() - base if _on_gpu() else 0
     return {"median_ms": statistics.median(times), "min_ms": min(times), "times_ms": times,
             "state_bytes": state_bytes(opt), "held_bytes": held, "peak_extra_bytes": peak + held}
 
@@ -170,8 +211,8 @@ def time_step(opt, loss, warmup: int, reps: int) -> dict:
     return summary(opt, loss, timed_steps(opt, loss, reps), held)
 
 
-#: steps per back-to-back block (the first step's host work is spread over them; with 2,
-#: fused AdamW's back-to-back time was its one-at-a-time time: 1.616 against 1.646 ms)
+#: steps per back-to-back block (the first step's host work is spread over them; with too
+#: few, the back-to-back time is the one-at-a-time time)
 B2B_STEPS = 20
 
 
@@ -181,33 +222,31 @@ def back_to_back(opt, loss, reps: int) -> dict[str, float]:
     runs ahead of it, as in training, where a step queues behind the backward pass; and
     ``host_ms``, the host's ms per step (``perf_counter`` around the same loop, before
     synchronizing)."""
-    import time
-
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
+    sync()
+    c = Clock()
+    c.start()
     t0 = time.perf_counter()
     for _ in range(reps):
         _step(opt, loss)
     host = (time.perf_counter() - t0) / reps
-    b.record()
-    torch.cuda.synchronize()
-    return {"back_to_back_ms": a.elapsed_time(b) / reps, "host_ms": host * 1e3}
+    c.stop()
+    sync()
+    return {"back_to_back_ms": c.ms() / reps, "host_ms": host * 1e3}
 
 
 def time_interleaved(entries: dict, warmup: int, rounds: int, reps: int,
                      settle: int = 3) -> dict:
     """Optimizers (``label -> (opt, loss)``) timed side by side: ``rounds`` rounds, each
     giving every optimizer in turn ``settle`` untimed steps and then ``reps`` timed ones, so
-    a drift of the GPU's clocks or of the host over the run reaches every optimizer alike
-    (fused AdamW timed alone first moved from 1.30 to 1.73 ms on ViT-B/16 across calls),
+    a drift of the GPU's clocks or of the host over the run reaches every optimizer alike,
     while no timed step directly follows another optimizer's (AdamW timed right after a
-    learned-optimizer step, with no settling steps, measured 20-40% slower than alone:
-    that would flatter the ratios). Each result also has ``round_medians_ms`` and
-    ``back_to_back_ms`` (the median over rounds of :func:`back_to_back`, ``max(reps,
-    B2B_STEPS)`` steps after each round's timed ones: a step timed alone includes the
-    host's work before its first kernel, about half of fused AdamW's step,
-    bench/RESULTS.md, ninth session)."""
+    learned-optimizer step, with no settling steps, runs slower than alone, which would
+    flatter the ratios). Each result also has ``round_medians_ms`` and ``back_to_back_ms``
+    (the median over rounds of :func:`back_to_back`, ``max(reps, B2B_STEPS)`` steps after
+    each round's timed ones: a step timed alone includes the host's work before its first
+    kernel, about half of fused AdamW's step)."""
+    b2b_steps = B2B_STEPS if _on_gpu() else 1  # --tiny: the interpreter is slow
+    settle = settle if _on_gpu() else 0
     held = {k: warm(opt, loss, warmup) for k, (opt, loss) in entries.items()}
     times: dict = {k: [] for k in entries}
     medians: dict = {k: [] for k in entries}
@@ -219,7 +258,7 @@ def time_interleaved(entries: dict, warmup: int, rounds: int, reps: int,
             t = timed_steps(opt, loss, reps)
             times[k] += t
             medians[k].append(statistics.median(t))
-            b2b[k].append(back_to_back(opt, loss, max(reps, B2B_STEPS))["back_to_back_ms"])
+            b2b[k].append(back_to_back(opt, loss, max(reps, b2b_steps))["back_to_back_ms"])
     out = {}
     for k, (opt, loss) in entries.items():
         out[k] = summary(opt, loss, times[k], held[k])
@@ -238,7 +277,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def build(method: str, params, impl: str, precision: str = "exact"):
     if method == "adamw":
         return torch.optim.AdamW(params, lr=1e-3, fused=True), None
-    loss = torch.tensor(1.0, device="cuda")
+    loss = torch.tensor(1.0, device=DEV)
     if method == "small_fc_lopt":
         return xt.SmallFCLOpt(params, impl=impl, precision=precision, **SMALL_FC), None
     return xt.VeLO(params, impl=impl, precision=precision, **VELO), loss
@@ -258,7 +297,7 @@ def check_exact(method: str, shapes, precision: str) -> dict:
         state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
         runs[impl] = (steps, state, [p.detach().clone() for p in params])
         del opt, params, p0
-        torch.cuda.empty_cache()
+        empty_cache()
     (sa, sta, pa), (sb, stb, pb) = runs["triton"], runs["plain"]
     out["step_max_rel"] = max(rel(a, b) for a, b in zip(sa, sb, strict=True))
     out["param_max_rel"] = max(rel(a, b) for a, b in zip(pa, pb, strict=True))
@@ -267,7 +306,7 @@ def check_exact(method: str, shapes, precision: str) -> dict:
     worst = max(range(len(shapes)), key=lambda i: rel(sa[i], sb[i]))
     out["step_worst_tensor"] = list(shapes[worst])
     del runs
-    torch.cuda.empty_cache()
+    empty_cache()
     return out
 
 
@@ -282,17 +321,20 @@ def check_bits(method: str, shapes) -> bool:
         results.append(([p.detach().clone() for p in params],
                         [{k: v.clone() for k, v in opt.state[p].items()} for p in params]))
         del opt, params
-        torch.cuda.empty_cache()
+        empty_cache()
     (pa, sa), (pb, sb) = results
     same = all(torch.equal(a, b) for a, b in zip(pa, pb, strict=True))
     same &= all(torch.equal(a[k], b[k]) for a, b in zip(sa, sb, strict=True) for k in a)
     return bool(same)
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--models", default="vit_b16,gpt2_medium")
+    ap.add_argument("--tiny", action="store_true",
+                    help="small tensors on the CPU, the Triton path under Triton's interpreter "
+                         "(a smoke test; the timings mean nothing)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10,
                     help="timed steps per optimizer, spread over --rounds")
@@ -304,10 +346,15 @@ def main() -> None:
                     "label contains this (AdamW always runs)")
     ap.add_argument("--profile", action="store_true",
                     help="also print the CUDA kernels of one Triton step (torch.profiler)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    global DEV
+    if args.tiny:
+        DEV = "cpu"
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
+        args.models, args.warmup, args.reps, args.rounds, args.plain_reps = "tiny", 1, 1, 1, 1
     import triton
 
-    dev = torch.cuda.get_device_name()
+    dev = torch.cuda.get_device_name() if _on_gpu() else platform.processor() or "cpu"
     date = datetime.date.today().isoformat()
     print(f"{dev}; {date}; torch {torch.__version__}; triton {triton.__version__}")
     report = {"device": dev, "date": date, "torch": torch.__version__,
@@ -327,8 +374,9 @@ def main() -> None:
         rows = {}
         timed: set[str] = set()  # the methods --only selected (their checks run below)
         configs = [("adamw", "fused", "exact")]
+        precisions = ("exact",) if args.tiny else ("exact", "fast")  # the same on a CPU
         for m in ("small_fc_lopt", "velo"):
-            configs += [(m, "triton", "exact"), (m, "triton", "fast"), (m, "plain", "exact")]
+            configs += [(m, "triton", p) for p in precisions] + [(m, "plain", "exact")]
         side_by_side = {}  # AdamW and the Triton steps: built together, timed interleaved
         for method, impl, prec in configs:
             label = f"{method}/{impl}" + (f"/{prec}" if impl == "triton" else "")
@@ -343,12 +391,12 @@ def main() -> None:
                 rows[label] = {"error": f"out of memory: {e}"}
         reps = max(1, -(-args.reps // args.rounds))
         rows.update(time_interleaved(side_by_side, args.warmup, args.rounds, reps))
-        if args.profile:
+        if args.profile and _on_gpu():
             for label, (opt, loss) in side_by_side.items():
                 if "/triton" in label:
                     profile(opt, loss, label)
         side_by_side = None
-        torch.cuda.empty_cache()
+        empty_cache()
         for method, impl, prec in configs:
             label = f"{method}/{impl}"
             if impl != "plain" or args.only not in label:
@@ -361,7 +409,7 @@ def main() -> None:
                 rows[label] = {"error": f"out of memory: {e}"}
             del params
             opt = None
-            torch.cuda.empty_cache()
+            empty_cache()
         if have_pylo:
             rows.update(run_pylo(shapes, args))
         base = rows["adamw/fused"]
@@ -391,7 +439,7 @@ def main() -> None:
         checks = {}
         if not args.skip_checks:
             for method in (m for m in ("small_fc_lopt", "velo") if m in timed):
-                for prec in ("exact", "fast"):
+                for prec in precisions:
                     checks[f"{method}/{prec}"] = c = check_exact(method, shapes, prec)
                     print(f"{method}/{prec} vs plain: step max rel {c['step_max_rel']:.2e} "
                           f"(worst {c['step_worst_tensor']}), params {c['param_max_rel']:.2e}, "
@@ -400,8 +448,10 @@ def main() -> None:
                 print(f"{method}: two runs identical bits: {b}")
         report["models"][model] = {"tensors": len(shapes), "params": n, "timings": rows,
                                    "checks": checks}
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"\nwrote {args.out}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        print(f"\nwrote {args.out}")
+    return 0
 
 
 def profile(opt, loss, label: str) -> None:
@@ -452,7 +502,7 @@ def run_pylo(shapes, args) -> dict:
         params = make(shapes)
         try:
             opt = cls(params)
-            loss = torch.tensor(1.0, device="cuda")
+            loss = torch.tensor(1.0, device=DEV)
 
             class _Wrap:
                 def __init__(self, opt, takes_loss):
@@ -466,9 +516,9 @@ def run_pylo(shapes, args) -> dict:
         except Exception as e:  # noqa: BLE001
             rows[label] = {"error": f"{type(e).__name__}: {e}"}
         del params
-        torch.cuda.empty_cache()
+        empty_cache()
     return rows
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

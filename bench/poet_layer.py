@@ -17,7 +17,8 @@ side: N interleaved rounds of CUDA-graph replays, each after 50 ms of idle GPU
 
 ``--check`` first validates the kernels on the device against their PyTorch references
 (float32) and runs the parity harness on the bundled POET traces with ``impl="triton"``.
-``--tiny`` runs small shapes on the CPU (smoke test; timings meaningless).
+``--tiny`` runs small shapes on the CPU (smoke test; timings meaningless), the Triton
+kernels too under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from xopt.torch.poet import POETLinear, _outer  # noqa: E402
+from xopt.torch.poet import POETLinear  # noqa: E402
 
 
 def _sync(dev):
@@ -152,7 +153,7 @@ def graph_ms(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int):
     except Exception as e:  # report, keep the eager numbers
         print(f"note: CUDA-graph capture of {type(layer).__name__} failed: {e!r}"[:300])
         ms = None
-    _grad_reset(layer, x)()  # (also after a failed capture, as before)
+    _grad_reset(layer, x)()  # (also after a failed capture)
     torch.cuda.synchronize()
     return ms
 
@@ -168,8 +169,8 @@ def side_by_side(builders: dict, x: torch.Tensor, g: torch.Tensor, rounds: int,
     The idle gap matters: on the H200, nn.Linear's and the fast layer's graphs each ran in
     one of two states, about 10% apart, when replayed back to back after other work (SM
     clock sampled down to 1.6-1.7 GHz from 1.98), and always in the faster one after 50 ms
-    idle (bench/poet_probe/interleave.py; bench/RESULTS.md, thirteenth session). Without
-    the gap a ratio could compare one layer's fast state with the other's slow one.
+    idle (bench/RESULTS.md, "POET-X layer"). Without the gap a ratio could compare one
+    layer's fast state with the other's slow one.
     Returns {label: [ms per round]}."""
     graphs, keep = {}, []
     for label, build in builders.items():
@@ -198,11 +199,8 @@ def side_by_side(builders: dict, x: torch.Tensor, g: torch.Tensor, rounds: int,
 def authors_layer(n_in, n_out, b, mem, dtype, dev):
     """The authors' layer, its ``torch.compile``'d core compiled afresh: without the reset,
     a layer of another shape recompiles the shared ``forward_core`` with dynamic shapes
-    (dynamo's automatic dynamic shapes) and slower kernels, or stops at its recompile limit
-    (H100, 2026-11-22, GPU time of their fast fwd+bwd in this bench before and after the
-    reset: 4096² b = 512 1.446 → 0.917 ms, 4096→14336 b = 256 3.196 → 2.471, b = 512
-    4.029 → 2.765; the first layer compiled, 4096² b = 256, 0.768 and 0.796 ms;
-    bench/RESULTS.md, seventh round)."""
+    (dynamo's automatic dynamic shapes) and slower kernels, or stops at its recompile
+    limit, and every shape but the first would be measured too slow."""
     if importlib.util.find_spec("poet_torch") is None:
         return None
     from poet_torch.layers.poet_linear import POETLinear as Orig  # pragma: no cover
@@ -324,170 +322,6 @@ def profile(dev, dtype, tokens, xopt_only: bool = False) -> dict:
     return out
 
 
-def host(dev, dtype) -> dict:
-    """Where the host time of a forward+backward goes: per-call host time of a few single
-    operations (launch only, small tensors, no sync), the host time of a whole fwd+bwd of
-    each layer at a small token count (so the GPU waits on the host), and a cProfile of
-    xopt fast's fwd+bwd, top functions by own time."""
-    from xopt.kernels import poet_cayley as K
-    from xopt.kernels import poet_perm as PP
-
-    out = {}
-
-    def per_call_us(fn, n=200):
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        t = (time.perf_counter() - t0) / n * 1e6
-        torch.cuda.synchronize()
-        return t
-
-    xs = torch.randn(64, 4096, device=dev, dtype=dtype)
-    p = torch.randperm(4096, device=dev).to(torch.int32)
-    p64 = p.long()
-    a3 = torch.randn(16, 64, 64, device=dev, dtype=dtype)
-    tri = torch.randn(16, 64 * 63 // 2, device=dev, dtype=dtype)
-    ops = {"empty": lambda: torch.empty_like(xs), "add": lambda: xs + xs,
-           "index_select": lambda: xs.index_select(-1, p64),
-           "rowloop gather (triton)": lambda: PP.gather(xs, p),
-           "bmm": lambda: torch.bmm(a3, a3), "skew (triton)": lambda: K.skew(tri, 64)}
-    for name, fn in ops.items():
-        out[f"op_{name}_us"] = per_call_us(fn)
-        print(f"host per call: {name:26s} {out[f'op_{name}_us']:8.1f} us", flush=True)
-    x = torch.randn(1, 256, 4096, device=dev, dtype=dtype, requires_grad=True)
-    g = torch.randn(1, 256, 4096, device=dev, dtype=dtype)
-    layers = {"nn.Linear": nn.Linear(4096, 4096, bias=False, device=dev, dtype=dtype)}
-    for var in ("fast", "mem"):
-        layers[f"xopt {var}"] = POETLinear(4096, 4096, 256, variant=var, impl="triton",
-                                           device=dev, dtype=dtype)
-    if importlib.util.find_spec("poet_torch") is not None:
-        layers["authors fast"] = authors_layer(4096, 4096, 256, False, dtype, dev)
-    for name, layer in layers.items():
-        def call(layer=layer):
-            layer(x).backward(g)
-        out[f"layer_{name}_host_us"] = per_call_us(call, 50)
-        print(f"host per fwd+bwd (256 tokens): {name:14s} {out[f'layer_{name}_host_us']:8.1f} us",
-              flush=True)
-    for var in ("fast", "mem"):
-        cprofile_fwd_bwd(layers[f"xopt {var}"], x, g, 50,
-                         f"xopt {var}, 50 fwd+bwd (256 tokens), by own time", 16)
-    return out
-
-
-def cprofile_fwd_bwd(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, n: int, title: str,
-                     top: int) -> None:
-    """Print a cProfile of ``n`` forward+backward calls of ``layer``, the ``top`` functions
-    by own time."""
-    import cProfile
-    import pstats
-
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(n):
-        layer(x).backward(g)
-    prof.disable()
-    torch.cuda.synchronize()
-    print(f"--- cProfile: {title} ---")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
-
-
-def _gpu_ms(fn, iters=20) -> float:
-    """GPU time per call: the calls are queued behind a sleeping kernel, so they run back
-    to back whatever the host's launch cost."""
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(50_000_000)  # ~25+ ms at H100 clocks: longer than the launches
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
-
-
-def micro(dev, dtype, tokens, sweep_tiles: bool = False) -> dict:
-    """The pieces: permutation kernels (each MODE, a copy as the floor), the CNP
-    backends (forward+backward), and the whole fast layer under each combination."""
-    from xopt.kernels import poet_cayley as K
-    from xopt.kernels import poet_perm as PP
-
-    out = {}
-    for d in (4096, 14336):
-        x = torch.randn(tokens, d, device=dev, dtype=dtype)
-        p = torch.randperm(d, device=dev).to(torch.int32)
-        out[f"copy_{d}_gpu_us"] = 1e3 * _gpu_ms(lambda x=x: x.clone())
-        print(f"micro copy_{d}_gpu_us: {out[f'copy_{d}_gpu_us']}", flush=True)
-        for mode in ("torch", "tiled", "rowloop"):
-            PP.MODE = mode
-            try:
-                out[f"gather_{mode}_{d}_gpu_us"] = 1e3 * _gpu_ms(lambda x=x, p=p: PP.gather(x, p))
-            except Exception as e:
-                out[f"gather_{mode}_{d}_gpu_us"] = repr(e)[:200]
-            print(f"micro gather_{mode}_{d}_gpu_us: {out[f'gather_{mode}_{d}_gpu_us']}",
-                  flush=True)
-        PP.MODE = "auto"
-    # the rotations' gradients as one batched product over the blocks of both rotations
-    # (activations and cotangents side by side) against one per rotation, as the layer
-    # does: on an H100 one saved about 5 µs of 51-58 but holding the cotangents side by
-    # side raised the fast layer's peak by ~66 MiB (RESULTS.md, fourth session), so the
-    # layer keeps one product per rotation
-    for b in (256, 512):
-        a = torch.randn(tokens, 2 * 4096, device=dev, dtype=dtype)
-        c = torch.randn(tokens, 2 * 4096, device=dev, dtype=dtype)
-        nb = 4096 // b
-        r = torch.empty(2 * nb, b, b, device=dev, dtype=dtype)
-
-        def two(a=a, c=c, nb=nb, r=r):
-            _outer(a[:, :4096], c[:, :4096], nb, out=r[:nb])
-            _outer(a[:, 4096:], c[:, 4096:], nb, out=r[nb:])
-        for name, fn in (("two", two), ("one", lambda a=a, c=c, nb=nb, r=r:
-                                        _outer(a, c, 2 * nb, out=r))):
-            key = f"outer_{name}_b{b}_gpu_us"
-            out[key] = 1e3 * _gpu_ms(fn)
-            print(f"micro {key}: {out[key]}", flush=True)
-    tiles0 = K.CNP_TILES["lowp"]
-    sweep = [tiles0] + [t for t in ((64, 32, 4), (64, 64, 8), (128, 32, 4), (64, 32, 8),
-                                    (128, 64, 8)) if t != tiles0 and sweep_tiles]
-    for b, n in ((256, 32), (512, 16)):
-        for backend, cd in (("triton", torch.float32), ("bmm", torch.float32),
-                            ("bmm", torch.bfloat16), ("triton", torch.bfloat16)):
-            x = ((0.3 / b**0.5) * torch.randn(n, b * (b - 1) // 2, device=dev)).to(cd)
-            x.requires_grad_()
-            gr = torch.randn(n, b, b, device=dev, dtype=cd)
-
-            def step(backend=backend, x=x, gr=gr, b=b, cd=cd):
-                x.grad = None
-                K.cayley_neumann(x, b, tf32=True, backend=backend, dtype=cd).backward(gr)
-            configs = sweep if (backend, cd) == ("triton", torch.bfloat16) else sweep[:1]
-            for cfg in configs:
-                K.CNP_TILES["lowp"] = cfg
-                tag = "" if cfg == tiles0 else "_bm{}_bk{}_w{}".format(*cfg)
-                key = f"cnp_{backend}_{str(cd)[6:]}_n{n}_b{b}{tag}_fwdbwd_gpu_us"
-                try:
-                    out[key] = 1e3 * _gpu_ms(step)
-                except Exception as e:
-                    out[key] = repr(e)[:200]
-                print(f"micro {key}: {out[key]}", flush=True)
-            K.CNP_TILES["lowp"] = tiles0
-    x = torch.randn(tokens, 4096, device=dev, dtype=dtype, requires_grad=True)
-    g = torch.randn(tokens, 4096, device=dev, dtype=dtype)
-    default = K.BACKEND
-    for b in (256, 512):
-        for backend in ("bmm", "triton"):
-            K.BACKEND = backend
-            layer = POETLinear(4096, 4096, b, variant="fast", impl="triton", device=dev,
-                               dtype=dtype)
-            key = f"layer_fast_b{b}_{backend}_graph_ms"
-            out[key] = graph_ms(layer, x, g, 20)
-            print(f"micro {key}: {out[key]}", flush=True)
-    K.BACKEND = default
-    return out
-
-
 def rounds_table(n_in, n_out, blocks, x, g, rounds, iters, dtype, dev) -> list:
     """:func:`side_by_side` for nn.Linear, xopt fast (``impl="triton"``) and the authors'
     fast layer (when importable) at each block size of one shape; prints and returns the
@@ -548,12 +382,6 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="print torch.profiler's per-kernel CUDA times of xopt fast and mem "
                          "(triton, 4096x4096, b=256)")
-    ap.add_argument("--host", action="store_true",
-                    help="where the host time goes (per-op launch costs, cProfile)")
-    ap.add_argument("--sweep", action="store_true",
-                    help="--micro: also sweep the triton CNP's tiles")
-    ap.add_argument("--micro", action="store_true",
-                    help="time the pieces (permutation modes, CNP backends) first")
     ap.add_argument("--profile-xopt-only", action="store_true",
                     help="--profile: nn.Linear and xopt only")
     ap.add_argument("--impls", default="triton,plain",
@@ -586,14 +414,13 @@ def main(argv=None) -> int:
             result["check"] = {"error": repr(e)}
         print(json.dumps({k: v for k, v in result["check"].items()
                           if not k.startswith("parity_triton_cuda")}, indent=1))
-    if args.host and dev.type == "cuda":
-        result["host"] = host(dev, dtype)
-    if args.micro and dev.type == "cuda":
-        result["micro"] = micro(dev, dtype, args.tokens, args.sweep)
     if args.profile and dev.type == "cuda":
         result["profile"] = profile(dev, dtype, args.tokens, args.profile_xopt_only)
-    if args.tiny:
-        shapes, blocks, tokens, impls = [(64, 64), (64, 128)], [16, 32], 64, ["plain"]
+    if args.tiny:  # the kernels too where Triton's CPU interpreter is on (TRITON_INTERPRET=1)
+        from xopt.kernels import interpreting
+
+        shapes, blocks, tokens = [(64, 64), (64, 128)], [16, 32], 64
+        impls = ["plain", "triton"] if interpreting() else ["plain"]
         args.iters, args.warmup = 2, 1
     else:
         shapes, blocks, tokens = [(4096, 4096), (4096, 14336)], [256, 512], args.tokens

@@ -1,4 +1,4 @@
-"""Triton kernels for xopt's hot paths (see DESIGN.md, "Kernels").
+"""Triton kernels for xopt's hot paths (the documentation's "Kernels" page, docs/kernels.md).
 
 Nothing here is imported by ``import xopt``; importing this package imports neither torch
 nor triton. The modules load them on first use:
@@ -7,11 +7,35 @@ nor triton. The modules load them on first use:
   (metadata tables describing every tensor of a model, so that one launch covers them all);
 * :mod:`xopt.kernels.lopt_common`: the statistics passes (Adafactor row/column sums,
   deterministic segmented sums) both learned optimizers share;
+* :mod:`xopt.kernels.lopt_graph`: a learned optimizer's step recorded into a CUDA graph;
 * :mod:`xopt.kernels.small_fc_lopt`: small_fc_lopt's feature-statistics and fused update;
-* :mod:`xopt.kernels.velo`: VeLO's, with its per-tensor LSTM batched in torch.
+* :mod:`xopt.kernels.velo`: VeLO's, with its per-tensor LSTM batched in torch;
+* :mod:`xopt.kernels.poet_cayley`: POET-X's Cayley–Neumann series and its backward;
+* :mod:`xopt.kernels.poet_perm`: POET-X's permutations as row gathers and scatters.
 
-Each kernel module has a pure-PyTorch reference (``reference_step``) it is tested against;
-the plain path in :mod:`xopt.torch` is the reference of record.
+Each kernel module has a pure-PyTorch reference it is tested against (under
+``TRITON_INTERPRET=1`` on the CPU); the plain path in :mod:`xopt.torch` is the reference
+of record.
+
+Environment variables (each read once, when the module that uses it is imported or, for
+the CUDA graphs, when an optimizer's first Triton step builds its recorder):
+
+| variable | default | other setting |
+|---|---|---|
+| ``XOPT_LOPT_CUDA_GRAPHS`` | ``1`` | ``0``: the learned optimizers' Triton step runs eagerly |
+| ``XOPT_VELO_COMPILE_GLUE`` | ``1`` | ``0``: VeLO's LSTM glue runs eagerly, not compiled |
+| ``XOPT_POET_CNP`` | ``bmm`` | ``triton``: POET-X's Cayley–Neumann series in Triton |
+
+``XOPT_LOPT_CUDA_GRAPHS=0`` is for profilers and debugging: every launch is then an
+ordinary one, with the same bits. ``XOPT_VELO_COMPILE_GLUE=0`` skips ``torch.compile`` of
+the ~90 small torch ops between VeLO's passes (the same numbers; a failed compilation
+falls back to eager by itself, with a warning). ``XOPT_POET_CNP`` chooses between cuBLAS
+batched products (``bmm``, the faster at large blocks) and the fused Triton series
+(``triton``, any float dtype); :data:`xopt.kernels.poet_cayley.BACKEND` is the same switch
+at run time.
+
+Every other setting of the kernels (sub-tile sizes, warps, register caps, prefetching) is
+a module constant with its reason beside it.
 """
 
 from __future__ import annotations
@@ -22,11 +46,8 @@ import os
 __all__ = ["FP_FUSION", "interpreting", "triton_available"]
 
 #: launch option of every xopt kernel: float32 ``a·b + c`` contracted to one FMA, as the
-#: kernels were written, measured and tuned (Triton's default through 3.9; Triton 3.9 warns
-#: that 3.10 will turn it off by default, which would change the kernels' rounding and add
-#: instructions to their loops: small_fc_lopt's folded fused kernel compiled for sm_90a
-#: without it has 779 loop instructions instead of 743 and no FFMA, triton 3.9,
-#: ``python bench/sm90_compile.py --no-fp-fusion``)
+#: kernels were written and tuned. Pinned because Triton 3.10 turns it off by default, which
+#: would change the kernels' rounding and lengthen their loops.
 FP_FUSION = {"enable_fp_fusion": True}
 
 

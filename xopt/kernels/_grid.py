@@ -1,9 +1,9 @@
 """Grid and block-size arithmetic on the host, for the kernels' launchers.
 
-``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions in Triton 3.6: each
-host call goes through ``ConstexprFunction.__call__`` (argument unwrapping, an import),
-and POET-X's layer made 16 of them per forward+backward (cProfile on the H100 machine,
-bench/poet_probe/host_launch.py). These are the same integer functions, plain.
+``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions in recent Triton,
+and each host call goes through ``ConstexprFunction.__call__`` (argument unwrapping, an
+import): a cost POET-X's layer would pay many times per forward+backward. These are the
+same integer functions, plain.
 """
 
 from __future__ import annotations

@@ -10,8 +10,6 @@ Reference: :func:`xopt.specs._lopt.factored_update` (and ``torch.mean`` for the 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -302,14 +300,11 @@ def seg_sum(rows: torch.Tensor, lay: L.Layout) -> torch.Tensor:
     return out
 
 
-#: the g² pass (:func:`stats1_kernel` without MOM_SUMS): the next sub-tile's g loaded before
-#: this one's sums (XOPT_LOPT_G2_PREFETCH=0: not), warps per program (XOPT_LOPT_G2_WARPS).
-#: The pass per step in VeLO's Triton step (H100, triton 3.6, 2026-11-22, torch.profiler in
-#: ``bench/lopt_step.py --only velo/triton/exact --profile``, one call), ViT-B/16 / GPT-2
-#: medium: 4 warps 0.271 / 1.038 ms, with the prefetch 0.216 / 0.818; 2 warps 0.294 / 1.113,
-#: with the prefetch 0.172 / 0.641 (the defaults)
-G2_PREFETCH = os.environ.get("XOPT_LOPT_G2_PREFETCH", "1") == "1"
-G2_WARPS = int(os.environ.get("XOPT_LOPT_G2_WARPS", "2"))
+#: the g² pass (:func:`stats1_kernel` without MOM_SUMS): the next sub-tile's g loaded
+#: before this one's sums, on 2 warps per program (the fastest pair for this pass, bound by
+#: memory latency; the same sums, tests/test_kernels_velo_fold.py)
+G2_PREFETCH = True
+G2_WARPS = 2
 
 
 def factored_pass(lay: L.Layout, ptrs: torch.Tensor, decays: torch.Tensor, *,

@@ -32,17 +32,15 @@ parity path) multiplies in IEEE float32 (FMA units), ``tf32=True`` on TF32 tenso
 Triton interpreter, whose ``tl.dot`` misreads bf16/fp16 operands, low-precision operands
 are rounded to their dtype and multiplied in float32: the same products.
 
-GPU time, H100, 2026-11-22, forward+backward, bf16 (``bench/poet_layer.py --micro``,
-RESULTS.md, fourth session): 16 blocks of 512², bmm 129 µs (164 before the product form's
-three-product backward), triton 251 µs; 32 blocks of 256², triton 85 µs (that run's bmm
-figure was bound by the host's launches). Inside the whole layer (one CUDA-graph replay of
-a fwd+bwd at 4096², 4096 tokens) bmm and triton tie at b = 256 (0.713 / 0.713 ms) and bmm
-is faster at b = 512 (0.783 vs 0.911 ms), so ``"bmm"`` is the default.
+Backends (:data:`BACKEND`): ``"bmm"`` (cuBLAS batched products with the Triton skew,
+triangle and symmetrization kernels) is the default because inside the layer it ties
+with the fused ``"triton"`` series at b = 256 and is faster at b = 512; ``"triton"``
+accepts any float dtype.
 
 References: :func:`skew_reference`, :func:`triu_grad_reference`,
 :func:`cayley_neumann_reference` (plain PyTorch, the spec's math) and
 :class:`CayleyNeumann` (the kernels with autograd). Tested on the CPU under
-``TRITON_INTERPRET=1`` (tests/test_poet.py) and on a GPU by bench/poet_layer.py --check.
+``TRITON_INTERPRET=1`` (tests/test_poet.py) and on a GPU by ``bench/poet_layer.py --check``.
 """
 
 from __future__ import annotations
@@ -88,9 +86,8 @@ def _skew_kernel(x_ptr, q_ptr, eye_ptr, B, M, EYE: tl.constexpr, ROWS: tl.conste
     upper halves read the triangle along its rows; the lower halves read it down a column
     (strided, but a block's triangle is at most a few hundred KB and stays in cache). With
     ``EYE`` the identity's rows too (for the product form's ``B = I + Q²``, accumulated
-    onto it in place). (Square tiles above the diagonal with their mirror stored
-    transposed took 36 µs for 32 × 256² bf16 blocks and the identity on an H100, these
-    rows 4.8 µs; bench/RESULTS.md, fifth session.)"""
+    onto it in place). Whole rows rather than square tiles with a transposed mirror: every
+    store is then row-wise, several times faster."""
     n = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)[:, None]
     base = n * B * B
@@ -301,8 +298,7 @@ def _cnp_grad_kernel(q_ptr, q2_ptr, g_ptr, d_ptr, out_ptr, B, C, BM: tl.constexp
 
 
 #: CNP tiles (BM × BM outputs per program, BK-wide products, warps) for float32 and for
-#: bf16/fp16 operands; the low-precision one is the fastest of bench/poet_layer.py --micro's
-#: sweep on an H100 (RESULTS.md), the float32 one the earlier default
+#: bf16/fp16 operands (the low-precision one the fastest of a sweep on an H100)
 CNP_TILES = {"f32": (64, 32, 4), "lowp": (128, 32, 8)}
 
 
@@ -350,9 +346,8 @@ def _skew(x: torch.Tensor, b: int, dtype: torch.dtype | None, eye: bool
     return q, i
 
 
-#: rows per program of the skew kernel (H100 sweep of rows 1-8 × columns 128-512 × 2-8 warps,
-#: 32 × 256² and 16 × 512² bf16 blocks with the identity: 8 rows, 128 columns, 4 warps
-#: fastest, 4.8 and 7.6 µs)
+#: rows per program of the skew kernel (with 128 columns at a time on 4 warps: the fastest
+#: of 1-8 rows, 128-512 columns and 2-8 warps on an H100 for 256² and 512² blocks)
 SKEW_ROWS = 8
 
 
@@ -451,8 +446,8 @@ def cnp_backward(q: torch.Tensor, q2: torch.Tensor, g: torch.Tensor,
     return _cnp_backward(q, q2, g, formula, tf32, None)
 
 
-#: "bmm" (cuBLAS batched products) or "triton" (the fused kernels); XOPT_POET_CNP
-#: overrides the default (for benchmarks)
+#: the Cayley–Neumann backend: "bmm" (cuBLAS batched products) or "triton" (the fused
+#: kernels); ``XOPT_POET_CNP`` sets it (see the module docstring)
 BACKEND = os.environ.get("XOPT_POET_CNP", "bmm")
 
 

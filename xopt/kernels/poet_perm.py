@@ -12,12 +12,9 @@ or ``"torch"`` for ``index_select``):
 
 * ``"smem"``: each program reads whole rows coalesced, permutes them in shared memory
   (``tl.gather`` of a 1-d block, which Triton stages through shared memory; a 2-d
-  ``[rows, width]`` block is lowered to warp shuffles instead: 16384 of them in the PTX
-  for a ``[1, 4096]`` block, compiled for sm_90)
-  and writes them coalesced: a copy's cost. H100, bf16, 4096 rows (GPU time of graph
-  replays, ``bench/poet_probe/gather_smem.py``, bench/RESULTS.md, sixth session): 4096
-  wide 24.7-25.1 µs (copy 24.3, rowloop 30.8), 14336 wide 81.4-81.7 µs with 16-32 warps
-  (copy 79.5, rowloop 120.2). Rows up to :data:`SMEM_MAX_BYTES` (one row's block in shared
+  ``[rows, width]`` block would be lowered to warp shuffles instead) and writes them
+  coalesced: within a few percent of a copy's cost at 4096 wide, and the fastest mode at
+  every width benchmarked. Rows up to :data:`SMEM_MAX_BYTES` (one row's block in shared
   memory); a launch the device refuses for lack of shared memory takes the rowloop kernel.
 * ``"rowloop"``: each program owns a few whole rows and walks along them in column
   chunks; the permuted reads (``.ca``, cached in L1) fetch each 32-byte sector of a row
@@ -25,13 +22,10 @@ or ``"torch"`` for ``index_select``):
   coalesced. Scatters gather by the inverse permutation (both modes).
 * ``"tiled"``: ``BLOCK_N × BLOCK_D`` tiles spread over the GPU; each 2-byte permuted
   element costs a 32-byte sector from L2, since the other elements of the sector are
-  read by other programs (measured 163 µs on a 32 MB bf16 activation on an H100 against
-  ~25 µs for a copy).
+  read by other programs (several times a copy's cost; kept for comparison).
 * ``"auto"`` (default): ``"smem"`` for rows up to :data:`SMEM_MAX_BYTES`, else
-  ``"rowloop"``. (It used to time the modes at first use and keep the fastest;
-  back-to-back calls time the host's launches, not the GPU, and it picked
-  ``index_select``, 55 µs against rowloop's 36 µs of GPU time per 32 MB bf16 gather on an
-  H100: bench/RESULTS.md, 2026-11-22, third round.)
+  ``"rowloop"``: a fixed rule, not a timing at first use (back-to-back calls time the
+  host's launches, not the GPU, and would pick the wrong kernel).
 
 References: :func:`gather_reference` and :func:`scatter_reference` (``index_select`` and
 ``index_copy``); :class:`Permute` is the differentiable gather (its backward scatters).
@@ -131,11 +125,9 @@ _SMEM_REFUSED: set = set()
 def _smem_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
     n, d = x2.shape
     block_d = max(16, next_pow2(d))
-    # one row per program; 4 warps up to 2048 columns, 8 for 4096, then one warp per 1024
-    # columns up to 16 (sweep of 1-4 rows and 4-32 warps, module docstring: more rows per
-    # program were not faster; 16384-column blocks: 8 warps 87.9 µs, 16 81.7, 32 81.4;
-    # 4096 columns, 4 / 8 warps: H100 25.1 / 24.7 µs, H200 19.4 / 18.6 µs,
-    # bench/poet_probe/gather_bw.py, bench/RESULTS.md, thirteenth session)
+    # one row per program (more rows per program are not faster); 4 warps up to 2048
+    # columns, 8 for 4096, then one warp per 1024 columns up to 16: the fastest counts on
+    # H100 and H200
     rows = SMEM["rows"] or 1
     warps = SMEM["warps"] or max(4, min(16, block_d // 1024 if block_d > 4096
                                         else block_d // 512))
@@ -159,10 +151,8 @@ def _rowloop_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor) ->
     n, d = x2.shape
     row_bytes = d * x2.element_size()
     # one row per program for rows of 8 KB and more, walked in chunks of up to 8192
-    # columns, 4 warps for chunks up to 4096 columns, else 8. H100, bf16, 4096 tokens
-    # (sweep of 1-2 rows, 2048-16384 columns, 4-16 warps; bench/RESULTS.md, fifth
-    # session): 4096 wide 31.8 µs (copy 25.0), 14336 wide 120.5 µs (copy 79.4; 191.2 µs
-    # in chunks of 4096 with 8 warps, the previous default)
+    # columns, 4 warps for chunks up to 4096 columns, else 8: the fastest of 1-2 rows,
+    # 2048-16384-column chunks and 4-16 warps on an H100
     rows = ROWLOOP["rows"] or max(1, min(4, 8192 // row_bytes))
     block_d = ROWLOOP["block_d"] or max(16, min(next_pow2(d), 8192))
     warps = ROWLOOP["warps"] or (4 if block_d <= 4096 else 8)

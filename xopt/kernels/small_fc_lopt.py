@@ -67,7 +67,6 @@ Under ``TRITON_INTERPRET=1`` (CPU) ``tl.dot`` multiplies in float32 whatever the
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -83,101 +82,67 @@ from xopt.specs._xp import to_device
 
 __all__ = ["SmallFCTriton", "reference_step"]
 
+# Tuning constants (measured on an H100; the benchmark is bench/lopt_step.py). None of them
+# changes the step's bits except where its comment says so.
+
 #: sub-tile rows (SA × TB elements per sub-tile) of the per-element kernels: the statistics
 #: passes, unfolded and folded, the fused pass with the tensor-core MLP (hidden width >
-#: FMA_MAX), folded and unfolded, and with the FMA MLP; warps per program
-#: (XOPT_LOPT_SA_STATS / _SA_STATS_FOLD / _SA_FOLD / _SA_DOT / _SA_FMA / _WARPS, for tuning).
-#: The folded statistics kernel: 1 row of 64 elements per sub-tile, 2 warps (one element
-#: per thread, 63 registers at the cap of 64 below, no spills: 16 programs per SM): 0.775
-#: ms against 0.893 ms per ViT-B/16 step with 2 rows and 4 warps at a cap of 80 (3.033
-#: against 3.499 ms on GPT-2 medium; bench/sfc_sweep.py --profile, st_w2 and defaults;
-#: H100, triton 3.6). (Each thread's float32 sums then run over 64 elements instead of 32,
-#: before the float64 sums over threads and tiles.)
-SA_STATS = int(os.environ.get("XOPT_LOPT_SA_STATS", "2"))
-SA_STATS_FOLD = int(os.environ.get("XOPT_LOPT_SA_STATS_FOLD", "1"))
-SA_FOLD = int(os.environ.get("XOPT_LOPT_SA_FOLD", "2"))
-SA_DOT = int(os.environ.get("XOPT_LOPT_SA_DOT", "2"))
-SA_FMA = int(os.environ.get("XOPT_LOPT_SA_FMA", "4"))
-#: sub-tile rows of the g² pass (:func:`xopt.kernels.lopt_common.stats1_kernel`;
-#: XOPT_LOPT_SA_G2). The pass per ViT-B/16 step (bench/sfc_sweep.py --profile, H100,
-#: triton 3.6): 0.628 ms with 64 rows, 0.334 with 16, 0.317 with 8, 0.265 with 4, 0.281
-#: with 2, 0.482 with 1 (1.006 against 1.287 ms with 4 and 16 on GPT-2 medium); 2 rows on
-#: 2 warps measured 0.239 (then with 4 warps; lopt_common.factored_pass now launches it with
-#: G2_WARPS = 2 and the next sub-tile prefetched, figures there)
-SA_G2 = int(os.environ.get("XOPT_LOPT_SA_G2", "4"))
-WARPS = int(os.environ.get("XOPT_LOPT_WARPS", "4"))
-#: warps per program of the folded fused kernel (XOPT_LOPT_WARPS_FOLD; with SA_FOLD · 64 =
-#: 32 · warps, one element per thread; SA_FOLD = 4 on 8 warps: 6.04 ms against 4.71 per
-#: ViT-B/16 step, bench/sfc_sweep.py's sa4w8; H100, triton 3.6)
-WARPS_FOLD = int(os.environ.get("XOPT_LOPT_WARPS_FOLD", str(WARPS)))
-#: software-pipelining stages of the per-element loop (XOPT_LOPT_STAGES); the folded fused
-#: kernel's (XOPT_LOPT_STAGES_FOLD, default 1: it prefetches by hand, PREFETCH below; 2
-#: stages: 8.62 ms against 7.18 ms per ViT-B/16 step, bench/sfc_sweep.py's ab_pf_st2 and
-#: ab_pf; H100, triton 3.6)
-STAGES = int(os.environ.get("XOPT_LOPT_STAGES", "2"))
-STAGES_FOLD = int(os.environ.get("XOPT_LOPT_STAGES_FOLD", "1"))
-#: register caps (``maxnreg``; 0: the compiler's choice) of the folded fused kernel, for
-#: hidden widths up to 32 (XOPT_LOPT_MAXNREG, default 0: with PREFETCH and SPLIT_LO = "hw"
-#: it needs 244 registers, two programs per SM; a cap of 168 gives three but spills in the
-#: loop: 7.34 ms against 6.51 ms per ViT-B/16 step, bench/sfc_sweep.py's ab_hw_pf and
-#: ab_hw_pf_nocap; H100, triton 3.6) and of the folded statistics kernel when it has one
-#: element per thread (XOPT_LOPT_MAXNREG_STATS, default 64 for 2 warps, see SA_STATS_FOLD;
-#: 56: 0.80 ms against 0.77; with 4 warps, 80: no spills, six programs per SM, 0.89 ms
-#: against 1.11 ms uncapped per ViT-B/16 step; 72: 0.92 ms)
-MAXNREG_FOLD = int(os.environ.get("XOPT_LOPT_MAXNREG", "0"))
-MAXNREG_STATS = int(os.environ.get("XOPT_LOPT_MAXNREG_STATS", "64"))
-#: products per split-precision matmul in exact mode (3, or 4 with x_lo·w_lo;
-#: XOPT_LOPT_DOT_TERMS)
-TERMS = int(os.environ.get("XOPT_LOPT_DOT_TERMS", "3"))
+#: FMA_MAX), folded and unfolded, and with the FMA MLP. The folded statistics kernel has
+#: one row of 64 elements per sub-tile on 2 warps: one element per thread, no spills under
+#: its register cap, 16 programs per SM for a pass bound by memory.
+SA_STATS = 2
+SA_STATS_FOLD = 1
+SA_FOLD = 2
+SA_DOT = 2
+SA_FMA = 4
+#: sub-tile rows of the g² pass (:func:`xopt.kernels.lopt_common.stats1_kernel`): the
+#: fastest of 1-64 for that memory-bound pass
+SA_G2 = 4
+#: warps per program of the per-element kernels
+WARPS = 4
+#: warps per program of the folded fused kernel: with SA_FOLD · 64 = 32 · warps, one
+#: element per thread
+WARPS_FOLD = WARPS
+#: software-pipelining stages of the per-element loop; the folded fused kernel's is 1
+#: because it prefetches by hand (:data:`PREFETCH`), which Triton's pipeliner would double
+STAGES = 2
+STAGES_FOLD = 1
+#: register caps (``maxnreg``; 0: the compiler's choice) of the folded fused kernel for
+#: hidden widths up to 32, and of the folded statistics kernel when it has one element per
+#: thread. The fused kernel needs 244 registers (two programs per SM); a cap low enough for
+#: three spills in its loop and is slower. The statistics kernel fits 64 without spills.
+MAXNREG_FOLD = 0
+MAXNREG_STATS = 64
+#: products per split-precision matmul in exact mode: 3 (x_hi·w_hi, x_hi·w_lo, x_lo·w_hi);
+#: a fourth, x_lo·w_lo, of order 2^-22 of the product, would cost a third more tensor-core
+#: work for accuracy the exact mode's bound does not need (and change bits)
+TERMS = 3
 #: the folded fused kernel loads the next sub-tile's g, p, m and rms while it computes this
-#: one (XOPT_LOPT_PREFETCH=0: each sub-tile's loads where they are used). Per ViT-B/16 step
-#: (bench/sfc_sweep.py, H100, triton 3.6, CUDA graph): 7.42 ms before these three knobs;
-#: AB_ACC 7.25; + PREFETCH 7.18; + SPLIT_LO = "hw" and no register cap 6.51 (a second call,
-#: another machine: 8.44 before, 6.64 with all of them; the ratio moves between calls)
-PREFETCH = os.environ.get("XOPT_LOPT_PREFETCH", "1") != "0"
+#: one, hiding their latency (it is bound by latency at two programs per SM)
+PREFETCH = True
 #: the folded fused kernel's first matmul starts from the axis terms and bias as its
-#: accumulator instead of adding them after it (XOPT_LOPT_AB_ACC=0: after)
-AB_ACC = os.environ.get("XOPT_LOPT_AB_ACC", "1") != "0"
+#: accumulator instead of adding them after it (fewer instructions)
+AB_ACC = True
 #: exact mode, folded fused kernel: the low TF32 half of the activations passed as float32
-#: for the tensor cores to truncate ("hw", the default: error below 2^-22 of |x|, two
-#: integer ops less per operand, 743 instead of 821 SASS instructions per loop iteration),
-#: or rounded to nearest first ("rn": 2^-23 of |x|, as the other kernels)
-#: (XOPT_LOPT_SPLIT_LO; :func:`xopt.kernels.lopt_common.dot3_acc`)
-SPLIT_LO = os.environ.get("XOPT_LOPT_SPLIT_LO", "hw")
-#: the statistics kernel's PREFETCH (XOPT_LOPT_PREFETCH_STATS; on at a cap of 96 registers:
-#: 0.986 ms against 0.889 per ViT-B/16 step with the settings then; H100, triton 3.6).
-#: Tried in the fused kernel this session and removed (code at f018735, figures per ViT-B/16
-#: step from bench/sfc_sweep.py --profile, H100): a layer's split-precision products as
-#: fewer, deeper tensor-core matmuls (4.853-4.950 ms against 4.796: same products, fewer
-#: waits, slower); the next sub-tile's a-axis statistics and axis terms loaded one sub-tile
-#: ahead (5.147 and 4.928); element offsets in int32 (4.813 against 4.795; with a cap of 168
-#: registers, three programs per SM but spills, 5.13 against 4.71)
-#: Tried in the eighth session and removed (code at d379140; bench/sfc_sweep.py --profile,
-#: H100, the fused kernel per ViT-B/16 step): the output layer as one chain of FMAs per
-#: thread and row (31 fewer instructions per sub-tile: 4.738-4.743 ms against 4.717 for
-#: tl.sum), the next sub-tile's a-axis statistics loaded ahead (5.081) and its axis terms too
-#: (4.908): the kernel is bound by latency at two warps per scheduler, not by issue
-#: (bench/RESULTS.md, eighth session). Tried in the ninth session and removed (code at
-#: 79ae17d): exact mode's three products on float16 halves instead of TF32 halves (K = 16
-#: per wgmma, half the HGMMA; features, hidden layer and weights kept in float16's range by
-#: power-of-two scales): 229 registers, 770 loop instructions; the fused kernel 4.560
-#: against 4.714 ms per ViT-B/16 step, 17.87 against 18.34 on GPT-2 medium (-3%), the step
-#: 2.05e-6 from float64 against 1.86e-6 on ViT-B/16's shapes
-PREFETCH_STATS = os.environ.get("XOPT_LOPT_PREFETCH_STATS", "0") != "0"
-#: tiles along the a axis per program of the folded fused kernel (XOPT_LOPT_RA: its
-#: per-program set-up, loads of the weights, axis terms and factors of the b axis, done
-#: once for RA tiles). 2: the kernel 4.716 ms against 4.795 ms with 1 per ViT-B/16 step
-#: (4.716 with 4), 18.54 against 18.85 ms on GPT-2 medium (bench/sfc_sweep.py --profile;
-#: H100, triton 3.6); the same bits
-RA = int(os.environ.get("XOPT_LOPT_RA", "2"))
-#: warps per program of the folded statistics kernel (XOPT_LOPT_WARPS_STATS, see
-#: SA_STATS_FOLD)
-WARPS_STATS = int(os.environ.get("XOPT_LOPT_WARPS_STATS", "2"))
-#: pipelining stages of the folded statistics kernel (XOPT_LOPT_STAGES_STATS)
-STAGES_STATS = int(os.environ.get("XOPT_LOPT_STAGES_STATS", "2"))
-#: fold the row/column features of factored tensors (XOPT_LOPT_FOLD=0: the unfolded
-#: kernel for every tensor, for comparison)
-FOLD = os.environ.get("XOPT_LOPT_FOLD", "1") != "0"
+#: for the tensor cores to truncate ("hw": error below 2^-22 of |x|, two integer ops less
+#: per operand) rather than rounded to nearest first ("rn": 2^-23 of |x|, as the other
+#: kernels; changes bits on a GPU, :func:`xopt.kernels.lopt_common.dot3_acc`)
+SPLIT_LO = "hw"
+#: the statistics kernel does not prefetch: it is bound by memory, and the prefetch's
+#: registers cost it programs per SM
+PREFETCH_STATS = False
+#: tiles along the a axis per program of the folded fused kernel: its per-program set-up
+#: (loads of the weights, axis terms and factors of the b axis) done once for RA tiles; the
+#: same bits for any RA (tests/test_kernels_small_fc_fold.py)
+RA = 2
+#: warps per program of the folded statistics kernel (see SA_STATS_FOLD)
+WARPS_STATS = 2
+#: pipelining stages of the folded statistics kernel
+STAGES_STATS = 2
+#: fold the row/column features of factored tensors (see the module docstring; False runs
+#: the unfolded kernel for every tensor, as tests/test_kernels_small_fc_fold.py does to
+#: compare them)
+FOLD = True
 #: hidden widths up to this run the MLP as float32 FMAs, zero-padded to 4 (exact in both
 #: modes), wider ones on the tensor cores
 FMA_MAX = 4
@@ -935,7 +900,7 @@ class SmallFCTriton:
             if folded:
                 kern = sfc_fold_fused_kernel if fused else sfc_fold_stats_kernel
                 opts = dict(common)
-                # (the fused kernel's cap was measured at HP = 32; wider MLPs need more)
+                # (the fused kernel's cap is for HP ≤ 32; wider MLPs need more registers)
                 # (the statistics kernel's, with one element per thread)
                 cap = (MAXNREG_FOLD if hp_ <= 32 else 0) if fused else \
                     (MAXNREG_STATS if SA_STATS_FOLD * L.TB <= 32 * WARPS_STATS else 0)

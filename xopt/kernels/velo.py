@@ -21,8 +21,8 @@ plus a handful of batched torch ops:
    hypernetwork's per-tensor MLP weights ``100·mean_k(controls_k·bank_k)`` for every
    tensor in one float64 product, rounded to float32 and gathered into one padded table,
    the first layer's rows then times the tensor's normalizers (:data:`NORM_W`); all of it
-   :func:`lstm_glue`, compiled on CUDA (:data:`COMPILE_GLUE`: its ~90 small kernels were
-   ~0.2 ms of a ViT-B/16 step's graph, 3.78 → 3.58 ms compiled, H100, bench/velo_sweep.py);
+   :func:`lstm_glue`, compiled on CUDA (:data:`COMPILE_GLUE`: eager, it is about 90 small
+   kernels);
 5. :func:`velo_fused_kernel` (folded and unfolded launches, as 3): accumulators, features,
    normalization, the tensor's own MLP, the step and the parameter update; and per-program
    sums of the accumulators it stores (float32 per lane over the program's sub-tiles, then
@@ -47,10 +47,10 @@ rsqrt's, 3 divisions and 6 gathers of ``v_row``/``v_col``. In the statistics pas
 feature's Σ over a tile's elements is Σ over the tile's positions on that axis of f²
 (float32 per position, then float64) times the tile's extent on the other axis
 (:func:`_axis_sq`). Unfactored tensors (rank < 2: their "row" and "column" features are the
-per-element ``v_diag``) keep the unfolded path; ``XOPT_VELO_FOLD=0`` runs it for every
-tensor. The launches of 3 and 5 take a list of program indices (``pids``, into the
-layout's ``prog_all``; the per-program outputs keep those indices). With :data:`NORM_W`,
-the step's CUDA graph per ViT-B/16 step: 4.440 → 3.792 ms (H100; figures at :data:`FOLD`).
+per-element ``v_diag``) keep the unfolded path (:data:`FOLD` = False runs it for every
+tensor). The launches of 3 and 5 take a list of program indices (``pids``, into the
+layout's ``prog_all``; the per-program outputs keep those indices). The fold and
+:data:`NORM_W` together cut the fused loop's instructions by about a third.
 
 Precision: the per-element MLP (30 → 4 → 4 → 3 at VeLO's size) is float32 FMAs, the first
 layer one feature at a time (:func:`_rank1`, no feature tile; 30 per element unfolded,
@@ -85,63 +85,49 @@ from xopt.specs._xp import to_device
 
 __all__ = ["VeLOTriton", "reference_step"]
 
+# Tuning constants (measured on an H100; the benchmark is bench/lopt_step.py). None of them
+# changes the step's bits except where its comment says so.
+
 #: sub-tile rows (SA × TB elements per sub-tile) of the statistics and the fused pass,
-#: warps and software-pipelining stages of the per-element kernels (XOPT_LOPT_SA_STATS /
-#: _SA_FMA / _WARPS / _STAGES override them, for tuning)
-SA_STATS = int(os.environ.get("XOPT_LOPT_SA_STATS", "2"))
-SA = int(os.environ.get("XOPT_LOPT_SA_FMA", "4"))
-STAGES = int(os.environ.get("XOPT_LOPT_STAGES", "2"))
-WARPS = int(os.environ.get("XOPT_LOPT_WARPS", "4"))
-#: register caps (``maxnreg``; 0: the compiler's choice) of the statistics and the fused
-#: kernels (XOPT_VELO_MAXNREG_STATS, XOPT_VELO_MAXNREG). H100, triton 3.6, 2026-11-22,
-#: ``bench/velo_sweep.py --models vit_b16`` (one call; same bits in every variant), the
-#: statistics kernel per ViT-B/16 step: uncapped 1.218 ms, 96: 1.115, 80: 1.071 (the
-#: default: more programs per SM for a kernel bound by loads in flight), 72: 1.061, 64:
-#: 1.300; the fused kernel uncapped 1.824 ms, 128: 1.824, 96: 1.923, 80: 2.301
-MAXNREG_STATS = int(os.environ.get("XOPT_VELO_MAXNREG_STATS", "80"))
-MAXNREG = int(os.environ.get("XOPT_VELO_MAXNREG", "0"))
+#: warps and software-pipelining stages of the per-element kernels (shared with
+#: small_fc_lopt's unfolded kernels)
+SA_STATS = 2
+SA = 4
+STAGES = 2
+WARPS = 4
+#: register caps (``maxnreg``; 0: the compiler's choice): 80 gives the statistics kernel,
+#: bound by loads in flight, more programs per SM; any cap slows the fused kernel
+MAXNREG_STATS = 80
+MAXNREG = 0
 #: the LSTM inputs' variances two-pass (pass 1 also sums every tensor's m_k and rms, the
-#: statistics pass then sums (m_k − mean)² in float32 per element) or one-pass from float64
-#: sums of m_k, m_k² (the statistics pass alone; XOPT_VELO_TWO_PASS=0)
-TWO_PASS = os.environ.get("XOPT_VELO_TWO_PASS", "1") != "0"
-#: per-thread sums of the features² (but p²) in float32 (over at most TA / SA terms, then
-#: float64; the default) or float64 (XOPT_VELO_STATS_F32=0: 1.3 ms slower on ViT-B/16)
-STATS_F32 = os.environ.get("XOPT_VELO_STATS_F32", "1") != "0"
-#: the statistics pass's per-thread sums of (m_k − mean)², (rms − mean)² (XOPT_VELO_VAR_F32)
-#: and of p² (XOPT_VELO_P2_F32) in float32 over at most TA / SA_STATS terms, then float64 per
-#: tile (as the other features²; the default), or float64 per element (=0: one float32 →
-#: float64 conversion per sum and element; the statistics pass 1.31 → 1.66 ms per ViT-B/16
-#: step, H100, bench/velo_sweep.py). The tests' step vs float64 on the CPU: 3.05e-7 (both
-#: float64), 2.99e-7 (both float32)
-VAR_F32 = os.environ.get("XOPT_VELO_VAR_F32", "1") == "1"
-P2_F32 = os.environ.get("XOPT_VELO_P2_F32", "1") == "1"
-#: the loss buffer's update and t/N inside the CUDA graph (XOPT_VELO_GRAPH_LOSS=0: before
-#: it, on the host's stream, as the eager path)
-GRAPH_LOSS = os.environ.get("XOPT_VELO_GRAPH_LOSS", "1") != "0"
-#: fold the 12 row and column features of factored tensors (XOPT_VELO_FOLD=0: the
-#: unfolded kernels for every tensor, for comparison): see the module docstring. Measured
-#: with :data:`NORM_W` side by side in one call (H100, 2026-11-22, torch 2.11.0+cu130,
-#: triton 3.6.0, ``python3 bench/velo_sweep.py --variants
-#: defaults,nofold,rawW,nofold_rawW``, ViT-B/16, the step's CUDA graph, then the statistics
-#: / fused kernels from torch.profiler): neither 4.440 ms (1.331 / 2.251), NORM_W alone
-#: 4.327 (1.329 / 2.135), FOLD alone 4.222 (1.219 / 2.140), both 3.792 (1.220 / 1.827).
-#: Per sub-tile of the fused loop (sm_90a SASS from triton 3.9 on the CPU): 1148
-#: instructions neither, 1054 NORM_W, 923 FOLD, 801 both. The folded statistics kernel's
-#: registers (ptxas, same build): 128, as the unfolded one's 124 (an earlier layout, the axis
-#: sums held over the loop, took 174 and was slower than unfolded: 1.698 ms against 1.330)
-FOLD = os.environ.get("XOPT_VELO_FOLD", "1") != "0"
+#: statistics pass then sums (m_k − mean)² in float32 per element) rather than one-pass
+#: from float64 sums of m_k, m_k², which cancel catastrophically
+TWO_PASS = True
+#: per-thread sums of the features² (but p²) in float32 over at most TA / SA terms, then
+#: float64 (as accurate as float64 throughout at these lengths, and much faster)
+STATS_F32 = True
+#: the statistics pass's per-thread sums of (m_k − mean)², (rms − mean)² (VAR_F32) and of
+#: p² (P2_F32) in float32 over at most TA / SA_STATS terms, then float64 per tile, as the
+#: other features² (float64 per element costs a conversion per sum and element, for no
+#: accuracy the tests can see)
+VAR_F32 = True
+P2_F32 = True
+#: the loss buffer's update and t/N inside the CUDA graph, so a step needs no host sync
+GRAPH_LOSS = True
+#: fold the 12 row and column features of factored tensors (see the module docstring;
+#: False runs the unfolded kernels for every tensor, as tests/test_kernels_velo_fold.py
+#: does to compare them)
+FOLD = True
 #: the fused pass's first-layer rows times the tensor's normalizers, once per tensor
 #: (``W0[k, :] · inv_k``, torch before the launch; the kernel's h_j += f_k · that) instead
-#: of f_k · inv_k per element (XOPT_VELO_NORM_W=0); figures at :data:`FOLD`
-NORM_W = os.environ.get("XOPT_VELO_NORM_W", "1") != "0"
+#: of f_k · inv_k per element
+NORM_W = True
 _VERSION = operator.attrgetter("_version")
 _DPTR = torch.Tensor.data_ptr
 _CALL = operator.call
 #: per-lane sums of the accumulators in the fused pass (and velo_mom_sums_kernel): float32
-#: (over at most TA / SA terms, then float64; the default) or float64 (XOPT_VELO_MOM_ACC=f64;
-#: measured on an earlier variant of the kernel: its fused pass 2.80 ms against 2.56 ms with
-#: float32 per ViT-B/16 step, H100, torch.profiler, two runs)
-MOM_ACC = tl.float64 if os.environ.get("XOPT_VELO_MOM_ACC", "f32") == "f64" else tl.float32
+#: over at most TA / SA terms, then float64 (float64 lanes slow the fused pass for nothing)
+MOM_ACC = tl.float32
 NPTR = G.NPTR
 NFEAT = 30
 
@@ -197,12 +183,9 @@ def _mom_store(out, pid, a0, a1, a2, a3, BLOCK: tl.constexpr):
     (:func:`_pair_sum`): Σm_0, Σm_1, Σm_2, Σrms of the program's tile, the carried sums
     (``out``: [n_prog, 4]).
 
-    Reduced here, at the end of the pass that sums them. Storing the lanes as they are
-    ([n_prog, 4, SA·TB]: 84 MiB on ViT-B/16) and reducing them by the same tree in a
-    separate kernel afterwards (the same bits; removed, code at b843ff2) was slower in the
-    call that gives :func:`velo_fused_kernel`'s figures: fused pass 2.401 → 2.658 ms per
-    ViT-B/16 step, plus 0.036 ms for that kernel, the step's CUDA graph 4.438 → 4.791 ms
-    (with both passes' loads ahead: fused pass 2.721 ms, graph 4.915 ms)."""
+    Reduced here, at the end of the pass that sums them: storing the lanes as they are
+    ([n_prog, 4, SA·TB]: 84 MiB on ViT-B/16) for a separate reduction kernel gives the
+    same bits and is slower."""
     x = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), [BLOCK, 4]).to(tl.float64)
     tl.store(out + pid.to(tl.int64) * 4 + tl.arange(0, 4), _pair_sum(x, BLOCK))
 
@@ -598,10 +581,8 @@ def velo_stats_kernel(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b
                       TA: tl.constexpr, TB: tl.constexpr, SA: tl.constexpr,
                       FOLD: tl.constexpr):
     """Launch 3 (statistics mode of :func:`_velo_body`), each sub-tile loaded where it is
-    computed: issuing the next sub-tile's loads first, as the fused pass does, made this
-    kernel slower in the call that gives :func:`velo_fused_kernel`'s figures: 1.312 →
-    1.383 ms per ViT-B/16 step (1.382 with the fused pass's loads ahead too), the step's
-    CUDA graph 4.438 → 4.561 ms (4.442 with both); the same results."""
+    computed: issuing the next sub-tile's loads first, as the fused pass does, makes this
+    kernel, bound by loads already, slower."""
     _velo_body(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
                part, exp_mult, step_mult, False, TWO_PASS, ACC, VACC, PACC, NHID, NPTR, NF, TA,
                TB, SA, FOLD, False)
@@ -615,13 +596,8 @@ def velo_fused_kernel(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b
                       FOLD: tl.constexpr, WN: tl.constexpr):
     """Launch 5 (fused mode of :func:`_velo_body`; MOM_OUT: the new accumulators' sums →
     ``part``, :func:`_mom_store`), the next sub-tile's loads issued before computing the
-    current one. Measured side by side in one call (H100, 2026-11-22, torch 2.11.0+cu130,
-    triton 3.6.0, ``python3 bench/velo_sweep.py --variants
-    defaults,pffused,pfstats,pf,lanes,pflanes,defaults_again`` with the switches of b843ff2,
-    ViT-B/16, ms per step from torch.profiler): this kernel 2.401 ms loading each sub-tile
-    where it is computed (2.400 in ``defaults_again``), 2.283 ms with the loads ahead; the
-    step's CUDA graph 4.438 (4.486) → 4.411 ms; one step's parameters and m the same in
-    every variant (max|a−b| / max|b| = 0)."""
+    current one: it hides their latency in this compute-bound pass (about 5% of the kernel)
+    and leaves the results unchanged."""
     _velo_body(meta, prog, pids, ptrs, rcm, decays, mu, norm, scal, w0, b0, wh, bh, wl, bl,
                part, exp_mult, step_mult, True, MOM_OUT, MACC, tl.float64, tl.float64, NHID,
                NPTR, NF, TA, TB, SA, FOLD, WN)
@@ -1115,10 +1091,8 @@ def lstm_glue(st64: torch.Tensor, mu64: torch.Tensor | None, numel: torch.Tensor
 
 
 #: run :func:`lstm_glue` through ``torch.compile`` on CUDA devices (its ~90 small kernels
-#: fused into a few; the first step compiles it, once per process and set of shapes;
-#: XOPT_VELO_COMPILE_GLUE=0: eager, as on the CPU). H100, 2026-11-22, bench/lopt_step.py
-#: --only velo/triton/exact, one call: ViT-B/16 4.162 → 3.884 ms per step, GPT-2 medium
-#: 14.123 → 13.882 ms
+#: fused into a few, a few percent of a step; the first step compiles it, once per process
+#: and set of shapes; ``XOPT_VELO_COMPILE_GLUE=0``: eager, as on the CPU)
 COMPILE_GLUE = os.environ.get("XOPT_VELO_COMPILE_GLUE", "1") != "0"
 _COMPILED: list = []
 

@@ -1,0 +1,81 @@
+"""The maintained GPU benchmarks (bench/) run: each in its ``--tiny`` CPU mode.
+
+Timings on a CPU mean nothing and are not checked; what is checked is that each script
+runs to the end and reports what its GPU run reports (its rows, its correctness checks).
+Each runs in a child process: ``bench/lopt_step.py --tiny`` and ``bench/poet_layer.py
+--tiny`` run the Triton kernels under Triton's interpreter (``TRITON_INTERPRET=1``, set in
+the child's environment only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO, has_torch, has_triton
+
+pytestmark = pytest.mark.skipif(not has_torch, reason="needs torch")
+
+
+def _run(script: str, *args: str, interpret: bool = False) -> str:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # --tiny is the CPU mode, even on a GPU machine
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), *args],
+                          capture_output=True, text=True, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_bench_holds_only_maintained_benchmarks():
+    """bench/ keeps benchmarks with a --tiny mode (tested here) and their results."""
+    scripts = sorted(p.name for p in (REPO / "bench").iterdir() if p.suffix == ".py")
+    assert scripts == ["compact_memory.py", "lopt_step.py", "poet_layer.py"]
+    assert not [p for p in (REPO / "bench").iterdir() if p.is_dir()]
+
+
+@pytest.mark.skipif(not has_triton, reason="needs triton")
+def test_lopt_step_tiny(tmp_path):
+    out = tmp_path / "lopt.json"
+    text = _run("lopt_step.py", "--tiny", "--out", str(out))
+    report = json.loads(out.read_text())
+    rows = report["models"]["tiny"]["timings"]
+    for label in ("adamw/fused", "small_fc_lopt/triton/exact", "small_fc_lopt/plain",
+                  "velo/triton/exact", "velo/plain"):
+        assert rows[label]["median_ms"] > 0, label
+    checks = report["models"]["tiny"]["checks"]
+    # the same checks the GPU run makes: the Triton step against plain, and determinism
+    assert checks["small_fc_lopt/bitwise_two_runs"] and checks["velo/bitwise_two_runs"]
+    assert checks["small_fc_lopt/exact"]["param_max_rel"] < 1e-6
+    assert checks["velo/exact"]["param_max_rel"] < 1e-6
+    assert "two runs identical bits: True" in text
+
+
+@pytest.mark.skipif(not has_triton, reason="needs triton")
+def test_poet_layer_tiny(tmp_path):
+    out = tmp_path / "poet.json"
+    _run("poet_layer.py", "--tiny", "--out", str(out), interpret=True)
+    rows = json.loads(out.read_text())["rows"]
+    labels = {(r["layer"], r["in"], r["out"], r["block_size"]) for r in rows}
+    for n_in, n_out in ((64, 64), (64, 128)):
+        assert ("nn.Linear", n_in, n_out, None) in labels
+        for b in (16, 32):
+            for variant in ("fast", "mem"):
+                for impl in ("plain", "triton"):
+                    assert (f"xopt {variant} ({impl})", n_in, n_out, b) in labels
+    assert all(r["ms"] > 0 for r in rows)
+
+
+def test_compact_memory_tiny(tmp_path):
+    out = tmp_path / "compact.json"
+    _run("compact_memory.py", "--tiny", "--out", str(out))
+    result = json.loads(out.read_text())
+    text = json.dumps(result)
+    for config in ("adamw", "compact r=n/2", "compact r=n/4", "compact r=n/8"):
+        assert config in text, config
