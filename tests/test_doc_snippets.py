@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -68,11 +69,20 @@ def snippets(page: Path) -> list[Snippet]:
     return sorted(found, key=lambda s: s.line)
 
 
-def _xopt_commands(code: str) -> list[str] | None:
-    """The lines of a shell block if every one is an ``xopt`` command, else None."""
-    lines = [ln.split("#", 1)[0].strip() for ln in code.splitlines()]
-    lines = [ln for ln in lines if ln]
-    return lines if lines and all(ln.startswith("xopt ") for ln in lines) else None
+_EXITS = re.compile(r"#\s*exits\s+(\d+)")
+
+
+def _xopt_commands(code: str) -> list[tuple[str, int]] | None:
+    """``(command, expected exit code)`` for each line of a shell block if every one is an
+    ``xopt`` command, else None. A line's comment ``# exits N`` declares a non-zero code
+    (a comparison shown because it diverges)."""
+    out = []
+    for raw in code.splitlines():
+        cmd, _, comment = raw.partition("#")
+        if cmd.strip():
+            m = _EXITS.match("#" + comment) if comment else None
+            out.append((cmd.strip(), int(m.group(1)) if m else 0))
+    return out if out and all(c.startswith("xopt ") for c, _ in out) else None
 
 
 def test_every_page_has_runnable_examples():
@@ -109,10 +119,10 @@ def test_page_examples_run(page: Path, tmp_path, monkeypatch):
                 continue  # an install or a script run: not an xopt command
             env = dict(os.environ)
             env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-            for cmd in commands:
-                proc = subprocess.run([sys.executable, "-m", "xopt", *cmd.split()[1:]],
+            for cmd, expected in commands:
+                proc = subprocess.run([sys.executable, "-m", "xopt", *shlex.split(cmd)[1:]],
                                       capture_output=True, text=True, env=env)
-                assert proc.returncode == 0, (f"{where}: `{cmd}` exited {proc.returncode}\n"
+                assert proc.returncode == expected, (f"{where}: `{cmd}` exited {proc.returncode}\n"
                                               + proc.stdout[-2000:] + proc.stderr[-2000:])
             continue
         try:
