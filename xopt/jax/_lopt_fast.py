@@ -23,8 +23,8 @@ that path; Pallas kernels run under ``interpret=True`` on the CPU (CI) and lower
 Triton on the GPU.
 
 The state is the plain path's (the same pytrees, shapes and names), so a state written by
-one implementation resumes under the other. Which implementation is the default
-(``impl=None``): :data:`GPU_DEFAULT` on a GPU backend, plain elsewhere.
+one implementation resumes under the other. The default (``impl=None``) is
+:data:`GPU_DEFAULT` on a GPU backend, the plain path elsewhere.
 """
 
 from __future__ import annotations
@@ -45,11 +45,13 @@ IMPLS = ("plain", "packed", "pallas")
 #: float32 on the tensor cores as three TF32 products (operands carried to ~22 bits, as the
 #: torch Triton path's exact mode), "fast" as one TF32 product (about 1e-3 relative)
 PRECISIONS = ("exact", "fast")
-#: the default on a GPU backend (bench/lopt_step_jax.py times every implementation)
-GPU_DEFAULT = "packed"
+#: the default on a GPU backend, per method: the fastest of its paths
+#: (bench/lopt_step_jax.py times every implementation side by side)
+GPU_DEFAULT = {"small_fc_lopt": "pallas", "velo": "packed"}
 
 
-def resolve_impl(label: str, impl: str | None, precision: str) -> str:
+def resolve_impl(label: str, impl: str | None, precision: str,
+                 method_name: str = "small_fc_lopt") -> str:
     """``impl`` checked (None or "auto": :data:`GPU_DEFAULT` when JAX's default backend is a
     GPU, else "plain"); a bad value is a :class:`HyperparameterError` naming it."""
     if impl not in (None, "auto", *IMPLS):
@@ -59,7 +61,7 @@ def resolve_impl(label: str, impl: str | None, precision: str) -> str:
         raise HyperparameterError(f"{label}: precision must be 'exact' or 'fast', got "
                                   f"{precision!r}")
     if impl in (None, "auto"):
-        return GPU_DEFAULT if jax.default_backend() == "gpu" else "plain"
+        return GPU_DEFAULT[method_name] if jax.default_backend() == "gpu" else "plain"
     return impl
 
 
@@ -67,7 +69,7 @@ def select(label: str, method_name: str, plain: Any, impl: str | None,
            precision: str) -> Any:
     """The inner method (:class:`xopt.jax._lopt.InnerMethod`) for ``impl``: ``plain``
     itself, or a fast one that shares its hyperparameters, θ and ``init``."""
-    which = resolve_impl(label, impl, precision)
+    which = resolve_impl(label, impl, precision, method_name)
     if which == "plain":
         return plain
     if method_name == "small_fc_lopt":

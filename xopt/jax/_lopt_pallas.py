@@ -51,6 +51,8 @@ __all__ = ["SmallFCKernels", "two_d_view", "unsupported_small_fc"]
 BR = 2
 BC = 64
 NUM_WARPS = 4
+#: a squeezed block dimension (``None`` in older Pallas)
+SQ = getattr(pl, "squeezed", None)
 #: the per-element features (spec indices) the kernels compute, in this order
 ELEM = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 25, 26, 27)
 
@@ -256,10 +258,10 @@ class SmallFCKernels:
         nb1, nb2, per, elem = _index_maps(n1, n2)
         grid = (L * per,)
         whole = lambda t: (0,)  # noqa: E731
-        blk = pl.BlockSpec((None, BR, BC), lambda t: elem(t))
-        blk_m = pl.BlockSpec((None, BR, BC, 3), lambda t: (*elem(t), 0))
-        blk_f1 = pl.BlockSpec((None, 3, BR), lambda t: (elem(t)[0], 0, elem(t)[1]))
-        blk_f2 = pl.BlockSpec((None, 3, BC), lambda t: (elem(t)[0], 0, elem(t)[2]))
+        blk = pl.BlockSpec((SQ, BR, BC), lambda t: elem(t))
+        blk_m = pl.BlockSpec((SQ, BR, BC, 3), lambda t: (*elem(t), 0))
+        blk_f1 = pl.BlockSpec((SQ, 3, BR), lambda t: (elem(t)[0], 0, elem(t)[1]))
+        blk_f2 = pl.BlockSpec((SQ, 3, BC), lambda t: (elem(t)[0], 0, elem(t)[2]))
         interpret = _on_cpu()
         params = _compiler_params()
 
@@ -268,7 +270,7 @@ class SmallFCKernels:
             functools.partial(_stats_kernel, n1=n1, n2=n2, row_on_1=row_on_1),
             out_shape=jax.ShapeDtypeStruct((L * per, 16), jnp.float32), grid=grid,
             in_specs=[pl.BlockSpec((8,), whole), blk, blk, blk_m, blk, blk_f1, blk_f2],
-            out_specs=pl.BlockSpec((None, 16), lambda t: (t, 0)),
+            out_specs=pl.BlockSpec((SQ, 16), lambda t: (t, 0)),
             interpret=interpret, compiler_params=params, name="sfc_stats",
         )(decs, gv, pv, mv, rv, f1, f2)
         elem_sq = jnp.sum(part.reshape(L, per, 16), axis=1)  # [L, 16]
@@ -305,12 +307,12 @@ class SmallFCKernels:
                        jax.ShapeDtypeStruct((L, n1, n2), jnp.float32)),
             grid=grid,
             in_specs=[pl.BlockSpec((8,), whole),
-                      pl.BlockSpec((None, 16), lambda t: (elem(t)[0], 0)),
+                      pl.BlockSpec((SQ, 16), lambda t: (elem(t)[0], 0)),
                       full(16, hp_), full(1, hp_), full(*w["wh"].shape), full(*w["bh"].shape),
                       full(2, hp_), pl.BlockSpec((2,), whole),
                       blk, blk, blk_m, blk, blk_f1, blk_f2,
-                      pl.BlockSpec((None, BR, hp_), lambda t: (elem(t)[0], elem(t)[1], 0)),
-                      pl.BlockSpec((None, BC, hp_), lambda t: (elem(t)[0], elem(t)[2], 0))],
+                      pl.BlockSpec((SQ, BR, hp_), lambda t: (elem(t)[0], elem(t)[1], 0)),
+                      pl.BlockSpec((SQ, BC, hp_), lambda t: (elem(t)[0], elem(t)[2], 0))],
             out_specs=[blk, blk_m, blk],
             interpret=interpret, compiler_params=params, name="sfc_fused",
         )(decs, inv16, w16, w["b0"], w["wh"], w["bh"], w["wl"], w["bl"], gv, pv, mv, rv, f1, f2,
