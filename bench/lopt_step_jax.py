@@ -99,7 +99,8 @@ JAX_PATHS = {
     "small_fc_lopt": [("jax/small_fc_lopt/packed", "packed", "exact"),
                       ("jax/small_fc_lopt/pallas/exact", "pallas", "exact"),
                       ("jax/small_fc_lopt/pallas/fast", "pallas", "fast")],
-    "velo": [("jax/velo/packed", "packed", "exact")],
+    "velo": [("jax/velo/packed", "packed", "exact"),
+             ("jax/velo/pallas", "pallas", "exact")],
 }
 
 

@@ -12,10 +12,10 @@ axis: the same arithmetic, so the results are the plain path's up to the order X
 for a batched reduction (tests/test_jax_lopt_fast.py measures it: bit-identical on the
 CPU so far).
 
-``impl="pallas"`` (small_fc_lopt) adds fused Pallas kernels (:mod:`xopt.jax._lopt_pallas`)
-for the per-element pass of the 2-D factored groups, where nearly all elements are: the
-features, the MLP and the step in registers instead of XLA's materialized [n, 39] feature
-matrix and [n, hidden] activations. Pallas rather than jax-triton's ``triton_call`` of
+``impl="pallas"`` adds fused Pallas kernels (:mod:`xopt.jax._lopt_pallas`) for the
+per-element pass of the 2-D factored groups, where nearly all elements are: the features,
+the MLP and the step in registers instead of XLA's materialized feature matrices and
+activations. Pallas rather than jax-triton's ``triton_call`` of
 xopt's own Triton kernels: those kernels address tensors through a table of raw device
 pointers built by torch, which a JAX program cannot hand them without packing every
 tensor into flat buffers first, and jax-triton has no CPU interpreter, so CI could not run
@@ -47,7 +47,7 @@ IMPLS = ("plain", "packed", "pallas")
 PRECISIONS = ("exact", "fast")
 #: the default on a GPU backend, per method: the fastest of its paths
 #: (bench/lopt_step_jax.py times every implementation side by side)
-GPU_DEFAULT = {"small_fc_lopt": "pallas", "velo": "packed"}
+GPU_DEFAULT = {"small_fc_lopt": "pallas", "velo": "pallas"}
 
 
 def resolve_impl(label: str, impl: str | None, precision: str,
@@ -75,10 +75,7 @@ def select(label: str, method_name: str, plain: Any, impl: str | None,
     if method_name == "small_fc_lopt":
         return PackedSmallFC(plain, which, precision)
     if method_name == "velo":
-        if which == "pallas":
-            raise HyperparameterError(f"{label}: impl='pallas' is not built for VeLO; "
-                                      "use impl='packed'")
-        return PackedVeLO(plain)
+        return PackedVeLO(plain, which)
     raise ValueError(f"no fast path for {method_name!r}")
 
 
@@ -196,12 +193,18 @@ class PackedSmallFC:
 
 
 class PackedVeLO:
-    """VeLO's inner update over shape groups (``impl="packed"``): the LSTM inputs and the
-    per-tensor MLPs vmapped per group, the LSTM itself on all tensors at once in the
-    parameters' order, as the plain path."""
+    """VeLO's inner update over shape groups (``impl="packed"`` and, for the 2-D factored
+    groups, ``impl="pallas"``): the LSTM inputs and the per-tensor MLPs per group, the LSTM
+    itself on all tensors at once in the parameters' order, as the plain path."""
 
-    def __init__(self, plain: Any) -> None:
-        self.plain, self.hp, self.meta = plain, plain.hp, plain.meta
+    def __init__(self, plain: Any, impl: str = "packed") -> None:
+        self.plain, self.hp, self.meta, self.impl = plain, plain.hp, plain.meta, impl
+        if impl == "pallas":
+            from xopt.jax import _lopt_pallas
+
+            why = _lopt_pallas.unsupported_velo(self.hp)
+            if why is not None:
+                raise HyperparameterError(f"xopt.jax.velo(impl='pallas'): {why}")
 
     def init(self, params: Any) -> Any:
         return self.plain.init(params)
@@ -240,7 +243,22 @@ class PackedVeLO:
                                             meta, decays)
             return (step, *accs)
 
-        res = _per_group(buckets, one, p_leaves, g_leaves, *accs_in, controls, lr_mult)
+        fused = None
+        if self.impl == "pallas":
+            from xopt.jax import _lopt_pallas
+
+            fused = _lopt_pallas.VeLOKernels(hp, meta)
+        res: list[list[Any]] = [[None] * n for _ in range(1 + len(acc_vars))]
+        for shape, idx in buckets.groups:
+            rows_idx = jnp.asarray(idx)
+            args = [jnp.stack([x_[i] for i in idx]) for x_ in (p_leaves, g_leaves, *accs_in)]
+            if fused is not None and fused.handles(shape):
+                out = fused(shape, *args, controls[rows_idx], lr_mult[rows_idx], decays=decays)
+            else:
+                out = jax.vmap(one)(*args, controls[rows_idx], lr_mult[rows_idx])
+            for r, arr in zip(res, out, strict=True):
+                for j, i in enumerate(idx):
+                    r[i] = arr[j]
         new = type(inner)(*(treedef.unflatten(a) for a in res[1:]),
                           lstm_hidden=treedef.unflatten([hidden[i] for i in range(n)]),
                           lstm_cell=treedef.unflatten([cell[i] for i in range(n)]),

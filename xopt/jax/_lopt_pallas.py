@@ -319,3 +319,206 @@ class SmallFCKernels:
           t1, t2)
         return (step.reshape(p.shape), m_new.reshape(m.shape), rms_new.reshape(rms.shape),
                 new_row, new_col, v_diag)
+
+
+# -- VeLO --------------------------------------------------------------------------------------
+
+#: VeLO's per-element MLP input channels the kernels compute (the others are the 12 row and
+#: column features), in this order: g, clip(g, ±0.1), p, m (3), rms, m·rsqrt(rms) (3),
+#: rsqrt(rms), fac_g (3), g·rsqrt(rms), m·row_factor·col_factor (3)
+VELO_ELEM = tuple(range(15)) + (27, 28, 29)
+VELO_ROW = (15, 16, 17, 21, 22, 23)
+VELO_COL = (18, 19, 20, 24, 25, 26)
+#: per-tensor scalars: normalizers (18), first layer's element rows (18 × 4), then the
+#: biases, hidden and output layers (offsets in :class:`VeLOKernels`), lr_mult, param_scale
+VELO_SCAL = 256
+
+
+def unsupported_velo(hp: Any) -> str | None:
+    """Why the VeLO kernels cannot run these hyperparameters (None: they can)."""
+    if not 1 <= int(hp.ff_hidden_size) <= 4 or int(hp.ff_hidden_layers) < 1 \
+            or int(hp.ff_hidden_layers) > 4:
+        return ("the kernels run per-element MLPs up to 4 wide with 1 to 4 hidden layers "
+                f"(got ff_hidden_size={hp.ff_hidden_size}, "
+                f"ff_hidden_layers={hp.ff_hidden_layers})")
+    return None
+
+
+def _velo_elem_features(g, p, ms, rms, r, f1_ref, f2_ref, row_on_1):  # noqa: ANN001, ANN202
+    """VeLO's 18 per-element channels (:data:`VELO_ELEM`) of a block, unnormalized; ``g``
+    already clipped to ±1000."""
+    fg, fm = [], []
+    for k in range(3):
+        a = f1_ref[k, :][:, None]
+        b = f2_ref[k, :][None, :]
+        rf, cf = (a, b) if row_on_1 else (b, a)
+        fg.append((g * rf) * cf)
+        fm.append((ms[k] * rf) * cf)
+    return [g, jnp.clip(g, -0.1, 0.1), p, *ms, rms, *(m * r for m in ms), r, *fg, g * r, *fm]
+
+
+def _velo_stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *, n1, n2,
+                       row_on_1):  # noqa: ANN001
+    t = pl.program_id(0)
+    _, nb2, per, _ = _index_maps(n1, n2)
+    valid = _valid(t, per, nb2, n1, n2)
+    g = jnp.where(valid, jnp.clip(g_ref[...], -1000.0, 1000.0), 0.0)
+    p = jnp.where(valid, p_ref[...], 0.0)
+    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref)
+    feats = _velo_elem_features(g, p, ms, rms, r, f1_ref, f2_ref, row_on_1)
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (32,), 0)
+    out = jnp.zeros((32,), jnp.float32)
+    for k, f in enumerate(feats):
+        out = jnp.where(lanes == k, jnp.sum(jnp.where(valid, f * f, 0.0)), out)
+    o_ref[...] = out
+
+
+def _velo_fused_kernel(dec_ref, w_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, t1_ref,
+                       t2_ref, s_ref, mo_ref, ro_ref, *, row_on_1, width, nhid, off,
+                       exp_mult, step_mult):  # noqa: ANN001
+    g = jnp.clip(g_ref[...], -1000.0, 1000.0)
+    p = p_ref[...]
+    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref)
+    feats = _velo_elem_features(g, p, ms, rms, r, f1_ref, f2_ref, row_on_1)
+    ne = len(VELO_ELEM)
+    h = [t1_ref[:, j][:, None] + t2_ref[:, j][None, :] for j in range(width)]
+    for k, f in enumerate(feats):  # the first layer, channel by channel (float32 FMAs)
+        x = f * w_ref[k]  # normalized
+        h = [h[j] + x * w_ref[ne + k * width + j] for j in range(width)]
+    h = [jnp.maximum(h[j] + w_ref[off["b0"] + j], 0.0) for j in range(width)]
+    for i in range(nhid):
+        w0, b0 = off["wh"] + i * width * width, off["bh"] + i * width
+        new = []
+        for j in range(width):
+            acc = h[0] * w_ref[w0 + j]
+            for q in range(1, width):
+                acc = acc + h[q] * w_ref[w0 + q * width + j]
+            new.append(jnp.maximum(acc + w_ref[b0 + j], 0.0))
+        h = new
+    outs = []
+    for c in range(2):
+        acc = h[0] * w_ref[off["wl"] + c]
+        for q in range(1, width):
+            acc = acc + h[q] * w_ref[off["wl"] + q * 2 + c]
+        outs.append(acc + w_ref[off["bl"] + c])
+    direction, magnitude = outs
+    step = direction * (w_ref[off["scale"]] * jnp.exp(magnitude * exp_mult)) * step_mult
+    s_ref[...] = w_ref[off["lr"]] * step
+    for k in range(3):
+        mo_ref[:, :, k] = ms[k]
+    ro_ref[...] = rms
+
+
+class VeLOKernels:
+    """The Pallas per-element pass of VeLO for 2-D factored shape groups (the per-tensor
+    MLP weights mixed by XLA from the LSTM's controls)."""
+
+    def __init__(self, hp: Any, meta: Mapping[str, Any]) -> None:
+        self.hp, self.meta = hp, meta
+        self.width = int(hp.ff_hidden_size)
+        self.nhid = int(hp.ff_hidden_layers) - 1
+        ne, w = len(VELO_ELEM), self.width
+        off = {"b0": ne + ne * w}
+        off["wh"] = off["b0"] + w
+        off["bh"] = off["wh"] + self.nhid * w * w
+        off["wl"] = off["bh"] + self.nhid * w
+        off["bl"] = off["wl"] + 2 * w
+        off["lr"] = off["bl"] + 2
+        off["scale"] = off["lr"] + 1
+        assert off["scale"] < VELO_SCAL
+        self.off = off
+
+    def handles(self, shape: tuple[int, ...]) -> bool:
+        return two_d_view(shape) is not None
+
+    def __call__(self, shape: tuple[int, ...], p: Any, g: Any, m: Any, rms: Any, v_row: Any,
+                 v_col: Any, v_diag: Any, controls: Any, lr_mult: Any, *,
+                 decays: tuple[Any, Any, Any]) -> tuple[Any, ...]:
+        """One shape group: ``(step, m, rms, v_row, v_col, v_diag)`` stacked, as
+        :func:`xopt.specs.velo.update_tensor` per tensor."""
+        from xopt.specs import velo as vspec
+
+        L = p.shape[0]
+        n1, n2, row_on_1 = two_d_view(shape)
+        mom_d, rms_d, fac_d = decays
+        gc = jnp.clip(g, -vspec.GRAD_CLIP, vspec.GRAD_CLIP)
+        new_row, new_col, _, _ = jax.vmap(
+            lambda vr, vc, vd, gg: _lopt.factored_update(jnp, vr, vc, vd, gg, fac_d)
+        )(v_row, v_col, v_diag, gc)
+        vr2 = new_row.reshape(L, -1, 3)
+        vc2 = new_col.reshape(L, -1, 3)
+        rcm = jnp.mean(vr2, axis=1, keepdims=True)
+        rf = _lopt.safe_rsqrt(jnp, vr2 / (rcm + 1e-9))
+        cf = _lopt.safe_rsqrt(jnp, vc2)
+        f1, f2 = (rf, cf) if row_on_1 else (cf, rf)
+        f1, f2 = jnp.swapaxes(f1, 1, 2), jnp.swapaxes(f2, 1, 2)
+        row_feats = jnp.concatenate([vr2, jax.lax.rsqrt(vr2 + 1e-8)], axis=-1)
+        col_feats = jnp.concatenate([vc2, jax.lax.rsqrt(vc2 + 1e-8)], axis=-1)
+        row_sq = jnp.sum(row_feats * row_feats, axis=1) * vc2.shape[1]
+        col_sq = jnp.sum(col_feats * col_feats, axis=1) * vr2.shape[1]
+
+        decs = jnp.concatenate([mom_d, rms_d, jnp.zeros((4,), jnp.float32)])
+        gv, pv = g.reshape(L, n1, n2), p.reshape(L, n1, n2)
+        mv, rv = m.reshape(L, n1, n2, 3), rms.reshape(L, n1, n2)
+        _, _, per, elem = _index_maps(n1, n2)
+        grid = (L * per,)
+        whole = lambda t: (0,)  # noqa: E731
+        blk = pl.BlockSpec((SQ, BR, BC), lambda t: elem(t))
+        blk_m = pl.BlockSpec((SQ, BR, BC, 3), lambda t: (*elem(t), 0))
+        blk_f1 = pl.BlockSpec((SQ, 3, BR), lambda t: (elem(t)[0], 0, elem(t)[1]))
+        blk_f2 = pl.BlockSpec((SQ, 3, BC), lambda t: (elem(t)[0], 0, elem(t)[2]))
+        interpret = _on_cpu()
+        params = _compiler_params()
+        part = pl.pallas_call(
+            functools.partial(_velo_stats_kernel, n1=n1, n2=n2, row_on_1=row_on_1),
+            out_shape=jax.ShapeDtypeStruct((L * per, 32), jnp.float32), grid=grid,
+            in_specs=[pl.BlockSpec((8,), whole), blk, blk, blk_m, blk, blk_f1, blk_f2],
+            out_specs=pl.BlockSpec((SQ, 32), lambda t: (t, 0)),
+            interpret=interpret, compiler_params=params, name="velo_stats",
+        )(decs, gv, pv, mv, rv, f1, f2)
+        elem_sq = jnp.sum(part.reshape(L, per, 32), axis=1)
+        sq = jnp.zeros((L, 30), jnp.float32)
+        sq = sq.at[:, np.array(VELO_ELEM)].set(elem_sq[:, :len(VELO_ELEM)])
+        sq = sq.at[:, np.array(VELO_ROW)].set(row_sq).at[:, np.array(VELO_COL)].set(col_sq)
+        n = float(n1 * n2)
+        inv = jax.lax.rsqrt(1e-5 + sq / n)  # [L, 30]
+        param_scale = jnp.sqrt(sq[:, 2] / n + 1e-9)
+
+        # the per-tensor MLPs (100 · mean_k controls_k · bank_k), and the axis terms
+        weights = jax.vmap(lambda c: vspec.mix_mlp_weights(jnp, c, self.meta, self.hp))(controls)
+        w0 = weights["w0"]  # [L, 30, F]
+        hi = jax.lax.Precision.HIGHEST
+        t_row = jnp.einsum("lnk,lkh->lnh", row_feats * inv[:, None, np.array(VELO_ROW)],
+                           w0[:, np.array(VELO_ROW)], precision=hi)
+        t_col = jnp.einsum("lnk,lkh->lnh", col_feats * inv[:, None, np.array(VELO_COL)],
+                           w0[:, np.array(VELO_COL)], precision=hi)
+        t1, t2 = (t_row, t_col) if row_on_1 else (t_col, t_row)
+        nl = self.nhid + 1
+        pieces = [inv[:, np.array(VELO_ELEM)], w0[:, np.array(VELO_ELEM)].reshape(L, -1),
+                  weights["b0"]]
+        pieces += [weights[f"w{i}"].reshape(L, -1) for i in range(1, nl)]
+        pieces += [weights[f"b{i}"] for i in range(1, nl)]
+        pieces += [weights[f"w{nl}"][:, :, :2].reshape(L, -1), weights[f"b{nl}"][:, :2],
+                   lr_mult[:, None], param_scale[:, None]]
+        scal = jnp.concatenate(pieces, axis=1)
+        scal = jnp.pad(scal, [(0, 0), (0, VELO_SCAL - scal.shape[1])])
+        width = self.width
+        kern = functools.partial(
+            _velo_fused_kernel, row_on_1=row_on_1, width=width, nhid=self.nhid, off=self.off,
+            exp_mult=float(self.hp.exp_mult), step_mult=float(self.hp.step_mult))
+        step, m_new, rms_new = pl.pallas_call(
+            kern,
+            out_shape=(jax.ShapeDtypeStruct((L, n1, n2), jnp.float32),
+                       jax.ShapeDtypeStruct((L, n1, n2, 3), jnp.float32),
+                       jax.ShapeDtypeStruct((L, n1, n2), jnp.float32)),
+            grid=grid,
+            in_specs=[pl.BlockSpec((8,), whole),
+                      pl.BlockSpec((SQ, VELO_SCAL), lambda t: (elem(t)[0], 0)),
+                      blk, blk, blk_m, blk, blk_f1, blk_f2,
+                      pl.BlockSpec((SQ, BR, width), lambda t: (elem(t)[0], elem(t)[1], 0)),
+                      pl.BlockSpec((SQ, BC, width), lambda t: (elem(t)[0], elem(t)[2], 0))],
+            out_specs=[blk, blk_m, blk],
+            interpret=interpret, compiler_params=params, name="velo_fused",
+        )(decs, scal, gv, pv, mv, rv, f1, f2, t1, t2)
+        return (step.reshape(p.shape), m_new.reshape(m.shape), rms_new.reshape(rms.shape),
+                new_row, new_col, v_diag)
