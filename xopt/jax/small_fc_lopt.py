@@ -135,7 +135,7 @@ def small_fc_lopt(
         naming the leaf (see :mod:`xopt.jax._lopt` for the behaviour under jit).
       impl: the inner update's implementation: "plain" (per tensor, the reference),
         "packed" (the tensors grouped by shape, see :mod:`xopt.jax._lopt_fast`),
-        "pallas" (packed, with fused Pallas kernels; small_fc_lopt), or None: the
+        "pallas" (packed, with fused Pallas kernels), or None: the
         fast default on a GPU, plain elsewhere. The state is the same for all.
       precision: the fused kernels' matrix products, "exact" or "fast" (TF32).
       exp_mult, step_mult, hidden_size, hidden_layers, initial_momentum_decays,

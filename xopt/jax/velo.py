@@ -184,7 +184,7 @@ def velo(
         naming the leaf (under jit from a callback, see :mod:`xopt.jax._lopt`).
       impl: the inner update's implementation: "plain" (per tensor, the reference),
         "packed" (the tensors grouped by shape, see :mod:`xopt.jax._lopt_fast`),
-        "pallas" (packed, with fused Pallas kernels; small_fc_lopt), or None: the
+        "pallas" (packed, with fused Pallas kernels), or None: the
         fast default on a GPU, plain elsewhere. The state is the same for all.
       precision: the fused kernels' matrix products, "exact" or "fast" (TF32).
       lstm_hidden_size, …, use_bugged_loss_features: the method's fields
