@@ -381,6 +381,8 @@ def bench_model(model: str, args, report: dict, dl: Deadline) -> None:
         except Exception as e:  # noqa: BLE001
             note(report, f"{model}: torch fused AdamW failed: {err(e)}")
     for method in ("small_fc_lopt", "velo"):
+        if args.only and not any(args.only in label for label, _, _ in JAX_PATHS[method]):
+            continue
         if dl.left() < 45:
             note(report, f"{model}: timing of {method} skipped (deadline)")
             continue
@@ -546,8 +548,9 @@ def compile_survey(model: str, report: dict, dl: Deadline, args) -> None:
             out[label] = {"error": err(e)}
             note(report, f"compile survey {label}: {err(e)}")
             continue
+        write(report, args)  # (a compile cut short by the run's time limit loses nothing)
         base = out.get("optax.adamw", {}).get("total_s")
-        ratio = f"x{out[label]['total_s'] / base:5.2f}" if base else ""
+        ratio = f"x{out[label]['total_s'] / base:5.2f} optax.adamw" if base else ""
         print(f"  {label:40s} lower {t1 - t0:6.1f} s  compile {t2 - t1:6.1f} s  {ratio}",
               flush=True)
 
