@@ -275,3 +275,24 @@ def test_benchmark_tiny_mode_runs(tmp_path):
     assert all(v["total_s"] > 0 for v in survey.values() if "total_s" in v)
     assert "torch Triton path not run" in " ".join(report["notes"]) or \
         "torch/small_fc_lopt/triton/exact" in timings
+
+
+def test_the_gpu_default_falls_back_to_packed_where_the_kernels_do_not_apply(monkeypatch):
+    import jax
+
+    from xopt.jax import _lopt_fast
+    from xopt.specs import small_fc_lopt as spec
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    mod = importlib.import_module("xopt.jax.small_fc_lopt")
+
+    def chosen(**kw):
+        hp = spec.SmallFCLOpt(num_training_steps=10, **kw)
+        plain = mod._Method(hp, spec.meta_init(hp, 0))
+        return _lopt_fast.select("x", "small_fc_lopt", plain, None, "exact").impl
+
+    assert chosen() == "pallas"
+    assert chosen(hidden_layers=0) == "packed"  # no kernel for a linear MLP
+    with pytest.raises(Exception, match="hidden_layers"):
+        _lopt_fast.select("x", "small_fc_lopt", mod._Method(
+            spec.SmallFCLOpt(num_training_steps=10, hidden_layers=0), {}), "pallas", "exact")

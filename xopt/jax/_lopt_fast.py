@@ -72,6 +72,13 @@ def select(label: str, method_name: str, plain: Any, impl: str | None,
     which = resolve_impl(label, impl, precision, method_name)
     if which == "plain":
         return plain
+    if which == "pallas" and impl in (None, "auto"):  # the default: pallas where it applies
+        from xopt.jax import _lopt_pallas
+
+        check = (_lopt_pallas.unsupported_small_fc if method_name == "small_fc_lopt"
+                 else _lopt_pallas.unsupported_velo)
+        if check(plain.hp) is not None:
+            which = "packed"
     if method_name == "small_fc_lopt":
         return PackedSmallFC(plain, which, precision)
     if method_name == "velo":
