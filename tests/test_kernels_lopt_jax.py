@@ -176,10 +176,10 @@ def test_groups_keep_the_program_size_fixed():
     assert plain[1] > plain[0]
 
 
-@pytest.mark.parametrize("method,precision", [("small_fc_lopt", "exact"),
-                                              ("small_fc_lopt", "fast"), ("velo", "exact")])
+@pytest.mark.parametrize("method,precision", [("small_fc_lopt", "fast"), ("velo", "exact")])
 def test_pallas_kernels_lower_to_triton_for_cuda(monkeypatch, method, precision, velo_theta):
-    # what the GPU compiles, from this CPU: the kernels' Triton lowering (no interpreter)
+    # what the GPU compiles, from this CPU: the kernels' Triton lowering (no interpreter);
+    # exact and fast differ in one dot's precision flag (exact: the bench's GPU run)
     import jax
     import jax.numpy as jnp
 
@@ -234,9 +234,10 @@ def test_a_plain_state_resumes_on_the_packed_path(plain_runs):
     del hist
 
 
-@pytest.mark.parametrize("method,impl", CASES)
+@pytest.mark.parametrize("method,impl", [c for c in CASES if c[1] == "pallas"])
 def test_fast_path_reproduces_the_golden_case(method, impl, monkeypatch):
     # the bundled golden case through xopt.parity's harness, xopt.jax on the fast path
+    # (pallas: its kernels on the 2-D tensors, the packed path on the others)
     from helpers import explain_disagreements
 
     from xopt.parity import bundled_traces
