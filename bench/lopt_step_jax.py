@@ -8,25 +8,26 @@ One process, in this order, each phase under a shared deadline (``--deadline-s``
 not fit is skipped with a note, and the JSON is rewritten after every phase, so a run cut
 short still leaves its results):
 
-1. per model (ViT-B/16's 152 tensors, GPT-2 medium's 292; bench/lopt_step.py's shapes and
-   configurations: small_fc_lopt at PyLO's size, hidden 32, 2 hidden layers):
-   * checks on the model's distinct shapes (one tensor per shape, plus a second copy of one
-     matrix, so that the groups of the packed paths hold more than one tensor): every fast
-     JAX path against the plain path, two steps from the same state: max relative error
-     (``max|a−b| / max|b|`` per tensor, worst over tensors) of the step, the parameters and
-     every state array; and against the torch Triton path from the same inputs;
-   * timing, side by side in interleaved rounds: optax.adamw and every JAX path as
-     ``jax.jit`` of ``update`` + ``optax.apply_updates`` with parameters and state donated
-     (ms per call, the wall time of one call and its ``block_until_ready``; the first
-     call's ``lower`` and ``compile`` seconds), torch's fused AdamW and the torch Triton
-     path (the same wall-time measure, ``torch.cuda.synchronize`` after each step);
-     small_fc_lopt's entries in one group, VeLO's in another (memory);
+1. timing, per model (ViT-B/16's 152 tensors, GPT-2 medium's 292; bench/lopt_step.py's
+   shapes and configurations: small_fc_lopt at PyLO's size, hidden 32, 2 hidden layers),
+   side by side in interleaved rounds: optax.adamw and every fast JAX path as ``jax.jit``
+   of ``update`` + ``optax.apply_updates`` with parameters and state donated (ms per call:
+   the wall time of one call and its ``block_until_ready``; the first call's ``lower`` and
+   ``compile`` seconds), torch's fused AdamW and the torch Triton path (the same wall-time
+   measure, ``torch.cuda.synchronize`` after each step; its "compile" is its first step);
+   small_fc_lopt's entries in one group, VeLO's in another (memory);
 2. the golden parity cases (the bundled ones) through ``xopt.parity`` with each fast JAX
-   path on this device;
-3. the compile time on GPT-2 medium's shapes (abstract: nothing is allocated) of every
-   xopt.jax transform that takes a plain parameter pytree, against optax.adamw's (the
-   plain learned optimizers only with ``--plain``: they took minutes);
-4. with ``--plain``, the plain path's step time on the first model.
+   path in exact mode, on this device;
+3. checks, per model, on its distinct shapes (one tensor per shape, plus a second copy of
+   one matrix, so that a group holds more than one tensor): every fast JAX path against
+   the plain path, two steps from the same state, max relative error (``max|a−b| /
+   max|b|`` per tensor, worst over tensors) of the step, the parameters and every state
+   array; and the parameters and state against the torch Triton path from the same inputs;
+4. the compile time on GPT-2 medium's shapes (abstract: nothing is allocated) of every
+   xopt.jax transform that takes a plain parameter pytree, against optax.adamw's (those
+   measured in 1. are not compiled again; the plain learned optimizers only with
+   ``--plain``: they took minutes);
+5. with ``--plain``, the plain path's step time on the first model.
 
 Prints a short table per model (ms, ratio to optax.adamw, compile s) and writes
 ``lopt_step_jax.json`` under ``--out-dir``. Options that are unavailable here (no CUDA for
@@ -237,15 +238,26 @@ def torch_cuda() -> str | None:
 
 
 def time_side_by_side(entries: dict, rounds: int, reps: int, settle: int = 2) -> dict:
+    """ms per call of each entry, in ``rounds`` interleaved rounds (``settle`` untimed calls
+    before each entry's ``reps`` timed ones); an entry that fails is dropped with its
+    error."""
     times: dict = {k: [] for k in entries}
+    failed: dict = {}
     for _ in range(rounds):
         for k, e in entries.items():
-            for _ in range(settle):
-                e.timed()
-            times[k] += [e.timed() for _ in range(reps)]
-    return {k: {"median_ms": statistics.median(v), "min_ms": min(v), "times_ms": v,
-                "lower_s": entries[k].lower_s, "compile_s": entries[k].compile_s}
-            for k, v in times.items()}
+            if k in failed:
+                continue
+            try:
+                for _ in range(settle):
+                    e.timed()
+                times[k] += [e.timed() for _ in range(reps)]
+            except Exception as ex:  # noqa: BLE001
+                failed[k] = {"error": err(ex)}
+    out = {k: {"median_ms": statistics.median(v), "min_ms": min(v), "times_ms": v,
+               "lower_s": entries[k].lower_s, "compile_s": entries[k].compile_s}
+           for k, v in times.items() if k not in failed and v}
+    out.update(failed)
+    return out
 
 
 # -- checks ------------------------------------------------------------------------------------
@@ -432,9 +444,15 @@ def bench_model(model: str, args, report: dict, dl: Deadline) -> None:
             e.free()
     del grads
     table(model, res)
-    if not args.skip_checks and dl.left() > 60:
-        res["checks"] = checks(model, shapes, report, dl, why_torch is None)
-    elif not args.skip_checks:
+    write(report, args)
+
+
+def check_model(model: str, args, report: dict, dl: Deadline) -> None:
+    res = report["models"].setdefault(model, {"timings": {}})
+    if dl.left() > 60:
+        print(f"\n== checks on {model}'s shapes", flush=True)
+        res["checks"] = checks(model, MODELS[model](), report, dl, torch_cuda() is None)
+    else:
         note(report, f"{model}: checks skipped (deadline)")
     write(report, args)
 
@@ -626,6 +644,11 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001
             note(report, f"golden: {err(e)}")
         write(report, args)
+    for model in models if not args.skip_checks else ():
+        try:
+            check_model(model, args, report, dl)
+        except Exception as e:  # noqa: BLE001
+            note(report, f"{model} checks: {err(e)}")
     if not args.no_survey:
         survey_model = "tiny" if args.tiny else "gpt2_medium"
         try:
