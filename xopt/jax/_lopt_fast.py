@@ -4,13 +4,13 @@ The plain path (:mod:`xopt.jax.small_fc_lopt`, :mod:`xopt.jax.velo`) evaluates t
 per-tensor math once per parameter: a jitted update of GPT-2 medium (292 tensors) holds
 292 copies of every feature, normalizer and MLP op, so the program, its compile time and
 its kernel launches grow with the number of tensors. Here the tensors are grouped by
-shape (:class:`Buckets`: GPT-2 medium's 292 tensors have 9 shapes, ViT-B/16's 152 have 11),
+shape (:class:`Buckets`: GPT-2 medium's 292 tensors have 8 shapes, ViT-B/16's 152 have 12),
 each group is stacked on a leading axis, and the same per-tensor math runs once per group
 under ``jax.vmap`` (``impl="packed"``). The program then has a fixed number of ops per
 shape, whatever the depth of the model, and every op is the plain path's op with a batch
 axis: the same arithmetic, so the results are the plain path's up to the order XLA picks
-for a batched reduction (tests/test_jax_lopt_fast.py measures it: bit-identical on the
-CPU so far).
+for a batched reduction (a few float32 ulps; tests/test_kernels_lopt_jax.py holds them to
+the plain path, to float64 and to the golden traces).
 
 ``impl="pallas"`` adds fused Pallas kernels (:mod:`xopt.jax._lopt_pallas`) for the
 per-element pass of the 2-D factored groups, where nearly all elements are: the features,
