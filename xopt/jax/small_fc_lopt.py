@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from xopt.jax import _lopt_fast
 from xopt.jax._lopt import AccumState, LOptState, configure, learned_optimizer, reject_unknown
 from xopt.specs import small_fc_lopt as _spec
 
@@ -106,6 +107,8 @@ def small_fc_lopt(
     spec: _spec.SmallFCLOpt | None = None,
     seed: int = 0,
     check_finite: bool = False,
+    impl: str | None = None,
+    precision: str = "exact",
     exp_mult: float | None = None,
     step_mult: float | None = None,
     hidden_size: int | None = None,
@@ -130,6 +133,11 @@ def small_fc_lopt(
       seed: seed of the fresh θ when ``meta_params`` is None.
       check_finite: a NaN/inf gradient or loss raises :class:`xopt.errors.NonFiniteError`
         naming the leaf (see :mod:`xopt.jax._lopt` for the behaviour under jit).
+      impl: the inner update's implementation: "plain" (per tensor, the reference),
+        "packed" (the tensors grouped by shape, see :mod:`xopt.jax._lopt_fast`),
+        "pallas" (packed, with fused Pallas kernels), or None: the
+        fast default on a GPU, plain elsewhere. The state is the same for all.
+      precision: the fused kernels' matrix products, "exact" or "fast" (TF32).
       exp_mult, step_mult, hidden_size, hidden_layers, initial_momentum_decays,
         initial_rms_decays, initial_adafactor_decays: the method's hyperparameters
         (:class:`xopt.specs.small_fc_lopt.SmallFCLOpt`; None: the original's default).
@@ -150,7 +158,8 @@ def small_fc_lopt(
     hp, schedule, meta = configure(label, _spec.SmallFCLOpt, _spec.META, spec=spec, given=given,
                                    learning_rate=learning_rate, meta_params=meta_params,
                                    seed=seed)
-    return learned_optimizer(_Method(hp, meta), hp, learning_rate=schedule,
+    method = _lopt_fast.select(label, "small_fc_lopt", _Method(hp, meta), impl, precision)
+    return learned_optimizer(method, hp, learning_rate=schedule,
                              check_finite=check_finite, needs_loss=False, label=label)
 
 

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from xopt.jax import _lopt_fast
 from xopt.jax._lopt import AccumState, LOptState, configure, learned_optimizer, reject_unknown
 from xopt.specs import velo as _spec
 
@@ -152,6 +153,8 @@ def velo(
     spec: _spec.VeLO | None = None,
     seed: int = 0,
     check_finite: bool = False,
+    impl: str | None = None,
+    precision: str = "exact",
     lstm_hidden_size: int | None = None,
     param_inits: int | None = None,
     ff_hidden_size: int | None = None,
@@ -179,6 +182,11 @@ def velo(
       seed: seed of the fresh θ when ``meta_params`` is None.
       check_finite: a NaN/inf gradient or loss raises :class:`xopt.errors.NonFiniteError`
         naming the leaf (under jit from a callback, see :mod:`xopt.jax._lopt`).
+      impl: the inner update's implementation: "plain" (per tensor, the reference),
+        "packed" (the tensors grouped by shape, see :mod:`xopt.jax._lopt_fast`),
+        "pallas" (packed, with fused Pallas kernels), or None: the
+        fast default on a GPU, plain elsewhere. The state is the same for all.
+      precision: the fused kernels' matrix products, "exact" or "fast" (TF32).
       lstm_hidden_size, …, use_bugged_loss_features: the method's fields
         (:class:`xopt.specs.velo.VeLO`; None: VeLO's value).
       Any other keyword is a :class:`HyperparameterError` naming it.
@@ -200,7 +208,8 @@ def velo(
     hp, schedule, meta = configure(label, _spec.VeLO, _spec.META, spec=spec, given=given,
                                    learning_rate=learning_rate, meta_params=meta_params,
                                    seed=seed)
-    return learned_optimizer(_Method(hp, meta), hp, learning_rate=schedule,
+    method = _lopt_fast.select(label, "velo", _Method(hp, meta), impl, precision)
+    return learned_optimizer(method, hp, learning_rate=schedule,
                              check_finite=check_finite, needs_loss=True, label=label)
 
 

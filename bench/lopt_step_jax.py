@@ -1,0 +1,666 @@
+"""xopt.jax's learned optimizers on real model shapes, side by side with optax.adamw and the
+torch Triton path, and the jit compile time of every xopt.jax transform.
+
+    python bench/lopt_step_jax.py --out-dir $OUT [--models vit_b16,gpt2_medium]
+    python bench/lopt_step_jax.py --tiny --out-dir /tmp/x     (CPU, seconds; CI runs it)
+
+One process, in this order, each phase under a shared deadline (``--deadline-s``: what does
+not fit is skipped with a note, and the JSON is rewritten after every phase, so a run cut
+short still leaves its results):
+
+1. timing, per model (ViT-B/16's 152 tensors, GPT-2 medium's 292; bench/lopt_step.py's
+   shapes and configurations: small_fc_lopt at PyLO's size, hidden 32, 2 hidden layers),
+   side by side in interleaved rounds: optax.adamw and every fast JAX path as ``jax.jit``
+   of ``update`` + ``optax.apply_updates`` with parameters and state donated (ms per call:
+   the wall time of one call and its ``block_until_ready``; the first call's ``lower`` and
+   ``compile`` seconds), torch's fused AdamW and the torch Triton path (the same wall-time
+   measure, ``torch.cuda.synchronize`` after each step; its "compile" is its first step);
+   small_fc_lopt's entries in one group, VeLO's in another (memory);
+2. the golden parity cases (the bundled ones) through ``xopt.parity`` with each fast JAX
+   path in exact mode, on this device;
+3. checks, per model, on its distinct shapes (one tensor per shape, plus a second copy of
+   one matrix, so that a group holds more than one tensor): every fast JAX path against
+   the plain path, two steps from the same state, max relative error (``max|a−b| /
+   max|b|`` per tensor, worst over tensors) of the step, the parameters and every state
+   array; and the parameters and state against the torch Triton path from the same inputs;
+4. the compile time on GPT-2 medium's shapes (abstract: nothing is allocated) of every
+   xopt.jax transform that takes a plain parameter pytree, against optax.adamw's (those
+   measured in 1. are not compiled again; the plain learned optimizers only with
+   ``--plain``: they took minutes);
+5. with ``--plain``, the plain path's step time on the first model.
+
+Prints a short table per model (ms, ratio to optax.adamw, compile s) and writes
+``lopt_step_jax.json`` under ``--out-dir``. Options that are unavailable here (no CUDA for
+torch, no Triton, a path that fails to build) give a note, not a crash.
+"""
+
+from __future__ import annotations
+
+import os
+
+# JAX must not take the whole GPU: torch runs in the same process
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import xopt.jax as xj  # noqa: E402
+
+#: small_fc_lopt and VeLO as bench/lopt_step.py configures them (PyLO's small_fc size)
+SMALL_FC = dict(hidden_size=32, hidden_layers=2, num_training_steps=10_000)
+VELO = dict(num_training_steps=10_000)
+
+
+def vit_b16() -> list[tuple[int, ...]]:
+    """ViT-B/16 (224², 1000 classes): 86,567,656 parameters (as bench/lopt_step.py)."""
+    d, mlp, layers = 768, 3072, 12
+    shapes: list[tuple[int, ...]] = [(d, 3, 16, 16), (d,), (1, 1, d), (1, 197, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (mlp, d), (mlp,),
+                   (d, mlp), (d,)]
+    return shapes + [(d,), (d,), (1000, d), (1000,)]
+
+
+def gpt2_medium() -> list[tuple[int, ...]]:
+    """GPT-2 medium (HF Conv1D layout, tied head): 354,823,168 parameters."""
+    d, layers = 1024, 24
+    shapes: list[tuple[int, ...]] = [(50257, d), (1024, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d),
+                   (4 * d,), (4 * d, d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+def tiny_model() -> list[tuple[int, ...]]:
+    """Two blocks of width 8 (CI's --tiny: every kind of group, kept small for the CPU)."""
+    d = 8
+    return [(1, 5, d)] + [(d,), (3 * d, d), (d, 3 * d)] * 2 + [()]
+
+
+MODELS = {"vit_b16": vit_b16, "gpt2_medium": gpt2_medium, "tiny": tiny_model}
+
+#: the JAX paths timed: label -> (method, impl, precision)
+JAX_PATHS = {
+    "small_fc_lopt": [("jax/small_fc_lopt/packed", "packed", "exact"),
+                      ("jax/small_fc_lopt/pallas/exact", "pallas", "exact"),
+                      ("jax/small_fc_lopt/pallas/fast", "pallas", "fast")],
+    "velo": [("jax/velo/packed", "packed", "exact"),
+             ("jax/velo/pallas", "pallas", "exact")],
+}
+
+
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+
+def note(report: dict, text: str) -> None:
+    report["notes"].append(text)
+    print(f"note: {text}", flush=True)
+
+
+def err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+# -- JAX entries ------------------------------------------------------------------------------
+
+
+def make_tx(method: str, impl: str | None, precision: str = "exact"):
+    if method == "adamw":
+        return optax.adamw(1e-3)
+    cfg = SMALL_FC if method == "small_fc_lopt" else VELO
+    return getattr(xj, method)(impl=impl, precision=precision, **cfg)
+
+
+def jax_params(shapes, seed: int, scale: float = 0.02) -> list:
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray((scale * rng.standard_normal(s)).astype(np.float32)) for s in shapes]
+
+
+def device_params(shapes, seed: int, scale: float) -> list:
+    """Random float32 arrays made on the device (fast for 355M parameters)."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), max(len(shapes), 1))
+    return [scale * jax.random.normal(k, s, jnp.float32)
+            for k, s in zip(keys[:len(shapes)], shapes, strict=True)]
+
+
+def step_fn(tx, method: str, donate: bool = True):
+    def step(params, state, grads, loss):
+        if method == "adamw":
+            updates, state = tx.update(grads, state, params)
+        else:
+            updates, state = tx.update(grads, state, params, value=loss)
+        return optax.apply_updates(params, updates), state
+
+    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+
+class JaxEntry:
+    """One JAX optimizer on one model: its own parameters and state (donated each call)."""
+
+    def __init__(self, method: str, impl: str | None, precision: str, shapes, grads,
+                 loss) -> None:
+        self.method = method
+        self.tx = make_tx(method, impl, precision)
+        self.params = device_params(shapes, 0, 0.02)
+        self.state = self.tx.init(self.params)
+        self.grads, self.loss = grads, loss
+        fn = step_fn(self.tx, method)
+        t0 = time.perf_counter()
+        lowered = fn.lower(self.params, self.state, grads, loss)
+        t1 = time.perf_counter()
+        self.compiled = lowered.compile()
+        t2 = time.perf_counter()
+        self.lower_s, self.compile_s = t1 - t0, t2 - t1
+        self.call()
+        jax.block_until_ready(self.params)
+
+    def call(self) -> None:
+        self.params, self.state = self.compiled(self.params, self.state, self.grads, self.loss)
+
+    def timed(self) -> float:
+        t0 = time.perf_counter()
+        self.call()
+        jax.block_until_ready((self.params, self.state))
+        return (time.perf_counter() - t0) * 1e3
+
+    def free(self) -> None:
+        self.params = self.state = self.compiled = None
+
+
+# -- torch entries -----------------------------------------------------------------------------
+
+
+class TorchEntry:
+    def __init__(self, method: str, impl: str, precision: str, shapes) -> None:
+        import lopt_step as L
+        import torch
+
+        self.torch = torch
+        self.params = L.make(shapes)
+        self.opt, self.loss = L.build(method, self.params, impl, precision)
+        t0 = time.perf_counter()
+        self.call()
+        torch.cuda.synchronize()
+        self.compile_s = time.perf_counter() - t0  # first step: Triton's compiles, graphs
+        self.lower_s = 0.0
+
+    def call(self) -> None:
+        if self.loss is not None:
+            self.opt.step(loss=self.loss)
+        else:
+            self.opt.step()
+
+    def timed(self) -> float:
+        t0 = time.perf_counter()
+        self.call()
+        self.torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    def free(self) -> None:
+        self.opt = self.params = None
+        self.torch.cuda.empty_cache()
+
+
+def torch_cuda() -> str | None:
+    """Why the torch Triton path cannot run here (None: it can)."""
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        return f"torch not importable ({err(e)})"
+    if not torch.cuda.is_available():
+        return "no CUDA device for torch"
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"triton not importable ({err(e)})"
+    return None
+
+
+def time_side_by_side(entries: dict, rounds: int, reps: int, settle: int = 2) -> dict:
+    """ms per call of each entry, in ``rounds`` interleaved rounds (``settle`` untimed calls
+    before each entry's ``reps`` timed ones); an entry that fails is dropped with its
+    error."""
+    times: dict = {k: [] for k in entries}
+    failed: dict = {}
+    for _ in range(rounds):
+        for k, e in entries.items():
+            if k in failed:
+                continue
+            try:
+                for _ in range(settle):
+                    e.timed()
+                times[k] += [e.timed() for _ in range(reps)]
+            except Exception as ex:  # noqa: BLE001
+                failed[k] = {"error": err(ex)}
+    out = {k: {"median_ms": statistics.median(v), "min_ms": min(v), "times_ms": v,
+               "lower_s": entries[k].lower_s, "compile_s": entries[k].compile_s}
+           for k, v in times.items() if k not in failed and v}
+    out.update(failed)
+    return out
+
+
+# -- checks ------------------------------------------------------------------------------------
+
+
+def check_shapes(shapes) -> list[tuple[int, ...]]:
+    """One tensor per distinct shape, plus a second copy of the first factored matrix."""
+    out = list(dict.fromkeys(tuple(s) for s in shapes))
+    extra = next((s for s in out if len(s) == 2 and min(s) > 1), None)
+    return out + ([extra] if extra else [])
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.size == 0:
+        return 0.0
+    d = np.abs(a - b).max()
+    return 0.0 if d == 0 else float(d / max(np.abs(b).max(), 1e-300))
+
+
+def run_jax_steps(method, impl, precision, shapes, steps=2):
+    """Two steps of one JAX path from fixed inputs: per step the updates, then the final
+    parameters and state (NumPy leaves, and the state itself)."""
+    tx = make_tx(method, impl, precision)
+    params = jax_params(shapes, 1)
+    state = tx.init(params)
+
+    @jax.jit
+    def one(p, s, g, l):
+        u, s = tx.update(g, s, p, value=l)
+        return u, optax.apply_updates(p, u), s
+
+    out = []
+    for t in range(steps):
+        u, params, state = one(params, state, jax_params(shapes, 100 + t, 1e-3),
+                               jnp.float32(2.0 - 0.1 * t))
+        out.append([np.asarray(x) for x in u])
+    return out, [np.asarray(p) for p in params], jax.tree.leaves(state), state
+
+
+def torch_state_like_jax(method, shapes, steps=2):
+    """The torch Triton path from the same inputs: final parameters and per-tensor state
+    (m, rms, v_row, v_col, v_diag) as NumPy."""
+    import lopt_step as L
+    import torch
+
+    params = [torch.nn.Parameter(torch.from_numpy(np.asarray(p)).cuda())
+              for p in jax_params(shapes, 1)]
+    opt, loss = L.build(method, params, "triton", "exact")
+    for t in range(steps):
+        for p, g in zip(params, jax_params(shapes, 100 + t, 1e-3), strict=True):
+            p.grad = torch.from_numpy(np.asarray(g)).cuda()
+        opt.step(loss=torch.tensor(2.0 - 0.1 * t, device="cuda"))
+    return ([p.detach().cpu().numpy() for p in params],
+            [{k: v.detach().cpu().numpy() for k, v in opt.state[p].items()} for p in params])
+
+
+def checks(model: str, shapes, report: dict, dl: Deadline, with_torch: bool) -> dict:
+    shapes = check_shapes(shapes)
+    out: dict = {"shapes": [list(s) for s in shapes]}
+    for method, paths in JAX_PATHS.items():
+        if dl.left() < 30:
+            note(report, f"{model}: checks of {method} skipped (deadline)")
+            continue
+        try:
+            ref_steps, ref_p, ref_s, _ = run_jax_steps(method, "plain", "exact", shapes)
+        except Exception as e:  # noqa: BLE001
+            note(report, f"{model}: {method} plain failed: {err(e)}")
+            continue
+        tstate = None
+        if with_torch:
+            try:
+                tstate = torch_state_like_jax(method, shapes)
+            except Exception as e:  # noqa: BLE001
+                note(report, f"{model}: {method} torch Triton check failed: {err(e)}")
+        for label, impl, prec in paths:
+            try:
+                steps, p, s, state = run_jax_steps(method, impl, prec, shapes)
+            except Exception as e:  # noqa: BLE001
+                out[label] = {"error": err(e)}
+                note(report, f"{model}: {label} check failed: {err(e)}")
+                continue
+            c = {"step_max_rel": max(rel(a, b) for st, rt in zip(steps, ref_steps, strict=True)
+                                     for a, b in zip(st, rt, strict=True)),
+                 "param_max_rel": max(rel(a, b) for a, b in zip(p, ref_p, strict=True)),
+                 "state_max_rel": max(rel(a, b) for a, b in zip(s, ref_s, strict=True))}
+            if tstate is not None:
+                tp, ts = tstate
+                c["param_max_rel_vs_torch_triton"] = max(
+                    rel(a, b) for a, b in zip(p, tp, strict=True))
+                inner = state.inner
+                c["state_max_rel_vs_torch_triton"] = max(
+                    rel(jax.tree.leaves(getattr(inner, v))[i], ts[i][v])
+                    for v in ("m", "rms", "v_row", "v_col", "v_diag") for i in range(len(tp)))
+            out[label] = c
+            print(f"  check {label:34s} vs plain: step {c['step_max_rel']:.2e}, params "
+                  f"{c['param_max_rel']:.2e}, state {c['state_max_rel']:.2e}"
+                  + (f"; vs torch Triton: params {c['param_max_rel_vs_torch_triton']:.2e}, "
+                     f"state {c['state_max_rel_vs_torch_triton']:.2e}"
+                     if "param_max_rel_vs_torch_triton" in c else ""), flush=True)
+    return out
+
+
+# -- the phases --------------------------------------------------------------------------------
+
+
+def bench_model(model: str, args, report: dict, dl: Deadline) -> None:
+    shapes = MODELS[model]()
+    n = int(sum(int(np.prod(s)) for s in shapes))
+    print(f"\n== {model}: {len(shapes)} tensors, {n / 1e6:.1f}M parameters, "
+          f"{len(set(shapes))} shapes", flush=True)
+    res = report["models"].setdefault(model, {"tensors": len(shapes), "params": n,
+                                              "timings": {}, "checks": {}})
+    why_torch = torch_cuda()
+    if why_torch is not None:
+        note(report, f"torch Triton path not run: {why_torch}")
+    grads = device_params(shapes, 7, 1e-3)
+    loss = jnp.float32(1.0)
+    compile_times = report.setdefault("compile", {}).setdefault(model, {})
+    adamw = None
+    try:
+        adamw = JaxEntry("adamw", None, "exact", shapes, grads, loss)
+        compile_times["optax.adamw"] = {"lower_s": adamw.lower_s, "compile_s": adamw.compile_s,
+                                        "total_s": adamw.lower_s + adamw.compile_s}
+        print(f"  built jax/optax.adamw: lower {adamw.lower_s:.1f} s, compile "
+              f"{adamw.compile_s:.1f} s", flush=True)
+    except Exception as e:  # noqa: BLE001
+        note(report, f"{model}: optax.adamw failed: {err(e)}")
+    torch_adamw = None
+    if why_torch is None:
+        try:
+            torch_adamw = TorchEntry("adamw", "fused", "exact", shapes)
+        except Exception as e:  # noqa: BLE001
+            note(report, f"{model}: torch fused AdamW failed: {err(e)}")
+    for method in ("small_fc_lopt", "velo"):
+        if args.only and not any(args.only in label for label, _, _ in JAX_PATHS[method]):
+            continue
+        if dl.left() < 45:
+            note(report, f"{model}: timing of {method} skipped (deadline)")
+            continue
+        entries: dict = {}
+        if adamw is not None:
+            entries["jax/optax.adamw"] = adamw
+        for label, impl, prec in JAX_PATHS[method]:
+            if args.only and args.only not in label:
+                continue
+            if dl.left() < 40:
+                note(report, f"{model}: {label} skipped (deadline)")
+                continue
+            try:
+                entries[label] = e = JaxEntry(method, impl, prec, shapes, grads, loss)
+                compile_times[f"xopt.jax.{method}/{impl}/{prec}"] = {
+                    "lower_s": e.lower_s, "compile_s": e.compile_s,
+                    "total_s": e.lower_s + e.compile_s}
+                print(f"  built {label}: lower {e.lower_s:.1f} s, compile {e.compile_s:.1f} s",
+                      flush=True)
+            except Exception as e:  # noqa: BLE001
+                res["timings"][label] = {"error": err(e)}
+                note(report, f"{model}: {label} failed: {err(e)}")
+                traceback.print_exc(limit=3)
+        if torch_adamw is not None:
+            entries["torch/adamw_fused"] = torch_adamw
+            label = f"torch/{method}/triton/exact"
+            try:
+                entries[label] = TorchEntry(method, "triton", "exact", shapes)
+            except Exception as e:  # noqa: BLE001
+                res["timings"][label] = {"error": err(e)}
+                note(report, f"{model}: {label} failed: {err(e)}")
+        try:
+            timed = time_side_by_side(entries, args.rounds, args.reps)
+        except Exception as e:  # noqa: BLE001
+            note(report, f"{model}: timing {method} failed: {err(e)}")
+            timed = {}
+        for k in timed:  # AdamW is timed with each group: both kept
+            key = k if k not in res["timings"] else f"{k}@{method}"
+            res["timings"][key] = timed[k]
+        for k, e in entries.items():
+            if "adamw" not in k:
+                e.free()
+        entries.clear()
+        write(report, args)
+    for e in (adamw, torch_adamw):
+        if e is not None:
+            e.free()
+    del grads
+    table(model, res)
+    write(report, args)
+
+
+def check_model(model: str, args, report: dict, dl: Deadline) -> None:
+    res = report["models"].setdefault(model, {"timings": {}})
+    if dl.left() > 60:
+        print(f"\n== checks on {model}'s shapes", flush=True)
+        res["checks"] = checks(model, MODELS[model](), report, dl, torch_cuda() is None)
+    else:
+        note(report, f"{model}: checks skipped (deadline)")
+    write(report, args)
+
+
+def table(model: str, res: dict) -> None:
+    t = res["timings"]
+    base = t.get("jax/optax.adamw", {}).get("median_ms")
+    print(f"\n{model}: ms per step (median), ratio to optax.adamw, compile s (lower + compile)")
+    for k, r in t.items():
+        if "median_ms" not in r:
+            print(f"  {k:40s} {r.get('error', r)}")
+            continue
+        if base:
+            r["ratio_to_optax_adamw"] = r["median_ms"] / base
+        ratio = f"x{r['median_ms'] / base:6.2f}" if base else "   -   "
+        print(f"  {k:40s} {r['median_ms']:9.3f} ms  {ratio}  compile "
+              f"{r['lower_s'] + r['compile_s']:7.1f} s", flush=True)
+
+
+def golden(report: dict, dl: Deadline) -> None:
+    """The bundled golden cases with each fast JAX path (xopt.parity, this device)."""
+    import functools
+    import importlib
+
+    # (the package attributes xopt.jax.small_fc_lopt / velo are the functions)
+    sfc_mod = importlib.import_module("xopt.jax.small_fc_lopt")
+    velo_mod = importlib.import_module("xopt.jax.velo")
+    from xopt.parity import bundled_traces
+    from xopt.parity.harness import run_parity
+
+    out = report.setdefault("golden", {})
+    for method, mod, fn_name in (("small_fc_lopt", sfc_mod, "small_fc_lopt"),
+                                 ("velo", velo_mod, "velo")):
+        original = getattr(mod, fn_name)
+        for label, impl, prec in JAX_PATHS[method]:
+            if prec == "fast":  # TF32: not held to the golden bounds (nor is torch's)
+                continue
+            if dl.left() < 40:
+                note(report, f"golden {label} skipped (deadline)")
+                continue
+            setattr(mod, fn_name, functools.partial(original, impl=impl, precision=prec))
+            try:
+                rep = run_parity(method, bundled_traces(method), backends=["jax"],
+                                 explicit_backends=True)
+                out[label] = {"verdict": rep.verdict,
+                              "max_rel": {f"{r.trace}/{r.mode}": r.max_rel_error
+                                          for r in rep.runs}}
+                print(f"  golden {label}: {rep.verdict} "
+                      f"{ {k: f'{v:.2e}' for k, v in out[label]['max_rel'].items()} }",
+                      flush=True)
+            except Exception as e:  # noqa: BLE001
+                out[label] = {"error": err(e)}
+                note(report, f"golden {label} failed: {err(e)}")
+            finally:
+                setattr(mod, fn_name, original)
+
+
+def survey_transforms(with_plain: bool, rank: int) -> list[tuple[str, object]]:
+    from xopt import specs
+
+    out: list = [("optax.adamw", lambda: optax.adamw(1e-3)),
+                 ("xopt.jax.adamw", lambda: xj.adamw(1e-3))]
+    for label, impl, prec in JAX_PATHS["small_fc_lopt"] + JAX_PATHS["velo"]:
+        m = label.split("/")[1]
+        out.append((f"xopt.jax.{m}/{impl}/{prec}",
+                    lambda m=m, impl=impl, prec=prec: make_tx(m, impl, prec)))
+    for method in ("galore", "flora", "coap", "plumage"):
+        extra = {"beta1": 0.9} if method == "flora" else {}
+
+        def build(method=method, extra=extra):
+            hp = specs.get(method).make(None, lr=1e-3, rank=rank, **extra)
+            return getattr(xj, method)(spec=hp)
+
+        out.append((f"xopt.jax.{method}", build))
+    if with_plain:
+        out += [("xopt.jax.small_fc_lopt/plain", lambda: make_tx("small_fc_lopt", "plain")),
+                ("xopt.jax.velo/plain", lambda: make_tx("velo", "plain"))]
+    return out
+
+
+def compile_survey(model: str, report: dict, dl: Deadline, args) -> None:
+    """``lower`` + ``compile`` seconds of ``update`` + ``apply_updates`` on abstract arrays."""
+    shapes = MODELS[model]()
+    params = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    loss = jax.ShapeDtypeStruct((), jnp.float32)
+    out = report.setdefault("compile", {}).setdefault(model, {})
+    print(f"\n== compile time of update + apply_updates, {model} shapes ({len(shapes)} tensors)",
+          flush=True)
+    rank = 2 if model == "tiny" else 128
+    for label, build in survey_transforms(args.plain, rank):
+        if args.survey and not any(x in label for x in args.survey.split(",")):
+            continue
+        if label in out and "total_s" in out[label]:  # measured in the timing phase
+            print(f"  {label:40s} total {out[label]['total_s']:6.1f} s (timing phase)")
+            continue
+        if dl.left() < 20:
+            note(report, f"compile survey: {label} skipped (deadline)")
+            continue
+        try:
+            tx = build()
+            state = jax.eval_shape(tx.init, params)
+            lopt = "small_fc_lopt" in label or "velo" in label
+            fn = step_fn(tx, "lopt" if lopt else "adamw", donate=False)
+            t0 = time.perf_counter()
+            lowered = fn.lower(params, state, params, loss)
+            t1 = time.perf_counter()
+            lowered.compile()
+            t2 = time.perf_counter()
+            out[label] = {"lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0}
+        except Exception as e:  # noqa: BLE001
+            out[label] = {"error": err(e)}
+            note(report, f"compile survey {label}: {err(e)}")
+            continue
+        write(report, args)  # (a compile cut short by the run's time limit loses nothing)
+        base = out.get("optax.adamw", {}).get("total_s")
+        ratio = f"x{out[label]['total_s'] / base:5.2f} optax.adamw" if base else ""
+        print(f"  {label:40s} lower {t1 - t0:6.1f} s  compile {t2 - t1:6.1f} s  {ratio}",
+              flush=True)
+
+
+def plain_timing(model: str, args, report: dict, dl: Deadline) -> None:
+    shapes = MODELS[model]()
+    grads = device_params(shapes, 7, 1e-3)
+    loss = jnp.float32(1.0)
+    res = report["models"].setdefault(model, {"timings": {}})
+    for method in ("small_fc_lopt", "velo"):
+        if dl.left() < 150:
+            note(report, f"{model}: plain {method} timing skipped (deadline)")
+            continue
+        try:
+            e = JaxEntry(method, "plain", "exact", shapes, grads, loss)
+            t = [e.timed() for _ in range(3)]
+            res["timings"][f"jax/{method}/plain"] = {
+                "median_ms": statistics.median(t), "min_ms": min(t), "times_ms": t,
+                "lower_s": e.lower_s, "compile_s": e.compile_s}
+            e.free()
+        except Exception as e:  # noqa: BLE001
+            note(report, f"{model}: plain {method} failed: {err(e)}")
+    table(model, res)
+
+
+def write(report: dict, args) -> None:
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "lopt_step_jax.json").write_text(json.dumps(report, indent=1, default=str))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--models", default=None, help="default: vit_b16,gpt2_medium (tiny: tiny)")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny model (CI)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=4, help="timed calls per entry and round")
+    ap.add_argument("--deadline-s", type=float, default=540.0,
+                    help="skip what would start after this many seconds")
+    ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--no-golden", action="store_true")
+    ap.add_argument("--no-survey", action="store_true")
+    ap.add_argument("--plain", action="store_true",
+                    help="also the plain learned optimizers (slow to compile)")
+    ap.add_argument("--only", default="", help="time only JAX labels containing this")
+    ap.add_argument("--survey", default="", help="compile survey: only the transforms whose "
+                    "label contains one of these comma-separated strings")
+    args = ap.parse_args()
+    dl = Deadline(args.deadline_s)
+    models = (args.models or ("tiny" if args.tiny else "vit_b16,gpt2_medium")).split(",")
+    if args.tiny:
+        args.rounds, args.reps = min(args.rounds, 1), min(args.reps, 2)
+    dev = jax.devices()[0]
+    report = {"device": str(getattr(dev, "device_kind", dev)), "backend": jax.default_backend(),
+              "date": datetime.date.today().isoformat(), "jax": jax.__version__,
+              "optax": optax.__version__, "models": {}, "notes": [],
+              "config": {"small_fc_lopt": SMALL_FC, "velo": VELO}}
+    print(f"{report['device']} ({report['backend']}); {report['date']}; jax {jax.__version__}",
+          flush=True)
+    if report["backend"] != "gpu" and not args.tiny:
+        note(report, "no GPU: the figures are the CPU's (the Pallas kernels interpreted)")
+    for model in models:
+        try:
+            bench_model(model, args, report, dl)
+        except Exception as e:  # noqa: BLE001
+            note(report, f"{model}: {err(e)}")
+            traceback.print_exc(limit=4)
+        write(report, args)
+    if not args.no_golden:
+        try:
+            golden(report, dl)
+        except Exception as e:  # noqa: BLE001
+            note(report, f"golden: {err(e)}")
+        write(report, args)
+    for model in models if not args.skip_checks else ():
+        try:
+            check_model(model, args, report, dl)
+        except Exception as e:  # noqa: BLE001
+            note(report, f"{model} checks: {err(e)}")
+    if not args.no_survey:
+        survey_model = "tiny" if args.tiny else "gpt2_medium"
+        try:
+            compile_survey(survey_model, report, dl, args)
+        except Exception as e:  # noqa: BLE001
+            note(report, f"compile survey: {err(e)}")
+        write(report, args)
+    if args.plain and not args.tiny:
+        plain_timing(models[0], args, report, dl)
+        write(report, args)
+    print(f"\nwrote {Path(args.out_dir) / 'lopt_step_jax.json'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""The fast paths of xopt.jax's learned optimizers: a model's tensors packed by shape.
+
+The plain path (:mod:`xopt.jax.small_fc_lopt`, :mod:`xopt.jax.velo`) evaluates the spec's
+per-tensor math once per parameter: a jitted update of GPT-2 medium (292 tensors) holds
+292 copies of every feature, normalizer and MLP op, so the program, its compile time and
+its kernel launches grow with the number of tensors. Here the tensors are grouped by
+shape (:class:`Buckets`: GPT-2 medium's 292 tensors have 8 shapes, ViT-B/16's 152 have 12),
+each group is stacked on a leading axis, and the same per-tensor math runs once per group
+under ``jax.vmap`` (``impl="packed"``). The program then has a fixed number of ops per
+shape, whatever the depth of the model, and every op is the plain path's op with a batch
+axis: the same arithmetic, so the results are the plain path's up to the order XLA picks
+for a batched reduction (a few float32 ulps; tests/test_kernels_lopt_jax.py holds them to
+the plain path, to float64 and to the golden traces).
+
+``impl="pallas"`` adds fused Pallas kernels (:mod:`xopt.jax._lopt_pallas`) for the
+per-element pass of the 2-D factored groups, where nearly all elements are: the features,
+the MLP and the step in registers instead of XLA's materialized feature matrices and
+activations. Pallas rather than jax-triton's ``triton_call`` of
+xopt's own Triton kernels: those kernels address tensors through a table of raw device
+pointers built by torch, which a JAX program cannot hand them without packing every
+tensor into flat buffers first, and jax-triton has no CPU interpreter, so CI could not run
+that path; Pallas kernels run under ``interpret=True`` on the CPU (CI) and lower to
+Triton on the GPU.
+
+The state is the plain path's (the same pytrees, shapes and names), so a state written by
+one implementation resumes under the other. The default (``impl=None``) is
+:data:`GPU_DEFAULT` on a GPU backend, the plain path elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from xopt.errors import HyperparameterError
+
+__all__ = ["GPU_DEFAULT", "IMPLS", "Buckets", "resolve_impl", "select"]
+
+#: implementations of the learned optimizers' inner update (``impl=``)
+IMPLS = ("plain", "packed", "pallas")
+#: precisions of the fused kernels' matrix products (``precision=``): "exact" multiplies
+#: float32 on the tensor cores as three TF32 products (operands carried to ~22 bits, as the
+#: torch Triton path's exact mode), "fast" as one TF32 product (about 1e-3 relative)
+PRECISIONS = ("exact", "fast")
+#: the default on a GPU backend, per method: the fastest of its paths
+#: (bench/lopt_step_jax.py times every implementation side by side)
+GPU_DEFAULT = {"small_fc_lopt": "pallas", "velo": "pallas"}
+
+
+def resolve_impl(label: str, impl: str | None, precision: str,
+                 method_name: str = "small_fc_lopt") -> str:
+    """``impl`` checked (None or "auto": :data:`GPU_DEFAULT` when JAX's default backend is a
+    GPU, else "plain"); a bad value is a :class:`HyperparameterError` naming it."""
+    if impl not in (None, "auto", *IMPLS):
+        raise HyperparameterError(f"{label}: impl must be one of {', '.join(IMPLS)} or None "
+                                  f"(auto), got {impl!r}")
+    if precision not in PRECISIONS:
+        raise HyperparameterError(f"{label}: precision must be 'exact' or 'fast', got "
+                                  f"{precision!r}")
+    if impl in (None, "auto"):
+        return GPU_DEFAULT[method_name] if jax.default_backend() == "gpu" else "plain"
+    return impl
+
+
+def select(label: str, method_name: str, plain: Any, impl: str | None,
+           precision: str) -> Any:
+    """The inner method (:class:`xopt.jax._lopt.InnerMethod`) for ``impl``: ``plain``
+    itself, or a fast one that shares its hyperparameters, θ and ``init``."""
+    which = resolve_impl(label, impl, precision, method_name)
+    if which == "plain":
+        return plain
+    if which == "pallas" and impl in (None, "auto"):  # the default: pallas where it applies
+        from xopt.jax import _lopt_pallas
+
+        check = (_lopt_pallas.unsupported_small_fc if method_name == "small_fc_lopt"
+                 else _lopt_pallas.unsupported_velo)
+        if check(plain.hp) is not None:
+            which = "packed"
+    if method_name == "small_fc_lopt":
+        return PackedSmallFC(plain, which, precision)
+    if method_name == "velo":
+        return PackedVeLO(plain, which)
+    raise ValueError(f"no fast path for {method_name!r}")
+
+
+# -- grouping tensors by shape --------------------------------------------------------------
+
+
+class Buckets:
+    """The leaves of a pytree grouped by shape, in order of first appearance.
+
+    ``groups``: ``[(shape, [leaf indices])]``. :meth:`stack` gives one array per group
+    (the group's leaves stacked on a new axis 0); :meth:`unstack` inverts it.
+    """
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]]) -> None:
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, s in enumerate(shapes):
+            groups.setdefault(tuple(int(d) for d in s), []).append(i)
+        self.groups = list(groups.items())
+        self.n = len(shapes)
+
+    def stack(self, leaves: Sequence[Any]) -> list[Any]:
+        return [jnp.stack([leaves[i] for i in idx]) for _, idx in self.groups]
+
+    def unstack(self, stacked: Sequence[Any]) -> list[Any]:
+        out: list[Any] = [None] * self.n
+        for (_, idx), arr in zip(self.groups, stacked, strict=True):
+            for j, i in enumerate(idx):
+                out[i] = arr[j]
+        return out
+
+    def order(self) -> list[int]:
+        """The leaf index of each row of the groups concatenated."""
+        return [i for _, idx in self.groups for i in idx]
+
+
+def _per_group(buckets: Buckets, fn: Callable[..., Any], *inputs: Any) -> list[list[Any]]:
+    """``fn`` vmapped over each group; ``inputs``: per-leaf lists (stacked per group) or
+    arrays with one row per leaf (the group's rows taken). ``fn`` returns a flat tuple of
+    arrays; the result holds, per output, the per-leaf results."""
+    outs: list[list[Any]] = []
+    for _, idx in buckets.groups:
+        args = [jnp.stack([x[i] for i in idx]) if isinstance(x, (list, tuple))
+                else x[jnp.asarray(idx)] for x in inputs]
+        res = jax.vmap(fn)(*args)
+        if not outs:
+            outs = [[None] * buckets.n for _ in res]
+        for o, arr in zip(outs, res, strict=True):
+            for j, i in enumerate(idx):
+                o[i] = arr[j]
+    return outs
+
+
+# -- small_fc_lopt --------------------------------------------------------------------------
+
+
+class PackedSmallFC:
+    """small_fc_lopt's inner update over shape groups (``impl="packed"`` and, for the 2-D
+    factored groups, ``impl="pallas"``)."""
+
+    def __init__(self, plain: Any, impl: str, precision: str) -> None:
+        self.plain, self.hp, self.meta = plain, plain.hp, plain.meta
+        self.impl, self.precision = impl, precision
+        if impl == "pallas":
+            from xopt.jax import _lopt_pallas
+
+            why = _lopt_pallas.unsupported_small_fc(self.hp)
+            if why is not None:
+                raise HyperparameterError(f"xopt.jax.small_fc_lopt(impl='pallas'): {why}")
+
+    def init(self, params: Any) -> Any:
+        return self.plain.init(params)
+
+    def update(self, params: Any, grads: Any, loss: jax.Array, iteration: jax.Array,
+               inner: Any) -> tuple[Any, Any]:
+        from xopt.specs import small_fc_lopt as spec
+
+        del loss  # AdafacMLPLOpt does not read the loss
+        hp, meta = self.hp, self.meta
+        p_leaves, treedef = jax.tree.flatten(params)
+        g_leaves = treedef.flatten_up_to(grads)
+        names = spec._PARAM_VARS
+        accs_in = [treedef.flatten_up_to(getattr(inner, v)) for v in names]
+        decays = spec.decays(hp, meta, xp=jnp)
+        tf = spec.time_features(jnp, iteration, meta["mlp/b0"])
+        buckets = Buckets([jnp.shape(p) for p in p_leaves])
+        steps: list[Any] = [None] * len(p_leaves)
+        accs_out: list[list[Any]] = [[None] * len(p_leaves) for _ in names]
+
+        def one(p, g, m, rms, v_row, v_col, v_diag):  # noqa: ANN001, ANN202
+            step, accs = spec.compute_step(hp, p, g, m, rms, v_row, v_col, v_diag, tf, meta,
+                                           decays, xp=jnp)
+            return (step, *accs)
+
+        fused = None
+        if self.impl == "pallas":
+            from xopt.jax import _lopt_pallas
+
+            fused = _lopt_pallas.SmallFCKernels(hp, meta, self.precision)
+        for shape, idx in buckets.groups:
+            args = [jnp.stack([x[i] for i in idx]) for x in (p_leaves, g_leaves, *accs_in)]
+            if fused is not None and fused.handles(shape):
+                res = fused(shape, *args, tf=tf, decays=decays)
+            else:
+                res = jax.vmap(one)(*args)
+            for j, i in enumerate(idx):
+                steps[i] = res[0][j]
+                for out, arr in zip(accs_out, res[1:], strict=True):
+                    out[i] = arr[j]
+        new = type(inner)(*(treedef.unflatten(a) for a in accs_out),
+                          mom_t=inner.mom_t + 1, rms_t=inner.rms_t + 1)
+        return treedef.unflatten(steps), new
+
+
+# -- VeLO ------------------------------------------------------------------------------------
+
+
+class PackedVeLO:
+    """VeLO's inner update over shape groups (``impl="packed"`` and, for the 2-D factored
+    groups, ``impl="pallas"``): the LSTM inputs and the per-tensor MLPs per group, the LSTM
+    itself on all tensors at once in the parameters' order, as the plain path."""
+
+    def __init__(self, plain: Any, impl: str = "packed") -> None:
+        self.plain, self.hp, self.meta, self.impl = plain, plain.hp, plain.meta, impl
+        if impl == "pallas":
+            from xopt.jax import _lopt_pallas
+
+            why = _lopt_pallas.unsupported_velo(self.hp)
+            if why is not None:
+                raise HyperparameterError(f"xopt.jax.velo(impl='pallas'): {why}")
+
+    def init(self, params: Any) -> Any:
+        return self.plain.init(params)
+
+    def update(self, params: Any, grads: Any, loss: jax.Array, iteration: jax.Array,
+               inner: Any) -> tuple[Any, Any]:
+        from xopt.specs import velo as spec
+
+        hp, meta = self.hp, self.meta
+        acc_vars = ("m", "rms", "v_row", "v_col", "v_diag")
+        p_leaves, treedef = jax.tree.flatten(params)
+        g_leaves = treedef.flatten_up_to(grads)
+        accs_in = [treedef.flatten_up_to(getattr(inner, v)) for v in acc_vars]
+        like = inner.loss_means
+        means, rmin, loss_it, lfeat = spec.loss_buffer_step(
+            jnp, inner.loss_means, inner.loss_running_min, inner.loss_decays,
+            inner.loss_iteration, loss)
+        # as the plain path: the horizon kept opaque, so that t / N stays a division
+        num_steps = jax.lax.optimization_barrier(jnp.asarray(hp.inner_num_steps, jnp.int32))
+        frac = spec.fraction_trained(jnp, iteration, num_steps, like)
+        buckets = Buckets([jnp.shape(p) for p in p_leaves])
+        n = len(p_leaves)
+
+        def features(p, m, rms):  # noqa: ANN001, ANN202
+            return (spec.lstm_features(jnp, p, m, rms, frac, lfeat),)
+
+        (rows,) = _per_group(buckets, features, p_leaves, accs_in[0], accs_in[1])
+        x = jnp.stack(rows)  # the parameters' order, as the plain path
+        hidden = jnp.stack(treedef.flatten_up_to(inner.lstm_hidden))
+        cell = jnp.stack(treedef.flatten_up_to(inner.lstm_cell))
+        controls, lr_mult, hidden, cell = spec.lstm_step(jnp, x, hidden, cell, meta)
+        decays = tuple(jnp.asarray(d) for d in spec.decay_arrays(hp))
+
+        def one(p, g, m, rms, v_row, v_col, v_diag, c, s):  # noqa: ANN001, ANN202
+            step, accs = spec.update_tensor(jnp, hp, p, g, m, rms, v_row, v_col, v_diag, c, s,
+                                            meta, decays)
+            return (step, *accs)
+
+        fused = None
+        if self.impl == "pallas":
+            from xopt.jax import _lopt_pallas
+
+            fused = _lopt_pallas.VeLOKernels(hp, meta)
+        res: list[list[Any]] = [[None] * n for _ in range(1 + len(acc_vars))]
+        for shape, idx in buckets.groups:
+            rows_idx = jnp.asarray(idx)
+            args = [jnp.stack([x_[i] for i in idx]) for x_ in (p_leaves, g_leaves, *accs_in)]
+            if fused is not None and fused.handles(shape):
+                out = fused(shape, *args, controls[rows_idx], lr_mult[rows_idx], decays=decays)
+            else:
+                out = jax.vmap(one)(*args, controls[rows_idx], lr_mult[rows_idx])
+            for r, arr in zip(res, out, strict=True):
+                for j, i in enumerate(idx):
+                    r[i] = arr[j]
+        new = type(inner)(*(treedef.unflatten(a) for a in res[1:]),
+                          lstm_hidden=treedef.unflatten([hidden[i] for i in range(n)]),
+                          lstm_cell=treedef.unflatten([cell[i] for i in range(n)]),
+                          mom_t=inner.mom_t + 1, rms_t=inner.rms_t + 1, loss_means=means,
+                          loss_running_min=rmin, loss_decays=inner.loss_decays,
+                          loss_iteration=loss_it)
+        return treedef.unflatten(res[0]), new

@@ -1,0 +1,524 @@
+"""Fused Pallas kernels for small_fc_lopt's per-element pass over a group of 2-D tensors.
+
+Used by ``xopt.jax.small_fc_lopt(impl="pallas")`` (:class:`xopt.jax._lopt_fast.PackedSmallFC`)
+for each shape group whose tensors are factored matrices: rank 2, or a higher rank whose
+axes other than the two factored ones have length 1 (ViT's ``(1, 197, 768)``), seen as
+``[L, N1, N2]`` (``L`` tensors stacked, ``N2`` the contiguous axis). The other groups
+(vectors, scalars, convolution kernels) keep the packed XLA path.
+
+Per group, with the math of :func:`xopt.specs.small_fc_lopt.compute_step`:
+
+1. XLA: the Adafactor statistics ``v_row``, ``v_col`` (the spec's ``factored_update``,
+   batched), their row-column means and factors, and the 12 row/column features' sums of
+   squares (a feature of one axis summed over a tensor is the other axis's length times
+   its sum over positions);
+2. :func:`_stats_kernel`: per block of elements, Σ feature² of the 16 per-element features
+   (g, p, m, rms, m·rsqrt(rms), rsqrt(rms), fac_g, m·row_factor·col_factor), with the
+   updated accumulators recomputed in registers; XLA adds the blocks and forms the
+   normalizers ``rsqrt(1e-5 + mean feature²)``;
+3. XLA: the first layer's row/column terms, ``Σ (f·inv)·W0[f]`` over the 6 features of each
+   axis, one row of ``hidden`` numbers per position, and the time features folded into
+   the first bias;
+4. :func:`_fused_kernel`: per block, the accumulators, the 16 per-element features
+   normalized, the first layer as float32 rank-1 updates on top of the axis terms, the
+   hidden layers on the tensor cores (``precision``: "exact" three TF32 products, "fast"
+   one; full float32 under the CPU interpreter), the output layer as float32 sums, the
+   step; writes the step, ``m`` and ``rms``.
+
+Nothing is materialized per element but the kernels' inputs and outputs: no [n, 39]
+feature matrix, no [n, hidden] activations. Grids are one-dimensional (a tensor's blocks
+one after another), so no grid axis meets CUDA's 65535 limit. Boundary blocks are masked
+where they are summed; their out-of-range lanes are never stored.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from xopt.specs import _lopt
+from xopt.specs import small_fc_lopt as spec
+
+__all__ = ["SmallFCKernels", "two_d_view", "unsupported_small_fc"]
+
+#: a block: BR rows of BC contiguous elements (BR·BC elements per program)
+BR = 2
+BC = 64
+NUM_WARPS = 4
+#: a squeezed block dimension (``None`` in older Pallas)
+SQ = getattr(pl, "squeezed", None)
+#: the per-element features (spec indices) the kernels compute, in this order
+ELEM = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 25, 26, 27)
+
+
+def unsupported_small_fc(hp: spec.SmallFCLOpt) -> str | None:
+    """Why the kernels cannot run these hyperparameters (None: they can)."""
+    k = (len(hp.initial_momentum_decays), len(hp.initial_rms_decays),
+         len(hp.initial_adafactor_decays))
+    if k != (3, 1, 3):
+        return f"the kernels are written for 3 momentum, 1 rms and 3 Adafactor decays (got {k})"
+    if int(hp.hidden_layers) < 1:
+        return "the kernels need hidden_layers >= 1"
+    return None
+
+
+def two_d_view(shape: tuple[int, ...]) -> tuple[int, int, bool] | None:
+    """``(N1, N2, row_on_1)`` for a shape the kernels handle (None otherwise): the lengths
+    of the two factored axes in storage order and whether ``v_row`` (the mean over the
+    largest axis d0) is indexed by the first of them (d0 is the second)."""
+    f = _lopt.factored_dims(shape)
+    if f is None:
+        return None
+    d1, d0 = f
+    if any(s != 1 for i, s in enumerate(shape) if i not in (d0, d1)):
+        return None
+    a, b = sorted((d0, d1))
+    return int(shape[a]), int(shape[b]), d0 == b
+
+
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def _dot_precision(precision: str) -> Any:
+    if _on_cpu():  # the interpreter: XLA's CPU dot, full float32
+        return jax.lax.Precision.HIGHEST
+    if precision == "exact":
+        return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return jax.lax.Precision.DEFAULT
+
+
+def _compiler_params() -> Any:
+    if _on_cpu():
+        return None
+    from jax.experimental.pallas import triton as plt
+
+    return plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+
+
+def _blocks(n1: int, n2: int) -> tuple[int, int]:
+    return -(-n1 // BR), -(-n2 // BC)
+
+
+def _index_maps(n1: int, n2: int):  # noqa: ANN202
+    nb1, nb2 = _blocks(n1, n2)
+    per = nb1 * nb2
+
+    def elem(t):  # noqa: ANN001, ANN202
+        return t // per, (t % per) // nb2, t % nb2
+
+    return nb1, nb2, per, elem
+
+
+def _accumulate(g, p, m_ref, r_ref, dec_ref):  # noqa: ANN001, ANN202
+    """The updated momenta and second moment of a block, and ``rsqrt(rms + 1e-6)``."""
+    ms = []
+    for k in range(3):
+        d = dec_ref[k]
+        ms.append(d * m_ref[:, :, k] + (1 - d) * g)
+    c = jnp.clip(dec_ref[3], 0.0, 1.0)
+    rms = c * r_ref[...] + (1 - c) * (g * g)
+    return ms, rms, jax.lax.rsqrt(rms + 1e-6)
+
+
+def _elem_features(g, p, ms, rms, r, f1_ref, f2_ref, row_on_1):  # noqa: ANN001, ANN202
+    """The 16 per-element features (:data:`ELEM`) of a [BR, BC] block, unnormalized."""
+    feats = [g, p, *ms, rms, *(m * r for m in ms), r]
+    fg, fm = [], []
+    for k in range(3):
+        a = f1_ref[k, :][:, None]  # factor of decay k along axis 1
+        b = f2_ref[k, :][None, :]  # along axis 2
+        rf, cf = (a, b) if row_on_1 else (b, a)
+        fg.append((g * rf) * cf)
+        fm.append((ms[k] * rf) * cf)
+    return feats + fg + fm
+
+
+def _valid(t, per, nb2, n1, n2):  # noqa: ANN001, ANN202
+    i = (t % per) // nb2
+    j = t % nb2
+    rows = i * BR + jax.lax.broadcasted_iota(jnp.int32, (BR, BC), 0)
+    cols = j * BC + jax.lax.broadcasted_iota(jnp.int32, (BR, BC), 1)
+    return (rows < n1) & (cols < n2)
+
+
+def _stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *, n1, n2,
+                  row_on_1):  # noqa: ANN001
+    t = pl.program_id(0)
+    _, nb2, per, _ = _index_maps(n1, n2)
+    valid = _valid(t, per, nb2, n1, n2)
+    g = jnp.where(valid, g_ref[...], 0.0)
+    p = jnp.where(valid, p_ref[...], 0.0)
+    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref)
+    feats = _elem_features(g, p, ms, rms, r, f1_ref, f2_ref, row_on_1)
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (16,), 0)
+    out = jnp.zeros((16,), jnp.float32)
+    for k, f in enumerate(feats):
+        out = jnp.where(lanes == k, jnp.sum(jnp.where(valid, f * f, 0.0)), out)
+    o_ref[...] = out
+
+
+def _fused_kernel(dec_ref, inv_ref, w0_ref, b0_ref, wh_ref, bh_ref, wl_ref, bl_ref, g_ref,
+                  p_ref, m_ref, r_ref, f1_ref, f2_ref, t1_ref, t2_ref, s_ref, mo_ref, ro_ref,
+                  *, row_on_1, nhid, hp, exp_mult, step_mult, prec):  # noqa: ANN001
+    g = g_ref[...]
+    p = p_ref[...]
+    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref)
+    feats = _elem_features(g, p, ms, rms, r, f1_ref, f2_ref, row_on_1)
+    n = BR * BC
+    h = (t1_ref[...][:, None, :] + t2_ref[...][None, :, :]).reshape(n, hp) + b0_ref[...]
+    for k, f in enumerate(feats):  # the first layer, feature by feature (float32 FMAs)
+        x = (f * inv_ref[k]).reshape(n)
+        h = h + x[:, None] * w0_ref[k, :][None, :]
+    h = jnp.maximum(h, 0.0)
+    for i in range(nhid):
+        h = jnp.dot(h, wh_ref[i], precision=prec) + bh_ref[i, :][None, :]
+        h = jnp.maximum(h, 0.0)
+    direction = jnp.sum(h * wl_ref[0, :][None, :], axis=1) + bl_ref[0]
+    magnitude = jnp.sum(h * wl_ref[1, :][None, :], axis=1) + bl_ref[1]
+    step = direction * jnp.exp(magnitude * exp_mult) * step_mult
+    s_ref[...] = step.reshape(BR, BC)
+    for k in range(3):
+        mo_ref[:, :, k] = ms[k]
+    ro_ref[...] = rms
+
+
+def _pad_cols(w: Any, n: int) -> Any:
+    return jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, n - w.shape[-1])])
+
+
+class SmallFCKernels:
+    """The Pallas per-element pass of small_fc_lopt for 2-D factored shape groups."""
+
+    def __init__(self, hp: spec.SmallFCLOpt, meta: Mapping[str, Any], precision: str) -> None:
+        self.hp, self.meta, self.precision = hp, meta, precision
+        width = int(hp.hidden_size)
+        self.hp_ = max(16, 1 << (width - 1).bit_length())
+        self.nl = int(hp.hidden_layers)
+
+    def handles(self, shape: tuple[int, ...]) -> bool:
+        return two_d_view(shape) is not None
+
+    def _weights(self, tf: Any) -> dict[str, Any]:
+        meta, hp_, nl = self.meta, self.hp_, self.nl
+        nf = spec.num_param_features(self.hp)
+        w0 = jnp.asarray(meta["mlp/w0"], jnp.float32)
+        b0 = jnp.asarray(meta["mlp/b0"], jnp.float32)
+        # the time features are the same for every element: folded into the first bias
+        b0t = b0 + jnp.matmul(tf, w0[nf:], precision=jax.lax.Precision.HIGHEST)
+        wh = [_pad_cols(jnp.pad(jnp.asarray(meta[f"mlp/w{i}"], jnp.float32),
+                                [(0, hp_ - int(meta[f"mlp/w{i}"].shape[0])), (0, 0)]), hp_)
+              for i in range(1, nl)]
+        bh = [_pad_cols(jnp.asarray(meta[f"mlp/b{i}"], jnp.float32), hp_)
+              for i in range(1, nl)]
+        wl = jnp.asarray(meta[f"mlp/w{nl}"], jnp.float32)[:, :2]
+        wl = jnp.pad(wl, [(0, hp_ - wl.shape[0]), (0, 0)]).T  # [2, HP]
+        return dict(
+            w0=_pad_cols(w0[:nf], hp_), b0=_pad_cols(b0t, hp_)[None, :],
+            wh=jnp.stack(wh) if wh else jnp.zeros((1, hp_, hp_), jnp.float32),
+            bh=jnp.stack(bh) if bh else jnp.zeros((1, hp_), jnp.float32),
+            wl=wl, bl=jnp.asarray(meta[f"mlp/b{nl}"], jnp.float32)[:2])
+
+    def __call__(self, shape: tuple[int, ...], p: Any, g: Any, m: Any, rms: Any, v_row: Any,
+                 v_col: Any, v_diag: Any, *, tf: Any, decays: tuple[Any, Any, Any]
+                 ) -> tuple[Any, ...]:
+        """One shape group (stacked on axis 0): ``(step, m, rms, v_row, v_col, v_diag)``
+        stacked, as :func:`xopt.specs.small_fc_lopt.compute_step` per tensor."""
+        L = p.shape[0]
+        n1, n2, row_on_1 = two_d_view(shape)
+        mom_d, rms_d, fac_d = decays
+        # 1. the Adafactor statistics (the spec's own function, batched)
+        new_row, new_col, _, _ = jax.vmap(
+            lambda vr, vc, vd, gg: _lopt.factored_update(jnp, vr, vc, vd, gg, fac_d)
+        )(v_row, v_col, v_diag, g)
+        vr2 = new_row.reshape(L, -1, 3)  # [L, positions of the v_row axis, 3]
+        vc2 = new_col.reshape(L, -1, 3)
+        rcm = jnp.mean(vr2, axis=1, keepdims=True)
+        rf = _lopt.safe_rsqrt(jnp, vr2 / (rcm + 1e-9))
+        cf = _lopt.safe_rsqrt(jnp, vc2)
+        f1, f2 = (rf, cf) if row_on_1 else (cf, rf)
+        f1 = jnp.swapaxes(f1, 1, 2)  # [L, 3, N1]
+        f2 = jnp.swapaxes(f2, 1, 2)  # [L, 3, N2]
+        # the row/column features: v_row (13-15), v_col (16-18), rsqrt(v + 1e-8) (19-24)
+        row_feats = jnp.concatenate([vr2, jax.lax.rsqrt(vr2 + 1e-8)], axis=-1)  # [L, n, 6]
+        col_feats = jnp.concatenate([vc2, jax.lax.rsqrt(vc2 + 1e-8)], axis=-1)
+        n_row_pos, n_col_pos = vr2.shape[1], vc2.shape[1]
+        row_sq = jnp.sum(row_feats * row_feats, axis=1) * n_col_pos  # Σ over elements
+        col_sq = jnp.sum(col_feats * col_feats, axis=1) * n_row_pos
+
+        decs = jnp.concatenate([mom_d, rms_d, jnp.zeros((4,), jnp.float32)])  # [8]
+        gv, pv = g.reshape(L, n1, n2), p.reshape(L, n1, n2)
+        mv, rv = m.reshape(L, n1, n2, 3), rms.reshape(L, n1, n2)
+        nb1, nb2, per, elem = _index_maps(n1, n2)
+        grid = (L * per,)
+        whole = lambda t: (0,)  # noqa: E731
+        blk = pl.BlockSpec((SQ, BR, BC), lambda t: elem(t))
+        blk_m = pl.BlockSpec((SQ, BR, BC, 3), lambda t: (*elem(t), 0))
+        blk_f1 = pl.BlockSpec((SQ, 3, BR), lambda t: (elem(t)[0], 0, elem(t)[1]))
+        blk_f2 = pl.BlockSpec((SQ, 3, BC), lambda t: (elem(t)[0], 0, elem(t)[2]))
+        interpret = _on_cpu()
+        params = _compiler_params()
+
+        # 2. Σ feature² of the per-element features, per block
+        part = pl.pallas_call(
+            functools.partial(_stats_kernel, n1=n1, n2=n2, row_on_1=row_on_1),
+            out_shape=jax.ShapeDtypeStruct((L * per, 16), jnp.float32), grid=grid,
+            in_specs=[pl.BlockSpec((8,), whole), blk, blk, blk_m, blk, blk_f1, blk_f2],
+            out_specs=pl.BlockSpec((SQ, 16), lambda t: (t, 0)),
+            interpret=interpret, compiler_params=params, name="sfc_stats",
+        )(decs, gv, pv, mv, rv, f1, f2)
+        elem_sq = jnp.sum(part.reshape(L, per, 16), axis=1)  # [L, 16]
+        sq = jnp.concatenate([elem_sq[:, :13], row_sq[:, :3], col_sq[:, :3], row_sq[:, 3:],
+                              col_sq[:, 3:], elem_sq[:, 13:]], axis=1)  # [L, 28] spec order
+        inv = jax.lax.rsqrt(1e-5 + sq / float(n1 * n2))
+
+        # 3. the axis features' first-layer terms and the bias
+        w = self._weights(tf)
+        w0 = w["w0"]
+        row_rows = np.array([13, 14, 15, 19, 20, 21])
+        col_rows = np.array([16, 17, 18, 22, 23, 24])
+        hi = jax.lax.Precision.HIGHEST
+        t_row = jnp.einsum("lnk,kh->lnh", row_feats * inv[:, None, row_rows], w0[row_rows],
+                           precision=hi)
+        t_col = jnp.einsum("lnk,kh->lnh", col_feats * inv[:, None, col_rows], w0[col_rows],
+                           precision=hi)
+        t1, t2 = (t_row, t_col) if row_on_1 else (t_col, t_row)
+        inv16 = inv[:, np.array(ELEM)]  # [L, 16]
+        w16 = w0[np.array(ELEM)]  # [16, HP]
+        hp_ = self.hp_
+        nhid = self.nl - 1
+
+        # 4. the fused pass
+        kern = functools.partial(
+            _fused_kernel, row_on_1=row_on_1, nhid=nhid, hp=hp_,
+            exp_mult=float(self.hp.exp_mult), step_mult=float(self.hp.step_mult),
+            prec=_dot_precision(self.precision))
+        full = lambda *shape: pl.BlockSpec(shape, lambda t: (0,) * len(shape))  # noqa: E731
+        step, m_new, rms_new = pl.pallas_call(
+            kern,
+            out_shape=(jax.ShapeDtypeStruct((L, n1, n2), jnp.float32),
+                       jax.ShapeDtypeStruct((L, n1, n2, 3), jnp.float32),
+                       jax.ShapeDtypeStruct((L, n1, n2), jnp.float32)),
+            grid=grid,
+            in_specs=[pl.BlockSpec((8,), whole),
+                      pl.BlockSpec((SQ, 16), lambda t: (elem(t)[0], 0)),
+                      full(16, hp_), full(1, hp_), full(*w["wh"].shape), full(*w["bh"].shape),
+                      full(2, hp_), pl.BlockSpec((2,), whole),
+                      blk, blk, blk_m, blk, blk_f1, blk_f2,
+                      pl.BlockSpec((SQ, BR, hp_), lambda t: (elem(t)[0], elem(t)[1], 0)),
+                      pl.BlockSpec((SQ, BC, hp_), lambda t: (elem(t)[0], elem(t)[2], 0))],
+            out_specs=[blk, blk_m, blk],
+            interpret=interpret, compiler_params=params, name="sfc_fused",
+        )(decs, inv16, w16, w["b0"], w["wh"], w["bh"], w["wl"], w["bl"], gv, pv, mv, rv, f1, f2,
+          t1, t2)
+        return (step.reshape(p.shape), m_new.reshape(m.shape), rms_new.reshape(rms.shape),
+                new_row, new_col, v_diag)
+
+
+# -- VeLO --------------------------------------------------------------------------------------
+
+#: VeLO's per-element MLP input channels the kernels compute (the others are the 12 row and
+#: column features), in this order: g, clip(g, ±0.1), p, m (3), rms, m·rsqrt(rms) (3),
+#: rsqrt(rms), fac_g (3), g·rsqrt(rms), m·row_factor·col_factor (3)
+VELO_ELEM = tuple(range(15)) + (27, 28, 29)
+VELO_ROW = (15, 16, 17, 21, 22, 23)
+VELO_COL = (18, 19, 20, 24, 25, 26)
+#: per-tensor scalars: normalizers (18), first layer's element rows (18 × 4), then the
+#: biases, hidden and output layers (offsets in :class:`VeLOKernels`), lr_mult, param_scale
+VELO_SCAL = 256
+
+
+def unsupported_velo(hp: Any) -> str | None:
+    """Why the VeLO kernels cannot run these hyperparameters (None: they can)."""
+    if not 1 <= int(hp.ff_hidden_size) <= 4 or int(hp.ff_hidden_layers) < 1 \
+            or int(hp.ff_hidden_layers) > 4:
+        return ("the kernels run per-element MLPs up to 4 wide with 1 to 4 hidden layers "
+                f"(got ff_hidden_size={hp.ff_hidden_size}, "
+                f"ff_hidden_layers={hp.ff_hidden_layers})")
+    return None
+
+
+def _velo_elem_features(g, p, ms, rms, r, f1_ref, f2_ref, row_on_1):  # noqa: ANN001, ANN202
+    """VeLO's 18 per-element channels (:data:`VELO_ELEM`) of a block, unnormalized; ``g``
+    already clipped to ±1000."""
+    fg, fm = [], []
+    for k in range(3):
+        a = f1_ref[k, :][:, None]
+        b = f2_ref[k, :][None, :]
+        rf, cf = (a, b) if row_on_1 else (b, a)
+        fg.append((g * rf) * cf)
+        fm.append((ms[k] * rf) * cf)
+    return [g, jnp.clip(g, -0.1, 0.1), p, *ms, rms, *(m * r for m in ms), r, *fg, g * r, *fm]
+
+
+def _velo_stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *, n1, n2,
+                       row_on_1):  # noqa: ANN001
+    t = pl.program_id(0)
+    _, nb2, per, _ = _index_maps(n1, n2)
+    valid = _valid(t, per, nb2, n1, n2)
+    g = jnp.where(valid, jnp.clip(g_ref[...], -1000.0, 1000.0), 0.0)
+    p = jnp.where(valid, p_ref[...], 0.0)
+    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref)
+    feats = _velo_elem_features(g, p, ms, rms, r, f1_ref, f2_ref, row_on_1)
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (32,), 0)
+    out = jnp.zeros((32,), jnp.float32)
+    for k, f in enumerate(feats):
+        out = jnp.where(lanes == k, jnp.sum(jnp.where(valid, f * f, 0.0)), out)
+    o_ref[...] = out
+
+
+def _velo_fused_kernel(dec_ref, w_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, t1_ref,
+                       t2_ref, s_ref, mo_ref, ro_ref, *, row_on_1, width, nhid, off,
+                       exp_mult, step_mult):  # noqa: ANN001
+    g = jnp.clip(g_ref[...], -1000.0, 1000.0)
+    p = p_ref[...]
+    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref)
+    feats = _velo_elem_features(g, p, ms, rms, r, f1_ref, f2_ref, row_on_1)
+    ne = len(VELO_ELEM)
+    h = [t1_ref[:, j][:, None] + t2_ref[:, j][None, :] for j in range(width)]
+    for k, f in enumerate(feats):  # the first layer, channel by channel (float32 FMAs)
+        x = f * w_ref[k]  # normalized
+        h = [h[j] + x * w_ref[ne + k * width + j] for j in range(width)]
+    h = [jnp.maximum(h[j] + w_ref[off["b0"] + j], 0.0) for j in range(width)]
+    for i in range(nhid):
+        w0, b0 = off["wh"] + i * width * width, off["bh"] + i * width
+        new = []
+        for j in range(width):
+            acc = h[0] * w_ref[w0 + j]
+            for q in range(1, width):
+                acc = acc + h[q] * w_ref[w0 + q * width + j]
+            new.append(jnp.maximum(acc + w_ref[b0 + j], 0.0))
+        h = new
+    outs = []
+    for c in range(2):
+        acc = h[0] * w_ref[off["wl"] + c]
+        for q in range(1, width):
+            acc = acc + h[q] * w_ref[off["wl"] + q * 2 + c]
+        outs.append(acc + w_ref[off["bl"] + c])
+    direction, magnitude = outs
+    step = direction * (w_ref[off["scale"]] * jnp.exp(magnitude * exp_mult)) * step_mult
+    s_ref[...] = w_ref[off["lr"]] * step
+    for k in range(3):
+        mo_ref[:, :, k] = ms[k]
+    ro_ref[...] = rms
+
+
+class VeLOKernels:
+    """The Pallas per-element pass of VeLO for 2-D factored shape groups (the per-tensor
+    MLP weights mixed by XLA from the LSTM's controls)."""
+
+    def __init__(self, hp: Any, meta: Mapping[str, Any]) -> None:
+        self.hp, self.meta = hp, meta
+        self.width = int(hp.ff_hidden_size)
+        self.nhid = int(hp.ff_hidden_layers) - 1
+        ne, w = len(VELO_ELEM), self.width
+        off = {"b0": ne + ne * w}
+        off["wh"] = off["b0"] + w
+        off["bh"] = off["wh"] + self.nhid * w * w
+        off["wl"] = off["bh"] + self.nhid * w
+        off["bl"] = off["wl"] + 2 * w
+        off["lr"] = off["bl"] + 2
+        off["scale"] = off["lr"] + 1
+        assert off["scale"] < VELO_SCAL
+        self.off = off
+
+    def handles(self, shape: tuple[int, ...]) -> bool:
+        return two_d_view(shape) is not None
+
+    def __call__(self, shape: tuple[int, ...], p: Any, g: Any, m: Any, rms: Any, v_row: Any,
+                 v_col: Any, v_diag: Any, controls: Any, lr_mult: Any, *,
+                 decays: tuple[Any, Any, Any]) -> tuple[Any, ...]:
+        """One shape group: ``(step, m, rms, v_row, v_col, v_diag)`` stacked, as
+        :func:`xopt.specs.velo.update_tensor` per tensor."""
+        from xopt.specs import velo as vspec
+
+        L = p.shape[0]
+        n1, n2, row_on_1 = two_d_view(shape)
+        mom_d, rms_d, fac_d = decays
+        gc = jnp.clip(g, -vspec.GRAD_CLIP, vspec.GRAD_CLIP)
+        new_row, new_col, _, _ = jax.vmap(
+            lambda vr, vc, vd, gg: _lopt.factored_update(jnp, vr, vc, vd, gg, fac_d)
+        )(v_row, v_col, v_diag, gc)
+        vr2 = new_row.reshape(L, -1, 3)
+        vc2 = new_col.reshape(L, -1, 3)
+        rcm = jnp.mean(vr2, axis=1, keepdims=True)
+        rf = _lopt.safe_rsqrt(jnp, vr2 / (rcm + 1e-9))
+        cf = _lopt.safe_rsqrt(jnp, vc2)
+        f1, f2 = (rf, cf) if row_on_1 else (cf, rf)
+        f1, f2 = jnp.swapaxes(f1, 1, 2), jnp.swapaxes(f2, 1, 2)
+        row_feats = jnp.concatenate([vr2, jax.lax.rsqrt(vr2 + 1e-8)], axis=-1)
+        col_feats = jnp.concatenate([vc2, jax.lax.rsqrt(vc2 + 1e-8)], axis=-1)
+        row_sq = jnp.sum(row_feats * row_feats, axis=1) * vc2.shape[1]
+        col_sq = jnp.sum(col_feats * col_feats, axis=1) * vr2.shape[1]
+
+        decs = jnp.concatenate([mom_d, rms_d, jnp.zeros((4,), jnp.float32)])
+        gv, pv = g.reshape(L, n1, n2), p.reshape(L, n1, n2)
+        mv, rv = m.reshape(L, n1, n2, 3), rms.reshape(L, n1, n2)
+        _, _, per, elem = _index_maps(n1, n2)
+        grid = (L * per,)
+        whole = lambda t: (0,)  # noqa: E731
+        blk = pl.BlockSpec((SQ, BR, BC), lambda t: elem(t))
+        blk_m = pl.BlockSpec((SQ, BR, BC, 3), lambda t: (*elem(t), 0))
+        blk_f1 = pl.BlockSpec((SQ, 3, BR), lambda t: (elem(t)[0], 0, elem(t)[1]))
+        blk_f2 = pl.BlockSpec((SQ, 3, BC), lambda t: (elem(t)[0], 0, elem(t)[2]))
+        interpret = _on_cpu()
+        params = _compiler_params()
+        part = pl.pallas_call(
+            functools.partial(_velo_stats_kernel, n1=n1, n2=n2, row_on_1=row_on_1),
+            out_shape=jax.ShapeDtypeStruct((L * per, 32), jnp.float32), grid=grid,
+            in_specs=[pl.BlockSpec((8,), whole), blk, blk, blk_m, blk, blk_f1, blk_f2],
+            out_specs=pl.BlockSpec((SQ, 32), lambda t: (t, 0)),
+            interpret=interpret, compiler_params=params, name="velo_stats",
+        )(decs, gv, pv, mv, rv, f1, f2)
+        elem_sq = jnp.sum(part.reshape(L, per, 32), axis=1)
+        sq = jnp.zeros((L, 30), jnp.float32)
+        sq = sq.at[:, np.array(VELO_ELEM)].set(elem_sq[:, :len(VELO_ELEM)])
+        sq = sq.at[:, np.array(VELO_ROW)].set(row_sq).at[:, np.array(VELO_COL)].set(col_sq)
+        n = float(n1 * n2)
+        inv = jax.lax.rsqrt(1e-5 + sq / n)  # [L, 30]
+        param_scale = jnp.sqrt(sq[:, 2] / n + 1e-9)
+
+        # the per-tensor MLPs (100 · mean_k controls_k · bank_k), and the axis terms
+        weights = jax.vmap(lambda c: vspec.mix_mlp_weights(jnp, c, self.meta, self.hp))(controls)
+        w0 = weights["w0"]  # [L, 30, F]
+        hi = jax.lax.Precision.HIGHEST
+        t_row = jnp.einsum("lnk,lkh->lnh", row_feats * inv[:, None, np.array(VELO_ROW)],
+                           w0[:, np.array(VELO_ROW)], precision=hi)
+        t_col = jnp.einsum("lnk,lkh->lnh", col_feats * inv[:, None, np.array(VELO_COL)],
+                           w0[:, np.array(VELO_COL)], precision=hi)
+        t1, t2 = (t_row, t_col) if row_on_1 else (t_col, t_row)
+        nl = self.nhid + 1
+        pieces = [inv[:, np.array(VELO_ELEM)], w0[:, np.array(VELO_ELEM)].reshape(L, -1),
+                  weights["b0"]]
+        pieces += [weights[f"w{i}"].reshape(L, -1) for i in range(1, nl)]
+        pieces += [weights[f"b{i}"] for i in range(1, nl)]
+        pieces += [weights[f"w{nl}"][:, :, :2].reshape(L, -1), weights[f"b{nl}"][:, :2],
+                   lr_mult[:, None], param_scale[:, None]]
+        scal = jnp.concatenate(pieces, axis=1)
+        scal = jnp.pad(scal, [(0, 0), (0, VELO_SCAL - scal.shape[1])])
+        width = self.width
+        kern = functools.partial(
+            _velo_fused_kernel, row_on_1=row_on_1, width=width, nhid=self.nhid, off=self.off,
+            exp_mult=float(self.hp.exp_mult), step_mult=float(self.hp.step_mult))
+        step, m_new, rms_new = pl.pallas_call(
+            kern,
+            out_shape=(jax.ShapeDtypeStruct((L, n1, n2), jnp.float32),
+                       jax.ShapeDtypeStruct((L, n1, n2, 3), jnp.float32),
+                       jax.ShapeDtypeStruct((L, n1, n2), jnp.float32)),
+            grid=grid,
+            in_specs=[pl.BlockSpec((8,), whole),
+                      pl.BlockSpec((SQ, VELO_SCAL), lambda t: (elem(t)[0], 0)),
+                      blk, blk, blk_m, blk, blk_f1, blk_f2,
+                      pl.BlockSpec((SQ, BR, width), lambda t: (elem(t)[0], elem(t)[1], 0)),
+                      pl.BlockSpec((SQ, BC, width), lambda t: (elem(t)[0], elem(t)[2], 0))],
+            out_specs=[blk, blk_m, blk],
+            interpret=interpret, compiler_params=params, name="velo_fused",
+        )(decs, scal, gv, pv, mv, rv, f1, f2, t1, t2)
+        return (step.reshape(p.shape), m_new.reshape(m.shape), rms_new.reshape(rms.shape),
+                new_row, new_col, v_diag)
