@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, has_torch, has_triton
+from helpers import REPO, has_jax, has_torch, has_triton
 
 pytestmark = pytest.mark.skipif(not has_torch, reason="needs torch")
 
@@ -36,7 +36,7 @@ def _run(script: str, *args: str, interpret: bool = False) -> str:
 def test_bench_holds_only_maintained_benchmarks():
     """bench/ keeps benchmarks with a --tiny mode (tested here) and their results."""
     scripts = sorted(p.name for p in (REPO / "bench").iterdir() if p.suffix == ".py")
-    assert scripts == ["compact_memory.py", "lopt_step.py", "poet_layer.py"]
+    assert scripts == ["compact_memory.py", "lopt_step.py", "lopt_step_jax.py", "poet_layer.py"]
     assert not [p for p in (REPO / "bench").iterdir() if p.is_dir()]
 
 
@@ -79,3 +79,18 @@ def test_compact_memory_tiny(tmp_path):
     text = json.dumps(result)
     for config in ("adamw", "compact r=n/2", "compact r=n/4", "compact r=n/8"):
         assert config in text, config
+
+
+@pytest.mark.skipif(not has_jax, reason="needs jax")
+def test_lopt_step_jax_tiny(tmp_path):
+    """The timing and compile-survey machinery of the JAX run, and its JSON (the kernels and
+    their checks are tests/test_kernels_lopt_jax.py's)."""
+    _run("lopt_step_jax.py", "--tiny", "--skip-checks", "--no-golden", "--only",
+         "small_fc_lopt/packed", "--survey", "adamw,galore", "--out-dir", str(tmp_path))
+    report = json.loads((tmp_path / "lopt_step_jax.json").read_text())
+    timings = report["models"]["tiny"]["timings"]
+    assert timings["jax/small_fc_lopt/packed"]["median_ms"] > 0
+    assert timings["jax/small_fc_lopt/packed"]["ratio_to_optax_adamw"] > 0
+    survey = report["compile"]["tiny"]
+    assert {"optax.adamw", "xopt.jax.adamw", "xopt.jax.galore"} <= set(survey)
+    assert all(v["total_s"] > 0 for v in survey.values() if "total_s" in v)

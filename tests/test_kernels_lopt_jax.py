@@ -251,33 +251,6 @@ def test_fast_path_reproduces_the_golden_case(method, impl, monkeypatch):
     assert {r.mode for r in report.runs} == {"teacher_forced", "closed_loop"}
 
 
-def test_benchmark_tiny_mode_runs(tmp_path):
-    # bench/lopt_step_jax.py --tiny on the CPU: the timing and compile-survey machinery the
-    # GPU run relies on (the kernels and checks are covered above), and its JSON
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from helpers import REPO
-
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "lopt_step_jax.py"), "--tiny", "--skip-checks",
-         "--no-golden", "--only", "small_fc_lopt/packed", "--survey", "adamw,galore",
-         "--out-dir", str(tmp_path)], capture_output=True, text=True, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((tmp_path / "lopt_step_jax.json").read_text())
-    timings = report["models"]["tiny"]["timings"]
-    assert timings["jax/small_fc_lopt/packed"]["median_ms"] > 0
-    assert timings["jax/small_fc_lopt/packed"]["ratio_to_optax_adamw"] > 0
-    survey = report["compile"]["tiny"]
-    assert {"optax.adamw", "xopt.jax.adamw", "xopt.jax.galore"} <= set(survey)
-    assert all(v["total_s"] > 0 for v in survey.values() if "total_s" in v)
-    assert "torch Triton path not run" in " ".join(report["notes"]) or \
-        "torch/small_fc_lopt/triton/exact" in timings
-
-
 def test_the_gpu_default_falls_back_to_packed_where_the_kernels_do_not_apply(monkeypatch):
     import jax
 
