@@ -24,7 +24,8 @@ Triton on the GPU.
 
 The state is the plain path's (the same pytrees, shapes and names), so a state written by
 one implementation resumes under the other. The default (``impl=None``) is
-:data:`GPU_DEFAULT` on a GPU backend, the plain path elsewhere.
+:data:`GPU_DEFAULT` on a GPU backend, the plain path elsewhere; :data:`GPU_REFUSED` names the
+paths not yet verified on a GPU.
 """
 
 from __future__ import annotations
@@ -45,9 +46,14 @@ IMPLS = ("plain", "packed", "pallas")
 #: float32 on the tensor cores as three TF32 products (operands carried to ~22 bits, as the
 #: torch Triton path's exact mode), "fast" as one TF32 product (about 1e-3 relative)
 PRECISIONS = ("exact", "fast")
-#: the default on a GPU backend, per method: the fastest of its paths
-#: (bench/lopt_step_jax.py times every implementation side by side)
-GPU_DEFAULT = {"small_fc_lopt": "pallas", "velo": "pallas"}
+#: the default on a GPU backend, per method: the fastest path verified there
+#: (bench/lopt_step_jax.py times every implementation side by side; bench/RESULTS.md). On an
+#: H200 the packed path was slower than the plain one and the Pallas kernels gave non-finite
+#: results, so the plain path stays the default until a fast path is both right and faster.
+GPU_DEFAULT = {"small_fc_lopt": "plain", "velo": "plain"}
+#: the paths refused on a GPU backend, with the reason (each verified only on the CPU)
+GPU_REFUSED = {"pallas": "its kernels, exact on the CPU interpreter, gave NaN/inf on an H200 "
+                         "(bench/RESULTS.md, bench/lopt_step_jax.py); use impl='plain'"}
 
 
 def resolve_impl(label: str, impl: str | None, precision: str,
@@ -62,6 +68,9 @@ def resolve_impl(label: str, impl: str | None, precision: str,
                                   f"{precision!r}")
     if impl in (None, "auto"):
         return GPU_DEFAULT[method_name] if jax.default_backend() == "gpu" else "plain"
+    if impl in GPU_REFUSED and jax.default_backend() == "gpu":
+        raise HyperparameterError(f"{label}: impl={impl!r} is not available on a GPU: "
+                                  f"{GPU_REFUSED[impl]}")
     return impl
 
 
