@@ -171,7 +171,7 @@ def test_recorded_internals_localize_a_divergence(monkeypatch):
     # and the first stage that moves is that tensor's per-parameter MLP output, while the
     # LSTM inputs, its outputs and the mixed MLP weights (upstream) stay where they were.
     from xopt.parity.harness import aux_errors
-    from xopt.specs import _lopt
+    from xopt.specs import lopt
 
     (path,) = bundled_traces("velo")
     clean = aux_errors("velo", path, max_steps=3)
@@ -180,13 +180,13 @@ def test_recorded_internals_localize_a_divergence(monkeypatch):
     assert clean["lstm_features"][0] <= 1e-6 and clean["controls"][0] <= 1e-6
     assert clean["direction/sq/w"][0] <= 1e-4  # an MLP output: measured 1.7e-6
 
-    original = _lopt.factored_dims
+    original = lopt.factored_dims
 
     def pylo(shape):
         f = original(shape)
         return (f[1], f[0]) if f and len(shape) == 2 and shape[0] == shape[1] else f
 
-    monkeypatch.setattr(_lopt, "factored_dims", pylo)
+    monkeypatch.setattr(lopt, "factored_dims", pylo)
     broken = aux_errors("velo", path, max_steps=3)
     for upstream in ("lstm_features", "controls", "lr_mult", "mlp_weights/w1"):
         assert broken[upstream] == clean[upstream]

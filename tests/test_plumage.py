@@ -34,7 +34,7 @@ import pytest
 from helpers import needs_jax, needs_torch
 
 from xopt.errors import DecompositionError, HyperparameterError, NonFiniteError
-from xopt.specs import _lowrank, get
+from xopt.specs import get, lowrank
 from xopt.specs import plumage as P
 
 Z = 5.0
@@ -655,5 +655,5 @@ def test_decompose_uses_the_sign_convention_on_the_projected_side():
     np.testing.assert_allclose(np.abs(u), np.abs(ref_vh.T), atol=1e-12)
     rows = np.argmax(np.abs(u), axis=0)
     assert np.all(u[rows, np.arange(4)] > 0)
-    u2, _, _ = _lowrank.svd(np, g.T)
+    u2, _, _ = lowrank.svd(np, g.T)
     np.testing.assert_array_equal(u, u2)

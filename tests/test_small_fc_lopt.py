@@ -18,7 +18,7 @@ from helpers import SHARED, has_jax, has_torch, needs_jax, needs_torch
 
 from xopt.errors import HyperparameterError, MetaParamsError, NonFiniteError
 from xopt.parity import bundled_traces, load_trace
-from xopt.specs import _lopt
+from xopt.specs import lopt
 from xopt.specs import small_fc_lopt as S
 
 TOL = S.TOLERANCES["teacher_forced"].rel
@@ -210,7 +210,7 @@ def test_square_and_high_rank_tensors_match_the_recording(name):
     if name == "sq/w":
         # a square matrix factors rows over axis 1 (numpy's argsort keeps ties in order);
         # swapping the two axes (PyLO VeLO's departure) would not match the recording
-        assert _lopt.factored_dims((16, 16)) == (0, 1)
+        assert lopt.factored_dims((16, 16)) == (0, 1)
         g = gd.trace.grads(0)[name]
         c = np.float32(1) - S.decays(gd.hp, gd.theta, xp=np)[2]
         swapped = c * np.mean(g * g + 1e-30, axis=0)[:, None]

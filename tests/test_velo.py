@@ -162,7 +162,7 @@ def test_square_matrix_factors_follow_the_original(golden):
     # mean over axis 1) and v_col (over axis 0) differ. PyLO swaps them for square matrices.
     trace, hp, meta, states, params = golden
     _, _, new, _ = _spec_step(golden, 0)
-    assert V._lopt.factored_dims((16, 16)) == (0, 1)
+    assert V.lopt.factored_dims((16, 16)) == (0, 1)
     for v in ("v_row", "v_col"):
         assert rel(new[f"{v}/sq/w"], states[0][f"{v}/sq/w"]) < BOUND
     assert rel(states[0]["v_col/sq/w"], states[0]["v_row/sq/w"]) > 1e-2  # a swap shows
@@ -182,9 +182,9 @@ def test_scalar_parameter_is_normalised_over_its_one_element(golden):
     p = np.float32(golden[4][-1]["scale"])
     g = np.clip(trace.grads(0)["scale"], -1000, 1000)
     decays = V.decay_arrays(hp)
-    m = V._lopt.momentum_update(st["m/scale"], g, decays[0])
-    rms = V._lopt.rms_update(np, st["rms/scale"], g, decays[1])
-    vr, vc, vd, fac_g = V._lopt.factored_update(np, st["v_row/scale"], st["v_col/scale"],
+    m = V.lopt.momentum_update(st["m/scale"], g, decays[0])
+    rms = V.lopt.rms_update(np, st["rms/scale"], g, decays[1])
+    vr, vc, vd, fac_g = V.lopt.factored_update(np, st["v_row/scale"], st["v_col/scale"],
                                                 st["v_diag/scale"], g, decays[2])
     groups = V.mlp_inputs(np, *(np.expand_dims(a, 0) for a in (g, p, m, rms, fac_g)),
                           vr, vc, np.expand_dims(vd, 0))
@@ -231,17 +231,17 @@ def test_xla_tanh_and_fused_multiply_add_written_out():
     x = np.concatenate([np.linspace(-10, 10, 200_001, dtype=np.float32),
                         np.float32(1e-3) * np.linspace(-1, 1, 1001, dtype=np.float32)])
     want = np.asarray(jax.jit(jnp.tanh)(jax.device_put(x, cpu)))
-    assert np.array_equal(V._xp.tanh(np, x), want)
+    assert np.array_equal(V.arrays.tanh(np, x), want)
     assert np.mean(np.tanh(x) != want) > 0.1  # NumPy's own tanh is another function
     if has_torch:
-        assert np.array_equal(V._xp.tanh(torch, torch.from_numpy(x)).numpy(), want)
+        assert np.array_equal(V.arrays.tanh(torch, torch.from_numpy(x)).numpy(), want)
     a, b, c = (np.float32(v) for v in (1 + 2.0 ** -12, 1 + 2.0 ** -12, -(1 + 2.0 ** -11)))
     fused = np.asarray(jax.jit(lambda a, b, c: a * b + c)(*jax.device_put((a, b, c), cpu)))
     assert fused == np.float32(2.0 ** -24) and a * b + c == 0  # one rounding, not two
-    assert V._xp.fma(np, a, b, c) == fused
+    assert V.arrays.fma(np, a, b, c) == fused
     if has_torch:
         ta, tb, tc = (torch.tensor(v) for v in (a, b, c))
-        assert float(V._xp.fma(torch, ta, tb, tc)) == fused and float(ta * tb + tc) == 0
+        assert float(V.arrays.fma(torch, ta, tb, tc)) == fused and float(ta * tb + tc) == 0
 
 
 @pytest.mark.skipif(not has_jax, reason="needs jax")

@@ -32,9 +32,7 @@ from xopt.errors import HyperparameterError, TraceError
 from xopt.parity.compare import TensorError, closer_to, errors
 from xopt.parity.runners import OptaxRunner, OracleRunner, Runner, TorchRunner
 from xopt.parity.trace import Trace, load_trace
-from xopt.specs import MethodSpec, Original, Tolerance, get
-from xopt.specs._groups import ParamGroups
-from xopt.specs._hyperparams import Hyperparams
+from xopt.specs import Hyperparams, MethodSpec, Original, ParamGroups, Tolerance, get
 from xopt.specs._method import load_object
 
 MODES = {"teacher": "teacher_forced", "closed": "closed_loop"}

@@ -23,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from xopt.specs import MethodSpec
-from xopt.specs._hyperparams import Hyperparams
+from xopt.specs import Hyperparams, MethodSpec
 
 Arrays = dict[str, np.ndarray]
 

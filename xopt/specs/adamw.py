@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from xopt.errors import HyperparameterError
-from xopt.specs import _xp
+from xopt.specs import arrays
 from xopt.specs._hyperparams import NONNEGATIVE, UNIT_HALF_OPEN, Hyperparams, hp
 from xopt.specs._method import MethodSpec, Original, Tolerance
 from xopt.specs._state import Naming, StateSchema, StateVar, same_as_param, scalar
@@ -98,11 +98,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def _sqrt(x: Any) -> Any:
-    return _xp.namespace(x).sqrt(x)
+    return arrays.namespace(x).sqrt(x)
 
 
 def _maximum(a: Any, b: Any) -> Any:
-    return _xp.namespace(a).maximum(a, b)
+    return arrays.namespace(a).maximum(a, b)
 
 
 def _is_number(x: Any) -> bool:
@@ -133,7 +133,7 @@ def bias_correction(beta: Any, count: Any, dtype: str, xp: Any) -> Any:
     if _is_number(count) and xp is np:
         power = np.float32(np.float64(np.float32(beta)) ** count)
         return np.float32(1) - power
-    if _is_number(count) and _xp.is_torch(xp):
+    if _is_number(count) and arrays.is_torch(xp):
         b = xp.as_tensor(beta, dtype=xp.float32)
         return 1 - b ** xp.tensor(float(count), dtype=xp.float32)
     return 1 - beta**count  # optax's own expression (jax: float32 pow of an int32 count)
@@ -162,21 +162,21 @@ def update_torch(p, g, m, v, v_max, count, *, lr, b1, b2, eps, eps_root, weight_
     """
     if maximize:
         g = -g
-    if not _xp.is_static_zero(weight_decay):
+    if not arrays.is_static_zero(weight_decay):
         p = p * (1 - lr * weight_decay)
-    m = _xp.lerp(xp, m, g, 1 - b1)
-    v = _xp.addcmul(xp, v * b2, g, g, 1 - b2)
+    m = arrays.lerp(xp, m, g, 1 - b1)
+    v = arrays.addcmul(xp, v * b2, g, g, 1 - b2)
     bc1 = bias_correction(b1, count, bias_correction_dtype, xp)
     bc2 = bias_correction(b2, count, bias_correction_dtype, xp)
     step_size = lr / bc1
     if amsgrad:
         v_max = xp.maximum(v_max, v)
     v_den = v_max if amsgrad else v
-    if _xp.is_static_zero(eps_root):
+    if arrays.is_static_zero(eps_root):
         denom = xp.sqrt(v_den) / bc2**0.5 + eps
     else:
         denom = xp.sqrt(v_den / bc2 + eps_root) + eps
-    p = _xp.addcdiv(xp, p, m, denom, -step_size)
+    p = arrays.addcdiv(xp, p, m, denom, -step_size)
     return p, m, v, v_max
 
 
@@ -204,7 +204,7 @@ def updates_optax(p, g, m, v, v_max, count, *, lr, b1, b2, eps, eps_root, weight
         v_max = _maximum(v_max, v_hat)
         v_hat = v_max
     u = m_hat / (_sqrt(v_hat + eps_root) + eps)
-    if not _xp.is_static_zero(weight_decay):
+    if not arrays.is_static_zero(weight_decay):
         u = u + weight_decay * p
     u = -lr * u
     return u, m, v, v_max
@@ -218,7 +218,7 @@ def update_optax(p, g, m, v, v_max, count, **kw):
 
 def update(hp: AdamW, p, g, m, v, v_max, count, *, lr=None, xp=None):
     """One AdamW step of one tensor under ``hp.formula``; ``lr`` overrides ``hp.lr``."""
-    xp = xp or _xp.namespace(p)
+    xp = xp or arrays.namespace(p)
     kw = dict(lr=hp.lr if lr is None else lr, b1=hp.b1, b2=hp.b2, eps=hp.eps,
               eps_root=hp.eps_root, weight_decay=hp.weight_decay, amsgrad=hp.amsgrad,
               maximize=hp.maximize, xp=xp, bias_correction_dtype=hp.bias_correction_dtype)

@@ -40,7 +40,7 @@ The method, for one projected matrix ``W`` (``m × n``) with gradient ``G`` at u
   the new subspace: ``M ← (M P_old) P_newᵀ`` and, for AdamW, ``V ← ((√V P_old) P_newᵀ)²``
   (right; ``P_newᵀ (P_old M)`` for left). The Adafactor variant restores only ``M``.
 
-**AdamW** (the authors' transformers-style AdamW, :func:`xopt.specs._lowrank.hf_adam_moments`
+**AdamW** (the authors' transformers-style AdamW, :func:`xopt.specs.lowrank.hf_adam_moments`
 and friends): ``m, v`` of ``R``; ``N = m/(√v + ε)``; ``W ← W − α·scale·back(N)`` with
 ``α = η √(1−β₂ᵗ)/(1−β₁ᵗ)``; then ``W ← W − ηλ W`` on the updated ``W``.
 
@@ -103,7 +103,7 @@ from typing import Any
 import numpy as np
 
 from xopt.errors import HyperparameterError
-from xopt.specs import _lowrank, _xp
+from xopt.specs import arrays, lowrank
 from xopt.specs._groups import ParamGroups, all_hps, hp_for
 from xopt.specs._hyperparams import (
     NONNEGATIVE,
@@ -194,7 +194,7 @@ class COAP(Hyperparams):
                                       or not isinstance(self.rank, (int, np.integer))):
             raise HyperparameterError(f"{name}.rank = {self.rank!r}: must be an int or None")
         for field in ("update_interval", "reproject_factor"):
-            _lowrank.check_interval(getattr(self, field), field, name)
+            lowrank.check_interval(getattr(self, field), field, name)
         if self.project is not False and self.rank is None and self.rank_ratio is None:
             raise HyperparameterError(
                 f"{name}.rank = None and {name}.rank_ratio = None: set one of them (or "
@@ -243,7 +243,7 @@ def check_param(shape: tuple[int, ...], hp: COAP, where: str) -> None:
     """Raise :class:`HyperparameterError` naming ``where`` for a rank the matrix cannot hold
     (only reachable with ``project=True``; ``"auto"`` leaves such a matrix unprojected)."""
     if is_projected(shape, hp):
-        _lowrank.check_rank(rank_of(shape, hp), tuple(shape), where)
+        lowrank.check_rank(rank_of(shape, hp), tuple(shape), where)
 
 
 def side_of(shape: tuple[int, ...]) -> str:
@@ -289,11 +289,11 @@ def has_first_moment(hp: COAP) -> bool:
 
 
 def _mm(xp: ModuleType, a: Any, b: Any) -> Any:
-    return _xp.matmul(xp, a, b)
+    return arrays.matmul(xp, a, b)
 
 
 def _sum(xp: ModuleType, x: Any, axis: int | None = None) -> Any:
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return x.sum() if axis is None else x.sum(dim=axis)
     return xp.sum(x, axis=axis)
 
@@ -336,13 +336,13 @@ def orthogonal_basis(xp: ModuleType, a: Any, omega: Any, *,
 
     Args:
       a: ``(k, n')`` float (``A = G`` right, ``Gᵀ`` left); omega: ``(n', r)``.
-      qr, svd: the decompositions (default: :func:`xopt.specs._lowrank.qr` / ``svd``, with
+      qr, svd: the decompositions (default: :func:`xopt.specs.lowrank.qr` / ``svd``, with
         xopt's sign convention; backends pass versions that raise naming the parameter).
     Returns:
       ``Z`` ``(r, n')`` with orthonormal rows.
     """
-    qr = qr or (lambda x: _lowrank.qr(xp, x))
-    svd = svd or (lambda x: _lowrank.svd(xp, x))
+    qr = qr or (lambda x: lowrank.qr(xp, x))
+    svd = svd or (lambda x: lowrank.svd(xp, x))
     q, _ = qr(_mm(xp, a, omega))
     _, _, z = svd(_mm(xp, q.T, a))
     return z
@@ -490,14 +490,14 @@ def adafactor_direction(xp: ModuleType, hp: COAP, r: Any, v: Any, v_row: Any, v_
     """
     sq = r * r + hp.eps_sq
     if len(r.shape) >= 2:
-        v_row = v_row * beta2t + _xp.mean(xp, sq, (-1,)) * (1.0 - beta2t)
-        v_col = v_col * beta2t + _xp.mean(xp, sq, (-2,)) * (1.0 - beta2t)
-        r_factor = _xp.rsqrt(xp, v_row / _xp.mean(xp, v_row, (-1,), keepdims=True))
-        c_factor = _xp.rsqrt(xp, v_col)
-        u = _xp.expand_dims(xp, r_factor, -1) * _xp.expand_dims(xp, c_factor, -2) * r
+        v_row = v_row * beta2t + arrays.mean(xp, sq, (-1,)) * (1.0 - beta2t)
+        v_col = v_col * beta2t + arrays.mean(xp, sq, (-2,)) * (1.0 - beta2t)
+        r_factor = arrays.rsqrt(xp, v_row / arrays.mean(xp, v_row, (-1,), keepdims=True))
+        c_factor = arrays.rsqrt(xp, v_col)
+        u = arrays.expand_dims(xp, r_factor, -1) * arrays.expand_dims(xp, c_factor, -2) * r
     else:
         v = v * beta2t + sq * (1.0 - beta2t)
-        u = _xp.rsqrt(xp, v) * r
+        u = arrays.rsqrt(xp, v) * r
     denom = rms(xp, u) / hp.clip_threshold
     u = u / xp.maximum(denom, xp.ones_like(denom))
     return u, v, v_row, v_col
@@ -568,13 +568,13 @@ def param_step(xp: ModuleType, hp: COAP, p: Any, g: Any, st: dict[str, Any], t: 
             aux["low_rank_grad"] = r
     count = t + 1
     if hp.optimizer == "adamw":
-        st["m"], st["v"] = _lowrank.hf_adam_moments(xp, st["m"], st["v"], r, hp.b1, hp.b2)
-        n = _lowrank.hf_adam_direction(xp, st["m"], st["v"], hp.eps)
-        step_size = _lowrank.hf_step_size(hp.lr, hp.b1, hp.b2, count, hp.correct_bias)
+        st["m"], st["v"] = lowrank.hf_adam_moments(xp, st["m"], st["v"], r, hp.b1, hp.b2)
+        n = lowrank.hf_adam_direction(xp, st["m"], st["v"], hp.eps)
+        step_size = lowrank.hf_step_size(hp.lr, hp.b1, hp.b2, count, hp.correct_bias)
         full = project_back(xp, n, st["P"], side, hp.scale) if projected else n
         if aux is not None and projected:
             aux["update_full"] = full
-        return _lowrank.hf_apply(p, full, step_size, hp.lr, hp.weight_decay), st
+        return lowrank.hf_apply(p, full, step_size, hp.lr, hp.weight_decay), st
     st["rms"] = rms(xp, p)
     lr_t = adafactor_lr(hp, count, st["rms"], xp)
     beta2t = adafactor_beta2(hp, count)

@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from xopt.errors import HyperparameterError
-from xopt.specs import _xp
+from xopt.specs import arrays
 from xopt.specs._hyperparams import NONNEGATIVE, UNIT_HALF_OPEN, Hyperparams, Interval, hp
 from xopt.specs._method import MethodSpec, Tolerance
 from xopt.specs._state import Naming, StateSchema, StateVar, same_as_param, scalar
@@ -335,7 +335,7 @@ def _einsum(xp: Any, eq: str, a: Any, b: Any) -> Any:
 
 
 def _sum0(xp: Any, a: Any) -> Any:
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return a.sum(dim=0)
     return xp.sum(a, axis=0)
 
@@ -353,7 +353,7 @@ def step_size(lr: float, b1: float, b2: float, count: int, correct_bias: bool) -
 def moments(g: Any, m: Any, v: Any, *, b1: float, b2: float, xp: Any) -> tuple[Any, Any]:
     """``M = β₁M + (1−β₁)Ĝ``, ``V = β₂V + (1−β₂)Ĝ²`` in the authors' order
     (``mul_(β).add_(Ĝ, alpha=1−β)``, ``mul_(β).addcmul_(Ĝ, Ĝ, value=1−β)``)."""
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         m = xp.add(m * b1, g, alpha=1.0 - b1)
         v = xp.addcmul(v * b2, g, g, value=1.0 - b2)
         return m, v
@@ -372,7 +372,7 @@ def project_back(n: Any, p: Any, scale: float) -> Any:
 
 def apply_step(param: Any, u: Any, s: float, lr: float, weight_decay: float, *, xp: Any) -> Any:
     """``W ← W − s·u``, then ``W ← W − ηλW`` when λ > 0 (``add_(·, alpha=…)`` in torch)."""
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         param = xp.add(param, u, alpha=-s)
         if weight_decay > 0.0:
             param = xp.add(param, param, alpha=-lr * weight_decay)
@@ -391,7 +391,7 @@ def update(hp: CompAct, param: Any, grad: Any, m: Any, v: Any, count: int, p: An
     ``α``; for a plain parameter ``grad`` has the parameter's shape, ``p`` is None and
     ``scale`` is 1 (the authors' plain Adam: ``p.add_(N, alpha=-s)``). ``count`` is t ≥ 1.
     """
-    xp = xp or _xp.namespace(param)
+    xp = xp or arrays.namespace(param)
     m, v = moments(grad, m, v, b1=hp.b1, b2=hp.b2, xp=xp)
     n = normalized(m, v, hp.eps, xp=xp)
     u = n if (p is None and scale == 1.0) else project_back(n, p, scale)

@@ -78,7 +78,7 @@ import numpy as np
 
 from xopt import random as xrandom
 from xopt.errors import HyperparameterError
-from xopt.specs import _xp
+from xopt.specs import arrays
 from xopt.specs._groups import ParamGroups, all_hps, hp_for
 from xopt.specs._hyperparams import NONNEGATIVE, POSITIVE, UNIT_HALF_OPEN, Hyperparams, Interval, hp
 from xopt.specs._method import MethodSpec, Original, Tolerance
@@ -274,7 +274,7 @@ def projection(seed: Any, shape: tuple[int, ...], rank: int, *, xp: ModuleType,
     """``P = normal(seed, projection_shape)/√r`` from :mod:`xopt.random` (see the module
     docstring). ``seed``: int (NumPy, torch) or a jax uint32 ``[hi, lo]`` array."""
     pshape = projection_shape(tuple(shape), rank)
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         z = xrandom.normal(int(seed), pshape, dtype="float32", backend="torch", device=device)
         return z.to(dtype) / math.sqrt(rank)
     if xp is np:
@@ -289,18 +289,18 @@ def _t(x: Any) -> Any:
 
 def up(xp: ModuleType, p: Any, c: Any, which: str) -> Any:
     """Decompress: ``Pᵀ C`` (left, ``(r, m)ᵀ (r, n)``) or ``C Pᵀ`` (right, ``(m, r) (n, r)ᵀ``)."""
-    return _xp.matmul(xp, _t(p), c) if which == "left" else _xp.matmul(xp, c, _t(p))
+    return arrays.matmul(xp, _t(p), c) if which == "left" else arrays.matmul(xp, c, _t(p))
 
 
 def down(xp: ModuleType, p: Any, x: Any, which: str) -> Any:
     """Compress: ``P X`` (left, ``(r, m) (m, n)``) or ``X P`` (right, ``(m, n) (n, r)``)."""
-    return _xp.matmul(xp, p, x) if which == "left" else _xp.matmul(xp, x, p)
+    return arrays.matmul(xp, p, x) if which == "left" else arrays.matmul(xp, x, p)
 
 
 def rms(xp: ModuleType, x: Any) -> Any:
     """``‖x‖₂ / √numel`` (``Flora._rms``); a 0-d array."""
     n = math.prod(x.shape)
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return x.norm(2) / (n ** 0.5)
     flat = xp.reshape(x, (-1,))  # XLA reduces a flat vector more accurately than a matrix
     return xp.sqrt(xp.sum(flat * flat)) / (n ** 0.5)
@@ -308,7 +308,7 @@ def rms(xp: ModuleType, x: Any) -> Any:
 
 def _axpy(xp: ModuleType, x: Any, y: Any, alpha: Any) -> Any:
     """``x + alpha·y`` (torch: ``torch.add(x, y, alpha=alpha)``, as ``add_(y, alpha=)``)."""
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return xp.add(x, y, alpha=alpha)
     return x + alpha * y
 
@@ -332,7 +332,7 @@ def relative_step_size(h: Flora, t: Any) -> Any:
     if isinstance(t, (int, np.integer)):
         min_step = 1e-6 * int(t) if h.warmup_init else 1e-2
         return min(min_step, 1.0 / math.sqrt(int(t)))
-    xp = _xp.namespace(t)
+    xp = arrays.namespace(t)
     tf = t.astype(xp.float32)
     min_step = 1e-6 * tf if h.warmup_init else 1e-2
     return xp.minimum(min_step, 1.0 / xp.sqrt(tf))
@@ -349,7 +349,7 @@ def learning_rate(xp: ModuleType, h: Flora, rho: Any, t: Any) -> Any:
     if not h.scale_parameter:
         return rel
     eps1 = float(h.eps[1])
-    if _xp.is_torch(xp) and rho.device.type == "cpu" and isinstance(rel, (int, float)):
+    if arrays.is_torch(xp) and rho.device.type == "cpu" and isinstance(rel, (int, float)):
         return rho * rel if bool(rho > eps1) else eps1 * rel
     return xp.where(rho > eps1, rho * rel, eps1 * rel)
 
@@ -362,10 +362,11 @@ def second_moment_factored(xp: ModuleType, row: Any, col: Any, g: Any, b2: Any, 
     ``u = g · rsqrt(row/mean(row))[:, None] · rsqrt(col)[None, :]`` (``_approx_sq_grad``).
     """
     a = g * g + eps0
-    row = _axpy(xp, row * b2, _xp.mean(xp, a, (-1,)), one_minus_b2)
-    col = _axpy(xp, col * b2, _xp.mean(xp, a, (-2,)), one_minus_b2)
-    r = _xp.expand_dims(xp, _xp.rsqrt(xp, row / _xp.mean(xp, row, (-1,), keepdims=True)), -1)
-    c = _xp.rsqrt(xp, _xp.expand_dims(xp, col, -2))
+    row = _axpy(xp, row * b2, arrays.mean(xp, a, (-1,)), one_minus_b2)
+    col = _axpy(xp, col * b2, arrays.mean(xp, a, (-2,)), one_minus_b2)
+    r = arrays.expand_dims(
+        xp, arrays.rsqrt(xp, row / arrays.mean(xp, row, (-1,), keepdims=True)), -1)
+    c = arrays.rsqrt(xp, arrays.expand_dims(xp, col, -2))
     return row, col, (r * c) * g
 
 
@@ -374,7 +375,7 @@ def second_moment_full(xp: ModuleType, v: Any, g: Any, b2: Any, one_minus_b2: An
     """Unfactored second moment (1-D, ≥3-D, or factorize_second_moment=False): the new
     ``v`` and ``u = rsqrt(v) · g``; shapes of ``g``."""
     v = _axpy(xp, v * b2, g * g + eps0, one_minus_b2)
-    return v, _xp.rsqrt(xp, v) * g
+    return v, arrays.rsqrt(xp, v) * g
 
 
 def mix(u: Any, m: Any, b1: float) -> Any:
@@ -390,7 +391,7 @@ def accumulate(c: Any, d: Any, b1: float) -> Any:
 def clip(xp: ModuleType, u: Any, clip_threshold: float) -> tuple[Any, Any]:
     """``(u / max(1, rms(u)/clip_threshold), rms(u))``."""
     r = rms(xp, u)
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return u / (r / clip_threshold).clamp(min=1.0), r
     return u / xp.maximum(r / clip_threshold, 1.0), r
 
@@ -401,7 +402,7 @@ def apply(xp: ModuleType, p: Any, u: Any, lr: Any, weight_decay: float) -> Any:
     u = u * lr
     if weight_decay != 0:
         a = -weight_decay * lr
-        if _xp.is_torch(xp) and (not hasattr(a, "device") or a.device.type == "cpu"):
+        if arrays.is_torch(xp) and (not hasattr(a, "device") or a.device.type == "cpu"):
             p = xp.add(p, p, alpha=a)
         else:
             p = p + p * a

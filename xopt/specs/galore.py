@@ -31,7 +31,7 @@ weight decay        W ← W − ηλW *after* the step          u ← α·back(N
 
 (optax's ``scale_by_adam`` base with ``add_decayed_weights`` and ``scale_by_learning_rate``,
 optax/contrib/_galore.py; the authors' AdamW is transformers' old ``AdamW``, see
-:mod:`xopt.specs._lowrank`.) Tensors that are not matrices, and every tensor of a group with
+:mod:`xopt.specs.lowrank`.) Tensors that are not matrices, and every tensor of a group with
 ``project=False`` (the authors' groups without ``"rank"``), take the same Adam step
 without projection and without ``scale``.
 
@@ -50,7 +50,7 @@ it and the projection back to the gradient's dtype); ``rank`` larger than the ma
 allows is an error naming the parameter (optax silently uses ``min(rank, m, n)``); tensors
 that are not matrices are never projected (the authors' code fails on them in a projected
 group); and
-singular vectors get xopt's sign convention (:func:`xopt.specs._lowrank.svd`), where each
+singular vectors get xopt's sign convention (:func:`xopt.specs.lowrank.svd`), where each
 library keeps its LAPACK's signs. Since the moments carry across refreshes unrotated, signs
 matter after the first refresh: the parity harness injects the original's projection at
 each refresh (:func:`inject`), as the traces' ``tolerance_hint`` recommends.
@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 
 from xopt.errors import HyperparameterError
-from xopt.specs import _lowrank, _xp
+from xopt.specs import arrays, lowrank
 from xopt.specs._groups import ParamGroups, hp_for
 from xopt.specs._hyperparams import NONNEGATIVE, UNIT_HALF_OPEN, Hyperparams, Interval, hp
 from xopt.specs._method import MethodSpec, Original, Tolerance
@@ -109,7 +109,7 @@ class GaLore(Hyperparams):
 
     def _check_combinations(self) -> None:
         for field in ("rank", "update_proj_gap"):
-            _lowrank.check_interval(getattr(self, field), field, "GaLore")
+            lowrank.check_interval(getattr(self, field), field, "GaLore")
         if self.convention == "authors" and _is_number(self.eps_root) and self.eps_root != 0:
             raise HyperparameterError(
                 f"GaLore.eps_root = {self.eps_root!r}: needs convention='optax' (the authors' "
@@ -206,21 +206,21 @@ def projector_from_svd(u: Any, vh: Any, rank: int, which: str) -> tuple[Any, Any
 def project(xp: Any, g: Any, ortho: Any, ortho_right: Any, which: str) -> Any:
     """The low-rank gradient R: ``Pᵀ G`` (left), ``G Qᵀ`` (right), ``(Pᵀ G) Qᵀ`` (full)."""
     if which == "left":
-        return _xp.matmul(xp, ortho.T, g)
+        return arrays.matmul(xp, ortho.T, g)
     if which == "right":
-        return _xp.matmul(xp, g, ortho.T)
-    return _xp.matmul(xp, _xp.matmul(xp, ortho.T, g), ortho_right.T)
+        return arrays.matmul(xp, g, ortho.T)
+    return arrays.matmul(xp, arrays.matmul(xp, ortho.T, g), ortho_right.T)
 
 
 def project_back(xp: Any, n: Any, ortho: Any, ortho_right: Any, which: str, scale: Any) -> Any:
     """``α · back(N)``: ``P N`` (left), ``N Q`` (right), ``(P N) Q`` (full), times ``scale``
     (galore_projector.py ``project_back``; the side from :func:`side`, not from N's shape)."""
     if which == "left":
-        full = _xp.matmul(xp, ortho, n)
+        full = arrays.matmul(xp, ortho, n)
     elif which == "right":
-        full = _xp.matmul(xp, n, ortho)
+        full = arrays.matmul(xp, n, ortho)
     else:
-        full = _xp.matmul(xp, _xp.matmul(xp, ortho, n), ortho_right)
+        full = arrays.matmul(xp, arrays.matmul(xp, ortho, n), ortho_right)
     return full * scale
 
 
@@ -243,7 +243,7 @@ def optax_direction(xp: Any, m: Any, v: Any, count: Any, b1: Any, b2: Any, eps: 
 def optax_updates(u: Any, p: Any, lr: Any, weight_decay: Any) -> Any:
     """``−η (u + λ p)``: ``add_decayed_weights`` then ``scale_by_learning_rate``; the new
     parameter is ``p + result`` (``optax.apply_updates``)."""
-    if not _xp.is_static_zero(weight_decay):
+    if not arrays.is_static_zero(weight_decay):
         u = u + weight_decay * p
     return -lr * u
 
@@ -268,8 +268,8 @@ def direction(xp: Any, h: GaLore, g: Any, m: Any, v: Any, ortho: Any, ortho_righ
     which = side(tuple(g.shape), h.proj_type) if projected else None
     r = project(xp, g, ortho, ortho_right, which) if projected else g
     if h.convention == "authors":
-        m, v = _lowrank.hf_adam_moments(xp, m, v, r, h.b1, h.b2)
-        n = _lowrank.hf_adam_direction(xp, m, v, h.eps)
+        m, v = lowrank.hf_adam_moments(xp, m, v, r, h.b1, h.b2)
+        n = lowrank.hf_adam_direction(xp, m, v, h.eps)
     else:
         m, v = optax_moments(xp, m, v, r, h.b1, h.b2)
         n = optax_direction(xp, m, v, count, h.b1, h.b2, h.eps, h.eps_root)
@@ -287,9 +287,9 @@ def apply_update(h: GaLore, p: Any, u: Any, count: Any, lr: Any) -> Any:
     optax: ``p ← p + (−η (u + λ p))``.
     """
     if h.convention == "authors":
-        step_size = _lowrank.hf_step_size(lr, h.b1, h.b2, count, h.correct_bias)
+        step_size = lowrank.hf_step_size(lr, h.b1, h.b2, count, h.correct_bias)
         if _is_number(h.weight_decay):
-            return _lowrank.hf_apply(p, u, step_size, lr, h.weight_decay)
+            return lowrank.hf_apply(p, u, step_size, lr, h.weight_decay)
         p = p - step_size * u  # a traced λ (optax.inject_hyperparams): decay unconditionally,
         return p - (lr * h.weight_decay) * p  # exact for λ = 0 (p − 0·p = p)
     return p + optax_updates(u, p, lr, h.weight_decay)
@@ -309,8 +309,8 @@ def additive_update(h: GaLore, p: Any, u: Any, count: Any, lr: Any) -> Any:
     """
     if h.convention == "optax":
         return optax_updates(u, p, lr, h.weight_decay)
-    if _xp.is_static_zero(h.weight_decay):
-        return -(_lowrank.hf_step_size(lr, h.b1, h.b2, count, h.correct_bias) * u)
+    if arrays.is_static_zero(h.weight_decay):
+        return -(lowrank.hf_step_size(lr, h.b1, h.b2, count, h.correct_bias) * u)
     return apply_update(h, p, u, count, lr) - p
 
 
@@ -332,7 +332,7 @@ def check_params(hp: GaLore | ParamGroups, shapes: Mapping[str, tuple[int, ...]]
     for name, shape in shapes.items():
         h = hp_for(hp, name)
         if is_projected(tuple(shape), h):
-            _lowrank.check_rank(h.rank, tuple(shape), f"{where}: {name}")
+            lowrank.check_rank(h.rank, tuple(shape), f"{where}: {name}")
 
 
 def init_state(hp: GaLore | ParamGroups, params: Mapping[str, Any], *, xp=np,
@@ -390,7 +390,7 @@ def step(hp: GaLore | ParamGroups, params: Mapping[str, Any], state: Mapping[str
                     ortho = given["ortho_matrix"]
                     ortho_right = given.get("ortho_matrix_right", ortho_right)
                 else:
-                    u, s, vh = _lowrank.svd(xp, g)
+                    u, s, vh = lowrank.svd(xp, g)
                     ortho, ortho_right = projector_from_svd(u, vh, h.rank, which)
                     if aux is not None:
                         aux[f"{name}/svd_S"] = s

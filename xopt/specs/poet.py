@@ -173,7 +173,7 @@ def skew_gather(b: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _xp_of(x: Any):
-    from xopt.specs._xp import namespace
+    from xopt.specs.arrays import namespace
 
     return namespace(x)
 
@@ -465,16 +465,16 @@ def adam_update(p, g, m, v, step: int, *, lr, b1, b2, eps, weight_decay, correct
     ``α = lr·√(1−β₂ᵗ)/(1−β₁ᵗ)`` (Python doubles); ``p ← p − α·m/d``; then
     ``p ← p − lr·λ·p`` (decay of the *updated* parameter). ``lr`` is already multiplied
     by ``poet_scale``. Returns ``(p, m, v)``."""
-    from xopt.specs import _xp
+    from xopt.specs import arrays
 
-    xp = xp or _xp.namespace(p)
+    xp = xp or arrays.namespace(p)
     m = m * b1 + g * (1.0 - b1)
-    v = _xp.addcmul(xp, v * b2, g, g, 1.0 - b2)
+    v = arrays.addcmul(xp, v * b2, g, g, 1.0 - b2)
     denom = xp.sqrt(v) + eps
     step_size = lr
     if correct_bias:
         step_size = step_size * (1.0 - b2 ** step) ** 0.5 / (1.0 - b1 ** step)
-    p = _xp.addcdiv(xp, p, m, denom, -step_size)
+    p = arrays.addcdiv(xp, p, m, denom, -step_size)
     if weight_decay > 0.0:
         p = p + p * (-lr * weight_decay)
     return p, m, v

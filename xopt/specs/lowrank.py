@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 
 from xopt.errors import HyperparameterError
-from xopt.specs import _xp
+from xopt.specs import arrays
 
 
 def _arange(xp: ModuleType, n: int, like: Any) -> Any:
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return xp.arange(n, device=like.device)
     return xp.arange(n)
 
@@ -54,7 +54,7 @@ def svd(xp: ModuleType, a: Any) -> tuple[Any, Any, Any]:
     """
     u, s, vh = xp.linalg.svd(a, full_matrices=False)
     k = s.shape[0]
-    rows = xp.argmax(xp.abs(u), axis=0) if not _xp.is_torch(xp) else \
+    rows = xp.argmax(xp.abs(u), axis=0) if not arrays.is_torch(xp) else \
         xp.argmax(u.abs(), dim=0)
     pivot = u[rows, _arange(xp, k, u)]
     sign = _one_where_nonneg(xp, pivot)
@@ -132,7 +132,7 @@ def hf_step_size(lr: Any, b1: float, b2: float, t: Any, correct_bias: bool) -> A
         return lr
     if isinstance(t, (int, np.integer)):
         return lr * math.sqrt(1.0 - b2 ** int(t)) / (1.0 - b1 ** int(t))
-    xp = _xp.namespace(t)
+    xp = arrays.namespace(t)
     tf = t.astype(xp.float32)
     bc1 = -xp.expm1(tf * xp.log1p(-(1.0 - b1)))
     bc2 = -xp.expm1(tf * xp.log1p(-(1.0 - b2)))
