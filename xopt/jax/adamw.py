@@ -36,7 +36,7 @@ import optax
 
 from xopt.errors import HyperparameterError
 from xopt.specs import adamw as _spec
-from xopt.specs._xp import is_static_zero
+from xopt.specs.arrays import is_static_zero
 
 __all__ = ["AdamWState", "adamw"]
 

@@ -39,8 +39,8 @@ from xopt.jax._lowrank import (
     resolve_spec,
 )
 from xopt.jax._precision import full_precision
-from xopt.specs import _lowrank
 from xopt.specs import coap as _spec
+from xopt.specs import lowrank
 
 __all__ = ["COAPState", "coap"]
 
@@ -276,11 +276,11 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
         st["P"] = p_new
         r = _spec.project(jnp, g, p_new, side)
     if h.optimizer == "adamw":
-        st["m"], st["v"] = _lowrank.hf_adam_moments(jnp, st["m"], st["v"], r, h.b1, h.b2)
-        n = _lowrank.hf_adam_direction(jnp, st["m"], st["v"], h.eps)
-        step_size = _lowrank.hf_step_size(h.lr, h.b1, h.b2, count_inc, h.correct_bias)
+        st["m"], st["v"] = lowrank.hf_adam_moments(jnp, st["m"], st["v"], r, h.b1, h.b2)
+        n = lowrank.hf_adam_direction(jnp, st["m"], st["v"], h.eps)
+        step_size = lowrank.hf_step_size(h.lr, h.b1, h.b2, count_inc, h.correct_bias)
         full = _spec.project_back(jnp, n, st["P"], side, h.scale) if projected else n
-        return _lowrank.hf_apply(p, full, step_size, h.lr, h.weight_decay), st
+        return lowrank.hf_apply(p, full, step_size, h.lr, h.weight_decay), st
     st["rms"] = _spec.rms(jnp, p)
     lr_t = _spec.adafactor_lr(h, count_inc, st["rms"], jnp)
     beta2t = _spec.adafactor_beta2(h, count_inc, jnp, g.dtype)

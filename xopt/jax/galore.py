@@ -39,8 +39,8 @@ from xopt.jax._lowrank import (
     resolve_spec,
 )
 from xopt.jax._precision import full_precision
-from xopt.specs import _lowrank
 from xopt.specs import galore as _spec
+from xopt.specs import lowrank
 
 __all__ = ["GaLoreState", "galore"]
 
@@ -141,7 +141,7 @@ def galore(
         for n, leaf, h in zip(names, jax.tree.leaves(tree), specs, strict=True):
             check_float_leaf(leaf, f"{_LABEL}: {n}")
             if _spec.is_projected(tuple(leaf.shape), h):
-                _lowrank.check_rank(h.rank, tuple(leaf.shape), f"{_LABEL}: {n}")
+                lowrank.check_rank(h.rank, tuple(leaf.shape), f"{_LABEL}: {n}")
         return names, specs
 
     def init_fn(params: optax.Params) -> GaLoreState:
@@ -228,7 +228,7 @@ def _refresh(h: _spec.GaLore, name: str, g: jax.Array, old: jax.Array, old_r: An
 
     def fresh() -> tuple[jax.Array, jax.Array, jax.Array]:
         a = g.astype(jnp.promote_types(g.dtype, jnp.float32))
-        u, sv, vh = _lowrank.svd(jnp, a)
+        u, sv, vh = lowrank.svd(jnp, a)
         o, o_r = _spec.projector_from_svd(u, vh, h.rank, which)
         o_r = o_r if full else o
         ok = jnp.all(jnp.isfinite(sv)) & jnp.all(jnp.isfinite(o)) & jnp.all(jnp.isfinite(o_r))

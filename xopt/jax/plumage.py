@@ -44,7 +44,7 @@ from xopt.jax._lowrank import (
     resolve_spec,
 )
 from xopt.jax._precision import full_precision
-from xopt.specs import _lowrank
+from xopt.specs import lowrank
 from xopt.specs import plumage as _spec
 
 __all__ = ["PlumageState", "plumage"]
@@ -209,11 +209,11 @@ def _leaf_update(h: _spec.PLUMAGE, name: str, index: int, g: jax.Array, p: jax.A
         r = _spec.project(jnp, g, st["projector"], side)
     else:
         side, r = None, g
-    st["m"], st["v"] = _lowrank.hf_adam_moments(jnp, st["m"], st["v"], r, h.b1, h.b2)
+    st["m"], st["v"] = lowrank.hf_adam_moments(jnp, st["m"], st["v"], r, h.b1, h.b2)
     n = _spec.adam_direction(jnp, st["m"], st["v"], h)
     if side is not None:
         n = _spec.project_back(jnp, n, st["projector"], st["scale"], side)
-    alpha = _lowrank.hf_step_size(lr, h.b1, h.b2, t + 1, h.correct_bias)
+    alpha = lowrank.hf_step_size(lr, h.b1, h.b2, t + 1, h.correct_bias)
     u = -alpha * n
     if not _is_zero(h.weight_decay):  # hf_apply: p ← p − αN, then p ← p − ηλ p
         u = u - (lr * h.weight_decay) * (p.astype(dtype) + u)

@@ -173,7 +173,7 @@ def velo(
       learning_rate: multiplier of the learned step, a number or an optax schedule of the
         call count; default 1 (the original's step). ``updates = −(lr·step)``.
       weight_decay, weight_decay_mode, max_training_steps: see
-        :class:`xopt.specs._lopt.LOptOptions` (``prefab.LearnedOptimizer``'s wrappers).
+        :class:`xopt.specs.lopt.LOptOptions` (``prefab.LearnedOptimizer``'s wrappers).
       spec: an :class:`xopt.specs.velo.VeLO` instead of the keywords (its ``lr`` is the
         learning rate).
       seed: seed of the fresh θ when ``meta_params`` is None.

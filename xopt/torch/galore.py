@@ -30,9 +30,8 @@ import torch
 from torch import Tensor
 
 from xopt.errors import HyperparameterError
-from xopt.specs import _lowrank
+from xopt.specs import Hyperparams, lowrank
 from xopt.specs import galore as galore_spec
-from xopt.specs._hyperparams import Hyperparams
 from xopt.torch._lowrank import LowRankOptimizer
 
 __all__ = ["GaLore"]
@@ -107,7 +106,7 @@ class GaLore(LowRankOptimizer):
 
     def _check_param(self, p: Tensor, hp: Hyperparams, where: str) -> None:
         if galore_spec.is_projected(tuple(p.shape), hp):
-            _lowrank.check_rank(hp.rank, tuple(p.shape), where)
+            lowrank.check_rank(hp.rank, tuple(p.shape), where)
 
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: Hyperparams,
                 name: str, inject: Mapping[str, Tensor] | None) -> None:
