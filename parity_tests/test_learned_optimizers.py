@@ -144,14 +144,14 @@ def test_velo_lstm_exception_is_the_originals_own_rounding():
     from helpers import REPO
 
     from xopt.parity import load_trace
-    from xopt.specs import velo
+    from xopt.parity.methods import velo
 
     sys.path.insert(0, str(REPO / "tools"))
     try:
         import velo_lstm_rounding
     finally:
         sys.path.pop(0)
-    bound = velo.SPEC.tolerance("teacher_forced").for_tensor("state/lstm_hidden/x").rel
+    bound = velo.PARITY.tolerance("teacher_forced").for_tensor("state/lstm_hidden/x").rel
     assert bound == 3e-6
     gaps = [max(velo_lstm_rounding.measure(p)) for p in traces("velo")]
     print(f"exact vs original LSTM state, per case: {gaps}")

@@ -31,6 +31,7 @@ from helpers import has_jax, has_torch
 
 from xopt.parity.compare import errors
 from xopt.parity.harness import make_runner
+from xopt.parity.methods import plumage as PP
 from xopt.specs import get, lowrank
 from xopt.specs import plumage as P
 from xopt.specs._groups import ParamGroups
@@ -45,7 +46,7 @@ STEPS = 12
 BASE = P.PLUMAGE(lr=1e-2, rank=3, update_proj_gap=4, resample_interval=3, weight_decay=0.05)
 HP = ParamGroups.of([(["a/left", "b/right", "c/square", "d/bias"], BASE),
                      (["e/full"], BASE.replace(project=False))])
-TOL = SPEC.tolerance("teacher_forced").rel  # 1e-6
+TOL = PP.PARITY.tolerance("teacher_forced").rel  # 1e-6
 
 
 def _stream():

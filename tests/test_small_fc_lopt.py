@@ -18,6 +18,7 @@ from helpers import SHARED, has_jax, has_torch, needs_jax, needs_torch
 
 from xopt.errors import HyperparameterError, MetaParamsError, NonFiniteError
 from xopt.parity import bundled_traces, load_trace
+from xopt.parity.methods import small_fc_lopt as SP
 from xopt.specs import lopt
 from xopt.specs import small_fc_lopt as S
 
@@ -61,7 +62,7 @@ class Golden:
 
     def state(self, step: int) -> dict[str, np.ndarray]:
         flat = self.trace.init_state() if step < 0 else self.trace.state_after(step)
-        return S.STATE.to_canonical("learned_optimization", flat, self.names, self.hp)
+        return S.STATE.to_canonical(SP.NAMING, flat, self.names, self.hp)
 
 
 _CACHE: dict[str, Golden] = {}

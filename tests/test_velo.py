@@ -18,6 +18,7 @@ from helpers import SHARED, has_jax, has_torch
 from xopt.errors import HyperparameterError, MetaParamsError, NonFiniteError
 from xopt.parity import bundled_traces, load_trace
 from xopt.parity.harness import original_of, trace_hyperparameters, trace_state
+from xopt.parity.methods import velo as VP
 from xopt.specs import velo as V
 
 CASE = "perturbed_seed0"
@@ -61,7 +62,7 @@ def worst(got_params, got_state, want_params, want_state) -> tuple[float, str]:
     errs = {f"param/{k}": rel(got_params[k], want_params[k]) for k in want_params}
     errs.update({f"state/{k}": rel(got_state[k], want_state[k]) for k in want_state})
     assert set(got_state) == set(want_state)
-    tol = V.SPEC.tolerance("teacher_forced")
+    tol = VP.PARITY.tolerance("teacher_forced")
     ratio = {k: e / tol.for_tensor(k).rel for k, e in errs.items()}
     key = max(ratio, key=ratio.get)
     return ratio[key], key

@@ -47,9 +47,9 @@ from xopt.parity.harness import (
     layer_backends,
     require_reference,
 )
+from xopt.parity.methods import get as get_parity
 from xopt.parity.trace import Trace, step_prefix
 from xopt.specs import compact as _spec
-from xopt.specs import get
 
 # -- reading the cases ---------------------------------------------------------------------------
 
@@ -631,7 +631,7 @@ def run(trace: Trace, *, backends: Sequence[str], against: str, modes: Sequence[
         impl: str = "plain", device: str = "cpu", max_steps: int | None = None,
         notes: list[str], explicit_backends: bool = False) -> list[Run]:
     """Run CompAct's comparisons on one layer trace; see the module docstring."""
-    spec = get("compact")
+    parity = get_parity("compact")
     case = _Case(trace)
     steps = trace.steps if max_steps is None else min(max_steps, trace.steps)
     def skip(b: str) -> str | None:
@@ -674,7 +674,7 @@ def run(trace: Trace, *, backends: Sequence[str], against: str, modes: Sequence[
             per_step = [errors(x, y) for x, y in zip(a, b, strict=True)]
             r = Run(trace=trace.name, backend=backend_label(which), impl="plain",
                     against=backend_label(against), mode=mode, steps=steps,
-                    tolerance=spec.tolerance(mode), per_step=per_step)
+                    tolerance=parity.tolerance(mode), per_step=per_step)
             if "oracle" in outputs and "oracle" not in (which, against):
                 t, k, _ = r.worst
                 if k:

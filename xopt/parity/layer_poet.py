@@ -46,8 +46,8 @@ from xopt.parity.harness import (
     layer_backends,
     require_reference,
 )
+from xopt.parity.methods import get as get_parity
 from xopt.parity.trace import Trace, step_prefix
-from xopt.specs import get
 from xopt.specs import poet as P
 
 
@@ -424,7 +424,7 @@ def run(trace: Trace, *, backends: Sequence[str], against: str, modes: Sequence[
         impl: str, device: str, max_steps: int | None, notes: list[str],
         explicit_backends: bool = False) -> list[Run]:
     """The comparisons of one POET layer trace (see the module docstring)."""
-    spec = get("poet")
+    parity = get_parity("poet")
     hp = hyperparams(trace)
     steps = trace.steps if max_steps is None else min(max_steps, trace.steps)
     cnp = _is_cnp(trace)
@@ -482,7 +482,7 @@ def run(trace: Trace, *, backends: Sequence[str], against: str, modes: Sequence[
                 w_impl = impl if which == "torch" else "plain"
                 r = Run(trace=trace.name, backend=backend_label(which),
                         impl=w_impl if var == "-" else f"{w_impl}/{var}", against=against,
-                        mode=mode, steps=steps, tolerance=spec.tolerance(mode),
+                        mode=mode, steps=steps, tolerance=parity.tolerance(mode),
                         per_step=per_step)
                 if oracle is not None and which != "oracle" and against != "oracle":
                     t, k, _ = r.worst

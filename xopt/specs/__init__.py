@@ -19,9 +19,9 @@ import importlib
 import pkgutil
 
 from xopt.errors import UnknownMethodError
-from xopt.specs._groups import ParamGroups
+from xopt.specs._groups import ParamGroups, all_hps, hp_for
 from xopt.specs._hyperparams import Hyperparams, Interval, hp
-from xopt.specs._method import MetaParams, MethodSpec, Original, Tolerance
+from xopt.specs._method import MetaParams, MethodSpec
 from xopt.specs._state import Naming, StateSchema, StateVar
 
 __all__ = [
@@ -30,13 +30,13 @@ __all__ = [
     "MetaParams",
     "MethodSpec",
     "Naming",
-    "Original",
     "ParamGroups",
     "StateSchema",
     "StateVar",
-    "Tolerance",
+    "all_hps",
     "get",
     "hp",
+    "hp_for",
     "names",
 ]
 

@@ -47,7 +47,7 @@ import numpy as np
 from xopt.errors import HyperparameterError
 from xopt.specs import arrays
 from xopt.specs._hyperparams import NONNEGATIVE, UNIT_HALF_OPEN, Hyperparams, hp
-from xopt.specs._method import MethodSpec, Original, Tolerance
+from xopt.specs._method import MethodSpec
 from xopt.specs._state import Naming, StateSchema, StateVar, same_as_param, scalar
 
 # -- hyperparameters -----------------------------------------------------------------------
@@ -284,13 +284,6 @@ STATE = StateSchema(
             dtypes={"step": "float32"},
             doc="torch.optim.AdamW / xopt.torch.AdamW: optimizer.state[param][key]",
         ),
-        # optax.adamw = chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate).
-        "optax.adamw": Naming(
-            keys={"step": "0/count", "m": "0/mu/{param}", "v": "0/nu/{param}",
-                  "v_max": "0/nu_max/{param}"},
-            dtypes={"step": "int32"},
-            doc="optax.adamw's state: a tuple whose first element is ScaleByAdamState",
-        ),
         # xopt.jax.adamw: one transformation whose state is AdamWState(count, mu, nu, nu_max).
         "xopt.jax": Naming(
             keys={"step": "count", "m": "mu/{param}", "v": "nu/{param}",
@@ -302,87 +295,6 @@ STATE = StateSchema(
 )
 
 
-# -- original implementations --------------------------------------------------------------
-
-
-def _torch_kwargs(h: AdamW) -> dict[str, Any]:
-    if h.eps_root != 0 or h.nesterov or h.bias_correction_dtype != "float64":
-        raise HyperparameterError(
-            "torch.optim.AdamW cannot express eps_root != 0, nesterov=True or "
-            "bias_correction_dtype='float32'"
-        )
-    return dict(lr=h.lr, betas=(h.b1, h.b2), eps=h.eps, weight_decay=h.weight_decay,
-                amsgrad=h.amsgrad, maximize=h.maximize)
-
-
-def _from_torch_kwargs(kw: Mapping[str, Any]) -> AdamW:
-    known = {"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
-             "capturable", "differentiable", "fused"}
-    unknown = sorted(set(kw) - known)
-    if unknown:
-        raise HyperparameterError(
-            f"unknown torch.optim.AdamW argument(s) {', '.join(map(repr, unknown))}; "
-            f"known: {', '.join(sorted(known))}"
-        )
-    values = dict(PRESETS["torch"])
-    betas = kw.get("betas", (values["b1"], values["b2"]))
-    values.update(b1=float(betas[0]), b2=float(betas[1]))
-    for src, dst in (("lr", "lr"), ("eps", "eps"), ("weight_decay", "weight_decay"),
-                     ("amsgrad", "amsgrad"), ("maximize", "maximize")):
-        if src in kw:
-            values[dst] = kw[src]
-    return AdamW(**values)
-
-
-def _optax_kwargs(h: AdamW) -> dict[str, Any]:
-    if h.amsgrad or h.maximize or h.bias_correction_dtype != "float32":
-        raise HyperparameterError(
-            "optax.adamw cannot express amsgrad=True, maximize=True or "
-            "bias_correction_dtype='float64'"
-        )
-    return dict(learning_rate=h.lr, b1=h.b1, b2=h.b2, eps=h.eps, eps_root=h.eps_root,
-                weight_decay=h.weight_decay, nesterov=h.nesterov)
-
-
-def _from_optax_kwargs(kw: Mapping[str, Any]) -> AdamW:
-    known = {"learning_rate", "b1", "b2", "eps", "eps_root", "weight_decay", "nesterov",
-             "mu_dtype", "mask"}
-    unknown = sorted(set(kw) - known)
-    if unknown:
-        raise HyperparameterError(
-            f"unknown optax.adamw argument(s) {', '.join(map(repr, unknown))}; "
-            f"known: {', '.join(sorted(known))}"
-        )
-    if "learning_rate" not in kw:
-        raise HyperparameterError("optax.adamw: 'learning_rate' is required")
-    if kw.get("mu_dtype") is not None or kw.get("mask") is not None:
-        raise HyperparameterError("optax.adamw: mu_dtype and mask are not supported by xopt yet")
-    values = dict(PRESETS["optax"])
-    values["lr"] = kw["learning_rate"]
-    for name in ("b1", "b2", "eps", "eps_root", "weight_decay", "nesterov"):
-        if name in kw:
-            values[name] = kw[name]
-    return AdamW(**values)
-
-
-# -- tolerances ----------------------------------------------------------------------------
-
-_F32_STEP = (
-    "one float32 step: the two arithmetics round a handful of operations differently, "
-    "each within half an ulp (6e-8 relative); 1e-6 relative to the tensor's largest "
-    "element leaves a factor of ~2 over the worst case of 8 roundings"
-)
-TOLERANCES = {
-    "bitwise": Tolerance(0.0, 0.0, "same operations in the same order on the same machine"),
-    "teacher_forced": Tolerance(1e-6, 0.0, _F32_STEP),
-    "closed_loop": Tolerance(
-        1e-5, 0.0,
-        "errors of ~1e-7 per step accumulate over the trace's steps (at most 50); Adam's "
-        "normalised step does not amplify them, so 1e-5 bounds 50 steps of the per-step bound",
-    ),
-}
-
-
 SPEC = MethodSpec(
     name="adamw",
     title="AdamW (decoupled weight decay), torch.optim and optax conventions",
@@ -391,22 +303,5 @@ SPEC = MethodSpec(
     state=STATE,
     init_state=init_state,
     step=step,
-    implementations={"torch": "xopt.torch.adamw:AdamW", "jax": "xopt.jax.adamw:adamw"},
     naming_of={"torch": "torch.optim", "jax": "xopt.jax"},
-    originals={
-        "torch.optim.AdamW": Original(
-            name="torch.optim.AdamW", backend="torch", factory="torch.optim:AdamW",
-            naming="torch.optim", preset="torch", to_kwargs=_torch_kwargs,
-            from_kwargs=_from_torch_kwargs, requires=("torch",),
-        ),
-        "optax.adamw": Original(
-            name="optax.adamw", backend="jax", factory="optax:adamw", naming="optax.adamw",
-            preset="optax", to_kwargs=_optax_kwargs, from_kwargs=_from_optax_kwargs,
-            requires=("jax", "optax"),
-        ),
-    },
-    tolerances=TOLERANCES,
-    bitwise=lambda hp: frozenset(
-        {("torch", "torch.optim.AdamW")} if hp.formula == "torch" else {("jax", "optax.adamw")}
-    ),
 )

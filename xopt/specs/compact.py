@@ -57,7 +57,7 @@ import numpy as np
 from xopt.errors import HyperparameterError
 from xopt.specs import arrays
 from xopt.specs._hyperparams import NONNEGATIVE, UNIT_HALF_OPEN, Hyperparams, Interval, hp
-from xopt.specs._method import MethodSpec, Tolerance
+from xopt.specs._method import MethodSpec
 from xopt.specs._state import Naming, StateSchema, StateVar, same_as_param, scalar
 
 RANK_RATIO = Interval(0.0, 1.0, lo_closed=False, hi_closed=True)  # (0, 1]
@@ -466,11 +466,6 @@ STATE = StateSchema(
             keys={"step": "{param}/step", "m": "{param}/exp_avg", "v": "{param}/exp_avg_sq"},
             dtypes={"step": "int64"},
             doc="optimizer.state[param][key]"),
-        # The golden LLaMA trace stores the (shared) step once.
-        "SmallAdamW/shared_step": Naming(
-            keys={"step": "step", "m": "{param}/exp_avg", "v": "{param}/exp_avg_sq"},
-            dtypes={"step": "int64"},
-            doc="as SmallAdamW, with every parameter's equal step stored once"),
         # xopt.jax.compact_adamw: CompActAdamState(count, mu, nu).
         "xopt.jax": Naming(
             keys={"step": "count", "m": "mu/{param}", "v": "nu/{param}"},
@@ -478,33 +473,6 @@ STATE = StateSchema(
             doc="xopt.jax.compact_adamw: CompActAdamState(count, mu, nu)"),
     },
 )
-
-
-# -- tolerances ------------------------------------------------------------------------------
-
-_MODEL_GRADS = Tolerance(
-    3e-6, 0.0,
-    "gradients of a whole model (the LLaMA case's loss backward) cannot meet 1e-6 in float32: "
-    "the authors' own float32 gradients are up to 1.49e-6 relative from the same model in "
-    "float64 (grad of layers.1.post_attention_layernorm, an RMSNorm weight gradient summed "
-    "over tokens; 0.6-0.9e-6 for the q/k CompAct gradients, which pass through the attention "
-    "softmax backward dS = P∘(dP − Σ P∘dP), a difference of nearly equal terms), measured by "
-    "parity_tests/test_compact.py::test_llama_gradients_are_float32_noise; two float32 "
-    "implementations may differ by the sum of their errors, 2 × 1.49e-6")
-TOLERANCES = {
-    "bitwise": Tolerance(0.0, 0.0, "same operations in the same order on the same machine"),
-    "teacher_forced": Tolerance(
-        1e-6, 0.0,
-        "one float32 step: the recorder's float64 re-derivation puts the trace's own float32 "
-        "rounding at ≤ 2.1e-7 relative per array (tolerance_hint); matrix products summed in "
-        "another order differ by a few ulps of the largest element",
-        tensors={prefix: dataclasses.replace(_MODEL_GRADS)
-                 for prefix in ("grad/model/", "grad/lm_head/", "compact_grad/model/")}),
-    "closed_loop": Tolerance(
-        1e-4, 0.0,
-        "per-step float32 differences (~1e-7) carried through 6-8 updates of Adam and, for "
-        "the LLaMA trace, through the model's forward and backward at the updated weights"),
-}
 
 
 SPEC = MethodSpec(
@@ -515,10 +483,5 @@ SPEC = MethodSpec(
     state=STATE,
     init_state=init_state,
     step=step,
-    implementations={"torch": "xopt.torch.compact:CompActAdamW",
-                     "jax": "xopt.jax.compact:compact_adamw"},
     naming_of={"torch": "SmallAdamW", "jax": "xopt.jax"},
-    originals={},
-    tolerances=TOLERANCES,
-    layer_parity="xopt.parity.layer_compact:run",
 )

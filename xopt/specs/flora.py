@@ -59,7 +59,8 @@ so xopt draws its own from :mod:`xopt.random`, the same bits in NumPy, torch and
 keyed by the 64-bit state seed ``s`` itself (shape ``(rank, m)`` left, ``(n, rank)``
 right; drawn in float32 and cast to the state's dtype, so the oracle, torch and jax use the
 same matrix). To reproduce a recorded run, ``inject`` replaces ``P`` before and after the
-update with the original's (``proj_before``, ``proj_after`` in a trace's aux).
+update with the original's (``proj_before``, ``proj_after`` in a trace's aux; see
+:mod:`xopt.parity.methods.flora`).
 
 Everything here is written against the array API (NumPy float64: the oracle; torch;
 jax.numpy). Under torch the operations are the original's torch calls in its order, so
@@ -79,9 +80,9 @@ import numpy as np
 from xopt import random as xrandom
 from xopt.errors import HyperparameterError
 from xopt.specs import arrays
-from xopt.specs._groups import ParamGroups, all_hps, hp_for
+from xopt.specs._groups import ParamGroups, hp_for
 from xopt.specs._hyperparams import NONNEGATIVE, POSITIVE, UNIT_HALF_OPEN, Hyperparams, Interval, hp
-from xopt.specs._method import MethodSpec, Original, Tolerance
+from xopt.specs._method import MethodSpec
 from xopt.specs._state import Naming, StateSchema, StateVar, same_as_param, scalar
 
 # -- hyperparameters -----------------------------------------------------------------------
@@ -587,82 +588,6 @@ STATE = StateSchema(
 )
 
 
-# -- the original, and traces -------------------------------------------------------------
-
-_ORIGINAL_FIELDS = ("lr", "rank", "kappa", "eps", "clip_threshold", "decay_rate", "beta1",
-                    "weight_decay", "scale_parameter", "relative_step", "warmup_init",
-                    "factorize_second_moment", "quantization")
-
-
-def _from_kwargs(kw: Mapping[str, Any]) -> Flora | ParamGroups:
-    """A trace manifest's ``hyperparameters`` (or plain constructor arguments) -> Flora,
-    or ParamGroups built from ``effective_param_groups``."""
-    ctor = dict(kw.get("constructor", kw))
-    for k in ("optimizer_class", "param_groups", "effective_param_groups"):
-        ctor.pop(k, None)
-    known = set(_ORIGINAL_FIELDS) | {"seed"}
-    unknown = sorted(set(ctor) - known)
-    if unknown:
-        raise HyperparameterError(f"unknown flora_opt.Flora argument(s) "
-                                  f"{', '.join(map(repr, unknown))}; "
-                                  f"known: {', '.join(sorted(known))}")
-
-    def make(values: Mapping[str, Any]) -> Flora:
-        v = {k: (tuple(x) if isinstance(x, list) else x) for k, x in values.items()}
-        return Flora(**v)
-
-    groups = kw.get("effective_param_groups")
-    if not groups:
-        return make(ctor)
-    out = []
-    for g in groups:
-        values = dict(ctor)
-        extra = sorted(set(g) - set(_ORIGINAL_FIELDS) - {"params"})
-        if extra:
-            raise HyperparameterError(f"unknown flora_opt.Flora param group key(s) {extra}")
-        values.update({k: g[k] for k in _ORIGINAL_FIELDS if k in g})
-        out.append((g["params"], make(values)))
-    return ParamGroups.of(out)
-
-
-def _to_kwargs(h: Flora | ParamGroups) -> dict[str, Any]:
-    hs = all_hps(h)
-    if len(hs) > 1:
-        raise HyperparameterError("flora_opt.Flora run live takes one flat parameter list "
-                                  "here; these hyperparameters have several param groups")
-    one = hs[0]
-    if not one.project:
-        raise HyperparameterError("flora_opt.Flora cannot express project=False")
-    out = {k: getattr(one, k) for k in _ORIGINAL_FIELDS}
-    out["seed"] = one.seed
-    return out
-
-
-def inject(trace: Any, t: int, hp: Any) -> dict[str, dict[str, Any]] | None:
-    """The original's projections at update ``t`` from a trace's aux: ``{param:
-    {"proj_before": P, "proj_after": P'}}`` for every compressed parameter."""
-    aux = trace.aux(t)
-    out = {}
-    for name in trace.params:
-        if f"{name}/proj_before" in aux:
-            out[name] = {"proj_before": aux[f"{name}/proj_before"],
-                         "proj_after": aux[f"{name}/proj_after"]}
-    return out or None
-
-
-_F32 = ("one float32 update: mean/rsqrt of the factored second moment, the norms in the "
-        "parameter and update RMS and the rank-r matmuls round differently across "
-        "NumPy/torch/XLA by a few ulp; 1e-6 relative to the tensor's largest element")
-TOLERANCES = {
-    "bitwise": Tolerance(0.0, 0.0, "same operations in the same order on the same machine"),
-    "teacher_forced": Tolerance(1e-6, 0.0, _F32),
-    "closed_loop": Tolerance(
-        1e-4, 0.0,
-        "per-step float32 rounding (~1e-7) compounds over 25 steps through the momentum and "
-        "the parameter-RMS learning-rate scale; 1e-4 bounds it with margin"),
-}
-
-
 SPEC = MethodSpec(
     name="flora",
     title="Flora: Adafactor with momentum compressed by seeded random projections",
@@ -671,15 +596,5 @@ SPEC = MethodSpec(
     state=STATE,
     init_state=init_state,
     step=step,
-    implementations={"torch": "xopt.torch.flora:Flora", "jax": "xopt.jax.flora:flora"},
     naming_of={"torch": "flora_opt", "jax": "xopt.jax"},
-    originals={
-        "flora_opt.Flora": Original(
-            name="flora_opt.Flora", backend="torch", factory="flora_opt:Flora",
-            naming="flora_opt", preset="", to_kwargs=_to_kwargs, from_kwargs=_from_kwargs,
-            requires=("flora_opt", "bitsandbytes", "accelerate"),
-        ),
-    },
-    tolerances=TOLERANCES,
-    inject=inject,
 )

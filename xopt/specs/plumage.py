@@ -96,7 +96,7 @@ from xopt.specs._hyperparams import (
     Interval,
     hp,
 )
-from xopt.specs._method import MethodSpec, Tolerance
+from xopt.specs._method import MethodSpec
 from xopt.specs._state import Naming, StateSchema, StateVar, scalar
 
 # -- hyperparameters -----------------------------------------------------------------------
@@ -693,40 +693,6 @@ STATE = StateSchema(
 )
 
 
-# -- tolerances ----------------------------------------------------------------------------
-
-TOLERANCES = {
-    "bitwise": Tolerance(0.0, 0.0, "same operations in the same order on the same machine"),
-    "teacher_forced": Tolerance(
-        1e-6, 0.0,
-        "one float32 step: the SVD (LAPACK in both torch and jax, possibly different builds) "
-        "and the k × k / k × n matmuls round differently by a few ulps; singular vectors of "
-        "well-separated singular values move by ulps / gap"),
-    "closed_loop": Tolerance(
-        1e-4, 0.0,
-        "the per-step rounding compounds through the moments and, at each refresh, through "
-        "the realignment B = P₂ᵀP₁; a sampled index set is discrete and identical as long as "
-        "no arm lands within rounding of a sector boundary"),
-}
-
-
-def inject_from_trace(trace: Any, t: int, hp: Any) -> dict[str, dict[str, Any]] | None:
-    """The :data:`INJECT_KEYS` a trace records at update ``t``, as ``{param: {key: array}}``.
-
-    A trace's aux may hold ``<param>/indices``, ``<param>/svd_u`` and ``<param>/svd_s``
-    (the names of :data:`INJECT_KEYS`); none is bundled (there is no public original), but
-    a trace recorded from one, or written by a test, is fed through the harness this way.
-    """
-    del hp
-    aux = trace.aux(t)
-    out: dict[str, dict[str, Any]] = {}
-    for name in trace.params:
-        got = {k: aux[f"{name}/{k}"] for k in INJECT_KEYS if f"{name}/{k}" in aux}
-        if got:
-            out[name] = got
-    return out or None
-
-
 SPEC = MethodSpec(
     name="plumage",
     title="PLUMAGE: unbiased min-variance sampled low-rank projections for Adam, with "
@@ -736,13 +702,5 @@ SPEC = MethodSpec(
     state=STATE,
     init_state=init_state,
     step=step,
-    implementations={"torch": "xopt.torch.plumage:PLUMAGE",
-                     "jax": "xopt.jax.plumage:plumage"},
     naming_of={"torch": "xopt.torch", "jax": "xopt.jax"},
-    # No public implementation exists (the paper's code was not released), so there is no
-    # original to run live and no golden trace; parity is torch vs jax vs this float64
-    # oracle, and the paper's claims are tested directly (tests/test_plumage.py).
-    originals={},
-    tolerances=TOLERANCES,
-    inject=inject_from_trace,
 )
