@@ -39,6 +39,7 @@ from xopt.jax._lowrank import (
     resolve_spec,
 )
 from xopt.jax._precision import full_precision
+from xopt.registry import register
 from xopt.specs import coap as _spec
 from xopt.specs import lowrank
 
@@ -297,3 +298,6 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
     if h.weight_decay != 0:
         p = p + p * (-h.weight_decay * lr_t)
     return p - full, st
+
+
+register("coap", "jax", coap)

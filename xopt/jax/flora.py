@@ -36,6 +36,7 @@ from xopt.jax._lowrank import (
     raise_if_nonfinite,
 )
 from xopt.jax._precision import full_precision
+from xopt.registry import register
 from xopt.specs import flora as _spec
 
 __all__ = ["FloraState", "flora", "next_seed_words"]
@@ -291,3 +292,5 @@ def _update_leaf(h: _spec.Flora, p: jax.Array, g: jax.Array, st: dict[str, Any],
     p_new = _spec.apply(xp, p_c, u, lr, h.weight_decay)
     return (p_new - p_c).astype(p.dtype), new
 
+
+register("flora", "jax", flora)

@@ -39,6 +39,7 @@ from xopt.jax._lowrank import (
     resolve_spec,
 )
 from xopt.jax._precision import full_precision
+from xopt.registry import register
 from xopt.specs import galore as _spec
 from xopt.specs import lowrank
 
@@ -250,3 +251,6 @@ galore.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
      if p.kind is not inspect.Parameter.VAR_KEYWORD],
     return_annotation=optax.GradientTransformationExtraArgs,
 )
+
+
+register("galore", "jax", galore)

@@ -44,6 +44,7 @@ from xopt.jax._lowrank import (
     resolve_spec,
 )
 from xopt.jax._precision import full_precision
+from xopt.registry import register
 from xopt.specs import lowrank
 from xopt.specs import plumage as _spec
 
@@ -263,3 +264,6 @@ def _maybe_refresh(h: _spec.PLUMAGE, name: str, index: int, g: jax.Array, side: 
 
     out = jax.lax.cond(resample, refresh, lambda ops: ops, tuple(st[k] for k in keys))
     return dict(zip(keys, out, strict=True))
+
+
+register("plumage", "jax", plumage)

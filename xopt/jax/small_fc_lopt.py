@@ -32,6 +32,7 @@ import numpy as np
 import optax
 
 from xopt.jax._lopt import AccumState, LOptState, configure, learned_optimizer, reject_unknown
+from xopt.registry import register
 from xopt.specs import small_fc_lopt as _spec
 
 __all__ = ["AccumState", "LOptState", "SmallFCState", "small_fc_lopt"]
@@ -160,3 +161,6 @@ small_fc_lopt.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
      if p.kind is not inspect.Parameter.VAR_KEYWORD],
     return_annotation=optax.GradientTransformationExtraArgs,
 )
+
+
+register("small_fc_lopt", "jax", small_fc_lopt)

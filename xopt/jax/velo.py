@@ -37,6 +37,7 @@ import numpy as np
 import optax
 
 from xopt.jax._lopt import AccumState, LOptState, configure, learned_optimizer, reject_unknown
+from xopt.registry import register
 from xopt.specs import velo as _spec
 
 __all__ = ["AccumState", "LOptState", "VeLOState", "velo"]
@@ -211,3 +212,6 @@ velo.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
      if p.kind is not inspect.Parameter.VAR_KEYWORD],
     return_annotation=optax.GradientTransformationExtraArgs,
 )
+
+
+register("velo", "jax", velo)

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from xopt.errors import HyperparameterError
+from xopt.registry import register
 from xopt.specs import Hyperparams, lowrank
 from xopt.specs import galore as galore_spec
 from xopt.torch._lowrank import LowRankOptimizer
@@ -145,3 +146,6 @@ class GaLore(LowRankOptimizer):
         state["exp_avg"].copy_(m)
         state["exp_avg_sq"].copy_(v)
         self.write(p, new_p)
+
+
+register("galore", "torch", GaLore)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from xopt.registry import register
 from xopt.specs import small_fc_lopt as _spec
 from xopt.torch._lopt import Entry, LearnedOptimizer, TritonIO
 
@@ -151,3 +152,6 @@ class SmallFCLOpt(LearnedOptimizer):
         self._triton.step(params, io["grads"], io["states"], io["outs"], io["write_step"],
                           io["lrs"], io["lrwds"], self.meta_on(params[0].device), iteration,
                           io=io if isinstance(io, TritonIO) else None)
+
+
+register("small_fc_lopt", "torch", SmallFCLOpt)

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from xopt.registry import register
 from xopt.specs import arrays
 from xopt.specs import velo as _spec
 from xopt.torch._lopt import Entry, LearnedOptimizer
@@ -269,3 +270,6 @@ class VeLO(LearnedOptimizer):
             st["lstm_hidden"] = hidden[i].to(pdev, copy=True)
             st["lstm_cell"] = cell[i].to(pdev, copy=True)
             self._apply_step(e, step)
+
+
+register("velo", "torch", VeLO)
