@@ -84,7 +84,7 @@ def test_teacher_forced_compares_every_recorded_tensor(golden_report):
 def test_the_two_cayley_formulas_are_different_polynomials():
     # The Triton kernel's (I+Q)(I+Q+Q²+Q³) and the fallback's I+2(Q+…+Q⁴) differ by Q⁴:
     # evaluating a case with the other formula must fail the bound by orders of magnitude.
-    from xopt.parity import layer_poet as L
+    from xopt.parity.layers import poet as L
 
     for path in TRACES:
         if not path.stem.startswith("cayley"):

@@ -55,10 +55,6 @@ def available(modules: Sequence[str]) -> bool:
     return all(importlib.util.find_spec(m) is not None for m in modules)
 
 
-#: what the layer drivers' backends import (the JAX layers are Flax modules)
-LAYER_REQUIRES = {"torch": ("torch",), "jax": ("jax", "optax", "flax"), "oracle": ()}
-
-
 def backend_ready(b: str, modules: Sequence[str], explicit: bool, notes: list[str],
                   hint: str = "") -> bool:
     """Whether backend ``b`` can run (``modules`` import). If not: :class:`BadRequest` when
@@ -70,28 +66,6 @@ def backend_ready(b: str, modules: Sequence[str], explicit: bool, notes: list[st
         raise BadRequest(msg)
     notes.append(msg + "; not run")
     return False
-
-
-def layer_backends(backends: Sequence[str], explicit: bool, notes: list[str],
-                   original_note: str, skip=None) -> list[str]:
-    """The backends a layer driver runs (:data:`LAYER_REQUIRES`): ``"original"`` is noted
-    (``original_note``: why the authors' code is not run live), an unknown name is a
-    :class:`BadRequest`, ``skip(b)`` may return a note that leaves ``b`` out, and a backend
-    whose packages are missing is refused or noted (:func:`backend_ready`)."""
-    selected = []
-    for b in backends:
-        if b == "original":
-            notes.append(original_note)
-            continue
-        if b not in LAYER_REQUIRES:
-            raise BadRequest(f"unknown backend {b!r}; choose from torch, jax, oracle, original")
-        why = skip(b) if skip is not None else None
-        if why:
-            notes.append(why)
-            continue
-        if backend_ready(b, LAYER_REQUIRES[b], explicit, notes):
-            selected.append(b)
-    return selected
 
 
 def require_reference(against: str, requires: Mapping[str, Sequence[str]]) -> None:
@@ -472,24 +446,6 @@ def run_parity(method: str, traces: Sequence[str | Trace], *,
                                      impl if which == "torch" else "plain", origin))
     return Report(method=method, traces=[t.name for t in loaded], runs=runs,
                   notes=list(dict.fromkeys(notes)))
-
-
-def float32_matmuls(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``fn`` with JAX's float32 matrix products in full precision, where JAX is
-    installed: a layer driver's own JAX model code (XLA on a GPU uses TF32 by default, the
-    golden traces are full float32; see :mod:`xopt.jax._precision`)."""
-    import functools
-
-    @functools.wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if not available(("jax",)):
-            return fn(*args, **kwargs)
-        import jax
-
-        with jax.default_matmul_precision("highest"):
-            return fn(*args, **kwargs)
-
-    return wrapped
 
 
 def backend_label(which: str) -> str:

@@ -15,7 +15,7 @@ from xopt.specs import Naming
 
 
 def _layer(trace, **kwargs):
-    from xopt.parity.layer_compact import run
+    from xopt.parity.layers.compact import run
 
     return run(trace, **kwargs)
 

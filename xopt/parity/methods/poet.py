@@ -11,7 +11,7 @@ from xopt.parity.methods import MethodParity, Tolerance
 
 
 def _layer(trace, **kwargs):
-    from xopt.parity.layer_poet import run
+    from xopt.parity.layers.poet import run
 
     return run(trace, **kwargs)
 

@@ -1,8 +1,8 @@
 """POET-X's layer traces: run xopt's layers and optimizer on them and compare.
 
-:func:`run` is :data:`xopt.specs.poet.SPEC`'s ``layer_parity``: ``run_parity`` hands it every
-``kind: "layer"`` trace of ``poet``. Two kinds of case are recorded from the authors'
-``poet_torch``:
+:func:`run` is POET's layer driver (:mod:`xopt.parity.methods.poet`): ``run_parity``
+hands it every ``kind: "layer"`` trace of ``poet``. Two kinds of case are recorded from the
+authors' ``poet_torch``:
 
 * ``cayley_neumann*``: stateless evaluations of ``get_weight_poet``: upper triangles ``x``
   in, the CNP blocks ``y`` and ``∂⟨y, grad_output⟩/∂x`` out (``aux/Q``: the skew
@@ -36,16 +36,8 @@ import numpy as np
 
 from xopt.errors import TraceError
 from xopt.parity.compare import closer_to, errors
-from xopt.parity.harness import (
-    LAYER_REQUIRES,
-    BadRequest,
-    Run,
-    available,
-    backend_label,
-    float32_matmuls,
-    layer_backends,
-    require_reference,
-)
+from xopt.parity.harness import BadRequest, Run, available, backend_label, require_reference
+from xopt.parity.layers import LAYER_REQUIRES, float32_matmuls, layer_backends
 from xopt.parity.methods import get as get_parity
 from xopt.parity.trace import Trace, step_prefix
 from xopt.specs import poet as P
