@@ -121,3 +121,40 @@ def test_conditional_state_variables():
     with pytest.raises(Exception, match="missing state P/w"):
         schema.check_canonical(schema.to_canonical("t", flat, list(params), hp), params, hp,
                                "here")
+
+
+def test_refresh_decomposes_only_when_due_and_takes_an_injected_value():
+    calls = []
+
+    def decompose():
+        calls.append(1)
+        return np.full(3, 2.0)
+
+    old, given = np.zeros(3), np.ones(3)
+    assert lowrank.refresh(False, old, decompose, given) is old
+    assert lowrank.refresh(False, old, decompose) is old
+    assert lowrank.refresh(True, old, decompose, given) is given
+    assert not calls  # nothing decomposed: not due, or the original's value given
+    np.testing.assert_array_equal(lowrank.refresh(True, old, decompose), np.full(3, 2.0))
+    assert calls == [1]
+
+
+@needs_jax
+def test_refresh_under_jit_selects_with_cond():
+    import jax
+    import jax.numpy as jnp
+
+    def run(t, injected):
+        def decompose():
+            return jnp.full(3, 2.0), jnp.asarray(True)
+
+        return lowrank.refresh(t % 2 == 0, (jnp.zeros(3), jnp.asarray(False)), decompose,
+                               injected, cond=jax.lax.cond)
+
+    f = jax.jit(run)
+    for t, inj, want in ((0, None, 2.0), (1, None, 0.0),
+                         (0, (jnp.ones(3), jnp.asarray(True)), 1.0),
+                         (1, (jnp.ones(3), jnp.asarray(True)), 0.0)):
+        value, flag = f(jnp.int32(t), inj)
+        np.testing.assert_array_equal(value, np.full(3, want))
+        assert bool(flag) == (t % 2 == 0)

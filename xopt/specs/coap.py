@@ -443,6 +443,11 @@ def restore_moments(xp: ModuleType, hp: COAP, m: Any, v: Any, p_old: Any, p_new:
     return m, v
 
 
+def injected_projection(inject: Mapping[str, Any] | None) -> Any:
+    """The ``P`` given in ``inject`` (``{"ortho_matrix": P}``), or None."""
+    return None if inject is None else inject.get("ortho_matrix")
+
+
 # -- the base optimizers -------------------------------------------------------------------------
 
 
@@ -535,23 +540,24 @@ def param_step(xp: ModuleType, hp: COAP, p: Any, g: Any, st: dict[str, Any], t: 
         side = side_of(shape)
         p_old = st["P"]
         ev = event(t, hp)
-        p_new = p_old
         if ev == EQN6:
             sub = {} if aux is not None else None
             m6 = eqn6_moment(xp, hp, st.get("m"), g, p_old, side)
             p_new = eqn6_step(xp, p_old, m6, g, side, hp.proj_lr, hp.proj_max_norm, sub)
             if aux is not None:
                 aux.update(sub)
-        elif ev in (INITIAL, EQN7):
-            if inject is not None and "ortho_matrix" in inject:
-                p_new = inject["ortho_matrix"]
-            else:
+        else:  # Eqn 7 at events 1 and 3 (or the original's P, injected); else P is kept
+
+            def eqn7() -> Any:
                 if ev == INITIAL:
                     om = omega() if omega is not None else xp.asarray(
                         initial_omega(hp, shape), dtype=g.dtype)
                 else:
                     om = warm_omega(p_old, side)
-                p_new = decompose(xp, g, om, side, qr=qr, svd=svd)
+                return decompose(xp, g, om, side, qr=qr, svd=svd)
+
+            p_new = lowrank.refresh(ev in (INITIAL, EQN7), p_old, eqn7,
+                                    injected_projection(inject))
         if ev in (EQN6, EQN7) and hp.restore_state:
             st["m"], v = restore_moments(xp, hp, st.get("m"), st.get("v"), p_old, p_new, side)
             if hp.optimizer == "adamw":

@@ -79,7 +79,7 @@ import numpy as np
 
 from xopt import random as xrandom
 from xopt.errors import HyperparameterError
-from xopt.specs import arrays
+from xopt.specs import arrays, lowrank
 from xopt.specs._groups import ParamGroups, hp_for
 from xopt.specs._hyperparams import NONNEGATIVE, POSITIVE, UNIT_HALF_OPEN, Hyperparams, Interval, hp
 from xopt.specs._method import MethodSpec
@@ -478,8 +478,8 @@ def update_param(xp: ModuleType, h: Flora, p: Any, g: Any, st: Mapping[str, Any]
                 p_before, p_after = inject["proj_before"], inject["proj_after"]
             else:
                 p_before = projection(seed, shape, h.rank, xp=xp, dtype=g.dtype, device=device)
-                p_after = p_before if not transfer else projection(
-                    seed_after, shape, h.rank, xp=xp, dtype=g.dtype, device=device)
+                p_after = lowrank.refresh(transfer, p_before, lambda: projection(
+                    seed_after, shape, h.rank, xp=xp, dtype=g.dtype, device=device))
             c = st["m"]
             c_up = up(xp, p_before, c, which)
             raw = u

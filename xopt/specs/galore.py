@@ -60,7 +60,7 @@ recommends.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -202,6 +202,28 @@ def projector_from_svd(u: Any, vh: Any, rank: int, which: str) -> tuple[Any, Any
     if which == "right":
         return vh[:rank, :], None
     return u[:, :rank], vh[:rank, :]
+
+
+def fresh_projection(xp: Any, h: GaLore, g: Any, *,
+                     svd: Callable[[Any], tuple[Any, Any, Any]] | None = None,
+                     ) -> tuple[Any, Any, Any]:
+    """``(ortho, ortho_right, S)``: the projection of the SVD of ``g`` (an ``m × n``
+    gradient) and its singular values. ``svd`` replaces :func:`xopt.specs.lowrank.svd`
+    (the torch backend's names the parameter when it fails)."""
+    u, s, vh = svd(g) if svd is not None else lowrank.svd(xp, g)
+    return (*projector_from_svd(u, vh, h.rank, side(tuple(g.shape), h.proj_type)), s)
+
+
+def injected_projection(inject: Mapping[str, Any] | None, ortho_right: Any, which: str,
+                        cast: Callable[[Any], Any] = lambda a: a) -> tuple[Any, Any] | None:
+    """``(ortho, ortho_right)`` given in ``inject`` (``{"ortho_matrix": P,
+    "ortho_matrix_right": Q}``, each passed through ``cast``), or None when no ``P`` is;
+    ``ortho_right`` stays as it is unless the side is ``"full"`` and ``Q`` is given."""
+    if not inject or "ortho_matrix" not in inject:
+        return None
+    if which == "full" and "ortho_matrix_right" in inject:
+        ortho_right = cast(inject["ortho_matrix_right"])
+    return cast(inject["ortho_matrix"]), ortho_right
 
 
 def project(xp: Any, g: Any, ortho: Any, ortho_right: Any, which: str) -> Any:
@@ -384,17 +406,17 @@ def step(hp: GaLore | ParamGroups, params: Mapping[str, Any], state: Mapping[str
             ortho = state[f"ortho/{name}"]
             ortho_right = state.get(f"ortho_right/{name}")
             due = refresh_due(before, h)
-            if due:
-                given = (inject or {}).get(name) or {}
-                which = side(shape, h.proj_type)
-                if "ortho_matrix" in given:
-                    ortho = given["ortho_matrix"]
-                    ortho_right = given.get("ortho_matrix_right", ortho_right)
-                else:
-                    u, s, vh = lowrank.svd(xp, g)
-                    ortho, ortho_right = projector_from_svd(u, vh, h.rank, which)
-                    if aux is not None:
-                        aux[f"{name}/svd_S"] = s
+
+            def decompose(h=h, g=g, name=name) -> tuple[Any, Any]:
+                o, o_right, s = fresh_projection(xp, h, g)
+                if aux is not None:
+                    aux[f"{name}/svd_S"] = s
+                return o, o_right
+
+            ortho, ortho_right = lowrank.refresh(
+                due, (ortho, ortho_right), decompose,
+                injected_projection((inject or {}).get(name), ortho_right,
+                                    side(shape, h.proj_type)))
             if aux is not None:
                 aux[f"{name}/proj_refreshed"] = np.bool_(due)
             new_state[f"ortho/{name}"] = ortho

@@ -487,6 +487,20 @@ def injected_decomposition(xp: ModuleType, inject: Mapping[str, Any] | None,
     return _as(xp, inject["svd_u"], like), _as(xp, inject["svd_s"], like)
 
 
+def basis_and_probs(xp: ModuleType, hp: PLUMAGE, g: Any, side: str,
+                    inject: Mapping[str, Any] | None,
+                    decomposition: tuple[Any, Any] | None = None) -> tuple[Any, Any, Any]:
+    """Algorithm 2 at an SVD step: ``(basis, probs, σ)``, the singular vectors of the
+    projected side, the inclusion probabilities of their indices and the singular values,
+    from ``decomposition`` (``(U, σ)`` computed by the caller), else the injected one
+    (:func:`injected_decomposition`), else :func:`decompose`."""
+    if decomposition is None:
+        decomposition = injected_decomposition(xp, inject, g)
+    basis, sigma = decomposition if decomposition is not None else decompose(xp, g, side)
+    _, probs = inclusion_probabilities(xp, sigma, hp.rank, hp.prob_eps)
+    return basis, probs, sigma
+
+
 def refresh(xp: ModuleType, hp: PLUMAGE, g: Any, side: str, st: dict[str, Any], t: Any,
             index: int, inject: Mapping[str, Any] | None, *, svd: bool,
             decomposition: tuple[Any, Any] | None = None,
@@ -503,15 +517,11 @@ def refresh(xp: ModuleType, hp: PLUMAGE, g: Any, side: str, st: dict[str, Any], 
     :func:`draw` computed by the caller (the jax backend's, from a traced ``t``).
     """
     st = dict(st)
-    if svd:
-        if decomposition is None:
-            decomposition = injected_decomposition(xp, inject, g)
-        basis, sigma = decomposition if decomposition is not None else decompose(xp, g, side)
-        _, probs = inclusion_probabilities(xp, sigma, hp.rank, hp.prob_eps)
-        if needs_basis(hp):
-            st["basis"], st["probs"] = basis, probs
-    else:
-        basis, probs = st["basis"], st["probs"]
+    basis, probs = lowrank.refresh(
+        svd, (st.get("basis"), st.get("probs")),
+        lambda: basis_and_probs(xp, hp, g, side, inject, decomposition)[:2])
+    if svd and needs_basis(hp):
+        st["basis"], st["probs"] = basis, probs
     if inject is not None and "indices" in inject:
         idx = inject["indices"]
     else:
