@@ -232,11 +232,8 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
         side = _spec.side_of(shape)
         p_old = st["P"]
         ev = _event(t, h)
-        given = None if inj is None or "ortho_matrix" not in inj else \
-            jnp.asarray(inj["ortho_matrix"], p_old.dtype)
-
-        def keep() -> jax.Array:
-            return p_old
+        given = _spec.injected_projection(inj)
+        given = None if given is None else jnp.asarray(given, p_old.dtype)
 
         def eqn6() -> jax.Array:
             m6 = _spec.eqn6_moment(jnp, h, st.get("m"), g, p_old, side)
@@ -245,9 +242,6 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
         def eqn7() -> jax.Array:
             # events 1 and 3 share one decomposition (one QR + SVD to compile per leaf);
             # only Ω differs: the seeded draw at the first update, the old P after
-            if given is not None:
-                return given
-
             def drawn() -> jax.Array:
                 return _spec.initial_omega(h, shape, backend="jax").astype(g.dtype)
 
@@ -257,8 +251,10 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
             omega = jax.lax.cond(ev == _spec.INITIAL, drawn, warm)
             return _spec.decompose(jnp, g, omega, side)
 
-        branch = jnp.where(ev == _spec.EQN6, 1, jnp.where(ev == _spec.KEEP, 0, 2))
-        cand = jax.lax.switch(branch, [keep, eqn6, eqn7])
+        def not_eqn6() -> jax.Array:
+            return lowrank.refresh(ev != _spec.KEEP, p_old, eqn7, given, cond=jax.lax.cond)
+
+        cand = jax.lax.cond(ev == _spec.EQN6, eqn6, not_eqn6)
         p_new, ok = keep_if_not_finite(cand, p_old)
         decomposition_guard(_LABEL, name, ok, check)
         if h.restore_state and (st.get("m") is not None):

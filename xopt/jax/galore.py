@@ -218,27 +218,22 @@ def _refresh(h: _spec.GaLore, name: str, g: jax.Array, old: jax.Array, old_r: An
     """The projection after this update's refresh rule: the SVD's (or the injected) at a
     refresh, ``old`` otherwise; a refresh whose SVD is not finite keeps ``old``."""
     which = _spec.side(tuple(g.shape), h.proj_type)
-    due = (count % h.update_proj_gap) == 0
+    due = _spec.refresh_due(count, h)
     full = which == "full"
-    if inj is not None and "ortho_matrix" in inj:
-        new = jnp.where(due, jnp.asarray(inj["ortho_matrix"], old.dtype), old)
-        new_r = old_r
-        if full and "ortho_matrix_right" in inj:
-            new_r = jnp.where(due, jnp.asarray(inj["ortho_matrix_right"], old.dtype), old_r)
-        return new, new_r
+    injected = _spec.injected_projection(inj, old_r, which,
+                                         cast=lambda a: jnp.asarray(a, old.dtype))
+    if injected is not None:
+        return lowrank.refresh(due, (old, old_r), None, injected, cond=jax.lax.cond)
 
     def fresh() -> tuple[jax.Array, jax.Array, jax.Array]:
-        a = g.astype(jnp.promote_types(g.dtype, jnp.float32))
-        u, sv, vh = lowrank.svd(jnp, a)
-        o, o_r = _spec.projector_from_svd(u, vh, h.rank, which)
+        o, o_r, sv = _spec.fresh_projection(
+            jnp, h, g.astype(jnp.promote_types(g.dtype, jnp.float32)))
         o_r = o_r if full else o
         ok = jnp.all(jnp.isfinite(sv)) & jnp.all(jnp.isfinite(o)) & jnp.all(jnp.isfinite(o_r))
         return o.astype(old.dtype), o_r.astype(old.dtype) if full else old, ok
 
-    def keep() -> tuple[jax.Array, jax.Array, jax.Array]:
-        return old, (old_r if full else old), jnp.array(True)
-
-    cand, cand_r, ok = jax.lax.cond(due, fresh, keep)
+    cand, cand_r, ok = lowrank.refresh(due, (old, old_r if full else old, jnp.array(True)),
+                                       fresh, cond=jax.lax.cond)
     new = jnp.where(ok, cand, old)
     new_r = jnp.where(ok, cand_r, old_r) if full else None
     decomposition_guard(_LABEL, name, ok, check)

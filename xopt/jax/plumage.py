@@ -235,19 +235,17 @@ def _maybe_refresh(h: _spec.PLUMAGE, name: str, index: int, g: jax.Array, side: 
     def refresh(operands: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         old = dict(zip(keys, operands, strict=True))
 
-        def from_svd(_: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-            given = _spec.injected_decomposition(jnp, inject, g)
-            basis, sigma = given if given is not None else _spec.decompose(jnp, g, side)
-            _, probs = _spec.inclusion_probabilities(jnp, sigma, h.rank, h.prob_eps)
+        def from_svd() -> tuple[jax.Array, jax.Array, jax.Array]:
+            basis, probs, sigma = _spec.basis_and_probs(jnp, h, g, side, inject)
             ok = jnp.all(jnp.isfinite(sigma)) & jnp.all(jnp.isfinite(basis))
             return basis, probs, ok
 
-        if _spec.needs_basis(h):
-            basis, probs, ok = jax.lax.cond(
-                svd_now, from_svd,
-                lambda _: (old["basis"], old["probs"], jnp.asarray(True)), None)
-        else:
-            basis, probs, ok = from_svd(None)
+        # without a stored basis every resample is an SVD step
+        stored = _spec.needs_basis(h)
+        basis, probs, ok = lowrank.refresh(
+            svd_now if stored else True,
+            (old.get("basis"), old.get("probs"), jnp.asarray(True)), from_svd,
+            cond=jax.lax.cond if stored else None)
         decomposition_guard(_LABEL, name, ok, check_finite)
         if indices is not None:
             idx = jnp.asarray(indices).astype(jnp.int32)

@@ -118,16 +118,15 @@ class GaLore(LowRankOptimizer):
         ortho = ortho_right = None
         if galore_spec.is_projected(shape, hp):
             which = galore_spec.side(shape, hp.proj_type)
-            if "ortho_matrix" not in state or galore_spec.refresh_due(before, hp):
-                given = inject or {}
-                if "ortho_matrix" in given:
-                    ortho = given["ortho_matrix"].to(device=p.device, dtype=sdt)
-                    right = given.get("ortho_matrix_right")
-                    ortho_right = None if right is None else right.to(device=p.device,
-                                                                      dtype=sdt)
-                else:
-                    u, _, vh = self.svd(g, name)
-                    ortho, ortho_right = galore_spec.projector_from_svd(u, vh, hp.rank, which)
+            due = "ortho_matrix" not in state or galore_spec.refresh_due(before, hp)
+            old = (state.get("ortho_matrix"), state.get("ortho_matrix_right"))
+            ortho, ortho_right = lowrank.refresh(
+                due, old,
+                lambda: galore_spec.fresh_projection(
+                    torch, hp, g, svd=lambda a: self.svd(a, name))[:2],
+                galore_spec.injected_projection(
+                    inject, old[1], which, cast=lambda a: a.to(device=p.device, dtype=sdt)))
+            if due:
                 state["ortho_matrix"] = ortho.contiguous()
                 if which == "full":
                     state["ortho_matrix_right"] = ortho_right.contiguous()
