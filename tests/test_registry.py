@@ -70,6 +70,15 @@ def test_every_method_has_its_harness_module():
         methods.get("nope")
 
 
+def test_method_names_are_the_spec_modules_that_define_a_spec():
+    import importlib
+
+    files = {p.stem for p in (REPO / "xopt" / "specs").glob("*.py") if not p.stem.startswith("_")}
+    with_spec = {f for f in files
+                 if hasattr(importlib.import_module(f"xopt.specs.{f}"), "SPEC")}
+    assert set(specs.names()) == with_spec and files - with_spec == set(specs.SHARED)
+
+
 def test_specs_name_no_backend():
     """No spec module imports a backend or the harness, and none holds a ``"module:attr"``
     reference to one."""

@@ -384,7 +384,7 @@ def _drive_layer(sim: _Sim, trace: Trace, mode: str, steps: int) -> list[dict[st
         rec = sim.fwd_bwd(trace.array(f"{pre}/x"), g, target)
         # Teacher-forced, the update consumes the recorded gradient: the layer's gradient is
         # compared on its own, and Adam's first step after a reset would otherwise amplify
-        # its float32 rounding (see TOLERANCES["closed_loop"] in xopt/specs/poet.py).
+        # its float32 rounding (see TOLERANCES["closed_loop"] in xopt/parity/methods/poet.py).
         sim.opt_step(trace.array(f"{pre}/grad/oft_R") if mode == "teacher_forced" else None)
         if "merged" in aux and int(aux["merged"]):
             sim.merge(aux["new_perm_in"], aux["new_perm_out"])
