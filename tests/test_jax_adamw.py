@@ -20,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import xopt.jax  # noqa: E402
 from xopt.errors import HyperparameterError  # noqa: E402
-from xopt.parity.methods.adamw import OPTAX_NAMING  # noqa: E402
+from xopt.parity.methods.adamw import OPTAX_NAMING, TOLERANCES, torch_kwargs  # noqa: E402
 from xopt.parity.runners import flatten_with_paths  # noqa: E402
 from xopt.specs import adamw as spec  # noqa: E402
 
@@ -357,7 +357,7 @@ def test_teacher_forced_vs_float64_oracle(case):
     """One step from our float32 state, cast to float64, through ``spec.step`` under NumPy."""
     hp = optax_hp(**ORACLE_CASES[case])
     update, rng, params, state = _start(hp)
-    tol = spec.TOLERANCES["teacher_forced"].rel
+    tol = TOLERANCES["teacher_forced"].rel
     worst = 0.0
     for step in range(STEPS):
         grads = make_grads(rng, params)
@@ -411,13 +411,13 @@ def test_torch_formula_vs_torch_optim(opts):
     torch = pytest.importorskip("torch")
     hp = spec.AdamW(**{**spec.PRESETS["torch"], **opts})
     update, rng, params, state = _start(hp)
-    tol = spec.TOLERANCES["teacher_forced"].rel
+    tol = TOLERANCES["teacher_forced"].rel
     for step in range(STEPS):
         grads = make_grads(rng, params)
         flat_p, flat_g = _flatten(params), _flatten(grads)
         cs = canonical(state, "xopt.jax", hp, strict=True)
         tparams = {n: torch.tensor(np.asarray(flat_p[n]), requires_grad=True) for n in SHAPES}
-        opt = torch.optim.AdamW(list(tparams.values()), **spec._torch_kwargs(hp))
+        opt = torch.optim.AdamW(list(tparams.values()), **torch_kwargs(hp))
         for n, tp in tparams.items():
             tp.grad = torch.tensor(np.asarray(flat_g[n]))
             if step:

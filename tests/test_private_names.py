@@ -39,7 +39,7 @@ def _private(part: str) -> bool:
 def owner_of(dotted: str) -> str | None:
     """The package a path's first private name belongs to (None: the path is public).
 
-    ``xopt.specs.lowrank.svd`` -> ``xopt.specs``; ``xopt.specs.velo._as_array`` ->
+    ``xopt.specs._lowrank.svd`` -> ``xopt.specs``; ``xopt.specs.velo._as_array`` ->
     ``xopt.specs`` (the package of the module that defines it); ``xopt._atomic`` -> ``xopt``.
     """
     parts = dotted.split(".")

@@ -76,20 +76,20 @@ def test_hyperparameters_from_the_originals_arguments(golden):
     assert hp == V.VeLO(num_training_steps=trace.num_training_steps)  # VeLO's defaults
     assert hp.lr == 1.0  # the original's step; PyLO's VeLO defaults to 1e-3
     kw = dict(trace.hyperparameters)
-    assert V._from_hyperv2_kwargs({**kw, "num_training_steps": 10}) == hp.replace(
+    assert VP.from_hyperv2_kwargs({**kw, "num_training_steps": 10}) == hp.replace(
         num_training_steps=10)
     with pytest.raises(HyperparameterError, match="with_rms_norm_g"):
-        V._from_hyperv2_kwargs({**kw, "with_rms_norm_g": False})
+        VP.from_hyperv2_kwargs({**kw, "with_rms_norm_g": False})
     with pytest.raises(HyperparameterError, match="bogus"):
-        V._from_hyperv2_kwargs({**kw, "bogus": 1})
-    pre = V._from_prefab_kwargs({"num_training_steps": 1000, "max_training_steps": 400,
+        VP.from_hyperv2_kwargs({**kw, "bogus": 1})
+    pre = VP.from_prefab_kwargs({"num_training_steps": 1000, "max_training_steps": 400,
                                  "weight_decay": 0.01, "base_lopt_fn": "x", "HyperV2": kw})
     assert (pre.accumulating, pre.num_average, pre.inner_num_steps) == (True, 3, 333)
     assert V.VeLO.from_json(pre.to_json()) == pre
     with pytest.raises(HyperparameterError, match="initial_rms_decays"):
         V.VeLO(num_training_steps=10, initial_rms_decays=(0.9, 0.99))
     with pytest.raises(HyperparameterError, match="lr"):
-        V._to_hyperv2_kwargs(hp.replace(lr=0.5))
+        VP.to_hyperv2_kwargs(hp.replace(lr=0.5))
 
 
 def test_meta_parameters_both_namings_strict(golden):
