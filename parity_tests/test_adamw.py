@@ -1,7 +1,7 @@
 """AdamW parity: every bundled trace, every backend, teacher-forced and closed loop.
 
 The traces were recorded from torch.optim.AdamW and optax.adamw themselves
-(tools/record_adamw.py). Tolerances come from xopt.specs.adamw.TOLERANCES, each with its
+(tools/record_adamw.py). Tolerances come from xopt.parity.methods.adamw.TOLERANCES, each with its
 reason; the bitwise claims are checked against the live libraries on this machine.
 """
 

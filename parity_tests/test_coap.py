@@ -20,6 +20,7 @@ from helpers import explain_disagreements, has_jax, has_torch
 
 from xopt.parity import bundled_traces, load_trace
 from xopt.parity.harness import run_parity
+from xopt.parity.methods import coap as CP
 from xopt.specs import coap as C
 
 pytestmark = pytest.mark.skipif(not (has_torch and has_jax), reason="needs torch and jax")
@@ -31,7 +32,7 @@ PROJECTED = ["mlp/0/weight", "mlp/1/weight", "tall/weight", "wide/weight"]
 
 
 def _hp(trace):
-    return C.SPEC.original("coap_torch.CoapAdamW").from_kwargs(dict(trace.hyperparameters))
+    return CP.PARITY.original("coap_torch.CoapAdamW").from_kwargs(dict(trace.hyperparameters))
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +123,7 @@ def test_a_missing_eqn6_step_is_detected(path):
         if not any(C.event(t, hp.hp_of(n)) == C.EQN6 for n in PROJECTED):
             continue
         params = {k: v.astype(np.float64) for k, v in trace.params_after(t - 1).items()}
-        state = C.SPEC.state.to_canonical("coap_torch", trace.state_after(t - 1),
+        state = C.SPEC.state.to_canonical(CP.AUTHORS_NAMING, trace.state_after(t - 1),
                                           list(trace.params), hp)
         state = {k: np.asarray(v, dtype=np.float64) if k != "step" else v
                  for k, v in state.items()}

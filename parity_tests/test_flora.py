@@ -30,6 +30,7 @@ from xopt.parity.harness import (
     trace_hyperparameters,
     trace_state,
 )
+from xopt.parity.methods import flora as FP
 from xopt.specs import flora as F
 
 pytestmark = pytest.mark.skipif(not (has_torch and has_jax), reason="needs torch and jax")
@@ -111,7 +112,7 @@ def test_injection_is_what_makes_the_momentum_match():
     def rel(m):
         return np.abs(m - want).max() / np.abs(want).max()
 
-    _, with_inject = F.step(hp, params, state, grads, inject=F.inject(trace, 3, hp))
+    _, with_inject = F.step(hp, params, state, grads, inject=FP.inject(trace, 3, hp))
     _, own = F.step(hp, params, state, grads)
     assert rel(with_inject["m/tall/weight"]) <= 1e-6
     assert rel(own["m/tall/weight"]) > 1e-1

@@ -2,7 +2,7 @@
 right; rank 4, refresh every 5 updates; biases in an unprojected group), every backend,
 teacher-forced and closed loop.
 
-At refresh updates the authors' projection is injected (``xopt.specs.galore.inject``):
+At refresh updates the authors' projection is injected (``xopt.parity.methods.galore.inject``):
 the traces' ``tolerance_hint`` explains that another SVD may sign (or, for close singular
 values, rotate) the singular vectors differently, and the moments carry across refreshes
 unrotated. That xopt's own SVD finds the same subspace is checked below, without injection.
@@ -16,6 +16,7 @@ from helpers import explain_disagreements, has_jax, has_torch
 
 from xopt.parity import bundled_traces, load_trace
 from xopt.parity.harness import run_parity
+from xopt.parity.methods import galore as GP
 from xopt.specs import galore as G
 
 pytestmark = pytest.mark.skipif(not (has_torch and has_jax), reason="needs torch and jax")
@@ -59,7 +60,7 @@ def test_own_svd_finds_the_authors_subspace(path):
     import xopt.torch
 
     t = load_trace(path)
-    hp = G.SPEC.originals["galore_torch.GaLoreAdamW"].from_kwargs(t.hyperparameters)
+    hp = GP.PARITY.originals["galore_torch.GaLoreAdamW"].from_kwargs(t.hyperparameters)
     checked = 0
     for s in range(t.steps):
         aux = t.aux(s)

@@ -147,14 +147,14 @@ def test_velo_lstm_exception_is_the_originals_own_rounding():
     from helpers import REPO
 
     from xopt.parity import load_trace
-    from xopt.specs import velo
+    from xopt.parity.methods import velo
 
     sys.path.insert(0, str(REPO / "tools"))
     try:
         import velo_lstm_rounding
     finally:
         sys.path.pop(0)
-    bound = velo.SPEC.tolerance("teacher_forced").for_tensor("state/lstm_hidden/x").rel
+    bound = velo.PARITY.tolerance("teacher_forced").for_tensor("state/lstm_hidden/x").rel
     assert bound == 3e-6
     gaps = [max(velo_lstm_rounding.measure(p)) for p in traces("velo")]
     print(f"exact vs original LSTM state, per case: {gaps}")
@@ -174,7 +174,7 @@ def test_recorded_internals_localize_a_divergence(monkeypatch):
     # and the first stage that moves is that tensor's per-parameter MLP output, while the
     # LSTM inputs, its outputs and the mixed MLP weights (upstream) stay where they were.
     from xopt.parity.harness import aux_errors
-    from xopt.specs import _lopt
+    from xopt.specs import lopt
 
     (path,) = bundled_traces("velo")
     clean = aux_errors("velo", path, max_steps=3)
@@ -183,13 +183,13 @@ def test_recorded_internals_localize_a_divergence(monkeypatch):
     assert clean["lstm_features"][0] <= 1e-6 and clean["controls"][0] <= 1e-6
     assert clean["direction/sq/w"][0] <= 1e-4  # an MLP output: measured 1.7e-6
 
-    original = _lopt.factored_dims
+    original = lopt.factored_dims
 
     def pylo(shape):
         f = original(shape)
         return (f[1], f[0]) if f and len(shape) == 2 and shape[0] == shape[1] else f
 
-    monkeypatch.setattr(_lopt, "factored_dims", pylo)
+    monkeypatch.setattr(lopt, "factored_dims", pylo)
     broken = aux_errors("velo", path, max_steps=3)
     for upstream in ("lstm_features", "controls", "lr_mult", "mlp_weights/w1"):
         assert broken[upstream] == clean[upstream]

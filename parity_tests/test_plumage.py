@@ -31,7 +31,8 @@ from helpers import has_jax, has_torch
 
 from xopt.parity.compare import errors
 from xopt.parity.harness import make_runner
-from xopt.specs import _lowrank, get
+from xopt.parity.methods import plumage as PP
+from xopt.specs import get, lowrank
 from xopt.specs import plumage as P
 from xopt.specs._groups import ParamGroups
 
@@ -45,7 +46,7 @@ STEPS = 12
 BASE = P.PLUMAGE(lr=1e-2, rank=3, update_proj_gap=4, resample_interval=3, weight_decay=0.05)
 HP = ParamGroups.of([(["a/left", "b/right", "c/square", "d/bias"], BASE),
                      (["e/full"], BASE.replace(project=False))])
-TOL = SPEC.tolerance("teacher_forced").rel  # 1e-6
+TOL = PP.PARITY.tolerance("teacher_forced").rel  # 1e-6
 
 
 def _stream():
@@ -58,14 +59,14 @@ def _stream():
 
 def _inject(grads, t):
     """The float64 SVD of every projected gradient at an SVD step (sign convention of
-    ``xopt.specs._lowrank.svd``, computed by NumPy here)."""
+    ``xopt.specs.lowrank.svd``, computed by NumPy here)."""
     out = {}
     for n in NAMES:
         h = HP.hp_of(n)
         if P.is_projected(SHAPES[n], h) and t % h.update_proj_gap == 0:
             side = P.side_of(SHAPES[n], h)
             g = grads[t][n].astype(np.float64)
-            u, s, _ = _lowrank.svd(np, g if side == "left" else g.T)
+            u, s, _ = lowrank.svd(np, g if side == "left" else g.T)
             out[n] = {"svd_u": u, "svd_s": s}
     return out or None
 

@@ -7,7 +7,7 @@ POETLinear + POETAdamW (``linear_*``, forward, both gradients and the update, 6 
 a training run with three merges (``train_*``, 12 steps). The authors' ``torch.randperm``
 permutations are injected from the traces.
 
-Bounds (xopt.specs.poet.TOLERANCES): teacher-forced 1e-6 relative on every tensor (layer
+Bounds (xopt.parity.methods.poet.TOLERANCES): teacher-forced 1e-6 relative on every tensor (layer
 output, input and oft_R gradients, oft_R and W0 after each update and merge, both Adam
 moments); closed loop 1e-4, except ``param/oft_R``, whose exception is measured and
 explained there: the first Adam update after a moment reset divides the gradient by
@@ -84,7 +84,7 @@ def test_teacher_forced_compares_every_recorded_tensor(golden_report):
 def test_the_two_cayley_formulas_are_different_polynomials():
     # The Triton kernel's (I+Q)(I+Q+Q²+Q³) and the fallback's I+2(Q+…+Q⁴) differ by Q⁴:
     # evaluating a case with the other formula must fail the bound by orders of magnitude.
-    from xopt.parity import layer_poet as L
+    from xopt.parity.layers import poet as L
 
     for path in TRACES:
         if not path.stem.startswith("cayley"):

@@ -20,7 +20,7 @@ from helpers import has_torch
 
 from xopt.parity import bundled_traces
 from xopt.parity.harness import run_parity
-from xopt.specs import _lopt
+from xopt.specs import lopt
 
 pytestmark = pytest.mark.skipif(not has_torch, reason="needs torch")
 
@@ -50,7 +50,7 @@ def _others_within(errs: dict[str, float], affected: str) -> None:
 # -- 1. square matrices in VeLO ---------------------------------------------------------------
 
 
-_ORIGINAL_FACTORED_DIMS = _lopt.factored_dims
+_ORIGINAL_FACTORED_DIMS = lopt.factored_dims
 
 
 def pylo_velo_factored_dims(shape):
@@ -63,12 +63,12 @@ def pylo_velo_factored_dims(shape):
 
 
 def test_velo_square_matrix_uses_the_originals_axes(monkeypatch):
-    assert _lopt.factored_dims((16, 16)) == (0, 1)  # numpy.argsort order, as the original
+    assert lopt.factored_dims((16, 16)) == (0, 1)  # numpy.argsort order, as the original
     errs = worst_per_tensor("velo")
     for k in ("param/sq/w", "state/v_row/sq/w", "state/v_col/sq/w", "state/m/sq/w"):
         assert errs[k] <= BOUND, (k, errs[k])
 
-    monkeypatch.setattr(_lopt, "factored_dims", pylo_velo_factored_dims)
+    monkeypatch.setattr(lopt, "factored_dims", pylo_velo_factored_dims)
     pylo = worst_per_tensor("velo")
     print(f"PyLO's square-matrix axes: sq/w param rel error {pylo['param/sq/w']:.3g}, "
           f"v_row {pylo['state/v_row/sq/w']:.3g}")
@@ -87,9 +87,9 @@ def test_torch_mean_over_no_dims_reduces_everything():
 
     x = torch.tensor([[1.0, 3.0]])
     assert x.mean(dim=[]).shape == ()
-    from xopt.specs import _xp
+    from xopt.specs import arrays
 
-    assert _xp.mean(torch, x, ()) is x  # xopt: an empty axis list reduces nothing
+    assert arrays.mean(torch, x, ()) is x  # xopt: an empty axis list reduces nothing
 
 
 def _pylo_joint_normalizer(real):
@@ -106,8 +106,8 @@ def test_zero_d_parameter_normalises_each_feature_on_its_own(method, monkeypatch
     errs = worst_per_tensor(method)
     assert errs["param/scale"] <= BOUND and errs["state/m/scale"] <= BOUND
 
-    monkeypatch.setattr(_lopt, "second_moment_normalizer",
-                        _pylo_joint_normalizer(_lopt.second_moment_normalizer))
+    monkeypatch.setattr(lopt, "second_moment_normalizer",
+                        _pylo_joint_normalizer(lopt.second_moment_normalizer))
     pylo = worst_per_tensor(method)
     print(f"{method}, PyLO's joint normalisation of a scalar: param/scale rel error "
           f"{pylo['param/scale']:.3g}")
@@ -132,8 +132,8 @@ def test_factored_accumulators_and_high_rank_tensors_follow_the_original(method,
 
 def test_velo_rank4_row_accumulator_shape_is_the_originals():
     # (3,3,4,8): d0 = 3 (size 8), d1 = 2 (size 4); v_row drops d0, v_col drops d1
-    assert _lopt.factored_dims((3, 3, 4, 8)) == (2, 3)
-    shapes = _lopt.factored_shapes((3, 3, 4, 8), 3)
+    assert lopt.factored_dims((3, 3, 4, 8)) == (2, 3)
+    shapes = lopt.factored_shapes((3, 3, 4, 8), 3)
     assert shapes["v_row"] == (3, 3, 4, 3) and shapes["v_col"] == (3, 3, 8, 3)
 
 

@@ -15,6 +15,7 @@ from helpers import has_jax, has_torch, needs_jax, needs_torch
 
 from xopt.errors import DecompositionError, HyperparameterError, NonFiniteError
 from xopt.parity import bundled_traces, load_trace
+from xopt.parity.methods import coap as CP
 from xopt.specs import coap as C
 from xopt.specs._groups import ParamGroups
 
@@ -123,7 +124,7 @@ def test_eqn6_step_clips_like_clip_grad_norm():
 @pytest.mark.parametrize("path", TRACES, ids=[p.stem for p in TRACES])
 def test_event_schedule_matches_the_recorded_events(path):
     trace = load_trace(path)
-    hp = C.SPEC.original("coap_torch.CoapAdamW").from_kwargs(dict(trace.hyperparameters))
+    hp = CP.PARITY.original("coap_torch.CoapAdamW").from_kwargs(dict(trace.hyperparameters))
     seen = set()
     for t in range(trace.steps):
         aux = trace.aux(t)
@@ -199,7 +200,7 @@ def test_hyperparameter_validation_and_json():
 
 def test_from_kwargs_reads_groups_and_refuses_what_it_cannot_run():
     trace = load_trace(TRACES[1])  # adamw_r4_tu3_rf2
-    groups = C._from_kwargs(dict(trace.hyperparameters))
+    groups = CP.from_kwargs(dict(trace.hyperparameters))
     assert isinstance(groups, ParamGroups)
     w, b = groups.hp_of("tall/weight"), groups.hp_of("mlp/0/bias")
     assert w.project is True and w.weight_decay == 0.05 and w.scale == 0.25 and w.rank == 4
@@ -208,9 +209,9 @@ def test_from_kwargs_reads_groups_and_refuses_what_it_cannot_run():
     kw["effective_param_groups"] = [dict(g) for g in kw["effective_param_groups"]]
     kw["effective_param_groups"][3] = dict(kw["effective_param_groups"][3], params=["conv/w"])
     with pytest.raises(HyperparameterError, match=r"\['conv/w'\] with TuckerCOAP"):
-        C._from_kwargs(kw)
+        CP.from_kwargs(kw)
     with pytest.raises(HyperparameterError, match="'momentum'"):
-        C._from_kwargs({"optimizer_class": "CoapAdamW", "constructor": {"momentum": 0.9}})
+        CP.from_kwargs({"optimizer_class": "CoapAdamW", "constructor": {"momentum": 0.9}})
 
 
 # -- Adafactor with beta1=None: the authors' KeyError ----------------------------------------------

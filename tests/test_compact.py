@@ -242,13 +242,13 @@ def test_converter_follows_the_authors_llama_conversion():
     # scale (o_proj: identity, scale_o_proj * scale).
     import torch
 
-    from xopt.parity.layer_compact import TorchLlama
+    from xopt.parity.layers.llama import torch_llama
     from xopt.torch.compact import CompActLinear, compact_model
 
     t = _llama_trace()
     hyp = t.hyperparameters
     rp = hyp["replace_parameters"]
-    model = TorchLlama(hyp["LlamaConfig"])
+    model = torch_llama(hyp["LlamaConfig"])
     converted = compact_model(model, rank=rp["rank"], scale=rp["scale"],
                               scale_o_proj=rp["scale_o_proj"], gap=rp["update_proj_gap"])
     got = {f"{n.replace('.', '/')}/weight": m for n, m in converted.items()}

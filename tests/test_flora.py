@@ -48,9 +48,9 @@ def test_seed_rule_reproduces_every_recorded_seed_and_generator_seed():
 
 def test_initial_seeds_follow_group_order_as_the_original():
     tr = load_trace(TRACE)
-    from xopt.specs.flora import _from_kwargs
+    from xopt.parity.methods.flora import from_kwargs
 
-    hp = _from_kwargs(tr.hyperparameters)
+    hp = from_kwargs(tr.hyperparameters)
     assert isinstance(hp, ParamGroups)
     seeds = F.initial_seeds(hp, list(tr.params))
     init = tr.init_state()

@@ -18,6 +18,7 @@ from helpers import needs_jax, needs_torch
 
 from xopt.errors import DecompositionError, HyperparameterError, NonFiniteError
 from xopt.parity import bundled_traces, load_trace
+from xopt.parity.methods import galore as GP
 from xopt.specs import galore as G
 from xopt.specs._groups import ParamGroups
 
@@ -55,7 +56,7 @@ def test_sides_and_shapes_are_the_ones_the_authors_code_produced():
     seen = 0
     for path in TRACES:
         t = load_trace(path)
-        hp = G.SPEC.originals["galore_torch.GaLoreAdamW"].from_kwargs(t.hyperparameters)
+        hp = GP.PARITY.originals["galore_torch.GaLoreAdamW"].from_kwargs(t.hyperparameters)
         note = next(n for n in t.manifest["source"]["notes"] if "projection side" in n)
         for name, which, o0, o1, m0, m1 in pattern.findall(note):
             h, shape = hp.hp_of(name), t.params[name]
@@ -68,17 +69,17 @@ def test_sides_and_shapes_are_the_ones_the_authors_code_produced():
 
 def test_trace_groups_become_param_groups():
     t = load_trace([p for p in TRACES if "left" in p.stem][0])
-    hp = G.SPEC.originals["galore_torch.GaLoreAdamW"].from_kwargs(t.hyperparameters)
+    hp = GP.PARITY.originals["galore_torch.GaLoreAdamW"].from_kwargs(t.hyperparameters)
     assert isinstance(hp, ParamGroups)
     bias, mats = hp.hp_of("mlp/0/bias"), hp.hp_of("tall/weight")
     assert not bias.project and bias.weight_decay == 0.05 and bias.eps == 1e-6
     assert mats.project and (mats.rank, mats.update_proj_gap, mats.scale) == (4, 5, 0.25)
     assert mats.proj_type == "left" and mats.weight_decay == 0.0 and mats.lr == 0.01
     with pytest.raises(HyperparameterError, match="Adafactor"):
-        G.SPEC.originals["galore_torch.GaLoreAdamW"].from_kwargs(
+        GP.PARITY.originals["galore_torch.GaLoreAdamW"].from_kwargs(
             {"optimizer_class": "GaLoreAdafactor"})
     with pytest.raises(HyperparameterError, match="dim = 3"):
-        G.SPEC.originals["galore_torch.GaLoreAdamW"].from_kwargs(
+        GP.PARITY.originals["galore_torch.GaLoreAdamW"].from_kwargs(
             {"param_groups": [{"params": ["w"], "rank": 2, "dim": 3}]})
 
 

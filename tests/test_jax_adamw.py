@@ -1,8 +1,9 @@
 """xopt.jax.adamw: bitwise against optax, against the float64 oracle, against torch.optim.
 
 The bitwise tests compare params, updates and state at every step, with state read
-through the spec's namings (``xopt.specs.adamw.STATE``: ``"xopt.jax"`` for ours,
-``"optax.adamw"`` for optax's), so they also check the state layout the spec promises.
+through the namings (the spec's ``"xopt.jax"`` for ours, the harness's
+``xopt.parity.methods.adamw.OPTAX_NAMING`` for optax's), so they also check the state
+layout the spec promises.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import xopt.jax  # noqa: E402
 from xopt.errors import HyperparameterError  # noqa: E402
+from xopt.parity.methods.adamw import OPTAX_NAMING, TOLERANCES, torch_kwargs  # noqa: E402
 from xopt.parity.runners import flatten_with_paths  # noqa: E402
 from xopt.specs import adamw as spec  # noqa: E402
 
@@ -89,11 +91,11 @@ def assert_bitwise(a, b, what: str) -> None:
             )
 
 
-def canonical(state, naming: str, hp: spec.AdamW, *, strict: bool) -> dict:
+def canonical(state, naming, hp: spec.AdamW, *, strict: bool) -> dict:
     return spec.STATE.to_canonical(naming, _flatten(state), list(SHAPES), hp, strict=strict)
 
 
-def assert_state_bitwise(ours, theirs, their_naming: str, hp: spec.AdamW, what: str) -> None:
+def assert_state_bitwise(ours, theirs, their_naming, hp: spec.AdamW, what: str) -> None:
     a = canonical(ours, "xopt.jax", hp, strict=True)  # exactly the promised layout
     b = canonical(theirs, their_naming, hp, strict=False)  # optax's chain holds more
     assert a.keys() == b.keys()
@@ -103,7 +105,7 @@ def assert_state_bitwise(ours, theirs, their_naming: str, hp: spec.AdamW, what: 
             raise AssertionError(f"{what}: state {k!r} differs: {a[k]!r} vs {b[k]!r}")
 
 
-def run_pair(ours, theirs, *, jit: bool, hp: spec.AdamW, their_naming="optax.adamw",
+def run_pair(ours, theirs, *, jit: bool, hp: spec.AdamW, their_naming=OPTAX_NAMING,
              state_of=lambda s: s, their_state_of=lambda s: s, dtype=jnp.float32,
              steps: int = STEPS, between=None):
     """Step both transformations on the same gradients; compare everything every step."""
@@ -355,7 +357,7 @@ def test_teacher_forced_vs_float64_oracle(case):
     """One step from our float32 state, cast to float64, through ``spec.step`` under NumPy."""
     hp = optax_hp(**ORACLE_CASES[case])
     update, rng, params, state = _start(hp)
-    tol = spec.TOLERANCES["teacher_forced"].rel
+    tol = TOLERANCES["teacher_forced"].rel
     worst = 0.0
     for step in range(STEPS):
         grads = make_grads(rng, params)
@@ -409,13 +411,13 @@ def test_torch_formula_vs_torch_optim(opts):
     torch = pytest.importorskip("torch")
     hp = spec.AdamW(**{**spec.PRESETS["torch"], **opts})
     update, rng, params, state = _start(hp)
-    tol = spec.TOLERANCES["teacher_forced"].rel
+    tol = TOLERANCES["teacher_forced"].rel
     for step in range(STEPS):
         grads = make_grads(rng, params)
         flat_p, flat_g = _flatten(params), _flatten(grads)
         cs = canonical(state, "xopt.jax", hp, strict=True)
         tparams = {n: torch.tensor(np.asarray(flat_p[n]), requires_grad=True) for n in SHAPES}
-        opt = torch.optim.AdamW(list(tparams.values()), **spec._torch_kwargs(hp))
+        opt = torch.optim.AdamW(list(tparams.values()), **torch_kwargs(hp))
         for n, tp in tparams.items():
             tp.grad = torch.tensor(np.asarray(flat_g[n]))
             if step:

@@ -142,7 +142,7 @@ def _worker() -> dict:
     tf = spec.time_features(torch, torch.tensor(it, dtype=torch.int32), meta["mlp/b0"])
     worst_sq = 0.0
     for i, (p, g, s_) in enumerate(zip(p64, g64, st, strict=True)):
-        _, _, aux = spec.compute_step(opt.hp, p, g, *(s_[v] for v in spec._PARAM_VARS), tf,
+        _, _, aux = spec.compute_step(opt.hp, p, g, *(s_[v] for v in spec.PARAM_VARS), tf,
                                       meta, decays, xp=torch, return_aux=True)
         mean = sums[i, :28].double() / numel[i].double()
         worst_sq = max(worst_sq, rel(mean, aux["feature_sq_mean"]))

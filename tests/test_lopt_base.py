@@ -3,7 +3,7 @@
 The toy learned optimizer has a per-tensor momentum ``m ← m/2 + g`` and a *global* term
 (the sum over tensors of ``mean(g)``, computed in a pass over all tensors before any step,
 as VeLO's per-tensor LSTM needs), ``step = w₀·m + w₁·c``, and records the loss it was
-given. Its pure NumPy form runs under :func:`xopt.specs._lopt.outer_step`, the definition
+given. Its pure NumPy form runs under :func:`xopt.specs.lopt.outer_step`, the definition
 of prefab's wrappers (weight decay, accumulation, lr) that both backends must follow.
 """
 
@@ -18,13 +18,12 @@ import pytest
 from helpers import needs_jax, needs_torch
 
 from xopt.errors import HyperparameterError, MetaParamsError, NonFiniteError, StateError
-from xopt.specs import _lopt
+from xopt.specs import MetaParams, lopt
 from xopt.specs._hyperparams import hp
-from xopt.specs._method import MetaParams
 
 
 @dataclasses.dataclass(frozen=True)
-class ToyHP(_lopt.LOptOptions):
+class ToyHP(lopt.LOptOptions):
     METHOD = "toy"
     decay: float = hp(0.5, doc="momentum decay of the toy")
 
@@ -33,17 +32,17 @@ _SHAPES = {"w": (2,)}
 _ORIG = {"w": "orig/w"}
 TOY_META = MetaParams(
     shapes=lambda h: dict(_SHAPES),
-    from_original=lambda th, h: _lopt.rename_meta(th, {"orig/w": "w"}, {"orig/w": (2,)}, "toy"),
-    to_original=lambda th, h: _lopt.rename_meta(th, _ORIG, _SHAPES, "toy"),
+    from_original=lambda th, h: lopt.rename_meta(th, {"orig/w": "w"}, {"orig/w": (2,)}, "toy"),
+    to_original=lambda th, h: lopt.rename_meta(th, _ORIG, _SHAPES, "toy"),
     init=lambda h, seed=0: {"w": np.array([0.25, 2.0], np.float32)},
-    coerce=lambda th, h: _lopt.coerce_meta_namings(th, _SHAPES, _ORIG, "toy"),
+    coerce=lambda th, h: lopt.coerce_meta_namings(th, _SHAPES, _ORIG, "toy"),
 )
 THETA = {"w": np.array([0.75, -0.5], np.float32)}
 SHAPES = [(), (5,), (3, 4), (2, 3, 2)]
 
 
 def toy_inner(h: ToyHP, theta, xp):
-    """The toy's inner update on canonical dicts (for ``_lopt.outer_step``)."""
+    """The toy's inner update on canonical dicts (for ``lopt.outer_step``)."""
 
     def inner(grads, loss, st):
         c = 0
@@ -74,7 +73,7 @@ def oracle_run(h, params, grads_seq, losses, lrs=None):
     out = []
     for t, (g, loss) in enumerate(zip(grads_seq, losses, strict=True)):
         ht = h if lrs is None else h.replace(lr=lrs[t])
-        params, state = _lopt.outer_step(ht, params, state, g, xp=np, loss=np.float32(loss),
+        params, state = lopt.outer_step(ht, params, state, g, xp=np, loss=np.float32(loss),
                                          inner=toy_inner(h, THETA, np))
         out.append(dict(params))
     return out, state

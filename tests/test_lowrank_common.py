@@ -8,7 +8,7 @@ import pytest
 from helpers import needs_jax, needs_torch
 
 from xopt.errors import HyperparameterError
-from xopt.specs import _lowrank
+from xopt.specs import lowrank
 from xopt.specs._groups import ParamGroups, hp_for
 from xopt.specs._state import Naming, StateSchema, StateVar, same_as_param, scalar
 from xopt.specs.adamw import AdamW
@@ -23,7 +23,7 @@ def _matrix(shape, seed=0):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_svd_reconstructs_and_follows_the_sign_rule(shape):
     a = _matrix(shape)
-    u, s, vh = _lowrank.svd(np, a)
+    u, s, vh = lowrank.svd(np, a)
     k = min(shape)
     assert u.shape == (shape[0], k) and s.shape == (k,) and vh.shape == (k, shape[1])
     np.testing.assert_allclose(u @ np.diag(s) @ vh, a, atol=1e-12)
@@ -33,7 +33,7 @@ def test_svd_reconstructs_and_follows_the_sign_rule(shape):
     pivots = u[np.argmax(np.abs(u), axis=0), np.arange(k)]
     assert np.all(pivots > 0)
     # and it is a rule, not luck: flipping the input's sign flips U, not the pivots' sign
-    u2, _, vh2 = _lowrank.svd(np, -a)
+    u2, _, vh2 = lowrank.svd(np, -a)
     np.testing.assert_allclose(u2, u, atol=1e-12)
     np.testing.assert_allclose(vh2, -vh, atol=1e-12)
 
@@ -41,11 +41,11 @@ def test_svd_reconstructs_and_follows_the_sign_rule(shape):
 @pytest.mark.parametrize("shape", [(7, 5), (6, 6), (12, 3)])
 def test_qr_has_nonnegative_diagonal(shape):
     a = _matrix(shape, 1)
-    q, r = _lowrank.qr(np, a)
+    q, r = lowrank.qr(np, a)
     np.testing.assert_allclose(q @ r, a, atol=1e-12)
     assert np.all(np.diag(r) >= 0)
     assert np.allclose(np.tril(r, -1), 0)
-    q2, r2 = _lowrank.qr(np, a * np.array([-1.0] + [1.0] * (shape[1] - 1)))
+    q2, r2 = lowrank.qr(np, a * np.array([-1.0] + [1.0] * (shape[1] - 1)))
     np.testing.assert_allclose(r2[1:, 1:], r[1:, 1:], atol=1e-12)
 
 
@@ -59,32 +59,32 @@ def test_decompositions_agree_across_backends(shape):
     import torch
 
     a = _matrix(shape, 2)
-    ref = _lowrank.svd(np, a)
+    ref = lowrank.svd(np, a)
     for xp, arr in ((torch, torch.tensor(a, dtype=torch.float32)),
                     (jnp, jnp.asarray(a, dtype=jnp.float32))):
-        for got, want in zip(_lowrank.svd(xp, arr), ref, strict=True):
+        for got, want in zip(lowrank.svd(xp, arr), ref, strict=True):
             np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
-        for got, want in zip(_lowrank.qr(xp, arr), _lowrank.qr(np, a), strict=True):
+        for got, want in zip(lowrank.qr(xp, arr), lowrank.qr(np, a), strict=True):
             np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
 
 
 def test_rank_and_interval_errors_name_the_parameter():
     with pytest.raises(HyperparameterError, match=r"layers/0/w.*rank = 9.*at most 5"):
-        _lowrank.check_rank(9, (5, 8), "layers/0/w")
+        lowrank.check_rank(9, (5, 8), "layers/0/w")
     with pytest.raises(HyperparameterError, match="at least 1"):
-        _lowrank.check_rank(0, (5, 8), "w")
+        lowrank.check_rank(0, (5, 8), "w")
     with pytest.raises(HyperparameterError, match="matrix"):
-        _lowrank.check_rank(2, (5,), "b")
+        lowrank.check_rank(2, (5,), "b")
     with pytest.raises(HyperparameterError, match="update_proj_gap = 0"):
-        _lowrank.check_interval(0, "update_proj_gap", "w")
-    _lowrank.check_rank(5, (5, 8), "w")
+        lowrank.check_interval(0, "update_proj_gap", "w")
+    lowrank.check_rank(5, (5, 8), "w")
 
 
 def test_hf_step_size_matches_the_double_formula_for_arrays():
     """The array path (used under jit) stays within float32 rounding of the double value."""
     for t in (1, 2, 10, 1000):
-        want = _lowrank.hf_step_size(0.01, 0.9, 0.999, t, True)
-        got = _lowrank.hf_step_size(0.01, 0.9, 0.999, np.asarray(t, np.int32), True)
+        want = lowrank.hf_step_size(0.01, 0.9, 0.999, t, True)
+        got = lowrank.hf_step_size(0.01, 0.9, 0.999, np.asarray(t, np.int32), True)
         assert abs(float(got) - want) <= 4e-7 * want
 
 
@@ -121,3 +121,40 @@ def test_conditional_state_variables():
     with pytest.raises(Exception, match="missing state P/w"):
         schema.check_canonical(schema.to_canonical("t", flat, list(params), hp), params, hp,
                                "here")
+
+
+def test_refresh_decomposes_only_when_due_and_takes_an_injected_value():
+    calls = []
+
+    def decompose():
+        calls.append(1)
+        return np.full(3, 2.0)
+
+    old, given = np.zeros(3), np.ones(3)
+    assert lowrank.refresh(False, old, decompose, given) is old
+    assert lowrank.refresh(False, old, decompose) is old
+    assert lowrank.refresh(True, old, decompose, given) is given
+    assert not calls  # nothing decomposed: not due, or the original's value given
+    np.testing.assert_array_equal(lowrank.refresh(True, old, decompose), np.full(3, 2.0))
+    assert calls == [1]
+
+
+@needs_jax
+def test_refresh_under_jit_selects_with_cond():
+    import jax
+    import jax.numpy as jnp
+
+    def run(t, injected):
+        def decompose():
+            return jnp.full(3, 2.0), jnp.asarray(True)
+
+        return lowrank.refresh(t % 2 == 0, (jnp.zeros(3), jnp.asarray(False)), decompose,
+                               injected, cond=jax.lax.cond)
+
+    f = jax.jit(run)
+    for t, inj, want in ((0, None, 2.0), (1, None, 0.0),
+                         (0, (jnp.ones(3), jnp.asarray(True)), 1.0),
+                         (1, (jnp.ones(3), jnp.asarray(True)), 0.0)):
+        value, flag = f(jnp.int32(t), inj)
+        np.testing.assert_array_equal(value, np.full(3, want))
+        assert bool(flag) == (t % 2 == 0)

@@ -58,6 +58,7 @@ def test_coap_refresh_step_is_ill_conditioned_not_a_jax_accuracy_loss():
     # the float64 oracle sides with the authors on one tensor, with xopt.jax on the other
     from xopt.parity import load_trace
     from xopt.parity.harness import make_runner, original_of, trace_hyperparameters, trace_state
+    from xopt.parity.methods import get as get_parity
     from xopt.specs import get
 
     t = load_trace(COAP)
@@ -68,7 +69,7 @@ def test_coap_refresh_step_is_ill_conditioned_not_a_jax_accuracy_loss():
     for w in ("jax", "oracle"):
         r = make_runner(spec, hp, list(t.params), w)
         r.reset(t.params_after(11), trace_state(t, spec, hp, origin.naming_for(hp), 11))
-        r.step(t.grads(12), t.loss(12), spec.inject(t, 12, hp))
+        r.step(t.grads(12), t.loss(12), get_parity("coap").inject(t, 12, hp))
         out[w] = r.read()[0]
     sides = {}
     for k in ("mlp/0/weight", "mlp/1/weight"):
@@ -90,9 +91,8 @@ def test_coap_carried_moments_are_as_accurate_in_jax_as_in_torch():
     from xopt.parity import load_trace
     from xopt.parity.harness import original_of, trace_hyperparameters
     from xopt.specs import coap as S
-    from xopt.specs import get
-    from xopt.specs._groups import hp_for
-    from xopt.specs._lowrank import hf_adam_direction, hf_adam_moments
+    from xopt.specs import get, hp_for
+    from xopt.specs.lowrank import hf_adam_direction, hf_adam_moments
 
     t = load_trace(COAP)
     spec = get("coap")

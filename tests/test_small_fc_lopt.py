@@ -18,10 +18,11 @@ from helpers import SHARED, has_jax, has_torch, needs_jax, needs_torch
 
 from xopt.errors import HyperparameterError, MetaParamsError, NonFiniteError
 from xopt.parity import bundled_traces, load_trace
-from xopt.specs import _lopt
+from xopt.parity.methods import small_fc_lopt as SP
+from xopt.specs import lopt
 from xopt.specs import small_fc_lopt as S
 
-TOL = S.TOLERANCES["teacher_forced"].rel
+TOL = SP.TOLERANCES["teacher_forced"].rel
 VARS = ("m", "rms", "v_row", "v_col", "v_diag")
 
 
@@ -51,7 +52,7 @@ class Golden:
     def __init__(self, path: str) -> None:
         self.trace = t = load_trace(path, validate=False)
         kw = dict(t.hyperparameters, num_training_steps=t.num_training_steps)
-        self.hp = S._from_original_kwargs(kw)
+        self.hp = SP.from_original_kwargs(kw)
         self.theta_original = t.meta_params()
         self.theta = S.meta_from_original(self.theta_original, self.hp)
         self.names = list(t.params)
@@ -61,7 +62,7 @@ class Golden:
 
     def state(self, step: int) -> dict[str, np.ndarray]:
         flat = self.trace.init_state() if step < 0 else self.trace.state_after(step)
-        return S.STATE.to_canonical("learned_optimization", flat, self.names, self.hp)
+        return S.STATE.to_canonical(SP.NAMING, flat, self.names, self.hp)
 
 
 _CACHE: dict[str, Golden] = {}
@@ -210,7 +211,7 @@ def test_square_and_high_rank_tensors_match_the_recording(name):
     if name == "sq/w":
         # a square matrix factors rows over axis 1 (numpy's argsort keeps ties in order);
         # swapping the two axes (PyLO VeLO's departure) would not match the recording
-        assert _lopt.factored_dims((16, 16)) == (0, 1)
+        assert lopt.factored_dims((16, 16)) == (0, 1)
         g = gd.trace.grads(0)[name]
         c = np.float32(1) - S.decays(gd.hp, gd.theta, xp=np)[2]
         swapped = c * np.mean(g * g + 1e-30, axis=0)[:, None]
@@ -795,20 +796,20 @@ def test_original_arguments():
           "initial_momentum_decays": [0.9, 0.99, 0.999], "initial_rms_decays": [0.999],
           "initial_adafactor_decays": [0.9, 0.99, 0.999], "concat_weights": True,
           "make_separate_weights": False, "split_weights": False, "num_training_steps": 1000}
-    h = S._from_original_kwargs(kw)
+    h = SP.from_original_kwargs(kw)
     assert h.hidden_size == 32 and h.num_training_steps == 1000
-    back = S._to_original_kwargs(h)
+    back = SP.to_original_kwargs(h)
     assert back == {**kw, "initial_momentum_decays": (0.9, 0.99, 0.999),
                     "initial_rms_decays": (0.999,), "initial_adafactor_decays": (0.9, 0.99, 0.999)}
     with pytest.raises(HyperparameterError, match=r"AdafacMLPLOpt\.concat_weights = False"):
-        S._from_original_kwargs({**kw, "concat_weights": False})
+        SP.from_original_kwargs({**kw, "concat_weights": False})
     with pytest.raises(HyperparameterError, match=r"make_separate_weights = True"):
-        S._from_original_kwargs({**kw, "make_separate_weights": True})
+        SP.from_original_kwargs({**kw, "make_separate_weights": True})
     with pytest.raises(HyperparameterError, match="unknown AdafacMLPLOpt argument.*'hidden'"):
-        S._from_original_kwargs({**kw, "hidden": 3})
+        SP.from_original_kwargs({**kw, "hidden": 3})
     with pytest.raises(HyperparameterError, match=r"lr = 0\.5"):
-        S._to_original_kwargs(h.replace(lr=0.5))
+        SP.to_original_kwargs(h.replace(lr=0.5))
     with pytest.raises(HyperparameterError, match="weight_decay"):
-        S._to_original_kwargs(h.replace(weight_decay=0.1))
+        SP.to_original_kwargs(h.replace(weight_decay=0.1))
     with pytest.raises(HyperparameterError, match="accumulate"):
-        S._to_original_kwargs(h.replace(max_training_steps=10))
+        SP.to_original_kwargs(h.replace(max_training_steps=10))

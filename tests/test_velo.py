@@ -18,6 +18,7 @@ from helpers import SHARED, has_jax, has_torch
 from xopt.errors import HyperparameterError, MetaParamsError, NonFiniteError
 from xopt.parity import bundled_traces, load_trace
 from xopt.parity.harness import original_of, trace_hyperparameters, trace_state
+from xopt.parity.methods import velo as VP
 from xopt.specs import velo as V
 
 CASE = "perturbed_seed0"
@@ -61,7 +62,7 @@ def worst(got_params, got_state, want_params, want_state) -> tuple[float, str]:
     errs = {f"param/{k}": rel(got_params[k], want_params[k]) for k in want_params}
     errs.update({f"state/{k}": rel(got_state[k], want_state[k]) for k in want_state})
     assert set(got_state) == set(want_state)
-    tol = V.SPEC.tolerance("teacher_forced")
+    tol = VP.PARITY.tolerance("teacher_forced")
     ratio = {k: e / tol.for_tensor(k).rel for k, e in errs.items()}
     key = max(ratio, key=ratio.get)
     return ratio[key], key
@@ -75,20 +76,20 @@ def test_hyperparameters_from_the_originals_arguments(golden):
     assert hp == V.VeLO(num_training_steps=trace.num_training_steps)  # VeLO's defaults
     assert hp.lr == 1.0  # the original's step; PyLO's VeLO defaults to 1e-3
     kw = dict(trace.hyperparameters)
-    assert V._from_hyperv2_kwargs({**kw, "num_training_steps": 10}) == hp.replace(
+    assert VP.from_hyperv2_kwargs({**kw, "num_training_steps": 10}) == hp.replace(
         num_training_steps=10)
     with pytest.raises(HyperparameterError, match="with_rms_norm_g"):
-        V._from_hyperv2_kwargs({**kw, "with_rms_norm_g": False})
+        VP.from_hyperv2_kwargs({**kw, "with_rms_norm_g": False})
     with pytest.raises(HyperparameterError, match="bogus"):
-        V._from_hyperv2_kwargs({**kw, "bogus": 1})
-    pre = V._from_prefab_kwargs({"num_training_steps": 1000, "max_training_steps": 400,
+        VP.from_hyperv2_kwargs({**kw, "bogus": 1})
+    pre = VP.from_prefab_kwargs({"num_training_steps": 1000, "max_training_steps": 400,
                                  "weight_decay": 0.01, "base_lopt_fn": "x", "HyperV2": kw})
     assert (pre.accumulating, pre.num_average, pre.inner_num_steps) == (True, 3, 333)
     assert V.VeLO.from_json(pre.to_json()) == pre
     with pytest.raises(HyperparameterError, match="initial_rms_decays"):
         V.VeLO(num_training_steps=10, initial_rms_decays=(0.9, 0.99))
     with pytest.raises(HyperparameterError, match="lr"):
-        V._to_hyperv2_kwargs(hp.replace(lr=0.5))
+        VP.to_hyperv2_kwargs(hp.replace(lr=0.5))
 
 
 def test_meta_parameters_both_namings_strict(golden):
@@ -162,7 +163,7 @@ def test_square_matrix_factors_follow_the_original(golden):
     # mean over axis 1) and v_col (over axis 0) differ. PyLO swaps them for square matrices.
     trace, hp, meta, states, params = golden
     _, _, new, _ = _spec_step(golden, 0)
-    assert V._lopt.factored_dims((16, 16)) == (0, 1)
+    assert V.lopt.factored_dims((16, 16)) == (0, 1)
     for v in ("v_row", "v_col"):
         assert rel(new[f"{v}/sq/w"], states[0][f"{v}/sq/w"]) < BOUND
     assert rel(states[0]["v_col/sq/w"], states[0]["v_row/sq/w"]) > 1e-2  # a swap shows
@@ -182,9 +183,9 @@ def test_scalar_parameter_is_normalised_over_its_one_element(golden):
     p = np.float32(golden[4][-1]["scale"])
     g = np.clip(trace.grads(0)["scale"], -1000, 1000)
     decays = V.decay_arrays(hp)
-    m = V._lopt.momentum_update(st["m/scale"], g, decays[0])
-    rms = V._lopt.rms_update(np, st["rms/scale"], g, decays[1])
-    vr, vc, vd, fac_g = V._lopt.factored_update(np, st["v_row/scale"], st["v_col/scale"],
+    m = V.lopt.momentum_update(st["m/scale"], g, decays[0])
+    rms = V.lopt.rms_update(np, st["rms/scale"], g, decays[1])
+    vr, vc, vd, fac_g = V.lopt.factored_update(np, st["v_row/scale"], st["v_col/scale"],
                                                 st["v_diag/scale"], g, decays[2])
     groups = V.mlp_inputs(np, *(np.expand_dims(a, 0) for a in (g, p, m, rms, fac_g)),
                           vr, vc, np.expand_dims(vd, 0))
@@ -231,17 +232,17 @@ def test_xla_tanh_and_fused_multiply_add_written_out():
     x = np.concatenate([np.linspace(-10, 10, 200_001, dtype=np.float32),
                         np.float32(1e-3) * np.linspace(-1, 1, 1001, dtype=np.float32)])
     want = np.asarray(jax.jit(jnp.tanh)(jax.device_put(x, cpu)))
-    assert np.array_equal(V._xp.tanh(np, x), want)
+    assert np.array_equal(V.arrays.tanh(np, x), want)
     assert np.mean(np.tanh(x) != want) > 0.1  # NumPy's own tanh is another function
     if has_torch:
-        assert np.array_equal(V._xp.tanh(torch, torch.from_numpy(x)).numpy(), want)
+        assert np.array_equal(V.arrays.tanh(torch, torch.from_numpy(x)).numpy(), want)
     a, b, c = (np.float32(v) for v in (1 + 2.0 ** -12, 1 + 2.0 ** -12, -(1 + 2.0 ** -11)))
     fused = np.asarray(jax.jit(lambda a, b, c: a * b + c)(*jax.device_put((a, b, c), cpu)))
     assert fused == np.float32(2.0 ** -24) and a * b + c == 0  # one rounding, not two
-    assert V._xp.fma(np, a, b, c) == fused
+    assert V.arrays.fma(np, a, b, c) == fused
     if has_torch:
         ta, tb, tc = (torch.tensor(v) for v in (a, b, c))
-        assert float(V._xp.fma(torch, ta, tb, tc)) == fused and float(ta * tb + tc) == 0
+        assert float(V.arrays.fma(torch, ta, tb, tc)) == fused and float(ta * tb + tc) == 0
 
 
 @pytest.mark.skipif(not has_jax, reason="needs jax")

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from xopt.parity import bundled_traces, load_trace  # noqa: E402
+from xopt.parity.methods import velo as velo_parity  # noqa: E402
 from xopt.specs import velo  # noqa: E402
 
 
@@ -59,7 +60,7 @@ def loss_feature_gap(t) -> float | None:
 
 def measure(path: str) -> tuple[float, float]:
     t = load_trace(path)
-    hp = velo.SPEC.originals[next(iter(velo.SPEC.originals))].from_kwargs(
+    hp = velo_parity.from_hyperv2_kwargs(
         {**t.hyperparameters, "num_training_steps": t.num_training_steps}) \
         if "HyperV2" not in t.hyperparameters else None
     theta = velo.meta_from_original(t.meta_params(), hp or velo.VeLO(num_training_steps=1))

@@ -24,7 +24,7 @@ from xopt.errors import (  # noqa: E402  (light module, no third-party imports)
     XoptError,
 )
 
-_LAZY_SUBMODULES = ("specs", "random", "parity", "torch", "jax", "cli")
+_LAZY_SUBMODULES = ("specs", "registry", "random", "parity", "torch", "jax", "cli")
 
 __all__ = [
     "HyperparameterError",

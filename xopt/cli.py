@@ -90,13 +90,13 @@ def _progress_factory(enabled: bool) -> Callable[[int], Callable[[], None]]:
 
 
 def _parity(args: argparse.Namespace) -> int:
-    from xopt import specs
     from xopt.parity import bundled_traces
     from xopt.parity.harness import MODES, run_parity
+    from xopt.parity.methods import get as get_parity
     from xopt.parity.report import table, write_json, write_plot
 
-    spec = specs.get(args.method)  # unknown method: exit 2 before anything else
-    if not spec.originals and spec.layer_parity is None and not args.trace:
+    parity = get_parity(args.method)  # unknown method: exit 2 before anything else
+    if not parity.originals and parity.layer is None and not args.trace:
         raise XoptError(f"{args.method} has no original implementation and so no golden "
                         f"traces to replay; its tests check the paper's equations "
                         f"(tests/test_{args.method}.py, parity_tests/test_{args.method}.py)")
@@ -192,11 +192,13 @@ def _compare(args: argparse.Namespace) -> int:
 def _methods(args: argparse.Namespace) -> int:
     from xopt import specs
     from xopt.parity import bundled_traces
+    from xopt.parity.methods import get as get_parity
 
     for name in specs.names():
         spec = specs.get(name)
+        originals = get_parity(name).originals
         print(f"{name}: {spec.title}")
-        print(f"  presets: {', '.join(spec.presets)}; originals: {', '.join(spec.originals)}; "
+        print(f"  presets: {', '.join(spec.presets)}; originals: {', '.join(originals)}; "
               f"bundled traces: {len(bundled_traces(name))}")
         print(spec.hyperparams.describe())
     return 0

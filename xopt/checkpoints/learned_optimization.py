@@ -450,15 +450,14 @@ def read_gin(path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
 
 def hparams_from_gin(cls: str, kwargs: Mapping[str, Any], file: str = GIN_FILE):
     """``(class, bindings)`` → xopt hyperparameters: the original constructor's defaults for
-    arguments the file leaves out (HyperV2's own 128/64/True, not VeLO's), then the spec's
-    ``from_kwargs``."""
-    from xopt import specs
+    arguments the file leaves out (HyperV2's own 128/64/True, not VeLO's), then the
+    original's ``from_kwargs`` (the parity harness's adapter to it)."""
+    from xopt.parity.methods import get as get_parity
 
     method, defaults, _ = CLASSES[cls]
-    spec = specs.get(method)
     full = {**defaults, **kwargs}
     _files.check_arch(f"{file}: {cls}", full)
-    original = next(iter(spec.originals.values()))
+    original = next(iter(get_parity(method).originals.values()))
     try:
         return method, original.from_kwargs(full)
     except (XoptError, TypeError, ValueError, ArithmeticError) as e:

@@ -8,9 +8,9 @@ Importing this package imports jax and optax (``import xopt`` alone imports neit
 >>> updates, state = tx.update(grads, state, params)
 >>> params = optax.apply_updates(params, updates)
 
-Note: ``xopt.jax.adamw`` is the *function* (as ``xopt.jax.adamw:adamw`` in the spec
-registry); the module that defines it is ``sys.modules["xopt.jax.adamw"]``, reached with
-``importlib.import_module("xopt.jax.adamw")``.
+Note: ``xopt.jax.adamw`` is the *function* (what :mod:`xopt.registry` holds as the
+``"jax"`` implementation of ``"adamw"``); the module that defines it is
+``sys.modules["xopt.jax.adamw"]``, reached with ``importlib.import_module("xopt.jax.adamw")``.
 """
 
 from __future__ import annotations

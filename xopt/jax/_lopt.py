@@ -3,7 +3,7 @@
 :func:`learned_optimizer` turns an :class:`InnerMethod` (the learned update proper: state
 init and one update on a pytree) into an ``optax.GradientTransformationExtraArgs`` that
 does what learned_optimization's ``prefab`` wrappers do around it (the arithmetic is
-:func:`xopt.specs._lopt.outer_step`'s; see :class:`xopt.specs._lopt.LOptOptions`):
+:func:`xopt.specs.lopt.outer_step`'s; see :class:`xopt.specs.lopt.LOptOptions`):
 
 * the loss through ``update(..., value=loss)``;
 * coupled weight decay (prefab's ``WeightDecayWrapper``: ``g + λp``, ``loss + Σλ·Σp²``) or
@@ -43,7 +43,7 @@ import numpy as np
 import optax
 
 from xopt.errors import HyperparameterError, MetaParamsError, NonFiniteError
-from xopt.specs._lopt import LOptOptions
+from xopt.specs.lopt import LOptOptions
 
 __all__ = ["AccumState", "InnerMethod", "LOptState", "learned_optimizer"]
 
@@ -177,7 +177,7 @@ def learned_optimizer(method: InnerMethod, hp: LOptOptions, *,
 
     Args:
       method: the learned update (:class:`InnerMethod`).
-      hp: the method's hyperparameters (an :class:`~xopt.specs._lopt.LOptOptions`);
+      hp: the method's hyperparameters (an :class:`~xopt.specs.lopt.LOptOptions`);
         ``num_training_steps`` must be set.
       learning_rate: a number or an optax schedule of the call count (counted before this
         call); default ``hp.lr``.

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from xopt.specs import _lopt
+from xopt.specs import lopt
 from xopt.specs import small_fc_lopt as spec
 
 __all__ = ["SmallFCKernels", "two_d_view", "unsupported_small_fc"]
@@ -72,7 +72,7 @@ def two_d_view(shape: tuple[int, ...]) -> tuple[int, int, bool] | None:
     """``(N1, N2, row_on_1)`` for a shape the kernels handle (None otherwise): the lengths
     of the two factored axes in storage order and whether ``v_row`` (the mean over the
     largest axis d0) is indexed by the first of them (d0 is the second)."""
-    f = _lopt.factored_dims(shape)
+    f = lopt.factored_dims(shape)
     if f is None:
         return None
     d1, d0 = f
@@ -235,13 +235,13 @@ class SmallFCKernels:
         mom_d, rms_d, fac_d = decays
         # 1. the Adafactor statistics (the spec's own function, batched)
         new_row, new_col, _, _ = jax.vmap(
-            lambda vr, vc, vd, gg: _lopt.factored_update(jnp, vr, vc, vd, gg, fac_d)
+            lambda vr, vc, vd, gg: lopt.factored_update(jnp, vr, vc, vd, gg, fac_d)
         )(v_row, v_col, v_diag, g)
         vr2 = new_row.reshape(L, -1, 3)  # [L, positions of the v_row axis, 3]
         vc2 = new_col.reshape(L, -1, 3)
         rcm = jnp.mean(vr2, axis=1, keepdims=True)
-        rf = _lopt.safe_rsqrt(jnp, vr2 / (rcm + 1e-9))
-        cf = _lopt.safe_rsqrt(jnp, vc2)
+        rf = lopt.safe_rsqrt(jnp, vr2 / (rcm + 1e-9))
+        cf = lopt.safe_rsqrt(jnp, vc2)
         f1, f2 = (rf, cf) if row_on_1 else (cf, rf)
         f1 = jnp.swapaxes(f1, 1, 2)  # [L, 3, N1]
         f2 = jnp.swapaxes(f2, 1, 2)  # [L, 3, N2]
@@ -443,13 +443,13 @@ class VeLOKernels:
         mom_d, rms_d, fac_d = decays
         gc = jnp.clip(g, -vspec.GRAD_CLIP, vspec.GRAD_CLIP)
         new_row, new_col, _, _ = jax.vmap(
-            lambda vr, vc, vd, gg: _lopt.factored_update(jnp, vr, vc, vd, gg, fac_d)
+            lambda vr, vc, vd, gg: lopt.factored_update(jnp, vr, vc, vd, gg, fac_d)
         )(v_row, v_col, v_diag, gc)
         vr2 = new_row.reshape(L, -1, 3)
         vc2 = new_col.reshape(L, -1, 3)
         rcm = jnp.mean(vr2, axis=1, keepdims=True)
-        rf = _lopt.safe_rsqrt(jnp, vr2 / (rcm + 1e-9))
-        cf = _lopt.safe_rsqrt(jnp, vc2)
+        rf = lopt.safe_rsqrt(jnp, vr2 / (rcm + 1e-9))
+        cf = lopt.safe_rsqrt(jnp, vc2)
         f1, f2 = (rf, cf) if row_on_1 else (cf, rf)
         f1, f2 = jnp.swapaxes(f1, 1, 2), jnp.swapaxes(f2, 1, 2)
         row_feats = jnp.concatenate([vr2, jax.lax.rsqrt(vr2 + 1e-8)], axis=-1)

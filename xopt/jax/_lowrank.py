@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xopt.errors import DecompositionError, HyperparameterError, NonFiniteError
-from xopt.specs._hyperparams import Hyperparams
+from xopt.specs import Hyperparams
 
 
 def _key_str(k: Any) -> str:

@@ -35,8 +35,9 @@ import jax.numpy as jnp
 import optax
 
 from xopt.errors import HyperparameterError
+from xopt.registry import register
 from xopt.specs import adamw as _spec
-from xopt.specs._xp import is_static_zero
+from xopt.specs.arrays import is_static_zero
 
 __all__ = ["AdamWState", "adamw"]
 
@@ -622,3 +623,6 @@ adamw.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
      if p.kind is not inspect.Parameter.VAR_KEYWORD],
     return_annotation=optax.GradientTransformationExtraArgs,
 )
+
+
+register("adamw", "jax", adamw)

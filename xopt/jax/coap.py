@@ -39,8 +39,9 @@ from xopt.jax._lowrank import (
     resolve_spec,
 )
 from xopt.jax._precision import full_precision
-from xopt.specs import _lowrank
+from xopt.registry import register
 from xopt.specs import coap as _spec
+from xopt.specs import lowrank
 
 __all__ = ["COAPState", "coap"]
 
@@ -231,11 +232,8 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
         side = _spec.side_of(shape)
         p_old = st["P"]
         ev = _event(t, h)
-        given = None if inj is None or "ortho_matrix" not in inj else \
-            jnp.asarray(inj["ortho_matrix"], p_old.dtype)
-
-        def keep() -> jax.Array:
-            return p_old
+        given = _spec.injected_projection(inj)
+        given = None if given is None else jnp.asarray(given, p_old.dtype)
 
         def eqn6() -> jax.Array:
             m6 = _spec.eqn6_moment(jnp, h, st.get("m"), g, p_old, side)
@@ -244,9 +242,6 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
         def eqn7() -> jax.Array:
             # events 1 and 3 share one decomposition (one QR + SVD to compile per leaf);
             # only Ω differs: the seeded draw at the first update, the old P after
-            if given is not None:
-                return given
-
             def drawn() -> jax.Array:
                 return _spec.initial_omega(h, shape, backend="jax").astype(g.dtype)
 
@@ -256,8 +251,10 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
             omega = jax.lax.cond(ev == _spec.INITIAL, drawn, warm)
             return _spec.decompose(jnp, g, omega, side)
 
-        branch = jnp.where(ev == _spec.EQN6, 1, jnp.where(ev == _spec.KEEP, 0, 2))
-        cand = jax.lax.switch(branch, [keep, eqn6, eqn7])
+        def not_eqn6() -> jax.Array:
+            return lowrank.refresh(ev != _spec.KEEP, p_old, eqn7, given, cond=jax.lax.cond)
+
+        cand = jax.lax.cond(ev == _spec.EQN6, eqn6, not_eqn6)
         p_new, ok = keep_if_not_finite(cand, p_old)
         decomposition_guard(_LABEL, name, ok, check)
         if h.restore_state and (st.get("m") is not None):
@@ -276,11 +273,11 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
         st["P"] = p_new
         r = _spec.project(jnp, g, p_new, side)
     if h.optimizer == "adamw":
-        st["m"], st["v"] = _lowrank.hf_adam_moments(jnp, st["m"], st["v"], r, h.b1, h.b2)
-        n = _lowrank.hf_adam_direction(jnp, st["m"], st["v"], h.eps)
-        step_size = _lowrank.hf_step_size(h.lr, h.b1, h.b2, count_inc, h.correct_bias)
+        st["m"], st["v"] = lowrank.hf_adam_moments(jnp, st["m"], st["v"], r, h.b1, h.b2)
+        n = lowrank.hf_adam_direction(jnp, st["m"], st["v"], h.eps)
+        step_size = lowrank.hf_step_size(h.lr, h.b1, h.b2, count_inc, h.correct_bias)
         full = _spec.project_back(jnp, n, st["P"], side, h.scale) if projected else n
-        return _lowrank.hf_apply(p, full, step_size, h.lr, h.weight_decay), st
+        return lowrank.hf_apply(p, full, step_size, h.lr, h.weight_decay), st
     st["rms"] = _spec.rms(jnp, p)
     lr_t = _spec.adafactor_lr(h, count_inc, st["rms"], jnp)
     beta2t = _spec.adafactor_beta2(h, count_inc, jnp, g.dtype)
@@ -297,3 +294,6 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
     if h.weight_decay != 0:
         p = p + p * (-h.weight_decay * lr_t)
     return p - full, st
+
+
+register("coap", "jax", coap)

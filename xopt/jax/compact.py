@@ -41,6 +41,7 @@ import optax
 from xopt import random as _random
 from xopt.errors import HyperparameterError, StateError
 from xopt.jax._precision import full_precision
+from xopt.registry import register
 from xopt.specs import compact as _spec
 
 __all__ = ["CompActAdamState", "CompActDense", "compact_adamw", "compact_linear",
@@ -426,3 +427,5 @@ def projections_from_seeds(compact: Mapping[str, Any], prefix: str = "") -> dict
             out.update(projections_from_seeds(v, f"{prefix}{k}/"))
     return out
 
+
+register("compact", "jax", compact_adamw)

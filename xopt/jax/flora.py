@@ -36,7 +36,9 @@ from xopt.jax._lowrank import (
     raise_if_nonfinite,
 )
 from xopt.jax._precision import full_precision
+from xopt.registry import register
 from xopt.specs import flora as _spec
+from xopt.specs import lowrank
 
 __all__ = ["FloraState", "flora", "next_seed_words"]
 
@@ -279,7 +281,8 @@ def _update_leaf(h: _spec.Flora, p: jax.Array, g: jax.Array, st: dict[str, Any],
                     return _spec.projection(s, shape, h.rank, xp=xp, dtype=sdt)
 
                 p_before = draw(seed)
-                p_after = jax.lax.cond(transfer, draw, lambda s: p_before, seed_after)
+                p_after = lowrank.refresh(transfer, p_before, lambda: draw(seed_after),
+                                          cond=jax.lax.cond)
             c_up = _spec.up(xp, p_before, st["m"], which)
             raw = u
             u = _spec.mix(u, c_up, b1)
@@ -291,3 +294,5 @@ def _update_leaf(h: _spec.Flora, p: jax.Array, g: jax.Array, st: dict[str, Any],
     p_new = _spec.apply(xp, p_c, u, lr, h.weight_decay)
     return (p_new - p_c).astype(p.dtype), new
 
+
+register("flora", "jax", flora)

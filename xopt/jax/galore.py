@@ -39,8 +39,9 @@ from xopt.jax._lowrank import (
     resolve_spec,
 )
 from xopt.jax._precision import full_precision
-from xopt.specs import _lowrank
+from xopt.registry import register
 from xopt.specs import galore as _spec
+from xopt.specs import lowrank
 
 __all__ = ["GaLoreState", "galore"]
 
@@ -141,7 +142,7 @@ def galore(
         for n, leaf, h in zip(names, jax.tree.leaves(tree), specs, strict=True):
             check_float_leaf(leaf, f"{_LABEL}: {n}")
             if _spec.is_projected(tuple(leaf.shape), h):
-                _lowrank.check_rank(h.rank, tuple(leaf.shape), f"{_LABEL}: {n}")
+                lowrank.check_rank(h.rank, tuple(leaf.shape), f"{_LABEL}: {n}")
         return names, specs
 
     def init_fn(params: optax.Params) -> GaLoreState:
@@ -217,27 +218,22 @@ def _refresh(h: _spec.GaLore, name: str, g: jax.Array, old: jax.Array, old_r: An
     """The projection after this update's refresh rule: the SVD's (or the injected) at a
     refresh, ``old`` otherwise; a refresh whose SVD is not finite keeps ``old``."""
     which = _spec.side(tuple(g.shape), h.proj_type)
-    due = (count % h.update_proj_gap) == 0
+    due = _spec.refresh_due(count, h)
     full = which == "full"
-    if inj is not None and "ortho_matrix" in inj:
-        new = jnp.where(due, jnp.asarray(inj["ortho_matrix"], old.dtype), old)
-        new_r = old_r
-        if full and "ortho_matrix_right" in inj:
-            new_r = jnp.where(due, jnp.asarray(inj["ortho_matrix_right"], old.dtype), old_r)
-        return new, new_r
+    injected = _spec.injected_projection(inj, old_r, which,
+                                         cast=lambda a: jnp.asarray(a, old.dtype))
+    if injected is not None:
+        return lowrank.refresh(due, (old, old_r), None, injected, cond=jax.lax.cond)
 
     def fresh() -> tuple[jax.Array, jax.Array, jax.Array]:
-        a = g.astype(jnp.promote_types(g.dtype, jnp.float32))
-        u, sv, vh = _lowrank.svd(jnp, a)
-        o, o_r = _spec.projector_from_svd(u, vh, h.rank, which)
+        o, o_r, sv = _spec.fresh_projection(
+            jnp, h, g.astype(jnp.promote_types(g.dtype, jnp.float32)))
         o_r = o_r if full else o
         ok = jnp.all(jnp.isfinite(sv)) & jnp.all(jnp.isfinite(o)) & jnp.all(jnp.isfinite(o_r))
         return o.astype(old.dtype), o_r.astype(old.dtype) if full else old, ok
 
-    def keep() -> tuple[jax.Array, jax.Array, jax.Array]:
-        return old, (old_r if full else old), jnp.array(True)
-
-    cand, cand_r, ok = jax.lax.cond(due, fresh, keep)
+    cand, cand_r, ok = lowrank.refresh(due, (old, old_r if full else old, jnp.array(True)),
+                                       fresh, cond=jax.lax.cond)
     new = jnp.where(ok, cand, old)
     new_r = jnp.where(ok, cand_r, old_r) if full else None
     decomposition_guard(_LABEL, name, ok, check)
@@ -250,3 +246,6 @@ galore.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
      if p.kind is not inspect.Parameter.VAR_KEYWORD],
     return_annotation=optax.GradientTransformationExtraArgs,
 )
+
+
+register("galore", "jax", galore)

@@ -44,7 +44,8 @@ from xopt.jax._lowrank import (
     resolve_spec,
 )
 from xopt.jax._precision import full_precision
-from xopt.specs import _lowrank
+from xopt.registry import register
+from xopt.specs import lowrank
 from xopt.specs import plumage as _spec
 
 __all__ = ["PlumageState", "plumage"]
@@ -209,11 +210,11 @@ def _leaf_update(h: _spec.PLUMAGE, name: str, index: int, g: jax.Array, p: jax.A
         r = _spec.project(jnp, g, st["projector"], side)
     else:
         side, r = None, g
-    st["m"], st["v"] = _lowrank.hf_adam_moments(jnp, st["m"], st["v"], r, h.b1, h.b2)
+    st["m"], st["v"] = lowrank.hf_adam_moments(jnp, st["m"], st["v"], r, h.b1, h.b2)
     n = _spec.adam_direction(jnp, st["m"], st["v"], h)
     if side is not None:
         n = _spec.project_back(jnp, n, st["projector"], st["scale"], side)
-    alpha = _lowrank.hf_step_size(lr, h.b1, h.b2, t + 1, h.correct_bias)
+    alpha = lowrank.hf_step_size(lr, h.b1, h.b2, t + 1, h.correct_bias)
     u = -alpha * n
     if not _is_zero(h.weight_decay):  # hf_apply: p ← p − αN, then p ← p − ηλ p
         u = u - (lr * h.weight_decay) * (p.astype(dtype) + u)
@@ -234,19 +235,17 @@ def _maybe_refresh(h: _spec.PLUMAGE, name: str, index: int, g: jax.Array, side: 
     def refresh(operands: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         old = dict(zip(keys, operands, strict=True))
 
-        def from_svd(_: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-            given = _spec.injected_decomposition(jnp, inject, g)
-            basis, sigma = given if given is not None else _spec.decompose(jnp, g, side)
-            _, probs = _spec.inclusion_probabilities(jnp, sigma, h.rank, h.prob_eps)
+        def from_svd() -> tuple[jax.Array, jax.Array, jax.Array]:
+            basis, probs, sigma = _spec.basis_and_probs(jnp, h, g, side, inject)
             ok = jnp.all(jnp.isfinite(sigma)) & jnp.all(jnp.isfinite(basis))
             return basis, probs, ok
 
-        if _spec.needs_basis(h):
-            basis, probs, ok = jax.lax.cond(
-                svd_now, from_svd,
-                lambda _: (old["basis"], old["probs"], jnp.asarray(True)), None)
-        else:
-            basis, probs, ok = from_svd(None)
+        # without a stored basis every resample is an SVD step
+        stored = _spec.needs_basis(h)
+        basis, probs, ok = lowrank.refresh(
+            svd_now if stored else True,
+            (old.get("basis"), old.get("probs"), jnp.asarray(True)), from_svd,
+            cond=jax.lax.cond if stored else None)
         decomposition_guard(_LABEL, name, ok, check_finite)
         if indices is not None:
             idx = jnp.asarray(indices).astype(jnp.int32)
@@ -263,3 +262,6 @@ def _maybe_refresh(h: _spec.PLUMAGE, name: str, index: int, g: jax.Array, side: 
 
     out = jax.lax.cond(resample, refresh, lambda ops: ops, tuple(st[k] for k in keys))
     return dict(zip(keys, out, strict=True))
+
+
+register("plumage", "jax", plumage)

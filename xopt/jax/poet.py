@@ -37,6 +37,7 @@ import optax
 from xopt import random as xrandom
 from xopt.errors import HyperparameterError
 from xopt.jax._precision import full_precision
+from xopt.registry import register
 from xopt.specs import poet as spec_lib
 
 __all__ = ["POETAdamWState", "POETDense", "merge_and_reset", "poet_adamw"]
@@ -339,3 +340,6 @@ def poet_adamw(learning_rate: float | None = None, poet_scale: float | None = No
     if merge_interval is not None and (isinstance(merge_interval, bool) or merge_interval < 1):
         raise HyperparameterError(f"poet_adamw: merge_interval = {merge_interval!r} must be ≥ 1")
     return optax.GradientTransformation(init, full_precision(update))
+
+
+register("poet", "jax", poet_adamw)

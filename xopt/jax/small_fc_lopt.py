@@ -33,6 +33,7 @@ import optax
 
 from xopt.jax import _lopt_fast
 from xopt.jax._lopt import AccumState, LOptState, configure, learned_optimizer, reject_unknown
+from xopt.registry import register
 from xopt.specs import small_fc_lopt as _spec
 
 __all__ = ["AccumState", "LOptState", "SmallFCState", "small_fc_lopt"]
@@ -72,7 +73,7 @@ class _Method:
                 lambda p: jnp.zeros(_spec.param_state_shapes(self.hp, jnp.shape(p))[var],
                                     jnp.float32), params)
 
-        km, kr, _ = _spec._k(self.hp)
+        km, kr, _ = _spec.num_decays(self.hp)
         return SmallFCState(*(zeros(v) for v in _PARAM_VARS),
                             mom_t=jnp.zeros((km,), jnp.int32), rms_t=jnp.zeros((kr,), jnp.int32))
 
@@ -127,7 +128,7 @@ def small_fc_lopt(
       learning_rate: multiplier of the step, a number or an optax schedule of the call
         count; default 1 (the original). ``updates = −(lr·step)``.
       weight_decay, weight_decay_mode, max_training_steps: see
-        :class:`xopt.specs._lopt.LOptOptions`.
+        :class:`xopt.specs.lopt.LOptOptions`.
       spec: an :class:`xopt.specs.small_fc_lopt.SmallFCLOpt` instead of the keywords (its
         ``lr`` is the learning rate).
       seed: seed of the fresh θ when ``meta_params`` is None.
@@ -169,3 +170,6 @@ small_fc_lopt.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
      if p.kind is not inspect.Parameter.VAR_KEYWORD],
     return_annotation=optax.GradientTransformationExtraArgs,
 )
+
+
+register("small_fc_lopt", "jax", small_fc_lopt)

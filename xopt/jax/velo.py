@@ -38,6 +38,7 @@ import optax
 
 from xopt.jax import _lopt_fast
 from xopt.jax._lopt import AccumState, LOptState, configure, learned_optimizer, reject_unknown
+from xopt.registry import register
 from xopt.specs import velo as _spec
 
 __all__ = ["AccumState", "LOptState", "VeLOState", "velo"]
@@ -176,7 +177,7 @@ def velo(
       learning_rate: multiplier of the learned step, a number or an optax schedule of the
         call count; default 1 (the original's step). ``updates = −(lr·step)``.
       weight_decay, weight_decay_mode, max_training_steps: see
-        :class:`xopt.specs._lopt.LOptOptions` (``prefab.LearnedOptimizer``'s wrappers).
+        :class:`xopt.specs.lopt.LOptOptions` (``prefab.LearnedOptimizer``'s wrappers).
       spec: an :class:`xopt.specs.velo.VeLO` instead of the keywords (its ``lr`` is the
         learning rate).
       seed: seed of the fresh θ when ``meta_params`` is None.
@@ -220,3 +221,6 @@ velo.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
      if p.kind is not inspect.Parameter.VAR_KEYWORD],
     return_annotation=optax.GradientTransformationExtraArgs,
 )
+
+
+register("velo", "jax", velo)

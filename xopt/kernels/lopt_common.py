@@ -5,7 +5,7 @@ Reductions never use atomics: a program writes its partial sums to its own place
 scratch buffer and a later program adds them up in a fixed order, so two runs give the same
 bits. The layout is :mod:`xopt.kernels.lopt_layout`'s.
 
-Reference: :func:`xopt.specs._lopt.factored_update` (and ``torch.mean`` for the sums).
+Reference: :func:`xopt.specs.lopt.factored_update` (and ``torch.mean`` for the sums).
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def fac_finalize_kernel(meta, fin, ptrs, pa, pb, decays,
 def rcm_kernel(meta, rprog, ptrs, rcm, NPTR: tl.constexpr, NF: tl.constexpr,
                BLOCK: tl.constexpr):
     """``mean over the d1 axis of the new v_row`` per batch index and decay (the
-    ``row_col_mean`` of :func:`xopt.specs._lopt.factored_update`)."""
+    ``row_col_mean`` of :func:`xopt.specs.lopt.factored_update`)."""
     pid = tl.program_id(0)
     t = tl.load(rprog + pid * 2)
     b = tl.load(rprog + pid * 2 + 1)

@@ -6,7 +6,7 @@ matrices ``[B, Ia, Ib]`` (strided views of the contiguous parameter), cut into t
 A table ``prog → tensor`` (int32) and a per-tensor metadata row (int64, fields below) let
 the program find its tensor, its batch index and its tile without any search.
 
-* Factored tensors (rank ≥ 2, :func:`xopt.specs._lopt.factored_dims` gives ``(d1, d0)``):
+* Factored tensors (rank ≥ 2, :func:`xopt.specs.lopt.factored_dims` gives ``(d1, d0)``):
   the two matrix axes are ``d0`` and ``d1``, ordered so that the inner tile axis ``b`` is
   the one with the smaller stride (coalesced loads); the other axes (at most two) are the
   batch. Summing a tile over ``b`` gives partial sums for one of the Adafactor statistics,
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from xopt.specs._lopt import factored_dims
+from xopt.specs.lopt import factored_dims
 
 #: tile shape: TA rows (walked SA at a time) × TB columns along the contiguous axis
 TA = 64

@@ -77,8 +77,9 @@ from xopt.kernels import FP_FUSION
 from xopt.kernels import lopt_common as C
 from xopt.kernels import lopt_graph as G
 from xopt.kernels import lopt_layout as L
+from xopt.specs import arrays
 from xopt.specs import small_fc_lopt as _spec
-from xopt.specs._xp import to_device
+from xopt.specs.arrays import to_device
 
 __all__ = ["SmallFCTriton", "reference_step"]
 
@@ -835,7 +836,7 @@ class SmallFCTriton:
         if self._it is None or self._it.device != dev:
             self._it = torch.zeros((), dtype=torch.int32, device=dev)
             self._it_next = None
-            self._ts = _spec._const(torch, [float(t) for t in _spec.TIMESCALES], like)
+            self._ts = arrays.constant(torch, [float(t) for t in _spec.TIMESCALES], like)
         if self._it_next != iteration:
             G.copy_in(self._it, torch.tensor(iteration, dtype=torch.int32))
         self._it_next = None  # (until the step has run: a failed step copies in again)
@@ -957,8 +958,8 @@ def reference_step(hp: _spec.SmallFCLOpt, params: Sequence[torch.Tensor],
     tf = _spec.time_features(torch, torch.tensor(iteration, dtype=torch.int32), meta["mlp/b0"])
     steps, new_states = [], []
     for p, g, st in zip(params, grads, states, strict=True):
-        step, accs = _spec.compute_step(hp, p, g, *(st[v] for v in _spec._PARAM_VARS), tf,
+        step, accs = _spec.compute_step(hp, p, g, *(st[v] for v in _spec.PARAM_VARS), tf,
                                         meta, decays, xp=torch)
         steps.append(step)
-        new_states.append(dict(zip(_spec._PARAM_VARS, accs, strict=True)))
+        new_states.append(dict(zip(_spec.PARAM_VARS, accs, strict=True)))
     return steps, new_states

@@ -79,9 +79,9 @@ from xopt.kernels import FP_FUSION
 from xopt.kernels import lopt_common as C
 from xopt.kernels import lopt_graph as G
 from xopt.kernels import lopt_layout as L
-from xopt.specs import _xp
+from xopt.specs import arrays
 from xopt.specs import velo as _spec
-from xopt.specs._xp import to_device
+from xopt.specs.arrays import to_device
 
 __all__ = ["VeLOTriton", "reference_step"]
 
@@ -849,8 +849,8 @@ class VeLOTriton:
         dev = hidden.device
         like = meta["lstm/init_hidden"]
         if self._decays is None or self._decays[0].device != dev:
-            md, rd, fd = (_spec._as_array(torch, d, like) for d in _spec.decay_arrays(self.hp))
-            ts = _spec._as_array(torch, np.asarray(_spec.FRACTION_TIMESCALES, dtype=np.float32),
+            md, rd, fd = (arrays.constant(torch, d, like) for d in _spec.decay_arrays(self.hp))
+            ts = arrays.constant(torch, np.asarray(_spec.FRACTION_TIMESCALES, dtype=np.float32),
                                  like)
             self._decays = (torch.cat([md, rd, fd]).contiguous(), fd, ts)
             self._frac = torch.zeros((), dtype=torch.float32, device=dev)
@@ -912,7 +912,7 @@ class VeLOTriton:
                 "t": torch.zeros((), dtype=torch.int32, device=dev),
                 "n": torch.ones((), dtype=torch.float32, device=dev),
                 "loss": torch.zeros((), dtype=torch.float32, device=dev),
-                "eps": _spec._scalar(torch, 1e-8, like)}
+                "eps": arrays.constant(torch, 1e-8, like)}
             self._lb_shadow = None
         dec = gstate["loss_decays"]
         shadow = (int(gstate["loss_iteration"]), int(gstate["iteration"]),
@@ -942,13 +942,13 @@ class VeLOTriton:
                                                lb["it"], lb["loss"])
         # xopt.specs.velo.loss_features, op for op, its 1e-8 a device constant
         it1 = lb["it"] + 1
-        cor_mean = means / (1 - _spec._decay_power(torch, lb["dec"], it1))
+        cor_mean = means / (1 - _spec.decay_power(torch, lb["dec"], it1))
         approx_max = cor_mean[1:]
         cor_mean = cor_mean[:-1]
         rmin_ = rmin[:-1]
         den = torch.maximum(approx_max - rmin_, lb["eps"])
         pre_center = (cor_mean - rmin_) / den
-        f = _xp.clip(torch, pre_center - 1.0, -1.0, 1.0)
+        f = arrays.clip(torch, pre_center - 1.0, -1.0, 1.0)
         self._lfeat.copy_(torch.where(it1 <= 2, f * 0, f))
         self._frac.copy_(lb["t"].to(torch.float32) / lb["n"])
         lb["means"].copy_(means)
@@ -1047,12 +1047,12 @@ def lstm_glue(st64: torch.Tensor, mu64: torch.Tensor | None, numel: torch.Tensor
     nt = st64.shape[0]
     dev = st64.device
     # xopt.specs.velo.fraction_embedding, with its timescales kept on the device
-    frac_emb = _xp.tanh(torch, (frac - ts) * 10).expand(nt, -1)
+    frac_emb = arrays.tanh(torch, (frac - ts) * 10).expand(nt, -1)
     st = st64[:, :40].float()
     n = numel[:, None]
     psq = st[:, 2] / numel
     nm = torch.rsqrt(psq.clamp_min(1e-9))
-    cla = _spec._clip_log_abs
+    cla = _spec.clip_log_abs
     if mu64 is not None:  # two-pass: the three features in float64 from the float64 sums
         n64 = numel.double()[:, None]
         nm64 = torch.rsqrt((st64[:, 2] / numel.double()).clamp_min(1e-9))
@@ -1149,7 +1149,7 @@ def reference_step(hp: _spec.VeLO, params: Sequence[torch.Tensor],
             for p, st in zip(params, states, strict=True)]
     controls, lr_mult, hidden, cell = _spec.lstm_step(torch, torch.stack(rows), hidden, cell,
                                                       meta)
-    decays = tuple(_spec._as_array(torch, d, like) for d in _spec.decay_arrays(hp))
+    decays = tuple(arrays.constant(torch, d, like) for d in _spec.decay_arrays(hp))
     steps, new_states = [], []
     for i, (p, g, st) in enumerate(zip(params, grads, states, strict=True)):
         step, accs = _spec.update_tensor(torch, hp, p, g,

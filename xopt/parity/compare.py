@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from xopt.specs import Tolerance
+from xopt.parity.methods import Tolerance
 
 
 @dataclasses.dataclass(frozen=True)

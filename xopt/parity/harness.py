@@ -14,6 +14,9 @@ Modes (FORMAT.md, "How a test should use them"):
 
 Tensors are compared by canonical name (``param/<name>``, ``state/<var>/<name>``) through
 the spec's state schema, so implementations that lay state out differently still meet.
+What the harness knows about a method beyond its spec (the originals, injection,
+tolerances, a layer driver) is its :class:`~xopt.parity.methods.MethodParity`; xopt's own
+implementations are found through :mod:`xopt.registry`.
 """
 
 from __future__ import annotations
@@ -28,14 +31,14 @@ from typing import Any
 
 import numpy as np
 
+from xopt import registry
 from xopt.errors import HyperparameterError, TraceError
 from xopt.parity.compare import TensorError, closer_to, errors
+from xopt.parity.methods import MethodParity, Original, Tolerance, load_object
+from xopt.parity.methods import get as get_parity
 from xopt.parity.runners import OptaxRunner, OracleRunner, Runner, TorchRunner
 from xopt.parity.trace import Trace, load_trace
-from xopt.specs import MethodSpec, Original, Tolerance, get
-from xopt.specs._groups import ParamGroups
-from xopt.specs._hyperparams import Hyperparams
-from xopt.specs._method import load_object
+from xopt.specs import Hyperparams, MethodSpec, Naming, ParamGroups, get
 
 MODES = {"teacher": "teacher_forced", "closed": "closed_loop"}
 BACKENDS = ("torch", "jax", "oracle", "original")
@@ -52,10 +55,6 @@ def available(modules: Sequence[str]) -> bool:
     return all(importlib.util.find_spec(m) is not None for m in modules)
 
 
-#: what the layer drivers' backends import (the JAX layers are Flax modules)
-LAYER_REQUIRES = {"torch": ("torch",), "jax": ("jax", "optax", "flax"), "oracle": ()}
-
-
 def backend_ready(b: str, modules: Sequence[str], explicit: bool, notes: list[str],
                   hint: str = "") -> bool:
     """Whether backend ``b`` can run (``modules`` import). If not: :class:`BadRequest` when
@@ -67,28 +66,6 @@ def backend_ready(b: str, modules: Sequence[str], explicit: bool, notes: list[st
         raise BadRequest(msg)
     notes.append(msg + "; not run")
     return False
-
-
-def layer_backends(backends: Sequence[str], explicit: bool, notes: list[str],
-                   original_note: str, skip=None) -> list[str]:
-    """The backends a layer driver runs (:data:`LAYER_REQUIRES`): ``"original"`` is noted
-    (``original_note``: why the authors' code is not run live), an unknown name is a
-    :class:`BadRequest`, ``skip(b)`` may return a note that leaves ``b`` out, and a backend
-    whose packages are missing is refused or noted (:func:`backend_ready`)."""
-    selected = []
-    for b in backends:
-        if b == "original":
-            notes.append(original_note)
-            continue
-        if b not in LAYER_REQUIRES:
-            raise BadRequest(f"unknown backend {b!r}; choose from torch, jax, oracle, original")
-        why = skip(b) if skip is not None else None
-        if why:
-            notes.append(why)
-            continue
-        if backend_ready(b, LAYER_REQUIRES[b], explicit, notes):
-            selected.append(b)
-    return selected
 
 
 def require_reference(against: str, requires: Mapping[str, Sequence[str]]) -> None:
@@ -121,12 +98,13 @@ def hyperparameters_of(origin: Original, trace: Trace) -> Any:
 def original_of(spec: MethodSpec, trace: Trace) -> Original:
     """The original implementation that recorded ``trace`` (from ``source.object``)."""
     obj = trace.source_object
-    for o in spec.originals.values():
+    originals = get_parity(spec.name).originals
+    for o in originals.values():
         if obj == o.name or obj.startswith(o.name + " "):
             return o
     raise TraceError(
         f"{trace.path}: source.object {obj!r} is not an original implementation of "
-        f"{spec.name!r}; known: {', '.join(spec.originals)}"
+        f"{spec.name!r}; known: {', '.join(originals)}"
     )
 
 
@@ -305,10 +283,11 @@ def make_runner(spec: MethodSpec, hp: Hyperparams, names: list[str], which: str,
         raise BadRequest(f"{spec.name} needs meta-parameters (the trace names none)")
     if which == "oracle":
         return OracleRunner(spec, hp, names, meta=meta)
+    parity = get_parity(spec.name)
     extra = {} if spec.meta is None else {"meta_params": meta}
     if which in ("torch", "jax"):
-        factory = load_object(spec.implementations[which])
-        takes_inject = spec.inject is not None
+        factory = registry.implementation(spec.name, which).factory
+        takes_inject = parity.inject is not None
         if which == "torch":
             kwargs = dict(extra) if impl == "plain" else {"impl": impl, **extra}
             if isinstance(hp, ParamGroups):
@@ -335,7 +314,7 @@ def make_runner(spec: MethodSpec, hp: Hyperparams, names: list[str], which: str,
         return OptaxRunner(spec, hp, names, label="xopt.jax", naming=spec.naming_of["jax"],
                            factory=lambda: factory(**jax_kwargs, **extra),
                            pass_loss=spec.takes_loss, takes_inject=takes_inject)
-    o = spec.original(which)
+    o = parity.original(which)
     ctor = load_object(o.factory)
     kwargs = o.to_kwargs(hp)
     naming = o.naming_for(hp)
@@ -352,9 +331,10 @@ def make_runner(spec: MethodSpec, hp: Hyperparams, names: list[str], which: str,
                        factory=lambda: ctor(**kwargs), pass_loss=spec.takes_loss)
 
 
-def _drive(runner: Runner, trace: Trace, spec: MethodSpec, hp: Hyperparams, naming: str,
-           mode: str, steps: int, tick: Callable[[], None]) -> list[Step]:
+def _drive(runner: Runner, trace: Trace, spec: MethodSpec, hp: Hyperparams,
+           naming: str | Naming, mode: str, steps: int, tick: Callable[[], None]) -> list[Step]:
     out = []
+    inject_of = get_parity(spec.name).inject
     init_state = trace_state(trace, spec, hp, naming, -1)
     if mode == "closed_loop":
         runner.reset(trace.init_params(), init_state)
@@ -365,14 +345,14 @@ def _drive(runner: Runner, trace: Trace, spec: MethodSpec, hp: Hyperparams, nami
             else:
                 runner.reset(trace.params_after(t - 1), trace_state(trace, spec, hp, naming,
                                                                     t - 1))
-        inject = spec.inject(trace, t, hp) if spec.inject is not None else None
+        inject = inject_of(trace, t, hp) if inject_of is not None else None
         runner.step(trace.grads(t), trace.loss(t), inject)
         out.append(Step(*runner.read()))
         tick()
     return out
 
 
-def trace_state(trace: Trace, spec: MethodSpec, hp: Hyperparams, naming: str,
+def trace_state(trace: Trace, spec: MethodSpec, hp: Hyperparams, naming: str | Naming,
                 t: int) -> dict[str, np.ndarray]:
     """The canonical state after update ``t`` (``t = -1``: ``init``, or None if unset),
     checked against the schema's shapes."""
@@ -393,7 +373,7 @@ def trace_state(trace: Trace, spec: MethodSpec, hp: Hyperparams, naming: str,
     return state
 
 
-def golden_steps(trace: Trace, spec: MethodSpec, hp: Hyperparams, naming: str,
+def golden_steps(trace: Trace, spec: MethodSpec, hp: Hyperparams, naming: str | Naming,
                  steps: int) -> list[Step]:
     return [Step(trace.params_after(t), trace_state(trace, spec, hp, naming, t))
             for t in range(steps)]
@@ -410,7 +390,7 @@ def plan_backends(spec: MethodSpec, hp: Hyperparams, backends: Sequence[str],
         if b not in BACKENDS:
             raise BadRequest(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
         if b == "original":
-            for o in spec.originals.values():
+            for o in get_parity(spec.name).originals.values():
                 if not available(o.requires):
                     notes.append(f"{o.name} not run: needs {', '.join(o.requires)}")
                     continue
@@ -445,6 +425,7 @@ def run_parity(method: str, traces: Sequence[str | Trace], *,
     (and its subclass :class:`BadRequest`) for bad input, before any long computation.
     """
     spec = get(method)
+    parity = get_parity(method)
     if against not in AGAINST:
         raise BadRequest(f"unknown reference {against!r}; choose from {', '.join(AGAINST)}")
     for m in modes:
@@ -463,10 +444,9 @@ def run_parity(method: str, traces: Sequence[str | Trace], *,
         if trace.method != method:
             raise TraceError(f"{trace.path}: trace is for method {trace.method!r}, not {method!r}")
         if trace.kind == "layer":
-            if spec.layer_parity is None:
+            if parity.layer is None:
                 raise TraceError(f"{trace.path}: a layer trace, and {method} has no layer harness")
-            driver = load_object(spec.layer_parity)
-            layer_runs += driver(trace, backends=backends, against=against, modes=modes,
+            layer_runs += parity.layer(trace, backends=backends, against=against, modes=modes,
                                  impl=impl, device=device, max_steps=max_steps, notes=notes,
                                  explicit_backends=explicit_backends)
             continue
@@ -514,7 +494,7 @@ def run_parity(method: str, traces: Sequence[str | Trace], *,
                 label = backend_label(which)
                 if label == ref_label:
                     continue
-                runs.append(_compare(spec, hp, trace, label, ref_label, mode, outputs,
+                runs.append(_compare(parity, hp, trace, label, ref_label, mode, outputs,
                                      impl if which == "torch" else "plain", origin))
                 if localise and mode == "teacher_forced" and label != "oracle":
                     localise_run(runs[-1], outputs[label], outputs[ref_label],
@@ -523,48 +503,31 @@ def run_parity(method: str, traces: Sequence[str | Trace], *,
                   notes=list(dict.fromkeys(notes)))
 
 
-def float32_matmuls(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``fn`` with JAX's float32 matrix products in full precision, where JAX is
-    installed: a layer driver's own JAX model code (XLA on a GPU uses TF32 by default, the
-    golden traces are full float32; see :mod:`xopt.jax._precision`)."""
-    import functools
-
-    @functools.wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if not available(("jax",)):
-            return fn(*args, **kwargs)
-        import jax
-
-        with jax.default_matmul_precision("highest"):
-            return fn(*args, **kwargs)
-
-    return wrapped
-
-
 def backend_label(which: str) -> str:
     """A backend's name in reports (``xopt.torch``, ``xopt.jax``; others as they are)."""
     return {"torch": "xopt.torch", "jax": "xopt.jax"}.get(which, which)
 
 
-def _tolerance(spec: MethodSpec, hp: Hyperparams, label: str, ref: str, mode: str) -> Tolerance:
-    pairs = spec.bitwise(hp)
+def _tolerance(parity: MethodParity, hp: Hyperparams, label: str, ref: str,
+               mode: str) -> Tolerance:
+    pairs = parity.bitwise(hp)
     xopt_backend = {"xopt.torch": "torch", "xopt.jax": "jax"}
     for a, b in ((label, ref), (ref, label)):
         if (xopt_backend.get(a), b) in pairs:
-            return spec.tolerance("bitwise")
-    if "oracle" in (label, ref) and f"{mode}/oracle" in spec.tolerances:
-        return spec.tolerance(f"{mode}/oracle")
-    return spec.tolerance(mode)
+            return parity.tolerance("bitwise")
+    if "oracle" in (label, ref) and f"{mode}/oracle" in parity.tolerances:
+        return parity.tolerance(f"{mode}/oracle")
+    return parity.tolerance(mode)
 
 
-def _compare(spec: MethodSpec, hp: Hyperparams, trace: Trace, label: str, ref: str, mode: str,
-             outputs: dict[str, list[Step]], impl: str, origin: Original) -> Run:
+def _compare(parity: MethodParity, hp: Hyperparams, trace: Trace, label: str, ref: str,
+             mode: str, outputs: dict[str, list[Step]], impl: str, origin: Original) -> Run:
     a_steps, b_steps = outputs[label], outputs[ref]
     per_step = []
     for a, b in zip(a_steps, b_steps, strict=True):
         per_step.append(errors(a.tensors(), b.tensors()))
     run = Run(trace=trace.name, backend=label, impl=impl, against=ref, mode=mode,
-              steps=len(per_step), tolerance=_tolerance(spec, hp, label, ref, mode),
+              steps=len(per_step), tolerance=_tolerance(parity, hp, label, ref, mode),
               per_step=per_step)
     if "oracle" in outputs and "oracle" not in (label, ref):
         t, k, _ = run.worst
@@ -573,6 +536,7 @@ def _compare(spec: MethodSpec, hp: Hyperparams, trace: Trace, label: str, ref: s
                                                a_steps[t].tensors()[k], b_steps[t].tensors()[k])
         sens = None
         if mode == "teacher_forced" and not run.agrees:
+            spec = get(parity.method)
             meta = trace.meta_params() if spec.meta is not None else None
             sens = oracle_sensitivity(spec, hp, list(trace.params), trace,
                                       origin.naming_for(hp), meta)
@@ -599,7 +563,8 @@ def oracle_sensitivity(spec: MethodSpec, hp: Hyperparams, names: list[str], trac
         params = trace.init_params() if t == 0 else trace.params_after(t - 1)
         state = trace_state(trace, spec, hp, naming, t - 1)
         grads, loss = trace.grads(t), trace.loss(t)
-        inject = spec.inject(trace, t, hp) if spec.inject is not None else None
+        inject_of = get_parity(spec.name).inject
+        inject = inject_of(trace, t, hp) if inject_of is not None else None
 
         def step(seed: int) -> dict[str, np.ndarray]:
             runner = make_runner(spec, hp, names, "oracle", meta=meta)
@@ -720,7 +685,7 @@ def aux_errors(method: str, trace: str | Trace, *, max_steps: int | None = None,
     """
     from xopt.parity.compare import tensor_error
 
-    spec = get(method)
+    spec, parity = get(method), get_parity(method)
     t = trace if isinstance(trace, Trace) else load_trace(trace)
     origin = original_of(spec, t)
     hp = hyperparameters_of(origin, t)
@@ -745,7 +710,7 @@ def aux_errors(method: str, trace: str | Trace, *, max_steps: int | None = None,
         aux: dict[str, Any] = {}
         loss = t.loss(s)
         kw = dict(extra)
-        inject = spec.inject(t, s, hp) if spec.inject is not None else None
+        inject = parity.inject(t, s, hp) if parity.inject is not None else None
         if inject:  # the original's own draws, as the runners get them
             kw["inject"] = {p: {k: f32(v) for k, v in d.items()} for p, d in inject.items()}
         spec.step(hp, {k: f32(v) for k, v in params.items()},

@@ -10,7 +10,7 @@ harness compares any two of them, and any of them with a golden trace, the same 
 ``reset(params, state)`` sets parameters and state (``state=None``: a fresh optimizer);
 ``step(grads, loss, inject)`` takes one update (``inject``: ``{param: {key: array}}``,
 the values an original drew from its own generator or decomposition at this update,
-which xopt's implementations use instead of their own; see ``MethodSpec.inject``);
+which xopt's implementations use instead of their own; see ``MethodParity.inject``);
 ``read()`` returns ``(params, canonical state)``.
 Teacher forcing is ``reset`` from the trace before every ``step``; closed loop is one
 ``reset`` from the trace's ``init`` and then ``step`` after ``step``.
@@ -23,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from xopt.specs import MethodSpec
-from xopt.specs._hyperparams import Hyperparams
+from xopt.specs import Hyperparams, MethodSpec
 
 Arrays = dict[str, np.ndarray]
 
@@ -102,7 +101,7 @@ class TorchRunner(Runner):
 
     ``naming`` must lay state out as ``"{param}/<key>"`` (``optimizer.state[p][key]``).
     ``takes_inject``: the optimizer's ``step`` accepts ``inject={tensor: {key: tensor}}``
-    (xopt's optimizers of methods with :attr:`MethodSpec.inject`); originals do not, and
+    (xopt's optimizers of methods with a ``MethodParity.inject``); originals do not, and
     draw their own.
     """
 

@@ -1,8 +1,10 @@
 """The specification layer: one framework-neutral module per method.
 
 A method joins the registry by adding a module ``xopt/specs/<name>.py`` that defines
-``SPEC`` (a :class:`MethodSpec`); nothing else needs to change. Modules whose name starts
-with ``_`` are helpers, not methods.
+``SPEC`` (a :class:`MethodSpec`). Modules whose name starts with ``_`` are the framework of
+this package; :data:`SHARED` names the public modules of math several methods share
+(:mod:`xopt.specs.arrays`, :mod:`xopt.specs.lowrank`, :mod:`xopt.specs.lopt`), which the
+backends use too.
 
 >>> from xopt import specs
 >>> specs.names()
@@ -17,8 +19,9 @@ import importlib
 import pkgutil
 
 from xopt.errors import UnknownMethodError
+from xopt.specs._groups import ParamGroups, all_hps, hp_for
 from xopt.specs._hyperparams import Hyperparams, Interval, hp
-from xopt.specs._method import MetaParams, MethodSpec, Original, Tolerance
+from xopt.specs._method import MetaParams, MethodSpec
 from xopt.specs._state import Naming, StateSchema, StateVar
 
 __all__ = [
@@ -27,19 +30,25 @@ __all__ = [
     "MetaParams",
     "MethodSpec",
     "Naming",
-    "Original",
+    "ParamGroups",
     "StateSchema",
     "StateVar",
-    "Tolerance",
+    "all_hps",
     "get",
     "hp",
+    "hp_for",
     "names",
 ]
 
 
+#: public modules of shared math, not methods
+SHARED = ("arrays", "lopt", "lowrank")
+
+
 def names() -> list[str]:
     """The registered method names, sorted (found without importing the modules)."""
-    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    return sorted(m.name for m in pkgutil.iter_modules(__path__)
+                  if not m.name.startswith("_") and m.name not in SHARED)
 
 
 def get(name: str) -> MethodSpec:

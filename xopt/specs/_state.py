@@ -10,7 +10,10 @@ for per-parameter variables (``"m/mlp/0/weight"``) and ``"<var>"`` for global on
 
 A :class:`Naming` says how one implementation lays the same state out as a flat mapping of
 keys (pytree paths joined by ``/``): a template per variable in which ``{param}`` stands for
-the parameter name, and the dtype that implementation stores. A global variable whose
+the parameter name, and the dtype that implementation stores. A schema carries the namings
+of xopt's own backends (``StateSchema.namings``, by key); an original's naming is a
+:class:`Naming` the harness holds (:mod:`xopt.parity.methods`), and the conversions take
+either a key or a :class:`Naming`. A global variable whose
 template contains ``{param}`` is stored once per parameter (torch.optim keeps a ``step``
 per tensor); reading it back checks that all copies agree.
 
@@ -119,7 +122,10 @@ class StateSchema:
                 return v
         raise StateError(f"no state variable {name!r}; known: {[v.name for v in self.vars]}")
 
-    def naming(self, naming: str) -> Naming:
+    def naming(self, naming: str | Naming) -> Naming:
+        """The :class:`Naming` of key ``naming`` (a :class:`Naming` is returned as it is)."""
+        if isinstance(naming, Naming):
+            return naming
         try:
             return self.namings[naming]
         except KeyError:
@@ -159,8 +165,8 @@ class StateSchema:
 
     # -- conversion to and from an implementation's naming -----------------------------
     def to_canonical(
-        self, naming: str, flat: Mapping[str, Any], param_names: Sequence[str], hp: Any,
-        *, where: str = "state", strict: bool = True,
+        self, naming: str | Naming, flat: Mapping[str, Any], param_names: Sequence[str],
+        hp: Any, *, where: str = "state", strict: bool = True,
     ) -> dict[str, np.ndarray]:
         """Read a flat mapping in ``naming``'s keys into canonical keys (NumPy arrays).
 
@@ -173,7 +179,8 @@ class StateSchema:
         for v in self.active(hp):
             template = nm.keys.get(v.name)
             if template is None:
-                raise StateError(f"naming {naming!r} has no key for state variable {v.name!r}")
+                raise StateError(f"naming {_label(naming)!r} has no key for state variable "
+                                 f"{v.name!r}")
             if v.scope == "param" and v.name in nm.stacked:
                 if template not in flat:
                     raise StateError(f"{where}: missing {template!r} (state {v.name!r})")
@@ -222,7 +229,8 @@ class StateSchema:
         return out
 
     def from_canonical(
-        self, naming: str, state: Mapping[str, Any], param_names: Sequence[str], hp: Any,
+        self, naming: str | Naming, state: Mapping[str, Any], param_names: Sequence[str],
+        hp: Any,
     ) -> dict[str, np.ndarray]:
         """Write canonical state into ``naming``'s flat keys, cast to its stored dtypes."""
         nm = self.naming(naming)
@@ -249,3 +257,7 @@ class StateSchema:
                 else:
                     out[template] = arr
         return out
+
+
+def _label(naming: str | Naming) -> str:
+    return naming.doc or "naming" if isinstance(naming, Naming) else naming

@@ -45,9 +45,9 @@ from typing import Any
 import numpy as np
 
 from xopt.errors import HyperparameterError
-from xopt.specs import _xp
+from xopt.specs import arrays
 from xopt.specs._hyperparams import NONNEGATIVE, UNIT_HALF_OPEN, Hyperparams, hp
-from xopt.specs._method import MethodSpec, Original, Tolerance
+from xopt.specs._method import MethodSpec
 from xopt.specs._state import Naming, StateSchema, StateVar, same_as_param, scalar
 
 # -- hyperparameters -----------------------------------------------------------------------
@@ -98,11 +98,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def _sqrt(x: Any) -> Any:
-    return _xp.namespace(x).sqrt(x)
+    return arrays.namespace(x).sqrt(x)
 
 
 def _maximum(a: Any, b: Any) -> Any:
-    return _xp.namespace(a).maximum(a, b)
+    return arrays.namespace(a).maximum(a, b)
 
 
 def _is_number(x: Any) -> bool:
@@ -133,7 +133,7 @@ def bias_correction(beta: Any, count: Any, dtype: str, xp: Any) -> Any:
     if _is_number(count) and xp is np:
         power = np.float32(np.float64(np.float32(beta)) ** count)
         return np.float32(1) - power
-    if _is_number(count) and _xp.is_torch(xp):
+    if _is_number(count) and arrays.is_torch(xp):
         b = xp.as_tensor(beta, dtype=xp.float32)
         return 1 - b ** xp.tensor(float(count), dtype=xp.float32)
     return 1 - beta**count  # optax's own expression (jax: float32 pow of an int32 count)
@@ -162,21 +162,21 @@ def update_torch(p, g, m, v, v_max, count, *, lr, b1, b2, eps, eps_root, weight_
     """
     if maximize:
         g = -g
-    if not _xp.is_static_zero(weight_decay):
+    if not arrays.is_static_zero(weight_decay):
         p = p * (1 - lr * weight_decay)
-    m = _xp.lerp(xp, m, g, 1 - b1)
-    v = _xp.addcmul(xp, v * b2, g, g, 1 - b2)
+    m = arrays.lerp(xp, m, g, 1 - b1)
+    v = arrays.addcmul(xp, v * b2, g, g, 1 - b2)
     bc1 = bias_correction(b1, count, bias_correction_dtype, xp)
     bc2 = bias_correction(b2, count, bias_correction_dtype, xp)
     step_size = lr / bc1
     if amsgrad:
         v_max = xp.maximum(v_max, v)
     v_den = v_max if amsgrad else v
-    if _xp.is_static_zero(eps_root):
+    if arrays.is_static_zero(eps_root):
         denom = xp.sqrt(v_den) / bc2**0.5 + eps
     else:
         denom = xp.sqrt(v_den / bc2 + eps_root) + eps
-    p = _xp.addcdiv(xp, p, m, denom, -step_size)
+    p = arrays.addcdiv(xp, p, m, denom, -step_size)
     return p, m, v, v_max
 
 
@@ -204,7 +204,7 @@ def updates_optax(p, g, m, v, v_max, count, *, lr, b1, b2, eps, eps_root, weight
         v_max = _maximum(v_max, v_hat)
         v_hat = v_max
     u = m_hat / (_sqrt(v_hat + eps_root) + eps)
-    if not _xp.is_static_zero(weight_decay):
+    if not arrays.is_static_zero(weight_decay):
         u = u + weight_decay * p
     u = -lr * u
     return u, m, v, v_max
@@ -218,7 +218,7 @@ def update_optax(p, g, m, v, v_max, count, **kw):
 
 def update(hp: AdamW, p, g, m, v, v_max, count, *, lr=None, xp=None):
     """One AdamW step of one tensor under ``hp.formula``; ``lr`` overrides ``hp.lr``."""
-    xp = xp or _xp.namespace(p)
+    xp = xp or arrays.namespace(p)
     kw = dict(lr=hp.lr if lr is None else lr, b1=hp.b1, b2=hp.b2, eps=hp.eps,
               eps_root=hp.eps_root, weight_decay=hp.weight_decay, amsgrad=hp.amsgrad,
               maximize=hp.maximize, xp=xp, bias_correction_dtype=hp.bias_correction_dtype)
@@ -284,13 +284,6 @@ STATE = StateSchema(
             dtypes={"step": "float32"},
             doc="torch.optim.AdamW / xopt.torch.AdamW: optimizer.state[param][key]",
         ),
-        # optax.adamw = chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate).
-        "optax.adamw": Naming(
-            keys={"step": "0/count", "m": "0/mu/{param}", "v": "0/nu/{param}",
-                  "v_max": "0/nu_max/{param}"},
-            dtypes={"step": "int32"},
-            doc="optax.adamw's state: a tuple whose first element is ScaleByAdamState",
-        ),
         # xopt.jax.adamw: one transformation whose state is AdamWState(count, mu, nu, nu_max).
         "xopt.jax": Naming(
             keys={"step": "count", "m": "mu/{param}", "v": "nu/{param}",
@@ -302,87 +295,6 @@ STATE = StateSchema(
 )
 
 
-# -- original implementations --------------------------------------------------------------
-
-
-def _torch_kwargs(h: AdamW) -> dict[str, Any]:
-    if h.eps_root != 0 or h.nesterov or h.bias_correction_dtype != "float64":
-        raise HyperparameterError(
-            "torch.optim.AdamW cannot express eps_root != 0, nesterov=True or "
-            "bias_correction_dtype='float32'"
-        )
-    return dict(lr=h.lr, betas=(h.b1, h.b2), eps=h.eps, weight_decay=h.weight_decay,
-                amsgrad=h.amsgrad, maximize=h.maximize)
-
-
-def _from_torch_kwargs(kw: Mapping[str, Any]) -> AdamW:
-    known = {"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
-             "capturable", "differentiable", "fused"}
-    unknown = sorted(set(kw) - known)
-    if unknown:
-        raise HyperparameterError(
-            f"unknown torch.optim.AdamW argument(s) {', '.join(map(repr, unknown))}; "
-            f"known: {', '.join(sorted(known))}"
-        )
-    values = dict(PRESETS["torch"])
-    betas = kw.get("betas", (values["b1"], values["b2"]))
-    values.update(b1=float(betas[0]), b2=float(betas[1]))
-    for src, dst in (("lr", "lr"), ("eps", "eps"), ("weight_decay", "weight_decay"),
-                     ("amsgrad", "amsgrad"), ("maximize", "maximize")):
-        if src in kw:
-            values[dst] = kw[src]
-    return AdamW(**values)
-
-
-def _optax_kwargs(h: AdamW) -> dict[str, Any]:
-    if h.amsgrad or h.maximize or h.bias_correction_dtype != "float32":
-        raise HyperparameterError(
-            "optax.adamw cannot express amsgrad=True, maximize=True or "
-            "bias_correction_dtype='float64'"
-        )
-    return dict(learning_rate=h.lr, b1=h.b1, b2=h.b2, eps=h.eps, eps_root=h.eps_root,
-                weight_decay=h.weight_decay, nesterov=h.nesterov)
-
-
-def _from_optax_kwargs(kw: Mapping[str, Any]) -> AdamW:
-    known = {"learning_rate", "b1", "b2", "eps", "eps_root", "weight_decay", "nesterov",
-             "mu_dtype", "mask"}
-    unknown = sorted(set(kw) - known)
-    if unknown:
-        raise HyperparameterError(
-            f"unknown optax.adamw argument(s) {', '.join(map(repr, unknown))}; "
-            f"known: {', '.join(sorted(known))}"
-        )
-    if "learning_rate" not in kw:
-        raise HyperparameterError("optax.adamw: 'learning_rate' is required")
-    if kw.get("mu_dtype") is not None or kw.get("mask") is not None:
-        raise HyperparameterError("optax.adamw: mu_dtype and mask are not supported by xopt yet")
-    values = dict(PRESETS["optax"])
-    values["lr"] = kw["learning_rate"]
-    for name in ("b1", "b2", "eps", "eps_root", "weight_decay", "nesterov"):
-        if name in kw:
-            values[name] = kw[name]
-    return AdamW(**values)
-
-
-# -- tolerances ----------------------------------------------------------------------------
-
-_F32_STEP = (
-    "one float32 step: the two arithmetics round a handful of operations differently, "
-    "each within half an ulp (6e-8 relative); 1e-6 relative to the tensor's largest "
-    "element leaves a factor of ~2 over the worst case of 8 roundings"
-)
-TOLERANCES = {
-    "bitwise": Tolerance(0.0, 0.0, "same operations in the same order on the same machine"),
-    "teacher_forced": Tolerance(1e-6, 0.0, _F32_STEP),
-    "closed_loop": Tolerance(
-        1e-5, 0.0,
-        "errors of ~1e-7 per step accumulate over the trace's steps (at most 50); Adam's "
-        "normalised step does not amplify them, so 1e-5 bounds 50 steps of the per-step bound",
-    ),
-}
-
-
 SPEC = MethodSpec(
     name="adamw",
     title="AdamW (decoupled weight decay), torch.optim and optax conventions",
@@ -391,22 +303,5 @@ SPEC = MethodSpec(
     state=STATE,
     init_state=init_state,
     step=step,
-    implementations={"torch": "xopt.torch.adamw:AdamW", "jax": "xopt.jax.adamw:adamw"},
     naming_of={"torch": "torch.optim", "jax": "xopt.jax"},
-    originals={
-        "torch.optim.AdamW": Original(
-            name="torch.optim.AdamW", backend="torch", factory="torch.optim:AdamW",
-            naming="torch.optim", preset="torch", to_kwargs=_torch_kwargs,
-            from_kwargs=_from_torch_kwargs, requires=("torch",),
-        ),
-        "optax.adamw": Original(
-            name="optax.adamw", backend="jax", factory="optax:adamw", naming="optax.adamw",
-            preset="optax", to_kwargs=_optax_kwargs, from_kwargs=_from_optax_kwargs,
-            requires=("jax", "optax"),
-        ),
-    },
-    tolerances=TOLERANCES,
-    bitwise=lambda hp: frozenset(
-        {("torch", "torch.optim.AdamW")} if hp.formula == "torch" else {("jax", "optax.adamw")}
-    ),
 )

@@ -40,7 +40,7 @@ The method, for one projected matrix ``W`` (``m × n``) with gradient ``G`` at u
   the new subspace: ``M ← (M P_old) P_newᵀ`` and, for AdamW, ``V ← ((√V P_old) P_newᵀ)²``
   (right; ``P_newᵀ (P_old M)`` for left). The Adafactor variant restores only ``M``.
 
-**AdamW** (the authors' transformers-style AdamW, :func:`xopt.specs._lowrank.hf_adam_moments`
+**AdamW** (the authors' transformers-style AdamW, :func:`xopt.specs.lowrank.hf_adam_moments`
 and friends): ``m, v`` of ``R``; ``N = m/(√v + ε)``; ``W ← W − α·scale·back(N)`` with
 ``α = η √(1−β₂ᵗ)/(1−β₁ᵗ)``; then ``W ← W − ηλ W`` on the updated ``W``.
 
@@ -88,7 +88,7 @@ Like the authors' code, which re-seeds a ``torch.Generator`` with 3407 for every
 every parameter draws from its own group's ``seed`` (default 3407) at counter 0; give
 groups (torch) or leaves (optax ``param_specs``) their own ``seed`` to decorrelate them.
 To match a torch-recorded trace, the harness injects ``P`` itself at events 1 and 3
-(:data:`SPEC`'s ``inject``; key ``"ortho_matrix"``), since QR/SVD signs and torch's
+(:mod:`xopt.parity.methods.coap`; key ``"ortho_matrix"``), since QR/SVD signs and torch's
 generator are not portable; Eqn 6 is always computed by xopt.
 """
 
@@ -103,7 +103,7 @@ from typing import Any
 import numpy as np
 
 from xopt.errors import HyperparameterError
-from xopt.specs import _lowrank, _xp
+from xopt.specs import arrays, lowrank
 from xopt.specs._groups import ParamGroups, all_hps, hp_for
 from xopt.specs._hyperparams import (
     NONNEGATIVE,
@@ -113,7 +113,7 @@ from xopt.specs._hyperparams import (
     Interval,
     hp,
 )
-from xopt.specs._method import MethodSpec, Original, Tolerance
+from xopt.specs._method import MethodSpec
 from xopt.specs._state import Naming, StateSchema, StateVar, scalar
 
 # projection events (the golden traces' aux ``proj_event`` codes)
@@ -194,7 +194,7 @@ class COAP(Hyperparams):
                                       or not isinstance(self.rank, (int, np.integer))):
             raise HyperparameterError(f"{name}.rank = {self.rank!r}: must be an int or None")
         for field in ("update_interval", "reproject_factor"):
-            _lowrank.check_interval(getattr(self, field), field, name)
+            lowrank.check_interval(getattr(self, field), field, name)
         if self.project is not False and self.rank is None and self.rank_ratio is None:
             raise HyperparameterError(
                 f"{name}.rank = None and {name}.rank_ratio = None: set one of them (or "
@@ -243,7 +243,7 @@ def check_param(shape: tuple[int, ...], hp: COAP, where: str) -> None:
     """Raise :class:`HyperparameterError` naming ``where`` for a rank the matrix cannot hold
     (only reachable with ``project=True``; ``"auto"`` leaves such a matrix unprojected)."""
     if is_projected(shape, hp):
-        _lowrank.check_rank(rank_of(shape, hp), tuple(shape), where)
+        lowrank.check_rank(rank_of(shape, hp), tuple(shape), where)
 
 
 def side_of(shape: tuple[int, ...]) -> str:
@@ -289,11 +289,11 @@ def has_first_moment(hp: COAP) -> bool:
 
 
 def _mm(xp: ModuleType, a: Any, b: Any) -> Any:
-    return _xp.matmul(xp, a, b)
+    return arrays.matmul(xp, a, b)
 
 
 def _sum(xp: ModuleType, x: Any, axis: int | None = None) -> Any:
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return x.sum() if axis is None else x.sum(dim=axis)
     return xp.sum(x, axis=axis)
 
@@ -336,13 +336,13 @@ def orthogonal_basis(xp: ModuleType, a: Any, omega: Any, *,
 
     Args:
       a: ``(k, n')`` float (``A = G`` right, ``Gᵀ`` left); omega: ``(n', r)``.
-      qr, svd: the decompositions (default: :func:`xopt.specs._lowrank.qr` / ``svd``, with
+      qr, svd: the decompositions (default: :func:`xopt.specs.lowrank.qr` / ``svd``, with
         xopt's sign convention; backends pass versions that raise naming the parameter).
     Returns:
       ``Z`` ``(r, n')`` with orthonormal rows.
     """
-    qr = qr or (lambda x: _lowrank.qr(xp, x))
-    svd = svd or (lambda x: _lowrank.svd(xp, x))
+    qr = qr or (lambda x: lowrank.qr(xp, x))
+    svd = svd or (lambda x: lowrank.svd(xp, x))
     q, _ = qr(_mm(xp, a, omega))
     _, _, z = svd(_mm(xp, q.T, a))
     return z
@@ -443,6 +443,11 @@ def restore_moments(xp: ModuleType, hp: COAP, m: Any, v: Any, p_old: Any, p_new:
     return m, v
 
 
+def injected_projection(inject: Mapping[str, Any] | None) -> Any:
+    """The ``P`` given in ``inject`` (``{"ortho_matrix": P}``), or None."""
+    return None if inject is None else inject.get("ortho_matrix")
+
+
 # -- the base optimizers -------------------------------------------------------------------------
 
 
@@ -490,14 +495,14 @@ def adafactor_direction(xp: ModuleType, hp: COAP, r: Any, v: Any, v_row: Any, v_
     """
     sq = r * r + hp.eps_sq
     if len(r.shape) >= 2:
-        v_row = v_row * beta2t + _xp.mean(xp, sq, (-1,)) * (1.0 - beta2t)
-        v_col = v_col * beta2t + _xp.mean(xp, sq, (-2,)) * (1.0 - beta2t)
-        r_factor = _xp.rsqrt(xp, v_row / _xp.mean(xp, v_row, (-1,), keepdims=True))
-        c_factor = _xp.rsqrt(xp, v_col)
-        u = _xp.expand_dims(xp, r_factor, -1) * _xp.expand_dims(xp, c_factor, -2) * r
+        v_row = v_row * beta2t + arrays.mean(xp, sq, (-1,)) * (1.0 - beta2t)
+        v_col = v_col * beta2t + arrays.mean(xp, sq, (-2,)) * (1.0 - beta2t)
+        r_factor = arrays.rsqrt(xp, v_row / arrays.mean(xp, v_row, (-1,), keepdims=True))
+        c_factor = arrays.rsqrt(xp, v_col)
+        u = arrays.expand_dims(xp, r_factor, -1) * arrays.expand_dims(xp, c_factor, -2) * r
     else:
         v = v * beta2t + sq * (1.0 - beta2t)
-        u = _xp.rsqrt(xp, v) * r
+        u = arrays.rsqrt(xp, v) * r
     denom = rms(xp, u) / hp.clip_threshold
     u = u / xp.maximum(denom, xp.ones_like(denom))
     return u, v, v_row, v_col
@@ -535,23 +540,24 @@ def param_step(xp: ModuleType, hp: COAP, p: Any, g: Any, st: dict[str, Any], t: 
         side = side_of(shape)
         p_old = st["P"]
         ev = event(t, hp)
-        p_new = p_old
         if ev == EQN6:
             sub = {} if aux is not None else None
             m6 = eqn6_moment(xp, hp, st.get("m"), g, p_old, side)
             p_new = eqn6_step(xp, p_old, m6, g, side, hp.proj_lr, hp.proj_max_norm, sub)
             if aux is not None:
                 aux.update(sub)
-        elif ev in (INITIAL, EQN7):
-            if inject is not None and "ortho_matrix" in inject:
-                p_new = inject["ortho_matrix"]
-            else:
+        else:  # Eqn 7 at events 1 and 3 (or the original's P, injected); else P is kept
+
+            def eqn7() -> Any:
                 if ev == INITIAL:
                     om = omega() if omega is not None else xp.asarray(
                         initial_omega(hp, shape), dtype=g.dtype)
                 else:
                     om = warm_omega(p_old, side)
-                p_new = decompose(xp, g, om, side, qr=qr, svd=svd)
+                return decompose(xp, g, om, side, qr=qr, svd=svd)
+
+            p_new = lowrank.refresh(ev in (INITIAL, EQN7), p_old, eqn7,
+                                    injected_projection(inject))
         if ev in (EQN6, EQN7) and hp.restore_state:
             st["m"], v = restore_moments(xp, hp, st.get("m"), st.get("v"), p_old, p_new, side)
             if hp.optimizer == "adamw":
@@ -568,13 +574,13 @@ def param_step(xp: ModuleType, hp: COAP, p: Any, g: Any, st: dict[str, Any], t: 
             aux["low_rank_grad"] = r
     count = t + 1
     if hp.optimizer == "adamw":
-        st["m"], st["v"] = _lowrank.hf_adam_moments(xp, st["m"], st["v"], r, hp.b1, hp.b2)
-        n = _lowrank.hf_adam_direction(xp, st["m"], st["v"], hp.eps)
-        step_size = _lowrank.hf_step_size(hp.lr, hp.b1, hp.b2, count, hp.correct_bias)
+        st["m"], st["v"] = lowrank.hf_adam_moments(xp, st["m"], st["v"], r, hp.b1, hp.b2)
+        n = lowrank.hf_adam_direction(xp, st["m"], st["v"], hp.eps)
+        step_size = lowrank.hf_step_size(hp.lr, hp.b1, hp.b2, count, hp.correct_bias)
         full = project_back(xp, n, st["P"], side, hp.scale) if projected else n
         if aux is not None and projected:
             aux["update_full"] = full
-        return _lowrank.hf_apply(p, full, step_size, hp.lr, hp.weight_decay), st
+        return lowrank.hf_apply(p, full, step_size, hp.lr, hp.weight_decay), st
     st["rms"] = rms(xp, p)
     lr_t = adafactor_lr(hp, count, st["rms"], xp)
     beta2t = adafactor_beta2(hp, count)
@@ -699,15 +705,6 @@ STATE = StateSchema(
                  applies=is_projected),
     ),
     namings={
-        # coap_torch: optimizer.state[p] (the projector object's ortho_matrix as recorded)
-        "coap_torch": Naming(
-            keys={"step": "{param}/step", "m": "{param}/exp_avg", "v": "{param}/exp_avg_sq",
-                  "v_row": "{param}/exp_avg_sq_row", "v_col": "{param}/exp_avg_sq_col",
-                  "rms": "{param}/RMS", "P": "{param}/projector/ortho_matrix"},
-            dtypes={"step": "int64"},
-            doc="coap_torch.CoapAdamW / CoapAdafactor: optimizer.state[param][key]; P is "
-                "state['projector'].ortho_matrix",
-        ),
         "xopt.torch": Naming(
             keys={"step": "{param}/step", "m": "{param}/exp_avg", "v": "{param}/exp_avg_sq",
                   "v_row": "{param}/exp_avg_sq_row", "v_col": "{param}/exp_avg_sq_col",
@@ -726,142 +723,6 @@ STATE = StateSchema(
 )
 
 
-# -- the original ------------------------------------------------------------------------------
-
-_CLASSES = {"CoapAdamW": "adamw", "CoapAdafactor": "adafactor"}
-# the original's argument -> xopt field (None: handled separately or ignored)
-_ARGS = {
-    "lr": "lr", "weight_decay": "weight_decay", "correct_bias": "correct_bias",
-    "clip_threshold": "clip_threshold", "decay_rate": "decay_rate", "beta1": "b1",
-    "scale_parameter": "scale_parameter", "relative_step": "relative_step",
-    "warmup_init": "warmup_init", "rank": "rank", "rank_ratio_matrix": "rank_ratio",
-    "update_interval": "update_interval", "reproject_factor": "reproject_factor",
-    "restore_state": "restore_state", "scale": "scale",
-    "betas": None, "eps": None, "proj_method": None, "rank_ratio_cnn": None, "dim": None,
-    "no_deprecation_warning": None, "params": None,
-}
-
-
-def _values(variant: str, kw: Mapping[str, Any], where: str) -> dict[str, Any]:
-    unknown = sorted(set(kw) - set(_ARGS))
-    if unknown:
-        raise HyperparameterError(f"{where}: unknown argument(s) {', '.join(map(repr, unknown))}"
-                                  f"; known: {', '.join(sorted(_ARGS))}")
-    out: dict[str, Any] = {}
-    for k, v in kw.items():
-        if _ARGS[k] is not None:
-            out[_ARGS[k]] = tuple(v) if isinstance(v, list) else v
-    if "betas" in kw:
-        out["b1"], out["b2"] = (float(b) for b in kw["betas"])
-    if "eps" in kw:
-        if variant == "adamw":
-            out["eps"] = kw["eps"]
-        else:
-            out["eps_sq"], out["eps_scale"] = (float(e) for e in kw["eps"])
-    return out
-
-
-def _from_kwargs(kw: Mapping[str, Any]) -> COAP | ParamGroups:
-    """The manifest's hyperparameters (``optimizer_class``, ``constructor``, and the groups
-    that ``setup_params`` made, ``effective_param_groups``) -> COAP or ParamGroups."""
-    cls = kw.get("optimizer_class")
-    if cls not in _CLASSES:
-        raise HyperparameterError(f"optimizer_class {cls!r}: expected one of {sorted(_CLASSES)}")
-    variant = _CLASSES[cls]
-    extra = sorted(set(kw) - {"optimizer_class", "constructor", "param_groups",
-                              "effective_param_groups"})
-    if extra:
-        raise HyperparameterError(f"unknown hyperparameter entries {extra}")
-    ctor = dict(kw.get("constructor", {}))
-    base = dict(PRESETS[variant])
-    base.update(_values(variant, ctor, cls))
-    if ctor.get("proj_method", "coap") not in ("coap", None):
-        raise HyperparameterError(f"{cls}: proj_method {ctor['proj_method']!r} is not 'coap'")
-    groups = kw.get("effective_param_groups")
-    if not groups:
-        if ctor.get("proj_method", "coap") is None:
-            base["project"] = False
-        return COAP(**base)
-    out = []
-    for i, g in enumerate(groups):
-        names = list(g.get("params", []))
-        if "proj_method" in g and g.get("dim") == 4:
-            if names:
-                raise HyperparameterError(
-                    f"{cls}: effective_param_groups[{i}] projects 4-D parameters {names} with "
-                    "TuckerCOAP, which xopt does not implement")
-            continue
-        if not names:
-            continue
-        values = dict(base)
-        values.update(_values(variant, g, f"{cls} effective_param_groups[{i}]"))
-        values["project"] = "proj_method" in g and g["proj_method"] is not None
-        out.append((names, COAP(**values)))
-    return ParamGroups.of(out)
-
-
-def _to_kwargs(h: COAP | ParamGroups) -> dict[str, Any]:
-    if isinstance(h, ParamGroups):
-        raise HyperparameterError("coap_torch is driven here with one flat parameter list; "
-                                  "per-group settings cannot be handed to it")
-    if h.project is True:
-        raise HyperparameterError("coap_torch applies its own rule for which matrices are "
-                                  "projected; project=True cannot be expressed")
-    kw: dict[str, Any] = dict(lr=h.lr, weight_decay=h.weight_decay,
-                              proj_method=None if h.project is False else "coap", rank=h.rank,
-                              rank_ratio_matrix=h.rank_ratio,
-                              update_interval=h.update_interval,
-                              reproject_factor=h.reproject_factor,
-                              restore_state=h.restore_state, scale=h.scale)
-    if h.proj_lr != 0.1 or h.proj_max_norm != 1.0 or h.seed != 3407:
-        raise HyperparameterError("coap_torch hard-codes proj_lr 0.1, proj_max_norm 1 and "
-                                  "seed 3407")
-    if h.optimizer == "adamw":
-        kw.update(betas=(h.b1, h.b2), eps=h.eps, correct_bias=h.correct_bias)
-    else:
-        kw.update(beta1=h.b1, eps=(h.eps_sq, h.eps_scale), clip_threshold=h.clip_threshold,
-                  decay_rate=h.decay_rate, scale_parameter=h.scale_parameter,
-                  relative_step=h.relative_step, warmup_init=h.warmup_init)
-        if h.relative_step:
-            kw["lr"] = None
-    return kw
-
-
-def _inject(trace: Any, t: int, hp: COAP | ParamGroups) -> dict[str, dict[str, Any]] | None:
-    """The original's ``P`` at events 1 and 3 (its QR/SVD signs and torch's generator are
-    not portable): ``{param: {"ortho_matrix": state/<param>/projector/ortho_matrix}}``."""
-    out: dict[str, dict[str, Any]] = {}
-    recorded = None
-    for name, shape in trace.params.items():
-        h = hp_for(hp, name)
-        if is_projected(tuple(shape), h) and event(t, h) in (INITIAL, EQN7):
-            recorded = trace.state_after(t) if recorded is None else recorded
-            out[name] = {"ortho_matrix": recorded[f"{name}/projector/ortho_matrix"]}
-    return out or None
-
-
-# -- tolerances --------------------------------------------------------------------------------
-
-TOLERANCES = {
-    "bitwise": Tolerance(0.0, 0.0, "same operations in the same order on the same machine"),
-    "teacher_forced": Tolerance(
-        1e-6, 0.0,
-        "one float32 update: the projections and the Adam/Adafactor arithmetic round a few "
-        "operations differently (matmul summation order, fused vs written-out multiply-adds); "
-        "measured ≤ 4.6e-7 over the bundled traces (torch 2.8e-7, jax 4.6e-7, oracle 4.3e-7). "
-        "Eqn 6's closed-form gradient lies within 9.8e-7 of the recorded float32 autograd, "
-        "which moves P by ≤ 1e-10 (the step is 0.1 × a gradient of norm ≤ 6e-3)",
-    ),
-    "closed_loop": Tolerance(
-        1e-4, 0.0,
-        "per-update rounding (~1e-7) carried over 12-25 updates through the moments and P; "
-        "measured ≤ 5.9e-7 on the bundled traces. The bound leaves room for AdamW's "
-        "restore_state, whose ((√V P_old) P_newᵀ)² can put near-zero entries under "
-        "m/(√v + ε) and amplify rounding (tests/test_coap.py)",
-    ),
-}
-
-
 SPEC = MethodSpec(
     name="coap",
     title="COAP: low-rank AdamW/Adafactor with a correlation-aware projection (Eqn 6/7)",
@@ -870,17 +731,5 @@ SPEC = MethodSpec(
     state=STATE,
     init_state=init_state,
     step=step,
-    implementations={"torch": "xopt.torch.coap:COAP", "jax": "xopt.jax.coap:coap"},
     naming_of={"torch": "xopt.torch", "jax": "xopt.jax"},
-    originals={
-        name: Original(
-            name=name, backend="torch", factory=f"coap_torch:{name.split('.')[1]}",
-            naming="coap_torch", preset=variant, to_kwargs=_to_kwargs,
-            from_kwargs=_from_kwargs, requires=("coap_torch",),
-        )
-        for name, variant in (("coap_torch.CoapAdamW", "adamw"),
-                              ("coap_torch.CoapAdafactor", "adafactor"))
-    },
-    tolerances=TOLERANCES,
-    inject=_inject,
 )

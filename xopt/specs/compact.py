@@ -55,9 +55,9 @@ from typing import Any
 import numpy as np
 
 from xopt.errors import HyperparameterError
-from xopt.specs import _xp
+from xopt.specs import arrays
 from xopt.specs._hyperparams import NONNEGATIVE, UNIT_HALF_OPEN, Hyperparams, Interval, hp
-from xopt.specs._method import MethodSpec, Tolerance
+from xopt.specs._method import MethodSpec
 from xopt.specs._state import Naming, StateSchema, StateVar, same_as_param, scalar
 
 RANK_RATIO = Interval(0.0, 1.0, lo_closed=False, hi_closed=True)  # (0, 1]
@@ -335,7 +335,7 @@ def _einsum(xp: Any, eq: str, a: Any, b: Any) -> Any:
 
 
 def _sum0(xp: Any, a: Any) -> Any:
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return a.sum(dim=0)
     return xp.sum(a, axis=0)
 
@@ -353,7 +353,7 @@ def step_size(lr: float, b1: float, b2: float, count: int, correct_bias: bool) -
 def moments(g: Any, m: Any, v: Any, *, b1: float, b2: float, xp: Any) -> tuple[Any, Any]:
     """``M = β₁M + (1−β₁)Ĝ``, ``V = β₂V + (1−β₂)Ĝ²`` in the authors' order
     (``mul_(β).add_(Ĝ, alpha=1−β)``, ``mul_(β).addcmul_(Ĝ, Ĝ, value=1−β)``)."""
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         m = xp.add(m * b1, g, alpha=1.0 - b1)
         v = xp.addcmul(v * b2, g, g, value=1.0 - b2)
         return m, v
@@ -372,7 +372,7 @@ def project_back(n: Any, p: Any, scale: float) -> Any:
 
 def apply_step(param: Any, u: Any, s: float, lr: float, weight_decay: float, *, xp: Any) -> Any:
     """``W ← W − s·u``, then ``W ← W − ηλW`` when λ > 0 (``add_(·, alpha=…)`` in torch)."""
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         param = xp.add(param, u, alpha=-s)
         if weight_decay > 0.0:
             param = xp.add(param, param, alpha=-lr * weight_decay)
@@ -391,7 +391,7 @@ def update(hp: CompAct, param: Any, grad: Any, m: Any, v: Any, count: int, p: An
     ``α``; for a plain parameter ``grad`` has the parameter's shape, ``p`` is None and
     ``scale`` is 1 (the authors' plain Adam: ``p.add_(N, alpha=-s)``). ``count`` is t ≥ 1.
     """
-    xp = xp or _xp.namespace(param)
+    xp = xp or arrays.namespace(param)
     m, v = moments(grad, m, v, b1=hp.b1, b2=hp.b2, xp=xp)
     n = normalized(m, v, hp.eps, xp=xp)
     u = n if (p is None and scale == 1.0) else project_back(n, p, scale)
@@ -466,11 +466,6 @@ STATE = StateSchema(
             keys={"step": "{param}/step", "m": "{param}/exp_avg", "v": "{param}/exp_avg_sq"},
             dtypes={"step": "int64"},
             doc="optimizer.state[param][key]"),
-        # The golden LLaMA trace stores the (shared) step once.
-        "SmallAdamW/shared_step": Naming(
-            keys={"step": "step", "m": "{param}/exp_avg", "v": "{param}/exp_avg_sq"},
-            dtypes={"step": "int64"},
-            doc="as SmallAdamW, with every parameter's equal step stored once"),
         # xopt.jax.compact_adamw: CompActAdamState(count, mu, nu).
         "xopt.jax": Naming(
             keys={"step": "count", "m": "mu/{param}", "v": "nu/{param}"},
@@ -478,33 +473,6 @@ STATE = StateSchema(
             doc="xopt.jax.compact_adamw: CompActAdamState(count, mu, nu)"),
     },
 )
-
-
-# -- tolerances ------------------------------------------------------------------------------
-
-_MODEL_GRADS = Tolerance(
-    3e-6, 0.0,
-    "gradients of a whole model (the LLaMA case's loss backward) cannot meet 1e-6 in float32: "
-    "the authors' own float32 gradients are up to 1.49e-6 relative from the same model in "
-    "float64 (grad of layers.1.post_attention_layernorm, an RMSNorm weight gradient summed "
-    "over tokens; 0.6-0.9e-6 for the q/k CompAct gradients, which pass through the attention "
-    "softmax backward dS = P∘(dP − Σ P∘dP), a difference of nearly equal terms), measured by "
-    "parity_tests/test_compact.py::test_llama_gradients_are_float32_noise; two float32 "
-    "implementations may differ by the sum of their errors, 2 × 1.49e-6")
-TOLERANCES = {
-    "bitwise": Tolerance(0.0, 0.0, "same operations in the same order on the same machine"),
-    "teacher_forced": Tolerance(
-        1e-6, 0.0,
-        "one float32 step: the recorder's float64 re-derivation puts the trace's own float32 "
-        "rounding at ≤ 2.1e-7 relative per array (tolerance_hint); matrix products summed in "
-        "another order differ by a few ulps of the largest element",
-        tensors={prefix: dataclasses.replace(_MODEL_GRADS)
-                 for prefix in ("grad/model/", "grad/lm_head/", "compact_grad/model/")}),
-    "closed_loop": Tolerance(
-        1e-4, 0.0,
-        "per-step float32 differences (~1e-7) carried through 6-8 updates of Adam and, for "
-        "the LLaMA trace, through the model's forward and backward at the updated weights"),
-}
 
 
 SPEC = MethodSpec(
@@ -515,10 +483,5 @@ SPEC = MethodSpec(
     state=STATE,
     init_state=init_state,
     step=step,
-    implementations={"torch": "xopt.torch.compact:CompActAdamW",
-                     "jax": "xopt.jax.compact:compact_adamw"},
     naming_of={"torch": "SmallAdamW", "jax": "xopt.jax"},
-    originals={},
-    tolerances=TOLERANCES,
-    layer_parity="xopt.parity.layer_compact:run",
 )

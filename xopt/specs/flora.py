@@ -59,7 +59,8 @@ so xopt draws its own from :mod:`xopt.random`, the same bits in NumPy, torch and
 keyed by the 64-bit state seed ``s`` itself (shape ``(rank, m)`` left, ``(n, rank)``
 right; drawn in float32 and cast to the state's dtype, so the oracle, torch and jax use the
 same matrix). To reproduce a recorded run, ``inject`` replaces ``P`` before and after the
-update with the original's (``proj_before``, ``proj_after`` in a trace's aux).
+update with the original's (``proj_before``, ``proj_after`` in a trace's aux; see
+:mod:`xopt.parity.methods.flora`).
 
 Everything here is written against the array API (NumPy float64: the oracle; torch;
 jax.numpy). Under torch the operations are the original's torch calls in its order, so
@@ -78,10 +79,10 @@ import numpy as np
 
 from xopt import random as xrandom
 from xopt.errors import HyperparameterError
-from xopt.specs import _xp
-from xopt.specs._groups import ParamGroups, all_hps, hp_for
+from xopt.specs import arrays, lowrank
+from xopt.specs._groups import ParamGroups, hp_for
 from xopt.specs._hyperparams import NONNEGATIVE, POSITIVE, UNIT_HALF_OPEN, Hyperparams, Interval, hp
-from xopt.specs._method import MethodSpec, Original, Tolerance
+from xopt.specs._method import MethodSpec
 from xopt.specs._state import Naming, StateSchema, StateVar, same_as_param, scalar
 
 # -- hyperparameters -----------------------------------------------------------------------
@@ -274,7 +275,7 @@ def projection(seed: Any, shape: tuple[int, ...], rank: int, *, xp: ModuleType,
     """``P = normal(seed, projection_shape)/√r`` from :mod:`xopt.random` (see the module
     docstring). ``seed``: int (NumPy, torch) or a jax uint32 ``[hi, lo]`` array."""
     pshape = projection_shape(tuple(shape), rank)
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         z = xrandom.normal(int(seed), pshape, dtype="float32", backend="torch", device=device)
         return z.to(dtype) / math.sqrt(rank)
     if xp is np:
@@ -289,18 +290,18 @@ def _t(x: Any) -> Any:
 
 def up(xp: ModuleType, p: Any, c: Any, which: str) -> Any:
     """Decompress: ``Pᵀ C`` (left, ``(r, m)ᵀ (r, n)``) or ``C Pᵀ`` (right, ``(m, r) (n, r)ᵀ``)."""
-    return _xp.matmul(xp, _t(p), c) if which == "left" else _xp.matmul(xp, c, _t(p))
+    return arrays.matmul(xp, _t(p), c) if which == "left" else arrays.matmul(xp, c, _t(p))
 
 
 def down(xp: ModuleType, p: Any, x: Any, which: str) -> Any:
     """Compress: ``P X`` (left, ``(r, m) (m, n)``) or ``X P`` (right, ``(m, n) (n, r)``)."""
-    return _xp.matmul(xp, p, x) if which == "left" else _xp.matmul(xp, x, p)
+    return arrays.matmul(xp, p, x) if which == "left" else arrays.matmul(xp, x, p)
 
 
 def rms(xp: ModuleType, x: Any) -> Any:
     """``‖x‖₂ / √numel`` (``Flora._rms``); a 0-d array."""
     n = math.prod(x.shape)
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return x.norm(2) / (n ** 0.5)
     flat = xp.reshape(x, (-1,))  # XLA reduces a flat vector more accurately than a matrix
     return xp.sqrt(xp.sum(flat * flat)) / (n ** 0.5)
@@ -308,7 +309,7 @@ def rms(xp: ModuleType, x: Any) -> Any:
 
 def _axpy(xp: ModuleType, x: Any, y: Any, alpha: Any) -> Any:
     """``x + alpha·y`` (torch: ``torch.add(x, y, alpha=alpha)``, as ``add_(y, alpha=)``)."""
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return xp.add(x, y, alpha=alpha)
     return x + alpha * y
 
@@ -332,7 +333,7 @@ def relative_step_size(h: Flora, t: Any) -> Any:
     if isinstance(t, (int, np.integer)):
         min_step = 1e-6 * int(t) if h.warmup_init else 1e-2
         return min(min_step, 1.0 / math.sqrt(int(t)))
-    xp = _xp.namespace(t)
+    xp = arrays.namespace(t)
     tf = t.astype(xp.float32)
     min_step = 1e-6 * tf if h.warmup_init else 1e-2
     return xp.minimum(min_step, 1.0 / xp.sqrt(tf))
@@ -349,7 +350,7 @@ def learning_rate(xp: ModuleType, h: Flora, rho: Any, t: Any) -> Any:
     if not h.scale_parameter:
         return rel
     eps1 = float(h.eps[1])
-    if _xp.is_torch(xp) and rho.device.type == "cpu" and isinstance(rel, (int, float)):
+    if arrays.is_torch(xp) and rho.device.type == "cpu" and isinstance(rel, (int, float)):
         return rho * rel if bool(rho > eps1) else eps1 * rel
     return xp.where(rho > eps1, rho * rel, eps1 * rel)
 
@@ -362,10 +363,11 @@ def second_moment_factored(xp: ModuleType, row: Any, col: Any, g: Any, b2: Any, 
     ``u = g · rsqrt(row/mean(row))[:, None] · rsqrt(col)[None, :]`` (``_approx_sq_grad``).
     """
     a = g * g + eps0
-    row = _axpy(xp, row * b2, _xp.mean(xp, a, (-1,)), one_minus_b2)
-    col = _axpy(xp, col * b2, _xp.mean(xp, a, (-2,)), one_minus_b2)
-    r = _xp.expand_dims(xp, _xp.rsqrt(xp, row / _xp.mean(xp, row, (-1,), keepdims=True)), -1)
-    c = _xp.rsqrt(xp, _xp.expand_dims(xp, col, -2))
+    row = _axpy(xp, row * b2, arrays.mean(xp, a, (-1,)), one_minus_b2)
+    col = _axpy(xp, col * b2, arrays.mean(xp, a, (-2,)), one_minus_b2)
+    r = arrays.expand_dims(
+        xp, arrays.rsqrt(xp, row / arrays.mean(xp, row, (-1,), keepdims=True)), -1)
+    c = arrays.rsqrt(xp, arrays.expand_dims(xp, col, -2))
     return row, col, (r * c) * g
 
 
@@ -374,7 +376,7 @@ def second_moment_full(xp: ModuleType, v: Any, g: Any, b2: Any, one_minus_b2: An
     """Unfactored second moment (1-D, ≥3-D, or factorize_second_moment=False): the new
     ``v`` and ``u = rsqrt(v) · g``; shapes of ``g``."""
     v = _axpy(xp, v * b2, g * g + eps0, one_minus_b2)
-    return v, _xp.rsqrt(xp, v) * g
+    return v, arrays.rsqrt(xp, v) * g
 
 
 def mix(u: Any, m: Any, b1: float) -> Any:
@@ -390,7 +392,7 @@ def accumulate(c: Any, d: Any, b1: float) -> Any:
 def clip(xp: ModuleType, u: Any, clip_threshold: float) -> tuple[Any, Any]:
     """``(u / max(1, rms(u)/clip_threshold), rms(u))``."""
     r = rms(xp, u)
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return u / (r / clip_threshold).clamp(min=1.0), r
     return u / xp.maximum(r / clip_threshold, 1.0), r
 
@@ -401,7 +403,7 @@ def apply(xp: ModuleType, p: Any, u: Any, lr: Any, weight_decay: float) -> Any:
     u = u * lr
     if weight_decay != 0:
         a = -weight_decay * lr
-        if _xp.is_torch(xp) and (not hasattr(a, "device") or a.device.type == "cpu"):
+        if arrays.is_torch(xp) and (not hasattr(a, "device") or a.device.type == "cpu"):
             p = xp.add(p, p, alpha=a)
         else:
             p = p + p * a
@@ -476,8 +478,8 @@ def update_param(xp: ModuleType, h: Flora, p: Any, g: Any, st: Mapping[str, Any]
                 p_before, p_after = inject["proj_before"], inject["proj_after"]
             else:
                 p_before = projection(seed, shape, h.rank, xp=xp, dtype=g.dtype, device=device)
-                p_after = p_before if not transfer else projection(
-                    seed_after, shape, h.rank, xp=xp, dtype=g.dtype, device=device)
+                p_after = lowrank.refresh(transfer, p_before, lambda: projection(
+                    seed_after, shape, h.rank, xp=xp, dtype=g.dtype, device=device))
             c = st["m"]
             c_up = up(xp, p_before, c, which)
             raw = u
@@ -586,82 +588,6 @@ STATE = StateSchema(
 )
 
 
-# -- the original, and traces -------------------------------------------------------------
-
-_ORIGINAL_FIELDS = ("lr", "rank", "kappa", "eps", "clip_threshold", "decay_rate", "beta1",
-                    "weight_decay", "scale_parameter", "relative_step", "warmup_init",
-                    "factorize_second_moment", "quantization")
-
-
-def _from_kwargs(kw: Mapping[str, Any]) -> Flora | ParamGroups:
-    """A trace manifest's ``hyperparameters`` (or plain constructor arguments) -> Flora,
-    or ParamGroups built from ``effective_param_groups``."""
-    ctor = dict(kw.get("constructor", kw))
-    for k in ("optimizer_class", "param_groups", "effective_param_groups"):
-        ctor.pop(k, None)
-    known = set(_ORIGINAL_FIELDS) | {"seed"}
-    unknown = sorted(set(ctor) - known)
-    if unknown:
-        raise HyperparameterError(f"unknown flora_opt.Flora argument(s) "
-                                  f"{', '.join(map(repr, unknown))}; "
-                                  f"known: {', '.join(sorted(known))}")
-
-    def make(values: Mapping[str, Any]) -> Flora:
-        v = {k: (tuple(x) if isinstance(x, list) else x) for k, x in values.items()}
-        return Flora(**v)
-
-    groups = kw.get("effective_param_groups")
-    if not groups:
-        return make(ctor)
-    out = []
-    for g in groups:
-        values = dict(ctor)
-        extra = sorted(set(g) - set(_ORIGINAL_FIELDS) - {"params"})
-        if extra:
-            raise HyperparameterError(f"unknown flora_opt.Flora param group key(s) {extra}")
-        values.update({k: g[k] for k in _ORIGINAL_FIELDS if k in g})
-        out.append((g["params"], make(values)))
-    return ParamGroups.of(out)
-
-
-def _to_kwargs(h: Flora | ParamGroups) -> dict[str, Any]:
-    hs = all_hps(h)
-    if len(hs) > 1:
-        raise HyperparameterError("flora_opt.Flora run live takes one flat parameter list "
-                                  "here; these hyperparameters have several param groups")
-    one = hs[0]
-    if not one.project:
-        raise HyperparameterError("flora_opt.Flora cannot express project=False")
-    out = {k: getattr(one, k) for k in _ORIGINAL_FIELDS}
-    out["seed"] = one.seed
-    return out
-
-
-def inject(trace: Any, t: int, hp: Any) -> dict[str, dict[str, Any]] | None:
-    """The original's projections at update ``t`` from a trace's aux: ``{param:
-    {"proj_before": P, "proj_after": P'}}`` for every compressed parameter."""
-    aux = trace.aux(t)
-    out = {}
-    for name in trace.params:
-        if f"{name}/proj_before" in aux:
-            out[name] = {"proj_before": aux[f"{name}/proj_before"],
-                         "proj_after": aux[f"{name}/proj_after"]}
-    return out or None
-
-
-_F32 = ("one float32 update: mean/rsqrt of the factored second moment, the norms in the "
-        "parameter and update RMS and the rank-r matmuls round differently across "
-        "NumPy/torch/XLA by a few ulp; 1e-6 relative to the tensor's largest element")
-TOLERANCES = {
-    "bitwise": Tolerance(0.0, 0.0, "same operations in the same order on the same machine"),
-    "teacher_forced": Tolerance(1e-6, 0.0, _F32),
-    "closed_loop": Tolerance(
-        1e-4, 0.0,
-        "per-step float32 rounding (~1e-7) compounds over 25 steps through the momentum and "
-        "the parameter-RMS learning-rate scale; 1e-4 bounds it with margin"),
-}
-
-
 SPEC = MethodSpec(
     name="flora",
     title="Flora: Adafactor with momentum compressed by seeded random projections",
@@ -670,15 +596,5 @@ SPEC = MethodSpec(
     state=STATE,
     init_state=init_state,
     step=step,
-    implementations={"torch": "xopt.torch.flora:Flora", "jax": "xopt.jax.flora:flora"},
     naming_of={"torch": "flora_opt", "jax": "xopt.jax"},
-    originals={
-        "flora_opt.Flora": Original(
-            name="flora_opt.Flora", backend="torch", factory="flora_opt:Flora",
-            naming="flora_opt", preset="", to_kwargs=_to_kwargs, from_kwargs=_from_kwargs,
-            requires=("flora_opt", "bitsandbytes", "accelerate"),
-        ),
-    },
-    tolerances=TOLERANCES,
-    inject=inject,
 )

@@ -31,7 +31,7 @@ weight decay        W ← W − ηλW *after* the step          u ← α·back(N
 
 (optax's ``scale_by_adam`` base with ``add_decayed_weights`` and ``scale_by_learning_rate``,
 optax/contrib/_galore.py; the authors' AdamW is transformers' old ``AdamW``, see
-:mod:`xopt.specs._lowrank`.) Tensors that are not matrices, and every tensor of a group with
+:mod:`xopt.specs.lowrank`.) Tensors that are not matrices, and every tensor of a group with
 ``project=False`` (the authors' groups without ``"rank"``), take the same Adam step
 without projection and without ``scale``.
 
@@ -50,25 +50,26 @@ it and the projection back to the gradient's dtype); ``rank`` larger than the ma
 allows is an error naming the parameter (optax silently uses ``min(rank, m, n)``); tensors
 that are not matrices are never projected (the authors' code fails on them in a projected
 group); and
-singular vectors get xopt's sign convention (:func:`xopt.specs._lowrank.svd`), where each
+singular vectors get xopt's sign convention (:func:`xopt.specs.lowrank.svd`), where each
 library keeps its LAPACK's signs. Since the moments carry across refreshes unrotated, signs
 matter after the first refresh: the parity harness injects the original's projection at
-each refresh (:func:`inject`), as the traces' ``tolerance_hint`` recommends.
+each refresh (:mod:`xopt.parity.methods.galore`), as the traces' ``tolerance_hint``
+recommends.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from xopt.errors import HyperparameterError
-from xopt.specs import _lowrank, _xp
+from xopt.specs import arrays, lowrank
 from xopt.specs._groups import ParamGroups, hp_for
 from xopt.specs._hyperparams import NONNEGATIVE, UNIT_HALF_OPEN, Hyperparams, Interval, hp
-from xopt.specs._method import MethodSpec, Original, Tolerance
+from xopt.specs._method import MethodSpec
 from xopt.specs._state import Naming, StateSchema, StateVar, scalar
 from xopt.specs.adamw import bias_correction
 
@@ -109,7 +110,7 @@ class GaLore(Hyperparams):
 
     def _check_combinations(self) -> None:
         for field in ("rank", "update_proj_gap"):
-            _lowrank.check_interval(getattr(self, field), field, "GaLore")
+            lowrank.check_interval(getattr(self, field), field, "GaLore")
         if self.convention == "authors" and _is_number(self.eps_root) and self.eps_root != 0:
             raise HyperparameterError(
                 f"GaLore.eps_root = {self.eps_root!r}: needs convention='optax' (the authors' "
@@ -203,24 +204,46 @@ def projector_from_svd(u: Any, vh: Any, rank: int, which: str) -> tuple[Any, Any
     return u[:, :rank], vh[:rank, :]
 
 
+def fresh_projection(xp: Any, h: GaLore, g: Any, *,
+                     svd: Callable[[Any], tuple[Any, Any, Any]] | None = None,
+                     ) -> tuple[Any, Any, Any]:
+    """``(ortho, ortho_right, S)``: the projection of the SVD of ``g`` (an ``m × n``
+    gradient) and its singular values. ``svd`` replaces :func:`xopt.specs.lowrank.svd`
+    (the torch backend's names the parameter when it fails)."""
+    u, s, vh = svd(g) if svd is not None else lowrank.svd(xp, g)
+    return (*projector_from_svd(u, vh, h.rank, side(tuple(g.shape), h.proj_type)), s)
+
+
+def injected_projection(inject: Mapping[str, Any] | None, ortho_right: Any, which: str,
+                        cast: Callable[[Any], Any] = lambda a: a) -> tuple[Any, Any] | None:
+    """``(ortho, ortho_right)`` given in ``inject`` (``{"ortho_matrix": P,
+    "ortho_matrix_right": Q}``, each passed through ``cast``), or None when no ``P`` is;
+    ``ortho_right`` stays as it is unless the side is ``"full"`` and ``Q`` is given."""
+    if not inject or "ortho_matrix" not in inject:
+        return None
+    if which == "full" and "ortho_matrix_right" in inject:
+        ortho_right = cast(inject["ortho_matrix_right"])
+    return cast(inject["ortho_matrix"]), ortho_right
+
+
 def project(xp: Any, g: Any, ortho: Any, ortho_right: Any, which: str) -> Any:
     """The low-rank gradient R: ``Pᵀ G`` (left), ``G Qᵀ`` (right), ``(Pᵀ G) Qᵀ`` (full)."""
     if which == "left":
-        return _xp.matmul(xp, ortho.T, g)
+        return arrays.matmul(xp, ortho.T, g)
     if which == "right":
-        return _xp.matmul(xp, g, ortho.T)
-    return _xp.matmul(xp, _xp.matmul(xp, ortho.T, g), ortho_right.T)
+        return arrays.matmul(xp, g, ortho.T)
+    return arrays.matmul(xp, arrays.matmul(xp, ortho.T, g), ortho_right.T)
 
 
 def project_back(xp: Any, n: Any, ortho: Any, ortho_right: Any, which: str, scale: Any) -> Any:
     """``α · back(N)``: ``P N`` (left), ``N Q`` (right), ``(P N) Q`` (full), times ``scale``
     (galore_projector.py ``project_back``; the side from :func:`side`, not from N's shape)."""
     if which == "left":
-        full = _xp.matmul(xp, ortho, n)
+        full = arrays.matmul(xp, ortho, n)
     elif which == "right":
-        full = _xp.matmul(xp, n, ortho)
+        full = arrays.matmul(xp, n, ortho)
     else:
-        full = _xp.matmul(xp, _xp.matmul(xp, ortho, n), ortho_right)
+        full = arrays.matmul(xp, arrays.matmul(xp, ortho, n), ortho_right)
     return full * scale
 
 
@@ -243,7 +266,7 @@ def optax_direction(xp: Any, m: Any, v: Any, count: Any, b1: Any, b2: Any, eps: 
 def optax_updates(u: Any, p: Any, lr: Any, weight_decay: Any) -> Any:
     """``−η (u + λ p)``: ``add_decayed_weights`` then ``scale_by_learning_rate``; the new
     parameter is ``p + result`` (``optax.apply_updates``)."""
-    if not _xp.is_static_zero(weight_decay):
+    if not arrays.is_static_zero(weight_decay):
         u = u + weight_decay * p
     return -lr * u
 
@@ -268,8 +291,8 @@ def direction(xp: Any, h: GaLore, g: Any, m: Any, v: Any, ortho: Any, ortho_righ
     which = side(tuple(g.shape), h.proj_type) if projected else None
     r = project(xp, g, ortho, ortho_right, which) if projected else g
     if h.convention == "authors":
-        m, v = _lowrank.hf_adam_moments(xp, m, v, r, h.b1, h.b2)
-        n = _lowrank.hf_adam_direction(xp, m, v, h.eps)
+        m, v = lowrank.hf_adam_moments(xp, m, v, r, h.b1, h.b2)
+        n = lowrank.hf_adam_direction(xp, m, v, h.eps)
     else:
         m, v = optax_moments(xp, m, v, r, h.b1, h.b2)
         n = optax_direction(xp, m, v, count, h.b1, h.b2, h.eps, h.eps_root)
@@ -287,9 +310,9 @@ def apply_update(h: GaLore, p: Any, u: Any, count: Any, lr: Any) -> Any:
     optax: ``p ← p + (−η (u + λ p))``.
     """
     if h.convention == "authors":
-        step_size = _lowrank.hf_step_size(lr, h.b1, h.b2, count, h.correct_bias)
+        step_size = lowrank.hf_step_size(lr, h.b1, h.b2, count, h.correct_bias)
         if _is_number(h.weight_decay):
-            return _lowrank.hf_apply(p, u, step_size, lr, h.weight_decay)
+            return lowrank.hf_apply(p, u, step_size, lr, h.weight_decay)
         p = p - step_size * u  # a traced λ (optax.inject_hyperparams): decay unconditionally,
         return p - (lr * h.weight_decay) * p  # exact for λ = 0 (p − 0·p = p)
     return p + optax_updates(u, p, lr, h.weight_decay)
@@ -309,8 +332,8 @@ def additive_update(h: GaLore, p: Any, u: Any, count: Any, lr: Any) -> Any:
     """
     if h.convention == "optax":
         return optax_updates(u, p, lr, h.weight_decay)
-    if _xp.is_static_zero(h.weight_decay):
-        return -(_lowrank.hf_step_size(lr, h.b1, h.b2, count, h.correct_bias) * u)
+    if arrays.is_static_zero(h.weight_decay):
+        return -(lowrank.hf_step_size(lr, h.b1, h.b2, count, h.correct_bias) * u)
     return apply_update(h, p, u, count, lr) - p
 
 
@@ -332,7 +355,7 @@ def check_params(hp: GaLore | ParamGroups, shapes: Mapping[str, tuple[int, ...]]
     for name, shape in shapes.items():
         h = hp_for(hp, name)
         if is_projected(tuple(shape), h):
-            _lowrank.check_rank(h.rank, tuple(shape), f"{where}: {name}")
+            lowrank.check_rank(h.rank, tuple(shape), f"{where}: {name}")
 
 
 def init_state(hp: GaLore | ParamGroups, params: Mapping[str, Any], *, xp=np,
@@ -383,17 +406,17 @@ def step(hp: GaLore | ParamGroups, params: Mapping[str, Any], state: Mapping[str
             ortho = state[f"ortho/{name}"]
             ortho_right = state.get(f"ortho_right/{name}")
             due = refresh_due(before, h)
-            if due:
-                given = (inject or {}).get(name) or {}
-                which = side(shape, h.proj_type)
-                if "ortho_matrix" in given:
-                    ortho = given["ortho_matrix"]
-                    ortho_right = given.get("ortho_matrix_right", ortho_right)
-                else:
-                    u, s, vh = _lowrank.svd(xp, g)
-                    ortho, ortho_right = projector_from_svd(u, vh, h.rank, which)
-                    if aux is not None:
-                        aux[f"{name}/svd_S"] = s
+
+            def decompose(h=h, g=g, name=name) -> tuple[Any, Any]:
+                o, o_right, s = fresh_projection(xp, h, g)
+                if aux is not None:
+                    aux[f"{name}/svd_S"] = s
+                return o, o_right
+
+            ortho, ortho_right = lowrank.refresh(
+                due, (ortho, ortho_right), decompose,
+                injected_projection((inject or {}).get(name), ortho_right,
+                                    side(shape, h.proj_type)))
             if aux is not None:
                 aux[f"{name}/proj_refreshed"] = np.bool_(due)
             new_state[f"ortho/{name}"] = ortho
@@ -423,16 +446,6 @@ STATE = StateSchema(
                  applies=_has_ortho_right),
     ),
     namings={
-        # galore_torch.GaLoreAdamW's optimizer.state[p] as the golden traces record it: an
-        # int step, exp_avg/exp_avg_sq, and the GaLoreProjector object's ortho_matrix (for
-        # 'full' the authors keep a list [U_r, Vh_r]; no trace records one, and its second
-        # element is read here as ortho_matrix_right).
-        "galore_torch": Naming(
-            keys={"step": "{param}/step", "m": "{param}/exp_avg", "v": "{param}/exp_avg_sq",
-                  "ortho": "{param}/projector/ortho_matrix",
-                  "ortho_right": "{param}/projector/ortho_matrix_right"},
-            dtypes={"step": "int64"},
-            doc="galore_torch.GaLoreAdamW: optimizer.state[param] (projector flattened)"),
         # xopt.torch.GaLore: tensors and ints only (loads with weights_only=True).
         "xopt.torch": Naming(
             keys={"step": "{param}/step", "m": "{param}/exp_avg", "v": "{param}/exp_avg_sq",
@@ -449,122 +462,6 @@ STATE = StateSchema(
 )
 
 
-# -- the original and what the harness injects -------------------------------------------------
-
-_CTOR_KEYS = {"lr", "betas", "eps", "weight_decay", "correct_bias", "no_deprecation_warning"}
-_GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay", "correct_bias", "dim", "rank",
-               "update_proj_gap", "scale", "proj_type"}
-
-
-def _authors_values(kw: Mapping[str, Any], where: str) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    if "betas" in kw:
-        b = kw["betas"]
-        if not isinstance(b, (list, tuple)) or len(b) != 2:
-            raise HyperparameterError(f"{where}: betas = {b!r} must be a pair")
-        values.update(b1=float(b[0]), b2=float(b[1]))
-    for k in ("lr", "eps", "weight_decay", "correct_bias", "rank", "update_proj_gap", "scale",
-              "proj_type"):
-        if k in kw:
-            values[k] = kw[k]
-    if kw.get("dim", 2) != 2:
-        raise HyperparameterError(
-            f"{where}: dim = {kw['dim']!r}: the authors' tensor projector (GaLoreProjectorTensor, "
-            "dim > 2) is not implemented by xopt")
-    return values
-
-
-def _from_authors_kwargs(kw: Mapping[str, Any]) -> GaLore | ParamGroups:
-    """GaLoreAdamW's arguments (a trace manifest's ``hyperparameters``, or the constructor's
-    keywords) -> a GaLore or, with param groups, a ParamGroups. A group without ``"rank"``
-    is not projected (``project=False``), as in the authors' ``step``."""
-    kw = dict(kw)
-    cls = kw.pop("optimizer_class", "GaLoreAdamW")
-    if cls != "GaLoreAdamW":
-        raise HyperparameterError(f"galore: optimizer_class {cls!r}: only GaLoreAdamW is "
-                                  "implemented (not the Adafactor or 8-bit variants)")
-    effective = kw.pop("effective_param_groups", None)
-    groups = kw.pop("param_groups", None)
-    ctor = dict(kw.pop("constructor", {}))
-    ctor.update({k: kw.pop(k) for k in list(kw) if k in _CTOR_KEYS})
-    if kw:
-        raise HyperparameterError(
-            f"unknown GaLoreAdamW argument(s) {', '.join(map(repr, sorted(kw)))}")
-    bad = sorted(set(ctor) - _CTOR_KEYS)
-    if bad:
-        raise HyperparameterError(f"unknown GaLoreAdamW argument(s) {', '.join(map(repr, bad))}; "
-                                  f"known: {', '.join(sorted(_CTOR_KEYS))}")
-    base = dict(PRESETS["authors"])
-    base.update(_authors_values(ctor, "GaLoreAdamW"))
-    if effective is None and groups is None:
-        return GaLore(**{**base, "project": False})
-    out = []
-    for i, g in enumerate(effective if effective is not None else groups):
-        where = f"GaLoreAdamW param_groups[{i}]"
-        bad = sorted(set(g) - _GROUP_KEYS)
-        if bad:
-            raise HyperparameterError(f"{where}: unknown key(s) {', '.join(map(repr, bad))}")
-        values = {**base, **_authors_values(g, where), "project": "rank" in g}
-        out.append((list(g["params"]), GaLore(**values)))
-    return ParamGroups.of(out)
-
-
-def _to_authors_kwargs(h: Any) -> dict[str, Any]:
-    raise HyperparameterError(
-        "galore_torch.GaLoreAdamW projects only param groups that carry 'rank', and the "
-        "harness's torch runner hands an original one flat parameter list; compare against "
-        "the golden traces recorded from it instead")
-
-
-def inject(trace: Any, t: int, hp: GaLore | ParamGroups) -> dict[str, dict[str, Any]] | None:
-    """The authors' projection at update ``t``, for the parameters it refreshed there.
-
-    Refreshes are read from the trace's aux ``<param>/proj_refreshed`` (else from the rule
-    :func:`refresh_due` with the recorded step); the value injected is the recorded
-    ``state/<param>/projector/ortho_matrix`` after update ``t``: the SVD's factor as the
-    original's LAPACK signed it, which no other SVD reproduces reliably.
-    """
-    aux = trace.aux(t)
-    after = trace.state_after(t)
-    before = trace.state_after(t - 1) if t > 0 else {}
-    out: dict[str, dict[str, Any]] = {}
-    for name, shape in trace.params.items():
-        h = hp_for(hp, name)
-        key = f"{name}/projector/ortho_matrix"
-        if not _has_ortho(tuple(shape), h) or key not in after:
-            continue
-        flag = aux.get(f"{name}/proj_refreshed")
-        if flag is None:
-            prev = int(before.get(f"{name}/step", 0)) if t > 0 else 0
-            refreshed = refresh_due(prev, h)
-        else:
-            refreshed = bool(np.asarray(flag))
-        if refreshed:
-            out[name] = {"ortho_matrix": np.asarray(after[key])}
-            right = f"{name}/projector/ortho_matrix_right"
-            if right in after:
-                out[name]["ortho_matrix_right"] = np.asarray(after[right])
-    return out or None
-
-
-# -- tolerances ----------------------------------------------------------------------------
-
-TOLERANCES = {
-    "bitwise": Tolerance(0.0, 0.0, "same operations in the same order on the same machine"),
-    "teacher_forced": Tolerance(
-        1e-6, 0.0,
-        "one float32 update: two matmuls of length <= max(m, n) (projection and back) and a "
-        "handful of elementwise Adam operations, each rounded within half an ulp; summation "
-        "order differs between BLAS/XLA kernels. The projection at refresh steps is the "
-        "original's, injected (singular-vector signs are not portable)"),
-    "closed_loop": Tolerance(
-        1e-4, 0.0,
-        "the per-update rounding (~1e-7) compounds over the trace's 12-25 updates through "
-        "the moments and the parameters; the projection at each refresh is the original's, "
-        "injected, so no sign flip can enter"),
-}
-
-
 SPEC = MethodSpec(
     name="galore",
     title="GaLore: Adam on SVD-refreshed low-rank gradient projections (authors' and optax's "
@@ -574,15 +471,5 @@ SPEC = MethodSpec(
     state=STATE,
     init_state=init_state,
     step=step,
-    implementations={"torch": "xopt.torch.galore:GaLore", "jax": "xopt.jax.galore:galore"},
     naming_of={"torch": "xopt.torch", "jax": "xopt.jax"},
-    originals={
-        "galore_torch.GaLoreAdamW": Original(
-            name="galore_torch.GaLoreAdamW", backend="torch",
-            factory="galore_torch:GaLoreAdamW", naming="galore_torch", preset="authors",
-            to_kwargs=_to_authors_kwargs, from_kwargs=_from_authors_kwargs,
-            requires=("galore_torch", "transformers", "torch")),
-    },
-    tolerances=TOLERANCES,
-    inject=inject,
 )

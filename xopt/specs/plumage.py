@@ -86,7 +86,7 @@ from typing import Any
 import numpy as np
 
 from xopt import random as xrandom
-from xopt.specs import _lowrank, _xp
+from xopt.specs import arrays, lowrank
 from xopt.specs._groups import ParamGroups, hp_for
 from xopt.specs._hyperparams import (
     NONNEGATIVE,
@@ -96,7 +96,7 @@ from xopt.specs._hyperparams import (
     Interval,
     hp,
 )
-from xopt.specs._method import MethodSpec, Tolerance
+from xopt.specs._method import MethodSpec
 from xopt.specs._state import Naming, StateSchema, StateVar, scalar
 
 # -- hyperparameters -----------------------------------------------------------------------
@@ -177,33 +177,33 @@ def needs_basis(hp: PLUMAGE) -> bool:
 
 def check_param(shape: tuple[int, ...], hp: PLUMAGE, where: str) -> None:
     """Validate one parameter against its hyperparameters (names ``where``)."""
-    _lowrank.check_interval(hp.update_proj_gap, "update_proj_gap", where)
+    lowrank.check_interval(hp.update_proj_gap, "update_proj_gap", where)
     if hp.resample_interval is not None:
-        _lowrank.check_interval(hp.resample_interval, "resample_interval", where)
+        lowrank.check_interval(hp.resample_interval, "resample_interval", where)
     if is_projected(shape, hp):
-        _lowrank.check_rank(hp.rank, shape, where)
+        lowrank.check_rank(hp.rank, shape, where)
 
 
 # -- 1. inclusion probabilities (Eq. 13-18, Algorithm 2) -----------------------------------
 
 
 def _flip(xp: ModuleType, x: Any) -> Any:
-    return xp.flip(x, dims=(0,)) if _xp.is_torch(xp) else xp.flip(x, axis=0)
+    return xp.flip(x, dims=(0,)) if arrays.is_torch(xp) else xp.flip(x, axis=0)
 
 
 def _cumsum(xp: ModuleType, x: Any) -> Any:
-    return xp.cumsum(x, dim=0) if _xp.is_torch(xp) else xp.cumsum(x, axis=0)
+    return xp.cumsum(x, dim=0) if arrays.is_torch(xp) else xp.cumsum(x, axis=0)
 
 
 def _arange(xp: ModuleType, n: int, like: Any) -> Any:
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return xp.arange(n, device=like.device)
     return xp.arange(n)
 
 
 def _as(xp: ModuleType, x: Any, like: Any) -> Any:
     """``x`` cast to ``like``'s dtype."""
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return x.to(like.dtype)
     return x.astype(like.dtype)
 
@@ -257,7 +257,7 @@ def inclusion_probabilities(xp: ModuleType, sigma: Any, k: int, eps: float) -> t
 
 
 def _argsort_stable(xp: ModuleType, x: Any) -> Any:
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return xp.argsort(x, stable=True)
     if xp is np:
         return np.argsort(x, kind="stable")
@@ -280,13 +280,13 @@ def permutation_from_words(xp: ModuleType, words: Any) -> Any:
 
 
 def _searchsorted(xp: ModuleType, c: Any, u: Any) -> Any:
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return xp.searchsorted(c.contiguous(), u.contiguous())  # right=False: first c_j ≥ u
     return xp.searchsorted(c, u, side="left")
 
 
 def _cummax(xp: ModuleType, x: Any) -> Any:
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return xp.cummax(x, dim=0).values
     if xp is np:
         return np.maximum.accumulate(x)
@@ -381,10 +381,10 @@ def decompose(xp: ModuleType, g: Any, side: str) -> tuple[Any, Any]:
     Returns:
       ``(U, σ)``: left: ``U`` ``(m, d)`` = ``G``'s left singular vectors; right: ``(n, d)`` =
       ``G``'s right singular vectors (the left ones of ``Gᵀ``); ``σ`` ``(d,)`` descending,
-      ``d = min(m, n)``. Signs: :func:`xopt.specs._lowrank.svd`'s convention applied to the
+      ``d = min(m, n)``. Signs: :func:`xopt.specs.lowrank.svd`'s convention applied to the
       oriented matrix (each column's largest-magnitude entry positive).
     """
-    u, s, _ = _lowrank.svd(xp, oriented(xp, g, side))
+    u, s, _ = lowrank.svd(xp, oriented(xp, g, side))
     return u, s
 
 
@@ -460,7 +460,7 @@ def adam_direction(xp: ModuleType, m: Any, v: Any, hp: PLUMAGE) -> Any:
     """``N = M/(√V + ε)`` (Eq. 24), or ``M/√(V + ε)`` with ``eps_inside_sqrt`` (Algorithm 5)."""
     if hp.eps_inside_sqrt:
         return m / xp.sqrt(v + hp.eps)
-    return _lowrank.hf_adam_direction(xp, m, v, hp.eps)
+    return lowrank.hf_adam_direction(xp, m, v, hp.eps)
 
 
 def resample_now(hp: PLUMAGE, t: int) -> tuple[bool, bool]:
@@ -487,6 +487,20 @@ def injected_decomposition(xp: ModuleType, inject: Mapping[str, Any] | None,
     return _as(xp, inject["svd_u"], like), _as(xp, inject["svd_s"], like)
 
 
+def basis_and_probs(xp: ModuleType, hp: PLUMAGE, g: Any, side: str,
+                    inject: Mapping[str, Any] | None,
+                    decomposition: tuple[Any, Any] | None = None) -> tuple[Any, Any, Any]:
+    """Algorithm 2 at an SVD step: ``(basis, probs, σ)``, the singular vectors of the
+    projected side, the inclusion probabilities of their indices and the singular values,
+    from ``decomposition`` (``(U, σ)`` computed by the caller), else the injected one
+    (:func:`injected_decomposition`), else :func:`decompose`."""
+    if decomposition is None:
+        decomposition = injected_decomposition(xp, inject, g)
+    basis, sigma = decomposition if decomposition is not None else decompose(xp, g, side)
+    _, probs = inclusion_probabilities(xp, sigma, hp.rank, hp.prob_eps)
+    return basis, probs, sigma
+
+
 def refresh(xp: ModuleType, hp: PLUMAGE, g: Any, side: str, st: dict[str, Any], t: Any,
             index: int, inject: Mapping[str, Any] | None, *, svd: bool,
             decomposition: tuple[Any, Any] | None = None,
@@ -503,21 +517,17 @@ def refresh(xp: ModuleType, hp: PLUMAGE, g: Any, side: str, st: dict[str, Any], 
     :func:`draw` computed by the caller (the jax backend's, from a traced ``t``).
     """
     st = dict(st)
-    if svd:
-        if decomposition is None:
-            decomposition = injected_decomposition(xp, inject, g)
-        basis, sigma = decomposition if decomposition is not None else decompose(xp, g, side)
-        _, probs = inclusion_probabilities(xp, sigma, hp.rank, hp.prob_eps)
-        if needs_basis(hp):
-            st["basis"], st["probs"] = basis, probs
-    else:
-        basis, probs = st["basis"], st["probs"]
+    basis, probs = lowrank.refresh(
+        svd, (st.get("basis"), st.get("probs")),
+        lambda: basis_and_probs(xp, hp, g, side, inject, decomposition)[:2])
+    if svd and needs_basis(hp):
+        st["basis"], st["probs"] = basis, probs
     if inject is not None and "indices" in inject:
         idx = inject["indices"]
     else:
         if draws is None:
-            backend = "torch" if _xp.is_torch(xp) else "numpy"
-            device = g.device if _xp.is_torch(xp) else None
+            backend = "torch" if arrays.is_torch(xp) else "numpy"
+            device = g.device if arrays.is_torch(xp) else None
             draws = draw(hp.seed, index, t, probs.shape[0], backend=backend, device=device)
         perm, u = draws
         idx = sample_indices(xp, probs, hp.rank, perm, u)
@@ -556,12 +566,12 @@ def update_param(xp: ModuleType, hp: PLUMAGE, p: Any, g: Any, st: dict[str, Any]
         r = project(xp, g, st["projector"], side)                      # R = Pᵀ G (Eq. 22)
     else:
         side, r = None, g
-    st["m"], st["v"] = _lowrank.hf_adam_moments(xp, st["m"], st["v"], r, hp.b1, hp.b2)
+    st["m"], st["v"] = lowrank.hf_adam_moments(xp, st["m"], st["v"], r, hp.b1, hp.b2)
     n = adam_direction(xp, st["m"], st["v"], hp)
     if side is not None:
         n = project_back(xp, n, st["projector"], st["scale"], side)   # P D⁻¹ N (Eq. 24)
-    alpha = _lowrank.hf_step_size(lr, hp.b1, hp.b2, t + 1, hp.correct_bias)
-    return _lowrank.hf_apply(p, n, alpha, lr, hp.weight_decay), st
+    alpha = lowrank.hf_step_size(lr, hp.b1, hp.b2, t + 1, hp.correct_bias)
+    return lowrank.hf_apply(p, n, alpha, lr, hp.weight_decay), st
 
 
 # -- the whole optimizer as a pure function (the oracle's definition) ----------------------
@@ -599,7 +609,7 @@ def init_param_state(xp: ModuleType, hp: PLUMAGE, shape: tuple[int, ...], dtype:
     """A parameter's state before its first update: zero moments, a zero projector (so
     the first refresh's realignment maps the zero moments to zero), unit scales."""
     def zeros(s: tuple[int, ...]) -> Any:
-        if _xp.is_torch(xp):
+        if arrays.is_torch(xp):
             return xp.zeros(s, dtype=dtype, device=None if like is None else like.device)
         return xp.zeros(s, dtype=dtype)
 
@@ -693,40 +703,6 @@ STATE = StateSchema(
 )
 
 
-# -- tolerances ----------------------------------------------------------------------------
-
-TOLERANCES = {
-    "bitwise": Tolerance(0.0, 0.0, "same operations in the same order on the same machine"),
-    "teacher_forced": Tolerance(
-        1e-6, 0.0,
-        "one float32 step: the SVD (LAPACK in both torch and jax, possibly different builds) "
-        "and the k × k / k × n matmuls round differently by a few ulps; singular vectors of "
-        "well-separated singular values move by ulps / gap"),
-    "closed_loop": Tolerance(
-        1e-4, 0.0,
-        "the per-step rounding compounds through the moments and, at each refresh, through "
-        "the realignment B = P₂ᵀP₁; a sampled index set is discrete and identical as long as "
-        "no arm lands within rounding of a sector boundary"),
-}
-
-
-def inject_from_trace(trace: Any, t: int, hp: Any) -> dict[str, dict[str, Any]] | None:
-    """The :data:`INJECT_KEYS` a trace records at update ``t``, as ``{param: {key: array}}``.
-
-    A trace's aux may hold ``<param>/indices``, ``<param>/svd_u`` and ``<param>/svd_s``
-    (the names of :data:`INJECT_KEYS`); none is bundled (there is no public original), but
-    a trace recorded from one, or written by a test, is fed through the harness this way.
-    """
-    del hp
-    aux = trace.aux(t)
-    out: dict[str, dict[str, Any]] = {}
-    for name in trace.params:
-        got = {k: aux[f"{name}/{k}"] for k in INJECT_KEYS if f"{name}/{k}" in aux}
-        if got:
-            out[name] = got
-    return out or None
-
-
 SPEC = MethodSpec(
     name="plumage",
     title="PLUMAGE: unbiased min-variance sampled low-rank projections for Adam, with "
@@ -736,13 +712,5 @@ SPEC = MethodSpec(
     state=STATE,
     init_state=init_state,
     step=step,
-    implementations={"torch": "xopt.torch.plumage:PLUMAGE",
-                     "jax": "xopt.jax.plumage:plumage"},
     naming_of={"torch": "xopt.torch", "jax": "xopt.jax"},
-    # No public implementation exists (the paper's code was not released), so there is no
-    # original to run live and no golden trace; parity is torch vs jax vs this float64
-    # oracle, and the paper's claims are tested directly (tests/test_plumage.py).
-    originals={},
-    tolerances=TOLERANCES,
-    inject=inject_from_trace,
 )

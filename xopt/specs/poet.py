@@ -59,7 +59,7 @@ import numpy as np
 
 from xopt.errors import HyperparameterError
 from xopt.specs._hyperparams import NONNEGATIVE, UNIT_HALF_OPEN, Hyperparams, Interval, hp
-from xopt.specs._method import MethodSpec, Tolerance
+from xopt.specs._method import MethodSpec
 from xopt.specs._state import Naming, StateSchema, StateVar, same_as_param, scalar
 
 # -- hyperparameters -----------------------------------------------------------------------
@@ -173,7 +173,7 @@ def skew_gather(b: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _xp_of(x: Any):
-    from xopt.specs._xp import namespace
+    from xopt.specs.arrays import namespace
 
     return namespace(x)
 
@@ -465,16 +465,16 @@ def adam_update(p, g, m, v, step: int, *, lr, b1, b2, eps, weight_decay, correct
     ``α = lr·√(1−β₂ᵗ)/(1−β₁ᵗ)`` (Python doubles); ``p ← p − α·m/d``; then
     ``p ← p − lr·λ·p`` (decay of the *updated* parameter). ``lr`` is already multiplied
     by ``poet_scale``. Returns ``(p, m, v)``."""
-    from xopt.specs import _xp
+    from xopt.specs import arrays
 
-    xp = xp or _xp.namespace(p)
+    xp = xp or arrays.namespace(p)
     m = m * b1 + g * (1.0 - b1)
-    v = _xp.addcmul(xp, v * b2, g, g, 1.0 - b2)
+    v = arrays.addcmul(xp, v * b2, g, g, 1.0 - b2)
     denom = xp.sqrt(v) + eps
     step_size = lr
     if correct_bias:
         step_size = step_size * (1.0 - b2 ** step) ** 0.5 / (1.0 - b1 ** step)
-    p = _xp.addcdiv(xp, p, m, denom, -step_size)
+    p = arrays.addcdiv(xp, p, m, denom, -step_size)
     if weight_decay > 0.0:
         p = p + p * (-lr * weight_decay)
     return p, m, v
@@ -496,7 +496,7 @@ def init_state(hp: POET, params: Mapping[str, Any], *, xp=np, dtype=None) -> dic
 def step(hp: POET, params, state, grads, *, xp=np, loss=None):
     """The rotations' update for every tensor in ``params`` (all are rotation vectors),
     with the moment reset at merge boundaries. Merges themselves change the layer, not
-    the optimizer, and are driven by :mod:`xopt.parity.layer_poet` and the backends."""
+    the optimizer, and are driven by :mod:`xopt.parity.layers.poet` and the backends."""
     del loss
     gstep = int(state["global_step"])
     reset = needs_reset(gstep, hp.merge_interval)
@@ -538,40 +538,6 @@ STATE = StateSchema(
 )
 
 
-# -- tolerances ------------------------------------------------------------------------------
-
-_WHY_TF = (
-    "one float32 step: a layer's output and gradients are sums of at most in+b products per "
-    "element and the CNP four b×b products, each rounded at 6e-8; the recorder's own "
-    "float64 re-derivation puts the trace ≤ 4.2e-7 (relative to the tensor's largest "
-    "element) from exact arithmetic, so an independent float32 evaluation lands within 1e-6"
-)
-_WHY_FIRST_STEP = (
-    "Adam's first update after a moment reset (the first update, and the first after every "
-    "merge) is u = α(1−β₁)g/(√(1−β₂)|g| + ε): its slope at g → 0 is α(1−β₁)/ε = 7.9 "
-    "(α = 2.5e-4·√(1−β₂)/(1−β₁), ε = 1e-6), while max|u| ≈ 2.5e-4. Two float32 evaluations "
-    "of the gradient differ by ≤ 2.5e-7·max|g| (the teacher-forced grad/oft_R rows), and "
-    "elements with |g| ≲ ε/√(1−β₂) = 3e-5 pass that difference on ×7.9: a bound of "
-    "7.9·2.5e-7·max|g|/max|u| = 1.05e-3 relative for max|g| = 0.133 (train_*, step 8). "
-    "Measured there (closed loop, against the golden trace, the elements with |g| < 1e-5): "
-    "oracle 5.2e-4, xopt.jax 6.9e-5 (fast) and 1.4e-4 (mem), xopt.torch 2.3e-5 (plain) and "
-    "1.6e-4 (triton, H100). The golden value itself is that far "
-    "from exact arithmetic; teacher-forced rows feed the recorded gradient and meet 1e-6"
-)
-TOLERANCES = {
-    "bitwise": Tolerance(0.0, 0.0, "same operations in the same order"),
-    "teacher_forced": Tolerance(1e-6, 0.0, _WHY_TF),
-    "closed_loop": Tolerance(
-        1e-4, 0.0, "float32 rounding compounds over the run, and each merge folds the "
-        "rotations' current error into W0; 12 updates with 3 merges stay far inside 1e-4",
-        tensors={"param/oft_R": Tolerance(2e-3, 0.0, _WHY_FIRST_STEP)}),
-}
-
-
-def _no_original(hp: POET) -> dict[str, Any]:
-    raise HyperparameterError("poet_torch is not runnable live from xopt (layer traces only)")
-
-
 SPEC = MethodSpec(
     name="poet",
     title="POET-X: orthogonal equivalence training layers (Cayley–Neumann block rotations)",
@@ -580,10 +546,6 @@ SPEC = MethodSpec(
     state=STATE,
     init_state=init_state,
     step=step,
-    implementations={"torch": "xopt.torch.poet:POETAdamW", "jax": "xopt.jax.poet:poet_adamw"},
     naming_of={"torch": "poet_torch", "jax": "xopt.jax"},
-    originals={},
-    tolerances=TOLERANCES,
     impls=("plain", "triton"),
-    layer_parity="xopt.parity.layer_poet:run",
 )

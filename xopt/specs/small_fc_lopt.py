@@ -3,9 +3,9 @@
 The optimizer of Metz et al., "Practical tradeoffs between memory, compute, and performance
 in learned optimizers" (CoLLAs 2022), as the original code defines it:
 ``learned_optimization/learned_optimizers/adafac_mlp_lopt.py`` (``AdafacMLPLOpt``) with the
-accumulators of ``learned_optimizers/common.py`` (here :mod:`xopt.specs._lopt`), wrapped as
+accumulators of ``learned_optimizers/common.py`` (here :mod:`xopt.specs.lopt`), wrapped as
 ``research/general_lopt/prefab.py`` wraps learned optimizers (weight decay, gradient
-accumulation; see :class:`xopt.specs._lopt.LOptOptions`).
+accumulation; see :class:`xopt.specs.lopt.LOptOptions`).
 
 One update of a parameter ``p`` (shape ``S``, rank 0 to 4) with gradient ``g``, at inner
 iteration ``t`` (0-based), with ``k`` = 3 decays for momentum and the factored accumulators
@@ -37,7 +37,8 @@ Everything here is a pure function of arrays in one namespace ``xp`` (NumPy, tor
 jax.numpy), one tensor at a time; the backends call :func:`compute_step` per tensor.
 Floating-point: the operations are the original's, in its order; the three namespaces
 still round reductions (means, the matmuls), ``rsqrt``, ``tanh``, ``log`` and ``exp``
-differently by an ulp or so, which is what the tolerances below allow for.
+differently by an ulp or so, which is what the harness's tolerances allow for
+(:mod:`xopt.parity.methods.small_fc_lopt`).
 
 Meta-parameters (``θ``) are named ``mlp/w{i}``, ``mlp/b{i}`` (``i`` = 0 … hidden_layers;
 ``w`` is ``(in, out)`` as in the original) and ``decays/momentum``, ``decays/rms``,
@@ -54,12 +55,11 @@ from typing import Any
 
 import numpy as np
 
-from xopt.errors import HyperparameterError
-from xopt.specs import _lopt, _xp
+from xopt.specs import arrays, lopt
 from xopt.specs._hyperparams import Interval, hp
-from xopt.specs._lopt import LOptOptions
-from xopt.specs._method import MetaParams, MethodSpec, Original, Tolerance
+from xopt.specs._method import MetaParams, MethodSpec
 from xopt.specs._state import Naming, StateSchema, StateVar, same_as_param, scalar
+from xopt.specs.lopt import LOptOptions
 
 # -- hyperparameters -----------------------------------------------------------------------
 
@@ -71,7 +71,7 @@ _DECAY_FIELDS = ("initial_momentum_decays", "initial_rms_decays", "initial_adafa
 class SmallFCLOpt(LOptOptions):
     """AdafacMLPLOpt's hyperparameters, with its constructor's defaults
     (adafac_mlp_lopt.py, ``AdafacMLPLOpt.__init__``), plus the shared learned-optimizer
-    options of :class:`xopt.specs._lopt.LOptOptions`.
+    options of :class:`xopt.specs.lopt.LOptOptions`.
 
     The original's ``concat_weights`` (True), ``make_separate_weights`` and
     ``split_weights`` (False) choose between two evaluations of the same function (a matmul
@@ -139,14 +139,15 @@ TIMESCALES = (1, 3, 10, 30, 100, 300, 1000, 3000, 10000, 30000, 100000)
 NUM_TIME_FEATURES = len(TIMESCALES)
 
 
-def _k(hp: SmallFCLOpt) -> tuple[int, int, int]:
+def num_decays(hp: SmallFCLOpt) -> tuple[int, int, int]:
+    """How many momentum, rms and adafactor decays ``hp`` has: ``(km, kr, kf)``."""
     return (len(hp.initial_momentum_decays), len(hp.initial_rms_decays),
             len(hp.initial_adafactor_decays))
 
 
 def num_param_features(hp: SmallFCLOpt) -> int:
     """Per-parameter features before the time features (28 with the default decays)."""
-    km, kr, kf = _k(hp)
+    km, kr, kf = num_decays(hp)
     return 2 + km + kr + max(km, kr) + kr + kf + 4 * kf + max(km, kf)
 
 
@@ -168,7 +169,7 @@ def meta_shapes(hp: SmallFCLOpt) -> dict[str, tuple[int, ...]]:
         shapes[f"mlp/w{i}"] = (last, width)
         shapes[f"mlp/b{i}"] = (width,)
         last = width
-    km, kr, kf = _k(hp)
+    km, kr, kf = num_decays(hp)
     shapes["decays/momentum"] = (km,)
     shapes["decays/rms"] = (kr,)
     shapes["decays/adafactor"] = (kf,)
@@ -191,20 +192,20 @@ def meta_from_original(theta: Mapping[str, Any], hp: SmallFCLOpt) -> dict[str, A
     (:class:`xopt.errors.MetaParamsError` names a missing, extra or misshaped key)."""
     names = original_names(hp)
     shapes = {names[k]: s for k, s in meta_shapes(hp).items()}
-    return _lopt.rename_meta(theta, {v: k for k, v in names.items()}, shapes,
+    return lopt.rename_meta(theta, {v: k for k, v in names.items()}, shapes,
                              "small_fc_lopt meta-parameters (original naming)")
 
 
 def meta_to_original(theta: Mapping[str, Any], hp: SmallFCLOpt) -> dict[str, Any]:
     """θ keyed as xopt → the original's names; strict."""
-    return _lopt.rename_meta(theta, original_names(hp), meta_shapes(hp),
+    return lopt.rename_meta(theta, original_names(hp), meta_shapes(hp),
                              "small_fc_lopt meta-parameters")
 
 
 def coerce_meta(theta: Mapping[str, Any], hp: SmallFCLOpt) -> dict[str, Any]:
     """θ in either naming (detected from the keys) → xopt's names; strict. Values are
     passed through as given (any array type)."""
-    return _lopt.coerce_meta_namings(theta, meta_shapes(hp), original_names(hp),
+    return lopt.coerce_meta_namings(theta, meta_shapes(hp), original_names(hp),
                                      "small_fc_lopt meta-parameters")
 
 
@@ -219,10 +220,10 @@ def meta_init(hp: SmallFCLOpt, seed: int = 0, *, backend: str = "numpy") -> dict
     for k, shape in meta_shapes(hp).items():
         if k.startswith("mlp/w"):
             i = int(k[len("mlp/w"):])
-            out[k] = _lopt.truncated_normal(xr.fold_in(int(seed), i), shape,
+            out[k] = lopt.truncated_normal(xr.fold_in(int(seed), i), shape,
                                             1.0 / np.sqrt(shape[0]), backend=backend)
         else:
-            out[k] = _lopt.zeros(backend, shape)
+            out[k] = lopt.zeros(backend, shape)
     return out
 
 
@@ -236,7 +237,7 @@ META = MetaParams(shapes=meta_shapes, from_original=meta_from_original,
 
 def _const(xp: ModuleType, values: Any, like: Any) -> Any:
     """``values`` as an array of ``like``'s dtype (and device, under torch)."""
-    return _xp.constant(xp, values, like)
+    return arrays.constant(xp, values, like)
 
 
 def decays(hp: SmallFCLOpt, meta: Mapping[str, Any], *, xp: ModuleType) -> tuple[Any, Any, Any]:
@@ -255,17 +256,17 @@ def decays(hp: SmallFCLOpt, meta: Mapping[str, Any], *, xp: ModuleType) -> tuple
         like = meta[key]
         offset = _cast(xp, like, "float32")
         initial = _const(xp, getattr(hp, field), offset)
-        # _lopt.effective_decays's operations, with _xp's exp/log (see there: NumPy's own
+        # lopt.effective_decays's operations, with arrays' exp/log (see there: NumPy's own
         # float32 exp is an ulp off XLA's and torch's on muLO's decays)
-        param = _xp.log(xp, 1 - initial) / _lopt.REPARAM + offset
-        d = 1 - _xp.exp(xp, param * _lopt.REPARAM)
+        param = arrays.log(xp, 1 - initial) / lopt.REPARAM + offset
+        d = 1 - arrays.exp(xp, param * lopt.REPARAM)
         out.append(_cast(xp, d, like.dtype))
     return out[0], out[1], out[2]
 
 
 def _cast(xp: ModuleType, x: Any, dtype: Any) -> Any:
     """``x`` in ``dtype`` (a dtype object or the name ``"float32"``), any namespace."""
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return x.to(getattr(xp, dtype) if isinstance(dtype, str) else dtype)
     return xp.asarray(x).astype(dtype)
 
@@ -276,7 +277,7 @@ def time_features(xp: ModuleType, iteration: Any, like: Any) -> Any:
     ``iteration`` (t, an integer scalar) is converted to the float dtype and divided by
     each τ (the original's ``tanh_embedding``: an int32 divided by a float32 τ)."""
     ts = _const(xp, [float(t) for t in TIMESCALES], like)
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         t = xp.as_tensor(iteration).to(dtype=like.dtype, device=like.device)
     else:
         t = xp.asarray(iteration).astype(like.dtype)
@@ -289,9 +290,9 @@ def accumulate(xp: ModuleType, g: Any, m: Any, rms: Any, v_row: Any, v_col: Any,
     ``vec_factored_rolling``): ``(m, rms, v_row, v_col, v_diag, fac_g)``, all new arrays;
     shapes as :data:`STATE`, ``fac_g`` ``S + (kf,)``."""
     mom_d, rms_d, fac_d = decays_
-    m = _lopt.momentum_update(m, g, mom_d)
-    rms = _lopt.rms_update(xp, rms, g, rms_d)
-    v_row, v_col, v_diag, fac_g = _lopt.factored_update(xp, v_row, v_col, v_diag, g, fac_d)
+    m = lopt.momentum_update(m, g, mom_d)
+    rms = lopt.rms_update(xp, rms, g, rms_d)
+    v_row, v_col, v_diag, fac_g = lopt.factored_update(xp, v_row, v_col, v_diag, g, fac_d)
     return m, rms, v_row, v_col, v_diag, fac_g
 
 
@@ -303,31 +304,31 @@ def param_features(xp: ModuleType, p: Any, g: Any, m: Any, rms: Any, fac_g: Any,
     arithmetic are ``AdafacMLPLOpt._mod``'s (see the module docstring)."""
     if len(p.shape) == 0:
         p, g, m, rms, fac_g, v_row, v_col, v_diag = (
-            _xp.expand_dims(xp, x, 0) for x in (p, g, m, rms, fac_g, v_row, v_col, v_diag))
-    r = _xp.rsqrt(xp, rms + 1e-6)
+            arrays.expand_dims(xp, x, 0) for x in (p, g, m, rms, fac_g, v_row, v_col, v_diag))
+    r = arrays.rsqrt(xp, rms + 1e-6)
     parts = [g[..., None], p[..., None], m, rms, m * r, r, fac_g]
-    f = _lopt.factored_dims(tuple(g.shape))
+    f = lopt.factored_dims(tuple(g.shape))
     if f is not None:
         d1, d0 = f
         full = tuple(g.shape) + (v_row.shape[-1],)
-        row = _xp.expand_dims(xp, v_row, d0)
-        col = _xp.expand_dims(xp, v_col, d1)
+        row = arrays.expand_dims(xp, v_row, d0)
+        col = arrays.expand_dims(xp, v_col, d1)
         parts += [xp.broadcast_to(row, full), xp.broadcast_to(col, full),
-                  xp.broadcast_to(_xp.rsqrt(xp, row + 1e-8), full),
-                  xp.broadcast_to(_xp.rsqrt(xp, col + 1e-8), full)]
+                  xp.broadcast_to(arrays.rsqrt(xp, row + 1e-8), full),
+                  xp.broadcast_to(arrays.rsqrt(xp, col + 1e-8), full)]
         reduced_d1 = d1 - 1 if d1 > d0 else d1
-        row_col_mean = _xp.mean(xp, v_row, (reduced_d1,), keepdims=True)
-        row_factor = _lopt.safe_rsqrt(xp, v_row / (row_col_mean + 1e-9))
-        col_factor = _lopt.safe_rsqrt(xp, v_col)
-        parts.append(m * _xp.expand_dims(xp, row_factor, d0)
-                     * _xp.expand_dims(xp, col_factor, d1))
+        row_col_mean = arrays.mean(xp, v_row, (reduced_d1,), keepdims=True)
+        row_factor = lopt.safe_rsqrt(xp, v_row / (row_col_mean + 1e-9))
+        col_factor = lopt.safe_rsqrt(xp, v_col)
+        parts.append(m * arrays.expand_dims(xp, row_factor, d0)
+                     * arrays.expand_dims(xp, col_factor, d1))
     else:
-        rv = _xp.rsqrt(xp, v_diag + 1e-8)
+        rv = arrays.rsqrt(xp, v_diag + 1e-8)
         parts += [v_diag, v_diag, rv, rv, m * (v_diag + 1e-6) ** -0.5]
     full = tuple(g.shape)
     parts = [x if tuple(x.shape[:-1]) == full else xp.broadcast_to(x, full + (x.shape[-1],))
              for x in parts]
-    return _xp.concat(xp, parts, axis=-1)
+    return arrays.concat(xp, parts, axis=-1)
 
 
 def mlp(xp: ModuleType, x: Any, meta: Mapping[str, Any], hp: SmallFCLOpt) -> tuple[Any, Any]:
@@ -335,9 +336,9 @@ def mlp(xp: ModuleType, x: Any, meta: Mapping[str, Any], hp: SmallFCLOpt) -> tup
     layer; returns ``(direction, magnitude)``, each ``S'``."""
     n = int(hp.hidden_layers) + 1
     for i in range(n):
-        x = _xp.matmul(xp, x, meta[f"mlp/w{i}"]) + meta[f"mlp/b{i}"]
+        x = arrays.matmul(xp, x, meta[f"mlp/w{i}"]) + meta[f"mlp/b{i}"]
         if i != n - 1:
-            x = _xp.relu(xp, x)
+            x = arrays.relu(xp, x)
     return x[..., 0], x[..., 1]
 
 
@@ -363,19 +364,19 @@ def compute_step(hp: SmallFCLOpt, p: Any, g: Any, m: Any, rms: Any, v_row: Any, 
                                                      decays_)
     x = param_features(xp, p, g, m, rms, fac_g, v_row, v_col, v_diag)
     axes = tuple(range(len(x.shape) - 1))
-    normed = _lopt.second_moment_normalizer(xp, x, axes)
+    normed = lopt.second_moment_normalizer(xp, x, axes)
     lead = tuple(x.shape[:-1])
-    inputs = _xp.concat(xp, [normed, xp.broadcast_to(time_feat, lead + (time_feat.shape[-1],))],
+    inputs = arrays.concat(xp, [normed, xp.broadcast_to(time_feat, lead + (time_feat.shape[-1],))],
                         axis=-1)
     direction, magnitude = mlp(xp, inputs, meta, hp)
-    step = direction * _xp.exp(xp, magnitude * hp.exp_mult) * hp.step_mult
+    step = direction * arrays.exp(xp, magnitude * hp.exp_mult) * hp.step_mult
     step = xp.reshape(step, tuple(p.shape))
     accs = (m, rms, v_row, v_col, v_diag)
     if not return_aux:
         return step, accs
     aux = {"direction": xp.reshape(direction, tuple(p.shape)),
            "magnitude": xp.reshape(magnitude, tuple(p.shape)),
-           "feature_sq_mean": _xp.mean(xp, xp.square(x), axes)}
+           "feature_sq_mean": arrays.mean(xp, xp.square(x), axes)}
     return step, accs, aux
 
 
@@ -395,15 +396,16 @@ def update_tensor(hp: SmallFCLOpt, p: Any, g: Any, m: Any, rms: Any, v_row: Any,
 
 # -- the whole optimizer as a pure function (the oracle's definition) ----------------------
 
-_PARAM_VARS = ("m", "rms", "v_row", "v_col", "v_diag")
+#: the per-parameter accumulators, in :func:`compute_step`'s argument order
+PARAM_VARS = ("m", "rms", "v_row", "v_col", "v_diag")
 
 
 def param_state_shapes(hp: SmallFCLOpt, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
     """Shapes of one parameter's accumulators (with the original's ``(0, k)``
     placeholders)."""
-    km, kr, kf = _k(hp)
+    km, kr, kf = num_decays(hp)
     shape = tuple(int(s) for s in shape)
-    return {"m": shape + (km,), "rms": shape + (kr,), **_lopt.factored_shapes(shape, kf)}
+    return {"m": shape + (km,), "rms": shape + (kr,), **lopt.factored_shapes(shape, kf)}
 
 
 def _float_dtype(p: Any, dtype: Any) -> Any:
@@ -421,7 +423,7 @@ def init_state(hp: SmallFCLOpt, params: Mapping[str, Any], *, xp: ModuleType = n
     ``accum_iteration``. ``meta`` is not needed (accepted for the harness's symmetry)."""
     del meta
     n = hp.inner_num_steps  # raises, naming num_training_steps, if unset
-    km, kr, _ = _k(hp)
+    km, kr, _ = num_decays(hp)
     state: dict[str, Any] = {
         "iteration": np.int32(0), "num_steps": np.int32(n),
         "mom_t": np.zeros((km,), np.int32), "rms_t": np.zeros((kr,), np.int32),
@@ -439,7 +441,7 @@ def init_state(hp: SmallFCLOpt, params: Mapping[str, Any], *, xp: ModuleType = n
 
 
 def _as_xp(xp: ModuleType, x: Any, dtype: Any) -> Any:
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return xp.as_tensor(x).to(dtype)
     return xp.asarray(x, dtype=dtype)
 
@@ -450,7 +452,7 @@ def step(hp: SmallFCLOpt, params: Mapping[str, Any], state: Mapping[str, Any],
          ) -> tuple[dict[str, Any], dict[str, Any]]:
     """All parameters' update, ``(params, state) -> (params, state)``, pure, on canonical
     dicts (:data:`STATE`), with prefab's weight decay and accumulation
-    (:func:`xopt.specs._lopt.outer_step`). ``meta``: θ in either naming; None uses
+    (:func:`xopt.specs.lopt.outer_step`). ``meta``: θ in either naming; None uses
     ``meta_init(hp, 0)``. The working dtype is the accumulators' (float64 in the oracle).
     A missing ``loss`` counts as 0 (the learned optimizer does not read it). ``aux``, if
     given, receives the golden traces' internals: ``direction/<p>``, ``magnitude/<p>``
@@ -467,10 +469,10 @@ def step(hp: SmallFCLOpt, params: Mapping[str, Any], state: Mapping[str, Any],
         sq_means = []
         for k in names:
             p = _as_xp(xp, params[k], dtype)
-            s, accs, *t_aux = compute_step(hp, p, g[k], *(st[f"{v}/{k}"] for v in _PARAM_VARS),
+            s, accs, *t_aux = compute_step(hp, p, g[k], *(st[f"{v}/{k}"] for v in PARAM_VARS),
                                            tf, theta, decays_, xp=xp,
                                            return_aux=aux is not None)
-            for v, a in zip(_PARAM_VARS, accs, strict=True):
+            for v, a in zip(PARAM_VARS, accs, strict=True):
                 st[f"{v}/{k}"] = a
             steps[k] = s
             if aux is not None:
@@ -483,7 +485,7 @@ def step(hp: SmallFCLOpt, params: Mapping[str, Any], state: Mapping[str, Any],
         st["rms_t"] = st["rms_t"] + 1
         return steps, st
 
-    return _lopt.outer_step(hp, params, state, grads, xp=xp, loss=loss, inner=inner)
+    return lopt.outer_step(hp, params, state, grads, xp=xp, loss=loss, inner=inner)
 
 
 # -- state schema --------------------------------------------------------------------------
@@ -515,9 +517,9 @@ STATE = StateSchema(
                  active=_accumulating),
         StateVar("iteration", "global", scalar, "int32", "inner updates taken, t"),
         StateVar("num_steps", "global", scalar, "int32", "inner horizon n // num_average"),
-        StateVar("mom_t", "global", lambda s, h: (_k(h)[0],), "int32",
+        StateVar("mom_t", "global", lambda s, h: (num_decays(h)[0],), "int32",
                  "momentum accumulator's update count, one per decay"),
-        StateVar("rms_t", "global", lambda s, h: (_k(h)[1],), "int32",
+        StateVar("rms_t", "global", lambda s, h: (num_decays(h)[1],), "int32",
                  "second-moment accumulator's update count, one per decay"),
         StateVar("loss_accum", "global", scalar, "float32",
                  "sum of the losses since the last inner update (accumulating only)",
@@ -527,36 +529,6 @@ STATE = StateSchema(
                  active=_accumulating),
     ),
     namings={
-        # AdafacMLPLOptState flattened with jax paths (params/ and the model state left out).
-        "learned_optimization": Naming(
-            keys={"m": "mom_rolling/m/{param}", "mom_t": "mom_rolling/t",
-                  "rms": "rms_rolling/rms/{param}", "rms_t": "rms_rolling/t",
-                  "v_row": "fac_rolling_features/v_row/{param}",
-                  "v_col": "fac_rolling_features/v_col/{param}",
-                  "v_diag": "fac_rolling_features/v_diag/{param}",
-                  "num_steps": "num_steps", "iteration": "iteration"},
-            dtypes={"iteration": "int32", "num_steps": "int32", "mom_t": "int32",
-                    "rms_t": "int32"},
-            doc="AdafacMLPLOpt().opt_fn(θ).init(params, num_steps=n) (no accumulation)",
-        ),
-        # prefab with accumulation: GradientAccumulatorState(grad_accum, loss_accum,
-        # inner_opt_state=AdafacMLPLOptState, iteration) (jax_enable_x64 off: int32).
-        "learned_optimization.accumulated": Naming(
-            keys={"m": "inner_opt_state/mom_rolling/m/{param}",
-                  "mom_t": "inner_opt_state/mom_rolling/t",
-                  "rms": "inner_opt_state/rms_rolling/rms/{param}",
-                  "rms_t": "inner_opt_state/rms_rolling/t",
-                  "v_row": "inner_opt_state/fac_rolling_features/v_row/{param}",
-                  "v_col": "inner_opt_state/fac_rolling_features/v_col/{param}",
-                  "v_diag": "inner_opt_state/fac_rolling_features/v_diag/{param}",
-                  "num_steps": "inner_opt_state/num_steps",
-                  "iteration": "inner_opt_state/iteration",
-                  "grad_accum": "grad_accum/{param}", "loss_accum": "loss_accum",
-                  "accum_iteration": "iteration"},
-            dtypes={"iteration": "int32", "num_steps": "int32", "mom_t": "int32",
-                    "rms_t": "int32", "accum_iteration": "int32", "loss_accum": "float32"},
-            doc="prefab.LearnedOptimizer with num_training_steps > max_training_steps",
-        ),
         # xopt.torch.SmallFCLOpt: optimizer.state[p][var], globals in state["global"].
         "xopt.torch": Naming(
             keys={"m": "{param}/m", "rms": "{param}/rms", "v_row": "{param}/v_row",
@@ -591,82 +563,6 @@ STATE = StateSchema(
 )
 
 
-# -- original implementations --------------------------------------------------------------
-
-_ORIGINAL_FLAGS = {"concat_weights": True, "make_separate_weights": False, "split_weights": False}
-_METHOD_FIELDS = ("exp_mult", "step_mult", "hidden_size", "hidden_layers",
-                  "initial_momentum_decays", "initial_rms_decays", "initial_adafactor_decays")
-_PREFAB_FIELDS = ("num_training_steps", "weight_decay", "max_training_steps")
-
-
-def _from_original_kwargs(kw: Mapping[str, Any]) -> SmallFCLOpt:
-    """AdafacMLPLOpt's constructor arguments (plus prefab's ``num_training_steps``,
-    ``weight_decay``, ``max_training_steps``) → :class:`SmallFCLOpt`."""
-    known = set(_METHOD_FIELDS) | set(_ORIGINAL_FLAGS) | set(_PREFAB_FIELDS)
-    unknown = sorted(set(kw) - known)
-    if unknown:
-        raise HyperparameterError(
-            f"unknown AdafacMLPLOpt argument(s) {', '.join(map(repr, unknown))}; "
-            f"known: {', '.join(sorted(known))}")
-    for flag, supported in _ORIGINAL_FLAGS.items():
-        if flag in kw and bool(kw[flag]) != supported:
-            raise HyperparameterError(
-                f"AdafacMLPLOpt.{flag} = {kw[flag]!r}: xopt implements only {flag}="
-                f"{supported} (the concatenated-matmul form of the MLP; the other forms "
-                "compute the same function with another evaluation order or meta-parameter "
-                "layout)")
-    values = dict(PRESETS["original"])
-    for name in _METHOD_FIELDS + _PREFAB_FIELDS:
-        if name in kw and kw[name] is not None:
-            v = kw[name]
-            values[name] = tuple(v) if isinstance(v, list) else v
-    return SmallFCLOpt(**values)
-
-
-def _to_original_kwargs(h: SmallFCLOpt) -> dict[str, Any]:
-    """:class:`SmallFCLOpt` → AdafacMLPLOpt's arguments plus ``num_training_steps`` (the
-    horizon given to its ``init``). The bare AdafacMLPLOpt has no step multiplier, no weight
-    decay and no accumulation: settings that need them raise, naming the field."""
-    if float(h.lr) != 1.0:
-        raise HyperparameterError(
-            f"SmallFCLOpt.lr = {h.lr!r}: AdafacMLPLOpt has no step multiplier (lr must be 1)")
-    if not _xp.is_static_zero(h.weight_decay):
-        raise HyperparameterError(
-            f"SmallFCLOpt.weight_decay = {h.weight_decay!r}: the bare AdafacMLPLOpt has no "
-            "weight decay (prefab's WeightDecayWrapper adds it)")
-    if h.accumulating:
-        raise HyperparameterError(
-            f"SmallFCLOpt.num_training_steps = {h.num_training_steps!r} > max_training_steps "
-            f"= {h.max_training_steps!r}: the bare AdafacMLPLOpt does not accumulate "
-            "gradients (prefab's GradientAccumulator does)")
-    out = {name: getattr(h, name) for name in _METHOD_FIELDS}
-    out.update(_ORIGINAL_FLAGS)
-    out["num_training_steps"] = h.require_num_training_steps("AdafacMLPLOpt")
-    return out
-
-
-# -- tolerances ----------------------------------------------------------------------------
-
-TOLERANCES = {
-    "bitwise": Tolerance(0.0, 0.0, "same operations in the same order on the same machine"),
-    "teacher_forced": Tolerance(
-        1e-6, 0.0,
-        "one float32 update: accumulators are a few roundings each (the decays' log/exp may "
-        "differ by an ulp between XLA, NumPy and torch); the step goes through means, "
-        "matmuls, rsqrt, tanh and exp that the frameworks round differently, but it is "
-        "1e-3..1e-2 of the parameter, so params and state stay within a few ulp of their "
-        "largest element",
-    ),
-    "closed_loop": Tolerance(
-        1e-4, 0.0,
-        "30 steps: the per-step rounding of the step (~1e-6 of the step) and an ulp of a "
-        "decay (~2e-6 of a momentum after 30 steps, see the traces' effective_decays) "
-        "accumulate; the gradients are the recorded ones, so nothing feeds back through the "
-        "model",
-    ),
-}
-
-
 SPEC = MethodSpec(
     name="small_fc_lopt",
     title="small_fc_lopt: learned_optimization's AdafacMLPLOpt (per-parameter MLP learned "
@@ -676,20 +572,7 @@ SPEC = MethodSpec(
     state=STATE,
     init_state=init_state,
     step=step,
-    implementations={"torch": "xopt.torch.small_fc_lopt:SmallFCLOpt",
-                     "jax": "xopt.jax.small_fc_lopt:small_fc_lopt"},
     naming_of={"torch": "xopt.torch", "jax": "xopt.jax"},
-    originals={
-        "learned_optimization.learned_optimizers.adafac_mlp_lopt.AdafacMLPLOpt": Original(
-            name="learned_optimization.learned_optimizers.adafac_mlp_lopt.AdafacMLPLOpt",
-            backend="learned_optimization",
-            factory="xopt.parity.originals.learned_optimization:adafac_mlp_lopt",
-            naming="learned_optimization", preset="original",
-            to_kwargs=_to_original_kwargs, from_kwargs=_from_original_kwargs,
-            requires=("jax", "haiku", "gin", "flax", "learned_optimization"),
-        ),
-    },
-    tolerances=TOLERANCES,
     takes_loss=True,
     impls=("plain", "triton"),
     meta=META,

@@ -36,16 +36,16 @@ own ways; where a difference of one ulp is amplified, the functions here follow 
   * ``1 − βᵗ`` in the loss buffer cancels (β = 0.9 … 0.999), so one ulp of ``βᵗ`` is 1e-4
     relative in the bias correction. XLA's float32 ``pow`` is correctly rounded in all but 2
     of 2,000 cases checked, NumPy's float32 ``power`` in 81% of them: NumPy and torch take
-    ``βᵗ`` in float64 and round once (:func:`_decay_power`), jax uses XLA's ``pow``.
+    ``βᵗ`` in float64 and round once (:func:`decay_power`), jax uses XLA's ``pow``.
   * the loss features are ratios of small differences of the loss EMAs, whose update
     ``m·β + ℓ·(1 − β)`` XLA evaluates as one fused multiply-add: so does
-    :func:`xopt.specs._xp.fma` under NumPy and torch. Exact (float64) arithmetic moves the
+    :func:`xopt.specs.arrays.fma` under NumPy and torch. Exact (float64) arithmetic moves the
     features by up to 1.9e-4 (absolute) from the original's float32 ones at the first
     update that has them, which moves the oracle's LSTM state by ~5e-5 relative.
   * ``tanh`` (fraction embedding, LSTM) is XLA's rational approximation, reproduced bit for
-    bit by :func:`xopt.specs._xp.tanh` (torch's own differs in half of all inputs).
+    bit by :func:`xopt.specs.arrays.tanh` (torch's own differs in half of all inputs).
   * XLA turns a division by a constant into a product with the float32 reciprocal (the
-    accumulated gradient's mean, :func:`xopt.specs._lopt.outer_step`); the horizon
+    accumulated gradient's mean, :func:`xopt.specs.lopt.outer_step`); the horizon
     ``num_steps`` is a runtime value in the original, so ``t / N`` stays a division.
   * the loss-buffer decays ``exp(−1/logspace(1, log10 N, 10))``: XLA's float32 evaluation is
     within 1 ulp of the float64 value rounded once, and equal to it for 77% of horizons N
@@ -68,12 +68,12 @@ from typing import Any
 
 import numpy as np
 
-from xopt.errors import HyperparameterError, MetaParamsError
-from xopt.specs import _lopt, _xp
+from xopt.errors import MetaParamsError
+from xopt.specs import arrays, lopt
 from xopt.specs._hyperparams import Interval, hp
-from xopt.specs._lopt import LOptOptions
-from xopt.specs._method import MetaParams, MethodSpec, Original, Tolerance
+from xopt.specs._method import MetaParams, MethodSpec
 from xopt.specs._state import Naming, StateSchema, StateVar, same_as_param, scalar
+from xopt.specs.lopt import LOptOptions
 
 # -- hyperparameters ---------------------------------------------------------------------------
 
@@ -90,17 +90,6 @@ VELO_FIXED: dict[str, Any] = {
     "use_bugged_next_lstm_state": False, "precondition_output": False,
     "rnn_state_decay": 0.0, "constant_loss": False, "clip_param_scale_amount": None,
 }
-# HyperV2 arguments with no effect on the numbers: accepted with any value and dropped
-# (``reparam_decay`` only enters decay reparametrisations that HyperV2 never applies, its own
-# TODO says so; the summarize flags only add summaries).
-INERT: tuple[str, ...] = ("reparam_decay", "summarize_each_layer", "summarize_all_control")
-# HyperV2 arguments that are xopt fields of the same name.
-HYPERV2_FIELDS: tuple[str, ...] = (
-    "lstm_hidden_size", "ff_hidden_size", "ff_hidden_layers", "initial_momentum_decays",
-    "initial_rms_decays", "initial_adafactor_decays", "param_inits", "exp_mult", "step_mult",
-    "use_bugged_loss_features",
-)
-
 
 _DECAY_RANGE = Interval(0.0, 1.0, hi_closed=False)
 _DECAY_FIELDS = {"initial_momentum_decays": 3, "initial_rms_decays": 1,
@@ -111,7 +100,7 @@ _POSITIVE_INT = Interval(1, None)
 @dataclasses.dataclass(frozen=True)
 class VeLO(LOptOptions):
     """VeLO's hyperparameters: HyperV2's architecture as VeLO configures it, plus the
-    options shared by xopt's learned optimizers (:class:`xopt.specs._lopt.LOptOptions`:
+    options shared by xopt's learned optimizers (:class:`xopt.specs.lopt.LOptOptions`:
     ``num_training_steps``, ``lr``, ``weight_decay``, ``weight_decay_mode``,
     ``max_training_steps``, which reproduce ``prefab.LearnedOptimizer``'s wrappers).
 
@@ -119,9 +108,9 @@ class VeLO(LOptOptions):
     (pretrained_optimizers.py): ``lstm_hidden_size`` 512 (HyperV2: 128), ``param_inits``
     256 (HyperV2: 64) and ``use_bugged_loss_features`` False (HyperV2: True). The sizes must
     match the meta-parameters. HyperV2's ablation flags are not fields: VeLO's values are
-    the only ones implemented (:data:`VELO_FIXED`; :func:`_from_hyperv2_kwargs` rejects
-    others, naming the flag). The feature layout needs 3 momentum, 1 rms and 3 Adafactor
-    decays; their values may change.
+    the only ones implemented (:data:`VELO_FIXED`; the harness's adapter to HyperV2,
+    :mod:`xopt.parity.methods.velo`, rejects others, naming the flag). The feature layout
+    needs 3 momentum, 1 rms and 3 Adafactor decays; their values may change.
     """
 
     METHOD = "velo"
@@ -267,21 +256,21 @@ def meta_from_original(theta: Mapping[str, Any], hp: VeLO) -> dict[str, Any]:
     """θ in learned_optimization's naming → xopt's; strict (:class:`MetaParamsError` naming
     a missing, unexpected or misshaped key). Arrays keep their kind (NumPy, torch or jax):
     reshapes and one concatenation (the 14 first-layer arrays into ``mlp_bank/w0``)."""
-    _lopt.check_meta(theta, original_meta_shapes(hp), "VeLO meta-parameters (original naming)")
+    lopt.check_meta(theta, original_meta_shapes(hp), "VeLO meta-parameters (original naming)")
     out: dict[str, Any] = {}
     for canon, shape in meta_shapes(hp).items():
         pieces = [theta[o] for o, _ in _to_original_names(canon, shape)]
         if len(pieces) == 1:
             out[canon] = pieces[0].reshape(shape)
         else:
-            out[canon] = _xp.concat(_xp.namespace(pieces[0]), list(pieces), axis=1)
+            out[canon] = arrays.concat(arrays.namespace(pieces[0]), list(pieces), axis=1)
     return out
 
 
 def meta_to_original(theta: Mapping[str, Any], hp: VeLO) -> dict[str, Any]:
     """θ in xopt's naming → learned_optimization's (the keys of its meta npz files);
     strict."""
-    _lopt.check_meta(theta, meta_shapes(hp), "VeLO meta-parameters")
+    lopt.check_meta(theta, meta_shapes(hp), "VeLO meta-parameters")
     out: dict[str, Any] = {}
     for canon, shape in meta_shapes(hp).items():
         names = _to_original_names(canon, shape)
@@ -315,7 +304,7 @@ def coerce_meta(theta: Mapping[str, Any], hp: VeLO) -> dict[str, Any]:
                               f"original names ({', '.join(original[:3])}, ...)")
     if original:
         return meta_from_original(theta, hp)
-    _lopt.check_meta(theta, shapes, where)
+    lopt.check_meta(theta, shapes, where)
     return {k: theta[k] for k in shapes}
 
 
@@ -333,10 +322,10 @@ def meta_init(hp: VeLO, seed: int = 0, *, backend: str = "numpy") -> dict[str, A
     for i, (name, shape) in enumerate(meta_shapes(hp).items()):
         leaf = name.rsplit("/", 1)[-1]
         if leaf.startswith("w"):
-            out[name] = _lopt.truncated_normal(xr.fold_in(int(seed), i), shape,
+            out[name] = lopt.truncated_normal(xr.fold_in(int(seed), i), shape,
                                                1.0 / np.sqrt(shape[-2]), backend=backend)
         else:
-            out[name] = _lopt.zeros(backend, shape)
+            out[name] = lopt.zeros(backend, shape)
     return out
 
 
@@ -356,7 +345,7 @@ def _square(x: Any) -> Any:
     return x * x
 
 
-def _decay_power(xp: ModuleType, decays: Any, t: Any) -> Any:
+def decay_power(xp: ModuleType, decays: Any, t: Any) -> Any:
     """``decays ** t`` for an integer step ``t`` (a Python int or an integer 0-d array).
 
     jax: XLA's float32 ``pow`` of the converted step, exactly the original's operation.
@@ -366,7 +355,7 @@ def _decay_power(xp: ModuleType, decays: Any, t: Any) -> Any:
     """
     if _is_jax(xp):
         return decays ** t
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         tt = t if isinstance(t, int) else t.to(xp.float64)
         return xp.pow(decays.to(xp.float64), tt).to(decays.dtype)
     d = np.asarray(decays)
@@ -383,7 +372,7 @@ def _one_hot(xp: ModuleType, index: int, n: int, like: Any) -> Any:
 
 def _as_array(xp: ModuleType, values: Any, like: Any) -> Any:
     """A constant array in ``like``'s namespace, dtype and device."""
-    return _xp.constant(xp, values, like)
+    return arrays.constant(xp, values, like)
 
 
 # -- loss buffer (``BufferLossAccumulators``) -------------------------------------------------
@@ -418,13 +407,13 @@ def loss_buffer_update(xp: ModuleType, means: Any, running_min: Any, decays: Any
     bias-corrected mean (to the loss itself at iteration 0). Returns ``(means,
     running_min)``; the caller increments ``iteration``.
     """
-    bc = 1 - _decay_power(xp, decays, iteration + 1)
+    bc = 1 - decay_power(xp, decays, iteration + 1)
     cor_mean = means / bc
-    approx_max = _xp.amax(xp, cor_mean, 0)
+    approx_max = arrays.amax(xp, cor_mean, 0)
     approx_max = xp.where(_as_bool(xp, iteration == 0, means), loss, approx_max)
     loss = xp.minimum(xp.abs(approx_max) * 2, loss)
-    # XLA fuses this product and sum (see _xp.fma); the ratio features amplify the ulp
-    means = _xp.fma(xp, means, decays, loss * (1.0 - decays))
+    # XLA fuses this product and sum (see arrays.fma); the ratio features amplify the ulp
+    means = arrays.fma(xp, means, decays, loss * (1.0 - decays))
     cor_mean = means / bc
     running_min = xp.minimum(running_min, cor_mean)
     return means, running_min
@@ -432,8 +421,8 @@ def loss_buffer_update(xp: ModuleType, means: Any, running_min: Any, decays: Any
 
 def _as_bool(xp: ModuleType, cond: Any, like: Any) -> Any:
     if isinstance(cond, (bool, np.bool_)):
-        if _xp.is_torch(xp):
-            return _xp.constant(xp, bool(cond), like, dtype=xp.bool)
+        if arrays.is_torch(xp):
+            return arrays.constant(xp, bool(cond), like, dtype=xp.bool)
         return xp.asarray(bool(cond))
     return cond
 
@@ -447,13 +436,13 @@ def loss_features(xp: ModuleType, means: Any, running_min: Any, decays: Any,
     units of (slower mean − running minimum), minus one, clipped; zero while iteration ≤ 2
     (the original multiplies by 0, so a NaN stays NaN).
     """
-    cor_mean = means / (1 - _decay_power(xp, decays, iteration))
+    cor_mean = means / (1 - decay_power(xp, decays, iteration))
     approx_max = cor_mean[1:]
     cor_mean = cor_mean[:-1]
     rmin = running_min[:-1]
     den = xp.maximum(approx_max - rmin, _scalar(xp, 1e-8, means))
     pre_center = (cor_mean - rmin) / den
-    f = _xp.clip(xp, pre_center - 1.0, -1.0, 1.0)
+    f = arrays.clip(xp, pre_center - 1.0, -1.0, 1.0)
     return xp.where(_as_bool(xp, iteration <= 2, means), f * 0, f)
 
 
@@ -463,22 +452,22 @@ def loss_features(xp: ModuleType, means: Any, running_min: Any, decays: Any,
 def fraction_embedding(xp: ModuleType, fraction_trained: Any, like: Any) -> Any:
     """``_fractional_tanh_embed``: ``tanh(10·(f − τ))`` for the 9 timescales τ, shape (9,)."""
     ts = _as_array(xp, np.asarray(FRACTION_TIMESCALES, dtype=np.float32), like)
-    return _xp.tanh(xp, (fraction_trained - ts) * 10)
+    return arrays.tanh(xp, (fraction_trained - ts) * 10)
 
 
 def fraction_trained(xp: ModuleType, iteration: Any, num_steps: Any, like: Any) -> Any:
     """``iteration / float32(num_steps)`` in ``like``'s float dtype, 0-d."""
     it = _as_array(xp, iteration, like) if not hasattr(iteration, "dtype") else iteration
     ns = _as_array(xp, num_steps, like) if not hasattr(num_steps, "dtype") else num_steps
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return it.to(like.dtype) / ns.to(like.dtype)
     return it.astype(like.dtype) / ns.astype(like.dtype)
 
 
-def _clip_log_abs(xp: ModuleType, v: Any, scale: float = 10.0) -> Any:
+def clip_log_abs(xp: ModuleType, v: Any, scale: float = 10.0) -> Any:
     """``clip(log(1e-8 + |v·scale|), −5, 5) · 0.5`` (``_clip_log_abs``)."""
     mag = xp.log(1e-8 + xp.abs(v * scale))
-    return _xp.clip(xp, mag, -5.0, 5.0) * 0.5
+    return arrays.clip(xp, mag, -5.0, 5.0) * 0.5
 
 
 def tensor_rank(shape: Sequence[int]) -> int:
@@ -505,31 +494,31 @@ def lstm_features(xp: ModuleType, p: Any, m: Any, rms: Any, fraction: Any,
       kept. The (clipped) gradient the original also scales is unused and not taken.
     """
     axes = tuple(range(len(p.shape)))
-    norm_mult = _xp.rsqrt(xp, xp.maximum(_mean_all(xp, _square(p)), _scalar(xp, 1e-9, p)))
+    norm_mult = arrays.rsqrt(xp, xp.maximum(_mean_all(xp, _square(p)), _scalar(xp, 1e-9, p)))
     m = m * norm_mult
     rms = rms * norm_mult
-    mean_m = _xp.mean(xp, m, axes, keepdims=True)
-    var_m = _xp.mean(xp, _square(m - mean_m), axes)
-    mean_rms = _xp.mean(xp, rms, axes, keepdims=True)
-    var_rms = _xp.mean(xp, _square(rms - mean_m), axes)
+    mean_m = arrays.mean(xp, m, axes, keepdims=True)
+    var_m = arrays.mean(xp, _square(m - mean_m), axes)
+    mean_rms = arrays.mean(xp, rms, axes, keepdims=True)
+    var_rms = arrays.mean(xp, _square(rms - mean_m), axes)
     k_rms = rms.shape[-1]
-    return _xp.concat(xp, [
+    return arrays.concat(xp, [
         fraction_embedding(xp, fraction, p),
         loss_feats,
-        _clip_log_abs(xp, xp.reshape(mean_rms, (k_rms,))),
+        clip_log_abs(xp, xp.reshape(mean_rms, (k_rms,))),
         _one_hot(xp, tensor_rank(p.shape), NUM_RANKS, p),
-        _clip_log_abs(xp, var_m),
-        _clip_log_abs(xp, var_rms),
+        clip_log_abs(xp, var_m),
+        clip_log_abs(xp, var_rms),
     ], axis=0)
 
 
 def _mean_all(xp: ModuleType, x: Any) -> Any:
     """Mean over every element (a 0-d result; a 0-d input comes back as is)."""
-    return _xp.mean(xp, x, tuple(range(len(x.shape))))
+    return arrays.mean(xp, x, tuple(range(len(x.shape))))
 
 
 def _scalar(xp: ModuleType, value: float, like: Any) -> Any:
-    return _xp.constant(xp, value, like)
+    return arrays.constant(xp, value, like)
 
 
 # -- the per-tensor LSTM (``_rnn_forward`` with haiku's LSTM) --------------------------------
@@ -537,7 +526,7 @@ def _scalar(xp: ModuleType, value: float, like: Any) -> Any:
 
 def _linear(xp: ModuleType, x: Any, w: Any, b: Any) -> Any:
     """haiku ``Linear``: ``dot(x, w) + b``."""
-    return _xp.matmul(xp, x, w) + b
+    return arrays.matmul(xp, x, w) + b
 
 
 def lstm_step(xp: ModuleType, x: Any, hidden: Any, cell: Any,
@@ -559,16 +548,16 @@ def lstm_step(xp: ModuleType, x: Any, hidden: Any, cell: Any,
     in θ so that checkpoints round-trip). haiku's LSTM: gates = Linear(4H)([x, h]) split as
     i, g, f, o; f = σ(f + 1); c = f·c + σ(i)·tanh(g); h = σ(o)·tanh(c).
     """
-    mix = _xp.relu(xp, _linear(xp, x, meta["lstm/mix1/w"], meta["lstm/mix1/b"]))
-    pooled = _xp.amax(xp, mix, 0, keepdims=True)
+    mix = arrays.relu(xp, _linear(xp, x, meta["lstm/mix1/w"], meta["lstm/mix1/b"]))
+    pooled = arrays.amax(xp, mix, 0, keepdims=True)
     inp = _linear(xp, x, meta["lstm/input/w"], meta["lstm/input/b"]) + pooled
-    gated = _linear(xp, _xp.concat(xp, [inp, hidden], axis=-1),
+    gated = _linear(xp, arrays.concat(xp, [inp, hidden], axis=-1),
                     meta["lstm/gates/w"], meta["lstm/gates/b"])
     h = hidden.shape[-1]
     i, g, f, o = (gated[..., k * h:(k + 1) * h] for k in range(4))
-    f = _xp.sigmoid(xp, f + 1)
-    cell = f * cell + _xp.sigmoid(xp, i) * _xp.tanh(xp, g)
-    hidden = _xp.sigmoid(xp, o) * _xp.tanh(xp, cell)
+    f = arrays.sigmoid(xp, f + 1)
+    cell = f * cell + arrays.sigmoid(xp, i) * arrays.tanh(xp, g)
+    hidden = arrays.sigmoid(xp, o) * arrays.tanh(xp, cell)
     controls = _linear(xp, hidden, meta["lstm/to_controls/w"], meta["lstm/to_controls/b"])
     lr_mult = _linear(xp, hidden, meta["lstm/step_size/w"], meta["lstm/step_size/b"])[..., 0]
     return controls, lr_mult, hidden, cell
@@ -598,7 +587,7 @@ def mix_mlp_weights(xp: ModuleType, controls: Any, meta: Mapping[str, Any],
     for name in mlp_bank_names(hp):
         bank = meta[name]
         c = xp.reshape(controls, (bank.shape[0],) + (1,) * (len(bank.shape) - 1))
-        out[name.split("/")[1]] = 100.0 * _xp.mean(xp, bank * c, (0,))
+        out[name.split("/")[1]] = 100.0 * arrays.mean(xp, bank * c, (0,))
     return out
 
 
@@ -614,7 +603,7 @@ def mlp_inputs(xp: ModuleType, g: Any, p: Any, m: Any, rms: Any, fac_g: Any,
       g: the clipped gradient, ``S``. p: the parameter before the update, ``S``.
       m: ``S + (3,)`` and rms ``S + (1,)``: *after* this update's accumulation.
       fac_g: ``S + (3,)`` the Adafactor-preconditioned gradient; v_row, v_col, v_diag: the
-        updated factored accumulators (:func:`xopt.specs._lopt.factored_update`).
+        updated factored accumulators (:func:`xopt.specs.lopt.factored_update`).
 
     Returns:
       a list of 14 arrays ``S + (k_i,)`` with k = :data:`MLP_GROUP_SIZES`. Unfactored
@@ -622,30 +611,30 @@ def mlp_inputs(xp: ModuleType, g: Any, p: Any, m: Any, rms: Any, fac_g: Any,
       ``m · v_diag^−0.5`` for the momentum feature, as the original does.
     """
     g1 = g[..., None]
-    rsqrt = _xp.rsqrt(xp, rms + 1e-6)
-    groups = [g1, _xp.clip(xp, g, -0.1, 0.1)[..., None], p[..., None], m, rms, m * rsqrt,
+    rsqrt = arrays.rsqrt(xp, rms + 1e-6)
+    groups = [g1, arrays.clip(xp, g, -0.1, 0.1)[..., None], p[..., None], m, rms, m * rsqrt,
               rsqrt, fac_g, g1 * rsqrt]
-    f = _lopt.factored_dims(tuple(g.shape))
+    f = lopt.factored_dims(tuple(g.shape))
     if f is not None:
         d1, d0 = f
         full = tuple(g.shape) + (v_row.shape[-1],)
-        row = _broadcast_to(xp, _xp.expand_dims(xp, v_row, d0), full)
-        col = _broadcast_to(xp, _xp.expand_dims(xp, v_col, d1), full)
+        row = _broadcast_to(xp, arrays.expand_dims(xp, v_row, d0), full)
+        col = _broadcast_to(xp, arrays.expand_dims(xp, v_col, d1), full)
         reduced_d1 = d1 - 1 if d1 > d0 else d1
-        row_col_mean = _xp.mean(xp, v_row, (reduced_d1,), keepdims=True)
-        row_factor = _lopt.safe_rsqrt(xp, v_row / (row_col_mean + 1e-9))
-        col_factor = _lopt.safe_rsqrt(xp, v_col)
-        fac_mom = (m * _xp.expand_dims(xp, row_factor, d0)
-                   * _xp.expand_dims(xp, col_factor, d1))
-        groups += [row, col, _xp.rsqrt(xp, row + 1e-8), _xp.rsqrt(xp, col + 1e-8), fac_mom]
+        row_col_mean = arrays.mean(xp, v_row, (reduced_d1,), keepdims=True)
+        row_factor = lopt.safe_rsqrt(xp, v_row / (row_col_mean + 1e-9))
+        col_factor = lopt.safe_rsqrt(xp, v_col)
+        fac_mom = (m * arrays.expand_dims(xp, row_factor, d0)
+                   * arrays.expand_dims(xp, col_factor, d1))
+        groups += [row, col, arrays.rsqrt(xp, row + 1e-8), arrays.rsqrt(xp, col + 1e-8), fac_mom]
     else:
-        r = _xp.rsqrt(xp, v_diag + 1e-8)
+        r = arrays.rsqrt(xp, v_diag + 1e-8)
         groups += [v_diag, v_diag, r, r, m * _pow_neg_half(xp, v_diag)]
     return groups
 
 
 def _broadcast_to(xp: ModuleType, x: Any, shape: tuple[int, ...]) -> Any:
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return x.expand(shape)
     return xp.broadcast_to(x, shape)
 
@@ -659,7 +648,7 @@ def normalize_inputs(xp: ModuleType, groups: Sequence[Any]) -> list[Any]:
     """``_second_moment_normalizer`` over the parameter's axes, each group on its own:
     ``x · rsqrt(1e-5 + mean(x², axes of S))`` (channels kept apart)."""
     axes = tuple(range(len(groups[0].shape) - 1))
-    return [_lopt.second_moment_normalizer(xp, x, axes) for x in groups]
+    return [lopt.second_moment_normalizer(xp, x, axes) for x in groups]
 
 
 def mlp_forward(xp: ModuleType, inputs: Sequence[Any], weights: Mapping[str, Any]) -> Any:
@@ -673,14 +662,14 @@ def mlp_forward(xp: ModuleType, inputs: Sequence[Any], weights: Mapping[str, Any
     start = 0
     for x in inputs:
         k = x.shape[-1]
-        term = _xp.matmul(xp, x, w0[start:start + k])
+        term = arrays.matmul(xp, x, w0[start:start + k])
         out = term if out is None else out + term
         start += k
     out = out + weights["b0"]
     i = 1
     while f"w{i}" in weights:
-        out = _xp.relu(xp, out)
-        out = _xp.matmul(xp, out, weights[f"w{i}"]) + weights[f"b{i}"]
+        out = arrays.relu(xp, out)
+        out = arrays.matmul(xp, out, weights[f"w{i}"]) + weights[f"b{i}"]
         i += 1
     return out
 
@@ -689,7 +678,7 @@ def feature_sq_mean(xp: ModuleType, groups: Sequence[Any]) -> Any:
     """The normaliser's statistic per raw channel, (30,): ``mean over S of feature²``
     (the golden traces' ``aux/feature_sq_mean``)."""
     axes = tuple(range(len(groups[0].shape) - 1))
-    return _xp.concat(xp, [_xp.mean(xp, _square(x), axes) for x in groups], axis=0)
+    return arrays.concat(xp, [arrays.mean(xp, _square(x), axes) for x in groups], axis=0)
 
 
 def tensor_step(xp: ModuleType, hp: Any, weights: Mapping[str, Any], lr_mult: Any, p: Any,
@@ -705,7 +694,7 @@ def tensor_step(xp: ModuleType, hp: Any, weights: Mapping[str, Any], lr_mult: An
     """
     scalar = len(p.shape) == 0
     if scalar:
-        p, g, m, rms, fac_g, v_diag = (_xp.expand_dims(xp, a, 0)
+        p, g, m, rms, fac_g, v_diag = (arrays.expand_dims(xp, a, 0)
                                        for a in (p, g, m, rms, fac_g, v_diag))
     groups = mlp_inputs(xp, g, p, m, rms, fac_g, v_row, v_col, v_diag)
     out = mlp_forward(xp, normalize_inputs(xp, groups), weights)
@@ -739,7 +728,7 @@ def _shape_rms(shape: tuple[int, ...], hp: VeLO) -> tuple[int, ...]:
 
 def _shape_fac(which: str):
     def rule(shape: tuple[int, ...], hp: VeLO) -> tuple[int, ...]:
-        return _lopt.factored_shapes(shape, len(hp.initial_adafactor_decays))[which]
+        return lopt.factored_shapes(shape, len(hp.initial_adafactor_decays))[which]
 
     return rule
 
@@ -793,46 +782,17 @@ STATE = StateSchema(
     namings={},  # filled below
 )
 
-_LO_KEYS = {
-    "m": "mom_rolling/m/{param}", "mom_t": "mom_rolling/t",
-    "rms": "rms_rolling/rms/{param}", "rms_t": "rms_rolling/t",
-    "v_row": "fac_rolling/v_row/{param}", "v_col": "fac_rolling/v_col/{param}",
-    "v_diag": "fac_rolling/v_diag/{param}",
-    "iteration": "iteration", "num_steps": "num_steps",
-    "lstm_hidden": "lstm_hidden_state/hidden", "lstm_cell": "lstm_hidden_state/cell",
-    "loss_means": "loss_buffer/means", "loss_running_min": "loss_buffer/running_min",
-    "loss_decays": "loss_buffer/decays", "loss_iteration": "loss_buffer/iteration",
-}
-_LO_DTYPES = {"iteration": "int32", "num_steps": "int32", "mom_t": "int32", "rms_t": "int32",
-              "loss_iteration": "int32"}
-_STACKED = frozenset({"lstm_hidden", "lstm_cell"})
+#: the int32 counters of the state, as the original and both backends store them
+COUNTER_DTYPES = {"iteration": "int32", "num_steps": "int32", "mom_t": "int32",
+                  "rms_t": "int32", "loss_iteration": "int32"}
 _PER_PARAM = ("m", "rms", "v_row", "v_col", "v_diag", "lstm_hidden", "lstm_cell", "grad_accum")
 _GLOBALS = ("iteration", "num_steps", "mom_t", "rms_t", "loss_means", "loss_running_min",
             "loss_decays", "loss_iteration", "loss_accum", "accum_iteration")
 
 NAMINGS = {
-    "learned_optimization": Naming(
-        keys=_LO_KEYS, dtypes={**_LO_DTYPES, **{k: "float32" for k in _LO_KEYS
-                                                 if k not in _LO_DTYPES}},
-        stacked=_STACKED,
-        doc="HyperV2's State (hyper_v2.py) flattened by pytree path, without params/ "
-            "(the golden traces' naming); the LSTM state is one (n_tensors, H) array",
-    ),
-    "learned_optimization.accumulated": Naming(
-        keys={**{k: f"inner_opt_state/{v}" for k, v in _LO_KEYS.items()},
-              "grad_accum": "grad_accum/{param}", "loss_accum": "loss_accum",
-              "accum_iteration": "iteration"},
-        dtypes={**_LO_DTYPES, **{k: "float32" for k in _LO_KEYS if k not in _LO_DTYPES},
-                "grad_accum": "float32", "loss_accum": "float32",
-                # GradientAccumulator asks for int64; without jax_enable_x64 it is int32
-                "accum_iteration": "int32"},
-        stacked=_STACKED,
-        doc="prefab.LearnedOptimizer with gradient accumulation: GradientAccumulatorState "
-            "(gradient_accumulator.py) around HyperV2's State",
-    ),
     "xopt.torch": Naming(
         keys={**{v: "{param}/" + v for v in _PER_PARAM}, **{v: "global/" + v for v in _GLOBALS}},
-        dtypes={**{v: "float32" for v in _PER_PARAM}, **_LO_DTYPES, "loss_means": "float32",
+        dtypes={**{v: "float32" for v in _PER_PARAM}, **COUNTER_DTYPES, "loss_means": "float32",
                 "loss_running_min": "float32", "loss_decays": "float32",
                 "loss_accum": "float32", "accum_iteration": "int64"},
         doc="xopt.torch.VeLO: optimizer.state[p][var] per parameter, "
@@ -845,7 +805,7 @@ NAMINGS = {
                                             "loss_decays", "loss_iteration")},
               "iteration": "iteration", "num_steps": "num_steps",
               "loss_accum": "accum/loss_accum", "accum_iteration": "accum/iteration"},
-        dtypes={**_LO_DTYPES, "accum_iteration": "int32", "loss_accum": "float32"},
+        dtypes={**COUNTER_DTYPES, "accum_iteration": "int32", "loss_accum": "float32"},
         doc="xopt.jax.velo's LOptState(iteration, num_steps, inner=VeLOState(...), "
             "accum=AccumState(...) | None) flattened with "
             "xopt.parity.runners.flatten_with_paths",
@@ -876,7 +836,7 @@ def param_state_shapes(hp: VeLO, shape: Sequence[int]) -> dict[str, tuple[int, .
     shape = tuple(int(s) for s in shape)
     k_m, k_r, k_f = (len(d) for d in (hp.initial_momentum_decays, hp.initial_rms_decays,
                                       hp.initial_adafactor_decays))
-    return {"m": shape + (k_m,), "rms": shape + (k_r,), **_lopt.factored_shapes(shape, k_f),
+    return {"m": shape + (k_m,), "rms": shape + (k_r,), **lopt.factored_shapes(shape, k_f),
             "lstm_hidden": (hp.lstm_hidden_size,), "lstm_cell": (hp.lstm_hidden_size,)}
 
 
@@ -961,10 +921,10 @@ def update_tensor(xp: ModuleType, hp: VeLO, p: Any, g: Any, m: Any, rms: Any, v_
       the updated accumulators. Extra memory: the tensor's 30 features, one at a time.
     """
     mom_d, rms_d, fac_d = decays
-    g = _xp.clip(xp, g, -GRAD_CLIP, GRAD_CLIP)
-    m = _lopt.momentum_update(m, g, mom_d)
-    rms = _lopt.rms_update(xp, rms, g, rms_d)
-    v_row, v_col, v_diag, fac_g = _lopt.factored_update(xp, v_row, v_col, v_diag, g, fac_d)
+    g = arrays.clip(xp, g, -GRAD_CLIP, GRAD_CLIP)
+    m = lopt.momentum_update(m, g, mom_d)
+    rms = lopt.rms_update(xp, rms, g, rms_d)
+    v_row, v_col, v_diag, fac_g = lopt.factored_update(xp, v_row, v_col, v_diag, g, fac_d)
     weights = mix_mlp_weights(xp, controls, meta, hp)
     if aux is not None:
         aux["mlp_weights"] = weights
@@ -984,7 +944,7 @@ def hyperv2_steps(hp: VeLO, params: Mapping[str, Any], state: Mapping[str, Any],
 
     ``steps[p]`` is the step of parameter p (the original's new parameter is
     ``p − steps[p]``); ``state`` comes back with every entry this update changes except
-    ``iteration`` (which the caller, :func:`xopt.specs._lopt.outer_step`, advances). The
+    ``iteration`` (which the caller, :func:`xopt.specs.lopt.outer_step`, advances). The
     LSTM sees the tensors in the order of ``params``, which changes nothing (its only
     interaction between tensors is a max). ``aux``, if given, receives the golden traces'
     internals: ``lstm_features``, ``controls``, ``lr_mult``, ``feature_sq_mean``,
@@ -1042,7 +1002,7 @@ def step(hp: VeLO, params: Mapping[str, Any], state: Mapping[str, Any],
          ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One call of VeLO as ``prefab.LearnedOptimizer`` wraps it, ``(params, state) ->
     (params, state)``, pure, on canonical dicts (:data:`STATE`): weight decay,
-    accumulation and the lr multiplier of :func:`xopt.specs._lopt.outer_step` around
+    accumulation and the lr multiplier of :func:`xopt.specs.lopt.outer_step` around
     :func:`hyperv2_steps`. ``meta``: θ in either naming (required). ``loss``: required
     (VeLO reads it). The working dtype is the state's (float64 in the oracle).
     """
@@ -1058,166 +1018,16 @@ def step(hp: VeLO, params: Mapping[str, Any], state: Mapping[str, Any],
         p = {k: _as_xp(xp, params[k], dtype) for k in names}
         return hyperv2_steps(hp, p, st, g, loss_, theta, xp=xp, aux=aux)
 
-    return _lopt.outer_step(hp, params, state, grads, xp=xp, loss=loss, inner=inner)
+    return lopt.outer_step(hp, params, state, grads, xp=xp, loss=loss, inner=inner)
 
 
 def _as_xp(xp: ModuleType, x: Any, dtype: Any) -> Any:
     """``x`` as an array of ``xp`` in ``dtype`` (a dtype of ``xp``, or a NumPy dtype)."""
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         if not isinstance(dtype, xp.dtype):
             dtype = getattr(xp, np.dtype(dtype).name)
         return x.to(dtype) if isinstance(x, xp.Tensor) else xp.as_tensor(np.asarray(x), dtype=dtype)
     return xp.asarray(x, dtype=dtype)
-
-
-# -- original implementations ----------------------------------------------------------------
-
-
-def _hyperv2_values(kw: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """HyperV2's constructor arguments → :class:`VeLO` field values (strict)."""
-    known = set(HYPERV2_FIELDS) | set(VELO_FIXED) | set(INERT)
-    unknown = sorted(set(kw) - known)
-    if unknown:
-        raise HyperparameterError(
-            f"unknown {where} argument(s) {', '.join(map(repr, unknown))}; known: "
-            f"{', '.join(sorted(known))}")
-    for flag, value in VELO_FIXED.items():
-        if flag in kw and kw[flag] != value:
-            raise HyperparameterError(
-                f"HyperV2.{flag} = {kw[flag]!r}: xopt implements VeLO's configuration only "
-                f"({flag}={value!r}); the other value is an ablation of the original")
-    values = dict(PRESETS["original"])
-    for name in HYPERV2_FIELDS:
-        if name in kw and kw[name] is not None:
-            v = kw[name]
-            values[name] = tuple(v) if isinstance(v, list) else v
-    return values
-
-
-def _from_hyperv2_kwargs(kw: Mapping[str, Any]) -> VeLO:
-    """``HyperV2(**kw)`` (plus ``num_training_steps``, the horizon given to its ``init``) →
-    :class:`VeLO`. HyperV2's ablation flags must have VeLO's values; ``reparam_decay`` and
-    the summary flags change no number and are accepted with any value."""
-    kw = dict(kw)
-    n = kw.pop("num_training_steps", None)
-    return VeLO(num_training_steps=n, **_hyperv2_values(kw, "HyperV2"))
-
-
-_PREFAB_ARGS = ("num_training_steps", "weight_decay", "max_training_steps", "base_lopt_fn",
-                "HyperV2")
-
-
-def _from_prefab_kwargs(kw: Mapping[str, Any]) -> VeLO:
-    """``prefab.LearnedOptimizer(num_training_steps, weight_decay, max_training_steps,
-    base_lopt_fn)`` → :class:`VeLO`; the traces nest the inner HyperV2's arguments under
-    ``HyperV2`` (absent: VeLO's). ``base_lopt_fn`` names where θ came from (θ is passed
-    separately) and is not read."""
-    unknown = sorted(set(kw) - set(_PREFAB_ARGS))
-    if unknown:
-        raise HyperparameterError(
-            f"unknown prefab.LearnedOptimizer argument(s) {', '.join(map(repr, unknown))}; "
-            f"known: {', '.join(_PREFAB_ARGS)}")
-    values = _hyperv2_values(dict(kw.get("HyperV2") or {}), "HyperV2")
-    for name in ("num_training_steps", "weight_decay", "max_training_steps"):
-        if name in kw and kw[name] is not None:
-            values[name] = kw[name]
-    return VeLO(**values)
-
-
-def _hyperv2_args(h: VeLO) -> dict[str, Any]:
-    return {name: getattr(h, name) for name in HYPERV2_FIELDS}
-
-
-def _to_hyperv2_kwargs(h: VeLO) -> dict[str, Any]:
-    """:class:`VeLO` → ``HyperV2``'s arguments plus ``num_training_steps``. The bare HyperV2
-    has no step multiplier, weight decay or accumulation: those settings raise."""
-    if float(h.lr) != 1.0:
-        raise HyperparameterError(f"VeLO.lr = {h.lr!r}: HyperV2 has no step multiplier "
-                                  "(lr must be 1)")
-    if not _xp.is_static_zero(h.weight_decay):
-        raise HyperparameterError(f"VeLO.weight_decay = {h.weight_decay!r}: the bare HyperV2 "
-                                  "has no weight decay (prefab.LearnedOptimizer adds it)")
-    if h.accumulating:
-        raise HyperparameterError(
-            f"VeLO.num_training_steps = {h.num_training_steps!r} > max_training_steps = "
-            f"{h.max_training_steps!r}: the bare HyperV2 does not accumulate gradients "
-            "(prefab.LearnedOptimizer does)")
-    return {**_hyperv2_args(h), "num_training_steps": h.require_num_training_steps("HyperV2")}
-
-
-def _to_prefab_kwargs(h: VeLO) -> dict[str, Any]:
-    """:class:`VeLO` → ``prefab.LearnedOptimizer``'s arguments (with the inner HyperV2's
-    under ``HyperV2``). prefab has no step multiplier and only coupled weight decay."""
-    if float(h.lr) != 1.0:
-        raise HyperparameterError(f"VeLO.lr = {h.lr!r}: prefab.LearnedOptimizer has no step "
-                                  "multiplier (lr must be 1)")
-    if h.decoupled_decay:
-        raise HyperparameterError("VeLO.weight_decay_mode = 'decoupled': prefab's weight "
-                                  "decay is coupled (g + λθ, loss + λΣθ²)")
-    return {"num_training_steps": h.require_num_training_steps("prefab.LearnedOptimizer"),
-            "weight_decay": h.weight_decay, "max_training_steps": h.max_training_steps,
-            "HyperV2": _hyperv2_args(h)}
-
-
-def _prefab_naming(h: VeLO) -> str:
-    return "learned_optimization.accumulated" if h.accumulating else "learned_optimization"
-
-
-# -- tolerances ---------------------------------------------------------------------------------
-
-_LSTM_ROUNDING = Tolerance(
-    3e-6, 0.0,
-    "the LSTM state after one update is the sum of 1024-term float32 products (the gate "
-    "matrix), which XLA sums in its own order. Recomputed in float64 from exactly the "
-    "inputs the original gave it, it is up to 1.37e-6 (hidden) and 1.0e-6 (cell) of a "
-    "row's largest element away from the original's own float32 result (python "
-    "tools/velo_lstm_rounding.py, every VeLO case); a float32 implementation summing in "
-    "another order (torch) lands within that distance of the exact value, so within about "
-    "twice it of the original. The original itself moves this state by 5.7e-5 to 7.2e-5 "
-    "between jitted and op-by-op execution (the traces' tolerance_hint)",
-)
-
-TOLERANCES = {
-    "bitwise": Tolerance(0.0, 0.0, "same operations in the same order on the same machine"),
-    "teacher_forced": Tolerance(
-        1e-6, 0.0,
-        "one float32 update: accumulators, loss buffer and parameters are a few roundings "
-        "each (measured <= 2.3e-7 of the tensor's largest element against the golden "
-        "traces, NumPy float32, torch and jax)",
-        tensors={"state/lstm_": _LSTM_ROUNDING},
-    ),
-    "closed_loop": Tolerance(
-        1e-4, 0.0,
-        "a whole trace (20 to 36 updates): the per-update rounding (~1e-6 of the LSTM "
-        "state) feeds forward through the LSTM and the loss features, which are ratios of "
-        "small differences; the gradients are the recorded ones, so nothing feeds back "
-        "through the model. The original itself moves its LSTM state by ~7e-5 between "
-        "jitted and op-by-op execution (the traces' tolerance_hint)",
-    ),
-    "teacher_forced/oracle": Tolerance(
-        1e-6, 0.0,
-        "the float64 oracle against the float32 original: one update's rounding",
-        tensors={
-            "state/lstm_": Tolerance(
-                1e-4, 0.0,
-                "the loss features are ratios of differences of nearly equal running loss "
-                "means ((mean - min) / (max - min)), so the original's float32 rounding "
-                "there is amplified: one buffer update and the features in float64, from the "
-                "recorded buffer and loss, are up to 1.5e-4 (absolute) from the features the "
-                "original passed to its LSTM (python tools/velo_lstm_rounding.py), which "
-                "moves the LSTM state by up to 4.4e-5 of its largest element. The original "
-                "itself moves the same state by 5.7e-5 to 7.2e-5 between jitted and "
-                "op-by-op execution (the traces' tolerance_hint): float32 evaluation order "
-                "alone spans this range"),
-            "state/loss_running_min": Tolerance(
-                1e-5, 0.0,
-                "the bias-corrected loss mean means / (1 - decay^(t+1)) divides by a "
-                "difference that float32 rounds at 6e-8 relative to 1 but that is as small "
-                "as 1 - 0.9999 = 1e-4: up to ~6e-4 relative in float32, of which the "
-                "running minimum keeps the worst (measured 1.6e-6 against float64)"),
-        },
-    ),
-}
 
 
 SPEC = MethodSpec(
@@ -1229,27 +1039,7 @@ SPEC = MethodSpec(
     state=STATE,
     init_state=init_state,
     step=step,
-    implementations={"torch": "xopt.torch.velo:VeLO", "jax": "xopt.jax.velo:velo"},
     naming_of={"torch": "xopt.torch", "jax": "xopt.jax"},
-    originals={
-        "learned_optimization.research.general_lopt.hyper_v2.HyperV2": Original(
-            name="learned_optimization.research.general_lopt.hyper_v2.HyperV2",
-            backend="learned_optimization",
-            factory="xopt.parity.originals.learned_optimization:hyper_v2",
-            naming="learned_optimization", preset="original",
-            to_kwargs=_to_hyperv2_kwargs, from_kwargs=_from_hyperv2_kwargs,
-            requires=("jax", "haiku", "gin", "flax", "learned_optimization"),
-        ),
-        "learned_optimization.research.general_lopt.prefab.LearnedOptimizer": Original(
-            name="learned_optimization.research.general_lopt.prefab.LearnedOptimizer",
-            backend="learned_optimization",
-            factory="xopt.parity.originals.learned_optimization:prefab",
-            naming=_prefab_naming, preset="original",
-            to_kwargs=_to_prefab_kwargs, from_kwargs=_from_prefab_kwargs,
-            requires=("jax", "haiku", "gin", "flax", "learned_optimization"),
-        ),
-    },
-    tolerances=TOLERANCES,
     takes_loss=True,
     impls=("plain", "triton"),
     meta=META,

@@ -2,8 +2,8 @@
 
 :class:`LearnedOptimizer` is a ``torch.optim.Optimizer`` that does, for any learned
 optimizer, what learned_optimization's ``prefab`` wrappers and a good torch optimizer do
-around the learned update itself (see :class:`xopt.specs._lopt.LOptOptions` for the
-arithmetic, which :func:`xopt.specs._lopt.outer_step` defines as a pure function):
+around the learned update itself (see :class:`xopt.specs.lopt.LOptOptions` for the
+arithmetic, which :func:`xopt.specs.lopt.outer_step` defines as a pure function):
 
 * the loss, from ``step(closure)`` or ``step(loss=...)``;
 * coupled weight decay (prefab's ``WeightDecayWrapper``) or decoupled decay;
@@ -27,7 +27,7 @@ arithmetic, which :func:`xopt.specs._lopt.outer_step` defines as a pure function
 Subclass contract (what small_fc_lopt fills in and VeLO will):
 
 ``hyperparams_cls`` (class attribute)
-    the method's :class:`~xopt.specs._lopt.LOptOptions` dataclass.
+    the method's :class:`~xopt.specs.lopt.LOptOptions` dataclass.
 ``meta_spec`` (class attribute)
     the spec's :class:`~xopt.specs.MetaParams` (``SPEC.meta``): ``coerce(θ, hp)`` (either
     naming, strict) and ``init(hp, seed)`` (used when no θ is given).
@@ -92,8 +92,8 @@ import torch
 from torch import Tensor
 
 from xopt.errors import HyperparameterError, MetaParamsError, NonFiniteError, StateError
-from xopt.specs._lopt import LOptOptions
-from xopt.specs._method import MetaParams
+from xopt.specs import MetaParams
+from xopt.specs.lopt import LOptOptions
 from xopt.torch._state_dict import saved_param_map
 
 __all__ = ["Entry", "LearnedOptimizer"]

@@ -39,8 +39,7 @@ import torch
 from torch import Tensor
 
 from xopt.errors import DecompositionError, HyperparameterError, NonFiniteError, StateError
-from xopt.specs import _lowrank
-from xopt.specs._hyperparams import Hyperparams
+from xopt.specs import Hyperparams, lowrank
 from xopt.torch._state_dict import saved_param_map
 
 _FLOATING = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -171,9 +170,9 @@ class LowRankOptimizer(torch.optim.Optimizer):
         p.copy_(new)
 
     def svd(self, a: Tensor, name: str) -> tuple[Tensor, Tensor, Tensor]:
-        """:func:`xopt.specs._lowrank.svd` of ``a``; raises naming ``name`` on failure."""
+        """:func:`xopt.specs.lowrank.svd` of ``a``; raises naming ``name`` on failure."""
         try:
-            u, s, vh = _lowrank.svd(torch, a)
+            u, s, vh = lowrank.svd(torch, a)
         except RuntimeError as e:  # torch.linalg.LinAlgError derives from RuntimeError
             raise DecompositionError(f"{type(self).__name__}: SVD of the gradient of {name} "
                                      f"(shape {tuple(a.shape)}) failed: {e}") from e
@@ -185,9 +184,9 @@ class LowRankOptimizer(torch.optim.Optimizer):
         return u, s, vh
 
     def qr(self, a: Tensor, name: str) -> tuple[Tensor, Tensor]:
-        """:func:`xopt.specs._lowrank.qr` of ``a``; raises naming ``name`` on failure."""
+        """:func:`xopt.specs.lowrank.qr` of ``a``; raises naming ``name`` on failure."""
         try:
-            q, r = _lowrank.qr(torch, a)
+            q, r = lowrank.qr(torch, a)
         except RuntimeError as e:
             raise DecompositionError(f"{type(self).__name__}: QR for {name} (shape "
                                      f"{tuple(a.shape)}) failed: {e}") from e

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from xopt.errors import HyperparameterError, NonFiniteError
+from xopt.registry import register
 from xopt.specs import adamw as adamw_spec
 
 __all__ = ["AdamW"]
@@ -217,3 +218,6 @@ def _spec_from_group(group: dict[str, Any]) -> adamw_spec.AdamW:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise HyperparameterError(f"AdamW.betas = {betas!r}: must be a pair (b1, b2)")
     return adamw_spec.AdamW(b1=betas[0], b2=betas[1], **{k: group[k] for k in _FIELDS})
+
+
+register("adamw", "torch", AdamW)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from xopt.registry import register
 from xopt.specs import coap as _spec
 from xopt.torch._lowrank import LowRankOptimizer
 
@@ -103,3 +104,6 @@ class COAP(LowRankOptimizer):
             state[_KEYS[var]] = value
         state["step"] = torch.tensor(t + 1, dtype=torch.int64)
         self.write(p, new_p)
+
+
+register("coap", "torch", COAP)

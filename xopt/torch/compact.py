@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from xopt.errors import HyperparameterError, StateError, XoptError
+from xopt.registry import register
 from xopt.specs import compact as _spec
 from xopt.torch._state_dict import saved_param_map
 
@@ -636,3 +637,6 @@ class CompActAdamW(torch.optim.Optimizer):
                     else:
                         p.compact_grad.zero_()
                     p.compact_key = None
+
+
+register("compact", "torch", CompActAdamW)

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from xopt.errors import StateError
+from xopt.registry import register
 from xopt.specs import flora as _spec
 from xopt.torch._lowrank import LowRankOptimizer
 
@@ -142,3 +143,6 @@ class Flora(LowRankOptimizer):
             if k in new:
                 state[v].copy_(new[k])
         self.write(p, new_p)
+
+
+register("flora", "torch", Flora)

@@ -30,9 +30,9 @@ import torch
 from torch import Tensor
 
 from xopt.errors import HyperparameterError
-from xopt.specs import _lowrank
+from xopt.registry import register
+from xopt.specs import Hyperparams, lowrank
 from xopt.specs import galore as galore_spec
-from xopt.specs._hyperparams import Hyperparams
 from xopt.torch._lowrank import LowRankOptimizer
 
 __all__ = ["GaLore"]
@@ -107,7 +107,7 @@ class GaLore(LowRankOptimizer):
 
     def _check_param(self, p: Tensor, hp: Hyperparams, where: str) -> None:
         if galore_spec.is_projected(tuple(p.shape), hp):
-            _lowrank.check_rank(hp.rank, tuple(p.shape), where)
+            lowrank.check_rank(hp.rank, tuple(p.shape), where)
 
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: Hyperparams,
                 name: str, inject: Mapping[str, Tensor] | None) -> None:
@@ -118,16 +118,15 @@ class GaLore(LowRankOptimizer):
         ortho = ortho_right = None
         if galore_spec.is_projected(shape, hp):
             which = galore_spec.side(shape, hp.proj_type)
-            if "ortho_matrix" not in state or galore_spec.refresh_due(before, hp):
-                given = inject or {}
-                if "ortho_matrix" in given:
-                    ortho = given["ortho_matrix"].to(device=p.device, dtype=sdt)
-                    right = given.get("ortho_matrix_right")
-                    ortho_right = None if right is None else right.to(device=p.device,
-                                                                      dtype=sdt)
-                else:
-                    u, _, vh = self.svd(g, name)
-                    ortho, ortho_right = galore_spec.projector_from_svd(u, vh, hp.rank, which)
+            due = "ortho_matrix" not in state or galore_spec.refresh_due(before, hp)
+            old = (state.get("ortho_matrix"), state.get("ortho_matrix_right"))
+            ortho, ortho_right = lowrank.refresh(
+                due, old,
+                lambda: galore_spec.fresh_projection(
+                    torch, hp, g, svd=lambda a: self.svd(a, name))[:2],
+                galore_spec.injected_projection(
+                    inject, old[1], which, cast=lambda a: a.to(device=p.device, dtype=sdt)))
+            if due:
                 state["ortho_matrix"] = ortho.contiguous()
                 if which == "full":
                     state["ortho_matrix_right"] = ortho_right.contiguous()
@@ -146,3 +145,6 @@ class GaLore(LowRankOptimizer):
         state["exp_avg"].copy_(m)
         state["exp_avg_sq"].copy_(v)
         self.write(p, new_p)
+
+
+register("galore", "torch", GaLore)

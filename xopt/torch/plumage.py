@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from xopt.errors import HyperparameterError
+from xopt.registry import register
 from xopt.specs import plumage as _spec
 from xopt.torch._lowrank import LowRankOptimizer
 
@@ -127,3 +128,6 @@ class PLUMAGE(LowRankOptimizer):
         for k, v in st.items():
             state[_STATE_KEYS[k]] = v
         state["step"] = t + 1
+
+
+register("plumage", "torch", PLUMAGE)

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from xopt import random as xrandom
 from xopt.errors import HyperparameterError
+from xopt.registry import register
 from xopt.specs import poet as spec
 
 __all__ = ["MergeEvery", "POETAdamW", "POETLinear", "convert", "merge_and_reset",
@@ -598,3 +599,6 @@ class POETAdamW(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         self.global_step_counter = int(state_dict.pop("global_step_counter", 0))
         super().load_state_dict(state_dict)
+
+
+register("poet", "torch", POETAdamW)

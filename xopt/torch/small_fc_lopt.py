@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from xopt.registry import register
 from xopt.specs import small_fc_lopt as _spec
 from xopt.torch._lopt import Entry, LearnedOptimizer, TritonIO
 
@@ -44,7 +45,7 @@ class SmallFCLOpt(LearnedOptimizer):
       num_training_steps: the training horizon (required).
       lr: multiplier of the learned step, per group (1: the original; schedulers drive it).
       weight_decay, weight_decay_mode, max_training_steps: see
-        :class:`xopt.specs._lopt.LOptOptions` (prefab's wrappers).
+        :class:`xopt.specs.lopt.LOptOptions` (prefab's wrappers).
       check_finite: raise :class:`xopt.errors.NonFiniteError` naming the parameter when a
         gradient or the loss holds NaN or inf, before anything moves.
       spec: an :class:`xopt.specs.small_fc_lopt.SmallFCLOpt` instead of the keywords.
@@ -95,7 +96,7 @@ class SmallFCLOpt(LearnedOptimizer):
                 for k, shape in _spec.param_state_shapes(self.hp, tuple(p.shape)).items()}
 
     def _init_global_state(self) -> dict[str, Tensor]:
-        km, kr, _ = _spec._k(self.hp)
+        km, kr, _ = _spec.num_decays(self.hp)
         return {"mom_t": torch.zeros((km,), dtype=torch.int32),
                 "rms_t": torch.zeros((kr,), dtype=torch.int32)}
 
@@ -151,3 +152,6 @@ class SmallFCLOpt(LearnedOptimizer):
         self._triton.step(params, io["grads"], io["states"], io["outs"], io["write_step"],
                           io["lrs"], io["lrwds"], self.meta_on(params[0].device), iteration,
                           io=io if isinstance(io, TritonIO) else None)
+
+
+register("small_fc_lopt", "torch", SmallFCLOpt)

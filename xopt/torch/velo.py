@@ -43,6 +43,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from xopt.registry import register
+from xopt.specs import arrays
 from xopt.specs import velo as _spec
 from xopt.torch._lopt import Entry, LearnedOptimizer
 
@@ -67,7 +69,7 @@ class VeLO(LearnedOptimizer):
       lr: multiplier of the learned step, per group (1, the default, is the original's step;
         schedulers drive it). PyLO's VeLO defaults to 1e-3; xopt follows the original.
       weight_decay, weight_decay_mode, max_training_steps: see
-        :class:`xopt.specs._lopt.LOptOptions` (``prefab.LearnedOptimizer``'s wrappers).
+        :class:`xopt.specs.lopt.LOptOptions` (``prefab.LearnedOptimizer``'s wrappers).
       check_finite: raise :class:`xopt.errors.NonFiniteError` naming the parameter when a
         gradient or the loss holds NaN or inf, before anything changes.
       spec: an :class:`xopt.specs.velo.VeLO` instead of the keywords.
@@ -240,7 +242,7 @@ class VeLO(LearnedOptimizer):
                 per_device[device] = {
                     "meta": self.meta_on(device), "frac": frac.to(device),
                     "lfeat": lfeat.to(device),
-                    "decays": tuple(_spec._as_array(torch, d, like)
+                    "decays": tuple(arrays.constant(torch, d, like)
                                     for d in _spec.decay_arrays(hp)),
                 }
             return per_device[device]
@@ -268,3 +270,6 @@ class VeLO(LearnedOptimizer):
             st["lstm_hidden"] = hidden[i].to(pdev, copy=True)
             st["lstm_cell"] = cell[i].to(pdev, copy=True)
             self._apply_step(e, step)
+
+
+register("velo", "torch", VeLO)

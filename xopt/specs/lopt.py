@@ -3,7 +3,7 @@
 These are learned_optimization's ``learned_optimizers/common.py`` accumulators and the
 feature helpers both ``AdafacMLPLOpt`` and ``HyperV2`` use, as pure functions on one tensor
 at a time, written against the array namespace ``xp`` (NumPy, torch or jax.numpy; see
-:mod:`xopt.specs._xp`). Every accumulator keeps one slice per decay on a trailing axis of
+:mod:`xopt.specs.arrays`). Every accumulator keeps one slice per decay on a trailing axis of
 length ``k`` (the original ``vmap`` s over decays with ``out_axes=-1``).
 
 Shapes, for a parameter ``p`` of shape ``S`` (rank 0 to 4) and ``k`` decays:
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from xopt.specs import _xp
+from xopt.specs import arrays
 
 #: ``reparam_decay``: decays are learned as ``log(1 - decay) / 10`` (both originals)
 REPARAM = 10.0
@@ -84,13 +84,13 @@ def momentum_update(m: Any, g: Any, decays: Any) -> Any:
 
 def rms_update(xp: ModuleType, rms: Any, g: Any, decays: Any) -> Any:
     """``v <- c*v + (1-c)*g²`` with ``c = clip(d, 0, 1)`` (``common.rolling_rms``)."""
-    c = _xp.clip(xp, decays, 0.0, 1.0)
+    c = arrays.clip(xp, decays, 0.0, 1.0)
     return c * rms + (1 - c) * (g * g)[..., None]
 
 
 def safe_rsqrt(xp: ModuleType, x: Any) -> Any:
     """``rsqrt(max(x, 1e-9))`` (``common.safe_rsqrt``)."""
-    return _xp.rsqrt(xp, x.clamp_min(1e-9) if _xp.is_torch(xp) else xp.maximum(x, 1e-9))
+    return arrays.rsqrt(xp, x.clamp_min(1e-9) if arrays.is_torch(xp) else xp.maximum(x, 1e-9))
 
 
 def factored_update(xp: ModuleType, v_row: Any, v_col: Any, v_diag: Any, g: Any,
@@ -101,7 +101,7 @@ def factored_update(xp: ModuleType, v_row: Any, v_col: Any, v_diag: Any, g: Any,
     preconditioned by the updated accumulators. The untouched placeholders come back as
     given.
     """
-    c = _xp.clip(xp, decays, 0.0, 1.0)
+    c = arrays.clip(xp, decays, 0.0, 1.0)
     mix = 1.0 - c
     grad_sqr = g * g + 1e-30
     f = factored_dims(tuple(g.shape))
@@ -110,21 +110,21 @@ def factored_update(xp: ModuleType, v_row: Any, v_col: Any, v_diag: Any, g: Any,
         y = g[..., None] * safe_rsqrt(xp, new_v + 1e-9)
         return v_row, v_col, new_v, y
     d1, d0 = f
-    new_row = c * v_row + mix * _xp.mean(xp, grad_sqr, (d0,))[..., None]
-    new_col = c * v_col + mix * _xp.mean(xp, grad_sqr, (d1,))[..., None]
+    new_row = c * v_row + mix * arrays.mean(xp, grad_sqr, (d0,))[..., None]
+    new_col = c * v_col + mix * arrays.mean(xp, grad_sqr, (d1,))[..., None]
     reduced_d1 = d1 - 1 if d1 > d0 else d1
-    row_col_mean = _xp.mean(xp, new_row, (reduced_d1,), keepdims=True)
+    row_col_mean = arrays.mean(xp, new_row, (reduced_d1,), keepdims=True)
     row_factor = safe_rsqrt(xp, new_row / (row_col_mean + 1e-9))
     col_factor = safe_rsqrt(xp, new_col)
-    y = (g[..., None] * _xp.expand_dims(xp, row_factor, d0)
-         * _xp.expand_dims(xp, col_factor, d1))
+    y = (g[..., None] * arrays.expand_dims(xp, row_factor, d0)
+         * arrays.expand_dims(xp, col_factor, d1))
     return new_row, new_col, v_diag, y
 
 
 def second_moment_normalizer(xp: ModuleType, x: Any, axes: tuple[int, ...],
                              eps: float = 1e-5) -> Any:
     """``x * rsqrt(eps + mean(x², axes))`` (channels on the last axis are kept apart)."""
-    return x * _xp.rsqrt(xp, eps + _xp.mean(xp, xp.square(x), axes, keepdims=True))
+    return x * arrays.rsqrt(xp, eps + arrays.mean(xp, xp.square(x), axes, keepdims=True))
 
 
 # == Shared by every learned optimizer: options, meta-parameter plumbing, the outer step =====
@@ -226,11 +226,12 @@ class LOptOptions(Hyperparams):
 
     @property
     def decoupled_decay(self) -> bool:
-        return self.weight_decay_mode == "decoupled" and not _xp.is_static_zero(self.weight_decay)
+        return (self.weight_decay_mode == "decoupled"
+                and not arrays.is_static_zero(self.weight_decay))
 
     @property
     def coupled_decay(self) -> bool:
-        return self.weight_decay_mode == "coupled" and not _xp.is_static_zero(self.weight_decay)
+        return self.weight_decay_mode == "coupled" and not arrays.is_static_zero(self.weight_decay)
 
 
 # -- meta-parameters ----------------------------------------------------------------------------
@@ -347,8 +348,8 @@ def truncated_normal(seed: int, shape: tuple[int, ...], stddev: float, *, backen
     per = xr.blocks_used(shape, "float32")
     draws = [xr.normal(seed, shape, counter=r * per, dtype="float32", backend=backend)
              for r in range(rounds)]
-    xp = _xp.namespace(draws[0])
-    z = _xp.clip(xp, draws[-1], -2.0, 2.0)
+    xp = arrays.namespace(draws[0])
+    z = arrays.clip(xp, draws[-1], -2.0, 2.0)
     for d in reversed(draws[:-1]):
         z = xp.where(abs(d) <= 2.0, d, z)
     return z * float(np.float32(stddev))  # a weak scalar: an exact float32 product everywhere
@@ -362,7 +363,7 @@ InnerStep = Callable[[dict[str, Any], Any, dict[str, Any]], tuple[dict[str, Any]
 def apply_step(p: Any, step: Any | None, lr: Any, weight_decay: Any, decoupled: bool) -> Any:
     """The parameter after a call: ``p − lr·step`` (``step`` None: no inner update this call),
     with decoupled decay ``p − (lr·step + (lr·λ)·p)`` (resp. ``p − (lr·λ)·p``)."""
-    decay = decoupled and not _xp.is_static_zero(weight_decay)
+    decay = decoupled and not arrays.is_static_zero(weight_decay)
     if step is None:
         return p - (lr * weight_decay) * p if decay else p
     u = lr * step

@@ -16,23 +16,25 @@ so that xopt's two backends agree on every projection without injected values:
 * :func:`qr`: ``R``'s diagonal is made non-negative (``Q``'s columns flipped with it).
 
 Singular vectors of (nearly) equal singular values are not unique even then; the methods'
-parity tests inject the original's projection at refresh steps, as the traces recommend.
+parity tests inject the original's projection at refresh steps, as the traces recommend
+(:func:`refresh`: one rule for "recompute, or take the injected value, or keep").
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from xopt.errors import HyperparameterError
-from xopt.specs import _xp
+from xopt.specs import arrays
 
 
 def _arange(xp: ModuleType, n: int, like: Any) -> Any:
-    if _xp.is_torch(xp):
+    if arrays.is_torch(xp):
         return xp.arange(n, device=like.device)
     return xp.arange(n)
 
@@ -54,7 +56,7 @@ def svd(xp: ModuleType, a: Any) -> tuple[Any, Any, Any]:
     """
     u, s, vh = xp.linalg.svd(a, full_matrices=False)
     k = s.shape[0]
-    rows = xp.argmax(xp.abs(u), axis=0) if not _xp.is_torch(xp) else \
+    rows = xp.argmax(xp.abs(u), axis=0) if not arrays.is_torch(xp) else \
         xp.argmax(u.abs(), dim=0)
     pivot = u[rows, _arange(xp, k, u)]
     sign = _one_where_nonneg(xp, pivot)
@@ -74,6 +76,33 @@ def qr(xp: ModuleType, a: Any) -> tuple[Any, Any]:
     diag = r[_arange(xp, k, r), _arange(xp, k, r)]
     sign = _one_where_nonneg(xp, diag)
     return q * sign[None, :], r * sign[:, None]
+
+
+def refresh(due: Any, old: Any, decompose: Callable[[], Any] | None,
+            injected: Any = None, *, cond: Callable[..., Any] | None = None) -> Any:
+    """A periodically refreshed value (a projection, a decomposition) after one update.
+
+    Every low-rank method keeps something it recomputes at refresh updates only: GaLore's
+    SVD projection, COAP's Eqn-7 basis, PLUMAGE's singular vectors and probabilities,
+    Flora's projection at a momentum transfer. At a refresh (``due``) the value is an
+    original's recorded one when ``injected`` is given (the parity harness replays what an
+    original drew from its own LAPACK or generator), else ``decompose()``; otherwise ``old``
+    is kept. ``old``, ``injected`` and ``decompose()`` have one structure (an array or a
+    tuple of them). The spec, the torch backend and the JAX backend all decide here.
+
+    Args:
+      due: whether this update refreshes: a Python bool (NumPy, torch: ``decompose`` runs
+        only when due), or a traced boolean under ``jit``.
+      cond: with a traced ``due``, ``jax.lax.cond``: the decomposition then sits in a
+        branch and costs nothing at the other updates. None: ``due`` is concrete.
+    """
+    if cond is None:
+        if not due:
+            return old
+        return injected if injected is not None else decompose()
+    if injected is not None:
+        return cond(due, lambda: injected, lambda: old)
+    return cond(due, decompose, lambda: old)
 
 
 def check_rank(rank: int, shape: tuple[int, ...], where: str) -> None:
@@ -132,7 +161,7 @@ def hf_step_size(lr: Any, b1: float, b2: float, t: Any, correct_bias: bool) -> A
         return lr
     if isinstance(t, (int, np.integer)):
         return lr * math.sqrt(1.0 - b2 ** int(t)) / (1.0 - b1 ** int(t))
-    xp = _xp.namespace(t)
+    xp = arrays.namespace(t)
     tf = t.astype(xp.float32)
     bc1 = -xp.expm1(tf * xp.log1p(-(1.0 - b1)))
     bc2 = -xp.expm1(tf * xp.log1p(-(1.0 - b2)))

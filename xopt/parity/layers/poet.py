@@ -1,8 +1,8 @@
 """POET-X's layer traces: run xopt's layers and optimizer on them and compare.
 
-:func:`run` is :data:`xopt.specs.poet.SPEC`'s ``layer_parity``: ``run_parity`` hands it every
-``kind: "layer"`` trace of ``poet``. Two kinds of case are recorded from the authors'
-``poet_torch``:
+:func:`run` is POET's layer driver (:mod:`xopt.parity.methods.poet`): ``run_parity``
+hands it every ``kind: "layer"`` trace of ``poet``. Two kinds of case are recorded from the
+authors' ``poet_torch``:
 
 * ``cayley_neumann*``: stateless evaluations of ``get_weight_poet``: upper triangles ``x``
   in, the CNP blocks ``y`` and ``∂⟨y, grad_output⟩/∂x`` out (``aux/Q``: the skew
@@ -36,18 +36,10 @@ import numpy as np
 
 from xopt.errors import TraceError
 from xopt.parity.compare import closer_to, errors
-from xopt.parity.harness import (
-    LAYER_REQUIRES,
-    BadRequest,
-    Run,
-    available,
-    backend_label,
-    float32_matmuls,
-    layer_backends,
-    require_reference,
-)
+from xopt.parity.harness import BadRequest, Run, available, backend_label, require_reference
+from xopt.parity.layers import LAYER_REQUIRES, float32_matmuls, layer_backends
+from xopt.parity.methods import get as get_parity
 from xopt.parity.trace import Trace, step_prefix
-from xopt.specs import get
 from xopt.specs import poet as P
 
 
@@ -392,7 +384,7 @@ def _drive_layer(sim: _Sim, trace: Trace, mode: str, steps: int) -> list[dict[st
         rec = sim.fwd_bwd(trace.array(f"{pre}/x"), g, target)
         # Teacher-forced, the update consumes the recorded gradient: the layer's gradient is
         # compared on its own, and Adam's first step after a reset would otherwise amplify
-        # its float32 rounding (see TOLERANCES["closed_loop"] in xopt/specs/poet.py).
+        # its float32 rounding (see TOLERANCES["closed_loop"] in xopt/parity/methods/poet.py).
         sim.opt_step(trace.array(f"{pre}/grad/oft_R") if mode == "teacher_forced" else None)
         if "merged" in aux and int(aux["merged"]):
             sim.merge(aux["new_perm_in"], aux["new_perm_out"])
@@ -424,7 +416,7 @@ def run(trace: Trace, *, backends: Sequence[str], against: str, modes: Sequence[
         impl: str, device: str, max_steps: int | None, notes: list[str],
         explicit_backends: bool = False) -> list[Run]:
     """The comparisons of one POET layer trace (see the module docstring)."""
-    spec = get("poet")
+    parity = get_parity("poet")
     hp = hyperparams(trace)
     steps = trace.steps if max_steps is None else min(max_steps, trace.steps)
     cnp = _is_cnp(trace)
@@ -482,7 +474,7 @@ def run(trace: Trace, *, backends: Sequence[str], against: str, modes: Sequence[
                 w_impl = impl if which == "torch" else "plain"
                 r = Run(trace=trace.name, backend=backend_label(which),
                         impl=w_impl if var == "-" else f"{w_impl}/{var}", against=against,
-                        mode=mode, steps=steps, tolerance=spec.tolerance(mode),
+                        mode=mode, steps=steps, tolerance=parity.tolerance(mode),
                         per_step=per_step)
                 if oracle is not None and which != "oracle" and against != "oracle":
                     t, k, _ = r.worst

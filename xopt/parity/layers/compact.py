@@ -3,9 +3,10 @@
 ``run_parity`` hands every ``kind: "layer"`` trace of ``compact`` to :func:`run`. Two kinds of
 case are bundled (``xopt/parity/data/compact/``):
 
-* a single linear layer (``modules.linear.SmallLinear``): per step the recorded input ``x``
-  and ``∂L/∂y`` go through the forward and backward, then one optimizer update; compared:
-  ``y``, ``grad_input``, ``grad/bias``, the compressed gradient ``compact_grad/weight``
+* a single linear layer (``modules.linear.SmallLinear``, with a bias or without one, as
+  LLaMA's are): per step the recorded input ``x`` and ``∂L/∂y`` go through the forward and
+  backward, then one optimizer update; compared: ``y``, ``grad_input``, ``grad/bias`` (with
+  a bias), the compressed gradient ``compact_grad/weight``
   (the trace's ``aux/small_grad``), the saved activation ``z`` (``aux/xP``), the
   parameters and Adam's moments ``state/m/*``, ``state/v/*``;
 * a two-block LLaMA (the authors' ``peft_pretraining.modeling_llama``, converted by their
@@ -21,15 +22,11 @@ oracle is not run (a note says so). The authors' code cannot run live here (thei
 ``setup.py`` builds a CUDA extension whose sources are not in the repository), so
 ``"original"`` gives a note too.
 
-Both LLaMA implementations below follow the authors' model op for op: RMSNorm as
-``x·rsqrt(mean(x²) + ε)·w``, rotary embeddings with the half-rotation layout and base
-10000, causal ``scaled_dot_product_attention``, SwiGLU ``down(silu(gate(x))·up(x))``, the
-LM head without bias, mean cross-entropy of the shifted labels.
+The LLaMA is :mod:`xopt.parity.layers.llama`, written once for both frameworks.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,19 +34,11 @@ import numpy as np
 
 from xopt.errors import TraceError
 from xopt.parity.compare import closer_to, errors
-from xopt.parity.harness import (
-    LAYER_REQUIRES,
-    BadRequest,
-    Run,
-    available,
-    backend_label,
-    float32_matmuls,
-    layer_backends,
-    require_reference,
-)
+from xopt.parity.harness import BadRequest, Run, available, backend_label, require_reference
+from xopt.parity.layers import LAYER_REQUIRES, float32_matmuls, layer_backends, llama
+from xopt.parity.methods import get as get_parity
 from xopt.parity.trace import Trace, step_prefix
 from xopt.specs import compact as _spec
-from xopt.specs import get
 
 # -- reading the cases ---------------------------------------------------------------------------
 
@@ -118,7 +107,10 @@ class _Case:
         pre = step_prefix(t)
         aux = self.trace.aux(t)
         if self.kind == "linear":
-            return {"weight": aux["small_grad"], "bias": self.trace.array(f"{pre}/grad/bias")}
+            out = {"weight": aux["small_grad"]}
+            if self.bias:
+                out["bias"] = self.trace.array(f"{pre}/grad/bias")
+            return out
         return {k: (aux[f"{k}/small_grad"] if k in self.layers
                     else self.trace.array(f"{pre}/grad/{k}")) for k in self.trace.params}
 
@@ -153,7 +145,8 @@ class _Case:
         if self.kind == "linear":
             out["y"] = tr.array(f"{pre}/y")
             out["grad_input"] = tr.array(f"{pre}/grad_input")
-            out["grad/bias"] = tr.array(f"{pre}/grad/bias")
+            if self.bias:
+                out["grad/bias"] = tr.array(f"{pre}/grad/bias")
             out["compact_grad/weight"] = aux["small_grad"]
             out["z"] = aux["xP"]
         else:
@@ -191,10 +184,14 @@ class _TorchRunner:
                                        rank=hp.rank, proj_type="gaussian", scale=proj.scale,
                                        seed=proj.seed, gap=proj.gap, device=device)
             self.layers = {"weight": self.model}
-            self.named = {"weight": self.model.weight, "bias": self.model.bias}
-            groups = [{"params": [self.model.bias]}, {"params": [self.model.weight]}]
+            # the authors' groups: [{'params': [bias] or []}, {'params': [weight]}]
+            self.named = {"weight": self.model.weight}
+            groups = [{"params": [self.model.weight]}]
+            if case.bias:
+                self.named["bias"] = self.model.bias
+                groups.insert(0, {"params": [self.model.bias]})
         else:
-            self.model = TorchLlama(case.config).to(device)
+            self.model = llama.torch_llama(case.config).to(device)
             converted = compact_model(self.model, rank=hp.rank, proj_type="gaussian",
                                       scale=hp.scale, scale_o_proj=hp.scale_o_proj, gap=hp.gap,
                                       seed=hp.seed)
@@ -248,7 +245,8 @@ class _TorchRunner:
             with torch.no_grad():
                 z = x.detach() @ self.model.projection()
             out.update(y=y.detach(), grad_input=x.grad, z=z)
-            out["grad/bias"] = self.model.bias.grad
+            if self.case.bias:
+                out["grad/bias"] = self.model.bias.grad
             out["compact_grad/weight"] = self.model.weight.compact_grad
         else:
             loss = self.model(self._t(inputs["x"]))
@@ -360,7 +358,8 @@ class _JaxRunner:
                                      ps["weight"])
             pm = ps["weight"] if ps["weight"] is not None else self.draw(step)
             out.update(y=y, grad_input=gx, z=x @ pm)
-            out["grad/bias"] = gp["bias"]
+            if self.case.bias:
+                out["grad/bias"] = gp["bias"]
             out["compact_grad/weight"] = gp["compact_grad"]
         else:
             loss, gp = self.value_and_grad(self.params, jnp.asarray(inputs["x"]), step, ps)
@@ -416,13 +415,15 @@ class _OracleRunner:
         w, b = self.params["weight"], self.params.get("bias")
         y, z = _spec.linear_forward(x, w, b, p, xp=np)
         gx, g_hat, gb = _spec.linear_backward(g, z, w, b is not None, xp=np)
-        grads = {"weight": g_hat, "bias": gb}
+        grads = {"weight": g_hat} if b is None else {"weight": g_hat, "bias": gb}
         if feed is not None:
             grads = {k: np.asarray(v, np.float64) for k, v in feed.items()}
         self.params, self.state = _spec.step(self.case.hp, self.params, self.state, grads,
                                              xp=np, projections=self.projections,
                                              inject={"weight": {"P": p}})
-        out = {"y": y, "grad_input": gx, "z": z, "grad/bias": gb, "compact_grad/weight": g_hat}
+        out = {"y": y, "grad_input": gx, "z": z, "compact_grad/weight": g_hat}
+        if b is not None:
+            out["grad/bias"] = gb
         for k, v in self.params.items():
             out[f"param/{k}"] = v
             out[f"state/m/{k}"] = self.state[f"m/{k}"]
@@ -430,136 +431,23 @@ class _OracleRunner:
         return out
 
 
-# -- the LLaMA of the authors' repository, in both frameworks -------------------------------------
-
-
-def _rotary_tables(head_dim: int, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin tables (max_pos × head_dim), float32, as the authors' LlamaRotaryEmbedding
-    (computed here in float64 and rounded; torch's float32 cos/sin differ by an ulp)."""
-    inv = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
-    inv = inv.astype(np.float32)
-    freqs = np.outer(np.arange(max_pos, dtype=np.float32), inv).astype(np.float32)
-    emb = np.concatenate([freqs, freqs], axis=-1).astype(np.float64)
-    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
-
-
-def _torch_llama_class() -> type:
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    class RMSNorm(nn.Module):
-        def __init__(self, h: int, eps: float) -> None:
-            super().__init__()
-            self.weight = nn.Parameter(torch.ones(h))
-            self.eps = eps
-
-        def forward(self, x):
-            var = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
-            return self.weight * (x * torch.rsqrt(var + self.eps))
-
-    def rotate_half(x):
-        h = x.shape[-1] // 2
-        return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-    class Attention(nn.Module):
-        def __init__(self, cfg: dict[str, Any]) -> None:
-            super().__init__()
-            h, self.nh = cfg["hidden_size"], cfg["num_attention_heads"]
-            self.hd = h // self.nh
-            self.q_proj = nn.Linear(h, h, bias=False)
-            self.k_proj = nn.Linear(h, h, bias=False)
-            self.v_proj = nn.Linear(h, h, bias=False)
-            self.o_proj = nn.Linear(h, h, bias=False)
-            cos, sin = _rotary_tables(self.hd, cfg["max_position_embeddings"])
-            self.register_buffer("cos", torch.as_tensor(cos), persistent=False)
-            self.register_buffer("sin", torch.as_tensor(sin), persistent=False)
-
-        def forward(self, x):
-            b, n, h = x.shape
-            q = self.q_proj(x).view(b, n, self.nh, self.hd).transpose(1, 2)
-            k = self.k_proj(x).view(b, n, self.nh, self.hd).transpose(1, 2)
-            v = self.v_proj(x).view(b, n, self.nh, self.hd).transpose(1, 2)
-            cos, sin = self.cos[:n][None, None], self.sin[:n][None, None]
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            o = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)
-            return self.o_proj(o.transpose(1, 2).reshape(b, n, h))
-
-    class MLP(nn.Module):
-        def __init__(self, h: int, i: int) -> None:
-            super().__init__()
-            self.gate_proj = nn.Linear(h, i, bias=False)
-            self.down_proj = nn.Linear(i, h, bias=False)
-            self.up_proj = nn.Linear(h, i, bias=False)
-
-        def forward(self, x):
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    class Block(nn.Module):
-        def __init__(self, cfg: dict[str, Any]) -> None:
-            super().__init__()
-            h = cfg["hidden_size"]
-            self.self_attn = Attention(cfg)
-            self.mlp = MLP(h, cfg["intermediate_size"])
-            self.input_layernorm = RMSNorm(h, cfg["rms_norm_eps"])
-            self.post_attention_layernorm = RMSNorm(h, cfg["rms_norm_eps"])
-
-        def forward(self, x):
-            x = x + self.self_attn(self.input_layernorm(x))
-            return x + self.mlp(self.post_attention_layernorm(x))
-
-    class Body(nn.Module):
-        def __init__(self, cfg: dict[str, Any]) -> None:
-            super().__init__()
-            self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-            self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg["num_hidden_layers"])])
-            self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
-
-    class Llama(nn.Module):
-        """The authors' LlamaForCausalLM: ``forward(ids)`` is the mean next-token loss."""
-
-        def __init__(self, cfg: dict[str, Any]) -> None:
-            super().__init__()
-            self.vocab = cfg["vocab_size"]
-            self.model = Body(cfg)
-            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
-
-        def forward(self, ids):
-            x = self.model.embed_tokens(ids)
-            for layer in self.model.layers:
-                x = layer(x)
-            logits = self.lm_head(self.model.norm(x))
-            return F.cross_entropy(logits[..., :-1, :].contiguous().view(-1, self.vocab),
-                                   ids[..., 1:].contiguous().view(-1))
-
-    return Llama
-
-
-def TorchLlama(cfg: dict[str, Any]) -> Any:  # noqa: N802 - a class factory
-    """The authors' LLaMA (``peft_pretraining/modeling_llama.py``) as a torch module whose
-    parameter names are theirs (``model.layers.0.self_attn.q_proj.weight``, ...)."""
-    return _torch_llama_class()(cfg)
+# -- the LLaMA case's loss in JAX ------------------------------------------------------------------
 
 
 def jax_llama_loss(params: dict[str, Any], ids: Any, cfg: dict[str, Any],
                    projections: dict[str, _spec.Projection], step: Any,
                    injected: dict[str, Any]) -> Any:
-    """The same model in jax.numpy; CompAct weights (``projections``) go through
-    :func:`xopt.jax.compact.compact_linear` with their carriers ``<layer>/compact_grad``."""
+    """:func:`xopt.parity.layers.llama.loss` in jax.numpy; CompAct weights
+    (``projections``) go through :func:`xopt.jax.compact.compact_linear` with their carriers
+    ``<layer>/compact_grad``, with the injected P where given, else xopt's draw."""
     import jax
-    import jax.numpy as jnp
 
     from xopt.jax.compact import compact_linear, draw_projections
-
-    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
-    hd, eps = h // nh, cfg["rms_norm_eps"]
-    cos, sin = (jnp.asarray(a) for a in _rotary_tables(hd, cfg["max_position_embeddings"]))
 
     drawn = draw_projections({k: v for k, v in projections.items()
                               if injected.get(k) is None}, step)
 
-    def linear(x, name):
+    def linear(x: Any, name: str) -> Any:
         w = params[name]
         if name not in projections:
             return x @ w.T
@@ -568,37 +456,7 @@ def jax_llama_loss(params: dict[str, Any], ids: Any, cfg: dict[str, Any],
         p = None if p is None else jax.lax.stop_gradient(p)
         return compact_linear(x, w, None, params[name[: -len("weight")] + "compact_grad"], p)
 
-    def rms(x, w):
-        var = jnp.mean(x * x, axis=-1, keepdims=True)
-        return w * (x * jax.lax.rsqrt(var + eps))
-
-    def rotate_half(x):
-        return jnp.concatenate([-x[..., hd // 2:], x[..., : hd // 2]], axis=-1)
-
-    b, n = ids.shape
-    x = params["model/embed_tokens/weight"][ids]
-    mask = jnp.tril(jnp.ones((n, n), bool))
-    c, s = cos[:n][None, None], sin[:n][None, None]
-    for i in range(cfg["num_hidden_layers"]):
-        pre = f"model/layers/{i}/"
-        a = rms(x, params[pre + "input_layernorm/weight"])
-        q, k, v = (linear(a, pre + f"self_attn/{w}_proj/weight").reshape(b, n, nh, hd)
-                   .transpose(0, 2, 1, 3) for w in "qkv")
-        q = q * c + rotate_half(q) * s
-        k = k * c + rotate_half(k) * s
-        scores = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(hd))
-        scores = jnp.where(mask, scores, -jnp.inf)
-        o = jax.nn.softmax(scores, axis=-1) @ v
-        x = x + linear(o.transpose(0, 2, 1, 3).reshape(b, n, h), pre + "self_attn/o_proj/weight")
-        a = rms(x, params[pre + "post_attention_layernorm/weight"])
-        gate = linear(a, pre + "mlp/gate_proj/weight")
-        up = linear(a, pre + "mlp/up_proj/weight")
-        x = x + linear(jax.nn.silu(gate) * up, pre + "mlp/down_proj/weight")
-    logits = rms(x, params["model/norm/weight"]) @ params["lm_head/weight"].T
-    logits = logits[:, :-1].reshape(-1, logits.shape[-1])
-    labels = ids[:, 1:].reshape(-1)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=-1))
+    return llama.loss(cfg, ids, ops=llama.jax_ops(), weight=params.__getitem__, linear=linear)
 
 
 # -- the driver ----------------------------------------------------------------------------------
@@ -631,7 +489,7 @@ def run(trace: Trace, *, backends: Sequence[str], against: str, modes: Sequence[
         impl: str = "plain", device: str = "cpu", max_steps: int | None = None,
         notes: list[str], explicit_backends: bool = False) -> list[Run]:
     """Run CompAct's comparisons on one layer trace; see the module docstring."""
-    spec = get("compact")
+    parity = get_parity("compact")
     case = _Case(trace)
     steps = trace.steps if max_steps is None else min(max_steps, trace.steps)
     def skip(b: str) -> str | None:
@@ -674,7 +532,7 @@ def run(trace: Trace, *, backends: Sequence[str], against: str, modes: Sequence[
             per_step = [errors(x, y) for x, y in zip(a, b, strict=True)]
             r = Run(trace=trace.name, backend=backend_label(which), impl="plain",
                     against=backend_label(against), mode=mode, steps=steps,
-                    tolerance=spec.tolerance(mode), per_step=per_step)
+                    tolerance=parity.tolerance(mode), per_step=per_step)
             if "oracle" in outputs and "oracle" not in (which, against):
                 t, k, _ = r.worst
                 if k:
