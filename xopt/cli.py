@@ -171,7 +171,7 @@ def _compare(args: argparse.Namespace) -> int:
         raise XoptError("compare needs A and B (a trace file or a call such as "
                         "'torch.optim.Adam(lr=1e-3)'), or --table PAGE")
     from xopt.parity.anyopt import TOLERANCES, compare
-    from xopt.specs import Tolerance
+    from xopt.parity.methods import Tolerance
 
     tolerances = {}
     for mode, value in (("teacher_forced", args.tol), ("closed_loop", args.closed_tol)):

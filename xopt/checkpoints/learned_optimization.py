@@ -354,6 +354,7 @@ def parse_gin(text: str, file: str = GIN_FILE) -> tuple[str, dict[str, Any]]:
     Values must be finite literals. Anything gin would not parse, ``include`` (the file
     must be self-contained) and unsupported classes raise :class:`CheckpointError`
     naming ``file`` and the line."""
+    from xopt.parity.methods import velo as velo_parity
     from xopt.specs import velo
 
     bindings: list[_Binding] = []
@@ -417,7 +418,7 @@ def parse_gin(text: str, file: str = GIN_FILE) -> tuple[str, dict[str, Any]]:
     call_scope = tuple(m["scope"].split("/")) if m["scope"] else ()
     known = set(CLASSES[cls][1])
     if cls == "HyperV2":
-        known |= set(velo.VELO_FIXED) | set(velo.INERT)
+        known |= set(velo.VELO_FIXED) | set(velo_parity.INERT)
 
     kwargs: dict[str, Any] = {}
     ours = [b for b in bindings if b.selector.split(".")[-1] == cls]
