@@ -55,7 +55,8 @@ def table(report: Report) -> str:
     for note in report.notes:
         out.append(f"note: {note}")
     n_bad = sum(not r.agrees for r in report.runs)
-    out.append(f"{report.method}: {len(report.runs)} runs on {len(report.traces)} trace(s); "
+    n, t = len(report.runs), len(report.traces)
+    out.append(f"{report.method}: {n} run{'s' * (n != 1)} on {t} trace{'s' * (t != 1)}; "
                f"verdict: {report.verdict}" + (f" ({n_bad} diverge)" if n_bad else ""))
     return "\n".join(out)
 
