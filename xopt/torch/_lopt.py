@@ -521,6 +521,6 @@ def _fitting_hint(meta: MetaParams, theta: Any, hp: LOptOptions) -> str | None:
             given = ", ".join(f"{k}={v}" for k, v in change.items())
             return (f"these meta-parameters fit {given} (this optimizer has "
                     f"{', '.join(f'{k}={getattr(hp, k)}' for k in change)}): pass {given}; "
-                    "for the θ bundled with xopt, xopt.checkpoints.bundled_meta_params(method) "
+                    "for the θ bundled with xopt, xopt.checkpoints.bundled.bundled_meta_params() "
                     "returns the hyperparameters it needs, scales such as step_mult included")
     return None
