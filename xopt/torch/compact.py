@@ -279,6 +279,12 @@ class CompActLinear(nn.Module):
         self._step = int(step)
         self.proj_step.fill_(self._step)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a copy (deepcopy, pickle) makes new Parameter objects without Python attributes:
+        # link the copied weight to the copied layer again
+        super().__setstate__(state)
+        self.weight._compact_layer = weakref.ref(self)
+
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(*args, **kwargs)
         self._step = int(self.proj_step)
