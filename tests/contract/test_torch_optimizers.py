@@ -228,6 +228,10 @@ def test_low_precision_params_keep_float32_state_and_round_once(case, dtype):
                     t.copy_(t.to(dtype).to(torch.float32))
     for p32, p in zip(trainable(m32), trainable(m), strict=True):
         assert_same(p32.to(dtype), p.detach())
+    # the float32 state survives a state dict (torch would cast it to the parameter's dtype)
+    m2, opt2 = build(case, dtype)
+    opt2.load_state_dict(_save_load(opt.state_dict()))
+    assert_same(snapshot(m, opt)["state"], snapshot(m2, opt2)["state"])
 
 
 def _save_load(obj):
@@ -301,6 +305,17 @@ def test_load_state_dict_is_strict_and_changes_nothing_when_it_refuses(case):
         other.step(loss=1.0) if case.takes_loss else other.step()
         _assert_refused(m, opt, other.state_dict(), "has shape")
     opt.load_state_dict(good)  # and the good one still loads
+
+
+@cases
+def test_deepcopy_keeps_the_optimizer_and_its_model_whole(case):
+    m, opt = build(case, nonfinite="skip")
+    run(case, m, opt, range(2))
+    m2, opt2 = copy.deepcopy((m, opt))
+    assert opt2.nonfinite == "skip" and type(opt2) is type(opt)
+    run(case, m, opt, range(2, 4))
+    run(case, m2, opt2, range(2, 4))
+    assert_same(snapshot(m, opt), snapshot(m2, opt2))
 
 
 @cases

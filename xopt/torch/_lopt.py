@@ -449,13 +449,12 @@ class LearnedOptimizer(TritonPath, Optimizer):
         return {k: Layout(tuple(v.shape), v.dtype) for k, v in st.items()}
 
     def _check_state_dict(self, state_dict: Any) -> Any:
-        ids = super()._check_state_dict(state_dict)
-        glob = state_dict["state"].get("global")
-        if not isinstance(glob, Mapping):
+        st = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+        if isinstance(st, Mapping) and not isinstance(st.get("global"), Mapping):
             raise StateError(f"{type(self).__name__}.load_state_dict: missing state['global'] "
                              "(the global state of a learned optimizer; a state dict of "
                              "another optimizer?)")
-        return ids
+        return super()._check_state_dict(state_dict)
 
     def _check_extra_state(self, key: Any, value: Any) -> None:
         if key != "global":
