@@ -378,6 +378,16 @@ def test_jax_rank_too_large_and_nonfinite_name_the_leaf():
 
 
 @needs_torch
+def test_unknown_preset_says_flora_has_none():
+    import torch
+
+    from xopt.torch.flora import Flora
+
+    with pytest.raises(HyperparameterError, match="unknown preset 'paper'; Flora has no presets"):
+        Flora([torch.nn.Parameter(torch.zeros(2))], lr=0.1, preset="paper")
+
+
+@needs_torch
 def test_added_param_groups_continue_the_seed_count():
     import torch
 
