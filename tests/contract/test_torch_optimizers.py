@@ -21,6 +21,7 @@ import pytest
 import torch
 from contract.torch_cases import (
     CASES,
+    LAYERS,
     Case,
     assert_same,
     build,
@@ -375,6 +376,25 @@ def test_compiled_training_step_is_eager_bit_for_bit_without_recompiles(case):
         counts.append(len(graphs))
     assert counts[1] == counts[-1], f"recompiled at later steps: graphs after each {counts}"
     assert_same(snapshot(m1, o1), snapshot(m2, o2))
+
+
+@pytest.mark.parametrize("name,make,reason", LAYERS, ids=[layer[0] for layer in LAYERS])
+def test_layers_compile_into_one_graph_or_state_why(name, make, reason):
+    import torch._dynamo  # noqa: F401
+
+    layer = make(torch.float32)
+    x = torch.linspace(-1, 1, 16).reshape(2, 8).requires_grad_()
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    if reason is not None:
+        with pytest.raises(Exception, match=reason):
+            compiled(x)
+        compiled = torch.compile(layer, backend="eager")  # in pieces: the same bits
+    want = layer(x)
+    got = compiled(x)
+    assert_same(got, want)
+    (g_want,) = torch.autograd.grad(want.square().sum(), x)
+    (g_got,) = torch.autograd.grad(got.square().sum(), x)
+    assert_same(g_got, g_want)
 
 
 # -- bad parameters and gradients ------------------------------------------------------------------

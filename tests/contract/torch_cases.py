@@ -159,6 +159,19 @@ CASES: list[Case] = [
 ]
 
 
+#: the methods' torch layers: ``(name, build(dtype) -> module of input width 8, why its
+#: training forward does not compile into one graph (a pattern of dynamo's error), or None)``.
+#: Both compile in pieces without recompiling from step to step (the training-step check).
+LAYERS = [
+    # excluded from dynamo on purpose: the reason given to torch.compiler.disable
+    ("compact/CompActLinear", lambda dtype: _compact_model(dtype)[0],
+     r"torch.compiler.disable`? \(reason: .*draws its projection on the host at every forward"),
+    # the plain path builds the skew-symmetric index tables with NumPy in the spec
+    # (xopt/specs/poet.py, skew): one graph break per forward; the Triton path is the fast one
+    ("poet/POETLinear", lambda dtype: _poet_model(dtype)[0], r"ndarray"),
+]
+
+
 # -- driving a case -------------------------------------------------------------------------------
 
 
