@@ -21,11 +21,11 @@ adds to torch's base class, the same way for every method:
   Loaded state keeps its saved dtypes (torch would cast the float32 state of bfloat16
   parameters to bfloat16). State holds tensors and numbers only, so state dicts load with
   ``torch.load(..., weights_only=True)``.
-* **torch.compile**: a subclass's ``step`` is wrapped in ``torch.compiler.disable`` when its
-  update reads step counters or schedules on the host (every xopt method but none of them
-  cheaply avoidable, see each module): a compiled training step then breaks its graph once,
-  at ``step()``, which runs eagerly, instead of breaking per parameter and recompiling at
-  every step as dynamo does on Python counters.
+* **torch.compile**: every xopt method's step reads step counters or schedules on the host
+  (bias corrections, refreshes, seeds, merges, a learned optimizer's time features), so each
+  subclass wraps ``step`` in ``torch.compiler.disable`` with that reason: a compiled
+  training step breaks its graph once, at ``step()``, which runs eagerly, instead of
+  breaking per parameter and recompiling at every step on the changing counters.
 
 ``nonfinite="skip"`` without host synchronisation: the step computes a finiteness flag on
 the device, runs the update, and then keeps every written tensor on the flag's device with
@@ -37,9 +37,12 @@ waiting, and read when the optimizer is next used (the next ``step``, ``state_di
 ``load_state_dict``, ``add_param_group`` or a copy), when the host values of a skipped step
 are put back, before anything else reads them. On the CPU the flag is read at once.
 A method whose step drives host-side schedules of other objects (CompAct's layer
-projections, POET's model merges) reads the flag at once (it says so). Each parameter that
-takes part in a step gets the counter ``state[p][xopt.nonfinite.SKIP_COUNTER]`` (an int32
-0-d tensor on its device), incremented on the device when the step is skipped.
+projections, POET's model merges) reads the flag at once (it says so), and so does a step
+whose decomposition fails (at a refresh, where the check reads the device anyway): a
+failure on non-finite gradients is a skip, one on finite gradients an error. Until the flag
+is read, ``optimizer.state`` read directly may show a skipped step's host counters. Each
+parameter that takes part in a step gets the counter ``state[p][xopt.nonfinite.SKIP_COUNTER]``
+(an int32 0-d tensor on its device), incremented on the device when the step is skipped.
 """
 
 from __future__ import annotations
