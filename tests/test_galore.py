@@ -230,37 +230,32 @@ def test_torch_bad_input_names_the_parameter():
     w = torch.zeros(5, 8)
     with pytest.raises(HyperparameterError, match=r"w_big.*rank = 9.*at most 5"):
         xopt.torch.GaLore([{"params": [w], "param_names": ["w_big"]}], rank=9)
-    with pytest.raises(HyperparameterError, match=r"dtype torch.int64"):
-        xopt.torch.GaLore([torch.zeros(3, 3, dtype=torch.int64)], rank=2)
     with pytest.raises(HyperparameterError, match="update_proj_gap = -1"):
         xopt.torch.GaLore([w], rank=2, update_proj_gap=-1)
     xopt.torch.GaLore([w], rank=9, project=False)  # not projected: any rank is fine
 
 
 @needs_torch
-def test_torch_nonfinite_gradient_and_failed_svd():
+def test_torch_failed_svd_of_a_finite_gradient_names_it_and_moves_nothing():
     import torch
 
     import xopt.torch
 
-    w = torch.nn.Parameter(torch.ones(6, 4))
-    b = torch.nn.Parameter(torch.ones(4))
-    opt = xopt.torch.GaLore([{"params": [b, w], "param_names": ["b", "w"]}], rank=2,
-                            check_finite=True)
-    b.grad, w.grad = torch.ones(4), torch.full((6, 4), float("nan"))
-    with pytest.raises(NonFiniteError, match="gradient of w"):
-        opt.step()
-    assert torch.equal(b, torch.ones(4)) and not opt.state[b]  # nothing moved
     # a finite gradient whose SVD overflows: the refresh raises naming the parameter, and
-    # the projection from the previous refresh is left as it was
-    opt = xopt.torch.GaLore([{"params": [w], "param_names": ["w"]}], rank=2, update_proj_gap=1)
-    w.grad = torch.randn(6, 4)
+    # nothing moves, the other matrix's refresh included (tests/contract/ makes an SVD fail
+    # on purpose; this one fails on its own)
+    w = torch.nn.Parameter(torch.ones(6, 4))
+    v = torch.nn.Parameter(torch.ones(5, 4))
+    opt = xopt.torch.GaLore([{"params": [v, w], "param_names": ["v", "w"]}], rank=2,
+                            update_proj_gap=1)
+    v.grad, w.grad = torch.randn(5, 4), torch.randn(6, 4)
     opt.step()
-    before = opt.state[w]["ortho_matrix"].clone()
-    w.grad = torch.full((6, 4), 3e38)
+    before = {k: t.clone() for k, t in opt.state[v].items() if torch.is_tensor(t)}
+    v.grad, w.grad = torch.randn(5, 4), torch.full((6, 4), 3e38)
     with pytest.raises(DecompositionError, match="gradient of w"):
         opt.step()
-    assert torch.equal(opt.state[w]["ortho_matrix"], before)
+    assert all(torch.equal(opt.state[v][k], t) for k, t in before.items())
+    assert opt.state[v]["step"] == opt.state[w]["step"] == 1
 
 
 @needs_torch
@@ -300,20 +295,6 @@ def test_torch_state_dict_loads_with_weights_only_and_resumes_exactly():
     assert torch.equal(w3, w1)
     assert set(o3.state[w3]) == {"step", "exp_avg", "exp_avg_sq", "ortho_matrix",
                                  "ortho_matrix_right"}
-
-
-@needs_torch
-def test_torch_bfloat16_params_keep_float32_state():
-    import torch
-
-    import xopt.torch
-
-    w = torch.nn.Parameter(torch.ones(6, 4, dtype=torch.bfloat16))
-    opt = xopt.torch.GaLore([w], rank=2)
-    w.grad = torch.randn(6, 4).to(torch.bfloat16)
-    opt.step()
-    assert opt.state[w]["exp_avg"].dtype == torch.float32 and w.dtype == torch.bfloat16
-    assert opt.state[w]["ortho_matrix"].dtype == torch.float32
 
 
 # -- jax ---------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """PyTorch implementations: ``torch.optim.Optimizer`` subclasses and ``nn.Module`` layers.
 
-Importing this package imports torch. Each name loads its module on first use.
+Importing this package is cheap: it imports neither torch nor any method. Each name loads
+its module, and with it torch, on first use (``from xopt.torch import AdamW``).
 """
 
 from __future__ import annotations
