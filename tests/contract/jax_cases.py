@@ -292,3 +292,74 @@ def run(tx: Any, params: Any, steps: int, *, jit: bool = True, state: Any = None
         u, state = update(grads_like(params, t), state, params, **kw)
         out.append(u)
     return params, state, out
+
+
+# -- running and comparing -----------------------------------------------------------------
+
+
+def names(tree: Any) -> list[str]:
+    """Leaf names as xopt's errors write them (path keys joined by ``/``)."""
+    from xopt.jax._contract import path_names
+
+    return path_names(tree)
+
+
+def _bits(x: Any) -> np.ndarray:
+    x = np.asarray(x)
+    if x.dtype.kind not in "fc":
+        return x
+    return x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
+
+
+def assert_bitwise(a: Any, b: Any, what: str) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b), what
+    for name, x, y in zip(names(a), jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, f"{what} {name}"
+        assert np.array_equal(_bits(x), _bits(y)), f"{what} {name}: {x} vs {y}"
+
+
+def max_rel(a: Any, b: Any) -> float:
+    """The largest ``max|a − b| / max|b|`` over the leaves (float64)."""
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        if x.size == 0:
+            continue
+        d = np.max(np.abs(x - y))
+        if d:
+            worst = max(worst, d / max(np.max(np.abs(y)), 1e-30))
+    return worst
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A case's default transformation on its tiny params, run ``steps`` steps under jit
+    through one trace-counting jitted update (shared by a test module's checks)."""
+
+    c: JaxCase
+    tx: Any
+    params: Any
+    update: Any
+    traces: list[int]
+    states: list[Any]  # the state before each step, and after the last
+    updates: list[Any]
+
+
+def prepare(c: JaxCase, steps: int) -> Prepared:
+    params = c.params()
+    tx = c.build(params)
+    traces: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        traces.append(1)  # runs only while tracing
+        return tx.update(*args, **kwargs)
+
+    update = jax.jit(counted)
+    state = tx.init(params)
+    states, updates = [state], []
+    for t in range(steps):
+        u, state = update(grads_like(params, t), state, params, **update_kwargs(c, t))
+        states.append(state)
+        updates.append(u)
+    return Prepared(c, tx, params, update, traces, states, updates)
