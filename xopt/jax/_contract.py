@@ -22,9 +22,10 @@ update runs:
   is part of the kept state, so it does not advance.
 
 Integer hyperparameters fix state shapes, control flow or random streams, so they must be
-Python integers: :func:`require_static` refuses an array (what ``optax.inject_hyperparams``
+Python numbers: :func:`require_static` refuses an array (what ``optax.inject_hyperparams``
 passes for every numeric argument) with an error that names the argument and the
-``static_args`` to give. Float hyperparameters may be arrays, traced or not.
+``static_args`` to give. Float hyperparameters may be arrays, traced or not, and an array
+is never silently left unread (tests/contract/ injects each one and checks it is used).
 """
 
 from __future__ import annotations
@@ -82,17 +83,20 @@ def reject_unknown(label: str, unknown: dict[str, Any], fn: Callable[..., Any]) 
 
 
 def require_static(label: str, **values: Any) -> None:
-    """Refuse array values of integer hyperparameters (see the module docstring)."""
+    """Refuse array values of the hyperparameters that fix the state's shapes, control flow
+    or random stream (integers, and COAP's ``rank_ratio``); see the module docstring."""
     arrays = [name for name, v in values.items()
               if isinstance(v, (jax.Array, np.ndarray, jax.core.Tracer))]
     if arrays:
         names = ", ".join(map(repr, arrays))
+        one = len(arrays) == 1
         raise HyperparameterError(
-            f"{label}: {names} must be {'a Python int' if len(arrays) == 1 else 'Python ints'}"
-            f", got {'an array' if len(arrays) == 1 else 'arrays'} (they fix the state's "
-            "shapes, control flow or random stream, which cannot follow a traced value). "
-            "optax.inject_hyperparams passes every numeric argument as an array unless it is "
-            f"named static: inject_hyperparams(..., static_args=({names},))")
+            f"{label}: {names} must be {'a Python number' if one else 'Python numbers'}, got "
+            f"{'an array' if one else 'arrays'}: {'it fixes' if one else 'they fix'} the "
+            "state's shapes, control flow or random stream, which cannot follow a traced "
+            "value. optax.inject_hyperparams passes every numeric argument as an array unless "
+            f"it is named static: inject_hyperparams(..., static_args=({names}"
+            f"{',' if one else ''}))")
 
 
 def _is_real_floating(dtype: Any) -> bool:
