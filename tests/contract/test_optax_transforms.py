@@ -219,6 +219,21 @@ def test_value_argument(prepared):
                    params)
 
 
+def test_matrix_products_are_full_precision(prepared):
+    """Every matrix product the jitted update traces is float32 at ``HIGHEST`` precision
+    (XLA on a GPU would otherwise multiply in TF32, ~1e-3 relative; a CPU cannot show it,
+    so the lowered program is read). Updates without matrix products pass vacuously."""
+    import re
+
+    c, params = prepared.c, prepared.params
+    lowered = jax.jit(prepared.tx.update).lower(J.grads_like(params, 0), prepared.states[0],
+                                                params, **J.update_kwargs(c, 0))
+    dots = [line for line in lowered.as_text().splitlines()
+            if re.search(r"\bdot_general\b", line)]
+    loose = [d.strip()[:160] for d in dots if "HIGHEST, HIGHEST" not in d]
+    assert not loose, f"{c.id}: {len(loose)} of {len(dots)} products not at full precision"
+
+
 def test_nested_pytree_with_a_scalar_leaf(prepared):
     params = prepared.params
     shapes = [jnp.shape(x) for x in jax.tree.leaves(params)]
