@@ -245,6 +245,17 @@ def test_nested_pytree_with_a_scalar_leaf(prepared):
             assert x.shape == p.shape and x.dtype == p.dtype
 
 
+def test_nonfinite_ignore_is_the_default_and_lets_nan_through(prepared):
+    """``nonfinite="ignore"`` (no check, no counter in the state): a NaN gradient reaches the
+    updates, the documented trade-off (bad input and the other modes:
+    test_optax_bad_input.py)."""
+    c, params = prepared.c, prepared.params
+    assert prepared.states[0]._asdict().get("nonfinite_skips", None) is None
+    g = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), J.grads_like(params, 0))
+    u, _ = prepared.update(g, prepared.states[0], params, **J.update_kwargs(c, 0))
+    assert any(not np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(u))
+
+
 # -- hyperparameters ----------------------------------------------------------------------------
 
 
