@@ -1,10 +1,12 @@
 """The JAX half of the contract suite: one case per optax transformation xopt ships.
 
 A method joins by adding a :class:`JaxCase` to :func:`cases`: how to build its
-transformation on a tiny pytree, which of its hyperparameters are injectable floats and
-which are static integers, and which checks do not apply to it, each with its reason.
-``test_optax_transforms.py`` runs every check over every case and fails when a registered
-method (``xopt.specs.names()``) or a public transformation of ``xopt.jax`` has no case.
+transformation on a tiny pytree and which Flax model it trains; which of its
+hyperparameters are injectable floats and which are static integers; which arguments its
+settings do not read or refuse as arrays, each with its reason. The ``test_optax_*.py``
+files run every check over every case; ``test_optax_transforms.py`` fails when a
+registered method (``xopt.specs.names()``), a public transformation or a public Flax module
+of ``xopt.jax`` has no case.
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ class JaxCase:
         the nonfinite policy; ``"ignored"``: accepted and unused.
       model: ``() -> (module, variables, trainable)``: a tiny Flax (linen) model this
         transformation trains (``trainable``: the collection it updates).
+      modules: the public Flax modules ``model`` trains (each module joins the suite
+        through the case of the transformation it is trained with).
       extra: ``(params, variables) -> kwargs`` the factory needs besides ``kwargs``, read
         from the parameters or the model's variables (CompAct: its projections).
-      modules: the public Flax modules ``model`` trains.
-      not_applicable: check name -> the reason it does not apply.
     """
 
     id: str
@@ -64,7 +66,6 @@ class JaxCase:
     model: Callable[[], tuple[Any, Any, str]] | None = None
     extra: Callable[[Any, Any], dict[str, Any]] | None = None
     modules: tuple[str, ...] = ()
-    not_applicable: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def factory_kwargs(self, params: Any = None, variables: Any = None,
                        **overrides: Any) -> dict[str, Any]:

@@ -150,7 +150,7 @@ def test_inject_hyperparams_uses_every_injected_value(prepared):
     for name in c.refused:
         with pytest.raises(HyperparameterError, match=name):
             optax.inject_hyperparams(c.factory, static_args=static)(
-                **kw, **{name: 0.0}).init(params)
+                **{**kw, name: 0.0}).init(params)
     everything = _run_injected(update, state, params, c, c.injectable)
     _, _, want = J.run(c.build(params, **c.injectable), params, STEPS, c=c)
     assert J.max_rel(everything, want) <= INJECTED_RTOL, f"{c.id}: injecting " \
