@@ -470,11 +470,11 @@ def test_torch_bad_input_names_the_parameter():
     assert not opt.state[a] and torch.equal(a, torch.ones(6, 4))
 
 
-# -- jax: leaf specs, chains, schedules, bad input -------------------------------------------------
+# -- jax: leaf specs, schedules, bad input ------------------------------------------------------
 
 
 @needs_jax
-def test_jax_leaf_specs_schedule_and_chain():
+def test_jax_leaf_specs_and_schedule():
     import jax
     import jax.numpy as jnp
     import optax
@@ -497,9 +497,6 @@ def test_jax_leaf_specs_schedule_and_chain():
     st = c.init(p)
     assert st.proj["enc/w"] is None and st.proj["dec/w"].shape == (6, 3)
     assert st.mu["enc/w"].shape == (24, 10)
-    chain = optax.chain(optax.clip_by_global_norm(1.0), xopt.jax.coap(spec=h))
-    u, _ = jax.jit(chain.update)(g, chain.init(p), p)
-    assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(u))
 
 
 @needs_jax
@@ -510,16 +507,10 @@ def test_jax_bad_input_names_the_leaf():
 
     with pytest.raises(HyperparameterError, match=r"xopt.jax.coap: w: rank = 4"):
         xopt.jax.coap(rank=4, project=True).init({"w": jnp.zeros((3, 10))})
-    with pytest.raises(HyperparameterError, match=r"xopt.jax.coap: i: dtype int32"):
-        xopt.jax.coap(rank=2).init({"i": jnp.zeros((4, 4), jnp.int32)})
     with pytest.raises(HyperparameterError, match="update_interval = 0"):
         xopt.jax.coap(rank=2, update_interval=0)
     p = {"a": jnp.ones((6, 4)), "b": jnp.ones((6, 4))}
-    tx = xopt.jax.coap(rank=2, check_finite=True)
-    g = {"a": jnp.ones((6, 4)), "b": jnp.full((6, 4), jnp.nan)}
-    with pytest.raises(NonFiniteError, match="gradient of b"):
-        tx.update(g, tx.init(p), p)
-    # without the check, a projection update that is not finite keeps the previous P
+    # a projection update that is not finite keeps the previous P
     tx = xopt.jax.coap(rank=2)
     _, st = tx.update({"a": jnp.full((6, 4), jnp.inf), "b": jnp.ones((6, 4))}, tx.init(p), p)
     assert bool(jnp.all(st.proj["a"] == 0)) and bool(jnp.isfinite(st.proj["b"]).all())

@@ -427,5 +427,3 @@ def test_jax_optimizer_rejects_a_model_with_other_seeds():
         tx.update(grads, state, v1["params"], compact=v2["compact"])
     with pytest.raises(HyperparameterError, match="rank"):
         CompActDense(4, rank=0.0).init(jax.random.PRNGKey(0), x)
-    with pytest.raises(HyperparameterError, match="unknown argument"):
-        compact_adamw(lr=0.1)

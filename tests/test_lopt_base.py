@@ -511,39 +511,15 @@ def test_jax_schedule_is_read_at_the_call_count(accumulate):
 
 
 @needs_jax
-def test_jax_check_finite_names_the_leaf_eagerly_and_under_jit():
-    import jax
-    import jax.numpy as jnp
-
-    from xopt.jax._lopt import learned_optimizer
-
-    h = ToyHP(num_training_steps=10)
-    tx = learned_optimizer(_JaxToy(h, THETA), h, check_finite=True)
-    p = {"a": jnp.ones(2), "b": jnp.ones((3, 2))}
-    s = tx.init(p)
-    g = {"a": jnp.ones(2), "b": jnp.full((3, 2), jnp.nan)}
-    with pytest.raises(NonFiniteError, match=r"\['b'\]"):
-        tx.update(g, s, p, value=1.0)
-    with pytest.raises(Exception, match=r"gradient of \['b'\] holds NaN"):
-        jax.block_until_ready(jax.jit(lambda g, s, p: tx.update(g, s, p, value=1.0))(g, s, p))
-    u, _ = tx.update({"a": jnp.ones(2), "b": jnp.ones((3, 2))}, s, p, value=1.0)
-    assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(u))
-
-
-@needs_jax
-def test_jax_rejects_integer_params_and_missing_inputs():
+def test_jax_needs_params_and_a_horizon():
     import jax.numpy as jnp
 
     from xopt.jax._lopt import learned_optimizer
 
     h = ToyHP(num_training_steps=10)
     tx = learned_optimizer(_JaxToy(h, THETA), h, needs_loss=True)
-    with pytest.raises(HyperparameterError, match=r"\['n'\].*int32"):
-        tx.init({"a": jnp.ones(2), "n": jnp.ones(2, jnp.int32)})
     s = tx.init({"a": jnp.ones(2)})
     with pytest.raises(ValueError, match="needs `params`"):
         tx.update({"a": jnp.ones(2)}, s, None, value=1.0)
-    with pytest.raises(ValueError, match="needs the loss"):
-        tx.update({"a": jnp.ones(2)}, s, {"a": jnp.ones(2)})
     with pytest.raises(HyperparameterError, match="num_training_steps is required"):
         learned_optimizer(_JaxToy(h, THETA), ToyHP())

@@ -315,7 +315,7 @@ def test_jax_layer_matches_torch_and_mem_vjp_matches_autodiff():
 
 
 @needs_jax
-def test_poet_adamw_resets_and_jits():
+def test_poet_adamw_restarts_the_moments_every_merge_interval():
     import jax
     import jax.numpy as jnp
 

@@ -390,7 +390,7 @@ def test_torch_and_jax_agree_on_a_random_problem():
 
 
 @pytest.mark.skipif(not has_jax, reason="needs jax")
-def test_jax_needs_the_loss_and_steps_exactly_p_minus_step():
+def test_jax_steps_exactly_p_minus_step():
     import jax
     import jax.numpy as jnp
     import optax
@@ -404,8 +404,6 @@ def test_jax_needs_the_loss_and_steps_exactly_p_minus_step():
     tx = xopt.jax.velo(theta, spec=hp)
     state = tx.init(jp)
     g = {k: jnp.asarray(v) for k, v in grads[0].items()}
-    with pytest.raises(ValueError, match="loss"):
-        tx.update(g, state, jp)
     u, new = jax.jit(lambda g, s, p, v: tx.update(g, s, p, value=v))(g, state, jp, losses[0])
     oracle, _ = V.step(hp, {k: v.astype(np.float64) for k, v in params.items()},
                        V.init_state(hp, params, meta=theta, dtype=np.float64),
@@ -415,5 +413,3 @@ def test_jax_needs_the_loss_and_steps_exactly_p_minus_step():
     for k in params:  # updates = -(1·step): apply_updates gives p - step
         assert rel(np.asarray(u[k]), oracle[k] - params[k]) < 1e-5, k
         assert rel(np.asarray(new_p[k]), oracle[k]) < 1e-6, k
-    with pytest.raises(HyperparameterError, match="learning_rate"):
-        xopt.jax.velo(theta, spec=hp, lr=0.1)

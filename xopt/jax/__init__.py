@@ -8,6 +8,14 @@ Importing this package imports jax and optax (``import xopt`` alone imports neit
 >>> updates, state = tx.update(grads, state, params)
 >>> params = optax.apply_updates(params, updates)
 
+Every transformation keeps one contract (:mod:`xopt.jax._contract`, checked by
+``tests/contract/``): it works in ``optax.chain``, ``optax.MultiSteps`` and
+``optax.inject_hyperparams`` (float hyperparameters injectable; integer ones named in
+``static_args``), jits without retracing, takes ``value=`` (the learned optimizers need it,
+the others ignore it), checks gradients and state against the parameters at trace time
+(a state made for other parameters is an :class:`xopt.errors.StateError`), and takes
+``nonfinite="ignore" | "raise" | "skip"`` (:mod:`xopt.nonfinite`).
+
 Note: ``xopt.jax.adamw`` is the *function* (what :mod:`xopt.registry` holds as the
 ``"jax"`` implementation of ``"adamw"``); the module that defines it is
 ``sys.modules["xopt.jax.adamw"]``, reached with ``importlib.import_module("xopt.jax.adamw")``.
