@@ -261,8 +261,10 @@ def record_checkpoints(out_dir: Path) -> list[Path]:
     import torch
 
     M, _, _, _ = import_originals()
-    from learned_optimization import checkpoints
-    from learned_optimization import outer_train  # noqa: F401  (registers run_train with gin)
+    from learned_optimization import (
+        checkpoints,
+        outer_train,  # noqa: F401  (registers run_train with gin)
+    )
     from learned_optimization.outer_trainers import gradient_learner
 
     theta_np = dict(np.load(META_SRC))
