@@ -3,7 +3,7 @@
     PYTHONPATH=<haiku, gin, jmp, tabulate>:<learned_optimization>:<mu_learned_optimization/src> \
         python tools/record_mulo.py traces [OUT_DIR]        (default: xopt/parity/data/mulo)
     PYTHONPATH=<as above>:<pylo> python tools/record_mulo.py checkpoints [OUT_DIR]
-                                                          (default: tests/fixtures)
+                                                          (default: tests/fixtures/mulo)
 
 The originals (fetched for the purpose, never committed):
 
@@ -280,7 +280,6 @@ def record_checkpoints(out_dir: Path) -> list[Path]:
         "run_train.lopt = @MuAdafacMLPLOpt()",
     ])
     (lo_dir / "config.gin").write_text(gin.config_str())
-    lopt = gin.get_bindings("run_train")["lopt"]
     lopt = M.MuAdafacMLPLOpt(hidden_size=LOPT_KWARGS["hidden_size"],
                              hidden_layers=LOPT_KWARGS["hidden_layers"],
                              step_mult=LOPT_KWARGS["step_mult"])
@@ -314,7 +313,7 @@ def main(argv: list[str]) -> None:
         for case in CASES:
             print(record_case(out, *case))
     elif what == "checkpoints":
-        out = Path(argv[1]) if len(argv) > 1 else ROOT / "tests/fixtures"
+        out = Path(argv[1]) if len(argv) > 1 else ROOT / "tests/fixtures/mulo"
         for p in record_checkpoints(out):
             print(p)
     else:
