@@ -227,7 +227,7 @@ def _port(args: argparse.Namespace) -> int:
         except json.JSONDecodeError as e:
             raise XoptError(f"--decays: not 'pylo-defaults' or a JSON object ({e})") from None
     r = port(args.src, args.dst, args.to, verify=args.verify, overwrite=args.overwrite,
-             decays=decays, overrides=overrides)
+             decays=decays, overrides=overrides, method=args.method)
     print(f"{r.method}: {r.src_format} {args.src} -> {r.dst_format} {r.dst}")
     for name, digest in r.source.get("sha256", {}).items():
         print(f"source sha256: {digest}  {name}")
@@ -335,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "does not store them): 'pylo-defaults' or a JSON object")
     q.add_argument("--set", action="append", metavar="FIELD=VALUE",
                    help="hyperparameter override (JSON value); repeatable")
+    q.add_argument("--method", help="the method SRC must hold; 'mulo' reads a PyLO MetaMLP "
+                                    "as μLO's (the folder serves small_fc_lopt and μLO)")
     q.set_defaults(func=_port)
     return parser
 

@@ -50,6 +50,8 @@ class JaxCase:
         through the case of the transformation it is trained with).
       extra: ``(params, variables) -> kwargs`` the factory needs besides ``kwargs``, read
         from the parameters or the model's variables (CompAct: its projections).
+      sanitises_nonfinite: the method's own rule for NaN/inf gradients (μLO: NaN -> 0), why
+        ``nonfinite="ignore"`` does not pass them through; "" (default): it passes them.
     """
 
     id: str
@@ -66,6 +68,7 @@ class JaxCase:
     model: Callable[[], tuple[Any, Any, str]] | None = None
     extra: Callable[[Any, Any], dict[str, Any]] | None = None
     modules: tuple[str, ...] = ()
+    sanitises_nonfinite: str = ""
 
     def factory_kwargs(self, params: Any = None, variables: Any = None,
                        **overrides: Any) -> dict[str, Any]:
@@ -249,6 +252,16 @@ def cases() -> tuple[JaxCase, ...]:
             injectable=dict(learning_rate=0.5, weight_decay=0.7, exp_mult=0.5, step_mult=0.1),
             static=("num_training_steps", "max_training_steps", "hidden_size",
                     "hidden_layers", "seed")),
+        JaxCase(
+            id="mulo", method="mulo", factory=xj.mulo, params=tiny_params, model=mlp,
+            loss="read",
+            kwargs=dict(num_training_steps=20, learning_rate=1.0, weight_decay=0.1,
+                        weight_decay_mode="decoupled", exp_mult=0.001, step_mult=0.01),
+            injectable=dict(learning_rate=0.5, weight_decay=0.7, exp_mult=0.5, step_mult=0.1),
+            static=("num_training_steps", "max_training_steps", "hidden_size",
+                    "hidden_layers", "seed", "clip_grad", "mup_lr"),
+            sanitises_nonfinite="μLO replaces NaN by 0 and ±inf by ±float32 max in the "
+                                "gradient before its MLP reads it"),
         JaxCase(
             id="velo", method="velo", factory=xj.velo, params=tiny_params, model=mlp,
             loss="required",

@@ -298,7 +298,7 @@ def test_load_state_dict_is_strict_and_changes_nothing_when_it_refuses(case):
     other_model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(),
                                       torch.nn.Linear(6, 3))
     if len(trainable(other_model)) == len(trainable(m)) and case.name in (
-            "adamw", "galore", "flora", "coap", "plumage", "small_fc_lopt", "velo"):
+            "adamw", "galore", "flora", "coap", "plumage", "mulo", "small_fc_lopt", "velo"):
         other = case.make(other_model, trainable(other_model))
         normal = torch.Generator().manual_seed(0)
         for p in trainable(other_model):

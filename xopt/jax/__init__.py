@@ -31,6 +31,7 @@ from xopt.jax.coap import COAPState, coap
 from xopt.jax.compact import CompActAdamState, CompActDense, compact_adamw
 from xopt.jax.flora import FloraState, flora
 from xopt.jax.galore import GaLoreState, galore
+from xopt.jax.mulo import mulo
 from xopt.jax.plumage import PlumageState, plumage
 from xopt.jax.poet import POETAdamWState, POETDense, poet_adamw
 from xopt.jax.small_fc_lopt import small_fc_lopt
@@ -42,3 +43,4 @@ __all__ = ["AdamWState", "COAPState", "coap", "GaLoreState", "galore",
 __all__ += ["CompActAdamState", "CompActDense", "compact_adamw"]
 __all__ += ["FloraState", "flora"]
 __all__ += ["PlumageState", "plumage"]
+__all__ += ["mulo"]

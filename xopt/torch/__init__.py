@@ -15,7 +15,8 @@ _EXPORTS = {"AdamW": "xopt.torch.adamw", "SmallFCLOpt": "xopt.torch.small_fc_lop
             "Flora": "xopt.torch.flora",
             "VeLO": "xopt.torch.velo", "GaLore": "xopt.torch.galore",
             "POETLinear": "xopt.torch.poet", "POETAdamW": "xopt.torch.poet",
-            "PLUMAGE": "xopt.torch.plumage"}
+            "PLUMAGE": "xopt.torch.plumage",
+            "MuLO": "xopt.torch.mulo", "mup_param_groups": "xopt.torch.mulo"}
 
 __all__ = sorted(_EXPORTS)
 
