@@ -277,3 +277,70 @@ def test_the_gpu_default_is_a_path_verified_on_a_gpu(monkeypatch):
     monkeypatch.setitem(_lopt_fast.GPU_DEFAULT, "small_fc_lopt", "pallas")
     assert chosen() == "pallas"
     assert chosen(hidden_layers=0) == "packed"  # no kernel for a linear MLP
+
+
+def _unmasked_boundary_accesses(closed) -> list[str]:
+    """Every access, in the Pallas kernels of a program (``jax.make_jaxpr``'s result), to a
+    block that can reach past its array (a block dimension that does not divide the
+    array's) without a mask, or a masked load without ``other``. Pallas's Triton lowering
+    bounds no plain ``ref[...]``: on a GPU such an access reads or writes memory outside the
+    block's array, which the CPU interpreter (NaN-padded blocks, out-of-range lanes dropped)
+    never shows."""
+    from jax.extend.core import jaxprs_in_params
+
+    bad: list[str] = []
+
+    def kernel(eqn) -> None:
+        gm = eqn.params["grid_mapping"]
+        kj = eqn.params["jaxpr"]
+        over = {}
+        for bm, ref in zip(gm.block_mappings, kj.invars, strict=False):
+            sizes = [getattr(b, "block_size", None) for b in bm.block_shape]
+            if any(s is not None and d % s for s, d in zip(sizes, bm.array_aval.shape,
+                                                            strict=True)):
+                over[id(ref)] = f"{eqn.params.get('name')}: block {tuple(sizes)} of " \
+                            f"{bm.array_aval.shape}"
+        for q in kj.eqns:
+            refs = [id(v) for v in q.invars if id(v) in over]
+            if not refs:
+                continue
+            name = q.primitive.name
+            if name == "masked_load":
+                _, _, mask, other = q.params["args_tree"].unflatten(q.invars)
+                ok = mask is not None and other is not None
+            elif name == "masked_swap":
+                ok = q.params["args_tree"].unflatten(q.invars)[3] is not None
+            else:  # get, swap (unmasked), or the ref handed to anything else
+                ok = False
+            if not ok:
+                bad.append(f"{over[refs[0]]}: {name}")
+
+    def walk(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                kernel(eqn)
+            for sub in jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(closed.jaxpr)
+    return bad
+
+
+@pytest.mark.parametrize("method", ["small_fc_lopt", "velo"])
+def test_pallas_boundary_blocks_are_masked(method, velo_theta):
+    # shapes whose rows (odd) and columns (not a multiple of the block's 64) end inside a
+    # block: every kernel access to them is masked, loads with other=0
+    import jax
+    import jax.numpy as jnp
+
+    from xopt.jax import _lopt_pallas
+
+    shapes = [(5, 70), (3, 9), (5, 70)]
+    params = [jnp.zeros(s, jnp.float32) for s in shapes]
+    tx = _tx(method, "pallas", velo_theta)
+    closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p, value=jnp.float32(1.0)))(
+        params, tx.init(params), params)
+    n_calls = str(closed).count("pallas_call[")
+    assert n_calls == 4, n_calls  # statistics and fused pass of both shapes
+    assert _unmasked_boundary_accesses(closed) == []
+    assert _lopt_pallas.BR == 2 and _lopt_pallas.BC == 64  # (what makes the shapes ragged)
