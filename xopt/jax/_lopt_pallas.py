@@ -258,10 +258,12 @@ class SmallFCKernels:
             wl=wl, bl=jnp.asarray(meta[f"mlp/b{nl}"], jnp.float32)[:2])
 
     def __call__(self, shape: tuple[int, ...], p: Any, g: Any, m: Any, rms: Any, v_row: Any,
-                 v_col: Any, v_diag: Any, *, tf: Any, decays: tuple[Any, Any, Any]
-                 ) -> tuple[Any, ...]:
+                 v_col: Any, v_diag: Any, *, tf: Any, decays: tuple[Any, Any, Any],
+                 aux: dict | None = None) -> tuple[Any, ...]:
         """One shape group (stacked on axis 0): ``(step, m, rms, v_row, v_col, v_diag)``
-        stacked, as :func:`xopt.specs.small_fc_lopt.compute_step` per tensor."""
+        stacked, as :func:`xopt.specs.small_fc_lopt.compute_step` per tensor. ``aux``, if
+        given, receives the statistics kernel's output as it came (``"stats"``: per block)
+        and the normalizers' statistic (``"feature_sq_mean"`` [L, F], the spec's order)."""
         L = p.shape[0]
         n1, n2, row_on_1 = two_d_view(shape)
         mom_d, rms_d, fac_d = decays
@@ -309,6 +311,8 @@ class SmallFCKernels:
         sq = jnp.concatenate([elem_sq[:, :13], row_sq[:, :3], col_sq[:, :3], row_sq[:, 3:],
                               col_sq[:, 3:], elem_sq[:, 13:]], axis=1)  # [L, 28] spec order
         inv = jax.lax.rsqrt(1e-5 + sq / float(n1 * n2))
+        if aux is not None:
+            aux.update(stats=part, feature_sq_mean=sq / float(n1 * n2))
 
         # 3. the axis features' first-layer terms and the bias
         w = self._weights(tf)
@@ -462,9 +466,10 @@ class VeLOKernels:
 
     def __call__(self, shape: tuple[int, ...], p: Any, g: Any, m: Any, rms: Any, v_row: Any,
                  v_col: Any, v_diag: Any, controls: Any, lr_mult: Any, *,
-                 decays: tuple[Any, Any, Any]) -> tuple[Any, ...]:
+                 decays: tuple[Any, Any, Any], aux: dict | None = None) -> tuple[Any, ...]:
         """One shape group: ``(step, m, rms, v_row, v_col, v_diag)`` stacked, as
-        :func:`xopt.specs.velo.update_tensor` per tensor."""
+        :func:`xopt.specs.velo.update_tensor` per tensor (``aux``: as
+        :meth:`SmallFCKernels.__call__`'s)."""
         from xopt.specs import velo as vspec
 
         L = p.shape[0]
@@ -511,6 +516,8 @@ class VeLOKernels:
         sq = sq.at[:, np.array(VELO_ROW)].set(row_sq).at[:, np.array(VELO_COL)].set(col_sq)
         n = float(n1 * n2)
         inv = jax.lax.rsqrt(1e-5 + sq / n)  # [L, 30]
+        if aux is not None:
+            aux.update(stats=part, feature_sq_mean=sq / n)
         param_scale = jnp.sqrt(sq[:, 2] / n + 1e-9)
 
         # the per-tensor MLPs (100 · mean_k controls_k · bank_k), and the axis terms
