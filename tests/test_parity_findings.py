@@ -88,7 +88,8 @@ def test_coap_refresh_step_is_ill_conditioned_not_a_jax_accuracy_loss():
 def test_coap_carried_moments_are_as_accurate_in_jax_as_in_torch():
     # step 12's restore and moment update, from the authors' state after step 11, in float32
     # torch, float32 jax (jitted) and float64: the moments' errors agree; the direction's
-    # do not (amplified where the carried V is small)
+    # do not (amplified where the carried V is small: measured 1.75e-6 / 6.1e-6 in jax,
+    # 4.9e-7 / 1.2e-5 in torch, against moments within 2e-7)
     import jax
     import jax.numpy as jnp
     import torch
@@ -123,6 +124,14 @@ def test_coap_carried_moments_are_as_accurate_in_jax_as_in_torch():
         for i in (0, 1):  # M and V: the same accuracy (float32 rounding of the products)
             assert err["jax"][i] <= 2 * err["torch"][i] + 1e-7, (name, err)
             assert err["jax"][i] < 5e-7, (name, err)
+        # the direction M/(√V + ε) leaves float32 rounding in one backend or both: its
+        # largest entries, and its largest errors, sit where the carried V is smallest
+        # (√V of the order of ε), where a rounding of V is the largest relative to V
+        assert max(err["jax"][2], err["torch"][2]) > 1e-6, (name, err)
+        v = exact[1]
+        for w, r in ours.items():
+            worst = np.unravel_index(np.abs(r[2] - exact[2]).argmax(), v.shape)
+            assert (v < v[worst]).mean() < 0.05, (name, w)
 
 
 def _velo_worker() -> dict:
