@@ -140,11 +140,11 @@ def err(e: BaseException) -> str:
 # -- JAX entries ------------------------------------------------------------------------------
 
 
-def make_tx(method: str, impl: str | None, precision: str = "exact"):
+def make_tx(method: str, impl: str | None, precision: str = "exact", meta_params=None):
     if method == "adamw":
         return optax.adamw(1e-3)
     cfg = SMALL_FC if method == "small_fc_lopt" else VELO
-    return getattr(xj, method)(impl=impl, precision=precision, **cfg)
+    return getattr(xj, method)(meta_params, impl=impl, precision=precision, **cfg)
 
 
 def jax_params(shapes, seed: int, scale: float = 0.02) -> list:
@@ -293,10 +293,10 @@ def rel(a, b) -> float:
     return 0.0 if d == 0 else float(d / max(np.abs(b).max(), 1e-300))
 
 
-def run_jax_steps(method, impl, precision, shapes, steps=2):
+def run_jax_steps(method, impl, precision, shapes, steps=2, meta_params=None):
     """Two steps of one JAX path from fixed inputs: per step the updates, then the final
     parameters and state (NumPy leaves, and the state itself)."""
-    tx = make_tx(method, impl, precision)
+    tx = make_tx(method, impl, precision, meta_params)
     params = jax_params(shapes, 1)
     state = tx.init(params)
 
@@ -609,14 +609,25 @@ def op_count_transforms() -> list[tuple[str, object]]:
     return out
 
 
+def _hlo_bytes(shape: str) -> int:
+    """Bytes of an HLO result shape (``f32[8,3]{1,0}``, or a tuple of such)."""
+    import re
+
+    return sum(int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+               * int(bits) // 8 for bits, dims in re.findall(r"[a-z]+(\d+)\[([\d,]*)\]", shape))
+
+
 def op_counts(tx, n: int, compile_: bool = True) -> dict:
     """The jitted ``update`` + ``apply_updates`` on ``n`` tensors (``OP_COUNT_SHAPES``
     repeated; abstract arrays, nothing allocated): StableHLO ops of the lowered program
     (``ops``: every op; ``compute``: those but the ones that only move data: slices,
     concatenations, reshapes, broadcasts, converts, constants, tuples, returns), and of the
-    CPU-compiled program the instructions of the entry computation that run as kernels
-    (``kernels``: fusions, custom calls and unfused ops, not parameters, tuples, bitcasts,
-    constants) and its temporary bytes."""
+    compiled program (this backend's) the instructions of the entry computation that run
+    as kernels (``kernels``: fusions, custom calls and unfused ops, not parameters, tuples,
+    bitcasts, constants), the bytes written by its unfused copies and concatenations
+    (``copied_mb``: what stacking and unstacking cost where XLA did not fuse them into their
+    consumers and producers) and its temporary bytes (``temp_mb``); parameters and state
+    donated, as a training step would."""
     import re
     from collections import Counter
 
@@ -629,11 +640,11 @@ def op_counts(tx, n: int, compile_: bool = True) -> dict:
         u, s = tx.update(g, s, p, value=v)
         return optax.apply_updates(p, u), s
 
-    lowered = jax.jit(step).lower(params, state, params, loss)
+    lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params, loss)
     ops = Counter(re.findall(r"= (?:\"?)(stablehlo\.[a-z_]+)", lowered.as_text()))
     moves = ("slice", "concatenate", "reshape", "broadcast_in_dim", "convert", "constant",
              "tuple", "get_tuple_element", "iota", "transpose", "dynamic_slice",
-             "dynamic_update_slice", "bitcast_convert")
+             "dynamic_update_slice", "bitcast_convert", "gather")
     out = {"ops": sum(ops.values()),
            "compute": sum(v for k, v in ops.items() if k.split(".")[1] not in moves)}
     if compile_:
@@ -644,6 +655,9 @@ def op_counts(tx, n: int, compile_: bool = True) -> dict:
         kinds = Counter(re.findall(r"= \S+ ([a-z\-]+)\(", entry))
         idle = ("parameter", "tuple", "get-tuple-element", "bitcast", "constant")
         out["kernels"] = sum(v for k, v in kinds.items() if k not in idle)
+        copied = sum(_hlo_bytes(shape) for shape in
+                     re.findall(r"= (\S+) (?:copy|concatenate)\(", entry))
+        out["copied_mb"] = copied / 1e6
         out["temp_mb"] = compiled.memory_analysis().temp_size_in_bytes / 1e6
     return out
 
@@ -653,7 +667,8 @@ def op_count_table(report: dict, args, dl: Deadline) -> None:
     res = report.setdefault("op_counts", {"tensors": counts, "block": OP_COUNT_SHAPES})
     print(f"\n== ops of the jitted update + apply_updates for {counts} tensors "
           f"({OP_COUNT_SHAPES} repeated): lowered StableHLO ops / of them compute / "
-          "compiled kernels (this backend), temp MB", flush=True)
+          "compiled kernels (this backend), MB copied by unfused copies and concatenations, "
+          "temp MB", flush=True)
     for label, build in op_count_transforms():
         row = res.setdefault(label, {})
         for n in counts:
@@ -664,10 +679,10 @@ def op_count_table(report: dict, args, dl: Deadline) -> None:
                 row[str(n)] = op_counts(build(), n)
             except Exception as e:  # noqa: BLE001
                 row[str(n)] = {"error": err(e)}
-        cells = ["{ops}/{compute}/{kernels} {temp_mb:.1f}".format(**row[str(n)])
+        cells = ["{ops}/{compute}/{kernels} {copied_mb:.2f} {temp_mb:.1f}".format(**row[str(n)])
                  if "ops" in row.get(str(n), {}) else row.get(str(n), {}).get("error", "-")
                  for n in counts]
-        print(f"  {label:34s} " + " | ".join(f"{c:>22s}" for c in cells), flush=True)
+        print(f"  {label:34s} " + " | ".join(f"{c:>27s}" for c in cells), flush=True)
         write(report, args)
 
 
@@ -701,6 +716,24 @@ def _diff(a, b) -> dict:
             "nonfinite": int((~np.isfinite(a)).sum())}
 
 
+_THETA: dict = {}
+
+
+def _diag_theta(method: str) -> dict:
+    """θ of the method at the bench's configuration, drawn once (VeLO's takes seconds)."""
+    from xopt.specs import small_fc_lopt as sfc
+    from xopt.specs import velo as sv
+
+    if method not in _THETA:
+        if method == "small_fc_lopt":
+            hp = sfc.SmallFCLOpt(**SMALL_FC)
+            _THETA[method] = sfc.coerce_meta(sfc.meta_init(hp, 0), hp)
+        else:
+            hp = sv.VeLO(**VELO)
+            _THETA[method] = sv.coerce_meta(sv.meta_init(hp, 0), hp)
+    return _THETA[method]
+
+
 def diagnose_kernels(report: dict, args, dl: Deadline) -> None:
     """Each Pallas kernel against the plain path's math, one shape group at a time."""
     from xopt.jax import _lopt_pallas as K  # the kernels themselves, outside the optimizer
@@ -708,14 +741,12 @@ def diagnose_kernels(report: dict, args, dl: Deadline) -> None:
     from xopt.specs import velo as sv
 
     out = report.setdefault("diagnose", {}).setdefault("kernels", {})
-    theta = {}
     print("\n== Pallas kernels against the plain path's math (2 tensors per group): "
           "max abs diff (max rel), NaN/inf count", flush=True)
     for method, prec in DIAG_CONFIGS:
         if method == "small_fc_lopt":
             hp = sfc.SmallFCLOpt(**SMALL_FC)
-            meta = theta.setdefault(method, {k: jnp.asarray(v) for k, v in
-                                             sfc.meta_init(hp, 0).items()})
+            meta = {k: jnp.asarray(v) for k, v in _diag_theta(method).items()}
             kern = K.SmallFCKernels(hp, meta, prec)
             names = ("sfc_stats", "sfc_fused")
             tf = sfc.time_features(jnp, jnp.int32(3), meta["mlp/b0"])
@@ -732,8 +763,7 @@ def diagnose_kernels(report: dict, args, dl: Deadline) -> None:
                 return res[0], res[1], res[2], aux["feature_sq_mean"], aux["stats"]
         else:
             hp = sv.VeLO(**VELO)
-            meta = theta.setdefault(method, {k: jnp.asarray(v) for k, v in sv.coerce_meta(
-                sv.meta_init(hp, 0), hp).items()})
+            meta = {k: jnp.asarray(v) for k, v in _diag_theta(method).items()}
             kern = K.VeLOKernels(hp, meta)
             names = ("velo_stats", "velo_fused")
             decays = tuple(jnp.asarray(d) for d in sv.decay_arrays(hp))
@@ -794,8 +824,10 @@ def diagnose_update(report: dict, args, dl: Deadline) -> None:
             note(report, f"diagnose: update {label} skipped (deadline)")
             continue
         try:
-            ref_steps, ref_p, ref_s, _ = run_jax_steps(method, "plain", "exact", shapes)
-            steps, p, s, _ = run_jax_steps(method, "pallas", prec, shapes)
+            theta = _diag_theta(method)
+            ref_steps, ref_p, ref_s, _ = run_jax_steps(method, "plain", "exact", shapes,
+                                                       meta_params=theta)
+            steps, p, s, _ = run_jax_steps(method, "pallas", prec, shapes, meta_params=theta)
         except Exception as e:  # noqa: BLE001
             out[label] = {"error": err(e)}
             note(report, f"diagnose update {label}: {err(e)}")
