@@ -124,10 +124,11 @@ def test_coap_carried_moments_are_as_accurate_in_jax_as_in_torch():
         for i in (0, 1):  # M and V: the same accuracy (float32 rounding of the products)
             assert err["jax"][i] <= 2 * err["torch"][i] + 1e-7, (name, err)
             assert err["jax"][i] < 5e-7, (name, err)
-        # the direction M/(√V + ε) leaves float32 rounding in one backend or both: its
+        # the direction M/(√V + ε) amplifies those roundings in one backend or both: its
         # largest entries, and its largest errors, sit where the carried V is smallest
         # (√V of the order of ε), where a rounding of V is the largest relative to V
-        assert max(err["jax"][2], err["torch"][2]) > 1e-6, (name, err)
+        worst_moment = max(max(e[0], e[1]) for e in err.values())
+        assert max(err["jax"][2], err["torch"][2]) > 2 * worst_moment, (name, err)
         v = exact[1]
         for w, r in ours.items():
             worst = np.unravel_index(np.abs(r[2] - exact[2]).argmax(), v.shape)
@@ -159,11 +160,11 @@ def _velo_worker() -> dict:
     hp = origin.from_kwargs(trace_hyperparameters(t))
     gold = t.params_after(0)["bias"].astype(np.float64)
     scale = np.abs(gold).max()
-    calls: list = []  # every lstm_step call: (x, hidden, cell, weights), as given
+    calls: list = []  # every lstm_step call: (caller's module, x, hidden, cell, weights)
     lstm_step = sv.lstm_step
 
     def spy(xp, x, hidden, cell, meta):
-        calls.append((x, hidden, cell, dict(meta)))
+        calls.append((sys._getframe(1).f_globals["__name__"], x, hidden, cell, dict(meta)))
         return lstm_step(xp, x, hidden, cell, meta)
 
     def first(impl):
@@ -174,9 +175,13 @@ def _velo_worker() -> dict:
     sv.lstm_step = spy
     try:
         plain = first("plain")
-        out: dict = {}
-        for f64 in (True, False):
-            kv.LSTM_F64 = f64
+        (prun,) = run_parity("velo", [VELO_N200], backends=["torch"], impl="plain",
+                             modes=["teacher_forced"], max_steps=1).runs
+        out: dict = {"plain": {"rel": prun.per_step[0]["param/bias"].rel,
+                               "backend_to_exact": prun.backend_to_exact}}
+        for f64 in (True, False):  # the default (float64), then float32
+            if not f64:
+                kv.LSTM_F64 = False
             report = run_parity("velo", [VELO_N200], backends=["torch"], impl="triton",
                                 modes=["teacher_forced"], max_steps=1)
             (run,) = report.runs
@@ -189,9 +194,12 @@ def _velo_worker() -> dict:
         sv.lstm_step = lstm_step
         kv.LSTM_F64 = True
     out["plain-golden"] = float(np.abs(plain - gold).max() / scale)
-    # the LSTM inputs of plain's call and the glue's (float64) call: the same bits
-    (xp_, *_), (xg, h, c, w64) = calls[0], next(k for k in calls if k[0].dtype == torch.float64)
+    # the LSTM inputs of plain's call and the glue's first (the default's): the same bits
+    xp_ = calls[0][1]
+    _, xg, h, c, w64 = next(k for k in calls if k[0] == "xopt.kernels.velo")
+    out["glue_lstm_dtype"] = str(xg.dtype)
     out["inputs_equal"] = bool(torch.equal(xp_, xg.float()))
+    xg, h, c, w64 = xg.double(), h.double(), c.double(), {k: v.double() for k, v in w64.items()}
     # the LSTM on them, float32 (the plain path's) and float64: lr_mult and the controls
     # per tensor (row 0: the bias), and the step-size head's cancellation
     w32 = {k: v.float() for k, v in w64.items()}
@@ -201,10 +209,15 @@ def _velo_worker() -> dict:
     ctrl64, lr64, h64 = o64[0], o64[1], o64[2]
     names = list(t.params)
     ws, bs = w64["lstm/step_size/w"][:, 0], w64["lstm/step_size/b"]
+    wc, bc = w64["lstm/to_controls/w"], w64["lstm/to_controls/b"]
     out["lstm"] = {n: {
         "lr_mult": float((lr32[i] - lr64[i]).abs() / lr64[i].abs()),
         "controls": float((ctrl32[i] - ctrl64[i]).abs().max() / ctrl64[i].abs().max()),
+        # how much a relative error of the hidden state is amplified in each head's
+        # output (Σ|terms| / |result|; the controls' relative to their row's largest)
         "cancellation": float(((h64[i] * ws).abs().sum() + bs.abs().sum()) / lr64[i].abs()),
+        "controls_cancellation": float(((h64[i][:, None] * wc).abs().sum(0) + bc.abs()).max()
+                                       / ctrl64[i].abs().max()),
         # lr_mult in float64 from the float32 LSTM's hidden state: the head's dot alone
         # rounded exactly, the gate product's rounding kept
         "lr_mult_from_h32": float(((h32[i] @ ws + bs[0]) - lr64[i]).abs() / lr64[i].abs())}
@@ -222,24 +235,28 @@ def test_velo_triton_exact_mode_runs_the_lstm_step_size_head_in_float64():
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     print(r)
-    f64, f32, lstm = r["f64"], r["f32"], r["lstm"]["bias"]
-    # plain is within 1e-6 of the original; the Triton path (float64 LSTM) is not, and is
-    # more than 1e-6 from plain ...
-    assert r["plain-golden"] <= 1e-6 and f64["rel"] > 1.5e-6 and f64["triton-plain"] > 1e-6, r
-    # ... from the same LSTM inputs (a first step: both paths' inputs are the same bits) ...
+    f64, f32, plain, lstm = r["f64"], r["f32"], r["plain"], r["lstm"]["bias"]
+    # (the float32 figures depend on the machine's BLAS order; measured here: plain 8.0e-7
+    # from the original and 1.3e-6 from float64, lr_mult 1.5e-6 from float64, 7.9e-7 of it
+    # from the hidden state's rounding; the assertions hold what does not depend on it)
+    # the Triton path (float64 LSTM) sits at the float64 result, 2.1e-6 from the original
+    assert r["glue_lstm_dtype"] == "torch.float64", r
+    assert f64["backend_to_exact"] < 3e-7 and f64["against_to_exact"] > 1.5e-6, r
+    assert f64["rel"] > 1.5e-6 and f64["verdict"] == "closer_to_exact", r
+    assert r["plain-golden"] < f64["rel"], r
+    # from the same LSTM inputs (a first step: both paths' inputs are the same bits), its
+    # distance to plain is plain's own distance to float64 ...
     assert r["inputs_equal"], r
-    # ... through the step-size head: lr_mult, which scales the bias's whole step, moves by
-    # more than 1e-6 between float32 and float64, the controls (the MLP weights) less; its
-    # dot cancels, so the hidden state's float32 rounding alone moves it by > 5e-7
-    assert lstm["lr_mult"] > 1e-6 and lstm["controls"] < 1e-6, lstm
-    assert lstm["cancellation"] > 50 and lstm["lr_mult_from_h32"] > 5e-7, lstm
-    # the glue's LSTM in float32 (the plain path's ops): the Triton path tracks plain and
-    # agrees with the original, as far from float64 as a float32 evaluation is
-    assert f32["triton-plain"] < 2e-7 and f32["verdict"] == "agree", r
-    assert f32["backend_to_exact"] > 1e-6, r
-    # in float64 it is nearer the float64 oracle than the original: reported as such
-    assert f64["backend_to_exact"] < 0.25 * f64["against_to_exact"], r
-    assert f64["verdict"] == "closer_to_exact", r
+    assert abs(f64["triton-plain"] - plain["backend_to_exact"]) < 3e-7, r
+    # ... which is the float32 LSTM's: with the glue's LSTM in float32 (the plain path's
+    # ops, the same bits) the Triton path tracks plain, as far from float64 as plain is
+    assert f32["triton-plain"] < 2e-7, r
+    assert abs(f32["backend_to_exact"] - plain["backend_to_exact"]) < 3e-7, r
+    # the op: the step-size head lr_mult = hidden · w + b, which scales the tensor's whole
+    # step, amplifies a relative error of the hidden state by Σ|hidden_i·w_i| / |lr_mult|,
+    # over 50 here and over 10 times the controls' amplification (the MLP weights)
+    assert lstm["cancellation"] > 50, lstm
+    assert lstm["cancellation"] > 10 * lstm["controls_cancellation"], lstm
 
 
 def test_velo_plain_closer_to_exact_than_the_original_is_reported_as_such():
