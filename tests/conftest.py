@@ -11,7 +11,10 @@ Without a CUDA GPU the in-process Triton tests (tests/test_poet.py's kernels) ru
 its own ``tl`` helpers then, and an interpreted kernel cannot call helpers decorated for the
 GPU. Importing ``torch._dynamo`` (any ``torch.compile``, ``torch.compiler.disable``)
 imports triton, so a test module's own setting comes too late once another module has
-imported it; hence here, before any test module is collected."""
+imported it; hence here, before any test module is collected.
+
+On a GPU, several xdist workers share one device: JAX would otherwise take 75% of its
+memory in each worker at its first array, so it allocates as it goes."""
 
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
