@@ -75,8 +75,6 @@ class Authors(TorchImplementation):
             self.opt.step(lambda: torch.tensor(loss))
 
     def read(self):
-        from xopt.parity.recorder import _numpy  # noqa: PLC2701 (a tool, not a module)
-
         params = {k: _numpy(p) for k, p in zip(self.names, self.tensors, strict=True)}
         flat = {}
         for k, p in zip(self.names, self.tensors, strict=True):
@@ -100,6 +98,10 @@ class Authors(TorchImplementation):
                 else:
                     flat[f"{k}/{var}"] = np.asarray(v, dtype=np.int64)
         return params, flat
+
+
+def _numpy(t):
+    return t.detach().cpu().numpy().copy()
 
 
 def problem():
