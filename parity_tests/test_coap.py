@@ -176,6 +176,38 @@ def test_conv_traces_agree(conv_report):
         assert r.max_rel_error <= bound, (r.trace, r.backend, r.mode, r.worst[:2])
 
 
+def test_the_carried_factor_gradient_is_tuckercoaps():
+    """At the second Eqn-6 update after a decomposition (update 6 of the rf3 trace) the
+    authors' factors step on their new gradient plus the previous clipped one (they keep
+    .grad): the oracle, teacher-forced, reproduces the recorded gradient and factors with
+    carry_factor_grad (default), and misses both without it."""
+    trace = load_trace(next(p for p in CONV_TRACES if p.stem.endswith("_rf3")))
+    hp = CP.from_kwargs(dict(trace.hyperparameters))
+    off = type(hp).of([(names, h.replace(carry_factor_grad=False))
+                       for names, h in hp.groups])
+    t, name = 6, "conv0/weight"
+    assert C.event(t, hp_for(hp, name)) == C.EQN6 == C.event(3, hp_for(hp, name))
+    params = {k: v.astype(np.float64) for k, v in trace.params_after(t - 1).items()}
+    state = C.SPEC.state.to_canonical(CP.AUTHORS_NAMING, trace.state_after(t - 1),
+                                      list(trace.params), hp)
+    assert np.abs(state[f"P_grad/{name}"]).max() > 0        # carried from update 3
+    state = {k: np.asarray(v, dtype=np.float64) if k != "step" else v
+             for k, v in state.items()}
+    grads = {k: v.astype(np.float64) for k, v in trace.grads(t).items()}
+    recorded = trace.state_after(t)
+    want_grad = recorded[f"{name}/projector/ortho_matrix_grad"]
+    want_p = recorded[f"{name}/projector/ortho_matrix"]
+    for h, ok in ((hp, True), (off, False)):
+        aux = {}
+        _, new = C.step(h, params, state, grads, aux=aux)
+        got = aux[f"{name}/eqn6_P_grad_clipped"]   # the gradient the factor stepped on
+        err = np.abs(got - want_grad).max() / np.abs(want_grad).max()
+        assert (err <= 1e-6) if ok else (err > 1e-2), (ok, err)
+        if ok:
+            np.testing.assert_array_equal(new[f"P_grad/{name}"], got)
+            assert np.abs(new[f"P/{name}"] - want_p).max() / np.abs(want_p).max() <= 1e-6
+
+
 # -- 8-bit (CoapAdamW8bit), recorded with bitsandbytes' CPU kernel -------------------------------
 
 EIGHT_BIT_CPU = (Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "parity" / "coap"

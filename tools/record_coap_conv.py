@@ -22,7 +22,9 @@ with the authors' 1e-6 the float32 rounding of the low-rank gradient's smallest 
 moves the float32 reference by up to 6e-5 from exact arithmetic, and no float32 backend or
 float64 oracle could be held to 1e-6 against it.
 Update interval 3 and reprojection factor 2 put an Eqn-6 event right after each
-decomposition (updates 3 and 9; decompositions at 0 and 6).
+decomposition (updates 3 and 9; decompositions at 0 and 6); reprojection factor 3 puts two
+Eqn-6 events after the first (3 and 6; decomposition at 9), where TuckerCOAP's factors
+carry their previous clipped gradient into the second.
 """
 
 from __future__ import annotations
@@ -43,17 +45,18 @@ COMMIT = "deabc3a671f63f9a8b49066c925d9df6b260089e"
 STEPS = 12
 
 
-def ctor(restore: bool) -> dict:
+def ctor(restore: bool, reproject_factor: int) -> dict:
     return dict(lr=1e-2, betas=[0.9, 0.999], eps=1e-4, weight_decay=0.0, correct_bias=True,
                 proj_method="coap", rank=4, rank_ratio_cnn=4.0, update_interval=3,
-                reproject_factor=2, scale=1.0, restore_state=restore)
+                reproject_factor=reproject_factor, scale=1.0, restore_state=restore)
 
 
 class Authors(TorchImplementation):
     """The authors' optimizer on ``device``, its state read in the trace's names: a
     kernel's factors as ``projector/ortho_matrix`` (U₀) and ``projector/ortho_matrix_in``
-    (U₁); 8-bit moments as ``exp_avg/codes`` and ``exp_avg/absmax`` (the code book is
-    hashed into the manifest instead)."""
+    (U₁), their ``.grad`` (zero while None) with ``_grad`` appended; 8-bit moments as
+    ``exp_avg/codes`` and ``exp_avg/absmax`` (the code book is hashed into the manifest
+    instead)."""
 
     device = "cpu"
     code_sha256: str | None = None
@@ -75,6 +78,8 @@ class Authors(TorchImplementation):
             self.opt.step(lambda: torch.tensor(loss))
 
     def read(self):
+        import torch
+
         params = {k: _numpy(p) for k, p in zip(self.names, self.tensors, strict=True)}
         flat = {}
         for k, p in zip(self.names, self.tensors, strict=True):
@@ -85,6 +90,9 @@ class Authors(TorchImplementation):
                         for name, u in zip(("ortho_matrix", "ortho_matrix_in"), mats,
                                            strict=False):
                             flat[f"{k}/projector/{name}"] = _numpy(u)
+                            # the factor's .grad, which TuckerCOAP.update_proj accumulates
+                            grad = u.grad if u.grad is not None else torch.zeros_like(u)
+                            flat[f"{k}/projector/{name}_grad"] = _numpy(grad)
                     elif mats is not None:
                         flat[f"{k}/projector/ortho_matrix"] = _numpy(mats)
                 elif isinstance(v, tuple):  # bitsandbytes' (codes, QuantState)
@@ -141,10 +149,11 @@ def main(out_dir: Path, bits: int, device: str) -> list[Path]:
     cls = coap_torch.CoapAdamW if bits == 32 else coap_torch.CoapAdamW8bit
     name = f"coap_torch.{'CoapAdamW' if bits == 32 else 'CoapAdamW8bit'}"
     out = []
-    for restore in (False, True):
-        if bits == 8 and not restore:
-            continue  # the authors' 8-bit Tucker path fails at Eqn 6 without restore_state
-        kw = ctor(restore)
+    # (restore_state, reproject_factor); the authors' 8-bit Tucker path fails at Eqn 6
+    # without restore_state
+    cases = [(True, 2)] if bits == 8 else [(False, 2), (True, 2), (False, 3)]
+    for restore, rf in cases:
+        kw = ctor(restore, rf)
 
         def make(ps, kw=kw):
             return cls(ps, **{**kw, "betas": tuple(kw["betas"])})
@@ -163,7 +172,7 @@ def main(out_dir: Path, bits: int, device: str) -> list[Path]:
               "effective_param_groups": groups}
         if bits == 8:  # bitsandbytes' CPU and CUDA kernels pick different codes
             hp["bitsandbytes_kernel"] = "cpu" if device == "cpu" else "cuda"
-        case = f"conv_{f'8bit_{device}_' if bits == 8 else ''}r4_cnn4_tu3_rf2" + \
+        case = f"conv_{f'8bit_{device}_' if bits == 8 else ''}r4_cnn4_tu3_rf{rf}" + \
             ("_restore" if restore else "")
         impl = Authors(make, name)
         impl.device = device

@@ -65,6 +65,8 @@ class COAPState(NamedTuple):
       rms: Adafactor: RMS of the leaf before the last update (0-d).
       proj: P of projected leaves (:func:`xopt.specs.coap.proj_shape`; a kernel's U₀).
       proj_in: a Tucker-2 kernel's U₁ (``(I, r₁)``).
+      proj_grad, proj_in_grad: a kernel's carried clipped Eqn-6 gradients
+        (``carry_factor_grad``).
       mu_codes, mu_absmax, nu_codes, nu_absmax: under ``state_bits=8``, the moments as
         uint8 codes (the moment's shape) and float32 absmax per block of 4096, in place of
         ``mu``/``nu`` (plain arrays: they checkpoint and shard as any other state).
@@ -79,6 +81,8 @@ class COAPState(NamedTuple):
     rms: optax.Updates
     proj: optax.Updates
     proj_in: optax.Updates = None
+    proj_grad: optax.Updates = None
+    proj_in_grad: optax.Updates = None
     mu_codes: optax.Updates = None
     mu_absmax: optax.Updates = None
     nu_codes: optax.Updates = None
@@ -88,7 +92,8 @@ class COAPState(NamedTuple):
 
 # canonical state variable -> COAPState field
 _FIELDS = {"m": "mu", "v": "nu", "v_row": "nu_row", "v_col": "nu_col", "rms": "rms",
-           "P": "proj", "P_in": "proj_in", "m_q": "mu_codes", "m_absmax": "mu_absmax",
+           "P": "proj", "P_in": "proj_in", "P_grad": "proj_grad",
+           "P_in_grad": "proj_in_grad", "m_q": "mu_codes", "m_absmax": "mu_absmax",
            "v_q": "nu_codes", "v_absmax": "nu_absmax"}
 
 
@@ -102,6 +107,7 @@ def coap(
     rank_ratio: float | None = None,
     rank_ratio_cnn: float | None = None,
     min_conv_size: int | None = None,
+    carry_factor_grad: bool | None = None,
     state_bits: int | None = None,
     quant_rounding: str | None = None,
     project: str | bool | None = None,
@@ -173,7 +179,8 @@ def coap(
     check_decomposition = mode == "raise"
     fields = dict(rank=rank, update_interval=update_interval, reproject_factor=reproject_factor,
                   optimizer=optimizer, rank_ratio=rank_ratio, rank_ratio_cnn=rank_ratio_cnn,
-                  min_conv_size=min_conv_size, state_bits=state_bits,
+                  min_conv_size=min_conv_size, carry_factor_grad=carry_factor_grad,
+                  state_bits=state_bits,
                   quant_rounding=quant_rounding, project=project,
                   restore_state=restore_state, scale=scale, b1=b1, b2=b2, eps=eps,
                   weight_decay=weight_decay, correct_bias=correct_bias, eps_sq=eps_sq,
@@ -268,14 +275,19 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
     if projected:
         side = _spec.side_of(shape)
         p_old = _spec.projection_of(st, shape)
+        carried = _spec.carried_of(st, shape, h)
         ev = _event(t, h)
         given = _spec.injected_projection(inj, side)
         if given is not None:
             given = jax.tree.map(lambda a, o: jnp.asarray(a, o.dtype), given, p_old)
 
-        def eqn6() -> Any:
+        def eqn6() -> tuple[Any, Any]:
             m6 = _spec.eqn6_moment(jnp, h, m_cur, g, p_old, side)
-            return _spec.eqn6_step(jnp, p_old, m6, g, side, h.proj_lr, h.proj_max_norm)
+            if side == "tucker":
+                f, clipped = _spec.tucker_eqn6_step(jnp, p_old, m6, g, h.proj_lr,
+                                                    h.proj_max_norm, carried)
+                return f, (clipped if carried is not None else None)
+            return _spec.eqn6_step(jnp, p_old, m6, g, side, h.proj_lr, h.proj_max_norm), None
 
         def eqn7() -> Any:
             if side == "tucker":  # afresh at events 1 and 3
@@ -293,12 +305,19 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
             omega = jax.lax.cond(ev == _spec.INITIAL, drawn, warm)
             return _spec.decompose(jnp, g, omega, side)
 
-        def not_eqn6() -> Any:
-            return lowrank.refresh(ev != _spec.KEEP, p_old, eqn7, given, cond=jax.lax.cond)
+        def not_eqn6() -> tuple[Any, Any]:
+            f = lowrank.refresh(ev != _spec.KEEP, p_old, eqn7, given, cond=jax.lax.cond)
+            if carried is None:
+                return f, None
+            # fresh factors carry no gradient
+            return f, tuple(jnp.where(ev == _spec.KEEP, c, jnp.zeros_like(c)) for c in carried)
 
-        cand = jax.lax.cond(ev == _spec.EQN6, eqn6, not_eqn6)
+        cand, carry_new = jax.lax.cond(ev == _spec.EQN6, eqn6, not_eqn6)
         ok = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(c)) for c in jax.tree.leaves(cand)]))
         p_new = jax.tree.map(lambda c, o: jnp.where(ok, c, o), cand, p_old)
+        if carried is not None:
+            _spec.store_carried(st, tuple(jnp.where(ok, c, o)
+                                          for c, o in zip(carry_new, carried, strict=True)))
         decomposition_guard(_LABEL, name, ok, check)
         if h.restore_state and m_cur is not None:
             m_old, v_old = m_cur, v_cur

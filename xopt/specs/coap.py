@@ -85,8 +85,10 @@ take the base update unprojected, ``project=True`` projects every kernel):
   ``O·k₁·k₂`` fibres); each factor is clipped to norm 1 on its own and moved by ``η_P``.
   The authors' factors keep their ``.grad`` between Eqn-6 events (the matrix path zeroes
   it), so a second Eqn-6 event before the next decomposition (``reproject_factor ≥ 3``)
-  adds the previous clipped gradient to the new one there; xopt takes one step on the
-  current gradient at every event, as Eqn 6 and the matrix path do.
+  adds the previous clipped gradient to the new one, and that sum is clipped and kept.
+  xopt does the same (state ``P_grad``, ``P_in_grad``; zero after a decomposition) with
+  ``carry_factor_grad=True`` (default); ``False`` steps on the current gradient only, as
+  Eqn 6 and the matrix path do.
 
 **8-bit COAP** (``state_bits=8``; the authors' ``CoapAdamW8bit``, ``adamw_8bit.py``): both
 AdamW moments of every parameter (projected or not) are held as bitsandbytes'
@@ -208,6 +210,9 @@ class COAP(Hyperparams):
     rank_ratio_cnn: float | None = hp(None, doc="ρ of 4-D kernels: Tucker-2 ranks max(1, c // √ρ) "
                                                 "for c = O, I (None: kernels unprojected)",
                                       interval=Interval(1.0, None))
+    carry_factor_grad: bool = hp(True, doc="(kernels) an Eqn-6 step adds the previous clipped "
+                                           "factor gradient since the last decomposition, as "
+                                           "TuckerCOAP's factors keep their .grad")
     min_conv_size: int = hp(32 * 32 * 3 * 3, doc="'auto' projects 4-D kernels of more elements "
                                                  "than this (MIN_CNN_PARAMS)",
                             interval=Interval(0, None))
@@ -687,34 +692,69 @@ def eqn6_grad(xp: ModuleType, p: Any, m: Any, g: Any, side: str) -> tuple[Any, A
     return dmse * (1.0 - c) - dc * mse, mse, cos
 
 
+def tucker_eqn6_step(xp: ModuleType, factors: tuple[Any, ...], m: Any, g: Any, lr: float,
+                     max_norm: float, carried: tuple[Any, ...] | None = None,
+                     aux: dict[str, Any] | None = None) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """Eqn 6 on a kernel's factors: each ``Uₖ − lr · clip(∇ₖ + Cₖ)``, clipped on its own.
+
+    ``carried`` (``Cₖ``): the clipped gradients of the previous Eqn-6 step since the last
+    decomposition (``carry_factor_grad``: TuckerCOAP's factors keep their ``.grad``), or
+    None. Returns ``(new factors, clipped gradients)``; ``aux`` as :func:`eqn6_step` (a
+    factor ``k`` > 0 adds ``_in`` to the gradient names).
+    """
+    grads, mse, cos = tucker_eqn6_grad(xp, factors, m, g)
+    out, kept = [], []
+    for k, (u, grad) in enumerate(zip(factors, grads, strict=True)):
+        if carried is not None:
+            grad = grad + carried[k]
+        new, norm, clipped = _clipped_step(xp, u, grad, lr, max_norm)
+        out.append(new)
+        kept.append(clipped)
+        if aux is not None:
+            tag = "" if k == 0 else "_in"
+            aux.update({f"eqn6_P{tag}_grad": grad, f"eqn6_P{tag}_grad_norm": norm,
+                        f"eqn6_P{tag}_grad_clipped": clipped})
+    if aux is not None:
+        aux.update(eqn6_mse=mse, eqn6_cos=cos)
+    return tuple(out), tuple(kept)
+
+
 def eqn6_step(xp: ModuleType, p: Any, m: Any, g: Any, side: str, lr: float, max_norm: float,
               aux: dict[str, Any] | None = None) -> Any:
     """One clipped SGD step on Eqn 6: ``P − lr · min(1, max_norm/(‖∇‖ + 1e-6)) · ∇`` (each
-    Tucker factor clipped on its own; ``p`` is then the tuple of factors).
+    Tucker factor clipped on its own, nothing carried; ``p`` is then the tuple of factors).
 
     ``aux`` (a dict, optional) receives ``eqn6_mse``, ``eqn6_cos``, ``eqn6_P_grad``,
-    ``eqn6_P_grad_norm`` and ``eqn6_P_grad_clipped``, as the golden traces name them (a
-    Tucker factor ``k`` > 0 adds ``_in`` to the gradient names).
+    ``eqn6_P_grad_norm`` and ``eqn6_P_grad_clipped``, as the golden traces name them.
     """
     if side == "tucker":
-        grads, mse, cos = tucker_eqn6_grad(xp, p, m, g)
-        out = []
-        for k, (u, grad) in enumerate(zip(p, grads, strict=True)):
-            new, norm, clipped = _clipped_step(xp, u, grad, lr, max_norm)
-            out.append(new)
-            if aux is not None:
-                tag = "" if k == 0 else "_in"
-                aux.update({f"eqn6_P{tag}_grad": grad, f"eqn6_P{tag}_grad_norm": norm,
-                            f"eqn6_P{tag}_grad_clipped": clipped})
-        if aux is not None:
-            aux.update(eqn6_mse=mse, eqn6_cos=cos)
-        return tuple(out)
+        return tucker_eqn6_step(xp, p, m, g, lr, max_norm, None, aux)[0]
     grad, mse, cos = eqn6_grad(xp, p, m, g, side)
     new, norm, clipped = _clipped_step(xp, p, grad, lr, max_norm)
     if aux is not None:
         aux.update(eqn6_mse=mse, eqn6_cos=cos, eqn6_P_grad=grad, eqn6_P_grad_norm=norm,
                    eqn6_P_grad_clipped=clipped)
     return new
+
+
+def carries_grad(shape: tuple[int, ...], hp: COAP) -> bool:
+    """Whether a parameter keeps its factors' clipped Eqn-6 gradients (a kernel under
+    ``carry_factor_grad``)."""
+    return is_tucker(shape, hp) and hp.carry_factor_grad
+
+
+def carried_of(st: Mapping[str, Any], shape: tuple[int, ...], hp: COAP) -> Any:
+    """The carried gradients ``(P_grad[, P_in_grad])`` of a kernel, or None."""
+    if not carries_grad(shape, hp):
+        return None
+    return (st["P_grad"], st["P_in_grad"]) if "P_in_grad" in st else (st["P_grad"],)
+
+
+def store_carried(st: dict[str, Any], carried: Any) -> None:
+    if carried is not None:
+        st["P_grad"] = carried[0]
+        if len(carried) == 2:
+            st["P_in_grad"] = carried[1]
 
 
 def eqn6_moment(xp: ModuleType, hp: COAP, m: Any, g: Any, p_old: Any, side: str) -> Any:
@@ -1025,11 +1065,17 @@ def param_step(xp: ModuleType, hp: COAP, p: Any, g: Any, st: dict[str, Any], t: 
     side = side_of(shape) if projected else None
     if projected:
         p_old = projection_of(st, shape)
+        carried = carried_of(st, shape, hp)
         ev = event(t, hp)
         if ev == EQN6:
             sub = {} if aux is not None else None
             m6 = eqn6_moment(xp, hp, m_cur, g, p_old, side)
-            p_new = eqn6_step(xp, p_old, m6, g, side, hp.proj_lr, hp.proj_max_norm, sub)
+            if side == "tucker":
+                p_new, clipped = tucker_eqn6_step(xp, p_old, m6, g, hp.proj_lr,
+                                                  hp.proj_max_norm, carried, sub)
+                carried = clipped if carried is not None else None
+            else:
+                p_new = eqn6_step(xp, p_old, m6, g, side, hp.proj_lr, hp.proj_max_norm, sub)
             if aux is not None:
                 aux.update(sub)
         else:  # events 1 and 3 decompose (or take the original's P, injected); else P is kept
@@ -1038,6 +1084,9 @@ def param_step(xp: ModuleType, hp: COAP, p: Any, g: Any, st: dict[str, Any], t: 
                 lambda: new_projection(xp, hp, shape, g, p_old, ev, omega=omega, qr=qr,
                                        svd=svd),
                 injected_projection(inject, side))
+            if carried is not None and ev != KEEP:  # fresh factors carry no gradient
+                carried = tuple(c * 0 for c in carried)
+        store_carried(st, carried)
         if ev in (EQN6, EQN7) and hp.restore_state:
             m_cur, v = restore_moments(xp, hp, m_cur, v_cur, p_old, p_new, side)
             if hp.optimizer == "adamw":
@@ -1143,7 +1192,8 @@ def step(hp: COAP | ParamGroups, params: Mapping[str, Any], state: Mapping[str, 
 
 
 #: a parameter's state variables (canonical names)
-VARS = ("m", "v", "v_row", "v_col", "rms", "P", "P_in", "m_q", "m_absmax", "v_q", "v_absmax")
+VARS = ("m", "v", "v_row", "v_col", "rms", "P", "P_in", "P_grad", "P_in_grad", "m_q",
+        "m_absmax", "v_q", "v_absmax")
 
 
 # -- state schema --------------------------------------------------------------------------------
@@ -1222,6 +1272,15 @@ STATE = StateSchema(
                  "projection P: (r, n) right, (m, r) left, a kernel's U₀ (O, r₀); "
                  "orthonormal after a decomposition, not re-orthonormalised after Eqn 6",
                  applies=is_projected),
+        StateVar("P_grad", "param", proj_shape, "state",
+                 "(kernels, carry_factor_grad) U₀'s clipped Eqn-6 gradient since the last "
+                 "decomposition (TuckerCOAP's ortho_matrix[0].grad)",
+                 active=_any(lambda h: h.rank_ratio_cnn is not None and h.carry_factor_grad),
+                 applies=carries_grad),
+        StateVar("P_in_grad", "param", proj_in_shape, "state",
+                 "(kernels, carry_factor_grad) U₁'s, likewise",
+                 active=_any(lambda h: h.rank_ratio_cnn is not None and h.carry_factor_grad),
+                 applies=lambda s, hp: carries_grad(s, hp) and has_proj_in(s, hp)),
         StateVar("P_in", "param", proj_in_shape, "state",
                  "a Tucker-2 kernel's input-channel factor U₁ (I, r₁)",
                  active=_any(lambda h: h.rank_ratio_cnn is not None), applies=has_proj_in),
@@ -1231,7 +1290,9 @@ STATE = StateSchema(
             keys={"step": "{param}/step", "m": "{param}/exp_avg", "v": "{param}/exp_avg_sq",
                   "v_row": "{param}/exp_avg_sq_row", "v_col": "{param}/exp_avg_sq_col",
                   "rms": "{param}/RMS", "P": "{param}/ortho_matrix",
-                  "P_in": "{param}/ortho_matrix_in", "m_q": "{param}/exp_avg_codes",
+                  "P_in": "{param}/ortho_matrix_in", "P_grad": "{param}/ortho_matrix_grad",
+                  "P_in_grad": "{param}/ortho_matrix_in_grad",
+                  "m_q": "{param}/exp_avg_codes",
                   "m_absmax": "{param}/exp_avg_absmax", "v_q": "{param}/exp_avg_sq_codes",
                   "v_absmax": "{param}/exp_avg_sq_absmax"},
             dtypes={"step": "int64"},
@@ -1240,12 +1301,14 @@ STATE = StateSchema(
         "xopt.jax": Naming(
             keys={"step": "count", "m": "mu/{param}", "v": "nu/{param}",
                   "v_row": "nu_row/{param}", "v_col": "nu_col/{param}", "rms": "rms/{param}",
-                  "P": "proj/{param}", "P_in": "proj_in/{param}", "m_q": "mu_codes/{param}",
+                  "P": "proj/{param}", "P_in": "proj_in/{param}",
+                  "P_grad": "proj_grad/{param}", "P_in_grad": "proj_in_grad/{param}",
+                  "m_q": "mu_codes/{param}",
                   "m_absmax": "mu_absmax/{param}", "v_q": "nu_codes/{param}",
                   "v_absmax": "nu_absmax/{param}"},
             dtypes={"step": "int32"},
             doc="xopt.jax.coap: COAPState(count, mu, nu, nu_row, nu_col, rms, proj, proj_in, "
-                "mu_codes, mu_absmax, nu_codes, nu_absmax)",
+                "proj_grad, proj_in_grad, mu_codes, mu_absmax, nu_codes, nu_absmax)",
         ),
     },
 )

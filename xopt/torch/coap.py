@@ -12,7 +12,8 @@ State per parameter (``optimizer.state[p]``, the spec's ``"xopt.torch"`` naming)
 ``exp_avg_sq`` (AdamW v; Adafactor v of tensors with fewer than 2 dims),
 ``exp_avg_sq_row``/``exp_avg_sq_col`` (Adafactor, factored), ``RMS`` (Adafactor),
 ``ortho_matrix`` (P, projected matrices; a kernel's U₀), ``ortho_matrix_in`` (a Tucker-2
-kernel's U₁). The authors keep ``P`` inside a projector object
+kernel's U₁), ``ortho_matrix_grad``/``ortho_matrix_in_grad`` (a kernel's carried Eqn-6
+gradients, ``carry_factor_grad``). The authors keep ``P`` inside a projector object
 (``state["projector"].ortho_matrix``); xopt keeps the tensor itself, so ``state_dict()``
 loads with ``torch.load(..., weights_only=True)``.
 
@@ -41,8 +42,10 @@ __all__ = ["COAP"]
 # canonical state variable -> this optimizer's state key
 _KEYS = {"m": "exp_avg", "v": "exp_avg_sq", "v_row": "exp_avg_sq_row",
          "v_col": "exp_avg_sq_col", "rms": "RMS", "P": "ortho_matrix",
-         "P_in": "ortho_matrix_in", "m_q": "exp_avg_codes", "m_absmax": "exp_avg_absmax",
-         "v_q": "exp_avg_sq_codes", "v_absmax": "exp_avg_sq_absmax"}
+         "P_in": "ortho_matrix_in", "P_grad": "ortho_matrix_grad",
+         "P_in_grad": "ortho_matrix_in_grad", "m_q": "exp_avg_codes",
+         "m_absmax": "exp_avg_absmax", "v_q": "exp_avg_sq_codes",
+         "v_absmax": "exp_avg_sq_absmax"}
 
 
 class COAP(LowRankOptimizer):

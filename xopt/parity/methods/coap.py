@@ -20,13 +20,17 @@ AUTHORS_NAMING = Naming(
     keys={"step": "{param}/step", "m": "{param}/exp_avg", "v": "{param}/exp_avg_sq",
           "v_row": "{param}/exp_avg_sq_row", "v_col": "{param}/exp_avg_sq_col",
           "rms": "{param}/RMS", "P": "{param}/projector/ortho_matrix",
-          "P_in": "{param}/projector/ortho_matrix_in", "m_q": "{param}/exp_avg/codes",
+          "P_in": "{param}/projector/ortho_matrix_in",
+          "P_grad": "{param}/projector/ortho_matrix_grad",
+          "P_in_grad": "{param}/projector/ortho_matrix_in_grad",
+          "m_q": "{param}/exp_avg/codes",
           "m_absmax": "{param}/exp_avg/absmax", "v_q": "{param}/exp_avg_sq/codes",
           "v_absmax": "{param}/exp_avg_sq/absmax"},
     dtypes={"step": "int64"},
     doc="coap_torch.CoapAdamW / CoapAdamW8bit / CoapAdafactor: optimizer.state[param][key]; "
         "P is state['projector'].ortho_matrix (a kernel's TuckerCOAP factors [U0, U1] as "
-        "ortho_matrix and ortho_matrix_in); bitsandbytes' (codes, QuantState) moments as "
+        "ortho_matrix and ortho_matrix_in, their .grad as ortho_matrix_grad and "
+        "ortho_matrix_in_grad, zero where None); bitsandbytes' (codes, QuantState) moments as "
         "<moment>/codes and <moment>/absmax (tools/record_coap_conv.py)",
 )
 
