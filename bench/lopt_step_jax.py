@@ -53,8 +53,6 @@ import os
 # JAX must not take the whole GPU: torch runs in the same process
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
-# the paths xopt.jax refuses on a GPU until verified there are what this script measures
-os.environ.setdefault("XOPT_JAX_UNVERIFIED_GPU_PATHS", "1")
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402

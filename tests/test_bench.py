@@ -36,7 +36,8 @@ def _run(script: str, *args: str, interpret: bool = False) -> str:
 def test_bench_holds_only_maintained_benchmarks():
     """bench/ keeps benchmarks with a --tiny mode (tested here) and their results."""
     scripts = sorted(p.name for p in (REPO / "bench").iterdir() if p.suffix == ".py")
-    assert scripts == ["compact_memory.py", "lopt_step.py", "lopt_step_jax.py", "poet_layer.py"]
+    assert scripts == ["compact_memory.py", "lopt_step.py", "lopt_step_jax.py", "poet_layer.py",
+                       "train_step.py"]
     assert not [p for p in (REPO / "bench").iterdir() if p.is_dir()]
 
 
@@ -94,3 +95,16 @@ def test_lopt_step_jax_tiny(tmp_path):
     survey = report["compile"]["tiny"]
     assert {"optax.adamw", "xopt.jax.adamw", "xopt.jax.galore"} <= set(survey)
     assert all(v["total_s"] > 0 for v in survey.values() if "total_s" in v)
+
+
+def test_train_step_tiny(tmp_path):
+    """Every method trains the tiny decoder a few steps (finite losses) and gets its row."""
+    out = _run("train_step.py", "--tiny", "--out-dir", str(tmp_path), "--dtype", "fp32")
+    rows = json.loads((tmp_path / "train_step_tiny.json").read_text())["rows"]
+    assert list(rows) == [
+        "torch.optim.AdamW(fused)", "xopt AdamW", "GaLore", "Flora", "COAP", "PLUMAGE",
+        "small_fc_lopt", "VeLO", "CompAct", "POET-X fast", "POET-X mem"], out
+    for name, r in rows.items():
+        assert r["step_ms_max"] >= r["step_ms_median"] > 0 and r["state_bytes"] > 0, name
+        assert r["tokens_per_s"] > 0 and len(r["loss_first_last"]) == 2, name
+    assert rows["torch.optim.AdamW(fused)"]["ratio_total_to_fused_adamw"] == 1.0

@@ -283,14 +283,12 @@ def test_fast_path_reproduces_the_golden_case(method, impl, monkeypatch):
     assert {r.mode for r in report.runs} == {"teacher_forced", "closed_loop"}
 
 
-def test_the_gpu_default_is_a_path_verified_on_a_gpu(monkeypatch):
-    # On an H200 the Pallas kernels gave NaN/inf (bench/RESULTS.md): the default there is the
-    # plain path and impl="pallas" is refused with the reason; where the default is a fused
-    # path, a configuration its kernels do not cover falls back to the packed path.
+def test_the_gpu_default_is_the_plain_path_and_a_fused_default_falls_back(monkeypatch):
+    # The GPU default stays plain until a fused path is timed faster beside it
+    # (bench/RESULTS.md); impl="pallas" is taken on a GPU when asked for; where the default
+    # is a fused path, a configuration its kernels do not cover falls back to the packed one.
     import jax
 
-    import xopt.jax as xj
-    from xopt.errors import HyperparameterError
     from xopt.jax import _lopt_fast
     from xopt.specs import small_fc_lopt as spec
 
@@ -304,8 +302,10 @@ def test_the_gpu_default_is_a_path_verified_on_a_gpu(monkeypatch):
         return "plain" if out is plain else out.impl
 
     assert chosen() == "plain"
-    with pytest.raises(HyperparameterError, match="impl='pallas' is not available on a GPU"):
-        xj.small_fc_lopt(num_training_steps=10, impl="pallas")
+    hp = spec.SmallFCLOpt(num_training_steps=10)
+    asked = _lopt_fast.select("x", "small_fc_lopt", mod._Method(hp, spec.meta_init(hp, 0)),
+                              "pallas", "exact")
+    assert asked.impl == "pallas"
     monkeypatch.setitem(_lopt_fast.GPU_DEFAULT, "small_fc_lopt", "pallas")
     assert chosen() == "pallas"
     assert chosen(hidden_layers=0) == "packed"  # no kernel for a linear MLP

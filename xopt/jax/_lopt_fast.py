@@ -24,13 +24,11 @@ Triton on the GPU.
 
 The state is the plain path's (the same pytrees, shapes and names), so a state written by
 one implementation resumes under the other. The default (``impl=None``) is
-:data:`GPU_DEFAULT` on a GPU backend, the plain path elsewhere; :data:`GPU_REFUSED` names the
-paths not yet verified on a GPU.
+:data:`GPU_DEFAULT` on a GPU backend, the plain path elsewhere.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,16 +46,10 @@ IMPLS = ("plain", "packed", "pallas")
 #: float32 on the tensor cores as three TF32 products (operands carried to ~22 bits, as the
 #: torch Triton path's exact mode), "fast" as one TF32 product (about 1e-3 relative)
 PRECISIONS = ("exact", "fast")
-#: the default on a GPU backend, per method: the fastest path verified there
-#: (bench/lopt_step_jax.py times every implementation side by side; bench/RESULTS.md). On an
-#: H200 the packed path was slower than the plain one and the Pallas kernels gave non-finite
-#: results, so the plain path stays the default until a fast path is both right and faster.
+#: the default on a GPU backend, per method: the path measured fastest there side by side
+#: with the others (bench/lopt_step_jax.py --plain; bench/RESULTS.md). Plain until the Pallas
+#: path, verified on an H200 (bench/lopt_step_jax.py --diagnose), is timed beside it.
 GPU_DEFAULT = {"small_fc_lopt": "plain", "velo": "plain"}
-#: the paths refused on a GPU backend, with the reason (each verified only on the CPU);
-#: ``XOPT_JAX_UNVERIFIED_GPU_PATHS=1`` runs them anyway (bench/lopt_step_jax.py sets it to
-#: measure and check them)
-GPU_REFUSED = {"pallas": "its kernels, exact on the CPU interpreter, gave NaN/inf on an H200 "
-                         "(bench/RESULTS.md, bench/lopt_step_jax.py); use impl='plain'"}
 
 
 def resolve_impl(label: str, impl: str | None, precision: str,
@@ -72,10 +64,6 @@ def resolve_impl(label: str, impl: str | None, precision: str,
                                   f"{precision!r}")
     if impl in (None, "auto"):
         return GPU_DEFAULT[method_name] if jax.default_backend() == "gpu" else "plain"
-    if impl in GPU_REFUSED and jax.default_backend() == "gpu" \
-            and os.environ.get("XOPT_JAX_UNVERIFIED_GPU_PATHS") != "1":
-        raise HyperparameterError(f"{label}: impl={impl!r} is not available on a GPU: "
-                                  f"{GPU_REFUSED[impl]}")
     return impl
 
 
