@@ -131,6 +131,7 @@ METHODS: dict[str, Callable[[nn.Module, int], Any]] = {
     "GaLore": _lowrank(xt.GaLore, update_proj_gap=GAP, scale=0.25),
     "Flora": _lowrank(xt.Flora, kappa=GAP),
     "COAP": _lowrank(xt.COAP, update_interval=GAP, reproject_factor=2),
+    "COAP 8-bit": _lowrank(xt.COAP, update_interval=GAP, reproject_factor=2, state_bits=8),
     "PLUMAGE": _lowrank(xt.PLUMAGE, update_proj_gap=GAP),
     "small_fc_lopt": lambda m, s: xt.SmallFCLOpt(m.parameters(), num_training_steps=s),
     "VeLO": lambda m, s: xt.VeLO(m.parameters(), num_training_steps=s),

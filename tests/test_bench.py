@@ -102,7 +102,8 @@ def test_train_step_tiny(tmp_path):
     out = _run("train_step.py", "--tiny", "--out-dir", str(tmp_path), "--dtype", "fp32")
     rows = json.loads((tmp_path / "train_step_tiny.json").read_text())["rows"]
     assert list(rows) == [
-        "torch.optim.AdamW(fused)", "xopt AdamW", "GaLore", "Flora", "COAP", "PLUMAGE",
+        "torch.optim.AdamW(fused)", "xopt AdamW", "GaLore", "Flora", "COAP", "COAP 8-bit",
+        "PLUMAGE",
         "small_fc_lopt", "VeLO", "CompAct", "POET-X fast", "POET-X mem"], out
     for name, r in rows.items():
         assert r["step_ms_max"] >= r["step_ms_median"] > 0 and r["state_bytes"] > 0, name
