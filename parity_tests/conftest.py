@@ -3,8 +3,12 @@ libraries, the float64 oracle and each other, through the same harness as `xopt 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+# xdist workers sharing one GPU: JAX allocates as it goes (as tests/conftest.py says)
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 # tests/helpers.py: the shared skip markers and paths
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -28,11 +28,15 @@ def explain_disagreements(report) -> str:
         for r in report.runs if not r.agrees)
 
 
-def worker_results(test_file: str | Path, timeout: int) -> dict:
+def worker_results(test_file: str | Path) -> dict:
     """Run ``test_file --worker`` in a child process and return the JSON object it prints
     last: on a CUDA GPU when the child sees one, else on the CPU under Triton's interpreter
     (``TRITON_INTERPRET=1`` set in the child's environment before anything imports
-    triton, so no other test is affected)."""
+    triton, so no other test is affected).
+
+    No wall-clock limit: the worker is a fixed, finite computation, and how long it takes
+    measures how busy the machine is (a 900 s limit failed 16 tests on two cores shared
+    with other work); a worker that never ends is bounded by the CI job's own limit."""
     import json
     import os
     import subprocess
@@ -46,7 +50,7 @@ def worker_results(test_file: str | Path, timeout: int) -> dict:
         env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, str(test_file), "--worker"], capture_output=True,
-                          text=True, env=env, cwd=REPO, timeout=timeout)
+                          text=True, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     print(json.dumps(res, indent=1))

@@ -61,7 +61,6 @@ def test_divergence_exits_1(tmp_path):
     (("parity", "adamw", "--backends", "torch,tensorflow"), "choose from torch, jax"),
     (("parity", "adamw", "--mode", "open"), "choose from teacher, closed"),
     (("parity", "adamw", "--impl", "triton"), "adamw has no 'triton' implementation"),
-    (("parity", "plumage"), "plumage has no original implementation and so no golden traces"),
 ])
 def test_bad_input_exits_2_with_the_reason(args, pattern):
     out = xopt(*args)
@@ -100,6 +99,27 @@ def test_against_the_live_original_is_bitwise():
     assert len(rows) == 2 and all("torch.optim.AdamW" in r and "bitwise" in r for r in rows)
 
 
-def test_methods_lists_adamw():
+def test_a_method_without_traces_exits_0_with_a_note():
+    # a loop over `xopt methods` running `xopt parity` on each must not stop at one
+    out = xopt("parity", "plumage")
+    assert out.returncode == 0, out.stderr
+    assert "plumage: no traces to replay (it has no original implementation" in out.stdout
+
+
+def test_one_run_on_one_trace_is_singular():
+    out = xopt("parity", "adamw", "--trace", TRACE, "--backends", "oracle", "--mode",
+               "teacher", "--steps", "2", "--quiet")
+    assert out.returncode == 0, out.stderr
+    assert "adamw: 1 run on 1 trace; verdict: agree" in out.stdout
+
+
+def test_methods_lists_every_method_with_integer_ranges_as_integers():
     out = xopt("methods")
     assert out.returncode == 0 and "adamw:" in out.stdout and "weight_decay" in out.stdout
+    from xopt import specs
+    for name in specs.names():
+        assert f"\n{name}: " in "\n" + out.stdout
+    seed = next(line for line in out.stdout.splitlines() if line.split()[:2] == ["seed", "0"])
+    assert "[0, 18446744073709551615]" in seed
+    gap = next(line for line in out.stdout.splitlines() if line.split()[:1] == ["gap"])
+    assert "[0, inf)" in gap and "e+" not in out.stdout

@@ -447,22 +447,6 @@ def test_torch_state_dict_round_trip_continues_identically():
 
 
 @needs_torch
-def test_torch_low_precision_keeps_float32_state():
-    import torch
-
-    from xopt.torch import COAP
-
-    p = torch.randn(20, 6, dtype=torch.bfloat16, requires_grad=True)
-    opt = COAP([p], lr=1e-2, rank=2, update_interval=2)
-    for _ in range(5):
-        p.grad = torch.randn(20, 6, dtype=torch.bfloat16)
-        opt.step()
-    st = opt.state[p]
-    assert st["ortho_matrix"].dtype == torch.float32 and st["exp_avg"].shape == (20, 2)
-    assert p.dtype == torch.bfloat16 and torch.isfinite(p).all()
-
-
-@needs_torch
 def test_torch_bad_input_names_the_parameter():
     import torch
 
@@ -474,30 +458,23 @@ def test_torch_bad_input_names_the_parameter():
     COAP([w], rank=4)  # auto: the authors' rule leaves it unprojected
     with pytest.raises(HyperparameterError, match="update_interval = 0"):
         COAP([w], rank=2, update_interval=0)
-    with pytest.raises(HyperparameterError, match="dtype torch.int64"):
-        COAP([torch.zeros(4, 4, dtype=torch.int64)], rank=2)
     with pytest.raises(HyperparameterError, match="rank = None"):
         COAP([w])
-    # check_finite: a NaN gradient is named, nothing moves
-    a, b = torch.ones(6, 4, requires_grad=True), torch.ones(6, 4, requires_grad=True)
-    opt = COAP([a, b], rank=2, check_finite=True)
-    a.grad, b.grad = torch.ones(6, 4), torch.full((6, 4), float("nan"))
-    with pytest.raises(NonFiniteError, match=r"\['params'\]\[1\]"):
-        opt.step()
-    assert torch.equal(a, torch.ones(6, 4)) and not opt.state[a]
-    # a decomposition that fails raises naming the parameter and writes no P
+    # a decomposition that fails on its own (an inf gradient, nonfinite="ignore") raises
+    # naming the parameter, and nothing moves (tests/contract/ makes one fail on purpose)
+    a = torch.ones(6, 4, requires_grad=True)
     opt = COAP([a], rank=2)
     a.grad = torch.full((6, 4), float("inf"))
     with pytest.raises(DecompositionError, match=r"param_groups\[0\]\['params'\]\[0\]"):
         opt.step()
-    assert torch.equal(opt.state[a]["ortho_matrix"], torch.zeros(2, 4))
+    assert not opt.state[a] and torch.equal(a, torch.ones(6, 4))
 
 
-# -- jax: leaf specs, chains, schedules, bad input -------------------------------------------------
+# -- jax: leaf specs, schedules, bad input ------------------------------------------------------
 
 
 @needs_jax
-def test_jax_leaf_specs_schedule_and_chain():
+def test_jax_leaf_specs_and_schedule():
     import jax
     import jax.numpy as jnp
     import optax
@@ -520,9 +497,6 @@ def test_jax_leaf_specs_schedule_and_chain():
     st = c.init(p)
     assert st.proj["enc/w"] is None and st.proj["dec/w"].shape == (6, 3)
     assert st.mu["enc/w"].shape == (24, 10)
-    chain = optax.chain(optax.clip_by_global_norm(1.0), xopt.jax.coap(spec=h))
-    u, _ = jax.jit(chain.update)(g, chain.init(p), p)
-    assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(u))
 
 
 @needs_jax
@@ -533,16 +507,10 @@ def test_jax_bad_input_names_the_leaf():
 
     with pytest.raises(HyperparameterError, match=r"xopt.jax.coap: w: rank = 4"):
         xopt.jax.coap(rank=4, project=True).init({"w": jnp.zeros((3, 10))})
-    with pytest.raises(HyperparameterError, match=r"xopt.jax.coap: i: dtype int32"):
-        xopt.jax.coap(rank=2).init({"i": jnp.zeros((4, 4), jnp.int32)})
     with pytest.raises(HyperparameterError, match="update_interval = 0"):
         xopt.jax.coap(rank=2, update_interval=0)
     p = {"a": jnp.ones((6, 4)), "b": jnp.ones((6, 4))}
-    tx = xopt.jax.coap(rank=2, check_finite=True)
-    g = {"a": jnp.ones((6, 4)), "b": jnp.full((6, 4), jnp.nan)}
-    with pytest.raises(NonFiniteError, match="gradient of b"):
-        tx.update(g, tx.init(p), p)
-    # without the check, a projection update that is not finite keeps the previous P
+    # a projection update that is not finite keeps the previous P
     tx = xopt.jax.coap(rank=2)
     _, st = tx.update({"a": jnp.full((6, 4), jnp.inf), "b": jnp.ones((6, 4))}, tx.init(p), p)
     assert bool(jnp.all(st.proj["a"] == 0)) and bool(jnp.isfinite(st.proj["b"]).all())

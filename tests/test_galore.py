@@ -230,37 +230,32 @@ def test_torch_bad_input_names_the_parameter():
     w = torch.zeros(5, 8)
     with pytest.raises(HyperparameterError, match=r"w_big.*rank = 9.*at most 5"):
         xopt.torch.GaLore([{"params": [w], "param_names": ["w_big"]}], rank=9)
-    with pytest.raises(HyperparameterError, match=r"dtype torch.int64"):
-        xopt.torch.GaLore([torch.zeros(3, 3, dtype=torch.int64)], rank=2)
     with pytest.raises(HyperparameterError, match="update_proj_gap = -1"):
         xopt.torch.GaLore([w], rank=2, update_proj_gap=-1)
     xopt.torch.GaLore([w], rank=9, project=False)  # not projected: any rank is fine
 
 
 @needs_torch
-def test_torch_nonfinite_gradient_and_failed_svd():
+def test_torch_failed_svd_of_a_finite_gradient_names_it_and_moves_nothing():
     import torch
 
     import xopt.torch
 
-    w = torch.nn.Parameter(torch.ones(6, 4))
-    b = torch.nn.Parameter(torch.ones(4))
-    opt = xopt.torch.GaLore([{"params": [b, w], "param_names": ["b", "w"]}], rank=2,
-                            check_finite=True)
-    b.grad, w.grad = torch.ones(4), torch.full((6, 4), float("nan"))
-    with pytest.raises(NonFiniteError, match="gradient of w"):
-        opt.step()
-    assert torch.equal(b, torch.ones(4)) and not opt.state[b]  # nothing moved
     # a finite gradient whose SVD overflows: the refresh raises naming the parameter, and
-    # the projection from the previous refresh is left as it was
-    opt = xopt.torch.GaLore([{"params": [w], "param_names": ["w"]}], rank=2, update_proj_gap=1)
-    w.grad = torch.randn(6, 4)
+    # nothing moves, the other matrix's refresh included (tests/contract/ makes an SVD fail
+    # on purpose; this one fails on its own)
+    w = torch.nn.Parameter(torch.ones(6, 4))
+    v = torch.nn.Parameter(torch.ones(5, 4))
+    opt = xopt.torch.GaLore([{"params": [v, w], "param_names": ["v", "w"]}], rank=2,
+                            update_proj_gap=1)
+    v.grad, w.grad = torch.randn(5, 4), torch.randn(6, 4)
     opt.step()
-    before = opt.state[w]["ortho_matrix"].clone()
-    w.grad = torch.full((6, 4), 3e38)
+    before = {k: t.clone() for k, t in opt.state[v].items() if torch.is_tensor(t)}
+    v.grad, w.grad = torch.randn(5, 4), torch.full((6, 4), 3e38)
     with pytest.raises(DecompositionError, match="gradient of w"):
         opt.step()
-    assert torch.equal(opt.state[w]["ortho_matrix"], before)
+    assert all(torch.equal(opt.state[v][k], t) for k, t in before.items())
+    assert opt.state[v]["step"] == opt.state[w]["step"] == 1
 
 
 @needs_torch
@@ -302,48 +297,30 @@ def test_torch_state_dict_loads_with_weights_only_and_resumes_exactly():
                                  "ortho_matrix_right"}
 
 
-@needs_torch
-def test_torch_bfloat16_params_keep_float32_state():
-    import torch
-
-    import xopt.torch
-
-    w = torch.nn.Parameter(torch.ones(6, 4, dtype=torch.bfloat16))
-    opt = xopt.torch.GaLore([w], rank=2)
-    w.grad = torch.randn(6, 4).to(torch.bfloat16)
-    opt.step()
-    assert opt.state[w]["exp_avg"].dtype == torch.float32 and w.dtype == torch.bfloat16
-    assert opt.state[w]["ortho_matrix"].dtype == torch.float32
-
-
 # -- jax ---------------------------------------------------------------------------------------
 
 @needs_jax
-def test_jax_bad_input_names_the_leaf():
+def test_jax_rank_too_large_names_the_leaf():
     import jax.numpy as jnp
 
     import xopt.jax
 
     with pytest.raises(HyperparameterError, match=r"layer/w.*rank = 9.*at most 5"):
         xopt.jax.galore(rank=9).init({"layer": {"w": jnp.zeros((5, 8))}})
-    with pytest.raises(HyperparameterError, match=r"n: dtype int32"):
-        xopt.jax.galore(rank=2).init({"n": jnp.zeros((3, 3), jnp.int32)})
-    with pytest.raises(HyperparameterError, match=r"unknown argument 'beta1'.*known: "):
-        xopt.jax.galore(beta1=0.9)
 
 
 @needs_jax
-def test_jax_nonfinite_checks_and_failed_svd_keeps_the_projection():
+def test_jax_failed_svd_raises_or_keeps_the_projection():
+    """A refresh whose SVD is not finite (finite gradients near float32's limit): a named
+    DecompositionError under nonfinite="raise"; otherwise the last projection is kept."""
     import jax
     import jax.numpy as jnp
 
     import xopt.jax
 
     params = {"w": jnp.ones((6, 4))}
-    tx = xopt.jax.galore(rank=2, update_proj_gap=1, check_finite=True)
+    tx = xopt.jax.galore(rank=2, update_proj_gap=1, nonfinite="raise")
     st = tx.init(params)
-    with pytest.raises(NonFiniteError, match="gradient of w"):
-        tx.update({"w": jnp.full((6, 4), jnp.nan)}, st, params)
     _, st = tx.update({"w": jax.random.normal(jax.random.key(0), (6, 4))}, st, params)
     with pytest.raises(DecompositionError, match="w"):
         tx.update({"w": jnp.full((6, 4), 3e38)}, st, params)
@@ -564,9 +541,9 @@ def test_backends_agree_with_the_oracle_without_injection(proj_type):
 
 @needs_jax
 @pytest.mark.parametrize("preset", ["authors", "optax"])
-def test_jax_inject_hyperparams_and_schedules(preset):
-    """Numeric fields may be injected (rank and update_proj_gap are static), and a constant
-    schedule is the constant: both give exactly the plain transformation's updates."""
+def test_jax_constant_schedule_is_the_constant(preset):
+    """A constant learning-rate schedule gives exactly the plain transformation's updates
+    (the schedule is read at the count before the increment, for every leaf)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -578,9 +555,7 @@ def test_jax_inject_hyperparams_and_schedules(preset):
     kw = dict(rank=2, update_proj_gap=2, weight_decay=0.1, preset=preset)
     plain = xopt.jax.galore(0.01, **kw)
     want, _ = jax.jit(lambda p, s: plain.update(g, s, p))(params, plain.init(params))
-    for tx in (optax.inject_hyperparams(xopt.jax.galore, static_args=(
-                   "rank", "update_proj_gap", "preset"))(learning_rate=0.01, **kw),
-               xopt.jax.galore(optax.constant_schedule(0.01), **kw)):
-        got, _ = jax.jit(lambda p, s, tx=tx: tx.update(g, s, p))(params, tx.init(params))
-        for k in params:
-            assert np.array_equal(np.asarray(got[k]), np.asarray(want[k])), k
+    tx = xopt.jax.galore(optax.constant_schedule(0.01), **kw)
+    got, _ = jax.jit(lambda p, s: tx.update(g, s, p))(params, tx.init(params))
+    for k in params:
+        assert np.array_equal(np.asarray(got[k]), np.asarray(want[k])), k

@@ -320,7 +320,7 @@ def _worker() -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return worker_results(__file__, timeout=900)
+    return worker_results(__file__)
 
 
 METHODS = ("small_fc_lopt", "velo")

@@ -106,7 +106,7 @@ def _oracle_steps(method: str, params, state, grads, loss, theta):
         tf = spec.time_features(np, np.asarray(state.iteration), meta["mlp/b0"])
         out = {}
         for k in names:
-            accs = [np.asarray(getattr(inner, v)[k], np.float64) for v in spec._PARAM_VARS]
+            accs = [np.asarray(getattr(inner, v)[k], np.float64) for v in spec.PARAM_VARS]
             out[k], _ = spec.compute_step(hp, f64[k], g64[k], *accs, tf, meta, decays, xp=np)
         return out
     from xopt.specs import velo as spec

@@ -214,7 +214,7 @@ def _worker() -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return worker_results(__file__, timeout=600)
+    return worker_results(__file__)
 
 
 def test_folded_step_matches_float64(results):

@@ -232,7 +232,7 @@ def _g2_prefetch_same_bits(dev: str) -> bool:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return worker_results(__file__, timeout=900)
+    return worker_results(__file__)
 
 
 def test_factored_tensors_take_the_folded_kernel(results):

@@ -319,30 +319,6 @@ def test_torch_float64_param_update_is_taken_in_float64():
 
 
 @needs_torch
-def test_torch_check_finite_leaves_everything_unchanged():
-    import torch
-
-    Toy = _torch_toy()
-    ps = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3, 2))]
-    opt = Toy(ps, THETA, num_training_steps=10, check_finite=True)
-    for p in ps:
-        p.grad = torch.ones_like(p)
-    opt.step(loss=1.0)
-    before = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in ps]
-    ps[1].grad = torch.tensor([[1.0, float("nan")]] * 3)
-    with pytest.raises(NonFiniteError, match=r"param_groups\[0\]\['params'\]\[1\].*\(3, 2\)"):
-        opt.step(loss=1.0)
-    ps[1].grad = torch.ones(3, 2)
-    with pytest.raises(NonFiniteError, match="loss"):
-        opt.step(loss=float("inf"))
-    after = opt.state_dict()
-    assert all(torch.equal(a, b) for a, b in zip(before[1], ps, strict=True))
-    for k, v in before[0]["state"].items():
-        for kk, vv in v.items():
-            assert torch.equal(vv, after["state"][k][kk]), (k, kk)
-
-
-@needs_torch
 def test_torch_bad_input_is_named_and_changes_nothing():
     import torch
 
@@ -353,10 +329,6 @@ def test_torch_bad_input_is_named_and_changes_nothing():
         Toy([torch.zeros(2)], THETA, num_training_steps=3, decya=0.1)
     with pytest.raises(HyperparameterError, match=r"spec= or hyperparameters"):
         Toy([torch.zeros(2)], THETA, spec=ToyHP(num_training_steps=3), weight_decay=0.1)
-    with pytest.raises(HyperparameterError, match=r"\['params'\]\[1\].*torch.int64"):
-        Toy([torch.zeros(2), torch.zeros(2, dtype=torch.int64)], THETA, num_training_steps=3)
-    with pytest.raises(HyperparameterError, match=r"complex64"):
-        Toy([torch.zeros(2, dtype=torch.complex64)], THETA, num_training_steps=3)
     with pytest.raises(MetaParamsError, match="missing meta-parameter.*w"):
         Toy([torch.zeros(2)], {}, num_training_steps=3)
     with pytest.raises(MetaParamsError, match=r"'w' has shape \(3,\)"):
@@ -366,9 +338,6 @@ def test_torch_bad_input_is_named_and_changes_nothing():
             num_training_steps=3)
     p = torch.nn.Parameter(torch.ones(2))
     opt = Toy([p], {"orig/w": np.ones(2, np.float32)}, num_training_steps=3)  # either naming
-    with pytest.raises(HyperparameterError, match=r"param_groups\[1\].*lr"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))], "lr": -1.0})
-    assert len(opt.param_groups) == 1
     p.grad = torch.ones(2)
     with pytest.raises(ValueError, match=r"the loss must be a real scalar, got str"):
         opt.step(loss="1.0")
@@ -423,7 +392,7 @@ def test_torch_state_dict_resumes_bit_exactly_and_keeps_float32_state(accumulate
     # a damaged state dict is rejected, naming the entry, and changes nothing
     bad = copy.deepcopy(saved["opt"])
     bad["state"][0]["m"] = torch.zeros(7)
-    with pytest.raises(StateError, match=r"state of parameter 0: 'm' has shape \(7,\)"):
+    with pytest.raises(StateError, match=r"state of parameter 0 \(.*\): 'm' has shape \(7,\)"):
         opt3.load_state_dict(bad)
     del bad["state"]["global"]
     with pytest.raises(StateError, match="missing state\\['global'\\]"):
@@ -446,29 +415,6 @@ def test_torch_deepcopy_keeps_the_optimizer_whole():
             o.step(loss=losses[t])
     assert twin[1].hp == h and twin[1].meta["w"].tolist() == THETA["w"].tolist()
     assert all(torch.equal(a, b) for a, b in zip(ps, twin[0], strict=True))
-
-
-@needs_torch
-def test_torch_scheduler_drives_the_group_lr():
-    import torch
-
-    h = ToyHP(num_training_steps=10)
-    params, grads, losses = problem(steps=3)
-    Toy = _torch_toy()
-    ps = [torch.tensor(v) for v in params.values()]
-    opt = Toy(ps, THETA, spec=h)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    qs = [torch.tensor(v) for v in params.values()]
-    ref = Toy(qs, THETA, spec=h)
-    for t in range(3):
-        for group in ref.param_groups:
-            group["lr"] = 0.5 ** t
-        for opt_, xs in ((opt, ps), (ref, qs)):
-            for p, g in zip(xs, grads[t].values(), strict=True):
-                p.grad = torch.tensor(g)
-            opt_.step(loss=losses[t])
-        sched.step()
-        assert all(torch.equal(a, b) for a, b in zip(ps, qs, strict=True)), t
 
 
 # -- jax ----------------------------------------------------------------------------------------
@@ -565,39 +511,15 @@ def test_jax_schedule_is_read_at_the_call_count(accumulate):
 
 
 @needs_jax
-def test_jax_check_finite_names_the_leaf_eagerly_and_under_jit():
-    import jax
-    import jax.numpy as jnp
-
-    from xopt.jax._lopt import learned_optimizer
-
-    h = ToyHP(num_training_steps=10)
-    tx = learned_optimizer(_JaxToy(h, THETA), h, check_finite=True)
-    p = {"a": jnp.ones(2), "b": jnp.ones((3, 2))}
-    s = tx.init(p)
-    g = {"a": jnp.ones(2), "b": jnp.full((3, 2), jnp.nan)}
-    with pytest.raises(NonFiniteError, match=r"\['b'\]"):
-        tx.update(g, s, p, value=1.0)
-    with pytest.raises(Exception, match=r"gradient of \['b'\] holds NaN"):
-        jax.block_until_ready(jax.jit(lambda g, s, p: tx.update(g, s, p, value=1.0))(g, s, p))
-    u, _ = tx.update({"a": jnp.ones(2), "b": jnp.ones((3, 2))}, s, p, value=1.0)
-    assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(u))
-
-
-@needs_jax
-def test_jax_rejects_integer_params_and_missing_inputs():
+def test_jax_needs_params_and_a_horizon():
     import jax.numpy as jnp
 
     from xopt.jax._lopt import learned_optimizer
 
     h = ToyHP(num_training_steps=10)
     tx = learned_optimizer(_JaxToy(h, THETA), h, needs_loss=True)
-    with pytest.raises(HyperparameterError, match=r"\['n'\].*int32"):
-        tx.init({"a": jnp.ones(2), "n": jnp.ones(2, jnp.int32)})
     s = tx.init({"a": jnp.ones(2)})
     with pytest.raises(ValueError, match="needs `params`"):
         tx.update({"a": jnp.ones(2)}, s, None, value=1.0)
-    with pytest.raises(ValueError, match="needs the loss"):
-        tx.update({"a": jnp.ones(2)}, s, {"a": jnp.ones(2)})
     with pytest.raises(HyperparameterError, match="num_training_steps is required"):
         learned_optimizer(_JaxToy(h, THETA), ToyHP())

@@ -179,7 +179,7 @@ def test_run_parity_without_a_fault_localises_nothing(reference):
 def _run(errs_by_step, tol=1e-6):
     from xopt.parity.compare import TensorError
     from xopt.parity.harness import Run
-    from xopt.specs import Tolerance
+    from xopt.parity.methods import Tolerance
 
     return Run(trace="t/c", backend="b", impl="plain", against="a", mode="teacher_forced",
                steps=len(errs_by_step), tolerance=Tolerance(tol, 0.0, "test"),

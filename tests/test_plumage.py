@@ -26,14 +26,13 @@ biased sampler) that the same bound rejects.
 from __future__ import annotations
 
 import functools
-import io
 import math
 
 import numpy as np
 import pytest
 from helpers import needs_jax, needs_torch
 
-from xopt.errors import DecompositionError, HyperparameterError, NonFiniteError
+from xopt.errors import DecompositionError, HyperparameterError
 from xopt.parity.methods import get as get_parity
 from xopt.specs import get, lowrank
 from xopt.specs import plumage as P
@@ -427,63 +426,6 @@ def test_rank_deficient_gradient_still_samples_k_distinct_orthonormal_columns():
 # -- the torch optimizer ----------------------------------------------------------------------
 
 
-@needs_torch
-def test_torch_state_dict_round_trips_with_weights_only_and_resumes_identically():
-    import torch
-
-    from xopt.torch.plumage import PLUMAGE
-
-    rng = np.random.default_rng(9)
-    grads = [[torch.tensor(rng.standard_normal(s), dtype=torch.float32)
-              for s in ((5, 7), (7,))] for _ in range(6)]
-
-    def make():
-        ps = [torch.ones(5, 7, requires_grad=True), torch.ones(7, requires_grad=True)]
-        return ps, PLUMAGE([{"params": ps[:1]}, {"params": ps[1:], "project": False}],
-                                rank=2, update_proj_gap=2, resample_interval=3,
-                                weight_decay=0.1)
-
-    ps, opt = make()
-    for gs in grads:
-        for p, g in zip(ps, gs, strict=True):
-            p.grad = g
-        opt.step()
-    ps2, opt2 = make()
-    for gs in grads[:3]:
-        for p, g in zip(ps2, gs, strict=True):
-            p.grad = g
-        opt2.step()
-    buf = io.BytesIO()
-    torch.save(opt2.state_dict(), buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
-    ps3 = [p.detach().clone().requires_grad_(True) for p in ps2]
-    opt3 = PLUMAGE([{"params": ps3[:1]}, {"params": ps3[1:], "project": False}], rank=2,
-                        update_proj_gap=2, resample_interval=3, weight_decay=0.1)
-    opt3.load_state_dict(saved)
-    for gs in grads[3:]:
-        for p, g in zip(ps3, gs, strict=True):
-            p.grad = g
-        opt3.step()
-    for a, b in zip(ps, ps3, strict=True):
-        assert torch.equal(a, b)
-
-
-@needs_torch
-def test_torch_bfloat16_parameters_keep_float32_state():
-    import torch
-
-    from xopt.torch.plumage import PLUMAGE
-
-    w = torch.ones(4, 6, dtype=torch.bfloat16, requires_grad=True)
-    opt = PLUMAGE([w], rank=2)
-    w.grad = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)).bfloat16()
-    opt.step()
-    assert w.dtype == torch.bfloat16
-    assert opt.state[w]["exp_avg"].dtype == torch.float32
-    assert opt.state[w]["projector"].dtype == torch.float32
-
-
 # -- bad input ----------------------------------------------------------------------------------
 
 
@@ -501,8 +443,6 @@ def test_torch_errors_name_the_parameter():
         PLUMAGE([torch.zeros(4, 6)], rank=2, resample_interval=0)
     with pytest.raises(HyperparameterError, match=r"resample_interval = 1.5"):
         PLUMAGE([torch.zeros(4, 6)], rank=2, resample_interval=1.5)
-    with pytest.raises(HyperparameterError, match=r"dtype torch.int64 is not supported"):
-        PLUMAGE([torch.zeros(4, 6, dtype=torch.int64)], rank=2)
     with pytest.raises(HyperparameterError, match=r"unknown hyperparameter 'scale'"):
         PLUMAGE([torch.zeros(4, 6)], rank=2, scale=0.25)
     # a vector in a projected group is fine (not a matrix: the full-rank update)
@@ -510,19 +450,15 @@ def test_torch_errors_name_the_parameter():
 
 
 @needs_torch
-def test_torch_nonfinite_gradient_and_failed_svd(monkeypatch):
+def test_torch_failed_svd_names_the_parameter_and_the_reason(monkeypatch):
     import torch
 
     from xopt.torch.plumage import PLUMAGE
 
+    # a refresh whose SVD is not finite (a NaN gradient, nonfinite="ignore"), or fails in
+    # LAPACK, names the parameter (nothing moves: tests/contract/)
     w = torch.ones(4, 6, requires_grad=True)
-    opt = PLUMAGE([{"params": [w], "param_names": ["layer.weight"]}], rank=2,
-                       check_finite=True)
     w.grad = torch.full((4, 6), float("nan"))
-    with pytest.raises(NonFiniteError, match="layer.weight"):
-        opt.step()
-    assert torch.equal(w, torch.ones(4, 6)) and not opt.state[w]
-    # without the check, a refresh whose SVD fails (or is not finite) names the parameter
     opt = PLUMAGE([{"params": [w], "param_names": ["layer.weight"]}], rank=2)
     with pytest.raises(DecompositionError, match="layer.weight"):
         opt.step()
@@ -537,7 +473,7 @@ def test_torch_nonfinite_gradient_and_failed_svd(monkeypatch):
 
 
 @needs_jax
-def test_jax_errors_and_nonfinite_refresh_keeps_the_projection():
+def test_jax_errors_and_a_nonfinite_refresh_keeps_the_projection():
     import jax
     import jax.numpy as jnp
 
@@ -547,8 +483,6 @@ def test_jax_errors_and_nonfinite_refresh_keeps_the_projection():
         plumage(rank=9).init({"w": jnp.zeros((4, 6))})
     with pytest.raises(HyperparameterError, match=r"update_proj_gap = -1"):
         plumage(update_proj_gap=-1)
-    with pytest.raises(HyperparameterError, match=r"w: dtype int32 is not supported"):
-        plumage(rank=2).init({"w": jnp.zeros((4, 6), jnp.int32)})
     tx = plumage(rank=2, update_proj_gap=2)
     params = {"w": jnp.ones((4, 6))}
     state = tx.init(params)
@@ -559,14 +493,10 @@ def test_jax_errors_and_nonfinite_refresh_keeps_the_projection():
     _, bad = step({"w": jnp.full((4, 6), jnp.nan)}, state, params)  # t = 2: a refresh
     np.testing.assert_array_equal(bad.projector["w"], state.projector["w"])
     np.testing.assert_array_equal(bad.scale["w"], state.scale["w"])
-    checked = plumage(rank=2, check_finite=True)
-    with pytest.raises(Exception, match="gradient of w holds NaN"):
-        jax.block_until_ready(jax.jit(checked.update)({"w": jnp.full((4, 6), jnp.nan)},
-                                                      checked.init(params), params))
 
 
 @needs_jax
-def test_jax_param_specs_schedules_and_chain():
+def test_jax_param_specs_and_schedules():
     import jax
     import jax.numpy as jnp
     import optax
@@ -575,33 +505,16 @@ def test_jax_param_specs_schedules_and_chain():
 
     params = {"dense": {"kernel": jnp.ones((4, 6)), "bias": jnp.zeros(6)},
               "head": jnp.ones((6, 3))}
-    tx = optax.chain(optax.clip_by_global_norm(1.0), plumage(
-        optax.linear_schedule(1e-2, 0.0, 10), rank=2,
-        param_specs=lambda p: {"dense": {"kernel": None, "bias": None},
-                               "head": P.PLUMAGE(project=False)}))
+    tx = plumage(optax.linear_schedule(1e-2, 0.0, 10), rank=2,
+                 param_specs=lambda p: {"dense": {"kernel": None, "bias": None},
+                                        "head": P.PLUMAGE(project=False)})
     state = tx.init(params)
-    inner = state[1]
-    assert set(inner.projector) == {"dense/kernel"}
+    inner = state
     assert inner.mu["head"].shape == (6, 3) and inner.mu["dense"]["kernel"].shape == (2, 6)
     g = jax.tree.map(jnp.ones_like, params)
     updates, state = jax.jit(tx.update)(g, state, params)
     assert jax.tree.structure(updates) == jax.tree.structure(params)
     assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
-
-
-@needs_jax
-def test_jax_inject_hyperparams_learning_rate():
-    import jax.numpy as jnp
-    import optax
-
-    from xopt.jax.plumage import plumage
-
-    tx = optax.inject_hyperparams(plumage, static_args=("rank",))(learning_rate=1e-2, rank=2)
-    params = {"w": jnp.ones((4, 6))}
-    state = tx.init(params)
-    u, state = tx.update({"w": jnp.ones((4, 6)) * jnp.arange(6.0)}, state, params)
-    assert bool(jnp.all(jnp.isfinite(u["w"])))
-    assert float(state.hyperparams["learning_rate"]) == pytest.approx(1e-2)
 
 
 # -- the spec ----------------------------------------------------------------------------------

@@ -250,16 +250,6 @@ def test_torch_convert_and_optimizer_driven_merges():
         merges.append(int(model.up.merges))
         assert opt.state[model.up.oft_R]["step"] in (1, 2)
     assert merges == [0, 1, 1, 2, 2]
-    # state dicts load safely and resume
-    import io
-
-    buf = io.BytesIO()
-    torch.save(opt.state_dict(), buf)
-    buf.seek(0)
-    sd = torch.load(buf, weights_only=True)
-    opt2 = POETAdamW(poet_param_groups(model), merge_interval=2)
-    opt2.load_state_dict(sd)
-    assert opt2.global_step_counter == 5
 
 
 @needs_torch
@@ -325,7 +315,7 @@ def test_jax_layer_matches_torch_and_mem_vjp_matches_autodiff():
 
 
 @needs_jax
-def test_poet_adamw_resets_and_jits():
+def test_poet_adamw_restarts_the_moments_every_merge_interval():
     import jax
     import jax.numpy as jnp
 

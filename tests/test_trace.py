@@ -242,3 +242,37 @@ def test_a_mistyped_hyperparameter_value_exits_2_naming_the_trace(tmp_path, caps
     rc = main(["parity", "adamw", "--trace", str(path), "--backends", "oracle", "--quiet"])
     err = capsys.readouterr().err
     assert rc == 2 and f"xopt: error: {path}: hyperparameters: " in err, err
+
+
+_LAYER_DATA = Path(__file__).resolve().parents[1] / "xopt/parity/data"
+
+
+@pytest.mark.parametrize("method,case,where,value", [
+    ("poet", "cayley_neumann_b8", ("block_size",), "x"),
+    ("poet", "cayley_neumann_b8", ("block_size",), 8.5),
+    ("poet", "train_in64_out48_b16_merge4", ("POETConfig", "merge_interval"), None),
+    ("poet", "train_in64_out48_b16_merge4", ("POETConfig", "block_size"), 1),
+    ("compact", "linear_in32_out24_r0.25", ("nn.Linear", "in_features"), None),
+    ("compact", "linear_in32_out24_r0.25", ("nn.Linear", "out_features"), [1]),
+    ("compact", "linear_in32_out24_r0.25", ("Projector", "gap"), "x"),
+    ("compact", "llama2block_h16_r0.25", ("LlamaConfig", "vocab_size"), [1]),
+    ("compact", "llama2block_h16_r0.25", ("LlamaConfig", "num_attention_heads"), 3),
+])
+def test_a_layer_trace_with_a_mistyped_hyperparameter_exits_2_naming_the_trace(
+        tmp_path, capsys, method, case, where, value):
+    """The layer drivers read their traces' recorded architectures and settings as strictly
+    as the optimizer traces: a wrong type or an impossible size exits 2 naming the file."""
+    from xopt.cli import main
+
+    src = _LAYER_DATA / method / f"{case}.json"
+    manifest = json.loads(src.read_text())
+    node = manifest["hyperparameters"]
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = value
+    path = tmp_path / src.name
+    path.write_text(json.dumps(manifest))
+    shutil.copy(src.with_suffix(".npz"), path.with_suffix(".npz"))
+    rc = main(["parity", method, "--trace", str(path), "--backends", "torch", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"xopt: error: {path}: hyperparameters: " in err, err

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from helpers import SHARED, has_jax, has_torch
 
-from xopt.errors import HyperparameterError, MetaParamsError, NonFiniteError
+from xopt.errors import HyperparameterError, MetaParamsError
 from xopt.parity import bundled_traces, load_trace
 from xopt.parity.harness import original_of, trace_hyperparameters, trace_state
 from xopt.parity.methods import velo as VP
@@ -327,22 +327,6 @@ def test_torch_needs_the_loss_and_changes_nothing_without_it(golden):
 
 
 @pytest.mark.skipif(not has_torch, reason="needs torch")
-def test_torch_nan_loss_with_check_finite_changes_nothing(golden):
-    trace = golden[0]
-    ps, opt = _torch_opt(golden, check_finite=True)
-    _set_grads(ps, trace.grads(0))
-    before_p, before_s = _snapshot(ps, opt)
-    with pytest.raises(NonFiniteError, match="loss"):
-        opt.step(loss=float("nan"))
-    ps[3].grad[0, 0] = float("inf")
-    with pytest.raises(NonFiniteError, match="param_groups\\[0\\]\\['params'\\]\\[3\\]"):
-        opt.step(loss=trace.loss(0))
-    after_p, after_s = _snapshot(ps, opt)
-    assert all(torch.equal(a, b) for a, b in zip(before_p, after_p, strict=True))
-    assert before_s == after_s
-
-
-@pytest.mark.skipif(not has_torch, reason="needs torch")
 def test_torch_bad_meta_parameters_name_the_key(golden):
     import xopt.torch
 
@@ -354,64 +338,6 @@ def test_torch_bad_meta_parameters_name_the_key(golden):
         xopt.torch.VeLO(ps, bad, num_training_steps=10)
     with pytest.raises(HyperparameterError, match="num_training_steps"):
         xopt.torch.VeLO(ps, meta)
-
-
-def _state_arrays(opt, ps):
-    out = {}
-    for i, p in enumerate(ps):
-        for k, v in opt.state[p].items():
-            out[f"{i}/{k}"] = v.clone()
-    for k, v in opt.state["global"].items():
-        out[f"global/{k}"] = v.clone()
-    return out
-
-
-@pytest.mark.skipif(not has_torch, reason="needs torch")
-def test_torch_state_dict_resume_is_bit_exact(golden):
-    trace = golden[0]
-    ps, opt = _torch_opt(golden)
-    for t in range(4):
-        _set_grads(ps, trace.grads(t))
-        opt.step(loss=trace.loss(t))
-    ps2, opt2 = _torch_opt(golden)
-    for t in range(2):
-        _set_grads(ps2, trace.grads(t))
-        opt2.step(loss=trace.loss(t))
-    buf = io.BytesIO()
-    torch.save(opt2.state_dict(), buf)
-    ps3 = [torch.nn.Parameter(p.detach().clone()) for p in ps2]
-    opt3 = type(opt2)(ps3, golden[2], num_training_steps=trace.num_training_steps)
-    buf.seek(0)
-    opt3.load_state_dict(torch.load(buf, weights_only=True))
-    for t in range(2, 4):
-        _set_grads(ps3, trace.grads(t))
-        opt3.step(loss=trace.loss(t))
-    assert all(torch.equal(a, b) for a, b in zip(ps, ps3, strict=True))
-    a, b = _state_arrays(opt, ps), _state_arrays(opt3, ps3)
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
-    assert opt3.state[ps3[0]]["lstm_hidden"].shape == (512,)  # per parameter, not stacked
-
-
-@pytest.mark.skipif(not has_torch, reason="needs torch")
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_torch_low_precision_params_keep_float32_state(golden, dtype):
-    import xopt.torch
-
-    trace, hp, meta, states, params = golden
-    dt = getattr(torch, dtype)
-    ps = [torch.nn.Parameter(torch.from_numpy(params[-1][k].copy()).to(dt))
-          for k in trace.params]
-    opt = xopt.torch.VeLO(ps, meta, num_training_steps=trace.num_training_steps)
-    for t in range(2):
-        for p, g in zip(ps, trace.grads(t).values(), strict=True):
-            p.grad = torch.from_numpy(g.copy()).to(dt)
-        opt.step(loss=trace.loss(t))
-    for p in ps:
-        assert p.dtype == dt
-        assert all(v.dtype == torch.float32 for v in opt.state[p].values())
-        assert torch.isfinite(p).all() and bool(opt.state[p]["m"].abs().sum() > 0)
-    assert ps[list(trace.params).index("scale")].shape == ()
 
 
 # -- jax ---------------------------------------------------------------------------------------
@@ -464,7 +390,7 @@ def test_torch_and_jax_agree_on_a_random_problem():
 
 
 @pytest.mark.skipif(not has_jax, reason="needs jax")
-def test_jax_needs_the_loss_and_steps_exactly_p_minus_step():
+def test_jax_steps_exactly_p_minus_step():
     import jax
     import jax.numpy as jnp
     import optax
@@ -478,8 +404,6 @@ def test_jax_needs_the_loss_and_steps_exactly_p_minus_step():
     tx = xopt.jax.velo(theta, spec=hp)
     state = tx.init(jp)
     g = {k: jnp.asarray(v) for k, v in grads[0].items()}
-    with pytest.raises(ValueError, match="loss"):
-        tx.update(g, state, jp)
     u, new = jax.jit(lambda g, s, p, v: tx.update(g, s, p, value=v))(g, state, jp, losses[0])
     oracle, _ = V.step(hp, {k: v.astype(np.float64) for k, v in params.items()},
                        V.init_state(hp, params, meta=theta, dtype=np.float64),
@@ -489,5 +413,3 @@ def test_jax_needs_the_loss_and_steps_exactly_p_minus_step():
     for k in params:  # updates = -(1·step): apply_updates gives p - step
         assert rel(np.asarray(u[k]), oracle[k] - params[k]) < 1e-5, k
         assert rel(np.asarray(new_p[k]), oracle[k]) < 1e-6, k
-    with pytest.raises(HyperparameterError, match="learning_rate"):
-        xopt.jax.velo(theta, spec=hp, lr=0.1)

@@ -47,7 +47,7 @@ SHARED_CASES = [
     "velo/perturbed_seed0",
 ]
 #: cases recorded by xopt's own tools from the original libraries
-RECORDED = {"adamw": "tools/record_adamw.py"}
+RECORDED = {"adamw": "tools/record_adamw.py", "mulo": "tools/record_mulo.py"}
 
 
 def sha256(path: Path) -> str:

@@ -31,8 +31,14 @@ class StateError(XoptError, ValueError):
     """Optimizer state is missing a key, has an extra key, or has the wrong shape or dtype."""
 
 
+class GradientError(XoptError, ValueError):
+    """A gradient cannot be used: sparse, complex, of another dtype or shape than its
+    parameter (raised before any parameter or state changes; the message names it)."""
+
+
 class NonFiniteError(XoptError, FloatingPointError):
-    """A gradient holds NaN or inf (raised only when the opt-in finiteness check is on)."""
+    """A gradient (or a learned optimizer's loss) holds NaN or inf; raised only under
+    ``nonfinite="raise"`` (:mod:`xopt.nonfinite`), before anything changes."""
 
 
 class MetaParamsError(XoptError, ValueError):

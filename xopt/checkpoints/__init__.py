@@ -118,7 +118,7 @@ def load_learned_optimization(path: str | os.PathLike[str], **overrides: Any
     return method, hp, {k: np.asarray(v) for k, v in theta.items()}, gen_id, step
 
 
-def load(path: str | os.PathLike[str], *, decays: Any = None,
+def load(path: str | os.PathLike[str], *, decays: Any = None, method: str | None = None,
          **overrides: Any) -> tuple[str, Any, dict[str, np.ndarray]]:
     """``(method, hyperparameters, θ with canonical names as float NumPy arrays)`` of the
     checkpoint at ``path`` (format detected).
@@ -127,10 +127,19 @@ def load(path: str | os.PathLike[str], *, decays: Any = None,
     checkpoint they supply what PyLO does not store (``step_mult=0.01``), and ``decays`` the
     small_fc_lopt decay offsets PyLO does not store (a mapping, or ``"pylo-defaults"``; see
     :mod:`xopt.checkpoints.pylo`). ``decays`` is an error for the other formats, which hold
-    them.
+    them. ``method`` is the method the checkpoint must hold; for a PyLO ``MetaMLP``, which
+    small_fc_lopt and μLO share, it chooses (``"mulo"``; default small_fc_lopt).
     """
     fmt = detect(path)
     d = _dir_of(path)
+    out = _load(fmt, d, decays, method, overrides)
+    if method is not None and out[0] != method:
+        raise CheckpointError(f"{d}: holds a {out[0]} checkpoint, not {method}")
+    return out
+
+
+def _load(fmt: str, d: Path, decays: Any, method: str | None,
+          overrides: Mapping[str, Any]) -> tuple[str, Any, dict[str, np.ndarray]]:
     if fmt != "pylo" and decays is not None:
         raise CheckpointError(f"{d}: decays= is only for PyLO checkpoints; this "
                               f"{fmt} checkpoint stores them")
@@ -146,8 +155,9 @@ def load(path: str | os.PathLike[str], *, decays: Any = None,
                 raise CheckpointError(
                     f"{d}: a single PyLO VeLO module (VeLORNN or VeLOMLP); VeLO needs a "
                     f"directory holding both as {pylo.RNN_DIR}/ and {pylo.MLP_DIR}/")
-            hp, theta = pylo.read_small_fc(d, decays=decays, **overrides)
-            return "small_fc_lopt", hp, theta
+            which = method if method in pylo.METAMLP_METHODS else "small_fc_lopt"
+            hp, theta = pylo.read_small_fc(d, decays=decays, method=which, **overrides)
+            return which, hp, theta
         if decays is not None:
             raise CheckpointError(f"{d}: decays= is for small_fc_lopt (MetaMLP) checkpoints; "
                                   "this is VeLO")
@@ -197,7 +207,7 @@ def files(method: str, hp: Any, theta: Mapping[str, Any], format: str = "xopt", 
         original = {k: np.asarray(v) for k, v in spec.meta.to_original(canon, hp).items()}
         return {lo.PARAMS_FILE: lo.params_bytes(original, gen_id, step),
                 lo.GIN_FILE: lo.gin_text(method, hp)}
-    if method == "small_fc_lopt":
+    if method in pylo.METAMLP_METHODS:
         return pylo.small_fc_files(hp, canon)
     return pylo.velo_files(hp, canon)
 

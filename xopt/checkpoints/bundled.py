@@ -27,6 +27,9 @@ _BUNDLED: dict[str, tuple[str, dict[str, Any]]] = {
     # AdafacMLPLOpt(hidden_size=32, step_mult=0.01) at its initialisation (key 0), perturbed
     "small_fc_lopt": ("small_fc_lopt/meta/h32_l2_key0_perturbed.npz",
                       {"hidden_size": 32, "hidden_layers": 2, "step_mult": 0.01}),
+    # the same θ under μLO (its golden traces' θ: μLO's decay offsets, not its trained MLP)
+    "mulo": ("mulo/meta/h32_l2_key0_perturbed.npz",
+             {"hidden_size": 32, "hidden_layers": 2, "step_mult": 0.01}),
 }
 
 

@@ -74,10 +74,12 @@ def _download(repo_id: str, revision: str | None, token: str | None) -> Path:
 
 def load_pretrained(source: Source | None = None, *, repo_id: str | Sequence[str] | None = None,
                     revision: str | None = None, token: str | None = None,
-                    decays: Any = None, **overrides: Any) -> tuple[str, Any, dict[str, Any]]:
+                    decays: Any = None, method: str | None = None,
+                    **overrides: Any) -> tuple[str, Any, dict[str, Any]]:
     """``(method, hp, θ canonical)`` from a local directory, a Hub repository
     (``"hf://owner/name"`` or ``repo_id="owner/name"``), or a pair ``(rnn, mlp)`` of PyLO
-    VeLO directories or repositories."""
+    VeLO directories or repositories. ``method``: the method it must hold (and, for a PyLO
+    ``MetaMLP``, which of small_fc_lopt and μLO to read it as)."""
     if (source is None) == (repo_id is None):
         raise CheckpointError("pass either a source (a local path or 'hf://owner/name') or "
                               "repo_id=, not both" if source is not None else
@@ -98,8 +100,11 @@ def load_pretrained(source: Source | None = None, *, repo_id: str | Sequence[str
             raise
         except XoptError as e:
             raise CheckpointError(f"{dirs[0]}, {dirs[1]}: {e}") from None
+        if method not in (None, "velo"):
+            raise CheckpointError(f"{source}: holds a velo checkpoint, not {method}")
         return "velo", hp, theta
-    return C.load(_local_or_hub(source, revision, token), decays=decays, **overrides)
+    return C.load(_local_or_hub(source, revision, token), decays=decays, method=method,
+                  **overrides)
 
 
 def from_pretrained(cls: type, params: Any, source: Source | None = None, *,
@@ -111,9 +116,9 @@ def from_pretrained(cls: type, params: Any, source: Source | None = None, *,
     ``hyperparameters`` (``num_training_steps=...``) override or supply the fields the
     checkpoint does not hold."""
     given = {k: v for k, v in hyperparameters.items() if v is not None}
-    method, hp, theta = load_pretrained(source, repo_id=repo_id, revision=revision,
-                                        token=token, decays=decays, **given)
     want = cls.hyperparams_cls.METHOD
+    method, hp, theta = load_pretrained(source, repo_id=repo_id, revision=revision,
+                                        token=token, decays=decays, method=want, **given)
     if method != want:
         raise CheckpointError(f"{source or repo_id}: holds a {method} checkpoint, not {want}")
     return cls(params, theta, spec=hp, check_finite=check_finite)
@@ -160,17 +165,24 @@ def push_to_hub(method: str, hp: Any, theta: Mapping[str, Any], repo_id: str | S
 def optax_from_pretrained(source: Source | None = None, *,
                           repo_id: str | Sequence[str] | None = None, check_finite: bool = False,
                           revision: str | None = None, token: str | None = None,
-                          decays: Any = None, **hyperparameters: Any) -> Any:
+                          decays: Any = None, method: str | None = None,
+                          mup_lrs: Any = None, **hyperparameters: Any) -> Any:
     """The JAX side of :func:`from_pretrained`: the optax transformation
-    (``xopt.jax.small_fc_lopt`` or ``xopt.jax.velo``) with θ and the hyperparameters of
-    ``source`` (a local path or ``"hf://owner/name"``) or ``repo_id``; ``hyperparameters``
-    override or supply what the checkpoint lacks."""
+    (``xopt.jax.small_fc_lopt``, ``xopt.jax.velo`` or ``xopt.jax.mulo``) with θ and the
+    hyperparameters of ``source`` (a local path or ``"hf://owner/name"``) or ``repo_id``;
+    ``hyperparameters`` override or supply what the checkpoint lacks; ``method`` as
+    :func:`load_pretrained` (``"mulo"`` for μLO's PyLO ``MetaMLP``); ``mup_lrs``: μLO's
+    per-parameter multipliers (:func:`xopt.jax.mulo.mulo`'s argument)."""
     import importlib
 
     given = {k: v for k, v in hyperparameters.items() if v is not None}
     method, hp, theta = load_pretrained(source, repo_id=repo_id, revision=revision,
-                                        token=token, decays=decays, **given)
+                                        token=token, decays=decays, method=method, **given)
     factory = getattr(importlib.import_module(f"xopt.jax.{method}"), method)
+    if mup_lrs is not None:
+        if method != "mulo":
+            raise CheckpointError(f"mup_lrs= is for μLO; the checkpoint holds {method}")
+        return factory(theta, spec=hp, check_finite=check_finite, mup_lrs=mup_lrs)
     return factory(theta, spec=hp, check_finite=check_finite)
 
 

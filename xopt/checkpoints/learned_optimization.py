@@ -21,8 +21,8 @@ jax, no flax, no msgpack package: :mod:`xopt.checkpoints._msgpack` says why).
 
 ``config.gin`` is ``gin.config_str()`` after the optimizer's constructor bindings and
 ``run_train.lopt = @Class()``; it is read with gin's scoping rules (:func:`parse_gin`), without
-gin. Only ``AdafacMLPLOpt`` (xopt's ``small_fc_lopt``) and ``HyperV2`` (``velo``) are
-supported.
+gin. Only ``AdafacMLPLOpt`` (xopt's ``small_fc_lopt``), ``HyperV2`` (``velo``) and μLO's
+``MuAdafacMLPLOpt`` (``mulo``) are supported.
 """
 
 from __future__ import annotations
@@ -220,6 +220,15 @@ CLASSES: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
                            concat_weights=True, make_separate_weights=False,
                            split_weights=False),
                       ("hidden_layers", "hidden_size")),
+    # μLO's mup_adafac_mlp_lopt.py, MuAdafacMLPLOpt.__init__ (AdafacMLPLOpt's and clip_grad)
+    "MuAdafacMLPLOpt": ("mulo",
+                        dict(exp_mult=0.001, step_mult=0.001, hidden_size=4, hidden_layers=2,
+                             initial_momentum_decays=(0.9, 0.99, 0.999),
+                             initial_rms_decays=(0.999,),
+                             initial_adafactor_decays=(0.9, 0.99, 0.999),
+                             concat_weights=True, make_separate_weights=False,
+                             split_weights=False, clip_grad=False),
+                        ("hidden_layers", "hidden_size")),
     # hyper_v2.py, HyperV2.__init__ (not VeLO's values: 128 / 64 / True here)
     "HyperV2": ("velo",
                 dict(lstm_hidden_size=128, ff_hidden_size=4, ff_hidden_layers=2,
@@ -233,6 +242,7 @@ METHOD_CLASS = {method: cls for cls, (method, _, _) in CLASSES.items()}
 #: a name in a config must be a suffix of these, as gin resolves it)
 MODULES = {"AdafacMLPLOpt": "learned_optimization.learned_optimizers.adafac_mlp_lopt",
            "HyperV2": "learned_optimization.research.general_lopt.hyper_v2",
+           "MuAdafacMLPLOpt": "mup_adafac_mlp_lopt",  # μLO's src/, a top-level module
            "run_train": "learned_optimization.outer_train"}
 _LOPT = ("run_train", "lopt")
 _RULE = "=" * 78
@@ -354,6 +364,7 @@ def parse_gin(text: str, file: str = GIN_FILE) -> tuple[str, dict[str, Any]]:
     Values must be finite literals. Anything gin would not parse, ``include`` (the file
     must be self-contained) and unsupported classes raise :class:`CheckpointError`
     naming ``file`` and the line."""
+    from xopt.parity.methods import velo as velo_parity
     from xopt.specs import velo
 
     bindings: list[_Binding] = []
@@ -417,7 +428,7 @@ def parse_gin(text: str, file: str = GIN_FILE) -> tuple[str, dict[str, Any]]:
     call_scope = tuple(m["scope"].split("/")) if m["scope"] else ()
     known = set(CLASSES[cls][1])
     if cls == "HyperV2":
-        known |= set(velo.VELO_FIXED) | set(velo.INERT)
+        known |= set(velo.VELO_FIXED) | set(velo_parity.INERT)
 
     kwargs: dict[str, Any] = {}
     ours = [b for b in bindings if b.selector.split(".")[-1] == cls]

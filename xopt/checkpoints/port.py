@@ -60,13 +60,15 @@ def _not_stored(method: str, hp: Any, theta: Mapping[str, Any], fmt: str
     from xopt.checkpoints import learned_optimization as lo
 
     arch = {"small_fc_lopt": ("hidden_layers", "hidden_size"),
+            "mulo": ("hidden_layers", "hidden_size"),
             "velo": ("lstm_hidden_size", "param_inits", "ff_hidden_size",
                      "ff_hidden_layers")}[method]
     kw = {f.name: getattr(hp, f.name) for f in dataclasses.fields(hp) if f.name not in arch}
     notes = ["PyLO stores only the architecture; the other hyperparameters "
              f"({', '.join(n for n in kw if n in lo.CLASSES[lo.METHOD_CLASS[method]][1])}, "
              "training options) must be given when loading it"]
-    if method == "small_fc_lopt":
+    if method in ("small_fc_lopt", "mulo"):
+        kw["method"] = method  # (PyLO's MetaMLP serves both)
         kw["decays"] = {k.split("/")[1]: np.asarray(v) for k, v in theta.items()
                         if k.startswith("decays/")}
         notes.append("PyLO does not store the decay offsets (θ decays/*): pass them to "
@@ -115,9 +117,10 @@ def _max_diff(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) ->
 
 def port(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: str = "xopt", *,
          verify: bool = False, overwrite: bool = False, decays: Any = None,
-         overrides: Mapping[str, Any] | None = None) -> PortResult:
+         overrides: Mapping[str, Any] | None = None, method: str | None = None) -> PortResult:
     """Read ``src`` (format detected), write ``dst`` in format ``to`` atomically, and with
-    ``verify`` compare the two on a synthetic trace (see the module docstring).
+    ``verify`` compare the two on a synthetic trace (see the module docstring). ``method``:
+    the method ``src`` must hold (for a PyLO ``MetaMLP``: ``"mulo"`` reads it as μLO's).
 
     ``dst`` is checked first (:func:`xopt.checkpoints.save`'s rules; it may not contain
     ``src``), so a refused destination reads and writes nothing."""
@@ -132,9 +135,12 @@ def port(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: str = "xo
         if src_fmt == "learned_optimization":
             if decays is not None:
                 raise CheckpointError(f"{src}: decays= is only for PyLO checkpoints")
+            want = method
             method, hp, theta, gen_id, step = C.load_learned_optimization(src, **overrides)
+            if want is not None and want != method:
+                raise CheckpointError(f"{src}: holds a {method} checkpoint, not {want}")
         else:
-            method, hp, theta = C.load(src, decays=decays, **overrides)
+            method, hp, theta = C.load(src, decays=decays, method=method, **overrides)
             gen_id, step = "", 0
     source = {"format": src_fmt, "sha256": {
         (p.relative_to(src_dir).as_posix() if p.is_relative_to(src_dir) else str(p)): h

@@ -45,6 +45,8 @@ PYLO_DEFAULT_DECAYS = {
     "rms": (0.01079706,),
     "adafactor": (0.18621896, -0.10864615, -0.06185547),
 }
+#: the methods whose θ is PyLO's ``MetaMLP`` (``AdafacLO_naive`` and ``MuLO`` load it)
+METAMLP_METHODS = ("small_fc_lopt", "mulo")
 RNN_DIR = "rnn"
 MLP_DIR = "mlp"
 
@@ -113,10 +115,19 @@ def _decays(decays: Any, hp: Any, path: Path) -> dict[str, np.ndarray]:
 
 
 def read_small_fc(path: str | os.PathLike[str], *, decays: Any = None,
-                  **overrides: Any) -> tuple[Any, dict[str, np.ndarray]]:
+                  method: str = "small_fc_lopt", **overrides: Any
+                  ) -> tuple[Any, dict[str, np.ndarray]]:
     """A PyLO ``MetaMLP`` directory → ``(SmallFCLOpt, θ canonical)``; see the module
-    docstring for ``decays`` and ``overrides``."""
+    docstring for ``decays`` and ``overrides``. ``method="mulo"`` reads it as μLO's
+    (PyLO's ``MuLO`` loads the same ``MetaMLP``; the folder cannot say which it is for):
+    ``(MuLO, θ)``."""
+    from xopt.specs import mulo
     from xopt.specs import small_fc_lopt as sf
+
+    if method not in METAMLP_METHODS:
+        raise CheckpointError(f"{path}: a PyLO MetaMLP checkpoint is read as "
+                              f"{' or '.join(METAMLP_METHODS)}, not {method!r}")
+    cls = mulo.MuLO if method == "mulo" else sf.SmallFCLOpt
 
     path = Path(path)
     cfg_file, st_file = path / _files.CONFIG, path / _files.WEIGHTS
@@ -127,7 +138,7 @@ def read_small_fc(path: str | os.PathLike[str], *, decays: Any = None,
     size = _files.config_int(cfg_file, config, "hidden_size", _files.MAX_WIDTH)
     input_size = _files.config_int(cfg_file, config, "input_size", _files.MAX_WIDTH)
     try:
-        hp = sf.SmallFCLOpt(**{**overrides, "hidden_layers": layers, "hidden_size": size})
+        hp = cls(**{**overrides, "hidden_layers": layers, "hidden_size": size})
     except TypeError as e:
         raise CheckpointError(f"{path}: bad hyperparameter override ({e})") from None
     if input_size != sf.num_inputs(hp):

@@ -8,6 +8,14 @@ Importing this package imports jax and optax (``import xopt`` alone imports neit
 >>> updates, state = tx.update(grads, state, params)
 >>> params = optax.apply_updates(params, updates)
 
+Every transformation keeps one contract (:mod:`xopt.jax._contract`, checked by
+``tests/contract/``): it works in ``optax.chain``, ``optax.MultiSteps`` and
+``optax.inject_hyperparams`` (float hyperparameters injectable; integer ones named in
+``static_args``), jits without retracing, takes ``value=`` (the learned optimizers need it,
+the others ignore it), checks gradients and state against the parameters at trace time
+(a state made for other parameters is an :class:`xopt.errors.StateError`), and takes
+``nonfinite="ignore" | "raise" | "skip"`` (:mod:`xopt.nonfinite`).
+
 Note: ``xopt.jax.adamw`` is the *function* (what :mod:`xopt.registry` holds as the
 ``"jax"`` implementation of ``"adamw"``); the module that defines it is
 ``sys.modules["xopt.jax.adamw"]``, reached with ``importlib.import_module("xopt.jax.adamw")``.
@@ -23,6 +31,7 @@ from xopt.jax.coap import COAPState, coap
 from xopt.jax.compact import CompActAdamState, CompActDense, compact_adamw
 from xopt.jax.flora import FloraState, flora
 from xopt.jax.galore import GaLoreState, galore
+from xopt.jax.mulo import mulo
 from xopt.jax.plumage import PlumageState, plumage
 from xopt.jax.poet import POETAdamWState, POETDense, poet_adamw
 from xopt.jax.small_fc_lopt import small_fc_lopt
@@ -34,3 +43,4 @@ __all__ = ["AdamWState", "COAPState", "coap", "GaLoreState", "galore",
 __all__ += ["CompActAdamState", "CompActDense", "compact_adamw"]
 __all__ += ["FloraState", "flora"]
 __all__ += ["PlumageState", "plumage"]
+__all__ += ["mulo"]

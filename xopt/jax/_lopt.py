@@ -14,14 +14,13 @@ does what learned_optimization's ``prefab`` wrappers do around it (the arithmeti
   ``updates = −(lr·step)`` (decoupled: ``−(lr·step + (lr·λ)·p)``), so that
   ``optax.apply_updates`` gives the original's ``p − step`` bit for bit at lr = 1;
 * parameters of any float dtype (float32 math; updates in ``promote(dtype, float32)``);
-* ``check_finite``: a gradient or loss holding NaN/inf raises
-  :class:`xopt.errors.NonFiniteError` naming the leaf; under ``jit`` it is raised from a
-  ``jax.debug.callback`` and surfaces as a ``JaxRuntimeError`` carrying that message.
+* the contract of every xopt transformation (:mod:`xopt.jax._contract`): trace-time
+  checks of gradients and state, and ``nonfinite=`` over the gradients *and the loss*.
 
 The state is :class:`LOptState`; the method's own state sits in ``inner``. Its flattened
 paths (``xopt.parity.runners.flatten_with_paths``) are ``iteration``, ``num_steps``,
-``inner/...`` and, when accumulating, ``accum/grad_accum/<param>``, ``accum/loss_accum``,
-``accum/iteration``.
+``inner/...``, when accumulating ``accum/grad_accum/<param>``, ``accum/loss_accum``,
+``accum/iteration``, and under ``nonfinite="skip"`` ``nonfinite_skips``.
 
 Method contract (:class:`InnerMethod`): ``init(params)`` returns the method's state for a
 params pytree (its per-parameter arrays as pytrees of the params' structure, float32);
@@ -33,8 +32,9 @@ with ``steps`` a float32 pytree like params (``p ← p − lr·step``).
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
+import dataclasses
+import itertools
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -42,7 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from xopt.errors import HyperparameterError, MetaParamsError, NonFiniteError
+from xopt.errors import HyperparameterError, MetaParamsError
+from xopt.jax import _contract
 from xopt.specs.lopt import LOptOptions
 
 __all__ = ["AccumState", "InnerMethod", "LOptState", "learned_optimizer"]
@@ -72,12 +73,14 @@ class LOptState(NamedTuple):
       num_steps: int32 ``()``: the inner horizon ``n // num_average``.
       inner: the method's state (e.g. :class:`xopt.jax.small_fc_lopt.SmallFCState`).
       accum: :class:`AccumState` when accumulating, else None.
+      nonfinite_skips: int32 ``()`` under ``nonfinite="skip"``, else None.
     """
 
     iteration: jax.Array
     num_steps: jax.Array
     inner: Any
     accum: AccumState | None
+    nonfinite_skips: jax.Array | None = None
 
 
 class InnerMethod(Protocol):
@@ -89,36 +92,41 @@ class InnerMethod(Protocol):
                inner: Any) -> tuple[Any, Any]: ...
 
 
-def _path_names(tree: Any) -> list[str]:
-    return [jax.tree_util.keystr(path) or "<root>"
-            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
 def _is_one(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == 1
-
-
-def _is_zero(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == 0
 
 
 def _wide(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _raise_nonfinite(label: str, names: list[str], flags: Any) -> None:
-    flags = np.asarray(flags)
-    if flags.all():
-        return
-    k = int(np.argmin(flags))
-    if k == len(names):
-        raise NonFiniteError(f"{label}: the loss holds NaN or inf; no parameter was updated")
-    raise NonFiniteError(f"{label}: gradient of {names[k]} holds NaN or inf; no parameter "
-                         "was updated")
+def _architecture_fields(cls: type[LOptOptions]) -> list[str]:
+    """The method's integer fields (they fix θ's shapes), not the shared options'."""
+    shared = {f.name for f in dataclasses.fields(LOptOptions)}
+    return [f.name for f in dataclasses.fields(cls) if f.name not in shared
+            and isinstance(f.default, int) and not isinstance(f.default, bool)]
+
+
+def _fitting_hyperparameters(meta: Any, hp: LOptOptions, theta: Mapping[str, Any]
+                             ) -> dict[str, int] | None:
+    """The fewest changes of ``hp``'s integer fields (one or two) with which ``theta``
+    fits, or None; candidates are the sizes that occur in θ's shapes."""
+    fields = _architecture_fields(type(hp))
+    sizes = sorted({int(d) for v in theta.values() for d in np.shape(v)} | set(range(9)))
+    for n in (1, 2):
+        for names in itertools.combinations(fields, n):
+            for values in itertools.product(sizes, repeat=n):
+                change = dict(zip(names, values, strict=True))
+                try:
+                    meta.coerce(theta, hp.replace(**change))
+                except (HyperparameterError, MetaParamsError, ValueError, TypeError):
+                    continue
+                return change
+    return None
 
 
 def configure(label: str, cls: type[LOptOptions], meta: Any, *, spec: Any,
-              given: dict[str, Any], learning_rate: Any, meta_params: Any, seed: int,
+              given: dict[str, Any], learning_rate: Any, meta_params: Any, seed: int | None,
               ) -> tuple[LOptOptions, Callable[[jax.Array], jax.Array] | None,
                          dict[str, np.ndarray]]:
     """The shared front of ``xopt.jax.small_fc_lopt`` and ``xopt.jax.velo``.
@@ -128,9 +136,14 @@ def configure(label: str, cls: type[LOptOptions], meta: Any, *, spec: Any,
     and θ (``meta_params`` in either naming through ``meta.coerce``, or ``meta.init(hp,
     seed)``) as float32 NumPy arrays, checked finite: NumPy, so that jit embeds θ as
     constants, as the original's ``opt_fn(θ)`` does. Errors name ``label`` and the field
-    or key.
+    or key; a θ whose shapes fit other values of the method's integer fields (e.g. the
+    bundled θ of small_fc_lopt, made with ``hidden_size=32``) names the ones to set.
+    Integer fields and ``seed`` must be Python ints (:func:`_contract.require_static`).
     """
     given = {k: v for k, v in given.items() if v is not None}
+    static = {k: v for k, v in given.items()
+              if k in ("num_training_steps", "max_training_steps", *_architecture_fields(cls))}
+    _contract.require_static(label, seed=seed, **static)
     schedule = learning_rate if callable(learning_rate) else None
     if spec is not None:
         if not isinstance(spec, cls):
@@ -149,7 +162,21 @@ def configure(label: str, cls: type[LOptOptions], meta: Any, *, spec: Any,
             hp = cls(**given)
         except HyperparameterError as e:
             raise HyperparameterError(f"{label}: {e}") from None
-    theta = meta.init(hp, seed) if meta_params is None else meta.coerce(meta_params, hp)
+    if meta_params is None:
+        theta = meta.init(hp, 0 if seed is None else seed)
+    else:
+        try:
+            theta = meta.coerce(meta_params, hp)
+        except MetaParamsError as e:
+            fit = (_fitting_hyperparameters(meta, hp, meta_params)
+                   if isinstance(meta_params, Mapping) else None)
+            if fit is None:
+                raise
+            settings = ", ".join(f"{k}={v}" for k, v in fit.items())
+            raise MetaParamsError(
+                f"{e}. These meta-parameters fit {settings}: pass {settings} (the bundled θ "
+                "comes with its hyperparameters: xopt.checkpoints.bundled.bundled_meta_params"
+                "(method) returns them)") from None
     arrays = {}
     for k, v in theta.items():
         arr = np.asarray(v.detach().cpu() if hasattr(v, "detach") else v, dtype=np.float32)
@@ -159,18 +186,9 @@ def configure(label: str, cls: type[LOptOptions], meta: Any, *, spec: Any,
     return hp, schedule, arrays
 
 
-def reject_unknown(label: str, unknown: dict[str, Any], signature: inspect.Signature) -> None:
-    """A keyword the transformation does not take is an error naming it."""
-    if unknown:
-        hint = " (the learning rate is `learning_rate`, as in optax)" if "lr" in unknown else ""
-        raise HyperparameterError(
-            f"{label}: unknown argument(s) {', '.join(map(repr, sorted(unknown)))}{hint}; "
-            f"known: {', '.join(signature.parameters)}")
-
-
 def learned_optimizer(method: InnerMethod, hp: LOptOptions, *,
                       learning_rate: float | Callable[[jax.Array], jax.Array] | None = None,
-                      check_finite: bool = False, needs_loss: bool = False,
+                      nonfinite: str = "ignore", needs_loss: bool = False,
                       label: str = "xopt.jax learned optimizer",
                       ) -> optax.GradientTransformationExtraArgs:
     """The optax transformation of ``method`` with prefab's wrappers (module docstring).
@@ -181,7 +199,8 @@ def learned_optimizer(method: InnerMethod, hp: LOptOptions, *,
         ``num_training_steps`` must be set.
       learning_rate: a number or an optax schedule of the call count (counted before this
         call); default ``hp.lr``.
-      check_finite: check every gradient and the loss (see the module docstring).
+      nonfinite: ``"ignore"``, ``"raise"`` or ``"skip"`` over the gradients and the loss
+        (:mod:`xopt.nonfinite`, :mod:`xopt.jax._contract`).
       needs_loss: ``update`` without ``value=`` is an error (else a missing loss is 0).
       label: how errors name the optimizer.
     """
@@ -195,7 +214,7 @@ def learned_optimizer(method: InnerMethod, hp: LOptOptions, *,
 
     def init_fn(params: Any) -> LOptState:
         leaves = jax.tree.leaves(params)
-        for name, x in zip(_path_names(params), leaves, strict=True):
+        for name, x in zip(_contract.path_names(params), leaves, strict=True):
             if jnp.result_type(x) not in SUPPORTED_DTYPES:
                 raise HyperparameterError(
                     f"{label}: parameter {name} (shape {tuple(jnp.shape(x))}) has dtype "
@@ -223,14 +242,6 @@ def learned_optimizer(method: InnerMethod, hp: LOptOptions, *,
             jnp.asarray(value, jnp.float32).reshape(())
         g_leaves, treedef = jax.tree.flatten(updates)
         p_leaves = treedef.flatten_up_to(params)
-        if check_finite:
-            names = _path_names(updates)
-            flags = jnp.stack([jnp.all(jnp.isfinite(g)) for g in g_leaves]
-                              + ([jnp.isfinite(loss)] if value is not None else []))
-            if isinstance(flags, jax.core.Tracer):
-                jax.debug.callback(lambda f: _raise_nonfinite(label, names, f), flags)
-            else:
-                _raise_nonfinite(label, names, flags)
 
         count = state.accum.iteration if hp.accumulating else state.iteration
         lr = schedule(count) if schedule is not None else lr_arg
@@ -293,4 +304,5 @@ def learned_optimizer(method: InnerMethod, hp: LOptOptions, *,
                              iteration=calls))
         return treedef.unflatten(u), new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _contract.transformation(label, init_fn, update_fn, nonfinite=nonfinite,
+                                    takes_loss=True)

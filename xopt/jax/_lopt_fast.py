@@ -172,7 +172,7 @@ class PackedSmallFC:
         hp, meta = self.hp, self.meta
         p_leaves, treedef = jax.tree.flatten(params)
         g_leaves = treedef.flatten_up_to(grads)
-        names = spec._PARAM_VARS
+        names = spec.PARAM_VARS
         accs_in = [treedef.flatten_up_to(getattr(inner, v)) for v in names]
         decays = spec.decays(hp, meta, xp=jnp)
         tf = spec.time_features(jnp, iteration, meta["mlp/b0"])

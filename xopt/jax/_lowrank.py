@@ -11,11 +11,11 @@
 * **inject.** ``update(..., inject={path name: {key: array}})`` (an extra argument, as
   ``value=`` is for the learned optimizers): values an update uses instead of its own
   draws or decompositions; the parity harness feeds an original's recorded projections.
-* **check_finite.** A NaN/inf gradient, or a refresh whose decomposition is not finite,
-  raises :class:`~xopt.errors.NonFiniteError` / :class:`~xopt.errors.DecompositionError`
-  naming the leaf (under ``jit`` from a host callback, which synchronises). Without the
-  check, a refresh whose decomposition is not finite keeps the previous projection
-  rather than writing NaN into it.
+* **Decompositions.** Under ``nonfinite="raise"`` (outside ``jit``; see
+  :mod:`xopt.jax._contract`, which also checks the gradients) a refresh whose
+  decomposition is not finite raises :class:`~xopt.errors.DecompositionError` naming the
+  leaf. Otherwise such a refresh keeps the previous projection rather than writing NaN
+  into it.
 """
 
 from __future__ import annotations
@@ -27,16 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xopt.errors import DecompositionError, HyperparameterError, NonFiniteError
+from xopt.errors import DecompositionError, HyperparameterError
+from xopt.jax._contract import path_names
 from xopt.specs import Hyperparams
-
-
-def _key_str(k: Any) -> str:
-    for attr in ("name", "key", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
 
 #: the leaf dtypes GaLore and COAP take (an SVD/QR needs at least float32 state)
 FLOATING = (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
@@ -51,12 +44,6 @@ def check_float_leaf(leaf: Any, where: str, dtypes: tuple | None = FLOATING) -> 
         allowed = ("floating dtypes only" if dtypes is None
                    else ", ".join(jnp.dtype(d).name for d in dtypes))
         raise HyperparameterError(f"{where}: dtype {dt} is not supported ({allowed})")
-
-
-def path_names(tree: Any) -> list[str]:
-    """Leaf names of ``tree``, in flattening order: path keys joined by ``/``."""
-    return ["/".join(_key_str(k) for k in path)
-            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def leaf_specs(params: Any, spec: Hyperparams, param_specs: Any, cls: type[Hyperparams],
@@ -97,39 +84,13 @@ def inject_for(inject: Mapping[str, Mapping[str, Any]] | None, names: list[str],
     return [inject.get(n) for n in names]
 
 
-def raise_if_nonfinite(label: str, names: list[str], leaves: list[jax.Array]) -> None:
-    """The opt-in gradient check (a host callback under ``jit``)."""
-    if not leaves:
-        return
-    flags = jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves])
-
-    def check(f: Any) -> None:
-        f = np.asarray(f)
-        if not f.all():
-            k = int(np.argmin(f))
-            raise NonFiniteError(f"{label}: gradient of {names[k]} holds NaN or inf")
-
-    if isinstance(flags, jax.core.Tracer):
-        jax.debug.callback(check, flags)
-    else:
-        check(flags)
-
-
 def decomposition_guard(label: str, name: str, ok: jax.Array, check: bool) -> None:
-    """With ``check``, raise :class:`DecompositionError` naming ``name`` when ``ok`` is
-    false (a refresh whose SVD/QR returned NaN/inf)."""
-    if not check:
-        return
-
-    def fail(flag: Any) -> None:
-        if not bool(np.asarray(flag)):
-            raise DecompositionError(f"{label}: the SVD/QR refreshing the projection of "
-                                     f"{name} returned NaN/inf (non-finite gradient?)")
-
-    if isinstance(ok, jax.core.Tracer):
-        jax.debug.callback(fail, ok)
-    else:
-        fail(ok)
+    """With ``check`` (``nonfinite="raise"``, whose values are concrete), raise
+    :class:`DecompositionError` naming ``name`` when ``ok`` is false (a refresh whose
+    SVD/QR returned NaN/inf)."""
+    if check and not isinstance(ok, jax.core.Tracer) and not bool(np.asarray(ok)):
+        raise DecompositionError(f"{label}: the SVD/QR refreshing the projection of {name} "
+                                 "returned NaN/inf (non-finite gradient?)")
 
 
 def keep_if_not_finite(new: jax.Array, old: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,12 +1,10 @@
-"""AdamW as an optax gradient transformation whose arithmetic is the xopt specification's.
+"""AdamW as an optax gradient transformation, with the xopt specification's two arithmetics.
 
-:func:`adamw` returns an :class:`optax.GradientTransformationExtraArgs`; it drops into
-``optax.chain``, ``optax.inject_hyperparams``, ``optax.apply_updates`` and ``jax.jit`` like
-``optax.adamw``. Each update calls the specification's pure math,
-:func:`xopt.specs.adamw.updates_optax` (``formula="optax"``) or
-:func:`xopt.specs.adamw.update_torch` (``formula="torch"``), once, on operands that hold
-every leaf of the pytree (see ``_Leaves`` below for why not once per leaf); this module
-only threads pytrees, the step counter, the mask and the learning-rate schedule through it.
+:func:`scale_by_adamw` is the update rule, written as optax writes ``scale_by_adam``: tree
+maps over the gradients and an :class:`AdamWState` with an int32 ``count``.
+:func:`adamw` validates the hyperparameters against :class:`xopt.specs.adamw.AdamW` and
+adds the contract every xopt transformation keeps (:mod:`xopt.jax._contract`: trace-time
+shape, dtype and state checks, the ``nonfinite`` policy).
 
 The algorithm (Loshchilov & Hutter, *Decoupled Weight Decay Regularization*, ICLR 2019,
 Algorithm 2, with the learning rate η multiplying the decay λ as optax and torch.optim do),
@@ -16,17 +14,19 @@ at step t = 1, 2, ... for every parameter θ with gradient g::
     m̂_t = m_t / (1 − β₁ᵗ)                              v̂_t = v_t / (1 − β₂ᵗ)
     θ_t = θ_{t-1} − η (m̂_t / (√(v̂_t + ε_root) + ε) + λ θ_{t-1})
 
-Under ``formula="optax"`` (the default) the floating-point operations are optax.adamw's,
-in optax's order, so that, for the same inputs on the same machine, params and state agree
-with ``optax.adamw`` bit for bit, jitted or not (``tests/test_jax_adamw.py`` checks it). See
-``xopt/specs/adamw.py`` for both formulas and the state schema (naming ``"xopt.jax"``).
+``formula="optax"`` evaluates it with the operations of ``optax.adamw`` (the spec's
+:func:`xopt.specs.adamw.updates_optax`), dispatched as optax dispatches them, so that
+params, updates and state agree with ``optax.adamw`` bit for bit, eagerly and under
+``jit``: the moments are tree maps, and each bias correction is *one* jitted function over
+the whole tree (:func:`_bias_corrected`), which matters to XLA, which turns a division by
+a scalar used once into a multiplication by its reciprocal, and evaluates ``β ** t`` with
+a concrete integer ``t`` by repeated squaring (see the spec's docstring).
+``formula="torch"`` calls :func:`xopt.specs.adamw.update_torch` per leaf.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
-import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -35,69 +35,167 @@ import jax.numpy as jnp
 import optax
 
 from xopt.errors import HyperparameterError
+from xopt.jax import _contract
 from xopt.registry import register
 from xopt.specs import adamw as _spec
 from xopt.specs.arrays import is_static_zero
 
-__all__ = ["AdamWState", "adamw"]
+__all__ = ["AdamWState", "adamw", "scale_by_adamw"]
+
+_LABEL = "xopt.jax.adamw"
 
 
 class AdamWState(NamedTuple):
     """State of :func:`adamw` (the spec's ``"xopt.jax"`` naming of ``STATE``).
 
     Attributes:
-      count: int32 scalar (shape ``()``): the number of updates taken, t. Incremented with
-        ``optax.safe_increment`` (it saturates at 2³¹ − 1 instead of wrapping).
-      mu: first moment m_t (not bias-corrected); a pytree like the params, each leaf of the
-        parameter's shape and dtype (``jnp.zeros_like``), as in ``optax.scale_by_adam``.
-      nu: second moment v_t (not bias-corrected); same structure, shapes and dtypes.
-      nu_max: with ``amsgrad=True``, the running maximum used in the denominator: of the
-        bias-corrected v̂_t under ``formula="optax"`` (as ``optax.scale_by_amsgrad``), of
-        the raw v_t under ``formula="torch"`` (as ``torch.optim.AdamW``'s
-        ``max_exp_avg_sq``); same structure, shapes and dtypes as ``mu``. ``None`` otherwise.
+      count: int32 ``()``: updates taken, t (``optax.safe_increment``: it saturates).
+      mu: first moment m_t, uncorrected; like the params (shapes and dtypes).
+      nu: second moment v_t, uncorrected; like the params.
+      nu_max: with ``amsgrad``, the running maximum in the denominator: of v̂_t under
+        ``formula="optax"`` (as ``optax.scale_by_amsgrad``), of v_t under ``"torch"`` (as
+        torch.optim's ``max_exp_avg_sq``); like the params. None otherwise.
+      nonfinite_skips: int32 ``()`` under ``nonfinite="skip"`` (steps skipped), else None.
     """
 
     count: jax.Array
     mu: optax.Updates
     nu: optax.Updates
-    nu_max: optax.Updates | None
+    nu_max: optax.Updates | None = None
+    nonfinite_skips: jax.Array | None = None
+
+
+@functools.partial(jax.jit, inline=True, static_argnums=3)
+def _bias_corrected(tree: Any, beta: Any, count: jax.Array, dtype: str) -> Any:
+    """``tree / (1 − βᵗ)``: one scalar shared by every leaf, cast to each leaf's dtype where
+    it divides (optax's ``tree.bias_correction``; the scalar is the spec's)."""
+    correction = _spec.bias_correction(beta, count, dtype, jnp)
+    return jax.tree.map(lambda x: x / correction.astype(x.dtype), tree)
+
+
+def _decay_mask(mask: Any, updates: Any) -> Any:
+    """A bool per leaf of ``updates`` from ``mask`` (a tree, a prefix of it, or a callable
+    of the updates, as ``optax.masked``), or None for no mask."""
+    if mask is None:
+        return None
+    tree = mask(updates) if callable(mask) else mask
+    return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), tree, updates)
+
+
+def scale_by_adamw(
+    learning_rate: optax.ScalarOrSchedule = 1e-3,
+    b1: float | jax.Array = 0.9,
+    b2: float | jax.Array = 0.999,
+    eps: float | jax.Array = 1e-8,
+    eps_root: float | jax.Array = 0.0,
+    weight_decay: float | jax.Array = 1e-4,
+    *,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    nesterov: bool = False,
+    formula: str = "optax",
+    bias_correction_dtype: str = "float32",
+    mask: Any = None,
+) -> optax.GradientTransformation:
+    """The AdamW update rule alone (no validation, checks or nonfinite policy).
+
+    Arguments as :func:`adamw` (``bias_correction_dtype`` resolved). The update returned is
+    additive (``optax.apply_updates``): the learning rate and the decay are inside it.
+    """
+
+    def init_fn(params: optax.Params) -> AdamWState:
+        return AdamWState(count=jnp.zeros([], jnp.int32),
+                          mu=jax.tree.map(jnp.zeros_like, params),
+                          nu=jax.tree.map(jnp.zeros_like, params),
+                          nu_max=jax.tree.map(jnp.zeros_like, params) if amsgrad else None)
+
+    def update_fn(updates: optax.Updates, state: AdamWState, params: optax.Params = None,
+                  **extra_args: Any) -> tuple[optax.Updates, AdamWState]:
+        del extra_args  # e.g. value=loss: part of the protocol, unused by AdamW
+        count_inc = optax.safe_increment(state.count)
+        decay = _decay_mask(mask, updates)
+        decayed = not is_static_zero(weight_decay) and (
+            decay is None or any(jax.tree.leaves(decay)))
+        if params is None and (formula == "torch" or decayed):
+            why = ("formula='torch' computes the update as p_new − p" if formula == "torch"
+                   else f"weight_decay={weight_decay!r} multiplies the parameters")
+            raise ValueError(f"{_LABEL}: update(updates, state, params) needs `params` (got "
+                             f"params=None): {why}. Pass the current parameters.")
+        if decay is None:
+            decay = jax.tree.map(lambda _: True, updates)
+
+        def lr_like(u: jax.Array) -> Any:
+            # optax's scale_by_learning_rate: −lr, or a schedule's value at the count
+            # before the increment, cast to the update's dtype.
+            if callable(learning_rate):
+                return jnp.array(-1 * learning_rate(state.count), dtype=u.dtype)
+            return -1 * learning_rate
+
+        if formula == "torch":
+            return _torch_update(updates, state, params, count_inc, decay, lr_like,
+                                 b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+                                 weight_decay=weight_decay, amsgrad=amsgrad,
+                                 maximize=maximize, bias_correction_dtype=bias_correction_dtype)
+
+        g = jax.tree.map(jnp.negative, updates) if maximize else updates
+        mu = jax.tree.map(lambda g, m: (1 - b1) * g + b1 * m, g, state.mu)
+        nu = jax.tree.map(lambda g, v: (1 - b2) * (g * g) + b2 * v, g, state.nu)
+        if nesterov:
+            mu_hat = jax.tree.map(
+                lambda m, g: b1 * m + (1 - b1) * g,
+                _bias_corrected(mu, b1, optax.safe_increment(count_inc), bias_correction_dtype),
+                _bias_corrected(g, b1, count_inc, bias_correction_dtype))
+        else:
+            mu_hat = _bias_corrected(mu, b1, count_inc, bias_correction_dtype)
+        nu_hat = _bias_corrected(nu, b2, count_inc, bias_correction_dtype)
+        nu_max = None
+        if amsgrad:
+            nu_max = jax.tree.map(jnp.maximum, state.nu_max, nu_hat)
+            nu_hat = nu_max
+        u = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu_hat, nu_hat)
+        if decayed:  # optax.masked(add_decayed_weights): masked-out leaves are left as they are
+            u = jax.tree.map(lambda u, p, d: u + weight_decay * p if d else u, u, params, decay)
+        u = jax.tree.map(lambda u: lr_like(u) * u, u)
+        return u, AdamWState(count=count_inc, mu=_cast_like(mu, state.mu),
+                             nu=_cast_like(nu, state.nu), nu_max=nu_max)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _cast_like(tree: Any, like: Any) -> Any:
+    # State dtypes never change, so a jitted step traces once (optax casts nu the same way).
+    return jax.tree.map(lambda x, o: x.astype(o.dtype), tree, like)
+
+
+def _torch_update(updates: Any, state: AdamWState, params: Any, count_inc: jax.Array,
+                  decay: Any, lr_like: Callable[[jax.Array], Any], *, amsgrad: bool,
+                  weight_decay: Any, **kw: Any) -> tuple[Any, AdamWState]:
+    """:func:`xopt.specs.adamw.update_torch` on every leaf; the update is ``p_new − p``."""
+    nu_max = state.nu_max if amsgrad else jax.tree.map(lambda _: None, updates)
+
+    def leaf(g, p, m, v, vmax, d):
+        p_new, m_new, v_new, vmax_new = _spec.update_torch(
+            p, g, m, v, vmax, count_inc, lr=-lr_like(g), weight_decay=weight_decay if d else 0.0,
+            amsgrad=amsgrad, xp=jnp, **kw)
+        return (p_new - p, m_new.astype(m.dtype), v_new.astype(v.dtype),
+                None if vmax is None else vmax_new.astype(vmax.dtype))
+
+    out = jax.tree.map(leaf, updates, params, state.mu, state.nu, nu_max, decay,
+                       is_leaf=lambda x: x is None)
+    parts = [jax.tree.map(lambda o, i=i: o[i], out, is_leaf=lambda x: isinstance(x, tuple))
+             for i in range(4)]
+    return parts[0], AdamWState(count=count_inc, mu=parts[1], nu=parts[2],
+                                nu_max=parts[3] if amsgrad else None)
 
 
 # Argument name -> field of xopt.specs.adamw.AdamW (the two differ only for the lr).
-_FIELD_OF_ARG = {
-    "learning_rate": "lr",
-    "b1": "b1",
-    "b2": "b2",
-    "eps": "eps",
-    "eps_root": "eps_root",
-    "weight_decay": "weight_decay",
-    "amsgrad": "amsgrad",
-    "maximize": "maximize",
-    "nesterov": "nesterov",
-    "formula": "formula",
-    "bias_correction_dtype": "bias_correction_dtype",
-}
-_DEFAULTS = {
-    "learning_rate": _spec.PRESETS["optax"]["lr"],
-    "b1": _spec.PRESETS["optax"]["b1"],
-    "b2": _spec.PRESETS["optax"]["b2"],
-    "eps": _spec.PRESETS["optax"]["eps"],
-    "eps_root": _spec.PRESETS["optax"]["eps_root"],
-    "weight_decay": _spec.PRESETS["optax"]["weight_decay"],
-    "amsgrad": False,
-    "maximize": False,
-    "nesterov": False,
-    "formula": _spec.PRESETS["optax"]["formula"],
-    "bias_correction_dtype": None,  # None: the formula's preset (see adamw's docstring)
-}
-# A schedule cannot be range-checked when the transformation is built; the spec dataclass
-# is validated with this stand-in learning rate instead.
-_SCHEDULE_PLACEHOLDER_LR = _DEFAULTS["learning_rate"]
-
-_NO_PARAMS_MSG = (
-    "xopt.jax.adamw: update(updates, state, params) needs `params` (got params=None): "
-    "{why}. Pass the current parameters as the third argument."
-)
+_FIELD_OF_ARG = {"learning_rate": "lr", "b1": "b1", "b2": "b2", "eps": "eps",
+                 "eps_root": "eps_root", "weight_decay": "weight_decay", "amsgrad": "amsgrad",
+                 "maximize": "maximize", "nesterov": "nesterov", "formula": "formula",
+                 "bias_correction_dtype": "bias_correction_dtype"}
+_OPTAX = _spec.PRESETS["optax"]
+_DEFAULTS = {arg: _OPTAX.get(field) for arg, field in _FIELD_OF_ARG.items()}
+_DEFAULTS.update(amsgrad=False, maximize=False, nesterov=False, bias_correction_dtype=None)
 
 
 def _is_default(name: str, value: Any) -> bool:
@@ -105,9 +203,7 @@ def _is_default(name: str, value: Any) -> bool:
     default = _DEFAULTS[name]
     if value is default:
         return True
-    if default is None:
-        return False
-    if isinstance(default, (bool, str)):
+    if default is None or isinstance(default, (bool, str)):
         return type(value) is type(default) and value == default
     try:
         return float(value) == default  # Python number or concrete 0-d array
@@ -119,318 +215,26 @@ def _validate(args: dict[str, Any], spec: _spec.AdamW | None) -> _spec.AdamW:
     """The spec dataclass for these arguments; raises HyperparameterError naming the field."""
     if spec is not None:
         if not isinstance(spec, _spec.AdamW):
-            raise HyperparameterError(
-                f"xopt.jax.adamw: spec must be an xopt.specs.adamw.AdamW, got "
-                f"{type(spec).__name__}"
-            )
+            raise HyperparameterError(f"{_LABEL}: spec must be an xopt.specs.adamw.AdamW, got "
+                                      f"{type(spec).__name__}")
         conflicting = [name for name, value in args.items() if not _is_default(name, value)]
         if conflicting:
             raise HyperparameterError(
-                "xopt.jax.adamw: pass either spec= or the hyperparameter arguments, not both; "
-                f"got spec= together with {', '.join(map(repr, conflicting))} "
-                f"({', '.join(f'{n}={args[n]!r}' for n in conflicting)}). Use "
-                "spec.replace(...) to change a field of the spec."
-            )
+                f"{_LABEL}: pass either spec= or the hyperparameter arguments, not both; got "
+                f"spec= together with {', '.join(f'{n}={args[n]!r}' for n in conflicting)}. "
+                "Use spec.replace(...) to change a field of the spec.")
         return spec
     # Fields left to the formula (bias_correction_dtype) come from the formula's preset.
     fields = dict(_spec.PRESETS.get(args["formula"], {}))
     fields.update({_FIELD_OF_ARG[name]: value for name, value in args.items()
-                   if value is not None or _DEFAULTS[name] is not None})
-    if callable(fields["lr"]):
-        fields["lr"] = _SCHEDULE_PLACEHOLDER_LR
+                   if value is not None})
+    if callable(fields["lr"]):  # a schedule cannot be range-checked; validate a stand-in
+        fields["lr"] = _OPTAX["lr"]
     try:
-        return _spec.AdamW.from_dict(fields)  # unknown names: HyperparameterError too
+        return _spec.AdamW.from_dict(fields)
     except HyperparameterError as e:
-        if str(e).startswith("AdamW.lr "):
-            raise HyperparameterError(f"xopt.jax.adamw: learning_rate: {e}") from e
-        raise HyperparameterError(f"xopt.jax.adamw: {e}") from e
-
-
-def _expand_mask(mask_tree: Any, tree: Any) -> list[bool]:
-    """One bool per leaf of ``tree`` from a mask that is ``tree``'s structure or a prefix.
-
-    As ``optax.masked``: a mask leaf applies to the whole subtree of ``tree`` under it.
-    """
-    expanded = jax.tree.map(
-        lambda m, sub: jax.tree.map(lambda _: m, sub), mask_tree, tree
-    )
-    return [bool(m) for m in jax.tree.leaves(expanded)]
-
-
-# -- evaluating the spec's math on a whole pytree at once ------------------------------------
-#
-# The spec's functions perform optax's operations in optax's order, but bitwise agreement
-# with optax.adamw also depends on how jax and XLA compile them, in three ways that the
-# helpers below account for (each was found by comparing intermediate values; each, left
-# out, makes some update differ from optax's by an ulp):
-#
-# 1. XLA's algebraic simplifier (CPU and GPU) rewrites ``x / s``, with ``s`` a scalar that
-#    has a single use, into ``x * (1 / s)``, which rounds differently. optax divides every
-#    leaf by *one shared* bias-correction scalar (``optax.tree.bias_correction``, one jitted
-#    function over the whole tree), so with two or more leaves XLA keeps true divisions.
-#    The spec called leaf by leaf would compute a private ``1 - β^t`` per leaf and get
-#    reciprocal multiplications, eagerly and under jit alike. So the spec's function is
-#    called once per update, on ``_Leaves`` operands that hold all leaves: each of its
-#    operations then happens once per tree, as in optax, and a division by a scalar divides
-#    all leaves in one jitted computation, as ``optax.tree.bias_correction`` does.
-# 2. ``β ** t`` with a *concrete* int32 ``t`` (an update outside jit) takes jnp.power's
-#    concrete-integer path (``lax.integer_pow``, repeated squaring); optax evaluates it
-#    under jit, where ``t`` is traced (``lax.pow``). ``_Count`` evaluates it under jit.
-# 3. Within one computation XLA may keep a value that is cast down (float32 -> bfloat16)
-#    in its wider precision (``xla_allow_excess_precision``; the GPU compiler does it).
-#    optax casts the bias correction to the moment's dtype inside the same jitted function
-#    that divides by it; ``_Scalar`` postpones the spec's cast to that division.
-#
-# Every arithmetic operation and its order remain the spec's.
-
-
-class _Skip:
-    """A masked-out weight decay: ``_SKIP * p`` is ``_SKIP`` and ``u + _SKIP`` is ``u``.
-
-    This reproduces ``optax.masked(add_decayed_weights)`` exactly (the leaf's update is left
-    untouched; ``u + 0 * p`` would differ when ``p`` is not finite).
-    """
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "_SKIP"
-
-
-_SKIP = _Skip()
-
-
-def _add(a: Any, b: Any) -> Any:
-    if a is _SKIP:
-        return b
-    if b is _SKIP:
-        return a
-    return a + b
-
-
-def _mul(a: Any, b: Any) -> Any:
-    if a is _SKIP or b is _SKIP:
-        return _SKIP
-    return a * b
-
-
-def _no_skip(fn: Callable[..., Any]) -> Callable[..., Any]:
-    def checked(*args: Any) -> Any:
-        if any(a is _SKIP for a in args):
-            raise TypeError(f"xopt.jax.adamw: masked weight decay reached {fn.__name__}; "
-                            "the spec uses weight_decay in an unexpected way")
-        return fn(*args)
-
-    checked.__name__ = fn.__name__
-    return checked
-
-
-@functools.partial(jax.jit, inline=True, static_argnums=2)
-def _divide_leaves_by_scalar(leaves: list[jax.Array], s: jax.Array,
-                             dtype: Any = None) -> list[jax.Array]:
-    """Every leaf divided by the one scalar ``s``, in one computation (see above).
-
-    ``dtype``: the cast of ``s`` that the spec asked for (a ``_Scalar``'s pending cast); it
-    is applied here, inside the same computation as the division, as optax's
-    ``t / bias_correction_.astype(t.dtype)``: XLA may then keep ``s`` in its wider
-    precision (``xla_allow_excess_precision``, which the GPU compiler uses for bfloat16), and
-    a cast done beforehand, in a computation of its own, would round where optax does not.
-    """
-    if dtype is not None:
-        return [x / s.astype(dtype) for x in leaves]
-    return [x / s for x in leaves]
-
-
-class _Leaves:
-    """The leaves of a pytree, as one operand of the spec's elementwise array math.
-
-    Supports what the spec's AdamW functions use: ``+ - * /``, unary ``-``, ``.dtype`` (when
-    all leaves share one), and, through NumPy's ufunc protocol (the spec picks NumPy as the
-    namespace of an unknown array type), ``np.sqrt`` / ``np.maximum`` and other ufuncs,
-    evaluated with ``jax.numpy``. Scalars (Python numbers, 0-d arrays) broadcast to every
-    leaf; an operand that is itself ``_Leaves`` supplies one value per leaf.
-    """
-
-    __slots__ = ("leaves",)
-    __array_priority__ = 1000  # NumPy scalars defer to us
-
-    def __init__(self, leaves: Any) -> None:
-        self.leaves = tuple(leaves)
-
-    @staticmethod
-    def map(fn: Callable[..., Any], *args: Any) -> _Leaves:
-        n = next(len(a.leaves) for a in args if isinstance(a, _Leaves))
-        cols = [a.leaves if isinstance(a, _Leaves) else (a,) * n for a in args]
-        return _Leaves(fn(*xs) for xs in zip(*cols, strict=True))
-
-    @property
-    def dtype(self) -> Any:
-        dtypes = {jnp.result_type(x) for x in self.leaves}
-        if len(dtypes) != 1:
-            # No single dtype: the spec then leaves scalars uncast and jax's promotion
-            # applies per leaf (a weakly typed scalar takes each leaf's dtype).
-            raise AttributeError("leaves of several dtypes")
-        return dtypes.pop()
-
-    def __add__(self, o: Any) -> _Leaves:
-        return _Leaves.map(_add, self, o)
-
-    def __radd__(self, o: Any) -> _Leaves:
-        return _Leaves.map(_add, o, self)
-
-    def __sub__(self, o: Any) -> _Leaves:
-        return _Leaves.map(_no_skip(operator.sub), self, o)
-
-    def __rsub__(self, o: Any) -> _Leaves:
-        return _Leaves.map(_no_skip(operator.sub), o, self)
-
-    def __mul__(self, o: Any) -> _Leaves:
-        return _Leaves.map(_mul, self, o)
-
-    def __rmul__(self, o: Any) -> _Leaves:
-        return _Leaves.map(_mul, o, self)
-
-    def __truediv__(self, o: Any) -> _Leaves:
-        if isinstance(o, _Leaves) or o is _SKIP or any(x is _SKIP for x in self.leaves):
-            return _Leaves.map(_no_skip(operator.truediv), self, o)
-        if isinstance(o, _Scalar):
-            return _Leaves(_divide_leaves_by_scalar(list(self.leaves), o.value, o.cast))
-        return _Leaves(_divide_leaves_by_scalar(list(self.leaves), o))
-
-    def __rtruediv__(self, o: Any) -> _Leaves:
-        return _Leaves.map(_no_skip(operator.truediv), o, self)
-
-    def __neg__(self) -> _Leaves:
-        return _Leaves.map(_no_skip(operator.neg), self)
-
-    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        fn = getattr(jnp, ufunc.__name__, None)
-        if method != "__call__" or kwargs or fn is None:
-            return NotImplemented
-        if ufunc.__name__ == "add":
-            return _Leaves.map(_add, *inputs)
-        if ufunc.__name__ == "multiply":
-            return _Leaves.map(_mul, *inputs)
-        return _Leaves.map(_no_skip(fn), *inputs)
-
-
-class _LeavesNamespace:
-    """The ``xp`` handed to the spec: ``jax.numpy``, whose functions accept ``_Leaves``.
-
-    ``xp.sqrt(x)``, ``xp.maximum(a, b)``, ``xp.expm1(x)``, ... apply the ``jax.numpy``
-    function leaf by leaf when an argument is ``_Leaves`` and directly otherwise; dtypes
-    (``xp.float32``) and other attributes are ``jax.numpy``'s.
-    """
-
-    __name__ = "xopt.jax._leaves"
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(jnp, name)
-        if not callable(attr) or isinstance(attr, type):
-            return attr
-
-        def fn(*args: Any, **kwargs: Any) -> Any:
-            if not any(isinstance(a, _Leaves) for a in args):
-                return attr(*args, **kwargs)
-            return _Leaves.map(_no_skip(lambda *xs: attr(*xs, **kwargs)), *args)
-
-        fn.__name__ = name
-        return fn
-
-
-_XP = _LeavesNamespace()
-
-
-@functools.partial(jax.jit, inline=True)
-def _power(base: Any, exponent: jax.Array) -> jax.Array:
-    return base**exponent
-
-
-class _Scalar:
-    """A scalar from ``β ** t`` (``_Count``) whose cast to a leaf dtype is postponed.
-
-    The spec computes ``1 - β**t`` and then casts it to the moment's dtype before dividing;
-    optax does the cast and the division in one jitted computation (see
-    ``_divide_leaves_by_scalar``). ``1 - x`` and ``x.astype(dtype)`` therefore stay
-    ``_Scalar`` (the cast is recorded, not applied), and dividing ``_Leaves`` by it applies
-    the cast together with the division. Any other use gets the plain, cast value.
-    """
-
-    __slots__ = ("value", "cast")
-
-    def __init__(self, value: jax.Array, cast: Any = None) -> None:
-        self.value, self.cast = value, cast
-
-    def get(self) -> jax.Array:
-        return self.value if self.cast is None else self.value.astype(self.cast)
-
-    def __rsub__(self, o: Any) -> _Scalar:
-        return _Scalar(o - self.get())
-
-    def astype(self, dtype: Any) -> _Scalar:
-        return _Scalar(self.get(), dtype)
-
-    @property
-    def dtype(self) -> Any:
-        return self.get().dtype
-
-    def __jax_array__(self) -> jax.Array:
-        return self.get()
-
-    # Any other arithmetic uses the value, cast as the spec asked.
-    def __add__(self, o: Any) -> Any:
-        return self.get() + o
-
-    def __radd__(self, o: Any) -> Any:
-        return o + self.get()
-
-    def __sub__(self, o: Any) -> Any:
-        return self.get() - o
-
-    def __mul__(self, o: Any) -> Any:
-        return self.get() * o
-
-    def __rmul__(self, o: Any) -> Any:
-        return o * self.get()
-
-    def __truediv__(self, o: Any) -> Any:
-        return self.get() / o
-
-    def __rtruediv__(self, o: Any) -> Any:
-        return o / self.get()
-
-    def __pow__(self, o: Any) -> Any:
-        return self.get() ** o
-
-    def __neg__(self) -> Any:
-        return -self.get()
-
-
-class _Count:
-    """The step count t handed to the spec: ``β ** t`` as optax computes it.
-
-    ``optax.tree.bias_correction`` evaluates ``decay ** count`` inside ``jax.jit``, where the
-    int32 count is traced and jnp.power lowers to XLA's ``power``. A concrete int32 array
-    (an update outside jit) would instead make jnp.power take its concrete-integer path
-    (``lax.integer_pow``, repeated squaring), which rounds differently. Here ``β ** t`` is
-    always evaluated inside jit; ``t + 1`` (the spec's Nesterov term) stays a ``_Count``.
-    """
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: jax.Array) -> None:
-        self.value = value
-
-    def __rpow__(self, base: Any) -> _Scalar:
-        return _Scalar(_power(base, self.value))
-
-    def __add__(self, k: Any) -> _Count:
-        return _Count(self.value + k)
-
-    __radd__ = __add__
-
-    def astype(self, dtype: Any) -> jax.Array:
-        return self.value.astype(dtype)
+        prefix = "learning_rate: " if str(e).startswith("AdamW.lr ") else ""
+        raise HyperparameterError(f"{_LABEL}: {prefix}{e}") from e
 
 
 def adamw(
@@ -448,6 +252,7 @@ def adamw(
     bias_correction_dtype: str | None = None,
     mask: Any | Callable[[optax.Params], Any] | None = None,
     spec: _spec.AdamW | None = None,
+    nonfinite: str | None = None,
     **unknown: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """AdamW (Loshchilov & Hutter 2019, Algorithm 2) as an optax transformation.
@@ -455,20 +260,17 @@ def adamw(
     Defaults are the spec's ``"optax"`` preset (:data:`xopt.specs.adamw.PRESETS`), i.e.
     ``optax.adamw``'s, with the learning rate defaulting to 1e-3. Under ``formula="optax"``,
     ``adamw(lr, ...)`` and ``optax.adamw(lr, ...)`` produce bitwise-identical updates,
-    params and state (``count``, ``mu``, ``nu``) on the same machine, jitted or not (tested
-    on CPU, and with jax 0.11.2 on an H200 GPU), also inside ``optax.chain`` and
-    ``optax.inject_hyperparams``; with ``amsgrad=True`` the same holds against
-    ``chain(scale_by_amsgrad, add_decayed_weights, scale_by_learning_rate)``.
+    params and state (``count``, ``mu``, ``nu``) on the same machine, jitted or not, also
+    inside ``optax.chain`` and ``optax.inject_hyperparams``; with ``amsgrad=True`` the same
+    holds against ``chain(scale_by_amsgrad, add_decayed_weights, scale_by_learning_rate)``.
 
-    Shapes and dtypes: the state (:class:`AdamWState`) holds an int32 scalar count and, per
-    parameter, moments of the parameter's shape and dtype (bfloat16 params: bfloat16
-    moments, as optax without ``mu_dtype``); the updates have the parameters' structure,
-    shapes and dtypes.
+    The state (:class:`AdamWState`) holds an int32 count and, per parameter, moments of
+    the parameter's shape and dtype (bfloat16 params: bfloat16 moments, as optax without
+    ``mu_dtype``); the updates have the parameters' structure, shapes and dtypes.
 
     Args:
-      learning_rate: η: a float, a 0-d array, or an optax schedule. A schedule is called
-        with the step count *before* this update's increment (0 on the first update), as
-        ``optax.scale_by_schedule`` does, and its value is cast to the update's dtype.
+      learning_rate: η: a float, a 0-d array, or an optax schedule, called with the count
+        before this update's increment (0 first), as ``optax.scale_by_schedule``.
       b1, b2: decays β₁, β₂ of the first and second moments, in [0, 1).
       eps: ε added to √(v̂ + ε_root).
       eps_root: ε_root added to v̂ inside the square root.
@@ -476,153 +278,51 @@ def adamw(
       amsgrad: divide by the running maximum of the second moment (see :class:`AdamWState`).
       maximize: ascend: the gradient is negated.
       nesterov: Nesterov momentum (optax's NAdamW); needs ``formula="optax"``.
-      formula: ``"optax"``: optax.adamw's floating-point operations and order (additive
-        update ``u``, applied by ``optax.apply_updates`` as ``p + u``). ``"torch"``:
-        torch.optim.AdamW's operations (:func:`xopt.specs.adamw.update_torch`). The update
-        returned is then ``u = p_new − p``, so ``p + u`` can differ from the spec's (and
-        torch's) ``p_new`` by an ulp of p, because ``p + (p_new − p)`` rounds; and jax
-        (without x64) evaluates the bias corrections 1 − βᵗ in float32 (the spec's
-        ``−expm1(t·log1p(β − 1))``, a few ulp from the double value) where torch uses
-        double. This formula is therefore within ~1e-7 relative of torch.optim.AdamW per
-        step, not bit-identical to it. Under ``optax.inject_hyperparams`` and ``jax.jit`` it
-        fails on a traced ``b1`` (the spec's ``lerp`` branches on ``|1 − β₁| < 0.5`` in
-        Python); ``formula="optax"`` has no such limit.
-      bias_correction_dtype: precision of 1 − βᵗ (a field of the spec): ``"float32"`` as
-        optax, ``"float64"`` as torch.optim; ``None`` takes the formula's preset
-        (:data:`xopt.specs.adamw.PRESETS`).
-      mask: weight decay only, like ``optax.adamw``'s ``mask``: a pytree of bools with the
-        structure of the params (or a prefix of it: a bool applies to the whole subtree
-        below it), or a callable returning one when given the updates (``optax.masked``
-        calls it with the updates too). Leaves whose mask is False get no weight decay: the
-        ``+ λθ`` term is skipped for them (under ``formula="torch"``, λ = 0 for them, and
-        ``θ·(1 − η·0)`` is exactly θ), which is bitwise what ``optax.masked`` gives. The
-        moments of every leaf are updated regardless of the mask.
-      spec: an :class:`xopt.specs.adamw.AdamW` to take every hyperparameter from instead of
-        the arguments above, which must then be left at their defaults
-        (``HyperparameterError`` naming the conflicting argument otherwise). Its ``lr`` is
-        the learning rate. Not combinable with ``optax.inject_hyperparams``, which passes
-        every numeric argument explicitly.
+      formula: ``"optax"``: optax.adamw's floating-point operations and order.
+        ``"torch"``: torch.optim.AdamW's (:func:`xopt.specs.adamw.update_torch`); the
+        update is ``p_new − p``, so ``p + u`` can differ from torch's ``p_new`` by an ulp
+        of p, and 1 − βᵗ is evaluated in float32 as ``−expm1(t·log1p(β − 1))`` (jax has no
+        float64 without x64) where torch uses double: within ~1e-7 relative of
+        torch.optim.AdamW per step, not bit-identical to it.
+      bias_correction_dtype: precision of 1 − βᵗ: ``"float32"`` as optax, ``"float64"`` as
+        torch.optim; None takes the formula's preset.
+      mask: weight decay only, as ``optax.adamw``'s ``mask``: a pytree of bools like the
+        params (or a prefix of it), or a callable returning one when given the updates.
+        False leaves get no ``+ λθ`` term (bitwise ``optax.masked``); every leaf's moments
+        are updated.
+      spec: an :class:`xopt.specs.adamw.AdamW` giving every hyperparameter instead of the
+        arguments above, which must then be left at their defaults (its ``lr`` is the
+        learning rate).
+      nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`;
+        ``"raise"`` needs concrete gradients: it is refused under ``jit``).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs``. ``init(params)`` gives an
+      An ``optax.GradientTransformationExtraArgs``: ``init(params)`` gives an
       :class:`AdamWState`; ``update(updates, state, params=None, **extra_args)`` gives
       ``(updates, new_state)``, ignoring ``extra_args`` (e.g. ``value=loss``). ``params``
-      is required unless the weight decay is a static zero (``formula="optax"``); it is
-      always required under ``formula="torch"``. The state's structure, shapes and dtypes
-      do not change between steps, so a jitted step traces once.
+      is required unless the weight decay is a static zero (``formula="optax"``).
 
     Raises:
       HyperparameterError: an unknown keyword, a value outside its range (naming the
-        field, via :class:`xopt.specs.adamw.AdamW`'s validation), or ``spec=`` together
-        with a non-default hyperparameter argument.
+        field), or ``spec=`` together with a non-default hyperparameter argument.
+      StateError: (at trace time) a state that does not fit the parameters.
     """
-    if unknown:
-        known = ", ".join(inspect.signature(adamw).parameters)
-        hint = ""
-        if "lr" in unknown:
-            hint = " (the learning rate is `learning_rate`, as in optax)"
-        raise HyperparameterError(
-            f"xopt.jax.adamw: unknown argument{'s' if len(unknown) > 1 else ''} "
-            f"{', '.join(map(repr, sorted(unknown)))}{hint}; known: {known}"
-        )
+    _contract.reject_unknown(_LABEL, unknown, adamw)
     args = dict(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                 weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                 nesterov=nesterov, formula=formula,
                 bias_correction_dtype=bias_correction_dtype)
     hp = _validate(args, spec)
-    if spec is not None:
-        learning_rate = hp.lr
-    lr_schedule = learning_rate if callable(learning_rate) else None
-
-    def init_fn(params: optax.Params) -> AdamWState:
-        mu = jax.tree.map(jnp.zeros_like, params)
-        nu = jax.tree.map(jnp.zeros_like, params)
-        nu_max = jax.tree.map(jnp.zeros_like, params) if hp.amsgrad else None
-        return AdamWState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu, nu_max=nu_max)
-
-    def update_fn(updates: optax.Updates, state: AdamWState, params: optax.Params = None,
-                  **extra_args: Any) -> tuple[optax.Updates, AdamWState]:
-        del extra_args  # e.g. value=loss: part of the protocol, unused by AdamW
-        g_leaves, treedef = jax.tree.flatten(updates)
-        n = len(g_leaves)
-        count_inc = optax.safe_increment(state.count)  # t: the step number after increment
-        if n == 0:
-            return updates, state._replace(count=count_inc)
-
-        # Weight decay: one scalar, or one per leaf when a mask leaves some out.
-        weight_decay: Any = hp.weight_decay
-        if mask is not None:
-            keep = _expand_mask(mask(updates) if callable(mask) else mask, updates)
-            if not any(keep):
-                weight_decay = 0.0  # a static zero: the spec skips the term entirely
-            elif not all(keep):
-                off = _SKIP if hp.formula == "optax" else 0.0  # torch: p * (1 - lr*0) == p
-                weight_decay = _Leaves(hp.weight_decay if k else off for k in keep)
-        if params is None:
-            if hp.formula == "torch":
-                raise ValueError(_NO_PARAMS_MSG.format(
-                    why="formula='torch' computes the update as p_new - p"))
-            if not is_static_zero(weight_decay):
-                raise ValueError(_NO_PARAMS_MSG.format(
-                    why=f"weight_decay={hp.weight_decay!r} multiplies the parameters"))
-            p = None
-        else:
-            p = _Leaves(treedef.flatten_up_to(params))
-        g = _Leaves(g_leaves)
-        m_leaves = treedef.flatten_up_to(state.mu)
-        v_leaves = treedef.flatten_up_to(state.nu)
-        m, v = _Leaves(m_leaves), _Leaves(v_leaves)
-        vmax_leaves = treedef.flatten_up_to(state.nu_max) if hp.amsgrad else None
-        v_max = _Leaves(vmax_leaves) if hp.amsgrad else None
-
-        if lr_schedule is None:
-            lr: Any = hp.lr
-        else:
-            # optax.scale_by_schedule multiplies by jnp.array(step_size, dtype=u.dtype): the
-            # schedule's value at the count before the increment, cast to each leaf's dtype.
-            value = lr_schedule(state.count)
-            lr = _Leaves(
-                jnp.asarray(value, dtype=jnp.result_type(*xs))
-                for xs in zip(g_leaves, m_leaves, v_leaves,
-                              *(() if p is None else (p.leaves,)), strict=True)
-            )
-
-        kw = dict(lr=lr, b1=hp.b1, b2=hp.b2, eps=hp.eps, eps_root=hp.eps_root,
-                  weight_decay=weight_decay, amsgrad=hp.amsgrad, maximize=hp.maximize, xp=_XP,
-                  bias_correction_dtype=hp.bias_correction_dtype)
-        t = _Count(count_inc)
-        if hp.formula == "optax":
-            u, m, v, v_max = _spec.updates_optax(p, g, m, v, v_max, t,
-                                                 nesterov=hp.nesterov, **kw)
-        else:
-            p_new, m, v, v_max = _spec.update_torch(p, g, m, v, v_max, t, **kw)
-            u = p_new - p
-
-        # Keep the state's dtypes fixed, so that a jitted step does not retrace: optax casts
-        # nu back to its state dtype the same way; with params and gradients of one dtype
-        # every cast here is a no-op.
-        def like(new: _Leaves, old: list[jax.Array]) -> Any:
-            cast = [x.astype(o.dtype) for x, o in zip(new.leaves, old, strict=True)]
-            return treedef.unflatten(cast)
-
-        new_state = AdamWState(
-            count=count_inc,
-            mu=like(m, m_leaves),
-            nu=like(v, v_leaves),
-            nu_max=like(v_max, vmax_leaves) if hp.amsgrad else None,
-        )
-        return treedef.unflatten(list(u.leaves)), new_state
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    mode = _contract.resolve_nonfinite(_LABEL, nonfinite)
+    lr = hp.lr if spec is not None else learning_rate
+    inner = scale_by_adamw(lr, hp.b1, hp.b2, hp.eps, hp.eps_root, hp.weight_decay,
+                           amsgrad=hp.amsgrad, maximize=hp.maximize, nesterov=hp.nesterov,
+                           formula=hp.formula, bias_correction_dtype=hp.bias_correction_dtype,
+                           mask=mask)
+    return _contract.transformation(_LABEL, inner.init, inner.update, nonfinite=mode)
 
 
-# The public signature, without the catch-all that turns unknown keywords into a
-# HyperparameterError: optax.inject_hyperparams binds arguments against this signature.
-adamw.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-    [p for p in inspect.signature(adamw).parameters.values()
-     if p.kind is not inspect.Parameter.VAR_KEYWORD],
-    return_annotation=optax.GradientTransformationExtraArgs,
-)
+_contract.public_signature(adamw)
 
 
 register("adamw", "jax", adamw)

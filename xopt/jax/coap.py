@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from xopt.jax import _contract
 from xopt.jax._lowrank import (
     check_float_leaf,
     decomposition_guard,
@@ -35,13 +36,13 @@ from xopt.jax._lowrank import (
     keep_if_not_finite,
     leaf_specs,
     path_names,
-    raise_if_nonfinite,
     resolve_spec,
 )
 from xopt.jax._precision import full_precision
 from xopt.registry import register
 from xopt.specs import coap as _spec
 from xopt.specs import lowrank
+from xopt.specs.arrays import is_static_zero
 
 __all__ = ["COAPState", "coap"]
 
@@ -62,6 +63,7 @@ class COAPState(NamedTuple):
         ``shape[:-2] + shape[-1:]`` of the low-rank shape).
       rms: Adafactor: RMS of the leaf before the last update (0-d).
       proj: P of projected leaves (:func:`xopt.specs.coap.proj_shape`).
+      nonfinite_skips: int32 ``()`` under ``nonfinite="skip"``, else None.
     """
 
     count: jax.Array
@@ -71,6 +73,7 @@ class COAPState(NamedTuple):
     nu_col: optax.Updates
     rms: optax.Updates
     proj: optax.Updates
+    nonfinite_skips: jax.Array | None = None
 
 
 def coap(
@@ -103,6 +106,8 @@ def coap(
     spec: _spec.COAP | None = None,
     param_specs: Any = None,
     check_finite: bool = False,
+    nonfinite: str | None = None,
+    **unknown: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """COAP (Xiao et al., CVPR 2025; Algorithm 1 with Eqns 6 and 7) as an optax transformation.
 
@@ -115,14 +120,17 @@ def coap(
       learning_rate: η, a number or an optax schedule of the count before this update (a
         schedule sets η for every leaf, overriding the per-leaf specs' ``lr``).
       rank, update_interval, reproject_factor, ...: fields of
-        :class:`xopt.specs.coap.COAP`. Ranks and intervals fix shapes and control flow:
-        static Python ints (``optax.inject_hyperparams`` needs them in ``static_args``).
+        :class:`xopt.specs.coap.COAP`. The floats may be 0-d arrays
+        (``optax.inject_hyperparams`` injects each); ``rank``, ``rank_ratio``, the
+        intervals and ``seed`` fix shapes, control flow and the first projection: Python
+        numbers (``static_args`` under ``optax.inject_hyperparams``).
       spec: one :class:`xopt.specs.coap.COAP` for every leaf not in ``param_specs``.
       param_specs: per-leaf specs (see the module docstring).
-      check_finite: raise :class:`xopt.errors.NonFiniteError` on a NaN/inf gradient and
-        :class:`xopt.errors.DecompositionError` on a projection update that is not finite,
-        naming the leaf (a host callback under ``jit``). Without it, such an update keeps
-        the previous projection.
+      nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`).
+        ``"raise"`` (outside ``jit`` only) also raises
+        :class:`xopt.errors.DecompositionError` naming the leaf when a projection update is
+        not finite; otherwise such an update keeps the previous projection.
+      check_finite: ``True`` is the older spelling of ``nonfinite="raise"``.
 
     Returns:
       ``init(params) -> COAPState``; ``update(grads, state, params, *, inject=None,
@@ -135,6 +143,12 @@ def coap(
       HyperparameterError: an unknown or invalid field, a rank larger than a projected leaf
         allows, a non-floating leaf (naming the leaf, at ``init`` and ``update``).
     """
+    _contract.reject_unknown(_LABEL, unknown, coap)
+    _contract.require_static(_LABEL, rank=rank, rank_ratio=rank_ratio,
+                             update_interval=update_interval,
+                             reproject_factor=reproject_factor, seed=seed)
+    mode = _contract.resolve_nonfinite(_LABEL, nonfinite, check_finite)
+    check_decomposition = mode == "raise"
     fields = dict(rank=rank, update_interval=update_interval, reproject_factor=reproject_factor,
                   optimizer=optimizer, rank_ratio=rank_ratio, project=project,
                   restore_state=restore_state, scale=scale, b1=b1, b2=b2, eps=eps,
@@ -146,7 +160,7 @@ def coap(
     base, schedule = resolve_spec(_LABEL, _spec.SPEC, spec, preset, fields,
                                   learning_rate)
 
-    def check(tree: Any) -> tuple[list[str], list[_spec.COAP]]:
+    def check_leaves(tree: Any) -> tuple[list[str], list[_spec.COAP]]:
         names = path_names(tree)
         specs = leaf_specs(tree, base, param_specs, _spec.COAP, _LABEL)
         for n, leaf, h in zip(names, jax.tree.leaves(tree), specs, strict=True):
@@ -155,7 +169,7 @@ def coap(
         return names, specs
 
     def init_fn(params: optax.Params) -> COAPState:
-        _, specs = check(params)
+        _, specs = check_leaves(params)
         leaves, treedef = jax.tree.flatten(params)
         fields: dict[str, list[Any]] = {k: [] for k in ("m", "v", "v_row", "v_col", "rms", "P")}
         for p, h in zip(leaves, specs, strict=True):
@@ -173,10 +187,8 @@ def coap(
                   *, inject: Mapping[str, Mapping[str, Any]] | None = None,
                   **extra_args: Any) -> tuple[optax.Updates, COAPState]:
         del extra_args  # value=loss and the like: unused
-        names, specs = check(updates)
+        names, specs = check_leaves(updates)
         g_leaves, treedef = jax.tree.flatten(updates)
-        if check_finite:
-            raise_if_nonfinite(_LABEL, names, g_leaves)
         p_leaves = treedef.flatten_up_to(params) if params is not None else [None] * len(names)
         old = {var: treedef.flatten_up_to(getattr(state, f))
                for var, f in (("m", "mu"), ("v", "nu"), ("v_row", "nu_row"),
@@ -190,7 +202,7 @@ def coap(
         new: dict[str, list[Any]] = {var: [] for var in old}
         for i, (name, h) in enumerate(zip(names, specs, strict=True)):
             g, p = g_leaves[i], p_leaves[i]
-            if p is None and (h.optimizer == "adafactor" or h.weight_decay != 0):
+            if p is None and (h.optimizer == "adafactor" or not is_static_zero(h.weight_decay)):
                 raise ValueError(f"{_LABEL}: update(grads, state, params) needs params "
                                  f"({name}: Adafactor scales its step by RMS(W); weight decay "
                                  "multiplies W)")
@@ -200,7 +212,7 @@ def coap(
             st = {var: old[var][i] for var in old if old[var][i] is not None}
             p32 = jnp.zeros(g.shape, dt) if p is None else p.astype(dt)
             new_p, st = _leaf_step(h, name, p32, g.astype(dt), st, t, count_inc, injected[i],
-                                   check_finite)
+                                   check_decomposition)
             out_u.append((new_p - p32).astype(g.dtype))
             for var in old:
                 new[var].append(st.get(var))
@@ -209,7 +221,10 @@ def coap(
         return u, COAPState(count=count_inc, mu=tr["m"], nu=tr["v"], nu_row=tr["v_row"],
                             nu_col=tr["v_col"], rms=tr["rms"], proj=tr["P"])
 
-    return optax.GradientTransformationExtraArgs(init_fn, full_precision(update_fn))
+    return _contract.transformation(_LABEL, init_fn, full_precision(update_fn), nonfinite=mode)
+
+
+_contract.public_signature(coap)
 
 
 def _event(t: jax.Array, h: _spec.COAP) -> jax.Array:
@@ -277,7 +292,10 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
         n = lowrank.hf_adam_direction(jnp, st["m"], st["v"], h.eps)
         step_size = lowrank.hf_step_size(h.lr, h.b1, h.b2, count_inc, h.correct_bias)
         full = _spec.project_back(jnp, n, st["P"], side, h.scale) if projected else n
-        return lowrank.hf_apply(p, full, step_size, h.lr, h.weight_decay), st
+        if isinstance(h.weight_decay, (int, float)):
+            return lowrank.hf_apply(p, full, step_size, h.lr, h.weight_decay), st
+        p = p - step_size * full  # a traced λ (optax.inject_hyperparams): decay unconditionally,
+        return p - (h.lr * h.weight_decay) * p, st  # exact for λ = 0 (p − 0·p = p)
     st["rms"] = _spec.rms(jnp, p)
     lr_t = _spec.adafactor_lr(h, count_inc, st["rms"], jnp)
     beta2t = _spec.adafactor_beta2(h, count_inc, jnp, g.dtype)
@@ -291,7 +309,7 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
         st["m"] = st["m"] * h.b1 + u * (1.0 - h.b1)
         u = st["m"]
     full = _spec.project_back(jnp, u, st["P"], side, h.scale) if projected else u
-    if h.weight_decay != 0:
+    if not is_static_zero(h.weight_decay):
         p = p + p * (-h.weight_decay * lr_t)
     return p - full, st
 

@@ -28,7 +28,6 @@ backend (``xopt.torch.compact``) and as NumPy.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -40,6 +39,7 @@ import optax
 
 from xopt import random as _random
 from xopt.errors import HyperparameterError, StateError
+from xopt.jax import _contract
 from xopt.jax._precision import full_precision
 from xopt.registry import register
 from xopt.specs import compact as _spec
@@ -266,11 +266,13 @@ def _key_str(k: Any) -> str:
 class CompActAdamState(NamedTuple):
     """``count``: int32 number of updates taken. ``mu``, ``nu``: Adam's moments, a dict by
     parameter path (``/``-joined): (out × r) for CompAct weights (keyed by the weight's
-    path), the parameter's shape for plain parameters; carriers have none."""
+    path), the parameter's shape for plain parameters; carriers have none.
+    ``nonfinite_skips``: int32 ``()`` under ``nonfinite="skip"``, else None."""
 
     count: jax.Array
     mu: dict[str, jax.Array]
     nu: dict[str, jax.Array]
+    nonfinite_skips: jax.Array | None = None
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(_spec.CompAct)}
@@ -288,8 +290,8 @@ def compact_adamw(learning_rate: float = _DEFAULTS["lr"], b1: float = _DEFAULTS[
                   correct_bias: bool = True,
                   projections: Mapping[str, _spec.Projection] | None = None,
                   compact: Mapping[str, Any] | None = None, params: Any = None,
-                  spec: _spec.CompAct | None = None, **unknown: Any
-                  ) -> optax.GradientTransformationExtraArgs:
+                  spec: _spec.CompAct | None = None, nonfinite: str | None = None,
+                  **unknown: Any) -> optax.GradientTransformationExtraArgs:
     """CompAct's Adam (paper Algorithm 3; the authors' ``SmallAdamW``) as optax.
 
     For a CompAct weight W (m × n) with carrier ``C`` (m × r): with Ĝ the gradient of C,
@@ -302,26 +304,30 @@ def compact_adamw(learning_rate: float = _DEFAULTS["lr"], b1: float = _DEFAULTS[
 
     Args:
       learning_rate, b1, b2, eps, weight_decay, correct_bias: as
-        :class:`xopt.specs.compact.CompAct` (η, β₁, β₂, ε, λ). Numbers (not schedules).
+        :class:`xopt.specs.compact.CompAct` (η, β₁, β₂, ε, λ). Numbers or 0-d arrays
+        (``optax.inject_hyperparams`` can inject each), not schedules.
       projections: ``{weight path: Projection}``; or give ``compact`` (the model's
         ``"compact"`` collection) and ``params`` and they are read by
         :func:`projections_from`.
       spec: a :class:`xopt.specs.compact.CompAct` to take the Adam fields from.
+      nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`).
 
     ``update(grads, state, params, *, compact=None, inject=None)``: ``params`` is required.
     ``compact``, when given with concrete values, is checked against the projections the
     transformation was built with (a :class:`StateError` naming the layer when a seed
     differs); ``inject``: ``{weight path: P}`` to use recorded projections.
     """
-    if unknown:
-        known = ", ".join(inspect.signature(compact_adamw).parameters)
-        raise HyperparameterError(f"xopt.jax.compact_adamw: unknown argument(s) "
-                                  f"{', '.join(map(repr, sorted(unknown)))}; known: {known}")
+    label = "xopt.jax.compact_adamw"
+    _contract.reject_unknown(label, unknown, compact_adamw)
+    mode = _contract.resolve_nonfinite(label, nonfinite)
     if spec is not None:
         hp = spec
     else:
-        hp = _spec.CompAct(lr=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                           correct_bias=correct_bias)
+        try:
+            hp = _spec.CompAct(lr=learning_rate, b1=b1, b2=b2, eps=eps,
+                               weight_decay=weight_decay, correct_bias=correct_bias)
+        except HyperparameterError as e:
+            raise HyperparameterError(f"{label}: {e}") from None
     if projections is None:
         if compact is None or params is None:
             raise HyperparameterError("xopt.jax.compact_adamw: give projections=, or compact= "
@@ -366,7 +372,7 @@ def compact_adamw(learning_rate: float = _DEFAULTS["lr"], b1: float = _DEFAULTS[
         if hp.correct_bias:
             s = hp.lr * jnp.sqrt(_bias_correction(hp.b2, tf)) / _bias_correction(hp.b1, tf)
         else:
-            s = jnp.float32(hp.lr)
+            s = jnp.asarray(hp.lr, jnp.float32)
         todo = {k: pr for k, pr in projections.items() if inject.get(k) is None}
         drawn = draw_projections(todo, t) if todo else {}
         out, mu, nu = {}, {}, {}
@@ -388,7 +394,7 @@ def compact_adamw(learning_rate: float = _DEFAULTS["lr"], b1: float = _DEFAULTS[
             n = _spec.normalized(m, v, hp.eps, xp=jnp)
             u = n if (pm is None and scale == 1.0) else _spec.project_back(n, pm, scale)
             new = p - s.astype(p.dtype) * u.astype(p.dtype)
-            if hp.weight_decay > 0.0:
+            if not (isinstance(hp.weight_decay, (int, float)) and hp.weight_decay == 0):
                 new = new + (-hp.lr * hp.weight_decay) * new
             out[k] = new - p
             mu[k], nu[k] = m.astype(state.mu[k].dtype), v.astype(state.nu[k].dtype)
@@ -399,7 +405,10 @@ def compact_adamw(learning_rate: float = _DEFAULTS["lr"], b1: float = _DEFAULTS[
         return weight_path.rsplit("/", 1)[0] + "/compact_grad" if "/" in weight_path \
             else "compact_grad"
 
-    return optax.GradientTransformationExtraArgs(init_fn, full_precision(update_fn))
+    return _contract.transformation(label, init_fn, full_precision(update_fn), nonfinite=mode)
+
+
+_contract.public_signature(compact_adamw)
 
 
 def _check_seeds(compact: Mapping[str, Any], projections: Mapping[str, _spec.Projection]) -> None:

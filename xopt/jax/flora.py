@@ -28,13 +28,8 @@ import numpy as np
 import optax
 
 from xopt.errors import HyperparameterError
-from xopt.jax._lowrank import (
-    check_float_leaf,
-    inject_for,
-    leaf_specs,
-    path_names,
-    raise_if_nonfinite,
-)
+from xopt.jax import _contract
+from xopt.jax._lowrank import check_float_leaf, inject_for, leaf_specs, path_names
 from xopt.jax._precision import full_precision
 from xopt.registry import register
 from xopt.specs import flora as _spec
@@ -59,7 +54,8 @@ class FloraState(NamedTuple):
       v: per other leaf, the unfactored second moment (leaf's shape); None for factored.
 
     Each per-leaf field is a pytree of the parameters' structure; floating leaves are
-    float32 (float64 for float64 parameters).
+    float32 (float64 for float64 parameters). ``nonfinite_skips``: int32 ``()`` under
+    ``nonfinite="skip"``, else None.
     """
 
     count: jax.Array
@@ -69,6 +65,7 @@ class FloraState(NamedTuple):
     v_row: Any
     v_col: Any
     v: Any
+    nonfinite_skips: jax.Array | None = None
 
 
 _PER_LEAF = ("seed", "rms", "m", "v_row", "v_col", "v")
@@ -150,6 +147,15 @@ def _resolve(spec: _spec.Flora | None, given: dict[str, Any]) -> _spec.Flora:
         raise HyperparameterError(f"{_LABEL}: {e}") from e
 
 
+def _structure(h: _spec.Flora) -> _spec.Flora:
+    """``h`` for the decisions that fix the state's layout. Whether there is a momentum is
+    one (``beta1 > 0``); an array ``beta1`` (``optax.inject_hyperparams``) keeps it, as a
+    positive Python stand-in here, while the update uses the array's value."""
+    if isinstance(h.beta1, (jax.Array, np.ndarray)):
+        return h.replace(beta1=0.5)
+    return h
+
+
 def _state_dtype(p: Any) -> Any:
     return jnp.promote_types(jnp.result_type(p), jnp.float32)
 
@@ -162,26 +168,31 @@ def flora(learning_rate: float | None = None, rank: int | None = None,
           warmup_init: bool | None = None, factorize_second_moment: bool | None = None,
           seed: int | None = None, quantization: bool | None = None,
           project: bool | None = None, *, spec: _spec.Flora | None = None,
-          param_specs: Any = None, check_finite: bool = False,
-          ) -> optax.GradientTransformationExtraArgs:
+          param_specs: Any = None, check_finite: bool = False, nonfinite: str | None = None,
+          **unknown: Any) -> optax.GradientTransformationExtraArgs:
     """Flora (see :mod:`xopt.specs.flora` for the update, Algorithm 2 of the paper).
 
     Args:
-      learning_rate: η (the spec's ``lr``); may be traced (``optax.inject_hyperparams``).
+      learning_rate: η (the spec's ``lr``).
       rank, kappa, eps, clip_threshold, decay_rate, beta1, weight_decay, scale_parameter,
         relative_step, warmup_init, factorize_second_moment, seed, quantization, project:
         as :class:`xopt.specs.flora.Flora` (the original's defaults; ``beta1=None`` means
-        no momentum).
+        no momentum). The floats may be 0-d arrays (``optax.inject_hyperparams`` injects
+        each); ``rank``, ``kappa`` and ``seed`` fix shapes, the transfer schedule and the
+        projections: Python ints (``static_args`` under ``optax.inject_hyperparams``).
       spec: an :class:`xopt.specs.flora.Flora` instead of the arguments.
       param_specs: per-leaf settings (a pytree / mapping of leaf names / function to
         ``Flora`` or None), e.g. ``project=False`` for the leaves to keep uncompressed.
-      check_finite: raise :class:`~xopt.errors.NonFiniteError` naming the leaf on a
-        NaN/inf gradient (a host callback under jit).
+      nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`).
+      check_finite: ``True`` is the older spelling of ``nonfinite="raise"``.
 
     ``update`` needs ``params`` (the RMS learning-rate scale and the weight decay read
     them). Returns updates in each parameter's dtype, ``new − old``, so that
     ``optax.apply_updates`` gives the original's ``p − η λ p − η u``.
     """
+    _contract.reject_unknown(_LABEL, unknown, flora)
+    _contract.require_static(_LABEL, rank=rank, kappa=kappa, seed=seed)
+    mode = _contract.resolve_nonfinite(_LABEL, nonfinite, check_finite)
     given = {k: v for k, v in dict(
         learning_rate=learning_rate, rank=rank, kappa=kappa, eps=eps,
         clip_threshold=clip_threshold, decay_rate=decay_rate, beta1=beta1,
@@ -196,7 +207,7 @@ def flora(learning_rate: float | None = None, rank: int | None = None,
         specs = leaf_specs(params, hp, param_specs, _spec.Flora, _LABEL)
         for n, h, p in zip(names, specs, jax.tree.leaves(params), strict=True):
             check_float_leaf(p, f"{_LABEL}: {n}", None)
-            _spec.check_param(tuple(np.shape(p)), h, f"{_LABEL}: {n}")
+            _spec.check_param(tuple(np.shape(p)), _structure(h), f"{_LABEL}: {n}")
         return names, specs
 
     def init_fn(params: Any) -> FloraState:
@@ -205,6 +216,7 @@ def flora(learning_rate: float | None = None, rank: int | None = None,
         fields: dict[str, list[Any]] = {f: [] for f in _PER_LEAF}
         for i, (p, h) in enumerate(zip(leaves, specs, strict=True), start=1):
             shape, sdt = tuple(np.shape(p)), _state_dtype(p)
+            h = _structure(h)
             fields["seed"].append(_seed_words(int(h.seed) + i))
             fields["rms"].append(jnp.zeros((), sdt))
             fields["m"].append(jnp.zeros(_spec.momentum_shape(shape, h), sdt)
@@ -225,12 +237,9 @@ def flora(learning_rate: float | None = None, rank: int | None = None,
         grads, treedef = jax.tree.flatten(updates)
         leaves_p = treedef.flatten_up_to(params)
         names, specs = specs_of(params)
-        if check_finite:
-            raise_if_nonfinite(_LABEL, names, grads)
         injected = inject_for(inject, names, _LABEL)
         old = {f: treedef.flatten_up_to(getattr(state, f)) for f in _PER_LEAF}
-        count = optax.safe_increment(state.count) if hasattr(optax, "safe_increment") \
-            else optax.safe_int32_increment(state.count)
+        count = optax.safe_increment(state.count)
         new = {f: list(v) for f, v in old.items()}
         outs = []
         for i, (g, p, h) in enumerate(zip(grads, leaves_p, specs, strict=True)):
@@ -243,13 +252,17 @@ def flora(learning_rate: float | None = None, rank: int | None = None,
                            **{f: jax.tree.unflatten(treedef, v) for f, v in new.items()})
         return jax.tree.unflatten(treedef, outs), state
 
-    return optax.GradientTransformationExtraArgs(init_fn, full_precision(update_fn))
+    return _contract.transformation(_LABEL, init_fn, full_precision(update_fn), nonfinite=mode)
+
+
+_contract.public_signature(flora)
 
 
 def _update_leaf(h: _spec.Flora, p: jax.Array, g: jax.Array, st: dict[str, Any],
                  t: jax.Array, inject: Any) -> tuple[jax.Array, dict[str, Any]]:
     """One leaf's update at the traced 1-based step ``t``: ``(p_new − p, new state)``."""
     xp = jnp
+    hs = _structure(h)
     shape, sdt = tuple(p.shape), _state_dtype(p)
     p_c, g_c = p.astype(sdt), g.astype(sdt)
     new: dict[str, Any] = {}
@@ -258,14 +271,14 @@ def _update_leaf(h: _spec.Flora, p: jax.Array, g: jax.Array, st: dict[str, Any],
     lr = _spec.learning_rate(xp, h, rho, t)
     b2, omb2 = _spec.beta2(t, h.decay_rate)
     eps0 = float(h.eps[0])
-    if _spec.factored(shape, h):
+    if _spec.factored(shape, hs):
         new["v_row"], new["v_col"], u = _spec.second_moment_factored(
             xp, st["v_row"], st["v_col"], g_c, b2, omb2, eps0)
     else:
         new["v"], u = _spec.second_moment_full(xp, st["v"], g_c, b2, omb2, eps0)
-    if h.use_momentum:
+    if hs.use_momentum:
         b1 = h.beta1
-        if not _spec.compressed(shape, h):
+        if not _spec.compressed(shape, hs):
             u = _spec.mix(u, st["m"], b1)
             new["m"] = u
         else:
@@ -291,7 +304,10 @@ def _update_leaf(h: _spec.Flora, p: jax.Array, g: jax.Array, st: dict[str, Any],
             new["m"] = _spec.accumulate(c, _spec.down(xp, p_after, raw, which), b1)
             new["seed"] = seed_after
     u, _ = _spec.clip(xp, u, h.clip_threshold)
-    p_new = _spec.apply(xp, p_c, u, lr, h.weight_decay)
+    if isinstance(h.weight_decay, (int, float)):
+        p_new = _spec.apply(xp, p_c, u, lr, h.weight_decay)
+    else:  # an array λ: _spec.apply's operations, the decay unconditional (p + p·(−0) = p)
+        p_new = (p_c + p_c * (-h.weight_decay * lr)) - u * lr
     return (p_new - p_c).astype(p.dtype), new
 
 

@@ -20,7 +20,6 @@ live ``optax.contrib.galore`` (``tests/test_galore.py``). The stored right proje
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -29,13 +28,13 @@ import jax.numpy as jnp
 import optax
 
 from xopt.errors import HyperparameterError
+from xopt.jax import _contract
 from xopt.jax._lowrank import (
     check_float_leaf,
     decomposition_guard,
     inject_for,
     leaf_specs,
     path_names,
-    raise_if_nonfinite,
     resolve_spec,
 )
 from xopt.jax._precision import full_precision
@@ -59,6 +58,7 @@ class GaLoreState(NamedTuple):
       ortho: the params' structure with the projection of each projected leaf
         (:func:`xopt.specs.galore.ortho_shape`) and None elsewhere.
       ortho_right: ``Vᵀ[:r, :]`` (``r × n``) of ``proj_type="full"`` leaves, None elsewhere.
+      nonfinite_skips: int32 ``()`` under ``nonfinite="skip"``, else None.
     """
 
     count: jax.Array
@@ -66,6 +66,7 @@ class GaLoreState(NamedTuple):
     nu: optax.Updates
     ortho: optax.Updates
     ortho_right: optax.Updates
+    nonfinite_skips: jax.Array | None = None
 
 
 def galore(
@@ -88,6 +89,7 @@ def galore(
     param_specs: Any = None,
     mask: Any = None,
     check_finite: bool = False,
+    nonfinite: str | None = None,
     **unknown: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """GaLore (Zhao et al., 2024, Algorithm 2) as an optax transformation.
@@ -101,16 +103,18 @@ def galore(
         leaf, overriding the per-leaf specs' ``lr``).
       rank, update_proj_gap, scale, b1, b2, eps, eps_root, weight_decay, correct_bias,
         proj_type, project, convention: fields of :class:`xopt.specs.galore.GaLore`.
-        ``rank`` and ``update_proj_gap`` fix shapes and control flow: static Python ints
-        (``optax.inject_hyperparams`` needs them in ``static_args``).
+        The floats may be 0-d arrays (``optax.inject_hyperparams`` injects each);
+        ``rank`` and ``update_proj_gap`` fix shapes and control flow: Python ints (name
+        them in ``static_args`` under ``optax.inject_hyperparams``).
       spec: one :class:`xopt.specs.galore.GaLore` for every leaf not in ``param_specs``.
       param_specs: per-leaf specs (see the module docstring).
       mask: weight decay only, as optax's ``mask``: a pytree of bools like the params (or
         a function of the params returning one); False leaves get no decay.
-      check_finite: raise :class:`xopt.errors.NonFiniteError` on a NaN/inf gradient and
-        :class:`xopt.errors.DecompositionError` on a refresh whose SVD is not finite,
-        naming the leaf (a host callback under ``jit``). Without it, such a refresh keeps
-        the previous projection.
+      nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`).
+        ``"raise"`` (outside ``jit`` only) also raises
+        :class:`xopt.errors.DecompositionError` naming the leaf when a refresh's SVD is not
+        finite; otherwise such a refresh keeps the previous projection.
+      check_finite: ``True`` is the older spelling of ``nonfinite="raise"``.
 
     Returns:
       ``init(params) -> GaLoreState``; ``update(grads, state, params=None, *, inject=None,
@@ -122,22 +126,28 @@ def galore(
       HyperparameterError: an unknown or invalid field, a rank larger than a projected
         leaf allows, a non-floating leaf (naming the leaf, at ``init``).
     """
-    if unknown:
-        raise HyperparameterError(
-            f"{_LABEL}: unknown argument{'s' if len(unknown) > 1 else ''} "
-            f"{', '.join(map(repr, sorted(unknown)))}; known: "
-            f"{', '.join(inspect.signature(galore).parameters)}")
+    _contract.reject_unknown(_LABEL, unknown, galore)
+    _contract.require_static(_LABEL, rank=rank, update_proj_gap=update_proj_gap)
+    mode = _contract.resolve_nonfinite(_LABEL, nonfinite, check_finite)
+    check = mode == "raise"
     fields = dict(rank=rank, update_proj_gap=update_proj_gap, scale=scale, b1=b1, b2=b2,
                   eps=eps, eps_root=eps_root, weight_decay=weight_decay,
                   correct_bias=correct_bias, proj_type=proj_type, project=project,
                   convention=convention)
     base, schedule = resolve_spec(_LABEL, _spec.SPEC, spec, preset, fields,
                                   learning_rate)
+    if base.convention == "authors" and eps_root is not None and \
+            not isinstance(eps_root, (int, float)):
+        # the spec refuses ε_root ≠ 0 here; an array (optax.inject_hyperparams) cannot be
+        # checked, and would be silently unread
+        raise HyperparameterError(
+            f"{_LABEL}: eps_root is an array, but convention='authors' does not read it (the "
+            "authors' AdamW has no ε_root; convention='optax' does): leave eps_root out")
 
     def specs_of(tree: Any) -> list[_spec.GaLore]:
         return leaf_specs(tree, base, param_specs, _spec.GaLore, _LABEL)
 
-    def check(tree: Any) -> tuple[list[str], list[_spec.GaLore]]:
+    def check_leaves(tree: Any) -> tuple[list[str], list[_spec.GaLore]]:
         names, specs = path_names(tree), specs_of(tree)
         for n, leaf, h in zip(names, jax.tree.leaves(tree), specs, strict=True):
             check_float_leaf(leaf, f"{_LABEL}: {n}")
@@ -146,7 +156,7 @@ def galore(
         return names, specs
 
     def init_fn(params: optax.Params) -> GaLoreState:
-        _, specs = check(params)
+        _, specs = check_leaves(params)
         leaves, treedef = jax.tree.flatten(params)
         mu, ortho, ortho_r = [], [], []
         for p, h in zip(leaves, specs, strict=True):
@@ -164,10 +174,8 @@ def galore(
                   *, inject: Mapping[str, Mapping[str, Any]] | None = None,
                   **extra_args: Any) -> tuple[optax.Updates, GaLoreState]:
         del extra_args  # value=loss and the like: unused
-        names, specs = check(updates)
+        names, specs = check_leaves(updates)
         g_leaves, treedef = jax.tree.flatten(updates)
-        if check_finite:
-            raise_if_nonfinite(_LABEL, names, g_leaves)
         p_leaves = treedef.flatten_up_to(params) if params is not None else [None] * len(names)
         m_leaves = treedef.flatten_up_to(state.mu)
         v_leaves = treedef.flatten_up_to(state.nu)
@@ -194,7 +202,7 @@ def galore(
             ortho = ortho_r = None
             if _spec.is_projected(shape, h):
                 ortho, ortho_r = _refresh(h, name, g, o_leaves[i], or_leaves[i],
-                                          state.count, injected[i], check_finite)
+                                          state.count, injected[i], check)
             lr = h.lr if lr_now is None else jnp.asarray(lr_now, g.dtype)
             u, m, v = _spec.direction(jnp, h, g, m_leaves[i], v_leaves[i], ortho, ortho_r,
                                       count_inc)
@@ -209,7 +217,7 @@ def galore(
                                 ortho_right=treedef.unflatten(out_or))
         return treedef.unflatten(out_u), new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, full_precision(update_fn))
+    return _contract.transformation(_LABEL, init_fn, full_precision(update_fn), nonfinite=mode)
 
 
 def _refresh(h: _spec.GaLore, name: str, g: jax.Array, old: jax.Array, old_r: Any,
@@ -240,12 +248,7 @@ def _refresh(h: _spec.GaLore, name: str, g: jax.Array, old: jax.Array, old_r: An
     return new, new_r
 
 
-# The public signature without the catch-all (optax.inject_hyperparams binds against it).
-galore.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-    [p for p in inspect.signature(galore).parameters.values()
-     if p.kind is not inspect.Parameter.VAR_KEYWORD],
-    return_annotation=optax.GradientTransformationExtraArgs,
-)
+_contract.public_signature(galore)
 
 
 register("galore", "jax", galore)

@@ -34,13 +34,13 @@ import jax.numpy as jnp
 import optax
 
 from xopt import random as xrandom
+from xopt.jax import _contract
 from xopt.jax._lowrank import (
     check_float_leaf,
     decomposition_guard,
     inject_for,
     leaf_specs,
     path_names,
-    raise_if_nonfinite,
     resolve_spec,
 )
 from xopt.jax._precision import full_precision
@@ -57,7 +57,8 @@ _FOLD_TAG = 0x666F6C64
 
 
 class PlumageState(NamedTuple):
-    """State of :func:`plumage` (the spec's ``"xopt.jax"`` naming)."""
+    """State of :func:`plumage` (the spec's ``"xopt.jax"`` naming; see the module docstring;
+    ``nonfinite_skips``: int32 ``()`` under ``nonfinite="skip"``, else None)."""
 
     count: jax.Array
     mu: optax.Updates
@@ -66,6 +67,7 @@ class PlumageState(NamedTuple):
     scale: dict[str, jax.Array]
     basis: dict[str, jax.Array]
     probs: dict[str, jax.Array]
+    nonfinite_skips: jax.Array | None = None
 
 
 def _state_dtype(x: Any) -> Any:
@@ -93,6 +95,7 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
             eps_inside_sqrt: bool | None = None, project: bool | None = None,
             spec: _spec.PLUMAGE | None = None, param_specs: Any = None,
             preset: str | None = None, check_finite: bool = False,
+            nonfinite: str | None = None, **unknown: Any,
             ) -> optax.GradientTransformationExtraArgs:
     """PLUMAGE with Adam (Haroush & Soudry, Algorithm 5) as an optax transformation.
 
@@ -106,16 +109,19 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
       param_specs: per-leaf hyperparameters (a pytree of specs or None, a function of the
         params returning one, or ``{leaf name: spec}``); see :mod:`xopt.jax._lowrank`.
       preset: ``"paper"`` or ``"glue"``.
-      check_finite: raise :class:`~xopt.errors.NonFiniteError` on a NaN/inf gradient and
+      nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`).
+        ``"raise"`` (outside ``jit`` only) also raises
         :class:`~xopt.errors.DecompositionError` naming the leaf when a refresh's SVD is
-        not finite (host callbacks; they synchronise). Without it such a refresh keeps the
-        previous projection, probabilities and moments instead of writing NaN into them.
+        not finite; otherwise such a refresh keeps the previous projection, probabilities
+        and moments instead of writing NaN into them.
+      check_finite: ``True`` is the older spelling of ``nonfinite="raise"``.
       rank, update_proj_gap, resample_interval, proj_side, realign_first_moment,
       realign_second_moment, prob_eps, seed, correct_bias, eps_inside_sqrt, project: the
         spec's fields (:class:`xopt.specs.plumage.PLUMAGE`); None takes the preset's or the
-        default. Under ``optax.inject_hyperparams`` name the integer fields you pass in
-        ``static_args`` (``rank``, ``update_proj_gap``, ``resample_interval``, ``seed``):
-        they fix shapes and the random stream.
+        default. The floats may be 0-d arrays (``optax.inject_hyperparams`` injects each);
+        the integer fields (``rank``, ``update_proj_gap``, ``resample_interval``,
+        ``seed``) fix shapes and the random stream: Python ints (name the ones you pass in
+        ``static_args`` under ``optax.inject_hyperparams``).
 
     Returns:
       ``GradientTransformationExtraArgs``: ``init(params) -> PlumageState``;
@@ -124,6 +130,11 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
       :data:`xopt.specs.plumage.INJECT_KEYS`) replaces a refresh's draw or SVD. Updates
       are additive (``optax.apply_updates``).
     """
+    _contract.reject_unknown(_LABEL, unknown, plumage)
+    _contract.require_static(_LABEL, rank=rank, update_proj_gap=update_proj_gap,
+                             resample_interval=resample_interval, seed=seed)
+    mode = _contract.resolve_nonfinite(_LABEL, nonfinite, check_finite)
+    check_decomposition = mode == "raise"
     fields = dict(rank=rank, update_proj_gap=update_proj_gap,
                   resample_interval=resample_interval, proj_side=proj_side,
                   realign_first_moment=realign_first_moment,
@@ -165,8 +176,6 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
         if params is None and any(not _is_zero(h.weight_decay) for h in specs):
             raise ValueError(f"{_LABEL}: update(...) needs params when weight_decay > 0")
         p_leaves = treedef.flatten_up_to(params) if params is not None else [None] * len(names)
-        if check_finite:
-            raise_if_nonfinite(_LABEL, names, g_leaves)
         injects = inject_for(inject, names, _LABEL)
         mu_leaves = treedef.flatten_up_to(state.mu)
         nu_leaves = treedef.flatten_up_to(state.nu)
@@ -178,7 +187,7 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
             lr = schedule(t) if schedule is not None else h.lr
             st = {"m": m, "v": v}
             st.update({k: extra[k][name] for k in extra if name in extra[k]})
-            u, st = _leaf_update(h, name, index, g, p, st, t, lr, inj, check_finite)
+            u, st = _leaf_update(h, name, index, g, p, st, t, lr, inj, check_decomposition)
             new_u.append(u.astype(g.dtype))
             new_mu.append(st.pop("m"))
             new_nu.append(st.pop("v"))
@@ -188,7 +197,10 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
             count=optax.safe_increment(t), mu=treedef.unflatten(new_mu),
             nu=treedef.unflatten(new_nu), **extra)
 
-    return optax.GradientTransformationExtraArgs(init_fn, full_precision(update_fn))
+    return _contract.transformation(_LABEL, init_fn, full_precision(update_fn), nonfinite=mode)
+
+
+_contract.public_signature(plumage)
 
 
 def _is_zero(x: Any) -> bool:

@@ -36,6 +36,7 @@ import optax
 
 from xopt import random as xrandom
 from xopt.errors import HyperparameterError
+from xopt.jax import _contract
 from xopt.jax._precision import full_precision
 from xopt.registry import register
 from xopt.specs import poet as spec_lib
@@ -271,43 +272,98 @@ def merge_and_reset(variables: Mapping[str, Any], spec: spec_lib.POET | None = N
 
 
 class POETAdamWState(NamedTuple):
-    count: jax.Array  # int32: updates taken (POETAdamW.global_step_counter)
-    step: Any  # int32 per leaf: updates since the last reset
+    """State of :func:`poet_adamw` (the spec's ``"xopt.jax"`` naming).
+
+    Attributes:
+      count: int32 ``()``: updates taken (POETAdamW's ``global_step_counter``).
+      step: per leaf, int32 ``()``: updates since the last moment reset, t.
+      mu, nu: per leaf, Adam's moments in ``promote(dtype, float32)``.
+      nonfinite_skips: int32 ``()`` under ``nonfinite="skip"``, else None.
+    """
+
+    count: jax.Array
+    step: Any
     mu: Any
     nu: Any
+    nonfinite_skips: jax.Array | None = None
+
+
+def _bias_correction(beta: Any, t: jax.Array) -> jax.Array:
+    """1 − βᵗ as −expm1(t·log β): written as 1 − β**t in float32 it cancels (1 − 0.999f is
+    off by 1.3e-5 relative). log β is a double constant for a Python β (as the authors'
+    double arithmetic), a float32 one for an array β (optax.inject_hyperparams)."""
+    if isinstance(beta, (int, float)):
+        return -jnp.expm1(t * math.log(beta)) if beta > 0 else jnp.ones_like(t)
+    safe = jnp.where(beta > 0, beta, 1.0)
+    return jnp.where(beta > 0, -jnp.expm1(t * jnp.log(safe)), jnp.ones_like(t))
+
+
+def _is_static_zero(x: Any) -> bool:
+    return isinstance(x, (int, float)) and x == 0
 
 
 def poet_adamw(learning_rate: float | None = None, poet_scale: float | None = None,
                b1: float | None = None, b2: float | None = None, eps: float | None = None,
                weight_decay: float | None = None, merge_interval: int | None = None, *,
                correct_bias: bool | None = None, spec: spec_lib.POET | None = None,
-               ) -> optax.GradientTransformation:
-    """The authors' POETAdamW for rotation vectors (see :func:`xopt.specs.poet.adam_update`).
+               nonfinite: str | None = None, **unknown: Any,
+               ) -> optax.GradientTransformationExtraArgs:
+    """The authors' POETAdamW for rotation vectors (:func:`xopt.specs.poet.adam_update`).
 
-    Every numeric hyperparameter is an argument (``optax.inject_hyperparams`` works);
-    defaults come from ``spec`` (default :class:`xopt.specs.poet.POET`)."""
-    hp = spec or spec_lib.POET()
+    Per leaf, with t the updates since the last reset (the moments restart at the first
+    update after every ``merge_interval`` updates): ``m ← β₁m + (1−β₁)g``,
+    ``v ← β₂v + (1−β₂)g²``, ``p ← p − α·m/(√v + ε)`` with
+    ``α = η·s·√(1−β₂ᵗ)/(1−β₁ᵗ)`` (s = ``poet_scale`` when positive), then
+    ``p ← p − η·s·λ·p``; the update is additive (``optax.apply_updates``).
+
+    Args:
+      learning_rate, poet_scale, b1, b2, eps, weight_decay: floats or 0-d arrays (every one
+        can be injected with ``optax.inject_hyperparams``); None: ``spec``'s value.
+      merge_interval: a Python int (it decides when the moments restart; name it in
+        ``static_args`` under ``optax.inject_hyperparams``).
+      correct_bias: bias-corrected step size (the authors' default).
+      spec: the :class:`xopt.specs.poet.POET` the defaults come from.
+      nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`).
+
+    ``update(grads, state, params, **extra)`` needs ``params`` (the decay reads them);
+    ``value=`` and other extra arguments are accepted and unused.
+    """
+    label = "xopt.jax.poet_adamw"
+    _contract.reject_unknown(label, unknown, poet_adamw)
+    _contract.require_static(label, merge_interval=merge_interval)
+    if spec is not None and not isinstance(spec, spec_lib.POET):
+        raise HyperparameterError(f"{label}: spec must be an xopt.specs.poet.POET, got "
+                                  f"{type(spec).__name__}")
     given = dict(lr=learning_rate, poet_scale=poet_scale, b1=b1, b2=b2, eps=eps,
                  weight_decay=weight_decay, merge_interval=merge_interval,
                  correct_bias=correct_bias)
-    concrete = {k: v for k, v in given.items() if v is not None and not isinstance(v, jax.Array)}
-    hp = hp.replace(**{k: v for k, v in concrete.items()})
-    lr_ = hp.lr if learning_rate is None else learning_rate
-    scale_ = hp.poet_scale if poet_scale is None else poet_scale
+    try:
+        hp = (spec or spec_lib.POET()).replace(
+            **{k: v for k, v in given.items() if v is not None})
+    except HyperparameterError as e:
+        raise HyperparameterError(f"{label}: {e}") from None
+    mode = _contract.resolve_nonfinite(label, nonfinite)
     interval = hp.merge_interval
 
-    def init(params):
+    def init_fn(params: Any) -> POETAdamWState:
         zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.promote_types(p.dtype, jnp.float32)),
                              params)
         return POETAdamWState(count=jnp.zeros((), jnp.int32),
                               step=jax.tree.map(lambda p: jnp.zeros((), jnp.int32), params),
                               mu=zeros, nu=jax.tree.map(jnp.copy, zeros))
 
-    def update(grads, state, params=None):
+    def update_fn(grads: Any, state: POETAdamWState, params: Any = None,
+                  **extra_args: Any) -> tuple[Any, POETAdamWState]:
+        del extra_args  # value=loss and the like: unused
         if params is None:
-            raise ValueError("poet_adamw needs params (update(grads, state, params))")
+            raise ValueError(f"{label}: update(grads, state, params) needs params (the "
+                             "weight decay reads them)")
         reset = (state.count > 0) & (state.count % interval == 0)
-        lr = lr_ * scale_ if not isinstance(scale_, (int, float)) or scale_ > 0 else lr_
+        scale = hp.poet_scale
+        if isinstance(scale, (int, float)):
+            lr = hp.lr * scale if scale > 0.0 else hp.lr
+        else:
+            lr = jnp.where(scale > 0.0, hp.lr * scale, hp.lr)
 
         def one(g, p, m, v, t):
             m = jnp.where(reset, jnp.zeros_like(m), m)
@@ -319,27 +375,23 @@ def poet_adamw(learning_rate: float | None = None, poet_scale: float | None = No
             denom = jnp.sqrt(v) + hp.eps
             size = lr
             if hp.correct_bias:
-                # 1 − βᵗ as −expm1(t·log β) with log β a double constant: written as
-                # 1 − β**t in float32 it cancels (1 − 0.999f is off by 1.3e-5 relative)
                 tf = t.astype(m.dtype)
-                bc1 = -jnp.expm1(tf * math.log(hp.b1)) if hp.b1 > 0 else jnp.ones_like(tf)
-                bc2 = -jnp.expm1(tf * math.log(hp.b2)) if hp.b2 > 0 else jnp.ones_like(tf)
-                size = size * jnp.sqrt(bc2) / bc1
-            pf = p.astype(m.dtype)
+                size = size * jnp.sqrt(_bias_correction(hp.b2, tf)) / _bias_correction(hp.b1, tf)
             u = -size * (m / denom)
-            if hp.weight_decay > 0.0:
-                p1 = pf + u
-                u = u + p1 * (-lr * hp.weight_decay)
+            if not _is_static_zero(hp.weight_decay):
+                u = u + (p.astype(m.dtype) + u) * (-lr * hp.weight_decay)
             return u.astype(p.dtype), m, v, t
 
         out = jax.tree.map(one, grads, params, state.mu, state.nu, state.step)
-        istuple = lambda x: isinstance(x, tuple) and len(x) == 4  # noqa: E731
-        pick = lambda i: jax.tree.map(lambda o: o[i], out, is_leaf=istuple)  # noqa: E731
-        return pick(0), POETAdamWState(state.count + 1, pick(3), pick(1), pick(2))
+        is_out = lambda x: isinstance(x, tuple) and len(x) == 4  # noqa: E731
+        pick = lambda i: jax.tree.map(lambda o: o[i], out, is_leaf=is_out)  # noqa: E731
+        return pick(0), POETAdamWState(optax.safe_increment(state.count), pick(3), pick(1),
+                                       pick(2))
 
-    if merge_interval is not None and (isinstance(merge_interval, bool) or merge_interval < 1):
-        raise HyperparameterError(f"poet_adamw: merge_interval = {merge_interval!r} must be ≥ 1")
-    return optax.GradientTransformation(init, full_precision(update))
+    return _contract.transformation(label, init_fn, full_precision(update_fn), nonfinite=mode)
+
+
+_contract.public_signature(poet_adamw)
 
 
 register("poet", "jax", poet_adamw)

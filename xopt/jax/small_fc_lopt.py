@@ -22,7 +22,6 @@ when accumulating ``accum/grad_accum/<param>``, ``accum/loss_accum``, ``accum/it
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -31,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from xopt.jax import _lopt_fast
-from xopt.jax._lopt import AccumState, LOptState, configure, learned_optimizer, reject_unknown
+from xopt.jax import _contract, _lopt_fast
+from xopt.jax._lopt import AccumState, LOptState, configure, learned_optimizer
 from xopt.registry import register
 from xopt.specs import small_fc_lopt as _spec
 
@@ -106,8 +105,9 @@ def small_fc_lopt(
     weight_decay_mode: str | None = None,
     max_training_steps: int | None = None,
     spec: _spec.SmallFCLOpt | None = None,
-    seed: int = 0,
+    seed: int | None = None,
     check_finite: bool = False,
+    nonfinite: str | None = None,
     impl: str | None = None,
     precision: str = "exact",
     exp_mult: float | None = None,
@@ -131,13 +131,15 @@ def small_fc_lopt(
         :class:`xopt.specs.lopt.LOptOptions`.
       spec: an :class:`xopt.specs.small_fc_lopt.SmallFCLOpt` instead of the keywords (its
         ``lr`` is the learning rate).
-      seed: seed of the fresh θ when ``meta_params`` is None.
-      check_finite: a NaN/inf gradient or loss raises :class:`xopt.errors.NonFiniteError`
-        naming the leaf (see :mod:`xopt.jax._lopt` for the behaviour under jit).
+      seed: seed of the fresh θ when ``meta_params`` is None (None: 0).
+      nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` over the gradients and
+        the loss (:mod:`xopt.nonfinite`; ``"raise"`` needs concrete values, outside ``jit``).
+      check_finite: ``True`` is the older spelling of ``nonfinite="raise"``.
       impl: the inner update's implementation: "plain" (per tensor, the reference),
         "packed" (the tensors grouped by shape, see :mod:`xopt.jax._lopt_fast`),
-        "pallas" (packed, with fused Pallas kernels), or None: the
-        fast default on a GPU, plain elsewhere. The state is the same for all.
+        "pallas" (packed, with fused Pallas kernels), or None: the plain path (on a GPU
+        too; ``impl="pallas"`` is refused there, see :mod:`xopt.jax._lopt_fast`).
+        The state is the same for all.
       precision: the fused kernels' matrix products, "exact" or "fast" (TF32).
       exp_mult, step_mult, hidden_size, hidden_layers, initial_momentum_decays,
         initial_rms_decays, initial_adafactor_decays: the method's hyperparameters
@@ -149,7 +151,8 @@ def small_fc_lopt(
       ``(updates, state)``, ``updates`` in ``promote(param dtype, float32)``.
     """
     label = "xopt.jax.small_fc_lopt"
-    reject_unknown(label, unknown, inspect.signature(small_fc_lopt))
+    _contract.reject_unknown(label, unknown, small_fc_lopt)
+    mode = _contract.resolve_nonfinite(label, nonfinite, check_finite)
     given = dict(num_training_steps=num_training_steps, weight_decay=weight_decay,
                  weight_decay_mode=weight_decay_mode, max_training_steps=max_training_steps,
                  exp_mult=exp_mult, step_mult=step_mult, hidden_size=hidden_size,
@@ -161,15 +164,10 @@ def small_fc_lopt(
                                    seed=seed)
     method = _lopt_fast.select(label, "small_fc_lopt", _Method(hp, meta), impl, precision)
     return learned_optimizer(method, hp, learning_rate=schedule,
-                             check_finite=check_finite, needs_loss=False, label=label)
+                             nonfinite=mode, needs_loss=False, label=label)
 
 
-# The public signature without the catch-all (as xopt.jax.adamw), for introspection.
-small_fc_lopt.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-    [p for p in inspect.signature(small_fc_lopt).parameters.values()
-     if p.kind is not inspect.Parameter.VAR_KEYWORD],
-    return_annotation=optax.GradientTransformationExtraArgs,
-)
+_contract.public_signature(small_fc_lopt)
 
 
 register("small_fc_lopt", "jax", small_fc_lopt)

@@ -27,7 +27,6 @@ accumulating, ``accum/grad_accum/<param>``, ``accum/loss_accum``, ``accum/iterat
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -36,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from xopt.jax import _lopt_fast
-from xopt.jax._lopt import AccumState, LOptState, configure, learned_optimizer, reject_unknown
+from xopt.jax import _contract, _lopt_fast
+from xopt.jax._lopt import AccumState, LOptState, configure, learned_optimizer
 from xopt.registry import register
 from xopt.specs import velo as _spec
 
@@ -152,8 +151,9 @@ def velo(
     weight_decay_mode: str | None = None,
     max_training_steps: int | None = None,
     spec: _spec.VeLO | None = None,
-    seed: int = 0,
+    seed: int | None = None,
     check_finite: bool = False,
+    nonfinite: str | None = None,
     impl: str | None = None,
     precision: str = "exact",
     lstm_hidden_size: int | None = None,
@@ -180,13 +180,15 @@ def velo(
         :class:`xopt.specs.lopt.LOptOptions` (``prefab.LearnedOptimizer``'s wrappers).
       spec: an :class:`xopt.specs.velo.VeLO` instead of the keywords (its ``lr`` is the
         learning rate).
-      seed: seed of the fresh θ when ``meta_params`` is None.
-      check_finite: a NaN/inf gradient or loss raises :class:`xopt.errors.NonFiniteError`
-        naming the leaf (under jit from a callback, see :mod:`xopt.jax._lopt`).
+      seed: seed of the fresh θ when ``meta_params`` is None (None: 0).
+      nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` over the gradients and
+        the loss (:mod:`xopt.nonfinite`; ``"raise"`` needs concrete values, outside ``jit``).
+      check_finite: ``True`` is the older spelling of ``nonfinite="raise"``.
       impl: the inner update's implementation: "plain" (per tensor, the reference),
         "packed" (the tensors grouped by shape, see :mod:`xopt.jax._lopt_fast`),
-        "pallas" (packed, with fused Pallas kernels), or None: the
-        fast default on a GPU, plain elsewhere. The state is the same for all.
+        "pallas" (packed, with fused Pallas kernels), or None: the plain path (on a GPU
+        too; ``impl="pallas"`` is refused there, see :mod:`xopt.jax._lopt_fast`).
+        The state is the same for all.
       precision: the fused kernels' matrix products, "exact" or "fast" (TF32).
       lstm_hidden_size, …, use_bugged_loss_features: the method's fields
         (:class:`xopt.specs.velo.VeLO`; None: VeLO's value).
@@ -197,7 +199,8 @@ def velo(
       ``(updates, state)``; the loss is required.
     """
     label = "xopt.jax.velo"
-    reject_unknown(label, unknown, inspect.signature(velo))
+    _contract.reject_unknown(label, unknown, velo)
+    mode = _contract.resolve_nonfinite(label, nonfinite, check_finite)
     given = dict(num_training_steps=num_training_steps, weight_decay=weight_decay,
                  weight_decay_mode=weight_decay_mode, max_training_steps=max_training_steps,
                  lstm_hidden_size=lstm_hidden_size, param_inits=param_inits,
@@ -211,16 +214,10 @@ def velo(
                                    seed=seed)
     method = _lopt_fast.select(label, "velo", _Method(hp, meta), impl, precision)
     return learned_optimizer(method, hp, learning_rate=schedule,
-                             check_finite=check_finite, needs_loss=True, label=label)
+                             nonfinite=mode, needs_loss=True, label=label)
 
 
-# The public signature without the catch-all (as xopt.jax.adamw), for introspection and
-# optax.inject_hyperparams.
-velo.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-    [p for p in inspect.signature(velo).parameters.values()
-     if p.kind is not inspect.Parameter.VAR_KEYWORD],
-    return_annotation=optax.GradientTransformationExtraArgs,
-)
+_contract.public_signature(velo)
 
 
 register("velo", "jax", velo)

@@ -34,6 +34,7 @@ from xopt.errors import XoptError
 from xopt.parity.compare import errors, tensor_error
 from xopt.parity.harness import MODES, Report, Run, judge_against_exact
 from xopt.parity.localise import localise, perturb, sensitivity
+from xopt.parity.methods import Tolerance
 from xopt.parity.recorder import (
     Implementation,
     Problem,
@@ -43,7 +44,6 @@ from xopt.parity.recorder import (
     record,
 )
 from xopt.parity.trace import Trace
-from xopt.specs import Tolerance
 
 Arrays = dict[str, np.ndarray]
 

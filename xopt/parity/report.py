@@ -74,7 +74,8 @@ def table(report: Report) -> str:
     counts = [f"{n_bad} diverge"] if n_bad else []
     if closer:
         counts.append(f"{len(closer)} beyond tolerance but closer to exact than the reference")
-    out.append(f"{report.method}: {len(report.runs)} runs on {len(report.traces)} trace(s); "
+    n, t = len(report.runs), len(report.traces)
+    out.append(f"{report.method}: {n} run{'s' * (n != 1)} on {t} trace{'s' * (t != 1)}; "
                f"verdict: {report.verdict}" + (f" ({'; '.join(counts)})" if counts else ""))
     return "\n".join(out)
 

@@ -7,12 +7,16 @@ a one-line description; validation runs in ``__post_init__`` and therefore also 
 
 Numeric fields accept Python numbers and, so that ``optax.inject_hyperparams`` and torch's
 tensor learning rates work, 0-d arrays (jax tracers, torch tensors, NumPy scalars). A
-concrete value is range-checked; a traced one cannot be and is accepted as is.
+concrete value is range-checked; a traced one cannot be and is accepted as is. Every
+concrete number, and every element of a tuple of numbers, must be finite: NaN and ±inf
+are refused naming the field (no field of any method means "unbounded" by inf; a field
+that did would say so with ``hp(..., allow_inf=True)``). Integer fields are compared with
+their bounds exactly (not through a float, which would round 2**64 − 1 up).
 
 JSON: ``to_json`` writes ``{"format": "xopt-spec/1", "method": ..., "hyperparameters":
 {...}}``. Python's float repr is the shortest string that reads back to the same double, so
-``from_json(to_json(h)) == h`` holds bit for bit, including ``inf`` (written as
-``Infinity``, which Python's json reads back).
+``from_json(to_json(h)) == h`` holds bit for bit (``inf`` of a field that allows it is
+written as ``Infinity``, which Python's json reads back).
 """
 
 from __future__ import annotations
@@ -48,11 +52,20 @@ class Interval:
         return True
 
     def __str__(self) -> str:
-        lo = "-inf" if self.lo is None else repr(self.lo)
-        hi = "inf" if self.hi is None else repr(self.hi)
+        return self.format()
+
+    def format(self, integer: bool = False) -> str:
+        """``[lo, hi)`` etc.; ``integer``: the bounds of an integer field, written as ints."""
+        def bound(x: float | None, inf: str) -> str:
+            if x is None:
+                return inf
+            if integer and float(x).is_integer():
+                return str(int(x))
+            return repr(x)
+
         left = "[" if self.lo_closed and self.lo is not None else "("
         right = "]" if self.hi_closed and self.hi is not None else ")"
-        return f"{left}{lo}, {hi}{right}"
+        return f"{left}{bound(self.lo, '-inf')}, {bound(self.hi, 'inf')}{right}"
 
 
 NONNEGATIVE = Interval(0.0, None)
@@ -60,11 +73,25 @@ POSITIVE = Interval(0.0, None, lo_closed=False)
 UNIT_HALF_OPEN = Interval(0.0, 1.0, hi_closed=False)  # [0, 1): EMA decays
 
 
-def hp(default: Any, *, doc: str, interval: Interval | None = None, choices: tuple | None = None):
-    """Declare a hyperparameter field with its default, description and allowed values."""
+def hp(default: Any, *, doc: str, interval: Interval | None = None, choices: tuple | None = None,
+       allow_inf: bool = False):
+    """Declare a hyperparameter field with its default, description and allowed values
+    (``allow_inf``: ±inf is a meaningful value of this field; NaN never is)."""
     return dataclasses.field(
-        default=default, metadata={"doc": doc, "interval": interval, "choices": choices}
+        default=default, metadata={"doc": doc, "interval": interval, "choices": choices,
+                                   "allow_inf": allow_inf}
     )
+
+
+def is_integer_field(f: dataclasses.Field) -> bool:
+    """Whether a field holds integers (its default is an int, or None under an ``int``
+    annotation)."""
+    d = f.default
+    if isinstance(d, bool):
+        return False
+    if isinstance(d, numbers.Integral):
+        return True
+    return d is None and str(f.type).replace(" ", "").startswith("int")
 
 
 def _is_array_scalar(value: Any) -> bool:
@@ -117,6 +144,14 @@ class Hyperparams:
             if not isinstance(value, str):
                 raise self._fail(f.name, value, "must be a str")
             return
+        if isinstance(default, tuple) and default and all(
+                isinstance(x, numbers.Real) and not isinstance(x, bool) for x in default):
+            if not isinstance(value, (tuple, list)) or not all(
+                    isinstance(x, numbers.Real) and not isinstance(x, bool) for x in value):
+                raise self._fail(f.name, value, "must be a tuple of real numbers")
+            if not all(math.isfinite(x) for x in value):
+                raise self._fail(f.name, value, "every element must be finite")
+            return
         if isinstance(default, numbers.Real) or default is None and meta.get("interval"):
             if value is None and default is None:
                 return
@@ -129,8 +164,14 @@ class Hyperparams:
                     raise self._fail(f.name, value, "must be an integer")
             interval = meta.get("interval")
             x = _concrete_float(value)
+            if x is not None and not math.isfinite(x) and not (
+                    meta.get("allow_inf") and not math.isnan(x)):
+                raise self._fail(f.name, value, "must be finite")
+            if isinstance(value, numbers.Integral):
+                x = int(value)  # exact comparison with the bounds
             if interval is not None and x is not None and x not in interval:
-                raise self._fail(f.name, value, f"must be in {interval}")
+                raise self._fail(f.name, value,
+                                 f"must be in {interval.format(is_integer_field(f))}")
 
     def _check_combinations(self) -> None:
         """Checks that involve several fields; subclasses override."""
@@ -206,7 +247,8 @@ class Hyperparams:
         rows = []
         for f in dataclasses.fields(cls):
             m = f.metadata
-            allowed = m.get("interval") or (
+            interval = m.get("interval")
+            allowed = interval.format(is_integer_field(f)) if interval is not None else (
                 "{" + ", ".join(map(repr, m["choices"])) + "}" if m.get("choices") else ""
             )
             rows.append(f"  {f.name:<16} {f.default!r:<12} {allowed!s:<16} {m.get('doc', '')}")

@@ -97,7 +97,7 @@ class CompAct(Hyperparams):
     gap: int = hp(0, doc="T: draw a new projection every T updates (0: never)",
                   interval=NONNEGATIVE)
     seed: int = hp(0, doc="base seed; layer i's seed is fold_in(seed, i)",
-                   interval=Interval(0.0, float(2**64 - 1)))
+                   interval=Interval(0, 2**64 - 1))
     jl_nnz: int = hp(4, doc="non-zeros per row of a sparse JL projection (capped at r)",
                      interval=Interval(1.0, None))
 

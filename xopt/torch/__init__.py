@@ -1,6 +1,7 @@
 """PyTorch implementations: ``torch.optim.Optimizer`` subclasses and ``nn.Module`` layers.
 
-Importing this package imports torch. Each name loads its module on first use.
+Importing this package is cheap: it imports neither torch nor any method. Each name loads
+its module, and with it torch, on first use (``from xopt.torch import AdamW``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ _EXPORTS = {"AdamW": "xopt.torch.adamw", "SmallFCLOpt": "xopt.torch.small_fc_lop
             "Flora": "xopt.torch.flora",
             "VeLO": "xopt.torch.velo", "GaLore": "xopt.torch.galore",
             "POETLinear": "xopt.torch.poet", "POETAdamW": "xopt.torch.poet",
-            "PLUMAGE": "xopt.torch.plumage"}
+            "PLUMAGE": "xopt.torch.plumage",
+            "MuLO": "xopt.torch.mulo", "mup_param_groups": "xopt.torch.mulo"}
 
 __all__ = sorted(_EXPORTS)
 

@@ -1,7 +1,9 @@
 """The base of xopt's low-rank gradient optimizers in PyTorch: everything but the method.
 
-:class:`LowRankOptimizer` is a ``torch.optim.Optimizer`` that gives GaLore, Flora, COAP
-and PLUMAGE one behaviour around their updates:
+:class:`LowRankOptimizer` is an :class:`xopt.torch._optim.Optimizer` (the contract every
+xopt optimizer keeps: validation naming what is at fault, all-or-nothing steps,
+``nonfinite=``, strict state dicts) that gives GaLore, Flora, COAP and PLUMAGE one
+behaviour around their updates:
 
 * hyperparameters from ``spec=`` (the method's spec dataclass), a ``preset=``, or
   keywords; every param group may override any field, by keyword (torch's convention:
@@ -13,21 +15,28 @@ and PLUMAGE one behaviour around their updates:
 * validation naming the parameter: a rank larger than the matrix, a non-positive
   interval, an unsupported dtype (floating only: float32, float64, bfloat16, float16;
   low-precision parameters keep float32 state and are written back rounded once);
-* ``check_finite=True``: every gradient is checked before anything moves (one
-  synchronisation per step);
 * decompositions (:meth:`svd`, :meth:`qr`) that do not converge or return NaN/inf raise
-  :class:`~xopt.errors.DecompositionError` naming the parameter, leaving its projection
-  as it was (they run only at refresh steps; the check is one synchronisation there);
+  :class:`~xopt.errors.DecompositionError` naming the parameter. A step computes every
+  decomposition it needs (:meth:`_prepare`, for all parameters) before it writes any
+  parameter or state, so a failed one leaves everything as it was; they run only at
+  refresh steps, and the check is one synchronisation there;
 * ``step(closure=None, *, inject=None)``: ``inject`` maps a parameter tensor to the values
   its update must use instead of drawing or decomposing them itself (the parity harness
   feeds an original's recorded projections; each method documents its keys);
-* ``load_state_dict`` keeps the saved dtypes (torch would cast float32 state of bfloat16
-  parameters to bfloat16) and checks every saved parameter id first.
+* ``load_state_dict`` checks every saved parameter's state against the method's state
+  schema (``spec.state``, through the subclass's ``state_keys``) and keeps the saved dtypes.
+
+The step reads its counters and refresh schedule on the host, so it is excluded from
+torch.compile's dynamo (see :mod:`xopt.torch._optim`).
 
 Subclass contract: ``hyperparams_cls`` (the spec dataclass), ``spec`` (its
-:class:`~xopt.specs.MethodSpec`), and ``_update(p, g, state, hp, name, inject)`` which
-updates one parameter (``g`` is float32; ``state`` the parameter's dict, empty at first);
-optionally ``_check_param(p, hp, name)`` for method-specific validation at construction.
+:class:`~xopt.specs.MethodSpec`), ``state_keys`` (canonical state variable -> this
+optimizer's key), ``step_kind`` (how ``state["step"]`` is kept: ``int`` or a torch dtype of
+a CPU tensor), ``_update(p, g, state, hp, name, inject, prepared)`` which updates one
+parameter (``g`` is float32/float64; ``state`` the parameter's dict, empty at first;
+``prepared`` what ``_prepare`` returned for it); optionally
+``_prepare(p, g, state, hp, name, inject)`` (the decompositions this step needs, computed
+before any parameter is written; default None) and ``_check_param(p, hp, name)``.
 """
 
 from __future__ import annotations
@@ -38,20 +47,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from xopt.errors import DecompositionError, HyperparameterError, NonFiniteError, StateError
+from xopt.errors import DecompositionError, HyperparameterError
 from xopt.specs import Hyperparams, lowrank
-from xopt.torch._state_dict import saved_param_map
-
-_FLOATING = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+from xopt.torch._optim import Item, Layout, Optimizer
 
 
-class LowRankOptimizer(torch.optim.Optimizer):
+class LowRankOptimizer(Optimizer):
     hyperparams_cls: type[Hyperparams]
     spec: Any  # the method's MethodSpec
+    #: canonical state variable (``spec.state``) -> this optimizer's state key
+    state_keys: dict[str, str]
+    #: ``state["step"]``: a Python ``int``, or a CPU tensor of this dtype
+    step_kind: Any = int
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], *,
                  spec: Hyperparams | None = None, preset: str | None = None,
-                 check_finite: bool = False, **hyperparameters: Any) -> None:
+                 nonfinite: str | None = None, check_finite: bool | None = None,
+                 **hyperparameters: Any) -> None:
         name = type(self).__name__
         given = {k: v for k, v in hyperparameters.items() if v is not None}
         if spec is not None:
@@ -65,9 +77,13 @@ class LowRankOptimizer(torch.optim.Optimizer):
             hp = spec
         else:
             self.hyperparams_cls._reject_unknown(given)
+            if preset is not None and preset not in self.spec.presets:
+                known = (f"known: {', '.join(map(repr, self.spec.presets))}" if self.spec.presets
+                         else f"{name} has no presets (pass hyperparameters by keyword, or "
+                         "spec=)")
+                raise HyperparameterError(f"{name}: unknown preset {preset!r}; {known}")
             hp = self.spec.make(preset, **given)
-        self.check_finite = bool(check_finite)
-        super().__init__(params, hp.to_dict())
+        super().__init__(params, hp.to_dict(), nonfinite=nonfinite, check_finite=check_finite)
 
     # -- groups ------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -86,16 +102,11 @@ class LowRankOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__}: unknown param group key(s) {', '.join(unknown)}; "
                 f"known: {', '.join(sorted(fields))}")
         super().add_param_group(group)
-        gi = len(self.param_groups) - 1
-        group = self.param_groups[gi]
+
+    def _check_group(self, group: dict[str, Any], gi: int) -> None:
         hp = self.group_hp(group)
         for i, p in enumerate(group["params"]):
-            where = f"{type(self).__name__}: {self.param_name(gi, i)}"
-            if p.dtype not in _FLOATING:
-                raise HyperparameterError(
-                    f"{where}: dtype {p.dtype} is not supported (float32, float64, bfloat16, "
-                    "float16)")
-            self._check_param(p, hp, where)
+            self._check_param(p, hp, f"{type(self).__name__}: {self.param_name(gi, i)}")
 
     def group_hp(self, group: Mapping[str, Any]) -> Hyperparams:
         """The group's hyperparameters as the spec dataclass (validated; names the field)."""
@@ -105,31 +116,24 @@ class LowRankOptimizer(torch.optim.Optimizer):
                 values[k] = tuple(v)
         return self.hyperparams_cls(**values)
 
-    def param_name(self, gi: int, i: int) -> str:
-        names = self.param_groups[gi].get("param_names")
-        return names[i] if names else f"param_groups[{gi}]['params'][{i}]"
-
     def _check_param(self, p: Tensor, hp: Hyperparams, where: str) -> None:
         """Method-specific validation of one parameter (raise HyperparameterError)."""
 
+    def _prepare(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: Hyperparams,
+                 name: str, inject: Mapping[str, Tensor] | None) -> Any:
+        """The decompositions the update of ``p`` needs in this step (None: none), computed
+        before any parameter or state is written (``g`` as the parameter holds it: convert
+        with :meth:`_grad32` when it is needed)."""
+        return None
+
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: Hyperparams,
-                name: str, inject: Mapping[str, Tensor] | None) -> None:
+                name: str, inject: Mapping[str, Tensor] | None, prepared: Any) -> None:
         raise NotImplementedError
 
     # -- the step ------------------------------------------------------------------------------
-    def _check_finite(self) -> None:
-        found = [(gi, i, p) for gi, group in enumerate(self.param_groups)
-                 for i, p in enumerate(group["params"]) if p.grad is not None]
-        if not found:
-            return
-        finite = torch.stack([torch.isfinite(p.grad).all().cpu() for _, _, p in found])
-        if bool(finite.all()):
-            return
-        gi, i, p = found[int((~finite).nonzero()[0, 0])]
-        raise NonFiniteError(
-            f"{type(self).__name__}: gradient of {self.param_name(gi, i)} (shape "
-            f"{tuple(p.shape)}) holds NaN or inf; no parameter was updated")
-
+    @torch.compiler.disable(reason=(
+        "the step reads its step counters and refresh schedule on the host and decomposes "
+        "gradients at refresh steps"))
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *,
              inject: Mapping[Tensor, Mapping[str, Tensor]] | None = None) -> Any:
@@ -140,24 +144,28 @@ class LowRankOptimizer(torch.optim.Optimizer):
           inject: ``{parameter: {key: tensor}}``: values this update uses instead of its
             own draws or decompositions (the parity harness's; see the method's docs).
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self.check_finite:
-            self._check_finite()
-        inject = inject or {}
-        for gi, group in enumerate(self.param_groups):
-            hp = self.group_hp(group)
-            for i, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse "
-                                       f"gradients ({self.param_name(gi, i)})")
-                g = p.grad if p.grad.dtype in (torch.float32, torch.float64) else p.grad.float()
-                self._update(p, g, self.state[p], hp, self.param_name(gi, i), inject.get(p))
+        loss = self._closure_loss(closure)
+        items = self._step_items()
+        self._run_step(items, lambda: self._update_all(items, inject or {}))
         return loss
+
+    def _update_all(self, items: list[Item],
+                    inject: Mapping[Tensor, Mapping[str, Tensor]]) -> None:
+        hps: dict[int, Hyperparams] = {}
+        for it in items:
+            if it.gi not in hps:
+                hps[it.gi] = self.group_hp(it.group)
+        # every decomposition of the step first: a failed one leaves everything unchanged
+        prepared = [self._prepare(it.param, it.grad, self.state[it.param], hps[it.gi],
+                                  self.param_name(it.gi, it.i), inject.get(it.param))
+                    for it in items]
+        for it, prep in zip(items, prepared, strict=True):
+            self._update(it.param, self._grad32(it.grad), self.state[it.param], hps[it.gi],
+                         self.param_name(it.gi, it.i), inject.get(it.param), prep)
+
+    @staticmethod
+    def _grad32(g: Tensor) -> Tensor:
+        return g if g.dtype in (torch.float32, torch.float64) else g.float()
 
     # -- helpers for subclasses ------------------------------------------------------------------
     @staticmethod
@@ -196,27 +204,14 @@ class LowRankOptimizer(torch.optim.Optimizer):
         return q, r
 
     # -- state dicts ---------------------------------------------------------------------------
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As torch's, but the saved dtypes are kept and every saved id is checked first."""
-        name = type(self).__name__
-        id_map = saved_param_map(self, state_dict)
-        saved_state = state_dict.get("state", {})
-        for k, v in saved_state.items():
-            if k not in id_map:
-                raise StateError(f"{name}.load_state_dict: state for unknown parameter id {k!r}")
-            for kk, vv in v.items():
-                if not isinstance(vv, (Tensor, int, float, bool)):
-                    raise StateError(f"{name}.load_state_dict: state {kk!r} of parameter {k} "
-                                     f"is a {type(vv).__name__}")
-        fields = self.hyperparams_cls.field_names()
-        for sg in state_dict.get("param_groups", []):
-            if all(f in sg for f in fields):
-                self.group_hp(sg)  # a saved group with invalid values names the field
-        super().load_state_dict(state_dict)
-        for k, v in saved_state.items():
-            p = id_map[k]
-            # floating state follows the parameter's device in its saved dtype; counters
-            # (integer tensors) stay on the CPU, where they are read without a sync
-            self.state[p] = {kk: (vv.detach().clone().to(p.device) if vv.is_floating_point()
-                                  else vv.detach().clone())
-                             if isinstance(vv, Tensor) else vv for kk, vv in v.items()}
+    def _state_layout(self, p: Tensor, group: Mapping[str, Any]) -> dict[str, Layout]:
+        """The state of ``p`` after an update, from the method's state schema."""
+        hp = self.group_hp(group)
+        shape, sdt = tuple(p.shape), self.state_dtype(p)
+        out = {"step": Layout((), int) if self.step_kind is int
+               else Layout((), self.step_kind, "cpu")}
+        for v in self.spec.state.vars:
+            if v.scope == "param" and v.exists_for(shape, hp):
+                kind = sdt if v.dtype == "state" else int
+                out[self.state_keys[v.name]] = Layout(tuple(v.shape(shape, hp)), kind)
+        return out

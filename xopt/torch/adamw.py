@@ -10,22 +10,30 @@ corrections) in torch.optim's order. Its state uses torch.optim.AdamW's keys (``
 Beyond torch.optim.AdamW:
   * bfloat16/float16 parameters keep float32 moments (``state_dtype``), and the update is
     computed in float32 and rounded once into the parameter;
-  * ``check_finite=True`` raises :class:`xopt.errors.NonFiniteError` naming the parameter
-    whose gradient holds NaN or inf (it synchronises the device, hence opt-in);
-  * ``eps_root`` and ``nesterov`` (with ``formula="optax"``).
+  * ``nonfinite=`` (:mod:`xopt.nonfinite`): ``"raise"`` names the parameter whose gradient
+    holds NaN or inf, ``"skip"`` skips such a step on the device;
+  * ``eps_root`` and ``nesterov`` (with ``formula="optax"``);
+  * the contract of every xopt optimizer (:mod:`xopt.torch._optim`): all-or-nothing steps,
+    strict ``load_state_dict``.
+
+torch.compile: the step reads its step counter on the host (``.item()``, as
+torch.optim's non-capturable path, whose double-precision bias corrections it reproduces
+bit for bit), so it is excluded from dynamo: a compiled training step breaks once at
+``step()`` and runs the step eagerly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from xopt.errors import HyperparameterError, NonFiniteError
+from xopt.errors import HyperparameterError
 from xopt.registry import register
 from xopt.specs import adamw as adamw_spec
+from xopt.torch._optim import FLOATING, Item, Layout, Optimizer
 
 __all__ = ["AdamW"]
 
@@ -39,7 +47,7 @@ def _state_dtype(p: Tensor, state_dtype: torch.dtype | None) -> torch.dtype:
     return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
-class AdamW(torch.optim.Optimizer):
+class AdamW(Optimizer):
     r"""AdamW with torch.optim's or optax's arithmetic (see :mod:`xopt.specs.adamw`).
 
     .. math::
@@ -61,12 +69,14 @@ class AdamW(torch.optim.Optimizer):
       preset: ``"torch"`` (default) or ``"optax"``: the defaults for every field not given.
       spec: an :class:`xopt.specs.adamw.AdamW` giving all hyperparameters at once (then
         pass no other hyperparameter).
-      state_dtype: dtype of the moments; default float32 (float64 for float64 params).
-      check_finite: raise :class:`NonFiniteError` on a NaN/inf gradient (synchronises).
+      state_dtype: dtype of the moments, a floating torch dtype; default float32 (float64
+        for float64 params).
+      nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`);
+        ``check_finite=True`` is the older spelling of ``"raise"``.
 
     Shapes and dtypes: each parameter any shape, floating dtype (float32, float64, bfloat16,
     float16); its state ``exp_avg``/``exp_avg_sq`` the parameter's shape in
-    ``state_dtype``; ``step`` a float32 0-d tensor, as in torch.optim.
+    ``state_dtype``; ``step`` a float32 0-d tensor on the CPU, as in torch.optim.
     """
 
     def __init__(
@@ -86,7 +96,8 @@ class AdamW(torch.optim.Optimizer):
         preset: str = "torch",
         spec: adamw_spec.AdamW | None = None,
         state_dtype: torch.dtype | None = None,
-        check_finite: bool = False,
+        nonfinite: str | None = None,
+        check_finite: bool | None = None,
     ) -> None:
         given = {k: v for k, v in dict(lr=lr, eps=eps, weight_decay=weight_decay,
                                        amsgrad=amsgrad, maximize=maximize, eps_root=eps_root,
@@ -94,7 +105,7 @@ class AdamW(torch.optim.Optimizer):
                                        bias_correction_dtype=bias_correction_dtype).items()
                  if v is not None}
         if betas is not None:
-            if len(betas) != 2:
+            if not isinstance(betas, (tuple, list)) or len(betas) != 2:
                 raise HyperparameterError(f"AdamW.betas = {betas!r}: must be a pair (b1, b2)")
             given.update(b1=betas[0], b2=betas[1])
         if spec is not None:
@@ -106,19 +117,16 @@ class AdamW(torch.optim.Optimizer):
             hp = spec
         else:
             hp = adamw_spec.SPEC.make(preset, **given)
-        defaults = _group_from_spec(hp)
+        if state_dtype is not None and state_dtype not in FLOATING:
+            raise HyperparameterError(
+                f"AdamW.state_dtype = {state_dtype!r}: must be None or a floating torch dtype "
+                f"({', '.join(map(str, FLOATING))})")
         self.state_dtype = state_dtype
-        self.check_finite = check_finite
-        super().__init__(params, defaults)
+        super().__init__(params, _group_from_spec(hp), nonfinite=nonfinite,
+                         check_finite=check_finite)
 
-    # torch.optim.Optimizer calls this for the constructor's groups and for add_param_group.
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
+    def _check_group(self, group: dict[str, Any], gi: int) -> None:
         _spec_from_group(group)  # validates, naming the field at fault
-        for p in group["params"]:
-            if not p.is_floating_point():
-                raise HyperparameterError(f"AdamW: parameter of dtype {p.dtype} is not floating")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -126,65 +134,60 @@ class AdamW(torch.optim.Optimizer):
             for k, v in _group_from_spec(adamw_spec.AdamW()).items():
                 group.setdefault(k, v)
 
-    def _param_name(self, group: dict[str, Any], i: int, gi: int) -> str:
-        names = group.get("param_names")
-        return names[i] if names else f"param_groups[{gi}]['params'][{i}]"
+    # -- state dicts (torch.optim.AdamW's layout) ---------------------------------------------
+    def _saved_groups(self, state_dict: Mapping[str, Any]) -> list[dict[str, Any]]:
+        # torch.optim.AdamW's groups lack xopt's own fields: they take their defaults
+        xopt_only = {k: v for k, v in _group_from_spec(adamw_spec.AdamW()).items()
+                     if k in ("eps_root", "nesterov", "formula", "bias_correction_dtype")}
+        return [{**xopt_only, **g} for g in state_dict["param_groups"]]
 
-    def _check_finite(self) -> None:
-        """Raise before any parameter moves if a gradient holds NaN or inf (one sync)."""
-        found = [(gi, i, p) for gi, group in enumerate(self.param_groups)
-                 for i, p in enumerate(group["params"]) if p.grad is not None]
-        if not found:
-            return
-        finite = torch.stack([torch.isfinite(p.grad).all() for _, _, p in found])
-        if bool(finite.all()):
-            return
-        gi, i, p = found[int((~finite).nonzero()[0, 0])]
-        raise NonFiniteError(
-            f"AdamW: gradient of {self._param_name(self.param_groups[gi], i, gi)} "
-            f"(shape {tuple(p.shape)}) holds NaN or inf; no parameter was updated"
-        )
+    def _state_layout(self, p: Tensor, group: Mapping[str, Any]) -> dict[str, Layout]:
+        shape, sdt = tuple(p.shape), _state_dtype(p, self.state_dtype)
+        out = {"step": Layout((), torch.float32, "cpu"), "exp_avg": Layout(shape, sdt),
+               "exp_avg_sq": Layout(shape, sdt)}
+        if group["amsgrad"]:
+            out["max_exp_avg_sq"] = Layout(shape, sdt)
+        return out
 
+    # -- the step -----------------------------------------------------------------------------
+    @torch.compiler.disable(reason=(
+        "AdamW.step reads its step counter on the host (.item(), as torch.optim's non-"
+        "capturable AdamW, whose arithmetic it reproduces)"))
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Take one step; ``closure`` re-evaluates the model and returns the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self.check_finite:
-            self._check_finite()
-        for gi, group in enumerate(self.param_groups):
-            kw = dict(lr=group["lr"], b1=group["betas"][0], b2=group["betas"][1],
-                      eps=group["eps"], eps_root=group["eps_root"],
-                      weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
-                      maximize=group["maximize"],
-                      bias_correction_dtype=group["bias_correction_dtype"])
-            formula = group["formula"]
-            for i, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                g = p.grad
-                if g.is_sparse:
-                    raise RuntimeError(
-                        f"AdamW does not support sparse gradients "
-                        f"({self._param_name(group, i, gi)})"
-                    )
-                self._update_one(p, g, self.state[p], formula, group["nesterov"], kw)
+        loss = self._closure_loss(closure)
+        items = self._step_items()
+        self._run_step(items, lambda: self._update(items))
         return loss
+
+    def _update(self, items: list[Item]) -> None:
+        kws: dict[int, dict[str, Any]] = {}
+        for it in items:
+            group = it.group
+            kw = kws.get(it.gi)
+            if kw is None:
+                kw = kws[it.gi] = dict(
+                    lr=group["lr"], b1=group["betas"][0], b2=group["betas"][1],
+                    eps=group["eps"], eps_root=group["eps_root"],
+                    weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
+                    maximize=group["maximize"],
+                    bias_correction_dtype=group["bias_correction_dtype"])
+            self._update_one(it.param, it.grad, self.state[it.param], group["formula"],
+                             group["nesterov"], kw)
 
     def _update_one(self, p: Tensor, g: Tensor, state: dict[str, Any], formula: str,
                     nesterov: bool, kw: dict[str, Any]) -> None:
         sdt = _state_dtype(p, self.state_dtype)
-        if len(state) == 0:
+        if "step" not in state:
             # As torch.optim: a float32 0-d step on the CPU, zero moments.
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt,
                                                    memory_format=torch.preserve_format)
-            if kw["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=sdt,
-                                                           memory_format=torch.preserve_format)
+        if kw["amsgrad"] and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=sdt,
+                                                       memory_format=torch.preserve_format)
         step_t = state["step"]
         step_t += 1
         count = step_t.item()  # torch.optim's non-capturable path uses the Python float

@@ -50,8 +50,8 @@ class COAP(LowRankOptimizer):
       spec: a :class:`xopt.specs.coap.COAP` (instead of keywords).
       preset: ``"adamw"`` (the authors' ``CoapAdamW`` defaults, also the class defaults) or
         ``"adafactor"`` (``CoapAdafactor``'s, with ``b1=None``).
-      check_finite: raise :class:`~xopt.errors.NonFiniteError` naming the parameter whose
-        gradient holds NaN/inf, before anything moves (synchronises; opt-in).
+      nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`);
+        ``check_finite=True`` is the older spelling of ``"raise"``.
       **hyperparameters: fields of :class:`xopt.specs.coap.COAP` (``lr``, ``rank``,
         ``rank_ratio``, ``update_interval``, ``reproject_factor``, ...).
 
@@ -69,18 +69,44 @@ class COAP(LowRankOptimizer):
 
     hyperparams_cls = _spec.COAP
     spec = _spec.SPEC
+    state_keys = _KEYS
+    step_kind = torch.int64
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], *,
                  spec: _spec.COAP | None = None, preset: str | None = None,
-                 check_finite: bool = False, **hyperparameters: Any) -> None:
-        super().__init__(params, spec=spec, preset=preset, check_finite=check_finite,
-                         **hyperparameters)
+                 nonfinite: str | None = None, check_finite: bool | None = None,
+                 **hyperparameters: Any) -> None:
+        super().__init__(params, spec=spec, preset=preset, nonfinite=nonfinite,
+                         check_finite=check_finite, **hyperparameters)
 
     def _check_param(self, p: Tensor, hp: _spec.COAP, where: str) -> None:
         _spec.check_param(tuple(p.shape), hp, where)
 
+    def _prepare(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.COAP,
+                 name: str, inject: Mapping[str, Tensor] | None) -> Any:
+        """``{"ortho_matrix": P}``: the new projection when this update decomposes (the
+        first update and every Eqn-7 one; :func:`xopt.specs.coap.decompose`), else None."""
+        shape = tuple(p.shape)
+        if not _spec.is_projected(shape, hp):
+            return None
+        t = int(state["step"]) if "step" in state else 0
+        ev = _spec.event(t, hp)
+        if ev not in (_spec.INITIAL, _spec.EQN7):
+            return None
+        dtype = self.state_dtype(p)
+        if inject is not None and "ortho_matrix" in inject:
+            return {"ortho_matrix": inject["ortho_matrix"].to(device=p.device, dtype=dtype)}
+        side = _spec.side_of(shape)
+        if ev == _spec.INITIAL:
+            om = _spec.initial_omega(hp, shape, backend="torch", device=p.device).to(dtype)
+        else:
+            om = _spec.warm_omega(state["ortho_matrix"], side)
+        p_new = _spec.decompose(torch, self._grad32(g).to(dtype), om, side,
+                                qr=lambda a: self.qr(a, name), svd=lambda a: self.svd(a, name))
+        return {"ortho_matrix": p_new}
+
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.COAP,
-                name: str, inject: Mapping[str, Tensor] | None) -> None:
+                name: str, inject: Mapping[str, Tensor] | None, prepared: Any) -> None:
         shape = tuple(p.shape)
         dtype = self.state_dtype(p)
         if "step" not in state:
@@ -91,15 +117,13 @@ class COAP(LowRankOptimizer):
                                                        device=p.device)
         t = int(state["step"])
         st = {var: state[key] for var, key in _KEYS.items() if key in state}
-        if inject is not None:
-            inject = {k: v.to(device=p.device, dtype=dtype) for k, v in inject.items()}
 
-        def omega() -> Tensor:
-            return _spec.initial_omega(hp, shape, backend="torch", device=p.device).to(dtype)
+        def no_decomposition(a: Tensor) -> Any:  # every decomposition is _prepare's
+            raise AssertionError(f"COAP: {name}: a decomposition outside _prepare")
 
         new_p, st = _spec.param_step(
-            torch, hp, p.detach().to(dtype), g.to(dtype), st, t, inject=inject, omega=omega,
-            qr=lambda a: self.qr(a, name), svd=lambda a: self.svd(a, name))
+            torch, hp, p.detach().to(dtype), g.to(dtype), st, t, inject=prepared,
+            qr=no_decomposition, svd=no_decomposition)
         for var, value in st.items():
             state[_KEYS[var]] = value
         state["step"] = torch.tensor(t + 1, dtype=torch.int64)

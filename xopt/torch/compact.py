@@ -40,7 +40,7 @@ from torch import nn
 from xopt.errors import HyperparameterError, StateError, XoptError
 from xopt.registry import register
 from xopt.specs import compact as _spec
-from xopt.torch._state_dict import saved_param_map
+from xopt.torch._optim import FLOATING, Item, Layout, Optimizer, grad_problem
 
 __all__ = ["CompActAdamW", "CompActFunction", "CompActLinear", "LayerError", "compact_model",
            "LLAMA_LAYERS"]
@@ -280,6 +280,12 @@ class CompActLinear(nn.Module):
         self._step = int(step)
         self.proj_step.fill_(self._step)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a copy (deepcopy, pickle) makes new Parameter objects without Python attributes:
+        # link the copied weight to the copied layer again
+        super().__setstate__(state)
+        self.weight._compact_layer = weakref.ref(self)
+
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(*args, **kwargs)
         self._step = int(self.proj_step)
@@ -295,6 +301,14 @@ class CompActLinear(nn.Module):
         if not (torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
             y = x @ self.weight.T
             return y + self.bias if self.bias is not None else y
+        return self._compressed(x)
+
+    @torch.compiler.disable(reason=(
+        "CompActLinear draws its projection on the host at every forward (xopt.random, from "
+        "the layer's refresh counter) and leaves the compressed gradient on the weight"))
+    def _compressed(self, x: torch.Tensor) -> torch.Tensor:
+        """The training forward (saves ``x P``); excluded from dynamo: under torch.compile
+        the model breaks its graph around this layer, which runs eagerly."""
         refresh = self.refresh()
         p = self.projection(refresh, dtype=x.dtype)
         return CompActFunction.apply(x, self.weight, self.bias, p, (self.proj.seed, refresh))
@@ -372,7 +386,7 @@ def compact_model(model: nn.Module, *, rank: float = 0.5, proj_type: str = "gaus
     return out
 
 
-class CompActAdamW(torch.optim.Optimizer):
+class CompActAdamW(Optimizer):
     """Adam on CompAct's compressed gradients (paper Algorithm 3), plain Adam elsewhere.
 
     For a CompAct weight (one with a ``compact_grad``) the moments are (out × r); the step
@@ -397,28 +411,42 @@ class CompActAdamW(torch.optim.Optimizer):
         bfloat16/float16 parameters, else the parameter's dtype. ``torch.bfloat16`` on
         bfloat16 parameters keeps them as ``torch.optim.AdamW`` does (half the state
         memory; the update is then computed in that dtype).
+      nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`);
+        ``check_finite=True`` is the older spelling of ``"raise"``. A step drives the
+        layers' projection schedule (``proj_step``, read by the next forward), so
+        ``"skip"`` reads its flag on the host within the step.
 
     State per parameter: ``step`` (int64 tensor), ``exp_avg``, ``exp_avg_sq`` (the names of
     the authors' optimizer) and, for CompAct weights, ``seed`` (Python int): a state dict
     loads with ``weights_only=True``.
 
+    The step reads its counter on the host (the step size and the layer's refresh index),
+    so it is excluded from torch.compile's dynamo (a compiled training step breaks once at
+    ``step()``).
+
     Raises:
       StateError: the forward projected with another seed than the optimizer's state holds,
-        or with a refresh number other than ``step // gap`` (names the layer).
+        or with a refresh number other than ``step // gap`` (names the layer); checked for
+        every layer before any parameter moves.
     """
+
+    _skip_syncs = True
 
     def __init__(self, params: Iterable[Any], lr: float | None = None, *,
                  b1: float | None = None, b2: float | None = None,
                  betas: tuple[float, float] | None = None, eps: float | None = None,
                  weight_decay: float | None = None, correct_bias: bool | None = None,
                  spec: _spec.CompAct | None = None, foreach: bool | None = None,
-                 moment_dtype: torch.dtype | None = None) -> None:
+                 moment_dtype: torch.dtype | None = None, nonfinite: str | None = None,
+                 check_finite: bool | None = None) -> None:
         given = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                      correct_bias=correct_bias)
         if betas is not None:
             if b1 is not None or b2 is not None:
                 raise HyperparameterError("CompActAdamW: give betas or b1/b2, not both")
-            given["b1"], given["b2"] = (float(betas[0]), float(betas[1]))
+            if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+                raise HyperparameterError(f"CompActAdamW.betas = {betas!r}: must be a pair")
+            given["b1"], given["b2"] = betas
         given = {k: v for k, v in given.items() if v is not None}
         if spec is not None:
             if given:
@@ -428,62 +456,134 @@ class CompActAdamW(torch.optim.Optimizer):
         else:
             hp = _spec.CompAct(**given)
         self.hp = hp
-        if moment_dtype is not None and not (isinstance(moment_dtype, torch.dtype)
-                                             and moment_dtype.is_floating_point):
+        if moment_dtype is not None and moment_dtype not in FLOATING:
             raise HyperparameterError(f"CompActAdamW.moment_dtype = {moment_dtype!r}: must "
                                       "be a floating torch.dtype or None")
         self.foreach, self.moment_dtype = foreach, moment_dtype
         defaults = dict(lr=hp.lr, b1=hp.b1, b2=hp.b2, eps=hp.eps,
                         weight_decay=hp.weight_decay, correct_bias=hp.correct_bias)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, nonfinite=nonfinite, check_finite=check_finite)
 
     def _group_hp(self, group: dict[str, Any]) -> _spec.CompAct:
-        return self.hp.replace(lr=float(group["lr"]), b1=group["b1"], b2=group["b2"],
-                               eps=group["eps"], weight_decay=group["weight_decay"],
+        lr = group["lr"]
+        return self.hp.replace(lr=float(lr) if isinstance(lr, torch.Tensor) else lr,
+                               b1=group["b1"], b2=group["b2"], eps=group["eps"],
+                               weight_decay=group["weight_decay"],
                                correct_bias=group["correct_bias"])
 
+    def _check_group(self, group: dict[str, Any], gi: int) -> None:
+        self._group_hp(group)
+
+    # -- gradients and state ------------------------------------------------------------------
+    def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        g_hat = getattr(p, "compact_grad", None)
+        return g_hat if g_hat is not None else p.grad
+
+    def _grad_problem(self, p: torch.Tensor, g: torch.Tensor) -> str | None:
+        if g is getattr(p, "compact_grad", None):
+            layer = _layer_of(p)
+            want = (p.shape[0], layer.r) if layer is not None else tuple(g.shape)
+            return grad_problem(g.new_empty(want, dtype=p.dtype, device="meta"), g)
+        return grad_problem(p, g)
+
+    def _moment_dtype(self, p: torch.Tensor) -> torch.dtype:
+        dt = self.moment_dtype
+        if dt is None:
+            dt = torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
+        return dt
+
+    def _state_layout(self, p: torch.Tensor, group: Any) -> dict[str, Layout]:
+        layer = _layer_of(p)
+        shape = (p.shape[0], layer.r) if layer is not None else tuple(p.shape)
+        dt = self._moment_dtype(p)
+        out = {"step": Layout((), torch.int64, "cpu"), "exp_avg": Layout(tuple(shape), dt),
+               "exp_avg_sq": Layout(tuple(shape), dt)}
+        if layer is not None:
+            out["seed"] = Layout((), int)
+        return out
+
+    def _host_snapshot(self) -> Any:
+        return [(layer, layer._step) for layer in self._layers()]
+
+    def _host_restore(self, snapshot: Any) -> None:
+        for layer, step in snapshot:
+            layer.set_proj_step(step)
+
+    def _layers(self) -> list[CompActLinear]:
+        return [layer for group in self.param_groups for p in group["params"]
+                if (layer := _layer_of(p)) is not None]
+
+    # -- the step -----------------------------------------------------------------------------
+    @torch.compiler.disable(reason=(
+        "CompActAdamW.step reads its step counters on the host and drives its layers' "
+        "projection schedule"))
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            hp = self._group_hp(group)
-            todo = []
-            for p in group["params"]:
-                g_hat = getattr(p, "compact_grad", None)
-                if g_hat is not None:
-                    todo.append((p, g_hat, True))
-                elif p.grad is not None:
-                    todo.append((p, p.grad, False))
-            if not todo:
-                continue
+        loss = self._closure_loss(closure)
+        items = self._step_items()
+        plans = [self._plan(it) for it in items]  # every layer checked before anything moves
+        self._run_step(items, lambda: self._update(items, plans))
+        return loss
+
+    def _plan(self, it: Item) -> tuple[CompActLinear | None, int]:
+        """``(layer, refresh)`` of a CompAct weight's update (``(None, 0)`` for another
+        parameter), after checking its projection key and moments against the state."""
+        p, g = it.param, it.grad
+        state = dict.get(self.state, p) or {}
+        if "exp_avg" in state and tuple(state["exp_avg"].shape) != tuple(g.shape):
+            raise StateError(f"CompActAdamW: moments of shape {tuple(state['exp_avg'].shape)} "
+                             f"do not fit the gradient of {self.param_name(it.gi, it.i)} "
+                             f"(shape {tuple(g.shape)})")
+        if g is not getattr(p, "compact_grad", None):
+            return None, 0
+        layer = _layer_of(p)
+        if layer is None:
+            raise StateError("CompActAdamW: a parameter has a compact_grad but no CompAct "
+                             "layer (was the layer deleted?)")
+        key = getattr(p, "compact_key", None)
+        seed = state.get("seed", layer.proj.seed)
+        t = int(state["step"]) if "step" in state else 0
+        if key is None or key[0] != seed:
+            raise StateError(
+                f"{_name_of(p)}: the forward projected with seed "
+                f"{None if key is None else key[0]}, but the optimizer's state for this weight "
+                f"holds seed {seed}; P must be drawn from the same seed in the forward and "
+                "the update (a state dict from another model, or a changed layer seed?)")
+        expected = layer.proj.refresh(t)
+        if key[1] != expected:
+            raise StateError(
+                f"{_name_of(p)}: the forward used projection refresh {key[1]}, but this is "
+                f"update {t} of the optimizer, which uses refresh {t} // gap = {expected}; the "
+                f"layer's proj_step ({layer._step}) and the optimizer's step ({t}) "
+                "disagree")
+        return layer, key[1]
+
+    def _update(self, items: list[Item], plans: list[tuple[CompActLinear | None, int]]) -> None:
+        by_group: dict[int, list] = {}
+        for it, (layer, refresh) in zip(items, plans, strict=True):
+            state = self._state(it.param, tuple(it.grad.shape))
+            if layer is not None:
+                state.setdefault("seed", layer.proj.seed)
+            by_group.setdefault(it.gi, []).append((it.param, it.grad, state, layer, refresh))
+        for gi, todo in by_group.items():
+            hp = self._group_hp(self.param_groups[gi])
             foreach = self.foreach
             if foreach is None:
-                foreach = all(p.device.type == "cuda" for p, _, _ in todo)
+                foreach = all(p.device.type == "cuda" for p, *_ in todo)
             if foreach:
                 self._step_foreach(hp, todo)
                 continue
-            for p, g, compact in todo:
-                if compact:
-                    self._step_compact(hp, p, g)
+            for p, g, state, layer, refresh in todo:
+                if layer is None:
+                    self._apply(hp, p, g, state, None, 1.0)
                 else:
-                    self._step_plain(hp, p, g)
-        return loss
+                    proj = layer.projection(refresh, device=p.device,
+                                            dtype=state["exp_avg"].dtype)
+                    self._apply(hp, p, g, state, proj, layer.proj.scale)
+                    layer.set_proj_step(int(state["step"]))
 
-    def _step_foreach(self, hp: _spec.CompAct, todo: list[tuple[torch.Tensor, torch.Tensor,
-                                                                  bool]]) -> None:
+    def _step_foreach(self, hp: _spec.CompAct, items: list[tuple]) -> None:
         """The per-tensor update of :meth:`_apply`, op for op, on lists of tensors."""
-        items = []  # (p, g, state, layer or None, refresh)
-        for p, g, compact in todo:
-            if compact:
-                layer, refresh, state = self._check_compact(p, g)
-                items.append((p, g, state, layer, refresh))
-            else:
-                if g.is_sparse:
-                    raise HyperparameterError("CompActAdamW does not support sparse gradients")
-                items.append((p, g, self._state(p, tuple(p.shape)), None, 0))
         by_count: dict[int, list] = {}
         for it in items:  # the step size depends on the update count
             by_count.setdefault(int(it[2]["step"]) + 1, []).append(it)
@@ -542,15 +642,10 @@ class CompActAdamW(torch.optim.Optimizer):
     def _state(self, p: torch.Tensor, shape: tuple[int, ...]) -> dict[str, Any]:
         state = self.state[p]
         if "step" not in state:
-            dt = self.moment_dtype
-            if dt is None:
-                dt = torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
+            dt = self._moment_dtype(p)
             state["step"] = torch.zeros((), dtype=torch.int64)
             state["exp_avg"] = torch.zeros(shape, dtype=dt, device=p.device)
             state["exp_avg_sq"] = torch.zeros(shape, dtype=dt, device=p.device)
-        elif tuple(state["exp_avg"].shape) != tuple(shape):
-            raise StateError(f"CompActAdamW: moments of shape {tuple(state['exp_avg'].shape)} "
-                             f"do not fit a gradient of shape {tuple(shape)}")
         return state
 
     def _apply(self, hp: _spec.CompAct, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any],
@@ -577,56 +672,6 @@ class CompActAdamW(torch.optim.Optimizer):
             p.copy_(w)
         state["step"] += 1
 
-    def _step_plain(self, hp: _spec.CompAct, p: torch.Tensor, g: torch.Tensor) -> None:
-        if g.is_sparse:
-            raise HyperparameterError("CompActAdamW does not support sparse gradients")
-        self._apply(hp, p, g, self._state(p, tuple(p.shape)), None, 1.0)
-
-    def _check_compact(self, p: torch.Tensor, g_hat: torch.Tensor
-                       ) -> tuple[CompActLinear, int, dict[str, Any]]:
-        """The layer, the refresh number and the state of a CompAct weight, after checking
-        that the forward projected with the seed and refresh this update uses."""
-        ref = getattr(p, "_compact_layer", None)
-        layer = ref() if ref is not None else None
-        if layer is None:
-            raise StateError("CompActAdamW: a parameter has a compact_grad but no CompAct "
-                             "layer (was the layer deleted?)")
-        key = getattr(p, "compact_key", None)
-        state = self._state(p, tuple(g_hat.shape))
-        seed = state.setdefault("seed", layer.proj.seed)
-        t = int(state["step"])
-        if key is None or key[0] != seed:
-            raise StateError(
-                f"{_name_of(p)}: the forward projected with seed "
-                f"{None if key is None else key[0]}, but the optimizer's state for this weight "
-                f"holds seed {seed}; P must be drawn from the same seed in the forward and "
-                "the update (a state dict from another model, or a changed layer seed?)")
-        expected = layer.proj.refresh(t)
-        if key[1] != expected:
-            raise StateError(
-                f"{_name_of(p)}: the forward used projection refresh {key[1]}, but this is "
-                f"update {t} of the optimizer, which uses refresh {t} // gap = {expected}; the "
-                f"layer's proj_step ({layer._step}) and the optimizer's step ({t}) "
-                "disagree")
-        return layer, key[1], state
-
-    def _step_compact(self, hp: _spec.CompAct, p: torch.Tensor, g_hat: torch.Tensor) -> None:
-        layer, refresh, state = self._check_compact(p, g_hat)
-        proj = layer.projection(refresh, device=p.device, dtype=state["exp_avg"].dtype)
-        self._apply(hp, p, g_hat, state, proj, layer.proj.scale)
-        layer.set_proj_step(int(state["step"]))
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # torch.optim casts floating-point state to the parameter's dtype on load; the
-        # moments keep the dtype they were saved in (float32 for bfloat16 weights).
-        super().load_state_dict(state_dict)
-        for i, p in saved_param_map(self, state_dict).items():
-            saved = state_dict["state"].get(i, {})
-            for k in ("exp_avg", "exp_avg_sq"):
-                if k in saved and p in self.state and \
-                        self.state[p][k].dtype != saved[k].dtype:
-                    self.state[p][k] = saved[k].to(device=p.device, copy=True)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         for group in self.param_groups:
@@ -637,6 +682,11 @@ class CompActAdamW(torch.optim.Optimizer):
                     else:
                         p.compact_grad.zero_()
                     p.compact_key = None
+
+
+def _layer_of(p: torch.Tensor) -> CompActLinear | None:
+    ref = getattr(p, "_compact_layer", None)
+    return ref() if ref is not None else None
 
 
 register("compact", "torch", CompActAdamW)

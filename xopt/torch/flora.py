@@ -19,7 +19,7 @@ What differs from the original (each documented in :mod:`xopt.specs.flora`):
     an ulp;
   * parameters added with ``add_param_group`` later get seeds continuing the count (the
     original gives them none and fails at their first compressed update);
-  * bfloat16/float16 parameters keep float32 state; ``check_finite=True``;
+  * bfloat16/float16 parameters keep float32 state; ``nonfinite=``;
     ``step(inject=...)`` (see :class:`~xopt.torch._lowrank.LowRankOptimizer`).
 """
 
@@ -35,6 +35,7 @@ from xopt.errors import StateError
 from xopt.registry import register
 from xopt.specs import flora as _spec
 from xopt.torch._lowrank import LowRankOptimizer
+from xopt.torch._optim import Layout
 
 __all__ = ["Flora"]
 
@@ -56,8 +57,8 @@ class Flora(LowRankOptimizer):
         Flora's compressed momentum.
       project: False keeps the group's momentum uncompressed.
       spec: an :class:`xopt.specs.flora.Flora` instead of the fields.
-      check_finite: raise :class:`~xopt.errors.NonFiniteError` naming the parameter whose
-        gradient holds NaN/inf, before anything moves (synchronises).
+      nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`);
+        ``check_finite=True`` is the older spelling of ``"raise"``.
 
     Shapes and dtypes: any floating parameter (float32, float64, bfloat16, float16). State
     (float32, float64 for float64 parameters): ``exp_avg`` ``(r, n)`` (left, ``m < n``) or
@@ -71,6 +72,7 @@ class Flora(LowRankOptimizer):
 
     hyperparams_cls = _spec.Flora
     spec = _spec.SPEC
+    state_keys = {"seed": "seed", "rms": "RMS", **_STATE_KEYS}
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]],
                  lr: float | None = None, rank: int | None = None, kappa: int | None = None,
@@ -81,9 +83,10 @@ class Flora(LowRankOptimizer):
                  factorize_second_moment: bool | None = None, seed: int | None = None,
                  quantization: bool | None = None, *, project: bool | None = None,
                  spec: _spec.Flora | None = None, preset: str | None = None,
-                 check_finite: bool = False) -> None:
+                 nonfinite: str | None = None, check_finite: bool | None = None) -> None:
         super().__init__(
-            params, spec=spec, preset=preset, check_finite=check_finite, lr=lr, rank=rank,
+            params, spec=spec, preset=preset, nonfinite=nonfinite, check_finite=check_finite,
+            lr=lr, rank=rank,
             kappa=kappa, eps=tuple(eps) if eps is not None else None,
             clip_threshold=clip_threshold, decay_rate=decay_rate, beta1=beta1,
             weight_decay=weight_decay, scale_parameter=scale_parameter,
@@ -101,21 +104,27 @@ class Flora(LowRankOptimizer):
             if p.requires_grad:
                 self.state[p]["seed"] = int(group["seed"]) + self._seeded
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
+    def _added_group(self, group: dict[str, Any], gi: int) -> None:
         if hasattr(self, "_seeded"):  # after construction: continue the count
-            self._seed_group(self.param_groups[-1])
+            self._seed_group(group)
+
+    def _fresh_layouts(self, p: Tensor, group: Mapping[str, Any]) -> list[dict[str, Layout]]:
+        return [{"seed": Layout((), int)}]  # seeded at construction, before any update
 
     def _check_param(self, p: Tensor, hp: _spec.Flora, where: str) -> None:
         _spec.check_param(tuple(p.shape), hp, where)
 
+    def _prepare(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.Flora,
+                 name: str, inject: Mapping[str, Tensor] | None) -> Any:
+        if "seed" not in state:  # (checked for every parameter before any is updated)
+            raise StateError(f"Flora: {name} has no projection seed in its state (it did not "
+                             "require a gradient when the optimizer was built?)")
+        return None
+
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.Flora,
-                name: str, inject: Mapping[str, Tensor] | None) -> None:
+                name: str, inject: Mapping[str, Tensor] | None, prepared: Any) -> None:
         sdt = self.state_dtype(p)
         shape = tuple(p.shape)
-        if "seed" not in state:
-            raise StateError(f"Flora: {name} has no projection seed in its state (a state "
-                             "dict without 'seed'?)")
         if "step" not in state:
             zeros = dict(dtype=sdt, device=p.device)
             state["step"] = 0

@@ -72,8 +72,8 @@ class GaLore(LowRankOptimizer):
       eps_root, convention: see :class:`xopt.specs.galore.GaLore`.
       preset: ``"authors"`` (the default) or ``"optax"``: defaults for every field not given.
       spec: a :class:`xopt.specs.galore.GaLore` giving every field at once.
-      check_finite: raise :class:`xopt.errors.NonFiniteError` naming the parameter before
-        anything moves when a gradient holds NaN/inf (one synchronisation per step).
+      nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`);
+        ``check_finite=True`` is the older spelling of ``"raise"``.
 
     Shapes and dtypes: parameters float32/float64/bfloat16/float16, any shape; projected
     ones are matrices ``(m, n)`` with ``rank <= min(m, n)`` (else
@@ -85,6 +85,8 @@ class GaLore(LowRankOptimizer):
 
     hyperparams_cls = galore_spec.GaLore
     spec = galore_spec.SPEC
+    state_keys = {"m": "exp_avg", "v": "exp_avg_sq", "ortho": "ortho_matrix",
+                  "ortho_right": "ortho_matrix_right"}
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]],
                  lr: float | None = None, betas: tuple[float, float] | None = None,
@@ -94,12 +96,13 @@ class GaLore(LowRankOptimizer):
                  proj_type: str | None = None, project: bool | None = None,
                  eps_root: float | None = None, convention: str | None = None,
                  preset: str | None = None, spec: galore_spec.GaLore | None = None,
-                 check_finite: bool = False) -> None:
+                 nonfinite: str | None = None, check_finite: bool | None = None) -> None:
         given = _split_betas(dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, correct_bias=correct_bias,
             rank=rank, update_proj_gap=update_proj_gap, scale=scale, proj_type=proj_type,
             project=project, eps_root=eps_root, convention=convention), "GaLore")
-        super().__init__(params, spec=spec, preset=preset, check_finite=check_finite,
+        super().__init__(params, spec=spec, preset=preset, nonfinite=nonfinite,
+                         check_finite=check_finite,
                          **{k: v for k, v in given.items() if v is not None})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -109,8 +112,28 @@ class GaLore(LowRankOptimizer):
         if galore_spec.is_projected(tuple(p.shape), hp):
             lowrank.check_rank(hp.rank, tuple(p.shape), where)
 
+    def _prepare(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: Hyperparams,
+                 name: str, inject: Mapping[str, Tensor] | None) -> Any:
+        """``(ortho, ortho_right)`` when this update refreshes the projection, else None."""
+        shape = tuple(p.shape)
+        if not galore_spec.is_projected(shape, hp) or not (
+                "ortho_matrix" not in state
+                or galore_spec.refresh_due(int(state.get("step", 0)), hp)):
+            return None
+        sdt = self.state_dtype(p)
+        which = galore_spec.side(shape, hp.proj_type)
+        old = (state.get("ortho_matrix"), state.get("ortho_matrix_right"))
+        g = self._grad32(g)
+        g = g if g.dtype == sdt else g.to(sdt)
+        return lowrank.refresh(
+            True, old,
+            lambda: galore_spec.fresh_projection(
+                torch, hp, g, svd=lambda a: self.svd(a, name))[:2],
+            galore_spec.injected_projection(
+                inject, old[1], which, cast=lambda a: a.to(device=p.device, dtype=sdt)))
+
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: Hyperparams,
-                name: str, inject: Mapping[str, Tensor] | None) -> None:
+                name: str, inject: Mapping[str, Tensor] | None, prepared: Any) -> None:
         sdt = self.state_dtype(p)
         g = g if g.dtype == sdt else g.to(sdt)
         shape = tuple(p.shape)
@@ -118,15 +141,8 @@ class GaLore(LowRankOptimizer):
         ortho = ortho_right = None
         if galore_spec.is_projected(shape, hp):
             which = galore_spec.side(shape, hp.proj_type)
-            due = "ortho_matrix" not in state or galore_spec.refresh_due(before, hp)
-            old = (state.get("ortho_matrix"), state.get("ortho_matrix_right"))
-            ortho, ortho_right = lowrank.refresh(
-                due, old,
-                lambda: galore_spec.fresh_projection(
-                    torch, hp, g, svd=lambda a: self.svd(a, name))[:2],
-                galore_spec.injected_projection(
-                    inject, old[1], which, cast=lambda a: a.to(device=p.device, dtype=sdt)))
-            if due:
+            if prepared is not None:
+                ortho, ortho_right = prepared
                 state["ortho_matrix"] = ortho.contiguous()
                 if which == "full":
                     state["ortho_matrix_right"] = ortho_right.contiguous()

@@ -3,8 +3,8 @@
 Every step calls the spec's per-parameter functions (:func:`xopt.specs.plumage.update_param`:
 Algorithm 5's loop body of the paper); this module adds the torch glue of
 :class:`~xopt.torch._lowrank.LowRankOptimizer` (param groups, validation naming the
-parameter, ``check_finite``, SVD failures raised as :class:`~xopt.errors.DecompositionError`,
-state dicts that load with ``weights_only=True``).
+parameter, ``nonfinite=``, SVD failures raised as :class:`~xopt.errors.DecompositionError`
+before anything is written, state dicts that load with ``weights_only=True``).
 
 >>> opt = PLUMAGE([{"params": matrices, "rank": 128, "update_proj_gap": 200},
 ...                     {"params": others, "project": False}], lr=1e-3)
@@ -69,8 +69,8 @@ class PLUMAGE(LowRankOptimizer):
         paper's Section 4.4).
       preset: ``"paper"`` or ``"glue"`` (see :data:`xopt.specs.plumage.PRESETS`).
       spec: a :class:`~xopt.specs.plumage.PLUMAGE` giving all hyperparameters at once.
-      check_finite: raise :class:`~xopt.errors.NonFiniteError` naming the parameter whose
-        gradient holds NaN/inf, before anything moves (one synchronisation per step).
+      nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`);
+        ``check_finite=True`` is the older spelling of ``"raise"``.
       **hyperparameters: any other field of the spec (``rank``, ``update_proj_gap``,
         ``resample_interval``, ``proj_side``, ``realign_first_moment``,
         ``realign_second_moment``, ``prob_eps``, ``seed``, ``correct_bias``,
@@ -79,23 +79,29 @@ class PLUMAGE(LowRankOptimizer):
 
     hyperparams_cls = _spec.PLUMAGE
     spec = _spec.SPEC
+    state_keys = _STATE_KEYS
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]],
                  lr: float | Tensor | None = None, betas: tuple[float, float] | None = None,
                  eps: float | None = None, weight_decay: float | None = None, *,
                  preset: str | None = None, spec: _spec.PLUMAGE | None = None,
-                 check_finite: bool = False, **hyperparameters: Any) -> None:
+                 nonfinite: str | None = None, check_finite: bool | None = None,
+                 **hyperparameters: Any) -> None:
         if betas is not None:
             if len(betas) != 2:
                 raise HyperparameterError(f"PLUMAGE.betas = {betas!r}: must be a pair")
             hyperparameters.update(b1=betas[0], b2=betas[1])
         self._index: dict[int, int] = {}
-        super().__init__(params, spec=spec, preset=preset, check_finite=check_finite, lr=lr,
-                         eps=eps, weight_decay=weight_decay, **hyperparameters)
+        super().__init__(params, spec=spec, preset=preset, nonfinite=nonfinite,
+                         check_finite=check_finite, lr=lr, eps=eps, weight_decay=weight_decay,
+                         **hyperparameters)
 
     def _check_param(self, p: Tensor, hp: _spec.PLUMAGE, where: str) -> None:
         _spec.check_param(tuple(p.shape), hp, where)
 
+    @torch.compiler.disable(reason=(
+        "PLUMAGE.step reads its step counters and refresh schedule on the host and decomposes "
+        "gradients at refresh steps"))
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *,
              inject: Mapping[Tensor, Mapping[str, Tensor]] | None = None) -> Any:
@@ -104,26 +110,34 @@ class PLUMAGE(LowRankOptimizer):
         self._index = {id(p): i for i, p in enumerate(flat)}
         return super().step(closure, inject=inject)
 
+    def _prepare(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.PLUMAGE,
+                 name: str, inject: Mapping[str, Tensor] | None) -> Any:
+        """``(U, σ)`` of this update's SVD (an SVD step of a projected matrix), else None."""
+        shape = tuple(p.shape)
+        t = int(state["step"]) if "step" in state else 0
+        if not (_spec.is_projected(shape, hp) and _spec.resample_now(hp, t)[0]):
+            return None
+        g = self._grad32(g).to(self.state_dtype(p))
+        decomposition = _spec.injected_decomposition(torch, inject, g)
+        if decomposition is None:
+            side = _spec.side_of(shape, hp)
+            u, s, _ = self.svd(_spec.oriented(torch, g, side), name)
+            decomposition = (u, s)
+        return decomposition
+
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.PLUMAGE,
-                name: str, inject: Mapping[str, Tensor] | None) -> None:
+                name: str, inject: Mapping[str, Tensor] | None, prepared: Any) -> None:
         dtype = self.state_dtype(p)
         shape = tuple(p.shape)
-        if not state:
+        if "step" not in state:
             state["step"] = 0
             for k, v in _spec.init_param_state(torch, hp, shape, dtype, like=p).items():
                 state[_STATE_KEYS[k]] = v
         t = int(state["step"])
         st = {k: state[key] for k, key in _STATE_KEYS.items() if key in state}
         g = g.to(dtype)
-        decomposition = None
-        if _spec.is_projected(shape, hp) and _spec.resample_now(hp, t)[0]:
-            decomposition = _spec.injected_decomposition(torch, inject, g)
-            if decomposition is None:
-                side = _spec.side_of(shape, hp)
-                u, s, _ = self.svd(_spec.oriented(torch, g, side), name)
-                decomposition = (u, s)
         new_p, st = _spec.update_param(torch, hp, p.to(dtype), g, st, t, self._index[id(p)],
-                                       inject, decomposition=decomposition)
+                                       inject, decomposition=prepared)
         self.write(p, new_p)
         for k, v in st.items():
             state[_STATE_KEYS[k]] = v

@@ -38,9 +38,10 @@ import torch
 from torch import Tensor, nn
 
 from xopt import random as xrandom
-from xopt.errors import HyperparameterError
+from xopt.errors import HyperparameterError, StateError
 from xopt.registry import register
 from xopt.specs import poet as spec
+from xopt.torch._optim import Item, Layout, Optimizer
 
 __all__ = ["MergeEvery", "POETAdamW", "POETLinear", "convert", "merge_and_reset",
            "poet_param_groups"]
@@ -502,7 +503,7 @@ def poet_param_groups(model: nn.Module, *, lr: float = 1e-3, poet_lr: float = 5e
             dict(params=poet, use_poet=True, weight_decay=0.0, lr=poet_lr)]
 
 
-class POETAdamW(torch.optim.Optimizer):
+class POETAdamW(Optimizer):
     r"""The authors' POETAdamW arithmetic (:func:`xopt.specs.poet.adam_update`).
 
     Groups with ``use_poet=True`` (the default) are rotation vectors: their learning rate is
@@ -512,9 +513,15 @@ class POETAdamW(torch.optim.Optimizer):
     merges the model's POET layers after every ``merge_interval``-th update (then no
     training-loop callback is needed).
 
+    ``nonfinite=``: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`);
+    with ``model=`` a step may merge the model's layers, so ``"skip"`` reads its flag on the
+    host within the step. The step keeps Python counters (the authors' layout), so it is
+    excluded from torch.compile's dynamo (a compiled training step breaks once at
+    ``step()``).
+
     State per parameter: ``step`` (int), ``exp_avg``, ``exp_avg_sq`` (float32 for
     low-precision parameters); ``global_step_counter`` on the optimizer (and in its state
-    dict under ``state["global"]``).
+    dict, as ``state_dict()["global_step_counter"]``).
     """
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -522,11 +529,14 @@ class POETAdamW(torch.optim.Optimizer):
                  eps: float | None = None, weight_decay: float | None = None, *,
                  correct_bias: bool | None = None, poet_scale: float | None = None,
                  merge_interval: int | None = None, model: nn.Module | None = None,
-                 spec: spec.POET | None = None):
+                 spec: spec.POET | None = None, nonfinite: str | None = None,
+                 check_finite: bool | None = None):
         hp = spec or _spec_module.POET()
         given = dict(lr=lr, eps=eps, weight_decay=weight_decay, correct_bias=correct_bias,
                      poet_scale=poet_scale, merge_interval=merge_interval)
         if betas is not None:
+            if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+                raise HyperparameterError(f"POETAdamW.betas = {betas!r}: must be a pair")
             given.update(b1=betas[0], b2=betas[1])
         hp = hp.replace(**{k: v for k, v in given.items() if v is not None})
         self.hp = hp
@@ -534,18 +544,52 @@ class POETAdamW(torch.optim.Optimizer):
                         weight_decay=hp.weight_decay, correct_bias=hp.correct_bias,
                         poet_scale=hp.poet_scale, poet_merge_interval=hp.merge_interval,
                         use_poet=True)
-        super().__init__(params, defaults)
         self.global_step_counter = 0
         self.model = model
+        self._skip_syncs = model is not None
+        super().__init__(params, defaults, nonfinite=nonfinite, check_finite=check_finite)
 
+    def _check_group(self, group: dict[str, Any], gi: int) -> None:
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise HyperparameterError(f"POETAdamW param_groups[{gi}].betas = {betas!r}: must "
+                                      "be a pair")
+        if not isinstance(group["use_poet"], bool):
+            raise HyperparameterError(f"POETAdamW param_groups[{gi}].use_poet = "
+                                      f"{group['use_poet']!r}: must be a bool")
+        self.hp.replace(lr=group["lr"], b1=betas[0], b2=betas[1], eps=group["eps"],
+                        weight_decay=group["weight_decay"], correct_bias=group["correct_bias"],
+                        poet_scale=group["poet_scale"],
+                        merge_interval=group["poet_merge_interval"])
+
+    def _state_layout(self, p: Tensor, group: Any) -> dict[str, Layout]:
+        sdt = torch.float64 if p.dtype == torch.float64 else torch.float32
+        return {"step": Layout((), int), "exp_avg": Layout(tuple(p.shape), sdt),
+                "exp_avg_sq": Layout(tuple(p.shape), sdt)}
+
+    def _host_snapshot(self) -> Any:
+        return self.global_step_counter
+
+    def _host_restore(self, snapshot: Any) -> None:
+        self.global_step_counter = snapshot
+
+    @torch.compiler.disable(reason=(
+        "POETAdamW.step keeps the authors' Python step counters (moment resets, merges)"))
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
+        items = self._step_items()
+        before = self.global_step_counter
+        self._run_step(items, lambda: self._update(items))
+        counter = self.global_step_counter  # (unchanged when the step was skipped)
+        if self.model is not None and counter != before and counter % self.hp.merge_interval == 0:
+            merge_and_reset(self.model)
+        return loss
+
+    def _update(self, items: list[Item]) -> None:
         gstep = self.global_step_counter
-        for group in self.param_groups:
+        for it in items:
+            group, p = it.group, it.param
             b1, b2 = group["betas"]
             use_poet = group.get("use_poet", True)
             interval = group["poet_merge_interval"] if use_poet else 0
@@ -553,42 +597,34 @@ class POETAdamW(torch.optim.Optimizer):
             lr = group["lr"]
             if use_poet and group["poet_scale"] > 0.0:
                 lr = lr * group["poet_scale"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("POETAdamW does not support sparse gradients")
-                st = self.state[p]
-                if len(st) == 0 or reset:
-                    sdt = torch.float64 if p.dtype == torch.float64 else torch.float32
-                    st["step"] = 0
-                    st["exp_avg"] = torch.zeros_like(p, dtype=sdt)
-                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt)
-                st["step"] += 1
-                g = p.grad.to(st["exp_avg"].dtype)
-                pf = p.to(st["exp_avg"].dtype) if p.dtype != st["exp_avg"].dtype else p
-                m, v = st["exp_avg"], st["exp_avg_sq"]
-                # in place, the authors' operations in their order
-                m.mul_(b1).add_(g, alpha=1.0 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-                denom = v.sqrt().add_(group["eps"])
-                step_size = lr
-                if group["correct_bias"]:
-                    k = st["step"]
-                    step_size = step_size * math.sqrt(1.0 - b2 ** k) / (1.0 - b1 ** k)
-                if pf is p:
-                    p.addcdiv_(m, denom, value=-step_size)
-                    if group["weight_decay"] > 0.0:
-                        p.add_(p, alpha=-lr * group["weight_decay"])
-                else:
-                    pf = pf.addcdiv(m, denom, value=-step_size)
-                    if group["weight_decay"] > 0.0:
-                        pf = pf.add(pf, alpha=-lr * group["weight_decay"])
-                    p.copy_(pf)
+            st = self.state[p]
+            if "step" not in st or reset:
+                sdt = torch.float64 if p.dtype == torch.float64 else torch.float32
+                st["step"] = 0
+                st["exp_avg"] = torch.zeros_like(p, dtype=sdt)
+                st["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt)
+            st["step"] += 1
+            g = it.grad.to(st["exp_avg"].dtype)
+            pf = p.to(st["exp_avg"].dtype) if p.dtype != st["exp_avg"].dtype else p
+            m, v = st["exp_avg"], st["exp_avg_sq"]
+            # in place, the authors' operations in their order
+            m.mul_(b1).add_(g, alpha=1.0 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            denom = v.sqrt().add_(group["eps"])
+            step_size = lr
+            if group["correct_bias"]:
+                k = st["step"]
+                step_size = step_size * math.sqrt(1.0 - b2 ** k) / (1.0 - b1 ** k)
+            if pf is p:
+                p.addcdiv_(m, denom, value=-step_size)
+                if group["weight_decay"] > 0.0:
+                    p.add_(p, alpha=-lr * group["weight_decay"])
+            else:
+                pf = pf.addcdiv(m, denom, value=-step_size)
+                if group["weight_decay"] > 0.0:
+                    pf = pf.add(pf, alpha=-lr * group["weight_decay"])
+                p.copy_(pf)
         self.global_step_counter += 1
-        if self.model is not None and self.global_step_counter % self.hp.merge_interval == 0:
-            merge_and_reset(self.model)
-        return loss
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
@@ -597,8 +633,12 @@ class POETAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
-        self.global_step_counter = int(state_dict.pop("global_step_counter", 0))
+        counter = state_dict.pop("global_step_counter", 0)
+        if isinstance(counter, bool) or not isinstance(counter, int) or counter < 0:
+            raise StateError(f"POETAdamW.load_state_dict: global_step_counter = {counter!r}: "
+                             "must be an int >= 0")
         super().load_state_dict(state_dict)
+        self.global_step_counter = counter
 
 
 register("poet", "torch", POETAdamW)

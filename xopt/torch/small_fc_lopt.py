@@ -26,7 +26,8 @@ from torch import Tensor
 
 from xopt.registry import register
 from xopt.specs import small_fc_lopt as _spec
-from xopt.torch._lopt import Entry, LearnedOptimizer, TritonIO
+from xopt.torch._lopt import Entry, LearnedOptimizer
+from xopt.torch._lopt_triton import TritonIO
 
 __all__ = ["SmallFCLOpt"]
 
@@ -46,8 +47,9 @@ class SmallFCLOpt(LearnedOptimizer):
       lr: multiplier of the learned step, per group (1: the original; schedulers drive it).
       weight_decay, weight_decay_mode, max_training_steps: see
         :class:`xopt.specs.lopt.LOptOptions` (prefab's wrappers).
-      check_finite: raise :class:`xopt.errors.NonFiniteError` naming the parameter when a
-        gradient or the loss holds NaN or inf, before anything moves.
+      nonfinite: ``"ignore"`` (default), ``"raise"`` (:class:`xopt.errors.NonFiniteError`
+        naming the gradient, or the loss, before anything moves) or ``"skip"``
+        (:mod:`xopt.nonfinite`); ``check_finite=True`` is the older spelling of ``"raise"``.
       spec: an :class:`xopt.specs.small_fc_lopt.SmallFCLOpt` instead of the keywords.
       seed: seed of the fresh θ when ``meta_params`` is None.
       **method_hyperparameters: ``exp_mult``, ``step_mult``, ``hidden_size``,
@@ -76,11 +78,13 @@ class SmallFCLOpt(LearnedOptimizer):
                  meta_params: Mapping[str, Any] | None = None, *,
                  num_training_steps: int | None = None, lr: float | None = None,
                  weight_decay: float | None = None, weight_decay_mode: str | None = None,
-                 max_training_steps: int | None = None, check_finite: bool = False,
+                 max_training_steps: int | None = None, nonfinite: str | None = None,
+                 check_finite: bool | None = None,
                  spec: _spec.SmallFCLOpt | None = None, seed: int = 0,
                  impl: str | None = None, precision: str = "exact",
                  **method_hyperparameters: Any) -> None:
-        super().__init__(params, meta_params, spec=spec, seed=seed, check_finite=check_finite,
+        super().__init__(params, meta_params, spec=spec, seed=seed, nonfinite=nonfinite,
+                         check_finite=check_finite,
                          num_training_steps=num_training_steps, lr=lr,
                          weight_decay=weight_decay, weight_decay_mode=weight_decay_mode,
                          max_training_steps=max_training_steps, **method_hyperparameters)

@@ -70,8 +70,9 @@ class VeLO(LearnedOptimizer):
         schedulers drive it). PyLO's VeLO defaults to 1e-3; xopt follows the original.
       weight_decay, weight_decay_mode, max_training_steps: see
         :class:`xopt.specs.lopt.LOptOptions` (``prefab.LearnedOptimizer``'s wrappers).
-      check_finite: raise :class:`xopt.errors.NonFiniteError` naming the parameter when a
-        gradient or the loss holds NaN or inf, before anything changes.
+      nonfinite: ``"ignore"`` (default), ``"raise"`` (:class:`xopt.errors.NonFiniteError`
+        naming the gradient, or the loss, before anything moves) or ``"skip"``
+        (:mod:`xopt.nonfinite`); ``check_finite=True`` is the older spelling of ``"raise"``.
       spec: an :class:`xopt.specs.velo.VeLO` instead of the keywords.
       seed: seed of the fresh θ when ``meta_params`` is None.
       **method_hyperparameters: the other fields of :class:`xopt.specs.velo.VeLO`
@@ -97,11 +98,13 @@ class VeLO(LearnedOptimizer):
                  meta_params: Mapping[str, Any] | None = None, *,
                  num_training_steps: int | None = None, lr: float | None = None,
                  weight_decay: float | None = None, weight_decay_mode: str | None = None,
-                 max_training_steps: int | None = None, check_finite: bool = False,
+                 max_training_steps: int | None = None, nonfinite: str | None = None,
+                 check_finite: bool | None = None,
                  spec: _spec.VeLO | None = None, seed: int = 0,
                  impl: str | None = None, precision: str = "exact",
                  **method_hyperparameters: Any) -> None:
-        super().__init__(params, meta_params, spec=spec, seed=seed, check_finite=check_finite,
+        super().__init__(params, meta_params, spec=spec, seed=seed, nonfinite=nonfinite,
+                         check_finite=check_finite,
                          num_training_steps=num_training_steps, lr=lr,
                          weight_decay=weight_decay, weight_decay_mode=weight_decay_mode,
                          max_training_steps=max_training_steps, **method_hyperparameters)
@@ -192,7 +195,7 @@ class VeLO(LearnedOptimizer):
                        loss_state: tuple | None = None) -> None:
         """The fused Triton step (:mod:`xopt.kernels.velo`) over all tensors. The LSTM state
         of the parameters is kept as views of one ``[n_tensors, H]`` tensor (recognized by
-        their pointers when ``fast`` is the base's :class:`~xopt.torch._lopt.TritonIO`)."""
+        their pointers when ``fast`` is the base's :class:`~xopt.torch._lopt_triton.TritonIO`)."""
         from xopt.kernels.velo import VeLOTriton
 
         if self._triton is None:

@@ -14,13 +14,40 @@ model of CompAct's recordings, written once for both frameworks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from xopt.errors import HyperparameterError, TraceError, XoptError
 from xopt.parity.harness import BadRequest, available, backend_ready
 
-__all__ = ["LAYER_REQUIRES", "float32_matmuls", "layer_backends"]
+__all__ = ["LAYER_REQUIRES", "float32_matmuls", "integer", "layer_backends",
+           "reading_hyperparameters"]
+
+
+@contextlib.contextmanager
+def reading_hyperparameters(path: Any) -> Iterator[None]:
+    """Read a layer trace's recorded hyperparameters: a missing or wrongly typed field
+    or a value out of the spec's range becomes a :class:`~xopt.errors.TraceError` naming the
+    file."""
+    try:
+        yield
+    except HyperparameterError as e:
+        raise TraceError(f"{path}: hyperparameters: {e}") from None
+    except XoptError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        what = f"missing field {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise TraceError(f"{path}: hyperparameters: {what}") from None
+
+
+def integer(value: Any, field: str) -> int:
+    """``value`` if it is an int (not a bool), else a TypeError naming ``field`` (a float
+    such as 8.7 is refused rather than truncated)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{field} = {value!r} is not an integer")
+    return value
 
 #: what the layer drivers' backends import (the JAX layers are Flax modules)
 LAYER_REQUIRES = {"torch": ("torch",), "jax": ("jax", "optax", "flax"), "oracle": ()}

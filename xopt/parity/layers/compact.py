@@ -35,7 +35,8 @@ import numpy as np
 from xopt.errors import TraceError
 from xopt.parity.compare import closer_to, errors
 from xopt.parity.harness import BadRequest, Run, available, backend_label, require_reference
-from xopt.parity.layers import LAYER_REQUIRES, float32_matmuls, layer_backends, llama
+from xopt.parity.layers import (LAYER_REQUIRES, float32_matmuls, integer, layer_backends, llama,
+                                reading_hyperparameters)
 from xopt.parity.methods import get as get_parity
 from xopt.parity.trace import Trace, step_prefix
 from xopt.specs import compact as _spec
@@ -48,11 +49,23 @@ class _Case:
 
     def __init__(self, trace: Trace) -> None:
         self.trace = trace
-        hyp = trace.hyperparameters
+        with reading_hyperparameters(trace.path):
+            self._read(trace.hyperparameters)
+
+    def _read(self, hyp: dict[str, Any]) -> None:
+        trace = self.trace
         if "LlamaConfig" in hyp:
             self.kind = "llama"
             rp = hyp["replace_parameters"]
             self.config = dict(hyp["LlamaConfig"])
+            for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "max_position_embeddings"):
+                if integer(self.config[f], f"LlamaConfig.{f}") < 1:
+                    raise ValueError(f"LlamaConfig.{f} = {self.config[f]} must be >= 1")
+            if self.config["hidden_size"] % self.config["num_attention_heads"]:
+                raise ValueError("LlamaConfig.hidden_size must be a multiple of "
+                                 "num_attention_heads")
+            self.config["rms_norm_eps"] = float(self.config["rms_norm_eps"])
             adam = hyp["SmallAdamW"]
             self.layers = {}
             for i, (name, lay) in enumerate(hyp["wrapped_layers"].items()):
@@ -65,7 +78,12 @@ class _Case:
         elif "SmallLinear.like" in hyp:
             self.kind = "linear"
             lin, pr, adam = hyp["nn.Linear"], hyp["Projector"], hyp["SmallAdamW"]
-            self.in_features, self.out_features = lin["in_features"], lin["out_features"]
+            self.in_features = integer(lin["in_features"], "nn.Linear.in_features")
+            self.out_features = integer(lin["out_features"], "nn.Linear.out_features")
+            if min(self.in_features, self.out_features) < 1:
+                raise ValueError("nn.Linear's in_features and out_features must be >= 1")
+            if not isinstance(lin["bias"], bool):
+                raise TypeError(f"nn.Linear.bias = {lin['bias']!r} is not a bool")
             self.bias = lin["bias"]
             self.hp = _spec.CompAct(
                 lr=adam["lr"], b1=adam["betas"][0], b2=adam["betas"][1], eps=adam["eps"],
@@ -85,13 +103,15 @@ class _Case:
     # projection settings of each wrapped weight, with xopt's own seed for the layer
     def projections(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, _spec.Projection]:
         out = {}
-        for name, lay in self.layers.items():
-            m, n = shapes[name]
-            ident = lay["proj_type"] == "id"
-            out[name] = _spec.Projection(
-                kind="identity" if ident else "gaussian", in_features=n,
-                rank=n if ident else _spec.rank_of(n, lay["rank"]), scale=float(lay["scale"]),
-                seed=_spec.layer_seed(self.hp.seed, lay["index"]), gap=int(lay["gap"] or 0))
+        with reading_hyperparameters(self.trace.path):
+            for name, lay in self.layers.items():
+                m, n = shapes[name]
+                ident = lay["proj_type"] == "id"
+                out[name] = _spec.Projection(
+                    kind="identity" if ident else "gaussian", in_features=n,
+                    rank=n if ident else _spec.rank_of(n, lay["rank"]),
+                    scale=float(lay["scale"]), seed=_spec.layer_seed(self.hp.seed, lay["index"]),
+                    gap=integer(lay["gap"] or 0, f"{name}.gap"))
         return out
 
     def injected(self, t: int) -> dict[str, np.ndarray]:

@@ -37,7 +37,8 @@ import numpy as np
 from xopt.errors import TraceError
 from xopt.parity.compare import closer_to, errors
 from xopt.parity.harness import BadRequest, Run, available, backend_label, require_reference
-from xopt.parity.layers import LAYER_REQUIRES, float32_matmuls, layer_backends
+from xopt.parity.layers import (LAYER_REQUIRES, float32_matmuls, integer, layer_backends,
+                                reading_hyperparameters)
 from xopt.parity.methods import get as get_parity
 from xopt.parity.trace import Trace, step_prefix
 from xopt.specs import poet as P
@@ -57,13 +58,20 @@ def formula_of(trace: Trace) -> str:
 
 def hyperparams(trace: Trace) -> P.POET:
     """The spec's hyperparameters for a layer trace (the authors' names → xopt's)."""
+    with reading_hyperparameters(trace.path):
+        return _hyperparams(trace)
+
+
+def _hyperparams(trace: Trace) -> P.POET:
     h = trace.hyperparameters
     if "POETConfig" not in h:
-        return P.POET(block_size=int(h["block_size"]), cayley_formula=formula_of(trace))
+        return P.POET(block_size=integer(h["block_size"], "block_size"),
+                      cayley_formula=formula_of(trace))
     cfg, opt = h["POETConfig"], h.get("POETAdamW", {})
     group = opt.get("oft_R_group", {})
     betas = opt.get("betas", [0.9, 0.999])
-    return P.POET(block_size=int(cfg["block_size"]), merge_interval=int(cfg["merge_interval"]),
+    return P.POET(block_size=integer(cfg["block_size"], "POETConfig.block_size"),
+                  merge_interval=integer(cfg["merge_interval"], "POETConfig.merge_interval"),
                   lr=float(group.get("lr", cfg["poet_lr"])),
                   poet_scale=float(opt.get("poet_scale", cfg["poet_scale"])),
                   b1=float(betas[0]), b2=float(betas[1]), eps=float(opt.get("eps", 1e-6)),
