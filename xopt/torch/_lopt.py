@@ -88,6 +88,7 @@ from xopt.specs import MetaParams
 from xopt.specs.lopt import LOptOptions
 from xopt.torch._lopt_triton import TritonIO, TritonPath
 from xopt.torch._optim import Item, Layout, Optimizer, check_layout, param_name
+from xopt.torch.distributed import mean_loss, prepare
 
 __all__ = ["Entry", "LearnedOptimizer"]
 
@@ -344,11 +345,14 @@ class LearnedOptimizer(TritonPath, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._resolve_pending()
+        ranks = prepare(self)
         steady = self._steady_io()
         if steady is None:
             self._check_groups()
         items = self._gather() if steady is None else steady[0].items
         loss_t = self._loss_tensor(loss)
+        if loss is not None:  # data parallel: the loss of the global batch, on every rank
+            loss_t = mean_loss(loss_t, ranks)
         if self.nonfinite != "ignore":
             checked = [Item(gi, i, p, p.grad, group) for gi, i, p, group in items]
             params = [it.param for it in checked]

@@ -41,6 +41,7 @@ from xopt.errors import HyperparameterError, StateError, XoptError
 from xopt.registry import register
 from xopt.specs import compact as _spec
 from xopt.torch._optim import FLOATING, Item, Layout, Optimizer, grad_problem
+from xopt.torch.distributed import is_dtensor, prepare
 
 __all__ = ["CompActAdamW", "CompActFunction", "CompActLinear", "LayerError", "compact_model",
            "LLAMA_LAYERS"]
@@ -522,8 +523,32 @@ class CompActAdamW(Optimizer):
         loss = self._closure_loss(closure)
         items = self._step_items()
         plans = [self._plan(it) for it in items]  # every layer checked before anything moves
+        items = self._data_parallel_mean(items, plans)
         self._run_step(items, lambda: self._update(items, plans))
         return loss
+
+    def _data_parallel_mean(self, items: list[Item],
+                            plans: list[tuple[CompActLinear | None, int]]) -> list[Item]:
+        """Under DDP, the ranks' mean of every ``compact_grad`` (DDP's hooks reduce ``.grad``
+        only), in one all-reduce; new tensors, so that a retried step reduces the ranks' own
+        gradients again."""
+        ranks = prepare(self)
+        low = [k for k, (layer, _) in enumerate(plans) if layer is not None]
+        if ranks is None or ranks.size == 1 or not low:
+            return items
+        if any(is_dtensor(items[k].param) for k in low):
+            raise NotImplementedError(
+                "CompActAdamW: compact_grad of a sharded (FSDP2) weight is not reduce-"
+                "scattered yet; use DDP")
+        flat = torch.cat([items[k].grad.reshape(-1).float() for k in low])
+        ranks.all_reduce(flat)
+        flat /= ranks.size
+        out, pos = list(items), 0
+        for k in low:
+            g = items[k].grad
+            out[k] = items[k]._replace(grad=flat[pos:pos + g.numel()].view_as(g).to(g.dtype))
+            pos += g.numel()
+        return out
 
     def _plan(self, it: Item) -> tuple[CompActLinear | None, int]:
         """``(layer, refresh)`` of a CompAct weight's update (``(None, 0)`` for another
