@@ -72,15 +72,6 @@ _FSDP2 = {
 KNOWN: dict[tuple[str, str], Known] = {
     **{("fsdp2", m): k for m, k in _FSDP2.items()},
     **{("dcp_fsdp2", m): k for m, k in _FSDP2.items()},
-    ("dcp_ddp", "small_fc_lopt"): Known(
-        "global state under the non-parameter key state['global'] (iteration, decay "
-        "counters): DCP maps state keys to parameter names", "KeyError", r"'global'"),
-    ("dcp_ddp", "mulo"): Known(
-        "global state under the non-parameter key state['global'] (iteration, decay "
-        "counters): DCP maps state keys to parameter names", "KeyError", r"'global'"),
-    ("dcp_ddp", "velo"): Known(
-        "global state under the non-parameter key state['global'] (iteration, counters, "
-        "the loss buffer): DCP maps state keys to parameter names", "KeyError", r"'global'"),
     ("dcp_ddp", "flora"): Known(
         "Flora creates state at construction, so DCP's state initialisation is skipped and "
         "the loaded optimizer lacks the saved moments", None, r"loaded on 1 rank: .*missing"),

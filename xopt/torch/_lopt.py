@@ -22,10 +22,16 @@ for the arithmetic, which :func:`xopt.specs.lopt.outer_step` defines as a pure f
   name the hyperparameter values they fit;
 * meta-parameters: either naming, or a seeded fresh draw, kept as float32 tensors and
   copied once to each device that needs them;
-* global state in ``self.state["global"]`` (a str key: torch's ``state_dict`` and
-  ``load_state_dict`` carry it unchanged), and a ``load_state_dict`` that checks every
-  entry first and restores the float32 state of low-precision parameters exactly (torch
-  would cast it to the parameter's dtype).
+* global state in ``self.state["global"]``, created at the first step (as every other
+  state entry, so that DCP's ``get/set_optimizer_state_dict`` see an optimizer without
+  state until then and create it with one step of lr 0). ``state_dict()`` keeps every
+  entry under a parameter's key, as DCP requires: the global entries ride with the first
+  parameter's state as ``"global/<name>"``; ``load_state_dict`` reads that form (and the
+  older one with a ``"global"`` key), checks every entry first and restores the float32
+  state of low-precision parameters exactly (torch would cast it to the parameter's dtype);
+* data parallelism (:mod:`xopt.torch.distributed`): the ranks' agreement is checked at the
+  first step, and the loss given to ``step`` is each rank's own: the optimizer reads the
+  ranks' mean (the loss of the global batch), one scalar all-reduce.
 
 The Triton path (``impl=``) and the caches that keep a steady step free of per-tensor
 Python work are the mixin :class:`xopt.torch._lopt_triton.TritonPath`. The step reads its
@@ -191,7 +197,6 @@ class LearnedOptimizer(TritonPath, Optimizer):
                          nonfinite=nonfinite, check_finite=check_finite)
         first = next(iter(self._all_params()), None)
         self._device = first.device if first is not None else torch.device("cpu")
-        self.state["global"] = self._new_global_state()
 
     # -- checkpoints (xopt.checkpoints.hub) ---------------------------------------------------
     @classmethod
@@ -307,7 +312,9 @@ class LearnedOptimizer(TritonPath, Optimizer):
     def _loss_tensor(self, loss: Any) -> Tensor:
         name = type(self).__name__
         if loss is None:
-            if self.needs_loss:
+            if self.needs_loss and not all(_is_zero(g["lr"]) for g in self.param_groups):
+                # (a step of lr 0, as DCP's get/set_optimizer_state_dict take to create the
+                # state of a fresh optimizer, moves nothing: its loss counts as 0)
                 raise ValueError(f"{name}.step needs the loss: call step(closure) with a closure "
                                  "that returns it, or step(loss=loss)")
             # one zero scalar per optimizer and device, not a new one (an allocation and a
@@ -369,6 +376,8 @@ class LearnedOptimizer(TritonPath, Optimizer):
 
     def _step(self, items: list, loss_t: Tensor, steady: Any) -> None:
         """The update (after validation; nothing has changed yet)."""
+        if not self.state.get("global"):
+            self.state["global"] = self._new_global_state()
         if steady is not None:  # nothing but the gradient tensors or the lrs changed
             io, io.grads = steady
             try:
@@ -453,9 +462,26 @@ class LearnedOptimizer(TritonPath, Optimizer):
         self._meta_cache.pop(torch.device("meta"), None)
         return {k: Layout(tuple(v.shape), v.dtype) for k, v in st.items()}
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's, with the global state under the first parameter's key (``"global/<name>"``
+        entries beside its own): every key of ``state`` is a parameter's, as DCP requires."""
+        sd = super().state_dict()
+        glob = sd["state"].pop("global", None)
+        ids = [k for g in sd["param_groups"] for k in g["params"]]
+        if glob is not None and ids:
+            anchor = {k: v for k, v in sd["state"].get(ids[0], {}).items()}
+            anchor.update({f"{_GLOBAL}{k}": v for k, v in glob.items()})
+            sd["state"][ids[0]] = anchor
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(_global_apart(state_dict))
+
     def _check_state_dict(self, state_dict: Any) -> Any:
+        state_dict = _global_apart(state_dict)
         st = state_dict.get("state") if isinstance(state_dict, Mapping) else None
-        if isinstance(st, Mapping) and not isinstance(st.get("global"), Mapping):
+        if isinstance(st, Mapping) and any(k != "global" for k in st) and not isinstance(
+                st.get("global"), Mapping):
             raise StateError(f"{type(self).__name__}.load_state_dict: missing state['global'] "
                              "(the global state of a learned optimizer; a state dict of "
                              "another optimizer?)")
@@ -473,10 +499,40 @@ class LearnedOptimizer(TritonPath, Optimizer):
         check_layout(value, [layout], where)
 
     def _loaded(self, state_dict: Mapping[str, Any]) -> None:
-        glob = state_dict["state"]["global"]
+        glob = state_dict["state"].get("global")
+        if glob is None:  # saved before any step
+            self.state.pop("global", None)
+            return
         self.state["global"] = {
             kk: vv.detach().clone().to(self._device if kk == "loss_accum" else "cpu")
             for kk, vv in glob.items()}
+
+
+_GLOBAL = "global/"
+
+
+def _global_apart(state_dict: Any) -> Any:
+    """``state_dict`` with the ``"global/<name>"`` entries (:meth:`LearnedOptimizer.state_dict`)
+    moved back under ``state["global"]``; anything else as it is (the checks name it)."""
+    st = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+    if not isinstance(st, Mapping) or "global" in st:
+        return state_dict
+    holders = [k for k, v in st.items() if isinstance(v, Mapping)
+               and any(isinstance(kk, str) and kk.startswith(_GLOBAL) for kk in v)]
+    if not holders:
+        return state_dict
+    if len(holders) > 1:
+        raise StateError(f"load_state_dict: global state entries under {len(holders)} "
+                         "parameters' keys; one parameter holds them")
+    new = dict(st)
+    entry = st[holders[0]]
+    own = {k: v for k, v in entry.items() if not str(k).startswith(_GLOBAL)}
+    if own:
+        new[holders[0]] = own
+    else:
+        del new[holders[0]]
+    new["global"] = {k[len(_GLOBAL):]: v for k, v in entry.items() if str(k).startswith(_GLOBAL)}
+    return {**state_dict, "state": new}
 
 
 def _f32(x: Tensor) -> Tensor:
