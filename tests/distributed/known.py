@@ -72,9 +72,6 @@ _FSDP2 = {
 KNOWN: dict[tuple[str, str], Known] = {
     **{("fsdp2", m): k for m, k in _FSDP2.items()},
     **{("dcp_fsdp2", m): k for m, k in _FSDP2.items()},
-    ("dcp_ddp", "flora"): Known(
-        "Flora creates state at construction, so DCP's state initialisation is skipped and "
-        "the loaded optimizer lacks the saved moments", None, r"loaded on 1 rank: .*missing"),
     ("dcp_ddp", "compact"): Known(
         "DCP initialises state with a step without compact_grad, which gives the CompAct "
         "weights full-size moments; the saved ones are projected (out x r)",

@@ -93,32 +93,28 @@ class Flora(LowRankOptimizer):
             relative_step=relative_step, warmup_init=warmup_init,
             factorize_second_moment=factorize_second_moment, seed=seed,
             quantization=quantization, project=project)
-        self._seeded = 0
+
+    def _initial_seed(self, p: Tensor) -> int:
+        """The original's seeds: parameter i (1-based over all groups, in order) gets its
+        group's seed + i. Drawn at ``p``'s first update, not at construction: an optimizer
+        holds no state before its first step (DCP creates a fresh optimizer's state with a
+        step, which it skips when any state exists)."""
+        i = 0
         for group in self.param_groups:
-            self._seed_group(group)
-
-    def _seed_group(self, group: dict[str, Any]) -> None:
-        """The original's seeds: parameter i (1-based over all groups) gets seed + i."""
-        for p in group["params"]:
-            self._seeded += 1
-            if p.requires_grad:
-                self.state[p]["seed"] = int(group["seed"]) + self._seeded
-
-    def _added_group(self, group: dict[str, Any], gi: int) -> None:
-        if hasattr(self, "_seeded"):  # after construction: continue the count
-            self._seed_group(group)
+            for q in group["params"]:
+                i += 1
+                if q is p:
+                    return int(group["seed"]) + i
+        raise StateError("Flora: a parameter outside the optimizer's groups")
 
     def _fresh_layouts(self, p: Tensor, group: Mapping[str, Any]) -> list[dict[str, Layout]]:
-        return [{"seed": Layout((), int)}]  # seeded at construction, before any update
+        return [{"seed": Layout((), int)}]  # state dicts of versions that seeded at construction
 
     def _check_param(self, p: Tensor, hp: _spec.Flora, where: str) -> None:
         _spec.check_param(tuple(p.shape), hp, where)
 
     def _prepare(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.Flora,
                  name: str, inject: Mapping[str, Tensor] | None) -> Any:
-        if "seed" not in state:  # (checked for every parameter before any is updated)
-            raise StateError(f"Flora: {name} has no projection seed in its state (it did not "
-                             "require a gradient when the optimizer was built?)")
         return None
 
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.Flora,
@@ -127,6 +123,7 @@ class Flora(LowRankOptimizer):
         shape = tuple(p.shape)
         if "step" not in state:
             zeros = dict(dtype=sdt, device=p.device)
+            state.setdefault("seed", self._initial_seed(p))
             state["step"] = 0
             if hp.use_momentum:
                 state["exp_avg"] = torch.zeros(_spec.momentum_shape(shape, hp), **zeros)
