@@ -35,18 +35,6 @@ class KnownFailure(Exception):
 _DTENSOR_MIX = r"got mixed torch\.Tensor and DTensor"
 
 _FSDP2 = {
-    "small_fc_lopt": Known(
-        "state made with torch.zeros, not placed as the DTensor parameter; the per-tensor "
-        "statistics (Adafactor rows/columns, the feature normaliser) are not yet completed "
-        "across shards", "RuntimeError", _DTENSOR_MIX),
-    "mulo": Known(
-        "state made with torch.zeros, not placed as the DTensor parameter; the per-tensor "
-        "statistics (Adafactor rows/columns, the feature normaliser) are not yet completed "
-        "across shards", "RuntimeError", _DTENSOR_MIX),
-    "velo": Known(
-        "state made with torch.zeros, not placed as the DTensor parameter; the per-tensor "
-        "statistics (LSTM inputs, Adafactor rows/columns) are not yet completed across "
-        "shards", "RuntimeError", _DTENSOR_MIX),
     "galore": Known(
         "the refresh's SVD runs on the DTensor gradient (the sign fix's indexing has no "
         "sharding rule); the owner rule is not wired in yet", "DecompositionError",

@@ -94,7 +94,14 @@ from xopt.specs import MetaParams
 from xopt.specs.lopt import LOptOptions
 from xopt.torch._lopt_triton import TritonIO, TritonPath
 from xopt.torch._optim import Item, Layout, Optimizer, check_layout, param_name
-from xopt.torch.distributed import mean_loss, prepare
+from xopt.torch.distributed import (
+    is_dtensor,
+    mean_loss,
+    place_as,
+    plain_as_replicated,
+    prepare,
+    settle,
+)
 
 __all__ = ["Entry", "LearnedOptimizer"]
 
@@ -307,6 +314,8 @@ class LearnedOptimizer(TritonPath, Optimizer):
         st = self._init_param_state(p)
         if self.hp.accumulating:
             st["grad_accum"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        if is_dtensor(p):  # FSDP2: state placed as the parameter (DCP saves and reshards it)
+            st = {k: place_as(p, v) for k, v in st.items()}
         return st
 
     def _loss_tensor(self, loss: Any) -> Tensor:
@@ -367,11 +376,13 @@ class LearnedOptimizer(TritonPath, Optimizer):
                 seen = {id(p) for p in params}
                 params += [p for p in self._all_params()
                            if id(p) not in seen and "grad_accum" in self.state.get(p, ())]
-            self._run_step(checked, lambda: self._step(items, loss_t, steady),
-                           loss=None if loss is None else loss_t, state_keys=["global"],
-                           params=params)
+            with plain_as_replicated(self._all_params()):
+                self._run_step(checked, lambda: self._step(items, loss_t, steady),
+                               loss=None if loss is None else loss_t, state_keys=["global"],
+                               params=params)
         else:
-            self._step(items, loss_t, steady)
+            with plain_as_replicated(self._all_params()):
+                self._step(items, loss_t, steady)
         return loss
 
     def _step(self, items: list, loss_t: Tensor, steady: Any) -> None:
@@ -429,6 +440,7 @@ class LearnedOptimizer(TritonPath, Optimizer):
             entries = [Entry(p, self.state[p], group, param_name(group, gi, i), (gi, i),
                              decayed_grad(p, group)) for gi, i, p, group in items]
             self._inner_update(entries, loss_t, gstate)
+            self._settle(entries)
             gstate["iteration"] += 1
             return
 
@@ -451,10 +463,19 @@ class LearnedOptimizer(TritonPath, Optimizer):
                     entries.append(Entry(p, st, group, param_name(group, gi, i), (gi, i),
                                          lambda acc=acc: acc * inv))
         self._inner_update(entries, gstate["loss_accum"] * inv, gstate)
+        self._settle(entries)
         gstate["iteration"] += 1
         for e in entries:
             e.state["grad_accum"].zero_()
         gstate["loss_accum"] = torch.zeros_like(gstate["loss_accum"])
+
+    @staticmethod
+    def _settle(entries: list[Entry]) -> None:
+        """FSDP2: state whose sums over shards DTensor left pending is completed now."""
+        for e in entries:
+            if is_dtensor(e.param):
+                for k, v in e.state.items():
+                    e.state[k] = settle(v)
 
     # -- state dicts --------------------------------------------------------------------------
     def _state_layout(self, p: Tensor, group: Any) -> dict[str, Layout]:

@@ -54,7 +54,8 @@ from xopt.errors import XoptError
 
 __all__ = ["AUTO", "CommCounter", "Layout", "RankMismatchError", "Ranks", "ShardedStep",
            "assign_owners", "check_consistent", "data_parallel_ranks", "is_dtensor", "local",
-           "mean_loss", "owner_compute", "prepare", "set_process_group", "state_zeros"]
+           "mean_loss", "owner_compute", "place_as", "plain_as_replicated", "prepare",
+           "set_process_group", "settle", "state_zeros"]
 
 #: the default of ``optimizer.process_group``: the parameters' mesh, else the default group
 AUTO = "auto"
@@ -432,6 +433,55 @@ def state_zeros(p: Tensor, trailing: Sequence[int] = (), *, drop: Sequence[int] 
     if drop:
         lay = lay.drop(drop)
     return lay.extend(*trailing).zeros(dtype, local(p).device)
+
+
+def place_as(p: Tensor, x: Tensor) -> Tensor:
+    """State ``x`` made for parameter ``p`` as a plain tensor of global shape, placed on
+    ``p``'s mesh: split as ``p`` when ``x`` has ``p``'s shape (plus trailing dimensions, one
+    per decay), replicated otherwise (row and column statistics, per-tensor vectors; a
+    step's reductions then place them as its math does). ``x`` itself when ``p`` is not a
+    DTensor. The local block is a copy of ``x``'s (which is made once, at the first step)."""
+    if not is_dtensor(p):
+        return x
+    lay = Layout.of(p)
+    n = len(lay.shape)
+    if tuple(x.shape[:n]) == lay.shape:
+        lay = lay.extend(*x.shape[n:])
+        block = x[tuple(slice(o, o + k) for o, k in zip(lay.offsets, lay.local_shape,
+                                                         strict=True))]
+        return lay.wrap(block.contiguous().clone())
+    dt = _dtensor_module()
+    mesh = p.device_mesh
+    return dt.DTensor.from_local(x, mesh, [dt.Replicate()] * mesh.ndim, run_check=False)
+
+
+def settle(t: Tensor) -> Tensor:
+    """``t`` with its pending reductions done: a DTensor with ``Partial`` placements (a sum
+    over a sharded dimension, which DTensor completes lazily) redistributed to
+    ``Replicate`` (one all-reduce of ``t``'s size, the reduced one), so that state is
+    complete on every rank and DCP can save it; anything else as it is."""
+    if not is_dtensor(t):
+        return t
+    dt = _dtensor_module()
+    placements = tuple(t.placements)
+    if not any(isinstance(pl, dt.Partial) for pl in placements):
+        return t
+    return t.redistribute(placements=[dt.Replicate() if isinstance(pl, dt.Partial) else pl
+                                      for pl in placements])
+
+
+def plain_as_replicated(params: Iterable[Tensor]) -> Any:
+    """A context in which plain tensors meeting DTensors count as replicated (a learned
+    optimizer's meta-parameters and time features) when the first of ``params`` is a
+    DTensor; else a null context."""
+    import contextlib
+
+    first = next(iter(params), None)
+    if first is None or not is_dtensor(first):
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    return implicit_replication()
 
 
 # -- the owner rule ------------------------------------------------------------------------------
