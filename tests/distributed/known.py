@@ -35,20 +35,6 @@ class KnownFailure(Exception):
 _DTENSOR_MIX = r"got mixed torch\.Tensor and DTensor"
 
 _FSDP2 = {
-    "galore": Known(
-        "the refresh's SVD runs on the DTensor gradient (the sign fix's indexing has no "
-        "sharding rule); the owner rule is not wired in yet", "DecompositionError",
-        r"SVD of the gradient .*" + _DTENSOR_MIX),
-    "flora": Known(
-        "the random projection and factored moments are plain tensors mixed with the "
-        "DTensor gradient", "RuntimeError", _DTENSOR_MIX),
-    "coap": Known(
-        "the projection is a plain tensor multiplied with the DTensor gradient; the owner "
-        "rule for its QR/SVD is not wired in yet", "RuntimeError", _DTENSOR_MIX),
-    "plumage": Known(
-        "the refresh's SVD runs on the DTensor gradient (the sign fix's indexing has no "
-        "sharding rule); the owner rule is not wired in yet", "DecompositionError",
-        r"SVD of the gradient .*" + _DTENSOR_MIX),
     "compact": Known(
         "compact_grad lands on FSDP2's temporary unsharded weight and is not reduce-"
         "scattered onto the DTensor parameter", "RuntimeError", _DTENSOR_MIX),

@@ -536,22 +536,20 @@ def _global_apart(state_dict: Any) -> Any:
     """``state_dict`` with the ``"global/<name>"`` entries (:meth:`LearnedOptimizer.state_dict`)
     moved back under ``state["global"]``; anything else as it is (the checks name it)."""
     st = state_dict.get("state") if isinstance(state_dict, Mapping) else None
-    if not isinstance(st, Mapping) or "global" in st:
+    groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    if not isinstance(st, Mapping) or "global" in st or not isinstance(groups, list):
         return state_dict
-    holders = [k for k, v in st.items() if isinstance(v, Mapping)
-               and any(isinstance(kk, str) and kk.startswith(_GLOBAL) for kk in v)]
-    if not holders:
-        return state_dict
-    if len(holders) > 1:
-        raise StateError(f"load_state_dict: global state entries under {len(holders)} "
-                         "parameters' keys; one parameter holds them")
+    ids = [k for g in groups if isinstance(g, Mapping) for k in g.get("params", ())]
+    entry = st.get(ids[0]) if ids else None
+    if not isinstance(entry, Mapping) or not any(
+            isinstance(k, str) and k.startswith(_GLOBAL) for k in entry):
+        return state_dict  # (global entries elsewhere are unexpected keys there)
     new = dict(st)
-    entry = st[holders[0]]
     own = {k: v for k, v in entry.items() if not str(k).startswith(_GLOBAL)}
     if own:
-        new[holders[0]] = own
+        new[ids[0]] = own
     else:
-        del new[holders[0]]
+        del new[ids[0]]
     new["global"] = {k[len(_GLOBAL):]: v for k, v in entry.items() if str(k).startswith(_GLOBAL)}
     return {**state_dict, "state": new}
 

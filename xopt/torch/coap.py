@@ -27,6 +27,7 @@ from torch import Tensor
 from xopt.registry import register
 from xopt.specs import coap as _spec
 from xopt.torch._lowrank import LowRankOptimizer
+from xopt.torch.distributed import local, place_as
 
 __all__ = ["COAP"]
 
@@ -113,8 +114,8 @@ class COAP(LowRankOptimizer):
             state["step"] = torch.tensor(0, dtype=torch.int64)
             for v in _spec.STATE.vars:
                 if v.scope == "param" and v.exists_for(shape, hp):
-                    state[_KEYS[v.name]] = torch.zeros(v.shape(shape, hp), dtype=dtype,
-                                                       device=p.device)
+                    state[_KEYS[v.name]] = place_as(p, torch.zeros(
+                        v.shape(shape, hp), dtype=dtype, device=local(p).device))
         t = int(state["step"])
         st = {var: state[key] for var, key in _KEYS.items() if key in state}
 

@@ -52,10 +52,10 @@ from torch import Tensor
 
 from xopt.errors import XoptError
 
-__all__ = ["AUTO", "CommCounter", "Layout", "RankMismatchError", "Ranks", "ShardedStep",
-           "assign_owners", "check_consistent", "data_parallel_ranks", "is_dtensor", "local",
-           "mean_loss", "owner_compute", "place_as", "plain_as_replicated", "prepare",
-           "set_process_group", "settle", "state_zeros"]
+__all__ = ["assign_owners", "AUTO", "check_consistent", "CommCounter", "data_parallel_ranks",
+           "decompose_once", "is_dtensor", "Layout", "local", "mean_loss", "owner_compute",
+           "place_as", "plain_as_replicated", "prepare", "RankMismatchError", "Ranks",
+           "set_process_group", "settle", "ShardedStep", "state_zeros"]
 
 #: the default of ``optimizer.process_group``: the parameters' mesh, else the default group
 AUTO = "auto"
@@ -593,6 +593,29 @@ def owner_compute(items: Sequence[tuple[Tensor, Layout]], owners: Sequence[int],
                 results[i][j] = buf[pos:pos + k].reshape(shape)
                 pos += k
     return results
+
+
+def decompose_once(optimizer: Any, a: Tensor, fn: Callable[[Tensor], Sequence[Tensor]],
+                   out_meta: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Tensor]:
+    """``fn(whole a)`` for a DTensor matrix ``a`` (a sharded gradient at a refresh step),
+    computed once, on one owner rank, and broadcast: the shards reach the owner in one
+    ``all_to_all_single`` (:func:`owner_compute`); owners rotate over the ranks with each
+    call, in the same order on every rank. A failure on the owner reaches every rank as
+    NaN results (the caller's finiteness check then raises everywhere; no rank waits)."""
+    a = settle(a)  # a product with a sharded factor (COAP's sketch): summed first
+    lay = Layout.of(a)
+    n = optimizer.__dict__.get("_xopt_owner_next", 0)
+    optimizer.__dict__["_xopt_owner_next"] = n + 1
+    world = lay.mesh.size()
+
+    def run(_: int, whole: Tensor) -> Sequence[Tensor]:
+        try:
+            return fn(whole)
+        except RuntimeError:
+            return [torch.full(shape, math.nan, dtype=dt, device=whole.device)
+                    for shape, dt in out_meta]
+
+    return owner_compute([(a.to_local(), lay)], [n % world], run, lambda _: out_meta)[0]
 
 
 # -- the PyLO-style distributed step -------------------------------------------------------------

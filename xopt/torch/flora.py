@@ -36,6 +36,7 @@ from xopt.registry import register
 from xopt.specs import flora as _spec
 from xopt.torch._lowrank import LowRankOptimizer
 from xopt.torch._optim import Layout
+from xopt.torch.distributed import local, place_as, state_zeros
 
 __all__ = ["Flora"]
 
@@ -122,17 +123,19 @@ class Flora(LowRankOptimizer):
         sdt = self.state_dtype(p)
         shape = tuple(p.shape)
         if "step" not in state:
-            zeros = dict(dtype=sdt, device=p.device)
+            zeros = dict(dtype=sdt, device=local(p).device)
             state.setdefault("seed", self._initial_seed(p))
             state["step"] = 0
             if hp.use_momentum:
-                state["exp_avg"] = torch.zeros(_spec.momentum_shape(shape, hp), **zeros)
-            if _spec.factored(shape, hp):
-                state["exp_avg_sq_row"] = torch.zeros(shape[:-1], **zeros)
-                state["exp_avg_sq_col"] = torch.zeros(shape[:-2] + shape[-1:], **zeros)
+                state["exp_avg"] = place_as(p, torch.zeros(_spec.momentum_shape(shape, hp),
+                                                           **zeros))
+            if _spec.factored(shape, hp):  # (FSDP2: the row statistic split as the rows)
+                state["exp_avg_sq_row"] = state_zeros(p, drop=(len(shape) - 1,), dtype=sdt)
+                state["exp_avg_sq_col"] = place_as(p, torch.zeros(shape[:-2] + shape[-1:],
+                                                                  **zeros))
             else:
-                state["exp_avg_sq"] = torch.zeros(shape, **zeros)
-            state["RMS"] = torch.zeros((), **zeros)
+                state["exp_avg_sq"] = place_as(p, torch.zeros(shape, **zeros))
+            state["RMS"] = place_as(p, torch.zeros((), **zeros))
         t = int(state["step"]) + 1
         p_c = p if p.dtype == sdt else p.to(sdt)
         g_c = g if g.dtype == sdt else g.to(sdt)
