@@ -36,7 +36,8 @@ def _run(script: str, *args: str, interpret: bool = False) -> str:
 def test_bench_holds_only_maintained_benchmarks():
     """bench/ keeps benchmarks with a --tiny mode (tested here) and their results."""
     scripts = sorted(p.name for p in (REPO / "bench").iterdir() if p.suffix == ".py")
-    assert scripts == ["compact_memory.py", "lopt_step.py", "lopt_step_jax.py", "poet_layer.py"]
+    assert scripts == ["compact_memory.py", "distributed.py", "lopt_step.py", "lopt_step_jax.py",
+                       "poet_layer.py"]
     assert not [p for p in (REPO / "bench").iterdir() if p.is_dir()]
 
 
@@ -94,3 +95,26 @@ def test_lopt_step_jax_tiny(tmp_path):
     survey = report["compile"]["tiny"]
     assert {"optax.adamw", "xopt.jax.adamw", "xopt.jax.galore"} <= set(survey)
     assert all(v["total_s"] > 0 for v in survey.values() if "total_s" in v)
+
+
+def test_distributed_tiny(tmp_path):
+    """FSDP2 on 2 gloo CPU ranks: every row the GPU run reports, each method's sharded run
+    within float32 rounding of one process, and the learned optimizers' step communicating
+    only reduced statistics (no parameter-sized collective)."""
+    text = _run("distributed.py", "--tiny", "--out-dir", str(tmp_path))
+    report = json.loads((tmp_path / "distributed.json").read_text())
+    rows = report["rows"]
+    assert report["world_size"] == 2 and report["backend"] == "gloo"
+    assert set(rows) == {"torch_adamw_fused", "adamw", "small_fc_lopt", "velo", "mulo",
+                         "galore", "flora", "coap", "plumage", "compact", "poet"}
+    for method, r in rows.items():
+        if "skipped" in r:
+            continue
+        assert r["state_bytes"] > 0 and r["step_ms"] > 0, method
+        assert r["max_rel_err"] < 1e-3, (method, r["max_rel_err"])
+    for method in ("small_fc_lopt", "velo", "mulo"):
+        steady = rows[method]["step_comm_bytes"]["steady"]
+        params_bytes = 4 * max(1, rows[method]["params"]) // 2  # one rank's shard, float32
+        assert 0 < steady["largest"] < params_bytes // 16, (method, steady)
+    assert rows["adamw"]["step_comm_bytes"]["steady"]["bytes"] == 0
+    assert "wrote" in text

@@ -471,9 +471,13 @@ def settle(t: Tensor) -> Tensor:
 
 
 def plain_as_replicated(params: Iterable[Tensor]) -> Any:
-    """A context in which plain tensors meeting DTensors count as replicated (a learned
-    optimizer's meta-parameters and time features) when the first of ``params`` is a
-    DTensor; else a null context."""
+    """The context of a step over DTensor parameters (when the first of ``params`` is one;
+    else a null context): plain tensors meeting DTensors count as replicated (a learned
+    optimizer's meta-parameters and time features, a replicated projection), and every
+    result that DTensor leaves as a pending sum over shards (``Partial``: a reduction or a
+    contraction over a sharded dimension) is completed at once, at its reduced size, by
+    :func:`settle`; left pending, it would meet a parameter-sized operand and be reduce-
+    scattered at the parameter's size."""
     import contextlib
 
     first = next(iter(params), None)
@@ -481,7 +485,26 @@ def plain_as_replicated(params: Iterable[Tensor]) -> Any:
         return contextlib.nullcontext()
     from torch.distributed.tensor.experimental import implicit_replication
 
-    return implicit_replication()
+    stack = contextlib.ExitStack()
+    stack.enter_context(implicit_replication())
+    stack.enter_context(_eager_sums()())
+    return stack
+
+
+def _eager_sums() -> type:
+    cls = globals().get("_EagerSums")
+    if cls is not None:
+        return cls
+    from torch.overrides import TorchFunctionMode
+
+    class _EagerSums(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                               kwargs: dict | None = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            return settle(out) if is_dtensor(out) else out
+
+    globals()["_EagerSums"] = _EagerSums
+    return _EagerSums
 
 
 # -- the owner rule ------------------------------------------------------------------------------
@@ -696,6 +719,8 @@ class ShardedStep:
 #: the argument of each c10d collective that holds what this rank sends
 _SENT_ARGS = ("tensors", "input_tensor", "input_tensors", "input", "inputs")
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+#: ops of those namespaces that send nothing (waits, barriers, autograd wrappers)
+_NOT_SENT = ("wait", "barrier", "_wrap_tensor_autograd")
 
 
 def _tensors(x: Any) -> Iterable[Tensor]:
@@ -758,7 +783,7 @@ def _counting_mode() -> type:
             if out is NotImplemented:
                 return out
             if (getattr(func, "namespace", "") in _COLLECTIVE_NAMESPACES
-                    and "wait" not in func.__name__ and "barrier" not in func.__name__):
+                    and not any(w in func.__name__ for w in _NOT_SENT)):
                 n = 0
                 for a, v in zip(func._schema.arguments, args, strict=False):
                     if a.name in _SENT_ARGS:
