@@ -10,9 +10,11 @@ removed. docs/distributed.md's support table names these tests.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import matrix_cases as cases
 import pytest
-from known import expect, marks
+from known import KNOWN, expect, marks
 
 TEACHER, CLOSED = 1e-6, 1e-5
 
@@ -85,3 +87,18 @@ def test_adamw_ranks_that_disagree_fail_on_every_rank(gang, mode, case, names):
     assert messages[0] == messages[1], messages
     assert messages[0].startswith("RankMismatchError: AdamW: the ranks disagree on "
                                   f"{names}"), messages[0]
+
+
+def test_the_docs_table_is_this_matrix():
+    """docs/distributed.md's support table: a row per method, and a cell marked working
+    exactly when its test here is not an expected failure."""
+    page = Path(__file__).resolve().parents[2] / "docs" / "distributed.md"
+    rows = {}
+    for line in page.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0] in cases.METHODS:
+            rows[cells[0]] = cells[1:]
+    assert sorted(rows) == sorted(cases.METHODS)
+    for method, cells in rows.items():
+        for cell, mark in zip(("ddp", "fsdp2", "dcp_ddp", "dcp_fsdp2"), cells, strict=True):
+            assert mark == ("✗" if (cell, method) in KNOWN else "✓"), (method, cell, mark)
