@@ -50,10 +50,6 @@ KNOWN: dict[tuple[str, str], Known] = {
         "DCP initialises state with a step without compact_grad, which gives the CompAct "
         "weights full-size moments; the saved ones are projected (out x r)",
         "CheckpointException", r"Size mismatch"),
-    ("dcp_ddp", "poet"): Known(
-        "POET's parameter groups include more than one empty group, which DCP cannot map; "
-        "its global step counter is kept under state['global']", "ValueError",
-        r"param groups that have zero parameters"),
 }
 
 

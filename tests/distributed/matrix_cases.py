@@ -107,8 +107,8 @@ def _make_optimizer(method: str, model: nn.Module) -> torch.optim.Optimizer:
     if method == "poet":
         from xopt.torch.poet import POETAdamW, poet_param_groups
 
-        return POETAdamW(poet_param_groups(model, lr=1e-2, poet_lr=1e-2), merge_interval=2,
-                         model=model)
+        groups = [g for g in poet_param_groups(model, lr=1e-2, poet_lr=1e-2) if g["params"]]
+        return POETAdamW(groups, merge_interval=2, model=model)  # (DCP maps one empty group)
     raise ValueError(method)
 
 
