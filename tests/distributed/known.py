@@ -46,10 +46,6 @@ _FSDP2 = {
 KNOWN: dict[tuple[str, str], Known] = {
     **{("fsdp2", m): k for m, k in _FSDP2.items()},
     **{("dcp_fsdp2", m): k for m, k in _FSDP2.items()},
-    ("dcp_ddp", "compact"): Known(
-        "DCP initialises state with a step without compact_grad, which gives the CompAct "
-        "weights full-size moments; the saved ones are projected (out x r)",
-        "CheckpointException", r"Size mismatch"),
 }
 
 

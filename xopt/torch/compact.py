@@ -523,9 +523,21 @@ class CompActAdamW(Optimizer):
         loss = self._closure_loss(closure)
         items = self._step_items()
         plans = [self._plan(it) for it in items]  # every layer checked before anything moves
+        items = self._project_dense(items, plans)
         items = self._data_parallel_mean(items, plans)
         self._run_step(items, lambda: self._update(items, plans))
         return loss
+
+    def _project_dense(self, items: list[Item],
+                       plans: list[tuple[CompActLinear | None, int]]) -> list[Item]:
+        """``Ĝ = G P`` for the CompAct weights that carry a dense gradient ``G``."""
+        out = list(items)
+        for k, (it, (layer, refresh)) in enumerate(zip(items, plans, strict=True)):
+            if layer is None or it.grad is getattr(it.param, "compact_grad", None):
+                continue
+            proj = layer.projection(refresh, device=it.grad.device, dtype=it.grad.dtype)
+            out[k] = it._replace(grad=it.grad if proj is None else it.grad @ proj)
+        return out
 
     def _data_parallel_mean(self, items: list[Item],
                             plans: list[tuple[CompActLinear | None, int]]) -> list[Item]:
@@ -555,6 +567,12 @@ class CompActAdamW(Optimizer):
         parameter), after checking its projection key and moments against the state."""
         p, g = it.param, it.grad
         state = dict.get(self.state, p) or {}
+        if g is not getattr(p, "compact_grad", None) and _layer_of(p) is not None:
+            # a dense gradient of a CompAct weight (DCP's state-creating step gives zeros):
+            # projected with the layer's projection of this update, Ĝ = G P, as its
+            # backward would have (:meth:`_project_dense`)
+            layer = _layer_of(p)
+            return layer, layer.proj.refresh(int(state["step"]) if "step" in state else 0)
         if "exp_avg" in state and tuple(state["exp_avg"].shape) != tuple(g.shape):
             raise StateError(f"CompActAdamW: moments of shape {tuple(state['exp_avg'].shape)} "
                              f"do not fit the gradient of {self.param_name(it.gi, it.i)} "
