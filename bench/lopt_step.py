@@ -86,7 +86,7 @@ def sync() -> None:
 
 def empty_cache() -> None:
     if _on_gpu():
-        empty_cache()
+        torch.cuda.empty_cache()
 
 
 def allocated() -> int:

@@ -30,7 +30,19 @@ short still leaves its results):
 5. with ``--plain``, the plain path's step time on the first model.
 
 Prints a short table per model (ms, ratio to optax.adamw, compile s) and writes
-``lopt_step_jax.json`` under ``--out-dir``. Options that are unavailable here (no CUDA for
+``lopt_step_jax.json`` under ``--out-dir``.
+
+Two other modes, each instead of the phases above:
+
+* ``--diagnose`` (about a minute on a GPU; ``--deadline-s`` 90 by default): each Pallas
+  kernel against the plain path's math on a few shapes (ragged ones, whose last blocks
+  reach past the tensor), one shape group of two tensors at a time: the statistics kernel's
+  normalizer statistic (``feature_sq_mean``) and the fused kernel's step, ``m`` and ``rms``
+  against the spec's function under ``vmap``, max abs diff and relative diff, and whether
+  any output holds NaN/inf; then the whole jitted update (``impl="pallas"`` against
+  ``"plain"``) on a small model of those shapes;
+* ``--op-counts 8,32,128``: the ops and compiled kernels of every transform's jitted
+  update as the tensor count grows (any backend). Options that are unavailable here (no CUDA for
 torch, no Triton, a path that fails to build) give a note, not a crash.
 """
 
@@ -44,6 +56,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -125,11 +138,11 @@ def err(e: BaseException) -> str:
 # -- JAX entries ------------------------------------------------------------------------------
 
 
-def make_tx(method: str, impl: str | None, precision: str = "exact"):
+def make_tx(method: str, impl: str | None, precision: str = "exact", meta_params=None):
     if method == "adamw":
         return optax.adamw(1e-3)
     cfg = SMALL_FC if method == "small_fc_lopt" else VELO
-    return getattr(xj, method)(impl=impl, precision=precision, **cfg)
+    return getattr(xj, method)(meta_params, impl=impl, precision=precision, **cfg)
 
 
 def jax_params(shapes, seed: int, scale: float = 0.02) -> list:
@@ -278,10 +291,10 @@ def rel(a, b) -> float:
     return 0.0 if d == 0 else float(d / max(np.abs(b).max(), 1e-300))
 
 
-def run_jax_steps(method, impl, precision, shapes, steps=2):
+def run_jax_steps(method, impl, precision, shapes, steps=2, meta_params=None):
     """Two steps of one JAX path from fixed inputs: per step the updates, then the final
     parameters and state (NumPy leaves, and the state itself)."""
-    tx = make_tx(method, impl, precision)
+    tx = make_tx(method, impl, precision, meta_params)
     params = jax_params(shapes, 1)
     state = tx.init(params)
 
@@ -573,6 +586,265 @@ def compile_survey(model: str, report: dict, dl: Deadline, args) -> None:
               flush=True)
 
 
+#: --op-counts: every xopt.jax transform that takes a plain parameter pytree, and optax.adamw
+#: (label -> builder); the learned optimizers at the sizes of :data:`SMALL_FC`, :data:`VELO`
+OP_COUNT_SHAPES = [(16, 12), (12,), (12, 16), (8, 16)]  # a block, repeated
+
+
+def op_count_transforms() -> list[tuple[str, object]]:
+    out: list = [("optax.adamw", lambda: optax.adamw(1e-3)),
+                 ("xopt.jax.adamw", lambda: xj.adamw(1e-3))]
+    for method in ("galore", "flora", "coap", "plumage"):
+        extra = {"beta1": 0.9} if method == "flora" else {}
+        out.append((f"xopt.jax.{method}",
+                    lambda method=method, extra=extra: getattr(xj, method)(
+                        1e-3, rank=2, **extra)))
+    out.append(("xopt.jax.mulo", lambda: xj.mulo(num_training_steps=100)))
+    for method in ("small_fc_lopt", "velo"):
+        for impl in ("plain", "packed", "pallas"):
+            out.append((f"xopt.jax.{method}/{impl}",
+                        lambda method=method, impl=impl: make_tx(method, impl)))
+    return out
+
+
+def _hlo_bytes(shape: str) -> int:
+    """Bytes of an HLO result shape (``f32[8,3]{1,0}``, or a tuple of such)."""
+    import re
+
+    return sum(int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+               * int(bits) // 8 for bits, dims in re.findall(r"[a-z]+(\d+)\[([\d,]*)\]", shape))
+
+
+def op_counts(tx, n: int, compile_: bool = True) -> dict:
+    """The jitted ``update`` + ``apply_updates`` on ``n`` tensors (``OP_COUNT_SHAPES``
+    repeated; abstract arrays, nothing allocated): StableHLO ops of the lowered program
+    (``ops``: every op; ``compute``: those but the ones that only move data: slices,
+    concatenations, reshapes, broadcasts, converts, constants, tuples, returns), and of the
+    compiled program (this backend's) the instructions of the entry computation that run
+    as kernels (``kernels``: fusions, custom calls and unfused ops, not parameters, tuples,
+    bitcasts, constants), the bytes written by its unfused copies and concatenations
+    (``copied_mb``: what stacking and unstacking cost where XLA did not fuse them into their
+    consumers and producers) and its temporary bytes (``temp_mb``); parameters and state
+    donated, as a training step would."""
+    import re
+    from collections import Counter
+
+    shapes = (OP_COUNT_SHAPES * (n // len(OP_COUNT_SHAPES) + 1))[:n]
+    params = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    loss = jax.ShapeDtypeStruct((), jnp.float32)
+    state = jax.eval_shape(tx.init, params)
+
+    def step(p, s, g, v):
+        u, s = tx.update(g, s, p, value=v)
+        return optax.apply_updates(p, u), s
+
+    lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params, loss)
+    ops = Counter(re.findall(r"= (?:\"?)(stablehlo\.[a-z_]+)", lowered.as_text()))
+    moves = ("slice", "concatenate", "reshape", "broadcast_in_dim", "convert", "constant",
+             "tuple", "get_tuple_element", "iota", "transpose", "dynamic_slice",
+             "dynamic_update_slice", "bitcast_convert", "gather")
+    out = {"ops": sum(ops.values()),
+           "compute": sum(v for k, v in ops.items() if k.split(".")[1] not in moves)}
+    if compile_:
+        compiled = lowered.compile()
+        text = compiled.as_text()
+        entry = text[text.index("ENTRY"):]
+        entry = entry[:entry.index("\n}")]
+        kinds = Counter(re.findall(r"= \S+ ([a-z\-]+)\(", entry))
+        idle = ("parameter", "tuple", "get-tuple-element", "bitcast", "constant")
+        out["kernels"] = sum(v for k, v in kinds.items() if k not in idle)
+        copied = sum(_hlo_bytes(shape) for shape in
+                     re.findall(r"= (\S+) (?:copy|concatenate)\(", entry))
+        out["copied_mb"] = copied / 1e6
+        out["temp_mb"] = compiled.memory_analysis().temp_size_in_bytes / 1e6
+    return out
+
+
+def op_count_table(report: dict, args, dl: Deadline) -> None:
+    counts = [int(c) for c in args.op_counts.split(",")]
+    res = report.setdefault("op_counts", {"tensors": counts, "block": OP_COUNT_SHAPES})
+    print(f"\n== ops of the jitted update + apply_updates for {counts} tensors "
+          f"({OP_COUNT_SHAPES} repeated): lowered StableHLO ops / of them compute / "
+          "compiled kernels (this backend), MB copied by unfused copies and concatenations, "
+          "temp MB", flush=True)
+    for label, build in op_count_transforms():
+        row = res.setdefault(label, {})
+        for n in counts:
+            if dl.left() < 10:
+                note(report, f"op counts: {label} at {n} skipped (deadline)")
+                break
+            try:
+                row[str(n)] = op_counts(build(), n)
+            except Exception as e:  # noqa: BLE001
+                row[str(n)] = {"error": err(e)}
+        cells = ["{ops}/{compute}/{kernels} {copied_mb:.2f} {temp_mb:.1f}".format(**row[str(n)])
+                 if "ops" in row.get(str(n), {}) else row.get(str(n), {}).get("error", "-")
+                 for n in counts]
+        print(f"  {label:34s} " + " | ".join(f"{c:>27s}" for c in cells), flush=True)
+        write(report, args)
+
+
+#: --diagnose: ragged (rows odd, columns not a multiple of the kernels' 64), ViT-B/16's
+#: position embedding rows, one of its MLP matrices
+DIAG_SHAPES = [(5, 70), (197, 768), (3072, 768)]
+DIAG_CONFIGS = [("small_fc_lopt", "exact"), ("small_fc_lopt", "fast"), ("velo", "exact")]
+
+
+def _diag_inputs(method: str, hp, shape, n: int = 2) -> list:
+    """``n`` tensors of ``shape`` stacked: p, g and a state with every accumulator nonzero
+    (as after some steps), in the kernels' argument order."""
+    from xopt.specs import small_fc_lopt as sfc
+    from xopt.specs import velo as sv
+
+    spec = sfc if method == "small_fc_lopt" else sv
+    st = spec.param_state_shapes(hp, shape)
+    keys = jax.random.split(jax.random.PRNGKey(sum(shape)), 7)
+    p = 0.02 * jax.random.normal(keys[0], (n, *shape), jnp.float32)
+    g = 1e-3 * jax.random.normal(keys[1], (n, *shape), jnp.float32)
+    m = 1e-4 * jax.random.normal(keys[2], (n, *st["m"]), jnp.float32)
+    pos = [1e-7 * (1 + jax.random.uniform(k, (n, *st[v]), jnp.float32))
+           for k, v in zip(keys[3:], ("rms", "v_row", "v_col", "v_diag"), strict=True)]
+    return [p, g, m, *pos]
+
+
+def _diff(a, b) -> dict:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    d = float(np.abs(a - b).max()) if a.size else 0.0
+    return {"max_abs": d, "max_rel": d / max(float(np.abs(b).max()), 1e-300) if d else 0.0,
+            "nonfinite": int((~np.isfinite(a)).sum())}
+
+
+_THETA: dict = {}
+
+
+def _diag_theta(method: str) -> dict:
+    """θ of the method at the bench's configuration, drawn once (VeLO's takes seconds)."""
+    from xopt.specs import small_fc_lopt as sfc
+    from xopt.specs import velo as sv
+
+    if method not in _THETA:
+        if method == "small_fc_lopt":
+            hp = sfc.SmallFCLOpt(**SMALL_FC)
+            _THETA[method] = sfc.coerce_meta(sfc.meta_init(hp, 0), hp)
+        else:
+            hp = sv.VeLO(**VELO)
+            _THETA[method] = sv.coerce_meta(sv.meta_init(hp, 0), hp)
+    return _THETA[method]
+
+
+def diagnose_kernels(report: dict, args, dl: Deadline) -> None:
+    """Each Pallas kernel against the plain path's math, one shape group at a time."""
+    from xopt.jax import _lopt_pallas as K  # the kernels themselves, outside the optimizer
+    from xopt.specs import small_fc_lopt as sfc
+    from xopt.specs import velo as sv
+
+    out = report.setdefault("diagnose", {}).setdefault("kernels", {})
+    print("\n== Pallas kernels against the plain path's math (2 tensors per group): "
+          "max abs diff (max rel), NaN/inf count", flush=True)
+    for method, prec in DIAG_CONFIGS:
+        if method == "small_fc_lopt":
+            hp = sfc.SmallFCLOpt(**SMALL_FC)
+            meta = {k: jnp.asarray(v) for k, v in _diag_theta(method).items()}
+            kern = K.SmallFCKernels(hp, meta, prec)
+            names = ("sfc_stats", "sfc_fused")
+            tf = sfc.time_features(jnp, jnp.int32(3), meta["mlp/b0"])
+            decays = sfc.decays(hp, meta, xp=jnp)
+
+            def ref(p, g, m, rms, vr, vc, vd, hp=hp, meta=meta, tf=tf, decays=decays):
+                step, accs, aux = sfc.compute_step(hp, p, g, m, rms, vr, vc, vd, tf, meta,
+                                                   decays, xp=jnp, return_aux=True)
+                return step, accs[0], accs[1], aux["feature_sq_mean"]
+
+            def fast(shape, *a, kern=kern, tf=tf, decays=decays):
+                aux: dict = {}
+                res = kern(shape, *a, tf=tf, decays=decays, aux=aux)
+                return res[0], res[1], res[2], aux["feature_sq_mean"], aux["stats"]
+        else:
+            hp = sv.VeLO(**VELO)
+            meta = {k: jnp.asarray(v) for k, v in _diag_theta(method).items()}
+            kern = K.VeLOKernels(hp, meta)
+            names = ("velo_stats", "velo_fused")
+            decays = tuple(jnp.asarray(d) for d in sv.decay_arrays(hp))
+            controls = 0.1 * jax.random.normal(jax.random.PRNGKey(5), (2, hp.param_inits))
+            lr_mult = jnp.asarray([0.3, -0.2], jnp.float32)
+
+            def ref(p, g, m, rms, vr, vc, vd, c, s, hp=hp, meta=meta, decays=decays):
+                aux: dict = {}
+                step, accs = sv.update_tensor(jnp, hp, p, g, m, rms, vr, vc, vd, c, s, meta,
+                                              decays, aux=aux)
+                return step, accs[0], accs[1], aux["feature_sq_mean"]
+
+            def fast(shape, *a, kern=kern, decays=decays):
+                aux: dict = {}
+                res = kern(shape, *a, decays=decays, aux=aux)
+                return res[0], res[1], res[2], aux["feature_sq_mean"], aux["stats"]
+        for shape in DIAG_SHAPES:
+            label = f"{method}/{prec} {shape}"
+            if dl.left() < 15:
+                note(report, f"diagnose: {label} skipped (deadline)")
+                continue
+            try:
+                args_ = _diag_inputs(method, hp, shape)
+                if method == "velo":
+                    args_ += [controls, lr_mult]
+                want = jax.jit(jax.vmap(ref))(*args_)
+                got = jax.jit(functools.partial(fast, shape))(*args_)
+                res = {names[0]: {"feature_sq_mean": _diff(got[3], want[3]),
+                                  "stats_nonfinite": int((~np.isfinite(
+                                      np.asarray(got[4]))).sum())},
+                       names[1]: {"step": _diff(got[0], want[0]), "m": _diff(got[1], want[1]),
+                                  "rms": _diff(got[2], want[2])}}
+            except Exception as e:  # noqa: BLE001
+                out[label] = {"error": err(e)}
+                note(report, f"diagnose {label}: {err(e)}")
+                continue
+            out[label] = res
+            st, fu = res[names[0]], res[names[1]]
+            bad_stats = st["feature_sq_mean"]["nonfinite"] + st["stats_nonfinite"]
+            bad_fused = sum(v["nonfinite"] for v in fu.values())
+            print(f"  {label:34s} {names[0]}: feature_sq_mean "
+                  f"{st['feature_sq_mean']['max_abs']:.2e} ({st['feature_sq_mean']['max_rel']:.1e})"
+                  f" NaN/inf {bad_stats} | {names[1]}: step {fu['step']['max_abs']:.2e} "
+                  f"({fu['step']['max_rel']:.1e}) m {fu['m']['max_abs']:.1e} rms "
+                  f"{fu['rms']['max_abs']:.1e} NaN/inf {bad_fused}", flush=True)
+            write(report, args)
+
+
+def diagnose_update(report: dict, args, dl: Deadline) -> None:
+    """The whole jitted update, impl="pallas" against "plain", 2 steps, on a small model of
+    the diagnostic shapes (and a vector, which takes the packed path)."""
+    shapes = DIAG_SHAPES + [(70,), DIAG_SHAPES[0]]
+    out = report.setdefault("diagnose", {}).setdefault("update", {})
+    print(f"\n== the whole update on {shapes}: pallas against plain, 2 steps", flush=True)
+    for method, prec in DIAG_CONFIGS:
+        label = f"{method}/{prec}"
+        if dl.left() < 20:
+            note(report, f"diagnose: update {label} skipped (deadline)")
+            continue
+        try:
+            theta = _diag_theta(method)
+            ref_steps, ref_p, ref_s, _ = run_jax_steps(method, "plain", "exact", shapes,
+                                                       meta_params=theta)
+            steps, p, s, _ = run_jax_steps(method, "pallas", prec, shapes, meta_params=theta)
+        except Exception as e:  # noqa: BLE001
+            out[label] = {"error": err(e)}
+            note(report, f"diagnose update {label}: {err(e)}")
+            continue
+        res = {"step": max((_diff(a, b) for st, rt in zip(steps, ref_steps, strict=True)
+                            for a, b in zip(st, rt, strict=True)), key=lambda d: d["max_rel"]),
+               "params": max((_diff(a, b) for a, b in zip(p, ref_p, strict=True)),
+                             key=lambda d: d["max_rel"]),
+               "state": max((_diff(a, b) for a, b in zip(s, ref_s, strict=True)),
+                            key=lambda d: d["max_rel"])}
+        res["nonfinite"] = sum(int((~np.isfinite(np.asarray(x))).sum())
+                               for x in [*p, *s, *(u for st in steps for u in st)])
+        out[label] = res
+        print(f"  {label:22s} step {res['step']['max_abs']:.2e} ({res['step']['max_rel']:.1e})"
+              f"  params {res['params']['max_rel']:.1e}  state {res['state']['max_rel']:.1e}"
+              f"  NaN/inf {res['nonfinite']}", flush=True)
+        write(report, args)
+
+
 def plain_timing(model: str, args, report: dict, dl: Deadline) -> None:
     shapes = MODELS[model]()
     grads = device_params(shapes, 7, 1e-3)
@@ -607,8 +879,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny model (CI)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=4, help="timed calls per entry and round")
-    ap.add_argument("--deadline-s", type=float, default=540.0,
-                    help="skip what would start after this many seconds")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="skip what would start after this many seconds (default 540; "
+                    "--diagnose: 90)")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--no-golden", action="store_true")
     ap.add_argument("--no-survey", action="store_true")
@@ -617,7 +890,19 @@ def main() -> None:
     ap.add_argument("--only", default="", help="time only JAX labels containing this")
     ap.add_argument("--survey", default="", help="compile survey: only the transforms whose "
                     "label contains one of these comma-separated strings")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="only each Pallas kernel and the Pallas update against plain, on a "
+                    "few shapes: max abs diff and NaN/inf (default --deadline-s 90)")
+    ap.add_argument("--diag-shapes", default="", metavar="AxB,...",
+                    help="--diagnose on these 2-D shapes instead of DIAG_SHAPES")
+    ap.add_argument("--op-counts", default="", metavar="N,N,...",
+                    help="only count the ops and kernels of every transform's jitted update "
+                    "at these tensor counts (e.g. 8,32,128; any backend)")
     args = ap.parse_args()
+    if args.diag_shapes:
+        DIAG_SHAPES[:] = [tuple(int(d) for d in s.split("x")) for s in args.diag_shapes.split(",")]
+    if args.deadline_s is None:
+        args.deadline_s = 90.0 if args.diagnose else 540.0
     dl = Deadline(args.deadline_s)
     models = (args.models or ("tiny" if args.tiny else "vit_b16,gpt2_medium")).split(",")
     if args.tiny:
@@ -629,6 +914,15 @@ def main() -> None:
               "config": {"small_fc_lopt": SMALL_FC, "velo": VELO}}
     print(f"{report['device']} ({report['backend']}); {report['date']}; jax {jax.__version__}",
           flush=True)
+    if args.op_counts or args.diagnose:
+        if args.op_counts:
+            op_count_table(report, args, dl)
+        if args.diagnose:
+            diagnose_kernels(report, args, dl)
+            diagnose_update(report, args, dl)
+        write(report, args)
+        print(f"\nwrote {Path(args.out_dir) / 'lopt_step_jax.json'}", flush=True)
+        return
     if report["backend"] != "gpu" and not args.tiny:
         note(report, "no GPU: the figures are the CPU's (the Pallas kernels interpreted)")
     for model in models:

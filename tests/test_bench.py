@@ -37,7 +37,7 @@ def test_bench_holds_only_maintained_benchmarks():
     """bench/ keeps benchmarks with a --tiny mode (tested here) and their results."""
     scripts = sorted(p.name for p in (REPO / "bench").iterdir() if p.suffix == ".py")
     assert scripts == ["compact_memory.py", "distributed.py", "lopt_step.py", "lopt_step_jax.py",
-                       "poet_layer.py"]
+                       "poet_layer.py", "train_step.py"]
     assert not [p for p in (REPO / "bench").iterdir() if p.is_dir()]
 
 
@@ -97,10 +97,24 @@ def test_lopt_step_jax_tiny(tmp_path):
     assert all(v["total_s"] > 0 for v in survey.values() if "total_s" in v)
 
 
+def test_train_step_tiny(tmp_path):
+    """Every method trains the tiny decoder a few steps (finite losses) and gets its row."""
+    out = _run("train_step.py", "--tiny", "--out-dir", str(tmp_path), "--dtype", "fp32")
+    rows = json.loads((tmp_path / "train_step_tiny.json").read_text())["rows"]
+    assert list(rows) == [
+        "torch.optim.AdamW(fused)", "xopt AdamW", "GaLore", "Flora", "COAP", "PLUMAGE",
+        "small_fc_lopt", "VeLO", "CompAct", "POET-X fast", "POET-X mem"], out
+    for name, r in rows.items():
+        assert r["step_ms_max"] >= r["step_ms_median"] > 0 and r["state_bytes"] > 0, name
+        assert r["tokens_per_s"] > 0 and len(r["loss_first_last"]) == 2, name
+    assert rows["torch.optim.AdamW(fused)"]["ratio_total_to_fused_adamw"] == 1.0
+
+
 def test_distributed_tiny(tmp_path):
-    """FSDP2 on 2 gloo CPU ranks: every row the GPU run reports, each method's sharded run
-    within float32 rounding of one process, and the learned optimizers' step communicating
-    only reduced statistics (no parameter-sized collective)."""
+    """FSDP2 on 2 gloo CPU ranks: every row the GPU run reports; each method's sharded run
+    near one process after 3 closed-loop steps of a transformer (its forward and backward
+    sum in another order; the bench's small-size check, tests/distributed holds the tight
+    bounds); the learned optimizers' step communicating only reduced statistics."""
     text = _run("distributed.py", "--tiny", "--out-dir", str(tmp_path))
     report = json.loads((tmp_path / "distributed.json").read_text())
     rows = report["rows"]

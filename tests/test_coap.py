@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import has_jax, has_torch, needs_jax, needs_torch
 
-from xopt.errors import DecompositionError, HyperparameterError, NonFiniteError
+from xopt.errors import DecompositionError, HyperparameterError
 from xopt.parity import bundled_traces, load_trace
 from xopt.parity.methods import coap as CP
 from xopt.specs import coap as C

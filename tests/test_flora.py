@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from helpers import needs_jax, needs_torch
 
-from xopt.errors import HyperparameterError, NonFiniteError
+from xopt.errors import HyperparameterError
 from xopt.parity import bundled_traces, load_trace
 from xopt.specs import flora as F
 from xopt.specs._groups import ParamGroups

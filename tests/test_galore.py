@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from helpers import needs_jax, needs_torch
 
-from xopt.errors import DecompositionError, HyperparameterError, NonFiniteError
+from xopt.errors import DecompositionError, HyperparameterError
 from xopt.parity import bundled_traces, load_trace
 from xopt.parity.methods import galore as GP
 from xopt.specs import galore as G

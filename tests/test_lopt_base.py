@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from helpers import needs_jax, needs_torch
 
-from xopt.errors import HyperparameterError, MetaParamsError, NonFiniteError, StateError
+from xopt.errors import HyperparameterError, MetaParamsError, StateError
 from xopt.specs import MetaParams, lopt
 from xopt.specs._hyperparams import hp
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import SHARED, has_jax, has_torch, needs_jax, needs_torch
 
-from xopt.errors import HyperparameterError, MetaParamsError, NonFiniteError
+from xopt.errors import HyperparameterError, MetaParamsError
 from xopt.parity import bundled_traces, load_trace
 from xopt.parity.methods import small_fc_lopt as SP
 from xopt.specs import lopt

@@ -24,17 +24,17 @@ Triton on the GPU.
 
 The state is the plain path's (the same pytrees, shapes and names), so a state written by
 one implementation resumes under the other. The default (``impl=None``) is
-:data:`GPU_DEFAULT` on a GPU backend, the plain path elsewhere; :data:`GPU_REFUSED` names the
-paths not yet verified on a GPU.
+:data:`GPU_DEFAULT` on a GPU backend, the plain path elsewhere.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from xopt.errors import HyperparameterError
 
@@ -46,14 +46,10 @@ IMPLS = ("plain", "packed", "pallas")
 #: float32 on the tensor cores as three TF32 products (operands carried to ~22 bits, as the
 #: torch Triton path's exact mode), "fast" as one TF32 product (about 1e-3 relative)
 PRECISIONS = ("exact", "fast")
-#: the default on a GPU backend, per method: the fastest path verified there
-#: (bench/lopt_step_jax.py times every implementation side by side; bench/RESULTS.md). On an
-#: H200 the packed path was slower than the plain one and the Pallas kernels gave non-finite
-#: results, so the plain path stays the default until a fast path is both right and faster.
+#: the default on a GPU backend, per method: the path measured fastest there side by side
+#: with the others (bench/lopt_step_jax.py --plain; bench/RESULTS.md). Plain until the Pallas
+#: path, verified on an H200 (bench/lopt_step_jax.py --diagnose), is timed beside it.
 GPU_DEFAULT = {"small_fc_lopt": "plain", "velo": "plain"}
-#: the paths refused on a GPU backend, with the reason (each verified only on the CPU)
-GPU_REFUSED = {"pallas": "its kernels, exact on the CPU interpreter, gave NaN/inf on an H200 "
-                         "(bench/RESULTS.md, bench/lopt_step_jax.py); use impl='plain'"}
 
 
 def resolve_impl(label: str, impl: str | None, precision: str,
@@ -68,9 +64,6 @@ def resolve_impl(label: str, impl: str | None, precision: str,
                                   f"{precision!r}")
     if impl in (None, "auto"):
         return GPU_DEFAULT[method_name] if jax.default_backend() == "gpu" else "plain"
-    if impl in GPU_REFUSED and jax.default_backend() == "gpu":
-        raise HyperparameterError(f"{label}: impl={impl!r} is not available on a GPU: "
-                                  f"{GPU_REFUSED[impl]}")
     return impl
 
 
@@ -111,9 +104,15 @@ class Buckets:
             groups.setdefault(tuple(int(d) for d in s), []).append(i)
         self.groups = list(groups.items())
         self.n = len(shapes)
+        grouped = self.order()
+        #: the row of each leaf in the groups concatenated (``x[rows]``: the leaves' order)
+        self.rows = np.argsort(np.asarray(grouped, np.int64)) if grouped else np.zeros(0, int)
 
     def stack(self, leaves: Sequence[Any]) -> list[Any]:
-        return [jnp.stack([leaves[i] for i in idx]) for _, idx in self.groups]
+        """One array per group; a group of one leaf is that leaf with a leading axis of 1
+        (a reshape, no copy)."""
+        return [leaves[idx[0]][None] if len(idx) == 1 else jnp.stack([leaves[i] for i in idx])
+                for _, idx in self.groups]
 
     def unstack(self, stacked: Sequence[Any]) -> list[Any]:
         out: list[Any] = [None] * self.n
@@ -125,23 +124,6 @@ class Buckets:
     def order(self) -> list[int]:
         """The leaf index of each row of the groups concatenated."""
         return [i for _, idx in self.groups for i in idx]
-
-
-def _per_group(buckets: Buckets, fn: Callable[..., Any], *inputs: Any) -> list[list[Any]]:
-    """``fn`` vmapped over each group; ``inputs``: per-leaf lists (stacked per group) or
-    arrays with one row per leaf (the group's rows taken). ``fn`` returns a flat tuple of
-    arrays; the result holds, per output, the per-leaf results."""
-    outs: list[list[Any]] = []
-    for _, idx in buckets.groups:
-        args = [jnp.stack([x[i] for i in idx]) if isinstance(x, (list, tuple))
-                else x[jnp.asarray(idx)] for x in inputs]
-        res = jax.vmap(fn)(*args)
-        if not outs:
-            outs = [[None] * buckets.n for _ in res]
-        for o, arr in zip(outs, res, strict=True):
-            for j, i in enumerate(idx):
-                o[i] = arr[j]
-    return outs
 
 
 # -- small_fc_lopt --------------------------------------------------------------------------
@@ -190,8 +172,9 @@ class PackedSmallFC:
             from xopt.jax import _lopt_pallas
 
             fused = _lopt_pallas.SmallFCKernels(hp, meta, self.precision)
-        for shape, idx in buckets.groups:
-            args = [jnp.stack([x[i] for i in idx]) for x in (p_leaves, g_leaves, *accs_in)]
+        stacked = [buckets.stack(x) for x in (p_leaves, g_leaves, *accs_in)]
+        for k, (shape, idx) in enumerate(buckets.groups):
+            args = [st[k] for st in stacked]
             if fused is not None and fused.handles(shape):
                 res = fused(shape, *args, tf=tf, decays=decays)
             else:
@@ -243,12 +226,16 @@ class PackedVeLO:
         frac = spec.fraction_trained(jnp, iteration, num_steps, like)
         buckets = Buckets([jnp.shape(p) for p in p_leaves])
         n = len(p_leaves)
+        # every input stacked once per group, read by both passes
+        stacked = [buckets.stack(x_) for x_ in (p_leaves, g_leaves, *accs_in)]
 
         def features(p, m, rms):  # noqa: ANN001, ANN202
-            return (spec.lstm_features(jnp, p, m, rms, frac, lfeat),)
+            return spec.lstm_features(jnp, p, m, rms, frac, lfeat)
 
-        (rows,) = _per_group(buckets, features, p_leaves, accs_in[0], accs_in[1])
-        x = jnp.stack(rows)  # the parameters' order, as the plain path
+        rows = [jax.vmap(features)(p_, m_, r_)
+                for p_, m_, r_ in zip(stacked[0], stacked[2], stacked[3], strict=True)]
+        # the parameters' order, as the plain path (one gather, not a slice per tensor)
+        x = jnp.concatenate(rows)[buckets.rows]
         hidden = jnp.stack(treedef.flatten_up_to(inner.lstm_hidden))
         cell = jnp.stack(treedef.flatten_up_to(inner.lstm_cell))
         controls, lr_mult, hidden, cell = spec.lstm_step(jnp, x, hidden, cell, meta)
@@ -265,9 +252,9 @@ class PackedVeLO:
 
             fused = _lopt_pallas.VeLOKernels(hp, meta)
         res: list[list[Any]] = [[None] * n for _ in range(1 + len(acc_vars))]
-        for shape, idx in buckets.groups:
+        for k, (shape, idx) in enumerate(buckets.groups):
             rows_idx = jnp.asarray(idx)
-            args = [jnp.stack([x_[i] for i in idx]) for x_ in (p_leaves, g_leaves, *accs_in)]
+            args = [st[k] for st in stacked]
             if fused is not None and fused.handles(shape):
                 out = fused(shape, *args, controls[rows_idx], lr_mult[rows_idx], decays=decays)
             else:

@@ -27,8 +27,15 @@ Per group, with the math of :func:`xopt.specs.small_fc_lopt.compute_step`:
 
 Nothing is materialized per element but the kernels' inputs and outputs: no [n, 39]
 feature matrix, no [n, hidden] activations. Grids are one-dimensional (a tensor's blocks
-one after another), so no grid axis meets CUDA's 65535 limit. Boundary blocks are masked
-where they are summed; their out-of-range lanes are never stored.
+one after another), so no grid axis meets CUDA's 65535 limit.
+
+Boundary blocks (a tensor's last rows or columns when BR or BC does not divide them): every
+load of a block that can reach past its array is masked with ``other=0`` and every such
+store is masked (:func:`_load`, :func:`_store`). Pallas's Triton lowering does not mask a
+plain ``ref[...]`` against the array's bounds: an unmasked boundary block reads and writes
+the next row's, the next tensor's or another buffer's memory on the GPU, while the CPU
+interpreter pads every block with NaN and drops what lands outside, so it cannot show the
+difference (tests/test_kernels_lopt_jax.py checks the masks in the kernels' programs).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from xopt.specs import lopt
 from xopt.specs import small_fc_lopt as spec
@@ -116,47 +124,68 @@ def _index_maps(n1: int, n2: int):  # noqa: ANN202
     return nb1, nb2, per, elem
 
 
-def _accumulate(g, p, m_ref, r_ref, dec_ref):  # noqa: ANN001, ANN202
+def _load(ref, mask):  # noqa: ANN001, ANN202
+    """``ref``'s block where ``mask`` (inside the array), 0 elsewhere (module docstring)."""
+    return plt.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=0.0)
+
+
+def _store(ref, value, mask) -> None:  # noqa: ANN001
+    """``ref[...] = value`` where ``mask`` (inside the array) only."""
+    plt.store(ref, value, mask=jnp.broadcast_to(mask, ref.shape))
+
+
+def _i(k: int) -> jax.Array:
+    """A static index into a ref's view (the interpreter's masked loads take no bare int)."""
+    return jnp.int32(k)
+
+
+def _masks(n1: int, n2: int):  # noqa: ANN202
+    """This program's block: which of its BR rows and BC columns are inside the tensor, and
+    their product ``[BR, BC]``."""
+    t = pl.program_id(0)
+    _, nb2, per, _ = _index_maps(n1, n2)
+    rows = ((t % per) // nb2) * BR + jax.lax.broadcasted_iota(jnp.int32, (BR,), 0)
+    cols = (t % nb2) * BC + jax.lax.broadcasted_iota(jnp.int32, (BC,), 0)
+    r_ok, c_ok = rows < n1, cols < n2
+    return r_ok, c_ok, r_ok[:, None] & c_ok[None, :]
+
+
+def _accumulate(g, p, m_ref, r_ref, dec_ref, valid):  # noqa: ANN001, ANN202
     """The updated momenta and second moment of a block, and ``rsqrt(rms + 1e-6)``."""
     ms = []
     for k in range(3):
         d = dec_ref[k]
-        ms.append(d * m_ref[:, :, k] + (1 - d) * g)
+        ms.append(d * _load(m_ref.at[:, :, _i(k)], valid) + (1 - d) * g)
     c = jnp.clip(dec_ref[3], 0.0, 1.0)
-    rms = c * r_ref[...] + (1 - c) * (g * g)
+    rms = c * _load(r_ref, valid) + (1 - c) * (g * g)
     return ms, rms, jax.lax.rsqrt(rms + 1e-6)
 
 
-def _elem_features(g, p, ms, rms, r, f1_ref, f2_ref, row_on_1):  # noqa: ANN001, ANN202
+def _factors(f1_ref, f2_ref, r_ok, c_ok, row_on_1):  # noqa: ANN001, ANN202
+    """Per decay k, the row factor and the column factor of a block, broadcastable to it."""
+    out = []
+    for k in range(3):
+        a = _load(f1_ref.at[_i(k), :], r_ok)[:, None]  # factor of decay k along axis 1
+        b = _load(f2_ref.at[_i(k), :], c_ok)[None, :]  # along axis 2
+        out.append((a, b) if row_on_1 else (b, a))
+    return out
+
+
+def _elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
     """The 16 per-element features (:data:`ELEM`) of a [BR, BC] block, unnormalized."""
     feats = [g, p, *ms, rms, *(m * r for m in ms), r]
-    fg, fm = [], []
-    for k in range(3):
-        a = f1_ref[k, :][:, None]  # factor of decay k along axis 1
-        b = f2_ref[k, :][None, :]  # along axis 2
-        rf, cf = (a, b) if row_on_1 else (b, a)
-        fg.append((g * rf) * cf)
-        fm.append((ms[k] * rf) * cf)
+    fg = [(g * rf) * cf for rf, cf in factors]
+    fm = [(m * rf) * cf for m, (rf, cf) in zip(ms, factors, strict=True)]
     return feats + fg + fm
-
-
-def _valid(t, per, nb2, n1, n2):  # noqa: ANN001, ANN202
-    i = (t % per) // nb2
-    j = t % nb2
-    rows = i * BR + jax.lax.broadcasted_iota(jnp.int32, (BR, BC), 0)
-    cols = j * BC + jax.lax.broadcasted_iota(jnp.int32, (BR, BC), 1)
-    return (rows < n1) & (cols < n2)
 
 
 def _stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *, n1, n2,
                   row_on_1):  # noqa: ANN001
-    t = pl.program_id(0)
-    _, nb2, per, _ = _index_maps(n1, n2)
-    valid = _valid(t, per, nb2, n1, n2)
-    g = jnp.where(valid, g_ref[...], 0.0)
-    p = jnp.where(valid, p_ref[...], 0.0)
-    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref)
-    feats = _elem_features(g, p, ms, rms, r, f1_ref, f2_ref, row_on_1)
+    r_ok, c_ok, valid = _masks(n1, n2)
+    g = _load(g_ref, valid)
+    p = _load(p_ref, valid)
+    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid)
+    feats = _elem_features(g, p, ms, rms, r, _factors(f1_ref, f2_ref, r_ok, c_ok, row_on_1))
     lanes = jax.lax.broadcasted_iota(jnp.int32, (16,), 0)
     out = jnp.zeros((16,), jnp.float32)
     for k, f in enumerate(feats):
@@ -166,13 +195,16 @@ def _stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *,
 
 def _fused_kernel(dec_ref, inv_ref, w0_ref, b0_ref, wh_ref, bh_ref, wl_ref, bl_ref, g_ref,
                   p_ref, m_ref, r_ref, f1_ref, f2_ref, t1_ref, t2_ref, s_ref, mo_ref, ro_ref,
-                  *, row_on_1, nhid, hp, exp_mult, step_mult, prec):  # noqa: ANN001
-    g = g_ref[...]
-    p = p_ref[...]
-    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref)
-    feats = _elem_features(g, p, ms, rms, r, f1_ref, f2_ref, row_on_1)
+                  *, n1, n2, row_on_1, nhid, hp, exp_mult, step_mult, prec):  # noqa: ANN001
+    r_ok, c_ok, valid = _masks(n1, n2)
+    g = _load(g_ref, valid)
+    p = _load(p_ref, valid)
+    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid)
+    feats = _elem_features(g, p, ms, rms, r, _factors(f1_ref, f2_ref, r_ok, c_ok, row_on_1))
     n = BR * BC
-    h = (t1_ref[...][:, None, :] + t2_ref[...][None, :, :]).reshape(n, hp) + b0_ref[...]
+    t1 = _load(t1_ref, r_ok[:, None])
+    t2 = _load(t2_ref, c_ok[:, None])
+    h = (t1[:, None, :] + t2[None, :, :]).reshape(n, hp) + b0_ref[...]
     for k, f in enumerate(feats):  # the first layer, feature by feature (float32 FMAs)
         x = (f * inv_ref[k]).reshape(n)
         h = h + x[:, None] * w0_ref[k, :][None, :]
@@ -183,10 +215,10 @@ def _fused_kernel(dec_ref, inv_ref, w0_ref, b0_ref, wh_ref, bh_ref, wl_ref, bl_r
     direction = jnp.sum(h * wl_ref[0, :][None, :], axis=1) + bl_ref[0]
     magnitude = jnp.sum(h * wl_ref[1, :][None, :], axis=1) + bl_ref[1]
     step = direction * jnp.exp(magnitude * exp_mult) * step_mult
-    s_ref[...] = step.reshape(BR, BC)
+    _store(s_ref, step.reshape(BR, BC), valid)
     for k in range(3):
-        mo_ref[:, :, k] = ms[k]
-    ro_ref[...] = rms
+        _store(mo_ref.at[:, :, _i(k)], ms[k], valid)
+    _store(ro_ref, rms, valid)
 
 
 def _pad_cols(w: Any, n: int) -> Any:
@@ -226,10 +258,12 @@ class SmallFCKernels:
             wl=wl, bl=jnp.asarray(meta[f"mlp/b{nl}"], jnp.float32)[:2])
 
     def __call__(self, shape: tuple[int, ...], p: Any, g: Any, m: Any, rms: Any, v_row: Any,
-                 v_col: Any, v_diag: Any, *, tf: Any, decays: tuple[Any, Any, Any]
-                 ) -> tuple[Any, ...]:
+                 v_col: Any, v_diag: Any, *, tf: Any, decays: tuple[Any, Any, Any],
+                 aux: dict | None = None) -> tuple[Any, ...]:
         """One shape group (stacked on axis 0): ``(step, m, rms, v_row, v_col, v_diag)``
-        stacked, as :func:`xopt.specs.small_fc_lopt.compute_step` per tensor."""
+        stacked, as :func:`xopt.specs.small_fc_lopt.compute_step` per tensor. ``aux``, if
+        given, receives the statistics kernel's output as it came (``"stats"``: per block)
+        and the normalizers' statistic (``"feature_sq_mean"`` [L, F], the spec's order)."""
         L = p.shape[0]
         n1, n2, row_on_1 = two_d_view(shape)
         mom_d, rms_d, fac_d = decays
@@ -277,6 +311,8 @@ class SmallFCKernels:
         sq = jnp.concatenate([elem_sq[:, :13], row_sq[:, :3], col_sq[:, :3], row_sq[:, 3:],
                               col_sq[:, 3:], elem_sq[:, 13:]], axis=1)  # [L, 28] spec order
         inv = jax.lax.rsqrt(1e-5 + sq / float(n1 * n2))
+        if aux is not None:
+            aux.update(stats=part, feature_sq_mean=sq / float(n1 * n2))
 
         # 3. the axis features' first-layer terms and the bias
         w = self._weights(tf)
@@ -296,7 +332,7 @@ class SmallFCKernels:
 
         # 4. the fused pass
         kern = functools.partial(
-            _fused_kernel, row_on_1=row_on_1, nhid=nhid, hp=hp_,
+            _fused_kernel, n1=n1, n2=n2, row_on_1=row_on_1, nhid=nhid, hp=hp_,
             exp_mult=float(self.hp.exp_mult), step_mult=float(self.hp.step_mult),
             prec=_dot_precision(self.precision))
         full = lambda *shape: pl.BlockSpec(shape, lambda t: (0,) * len(shape))  # noqa: E731
@@ -344,28 +380,22 @@ def unsupported_velo(hp: Any) -> str | None:
     return None
 
 
-def _velo_elem_features(g, p, ms, rms, r, f1_ref, f2_ref, row_on_1):  # noqa: ANN001, ANN202
+def _velo_elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
     """VeLO's 18 per-element channels (:data:`VELO_ELEM`) of a block, unnormalized; ``g``
     already clipped to ±1000."""
-    fg, fm = [], []
-    for k in range(3):
-        a = f1_ref[k, :][:, None]
-        b = f2_ref[k, :][None, :]
-        rf, cf = (a, b) if row_on_1 else (b, a)
-        fg.append((g * rf) * cf)
-        fm.append((ms[k] * rf) * cf)
+    fg = [(g * rf) * cf for rf, cf in factors]
+    fm = [(m * rf) * cf for m, (rf, cf) in zip(ms, factors, strict=True)]
     return [g, jnp.clip(g, -0.1, 0.1), p, *ms, rms, *(m * r for m in ms), r, *fg, g * r, *fm]
 
 
 def _velo_stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *, n1, n2,
                        row_on_1):  # noqa: ANN001
-    t = pl.program_id(0)
-    _, nb2, per, _ = _index_maps(n1, n2)
-    valid = _valid(t, per, nb2, n1, n2)
-    g = jnp.where(valid, jnp.clip(g_ref[...], -1000.0, 1000.0), 0.0)
-    p = jnp.where(valid, p_ref[...], 0.0)
-    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref)
-    feats = _velo_elem_features(g, p, ms, rms, r, f1_ref, f2_ref, row_on_1)
+    r_ok, c_ok, valid = _masks(n1, n2)
+    g = jnp.clip(_load(g_ref, valid), -1000.0, 1000.0)
+    p = _load(p_ref, valid)
+    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid)
+    feats = _velo_elem_features(g, p, ms, rms, r,
+                                _factors(f1_ref, f2_ref, r_ok, c_ok, row_on_1))
     lanes = jax.lax.broadcasted_iota(jnp.int32, (32,), 0)
     out = jnp.zeros((32,), jnp.float32)
     for k, f in enumerate(feats):
@@ -374,14 +404,17 @@ def _velo_stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_re
 
 
 def _velo_fused_kernel(dec_ref, w_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, t1_ref,
-                       t2_ref, s_ref, mo_ref, ro_ref, *, row_on_1, width, nhid, off,
+                       t2_ref, s_ref, mo_ref, ro_ref, *, n1, n2, row_on_1, width, nhid, off,
                        exp_mult, step_mult):  # noqa: ANN001
-    g = jnp.clip(g_ref[...], -1000.0, 1000.0)
-    p = p_ref[...]
-    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref)
-    feats = _velo_elem_features(g, p, ms, rms, r, f1_ref, f2_ref, row_on_1)
+    r_ok, c_ok, valid = _masks(n1, n2)
+    g = jnp.clip(_load(g_ref, valid), -1000.0, 1000.0)
+    p = _load(p_ref, valid)
+    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid)
+    feats = _velo_elem_features(g, p, ms, rms, r,
+                                _factors(f1_ref, f2_ref, r_ok, c_ok, row_on_1))
     ne = len(VELO_ELEM)
-    h = [t1_ref[:, j][:, None] + t2_ref[:, j][None, :] for j in range(width)]
+    h = [_load(t1_ref.at[:, _i(j)], r_ok)[:, None] + _load(t2_ref.at[:, _i(j)], c_ok)[None, :]
+         for j in range(width)]
     for k, f in enumerate(feats):  # the first layer, channel by channel (float32 FMAs)
         x = f * w_ref[k]  # normalized
         h = [h[j] + x * w_ref[ne + k * width + j] for j in range(width)]
@@ -403,10 +436,10 @@ def _velo_fused_kernel(dec_ref, w_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_re
         outs.append(acc + w_ref[off["bl"] + c])
     direction, magnitude = outs
     step = direction * (w_ref[off["scale"]] * jnp.exp(magnitude * exp_mult)) * step_mult
-    s_ref[...] = w_ref[off["lr"]] * step
+    _store(s_ref, w_ref[off["lr"]] * step, valid)
     for k in range(3):
-        mo_ref[:, :, k] = ms[k]
-    ro_ref[...] = rms
+        _store(mo_ref.at[:, :, _i(k)], ms[k], valid)
+    _store(ro_ref, rms, valid)
 
 
 class VeLOKernels:
@@ -433,9 +466,10 @@ class VeLOKernels:
 
     def __call__(self, shape: tuple[int, ...], p: Any, g: Any, m: Any, rms: Any, v_row: Any,
                  v_col: Any, v_diag: Any, controls: Any, lr_mult: Any, *,
-                 decays: tuple[Any, Any, Any]) -> tuple[Any, ...]:
+                 decays: tuple[Any, Any, Any], aux: dict | None = None) -> tuple[Any, ...]:
         """One shape group: ``(step, m, rms, v_row, v_col, v_diag)`` stacked, as
-        :func:`xopt.specs.velo.update_tensor` per tensor."""
+        :func:`xopt.specs.velo.update_tensor` per tensor (``aux``: as
+        :meth:`SmallFCKernels.__call__`'s)."""
         from xopt.specs import velo as vspec
 
         L = p.shape[0]
@@ -482,6 +516,8 @@ class VeLOKernels:
         sq = sq.at[:, np.array(VELO_ROW)].set(row_sq).at[:, np.array(VELO_COL)].set(col_sq)
         n = float(n1 * n2)
         inv = jax.lax.rsqrt(1e-5 + sq / n)  # [L, 30]
+        if aux is not None:
+            aux.update(stats=part, feature_sq_mean=sq / n)
         param_scale = jnp.sqrt(sq[:, 2] / n + 1e-9)
 
         # the per-tensor MLPs (100 · mean_k controls_k · bank_k), and the axis terms
@@ -504,8 +540,8 @@ class VeLOKernels:
         scal = jnp.pad(scal, [(0, 0), (0, VELO_SCAL - scal.shape[1])])
         width = self.width
         kern = functools.partial(
-            _velo_fused_kernel, row_on_1=row_on_1, width=width, nhid=self.nhid, off=self.off,
-            exp_mult=float(self.hp.exp_mult), step_mult=float(self.hp.step_mult))
+            _velo_fused_kernel, n1=n1, n2=n2, row_on_1=row_on_1, width=width, nhid=self.nhid,
+            off=self.off, exp_mult=float(self.hp.exp_mult), step_mult=float(self.hp.step_mult))
         step, m_new, rms_new = pl.pallas_call(
             kern,
             out_shape=(jax.ShapeDtypeStruct((L, n1, n2), jnp.float32),

@@ -138,7 +138,7 @@ def small_fc_lopt(
       impl: the inner update's implementation: "plain" (per tensor, the reference),
         "packed" (the tensors grouped by shape, see :mod:`xopt.jax._lopt_fast`),
         "pallas" (packed, with fused Pallas kernels), or None: the plain path (on a GPU
-        too; ``impl="pallas"`` is refused there, see :mod:`xopt.jax._lopt_fast`).
+        too, :data:`xopt.jax._lopt_fast.GPU_DEFAULT`).
         The state is the same for all.
       precision: the fused kernels' matrix products, "exact" or "fast" (TF32).
       exp_mult, step_mult, hidden_size, hidden_layers, initial_momentum_decays,

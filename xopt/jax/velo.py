@@ -187,7 +187,7 @@ def velo(
       impl: the inner update's implementation: "plain" (per tensor, the reference),
         "packed" (the tensors grouped by shape, see :mod:`xopt.jax._lopt_fast`),
         "pallas" (packed, with fused Pallas kernels), or None: the plain path (on a GPU
-        too; ``impl="pallas"`` is refused there, see :mod:`xopt.jax._lopt_fast`).
+        too, :data:`xopt.jax._lopt_fast.GPU_DEFAULT`).
         The state is the same for all.
       precision: the fused kernels' matrix products, "exact" or "fast" (TF32).
       lstm_hidden_size, …, use_bugged_loss_features: the method's fields

@@ -37,8 +37,13 @@ import numpy as np
 from xopt.errors import TraceError
 from xopt.parity.compare import closer_to, errors
 from xopt.parity.harness import BadRequest, Run, available, backend_label, require_reference
-from xopt.parity.layers import (LAYER_REQUIRES, float32_matmuls, integer, layer_backends,
-                                reading_hyperparameters)
+from xopt.parity.layers import (
+    LAYER_REQUIRES,
+    float32_matmuls,
+    integer,
+    layer_backends,
+    reading_hyperparameters,
+)
 from xopt.parity.methods import get as get_parity
 from xopt.parity.trace import Trace, step_prefix
 from xopt.specs import poet as P

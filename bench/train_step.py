@@ -1,0 +1,288 @@
+"""Whole training steps of a LLaMA-style decoder with every xopt method, side by side.
+
+One process, one GPU, one model size: for each method a fresh model (the same seed), a few
+warm-up steps, then timed steps. Per method: forward+backward and optimizer-step time (CUDA
+events; the step's median is an ordinary step, its maximum a refresh step, its mean over the
+timed window, which spans whole refresh intervals, the cost averaged over them), tokens/s,
+peak memory, optimizer-state bytes; every ratio is to ``torch.optim.AdamW(fused=True)``
+measured in the same run. A method that runs out of memory is a row saying so.
+
+    python3 bench/train_step.py --size 350m --out-dir OUT [--compile] [--deadline-s 500]
+    python3 bench/train_step.py --tiny --out-dir OUT        # the CPU smoke run of CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import xopt.torch as xt
+from xopt.torch import poet as xpoet
+
+# d_model, layers, heads, SwiGLU width, vocab, sequence length, batch (LLaMA-style shapes of
+# GaLore's and COAP's pre-training tables)
+SIZES = {
+    "tiny": (64, 2, 4, 176, 256, 32, 2),
+    "350m": (1024, 24, 16, 2736, 32000, 1024, 8),
+    "1b": (2048, 24, 32, 5461, 32000, 1024, 4),
+}
+WARMUP, TIMED, GAP = 2, 10, 5  # refreshes fall at steps 5 and 10, inside the timed window
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, ff: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(d), nn.RMSNorm(d)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            nn.Linear(d, d, bias=False) for _ in range(4))
+        self.gate_proj, self.up_proj = nn.Linear(d, ff, bias=False), nn.Linear(d, ff, bias=False)
+        self.down_proj = nn.Linear(ff, d, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        h = self.attn_norm(x)
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, n, self.heads, d // self.heads).transpose(1, 2)
+
+        def rotate(t: torch.Tensor) -> torch.Tensor:
+            t1, t2 = t.chunk(2, dim=-1)
+            return t * cos + torch.cat((-t2, t1), dim=-1) * sin
+
+        q, k, v = heads(self.q_proj(h)), heads(self.k_proj(h)), heads(self.v_proj(h))
+        a = F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True)
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, n, d))
+        h = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, d: int, layers: int, heads: int, ff: int, vocab: int, seq: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, heads, ff) for _ in range(layers))
+        self.norm, self.lm_head = nn.RMSNorm(d), nn.Linear(d, vocab, bias=False)
+        hd = d // heads
+        inv = 1.0 / 10000 ** (torch.arange(0, hd, 2).float() / hd)
+        ang = torch.outer(torch.arange(seq).float(), inv)
+        self.register_buffer("cos", torch.cat((ang, ang), -1).cos(), persistent=False)
+        self.register_buffer("sin", torch.cat((ang, ang), -1).sin(), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for blk in self.blocks:
+            x = blk(x, self.cos, self.sin)
+        logits = self.lm_head(self.norm(x))
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def _split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(the blocks' projection matrices, everything else): the low-rank methods project the
+    former, as their papers do; embeddings, norms and the head take plain Adam."""
+    mats = [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2]
+    ids = {id(p) for p in mats}
+    return mats, [p for p in model.parameters() if id(p) not in ids]
+
+
+def _rank(model: nn.Module) -> int:
+    """GaLore's ranks for its LLaMA tables (256 at 350M, 512 at 1B), a quarter of d_model."""
+    return model.embed.embedding_dim // 4
+
+
+def _lowrank(cls: type, **kw: Any) -> Callable[[nn.Module, int], Any]:
+    def make(model: nn.Module, steps: int) -> Any:
+        mats, rest = _split(model)
+        return cls([{"params": mats}, {"params": rest, "project": False}], lr=1e-3,
+                    rank=_rank(model), **kw)
+    return make
+
+
+def _compact(model: nn.Module, steps: int) -> Any:
+    xt.compact_model(model, rank=0.25, scale=0.25, gap=GAP)
+    return xt.CompActAdamW(model.parameters(), lr=1e-3)
+
+
+def _poet(variant: str) -> Callable[[nn.Module, int], Any]:
+    def make(model: nn.Module, steps: int) -> Any:
+        block = 256 if model.embed.embedding_dim >= 1024 else 16
+        xpoet.convert(model, block_size=block, exclude_modules=("lm_head", "embed"),
+                      variant=variant)
+        groups = xpoet.poet_param_groups(model, lr=1e-3, poet_lr=5e-4)
+        return xpoet.POETAdamW(groups, model=model, merge_interval=GAP)
+    return make
+
+
+METHODS: dict[str, Callable[[nn.Module, int], Any]] = {
+    "torch.optim.AdamW(fused)": lambda m, s: torch.optim.AdamW(
+        m.parameters(), lr=1e-3, fused=next(m.parameters()).is_cuda or None),
+    "xopt AdamW": lambda m, s: xt.AdamW(m.parameters(), lr=1e-3),
+    "GaLore": _lowrank(xt.GaLore, update_proj_gap=GAP, scale=0.25),
+    "Flora": _lowrank(xt.Flora, kappa=GAP),
+    "COAP": _lowrank(xt.COAP, update_interval=GAP, reproject_factor=2),
+    "PLUMAGE": _lowrank(xt.PLUMAGE, update_proj_gap=GAP),
+    "small_fc_lopt": lambda m, s: xt.SmallFCLOpt(m.parameters(), num_training_steps=s),
+    "VeLO": lambda m, s: xt.VeLO(m.parameters(), num_training_steps=s),
+    "CompAct": _compact,
+    "POET-X fast": _poet("fast"),
+    "POET-X mem": _poet("mem"),
+}
+
+
+def _state_bytes(opt: Any) -> int:
+    seen: set[int] = set()
+
+    def walk(x: Any) -> int:
+        if isinstance(x, torch.Tensor):
+            if x.untyped_storage().data_ptr() in seen:
+                return 0
+            seen.add(x.untyped_storage().data_ptr())
+            return x.untyped_storage().nbytes()
+        if isinstance(x, dict):
+            return sum(walk(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return sum(walk(v) for v in x)
+        return 0
+
+    return walk(dict(opt.state))
+
+
+class _Timer:
+    """Elapsed milliseconds between two points: CUDA events on a GPU, the clock elsewhere."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def mark(self) -> Any:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def ms(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+
+def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
+               compile_model: bool) -> dict[str, Any]:
+    d, layers, heads, ff, vocab, seq, batch = SIZES[size]
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    model = Llama(d, layers, heads, ff, vocab, seq).to(device=device, dtype=dtype)
+    steps = WARMUP + TIMED
+    opt = METHODS[name](model, steps)
+    fwd = torch.compile(model) if compile_model else model
+    takes_loss = isinstance(opt, (xt.SmallFCLOpt, xt.VeLO))
+    gen = torch.Generator(device=device).manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
+    timer = _Timer(cuda)
+    fb, st, losses = [], [], []
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    for k in range(steps):
+        t0 = timer.mark()
+        loss = fwd(ids)
+        loss.backward()
+        t1 = timer.mark()
+        opt.step(loss=loss.detach()) if takes_loss else opt.step()
+        opt.zero_grad(set_to_none=True)
+        t2 = timer.mark()
+        if cuda:
+            torch.cuda.synchronize()
+        losses.append(float(loss))
+        if k >= WARMUP:
+            fb.append(timer.ms(t0, t1))
+            st.append(timer.ms(t1, t2))
+    if not all(math.isfinite(v) for v in losses):
+        raise FloatingPointError(f"{name}: non-finite loss {losses}")
+    total = statistics.mean(a + b for a, b in zip(fb, st, strict=True))
+    return {
+        "fwd_bwd_ms": statistics.median(fb), "step_ms_median": statistics.median(st),
+        "step_ms_max": max(st), "step_ms_mean": statistics.mean(st), "total_ms_mean": total,
+        "tokens_per_s": batch * seq / (total / 1e3),
+        "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "state_bytes": _state_bytes(opt),
+        "param_count": sum(p.numel() for p in model.parameters()),
+        "loss_first_last": [losses[0], losses[-1]],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--size", default="350m", choices=sorted(SIZES))
+    ap.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (CI)")
+    ap.add_argument("--methods", default="", help="comma-separated subset of the names")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="start no method after this many seconds (each skipped one is listed)")
+    args = ap.parse_args(argv)
+    start = time.monotonic()
+    size = "tiny" if args.tiny else args.size
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    names = [n.strip() for n in args.methods.split(",") if n.strip()] or list(METHODS)
+    unknown = sorted(set(names) - set(METHODS))
+    if unknown:
+        ap.error(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+    # the reference every ratio divides by runs first
+    names = ["torch.optim.AdamW(fused)", *[n for n in names if n != "torch.optim.AdamW(fused)"]]
+    dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"{dev_name}; {time.strftime('%Y-%m-%d')}; torch {torch.__version__}; size {size} "
+          f"{SIZES[size]}; {args.dtype}; {'compiled' if args.compile else 'eager'}", flush=True)
+    rows: dict[str, Any] = {}
+    for name in names:
+        if args.deadline_s is not None and time.monotonic() - start > args.deadline_s:
+            rows[name] = {"skipped": "deadline"}
+            continue
+        try:
+            rows[name] = run_method(name, size, device, dtype, args.compile)
+        except torch.OutOfMemoryError:
+            rows[name] = {"error": "OOM"}
+        except Exception as e:  # a method's failure is its row, not the end of the run
+            rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"  {name}: {json.dumps(rows[name])[:400]}", flush=True)
+    ref = rows.get("torch.optim.AdamW(fused)", {})
+    print(f"\n{'method':26s} {'fwd+bwd ms':>10s} {'step med':>9s} {'step max':>9s} "
+          f"{'step mean':>9s} {'x total':>8s} {'tok/s':>9s} {'peak GiB':>8s} {'state GiB':>9s} "
+          f"{'x state':>7s}")
+    for name, r in rows.items():
+        if "total_ms_mean" not in r:
+            print(f"{name:26s} {r.get('error') or r.get('skipped')}")
+            continue
+        rt = r["total_ms_mean"] / ref["total_ms_mean"] if "total_ms_mean" in ref else math.nan
+        rs = (r["state_bytes"] / ref["state_bytes"]
+              if ref.get("state_bytes") else math.nan)
+        r["ratio_total_to_fused_adamw"], r["ratio_state_to_fused_adamw"] = rt, rs
+        peak = r["peak_bytes"] / 2**30 if r["peak_bytes"] is not None else math.nan
+        print(f"{name:26s} {r['fwd_bwd_ms']:10.2f} {r['step_ms_median']:9.2f} "
+              f"{r['step_ms_max']:9.2f} {r['step_ms_mean']:9.2f} {rt:8.2f} "
+              f"{r['tokens_per_s']:9.0f} {peak:8.2f} {r['state_bytes'] / 2**30:9.3f} {rs:7.2f}")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": dev_name, "date": time.strftime("%Y-%m-%d"), "size": size,
+            "shape": SIZES[size], "dtype": args.dtype, "compile": args.compile,
+            "argv": sys.argv, "warmup": WARMUP, "timed": TIMED, "refresh_interval": GAP}
+    name = f"train_step_{size}{'_compiled' if args.compile else ''}.json"
+    (out / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return 0 if all("total_ms_mean" in r or "skipped" in r for r in rows.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
