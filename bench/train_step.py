@@ -202,7 +202,7 @@ def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
         t2 = timer.mark()
         if cuda:
             torch.cuda.synchronize()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if k >= WARMUP:
             fb.append(timer.ms(t0, t1))
             st.append(timer.ms(t1, t2))

@@ -14,6 +14,9 @@ that a missing Eqn 6 would be caught.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import numpy as np
 import pytest
 from helpers import explain_disagreements, has_jax, has_torch
@@ -22,10 +25,12 @@ from xopt.parity import bundled_traces, load_trace
 from xopt.parity.harness import run_parity
 from xopt.parity.methods import coap as CP
 from xopt.specs import coap as C
+from xopt.specs import hp_for
 
 pytestmark = pytest.mark.skipif(not (has_torch and has_jax), reason="needs torch and jax")
 
-TRACES = bundled_traces("coap")
+# the matrix cases; the convolution cases (conv_*) are checked on their own below
+TRACES = [p for p in bundled_traces("coap") if not p.stem.startswith("conv_")]
 PROJECTED = ["mlp/0/weight", "mlp/1/weight", "tall/weight", "wide/weight"]
 
 
@@ -137,3 +142,96 @@ def test_a_missing_eqn6_step_is_detected(path):
                 assert (err <= 1e-6) if ok else (err > 1e-5), (t, n, ok, err)
         events += 1
     assert events >= 2
+
+
+CONV_TRACES = [p for p in bundled_traces("coap") if p.stem.startswith("conv_")]
+
+
+@pytest.fixture(scope="module")
+def conv_report():
+    return run_parity("coap", CONV_TRACES, backends=["torch", "jax", "oracle"])
+
+
+def test_conv_traces_cover_tucker2_and_tucker1():
+    trace = load_trace(CONV_TRACES[0])
+    hp = CP.from_kwargs(dict(trace.hyperparameters))
+    shapes = {n: tuple(s) for n, s in trace.params.items()}
+    conv0, conv1 = hp_for(hp, "conv0/weight"), hp_for(hp, "conv1/weight")
+    assert C.is_tucker(shapes["conv0/weight"], conv0)
+    assert C.tucker_ranks(shapes["conv0/weight"], conv0) == (32, 16)
+    assert C.tucker_ranks(shapes["conv1/weight"], conv1) == (40,)
+    assert C.is_projected(shapes["fc/weight"], hp_for(hp, "fc/weight"))
+    events = {C.event(t, conv0) for t in range(trace.steps)}  # the authors' schedule
+    assert events == {C.KEEP, C.INITIAL, C.EQN6, C.EQN7}
+
+
+def test_conv_traces_agree(conv_report):
+    """TuckerCOAP's factors injected at the decompositions (events 1, 3); Eqn 6 for the
+    kernels, the restoration of the moments and the AdamW arithmetic computed by xopt, on
+    every backend, within the issue's bounds."""
+    assert conv_report.verdict == "agree", explain_disagreements(conv_report)
+    assert len(conv_report.runs) == len(CONV_TRACES) * 3 * 2
+    for r in conv_report.runs:
+        bound = 1e-6 if r.mode == "teacher_forced" else 1e-4
+        assert r.max_rel_error <= bound, (r.trace, r.backend, r.mode, r.worst[:2])
+
+
+def test_the_carried_factor_gradient_is_tuckercoaps():
+    """At the second Eqn-6 update after a decomposition (update 6 of the rf3 trace) the
+    authors' factors step on their new gradient plus the previous clipped one (they keep
+    .grad): the oracle, teacher-forced, reproduces the recorded gradient and factors with
+    carry_factor_grad (default), and misses both without it."""
+    trace = load_trace(next(p for p in CONV_TRACES if p.stem.endswith("_rf3")))
+    hp = CP.from_kwargs(dict(trace.hyperparameters))
+    off = type(hp).of([(names, h.replace(carry_factor_grad=False))
+                       for names, h in hp.groups])
+    t, name = 6, "conv0/weight"
+    assert C.event(t, hp_for(hp, name)) == C.EQN6 == C.event(3, hp_for(hp, name))
+    params = {k: v.astype(np.float64) for k, v in trace.params_after(t - 1).items()}
+    state = C.SPEC.state.to_canonical(CP.AUTHORS_NAMING, trace.state_after(t - 1),
+                                      list(trace.params), hp)
+    assert np.abs(state[f"P_grad/{name}"]).max() > 0        # carried from update 3
+    state = {k: np.asarray(v, dtype=np.float64) if k != "step" else v
+             for k, v in state.items()}
+    grads = {k: v.astype(np.float64) for k, v in trace.grads(t).items()}
+    recorded = trace.state_after(t)
+    want_grad = recorded[f"{name}/projector/ortho_matrix_grad"]
+    want_p = recorded[f"{name}/projector/ortho_matrix"]
+    for h, ok in ((hp, True), (off, False)):
+        aux = {}
+        _, new = C.step(h, params, state, grads, aux=aux)
+        got = aux[f"{name}/eqn6_P_grad_clipped"]   # the gradient the factor stepped on
+        err = np.abs(got - want_grad).max() / np.abs(want_grad).max()
+        assert (err <= 1e-6) if ok else (err > 1e-2), (ok, err)
+        if ok:
+            np.testing.assert_array_equal(new[f"P_grad/{name}"], got)
+            assert np.abs(new[f"P/{name}"] - want_p).max() / np.abs(want_p).max() <= 1e-6
+
+
+# -- 8-bit (CoapAdamW8bit), recorded with bitsandbytes' CPU kernel -------------------------------
+
+EIGHT_BIT_CPU = (Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "parity" / "coap"
+                 / "conv_8bit_cpu_r4_cnn4_tu3_rf2_restore.json")
+
+
+def test_code_book_is_bitsandbytes():
+    """The spec builds bitsandbytes' dynamic code book itself; the recording hashed the
+    one bitsandbytes used."""
+    manifest = load_trace(EIGHT_BIT_CPU).manifest["source"]
+    got = hashlib.sha256(C.dynamic_code().astype(np.float32).tobytes()).hexdigest()
+    assert got == manifest["quant_code_sha256"]
+
+
+def test_eight_bit_cpu_trace_is_byte_exact():
+    """Every backend reproduces the authors' 8-bit run: the uint8 codes equal (a one-code
+    difference is a relative error of at least 1/255, far beyond 1e-6), the absmax scales
+    and the parameters within the issue's bounds, teacher-forced and closed loop. The
+    trace names bitsandbytes' CPU kernel, which the harness hands to quant_rounding."""
+    hp = CP.from_kwargs(dict(load_trace(EIGHT_BIT_CPU).hyperparameters))
+    assert hp_for(hp, "conv0/weight").state_bits == 8
+    assert hp_for(hp, "conv0/weight").quant_rounding == "cpu"
+    report = run_parity("coap", [EIGHT_BIT_CPU], backends=["torch", "jax", "oracle"])
+    assert report.verdict == "agree", explain_disagreements(report)
+    for r in report.runs:
+        bound = 1e-6 if r.mode == "teacher_forced" else 1e-4
+        assert r.max_rel_error <= bound, (r.backend, r.mode, r.worst[:2])

@@ -19,7 +19,8 @@ from xopt.parity.methods import coap as CP
 from xopt.specs import coap as C
 from xopt.specs._groups import ParamGroups
 
-TRACES = bundled_traces("coap")
+# the matrix cases; the convolution cases (conv_*) are checked on their own below
+TRACES = [p for p in bundled_traces("coap") if not p.stem.startswith("conv_")]
 PROJECTED = ["mlp/0/weight", "mlp/1/weight", "tall/weight", "wide/weight"]
 
 
@@ -208,8 +209,13 @@ def test_from_kwargs_reads_groups_and_refuses_what_it_cannot_run():
     kw = dict(trace.hyperparameters)
     kw["effective_param_groups"] = [dict(g) for g in kw["effective_param_groups"]]
     kw["effective_param_groups"][3] = dict(kw["effective_param_groups"][3], params=["conv/w"])
-    with pytest.raises(HyperparameterError, match=r"\['conv/w'\] with TuckerCOAP"):
+    with pytest.raises(HyperparameterError, match=r"\['conv/w'\] with TuckerCOAP but "
+                                                  "rank_ratio_cnn is None"):
         CP.from_kwargs(kw)
+    kw["effective_param_groups"][3]["rank_ratio_cnn"] = 4.0  # setup_params copies it there
+    conv = CP.from_kwargs(kw).hp_of("conv/w")
+    assert conv.project is True and conv.rank_ratio_cnn == 4.0
+    assert C.is_tucker((64, 48, 3, 3), conv)
     with pytest.raises(HyperparameterError, match="'momentum'"):
         CP.from_kwargs({"optimizer_class": "CoapAdamW", "constructor": {"momentum": 0.9}})
 
@@ -514,3 +520,130 @@ def test_jax_bad_input_names_the_leaf():
     tx = xopt.jax.coap(rank=2)
     _, st = tx.update({"a": jnp.full((6, 4), jnp.inf), "b": jnp.ones((6, 4))}, tx.init(p), p)
     assert bool(jnp.all(st.proj["a"] == 0)) and bool(jnp.isfinite(st.proj["b"]).all())
+
+
+# -- Tucker-2 (conv kernels) and 8-bit state ----------------------------------------------------
+
+
+@needs_torch
+def test_tucker_eqn6_gradient_is_autograds_of_the_authors_loss():
+    """:func:`tucker_eqn6_grad` against float64 autograd of TuckerCOAP.update_proj's loss,
+    written as the authors write it (einsum, mse_loss, cosine_similarity along dim 1), for
+    Tucker-2 and Tucker-1."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(12, 10, 3, 3, generator=gen, dtype=torch.float64)
+    for ranks in ((5, 4), (6,)):
+        us = tuple(torch.linalg.qr(torch.randn(s, r, generator=gen, dtype=torch.float64))[0]
+                   for s, r in zip(g.shape, ranks, strict=False))
+        m = torch.randn(*ranks, *g.shape[len(ranks):], generator=gen, dtype=torch.float64)
+        leaves = [u.clone().requires_grad_(True) for u in us]
+        if len(ranks) == 2:
+            x = torch.einsum("mncd, am, bn->abcd", m, *leaves)
+            ghat = torch.einsum("mncd, am, bn->abcd",
+                                torch.einsum("abcd, am, bn->mncd", g, *leaves), *leaves)
+        else:
+            x = torch.einsum("mbcd, am->abcd", m, leaves[0])
+            ghat = torch.einsum("mbcd, am->abcd", torch.einsum("abcd, am->mbcd", g, leaves[0]),
+                                leaves[0])
+        loss = torch.nn.functional.mse_loss(ghat, g) * (
+            1 - torch.nn.functional.cosine_similarity(x, g, dim=1).mean())
+        loss.backward()
+        grads, _, _ = C.tucker_eqn6_grad(torch, us, m, g)
+        for got, leaf in zip(grads, leaves, strict=True):
+            torch.testing.assert_close(got, leaf.grad, rtol=1e-10, atol=1e-13)
+
+
+def test_partial_tucker_finds_an_exact_low_rank_kernel():
+    """A kernel of exact multilinear rank (4, 3) is reproduced by its projection, with
+    orthonormal factors, the rule's sweep count within tensorly's bounds."""
+    rng = np.random.default_rng(1)
+    core = rng.standard_normal((4, 3, 3, 3))
+    u0 = np.linalg.qr(rng.standard_normal((9, 4)))[0]
+    u1 = np.linalg.qr(rng.standard_normal((7, 3)))[0]
+    g = C.tucker_restore(np, core, (u0, u1))
+    f = C.partial_tucker(np, g, (4, 3))
+    for u in f:
+        np.testing.assert_allclose(u.T @ u, np.eye(u.shape[1]), atol=1e-12)
+    np.testing.assert_allclose(C.tucker_restore(np, C.tucker_project(np, g, f), f), g,
+                               atol=1e-12)
+
+
+def test_tucker_ranks_and_sizes_follow_tucker_coap():
+    hp = C.COAP(rank=4, rank_ratio_cnn=4.0)
+    assert C.tucker_ranks((64, 32, 3, 3), hp) == (32, 16)            # c // √4
+    assert C.tucker_ranks((160, 64, 1, 1), hp) == (40,)              # k₂ = 1: O // 4
+    assert C.tucker_ranks((64, 32, 3, 3), hp.replace(rank_ratio_cnn=3.0)) == (36, 18)
+    assert not C.is_projected((8, 8, 3, 3), hp)                      # ≤ 32·32·3·3
+    assert C.is_projected((8, 8, 3, 3), hp.replace(project=True))
+    assert not C.is_projected((64, 32, 3, 3), hp.replace(rank_ratio_cnn=None))
+    with pytest.raises(HyperparameterError, match="conv: Tucker rank 40"):
+        C.check_param((160, 20, 1, 1), hp.replace(project=True), "conv")  # 40 > 20
+
+
+@pytest.mark.parametrize("xp_name", ["numpy", "torch", "jax"])
+def test_quantize_cuda_rule_is_the_nearest_code(xp_name):
+    """``rounding="cuda"`` (bitsandbytes' binary search with midpoints) gives the nearest
+    code of x·(1/absmax), found here by brute force in float64, over six decades; every
+    backend gives the same bytes; a zero block has absmax 0 and codes 0."""
+    if xp_name == "torch" and not has_torch or xp_name == "jax" and not has_jax:
+        pytest.skip(f"needs {xp_name}")
+    import importlib
+
+    xp = importlib.import_module({"numpy": "numpy", "torch": "torch",
+                                  "jax": "jax.numpy"}[xp_name])
+    rng = np.random.default_rng(2)
+    n = 2 * C.QUANT_BLOCK + 123
+    x = (rng.standard_normal(n) * np.logspace(-6, 0, n)).astype(np.float32)
+    x[C.QUANT_BLOCK:2 * C.QUANT_BLOCK] = 0.0
+    q, absmax = C.quantize(xp, xp.asarray(x.reshape(-1, 1)))
+    q, absmax = np.asarray(q).reshape(-1), np.asarray(absmax)
+    assert q.dtype == np.uint8 and absmax.dtype == np.float32 and absmax.shape == (3,)
+    assert absmax[1] == 0 and not q[C.QUANT_BLOCK:2 * C.QUANT_BLOCK].any()
+    code = C.dynamic_code().astype(np.float64)
+    scale = np.repeat(absmax, C.QUANT_BLOCK)[:n]
+    keep = scale > 0
+    y = (x[keep] * (np.float32(1.0) / scale[keep]).astype(np.float32)).astype(np.float64)
+    nearest = np.argmin(np.abs(y[:, None] - code[None, :]), axis=1)
+    assert np.array_equal(q[keep], nearest)
+    back = np.asarray(C.dequantize(xp, xp.asarray(q), xp.asarray(absmax)))
+    np.testing.assert_array_equal(back, (code[q] * np.repeat(absmax, C.QUANT_BLOCK)[:n])
+                                  .astype(np.float32))
+
+
+@needs_torch
+def test_eight_bit_conv_state_dict_resumes_bit_exactly():
+    """Plain uint8/float32 state: saved with torch.save, loaded with weights_only=True, a
+    resumed optimizer continues exactly as the uninterrupted one (through an Eqn-6 and an
+    Eqn-7 event of a Tucker-2 kernel)."""
+    import torch
+
+    def run(resume_at):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3), torch.nn.Tanh(),
+                                  torch.nn.Flatten(), torch.nn.Linear(16 * 4, 3))
+        kw = dict(lr=1e-2, rank=2, rank_ratio_cnn=4.0, project=True, update_interval=2,
+                  reproject_factor=2, restore_state=True, state_bits=8)
+        opt = xopt_torch.COAP(net.parameters(), **kw)
+        x, y = torch.randn(4, 8, 4, 4), torch.randn(4, 3)
+        for t in range(6):
+            if t == resume_at:
+                buf = io.BytesIO()
+                torch.save(opt.state_dict(), buf)
+                buf.seek(0)
+                opt = xopt_torch.COAP(net.parameters(), **kw)
+                opt.load_state_dict(torch.load(buf, weights_only=True))
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+        st = opt.state[net[0].weight]
+        assert st["exp_avg_codes"].dtype == torch.uint8 and "ortho_matrix_in" in st
+        return [p.detach().clone() for p in net.parameters()], st
+
+    import xopt.torch as xopt_torch
+
+    (p1, s1), (p2, s2) = run(None), run(3)
+    for a, b in zip(p1, p2, strict=True):
+        assert torch.equal(a, b)
+    assert all(torch.equal(s1[k], s2[k]) for k in s1)

@@ -92,6 +92,13 @@ def tiny_params(seed: int = 0) -> dict[str, Any]:
                   jnp.asarray(0.75, jnp.float32)]}
 
 
+def conv_params(seed: int = 0) -> dict[str, Any]:
+    """:func:`tiny_params` with a conv kernel (O, I, kh, kw) = (4, 3, 2, 2) added."""
+    r = np.random.default_rng(seed + 1)
+    return {**tiny_params(seed),
+            "k": jnp.asarray(r.standard_normal((4, 3, 2, 2)), jnp.float32)}
+
+
 def mlp(features: int = 3) -> tuple[Any, Any, str]:
     """A two-layer linen MLP on inputs of width 4 (the model of the plain transforms)."""
     import flax.linen as nn
@@ -203,11 +210,30 @@ def cases() -> tuple[JaxCase, ...]:
                         clip_threshold=1.0, decay_rate=-0.8),
             injectable=dict(learning_rate=3e-2, scale=0.5, b1=0.5, b2=0.9, eps=0.3,
                             weight_decay=0.7, proj_lr=0.9, proj_max_norm=1e-3),
-            static=("rank", "rank_ratio", "update_interval", "reproject_factor", "seed"),
+            static=("rank", "rank_ratio", "rank_ratio_cnn", "min_conv_size", "state_bits",
+                    "update_interval", "reproject_factor", "seed"),
             unread={name: (value, "Adafactor's (optimizer='adafactor', the coap_adafactor "
                                   "case); CoapAdamW does not read it")
                     for name, value in dict(eps_sq=0.5, eps_scale=5.0, clip_threshold=0.05,
                                             decay_rate=-0.3).items()}),
+        JaxCase(
+            id="coap_conv", method="coap", factory=xj.coap, params=conv_params, model=mlp,
+            kwargs=dict(learning_rate=1e-2, rank=2, rank_ratio_cnn=4.0, project=True,
+                        update_interval=2, reproject_factor=2, restore_state=True, b1=0.9,
+                        b2=0.999, eps=1e-6, weight_decay=0.1, proj_lr=0.1,
+                        proj_max_norm=1.0),
+            injectable=dict(learning_rate=3e-2, b1=0.5, b2=0.9, eps=0.3, weight_decay=0.7,
+                            proj_lr=0.9, proj_max_norm=1e-3),
+            static=("rank", "rank_ratio", "rank_ratio_cnn", "min_conv_size", "state_bits",
+                    "update_interval", "reproject_factor", "seed")),
+        JaxCase(
+            id="coap_8bit", method="coap", factory=xj.coap, params=tiny_params, model=mlp,
+            kwargs=dict(learning_rate=1e-2, rank=2, update_interval=2, reproject_factor=2,
+                        state_bits=8, restore_state=True, b1=0.9, b2=0.999, eps=1e-6,
+                        weight_decay=0.1),
+            injectable=dict(learning_rate=3e-2, b1=0.5, b2=0.9, eps=0.3, weight_decay=0.7),
+            static=("rank", "rank_ratio", "rank_ratio_cnn", "min_conv_size", "state_bits",
+                    "update_interval", "reproject_factor", "seed")),
         JaxCase(
             id="coap_adafactor", method="coap", factory=xj.coap, params=tiny_params,
             model=mlp,
@@ -216,7 +242,8 @@ def cases() -> tuple[JaxCase, ...]:
                         clip_threshold=1.0, decay_rate=-0.8, weight_decay=0.1),
             injectable=dict(learning_rate=3e-2, eps_sq=0.5, eps_scale=5.0,
                             clip_threshold=0.05, decay_rate=-0.3, weight_decay=0.7),
-            static=("rank", "rank_ratio", "update_interval", "reproject_factor", "seed")),
+            static=("rank", "rank_ratio", "rank_ratio_cnn", "min_conv_size", "state_bits",
+                    "update_interval", "reproject_factor", "seed")),
         JaxCase(
             id="plumage", method="plumage", factory=xj.plumage, params=tiny_params,
             model=mlp,

@@ -112,6 +112,13 @@ def _poet_model(dtype: torch.dtype = torch.float32) -> nn.Module:
     return _seeded(build, dtype)
 
 
+def _conv_model(dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A linear layer (inputs of width 4, as :func:`mlp`) into a conv kernel (4, 3, 2, 2):
+    COAP's Tucker-2 path."""
+    return _seeded(lambda: nn.Sequential(nn.Linear(4, 12), nn.Unflatten(1, (3, 2, 2)),
+                                         nn.Conv2d(3, 4, 2), nn.Tanh(), nn.Flatten()), dtype)
+
+
 # -- the cases ------------------------------------------------------------------------------------
 
 
@@ -125,6 +132,17 @@ CASES: list[Case] = [
     Case("coap", "coap", mlp,
          lambda m, ps, **kw: xt.COAP(ps, **_kw(dict(lr=1e-2, rank=2, update_interval=1,
                                                     reproject_factor=2), kw)),
+         lr=1e-2, decomposes=True),
+    Case("coap_conv", "coap", _conv_model,
+         lambda m, ps, **kw: xt.COAP(ps, **_kw(dict(lr=1e-2, rank=2, rank_ratio_cnn=4.0,
+                                                    project=True, update_interval=1,
+                                                    reproject_factor=2, restore_state=True),
+                                               kw)),
+         lr=1e-2, decomposes=True),
+    Case("coap_8bit", "coap", mlp,
+         lambda m, ps, **kw: xt.COAP(ps, **_kw(dict(lr=1e-2, rank=2, update_interval=1,
+                                                    reproject_factor=2, state_bits=8,
+                                                    restore_state=True), kw)),
          lr=1e-2, decomposes=True),
     Case("compact", "compact", _compact_model,
          lambda m, ps, **kw: xt.CompActAdamW(ps, **_kw(dict(lr=1e-2), kw)),

@@ -11,8 +11,10 @@ Projected leaves are chosen per leaf, as optax users choose masks: ``param_specs
 :class:`xopt.specs.coap.COAP` per leaf (a pytree of specs/None, a function of the params
 returning one, or ``{leaf path: spec}``); ``project=False`` on a leaf steps it with the base
 optimizer unprojected, ``"auto"`` (default) projects a matrix unless ``rank ≥ min(shape)``,
-``True`` projects every matrix (a rank too large is an error naming the leaf). Only
-matrices are projected.
+``True`` projects every matrix (a rank too large is an error naming the leaf). 4-D
+convolution kernels (HWIO is not assumed: the spec's ``O × I × k₁ × k₂``) are projected by
+Tucker-2 when ``rank_ratio_cnn`` is set; ``state_bits=8`` keeps the AdamW moments as
+bitsandbytes' blockwise 8-bit codes and scales (:mod:`xopt.specs.coap`).
 
 State (:class:`COAPState`, the spec's ``"xopt.jax"`` naming) is held in the parameter's
 dtype promoted to at least float32 (bfloat16/float16 leaves keep float32 state; the update
@@ -33,7 +35,6 @@ from xopt.jax._lowrank import (
     check_float_leaf,
     decomposition_guard,
     inject_for,
-    keep_if_not_finite,
     leaf_specs,
     path_names,
     resolve_spec,
@@ -62,7 +63,13 @@ class COAPState(NamedTuple):
       nu_row, nu_col: Adafactor's factored second moment (``shape[:-1]``,
         ``shape[:-2] + shape[-1:]`` of the low-rank shape).
       rms: Adafactor: RMS of the leaf before the last update (0-d).
-      proj: P of projected leaves (:func:`xopt.specs.coap.proj_shape`).
+      proj: P of projected leaves (:func:`xopt.specs.coap.proj_shape`; a kernel's U₀).
+      proj_in: a Tucker-2 kernel's U₁ (``(I, r₁)``).
+      proj_grad, proj_in_grad: a kernel's carried clipped Eqn-6 gradients
+        (``carry_factor_grad``).
+      mu_codes, mu_absmax, nu_codes, nu_absmax: under ``state_bits=8``, the moments as
+        uint8 codes (the moment's shape) and float32 absmax per block of 4096, in place of
+        ``mu``/``nu`` (plain arrays: they checkpoint and shard as any other state).
       nonfinite_skips: int32 ``()`` under ``nonfinite="skip"``, else None.
     """
 
@@ -73,7 +80,21 @@ class COAPState(NamedTuple):
     nu_col: optax.Updates
     rms: optax.Updates
     proj: optax.Updates
+    proj_in: optax.Updates = None
+    proj_grad: optax.Updates = None
+    proj_in_grad: optax.Updates = None
+    mu_codes: optax.Updates = None
+    mu_absmax: optax.Updates = None
+    nu_codes: optax.Updates = None
+    nu_absmax: optax.Updates = None
     nonfinite_skips: jax.Array | None = None
+
+
+# canonical state variable -> COAPState field
+_FIELDS = {"m": "mu", "v": "nu", "v_row": "nu_row", "v_col": "nu_col", "rms": "rms",
+           "P": "proj", "P_in": "proj_in", "P_grad": "proj_grad",
+           "P_in_grad": "proj_in_grad", "m_q": "mu_codes", "m_absmax": "mu_absmax",
+           "v_q": "nu_codes", "v_absmax": "nu_absmax"}
 
 
 def coap(
@@ -84,6 +105,11 @@ def coap(
     *,
     optimizer: str | None = None,
     rank_ratio: float | None = None,
+    rank_ratio_cnn: float | None = None,
+    min_conv_size: int | None = None,
+    carry_factor_grad: bool | None = None,
+    state_bits: int | None = None,
+    quant_rounding: str | None = None,
     project: str | bool | None = None,
     restore_state: bool | None = None,
     scale: float | None = None,
@@ -145,12 +171,17 @@ def coap(
     """
     _contract.reject_unknown(_LABEL, unknown, coap)
     _contract.require_static(_LABEL, rank=rank, rank_ratio=rank_ratio,
+                             rank_ratio_cnn=rank_ratio_cnn, min_conv_size=min_conv_size,
+                             state_bits=state_bits,
                              update_interval=update_interval,
                              reproject_factor=reproject_factor, seed=seed)
     mode = _contract.resolve_nonfinite(_LABEL, nonfinite, check_finite)
     check_decomposition = mode == "raise"
     fields = dict(rank=rank, update_interval=update_interval, reproject_factor=reproject_factor,
-                  optimizer=optimizer, rank_ratio=rank_ratio, project=project,
+                  optimizer=optimizer, rank_ratio=rank_ratio, rank_ratio_cnn=rank_ratio_cnn,
+                  min_conv_size=min_conv_size, carry_factor_grad=carry_factor_grad,
+                  state_bits=state_bits,
+                  quant_rounding=quant_rounding, project=project,
                   restore_state=restore_state, scale=scale, b1=b1, b2=b2, eps=eps,
                   weight_decay=weight_decay, correct_bias=correct_bias, eps_sq=eps_sq,
                   eps_scale=eps_scale, clip_threshold=clip_threshold, decay_rate=decay_rate,
@@ -171,17 +202,17 @@ def coap(
     def init_fn(params: optax.Params) -> COAPState:
         _, specs = check_leaves(params)
         leaves, treedef = jax.tree.flatten(params)
-        fields: dict[str, list[Any]] = {k: [] for k in ("m", "v", "v_row", "v_col", "rms", "P")}
+        fields: dict[str, list[Any]] = {k: [] for k in _FIELDS}
         for p, h in zip(leaves, specs, strict=True):
             shape = tuple(p.shape)
             dt = jnp.promote_types(p.dtype, jnp.float32)
             for var in fields:
                 v = _spec.STATE.var(var)
-                fields[var].append(jnp.zeros(v.shape(shape, h), dt)
+                vdt = dt if v.dtype == "state" else jnp.dtype(v.dtype)
+                fields[var].append(jnp.zeros(v.shape(shape, h), vdt)
                                    if v.exists_for(shape, h) else None)
-        t = {k: treedef.unflatten(v) for k, v in fields.items()}
-        return COAPState(count=jnp.zeros([], jnp.int32), mu=t["m"], nu=t["v"],
-                         nu_row=t["v_row"], nu_col=t["v_col"], rms=t["rms"], proj=t["P"])
+        return COAPState(count=jnp.zeros([], jnp.int32),
+                         **{_FIELDS[k]: treedef.unflatten(v) for k, v in fields.items()})
 
     def update_fn(updates: optax.Updates, state: COAPState, params: optax.Params = None,
                   *, inject: Mapping[str, Mapping[str, Any]] | None = None,
@@ -190,9 +221,7 @@ def coap(
         names, specs = check_leaves(updates)
         g_leaves, treedef = jax.tree.flatten(updates)
         p_leaves = treedef.flatten_up_to(params) if params is not None else [None] * len(names)
-        old = {var: treedef.flatten_up_to(getattr(state, f))
-               for var, f in (("m", "mu"), ("v", "nu"), ("v_row", "nu_row"),
-                              ("v_col", "nu_col"), ("rms", "rms"), ("P", "proj"))}
+        old = {var: treedef.flatten_up_to(getattr(state, f)) for var, f in _FIELDS.items()}
         injected = inject_for(inject, names, _LABEL)
         t = state.count
         count_inc = optax.safe_increment(state.count)
@@ -217,9 +246,8 @@ def coap(
             for var in old:
                 new[var].append(st.get(var))
         u = treedef.unflatten(out_u)
-        tr = {var: treedef.unflatten(v) for var, v in new.items()}
-        return u, COAPState(count=count_inc, mu=tr["m"], nu=tr["v"], nu_row=tr["v_row"],
-                            nu_col=tr["v_col"], rms=tr["rms"], proj=tr["P"])
+        return u, COAPState(count=count_inc,
+                            **{_FIELDS[var]: treedef.unflatten(v) for var, v in new.items()})
 
     return _contract.transformation(_LABEL, init_fn, full_precision(update_fn), nonfinite=mode)
 
@@ -241,20 +269,31 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
     """:func:`xopt.specs.coap.param_step` with the projection event chosen under ``jit``."""
     shape = tuple(p.shape)
     projected = _spec.is_projected(shape, h)
+    m_cur, v_cur = _spec.moments_of(jnp, h, st)
     r = g
     side = None
     if projected:
         side = _spec.side_of(shape)
-        p_old = st["P"]
+        p_old = _spec.projection_of(st, shape)
+        carried = _spec.carried_of(st, shape, h)
         ev = _event(t, h)
-        given = _spec.injected_projection(inj)
-        given = None if given is None else jnp.asarray(given, p_old.dtype)
+        given = _spec.injected_projection(inj, side)
+        if given is not None:
+            given = jax.tree.map(lambda a, o: jnp.asarray(a, o.dtype), given, p_old)
 
-        def eqn6() -> jax.Array:
-            m6 = _spec.eqn6_moment(jnp, h, st.get("m"), g, p_old, side)
-            return _spec.eqn6_step(jnp, p_old, m6, g, side, h.proj_lr, h.proj_max_norm)
+        def eqn6() -> tuple[Any, Any]:
+            m6 = _spec.eqn6_moment(jnp, h, m_cur, g, p_old, side)
+            if side == "tucker":
+                f, clipped = _spec.tucker_eqn6_step(jnp, p_old, m6, g, h.proj_lr,
+                                                    h.proj_max_norm, carried)
+                return f, (clipped if carried is not None else None)
+            return _spec.eqn6_step(jnp, p_old, m6, g, side, h.proj_lr, h.proj_max_norm), None
 
-        def eqn7() -> jax.Array:
+        def eqn7() -> Any:
+            if side == "tucker":  # afresh at events 1 and 3
+                return _spec.new_projection(jnp, h, shape, g, p_old, _spec.INITIAL,
+                                            while_loop=jax.lax.while_loop)
+
             # events 1 and 3 share one decomposition (one QR + SVD to compile per leaf);
             # only Ω differs: the seeded draw at the first update, the old P after
             def drawn() -> jax.Array:
@@ -266,36 +305,53 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
             omega = jax.lax.cond(ev == _spec.INITIAL, drawn, warm)
             return _spec.decompose(jnp, g, omega, side)
 
-        def not_eqn6() -> jax.Array:
-            return lowrank.refresh(ev != _spec.KEEP, p_old, eqn7, given, cond=jax.lax.cond)
+        def not_eqn6() -> tuple[Any, Any]:
+            f = lowrank.refresh(ev != _spec.KEEP, p_old, eqn7, given, cond=jax.lax.cond)
+            if carried is None:
+                return f, None
+            # fresh factors carry no gradient
+            return f, tuple(jnp.where(ev == _spec.KEEP, c, jnp.zeros_like(c)) for c in carried)
 
-        cand = jax.lax.cond(ev == _spec.EQN6, eqn6, not_eqn6)
-        p_new, ok = keep_if_not_finite(cand, p_old)
+        cand, carry_new = jax.lax.cond(ev == _spec.EQN6, eqn6, not_eqn6)
+        ok = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(c)) for c in jax.tree.leaves(cand)]))
+        p_new = jax.tree.map(lambda c, o: jnp.where(ok, c, o), cand, p_old)
+        if carried is not None:
+            _spec.store_carried(st, tuple(jnp.where(ok, c, o)
+                                          for c, o in zip(carry_new, carried, strict=True)))
         decomposition_guard(_LABEL, name, ok, check)
-        if h.restore_state and (st.get("m") is not None):
-            m_old, v_old = st["m"], st.get("v")
+        if h.restore_state and m_cur is not None:
+            m_old, v_old = m_cur, v_cur
 
             def carried() -> tuple[Any, Any]:
                 m, v = _spec.restore_moments(jnp, h, m_old, v_old, p_old, p_new, side)
+                v = v_old if h.optimizer != "adamw" else v
+                if h.state_bits == 8:  # stored quantised, read back
+                    q: dict[str, Any] = {}
+                    _spec.store_moments(jnp, h, q, m, v)
+                    m, v = _spec.moments_of(jnp, h, q)
                 return m, v
 
             def kept() -> tuple[Any, Any]:
                 return m_old, v_old
 
-            st["m"], v = jax.lax.cond(ev >= _spec.EQN6, carried, kept)
-            if v is not None:
-                st["v"] = v
-        st["P"] = p_new
+            m_cur, v_cur = jax.lax.cond(ev >= _spec.EQN6, carried, kept)
+        _spec.store_projection(st, p_new, shape)
         r = _spec.project(jnp, g, p_new, side)
+    proj = _spec.projection_of(st, shape) if projected else None
     if h.optimizer == "adamw":
-        st["m"], st["v"] = lowrank.hf_adam_moments(jnp, st["m"], st["v"], r, h.b1, h.b2)
-        n = lowrank.hf_adam_direction(jnp, st["m"], st["v"], h.eps)
+        m_cur, v_cur = lowrank.hf_adam_moments(jnp, m_cur, v_cur, r, h.b1, h.b2)
+        n = lowrank.hf_adam_direction(jnp, m_cur, v_cur, h.eps)
         step_size = lowrank.hf_step_size(h.lr, h.b1, h.b2, count_inc, h.correct_bias)
-        full = _spec.project_back(jnp, n, st["P"], side, h.scale) if projected else n
+        full = _spec.project_back(jnp, n, proj, side, h.scale) if projected else n
+        _spec.store_moments(jnp, h, st, m_cur, v_cur)
         if isinstance(h.weight_decay, (int, float)):
             return lowrank.hf_apply(p, full, step_size, h.lr, h.weight_decay), st
         p = p - step_size * full  # a traced λ (optax.inject_hyperparams): decay unconditionally,
         return p - (h.lr * h.weight_decay) * p, st  # exact for λ = 0 (p − 0·p = p)
+    if m_cur is not None:
+        st["m"] = m_cur
+    if v_cur is not None:
+        st["v"] = v_cur
     st["rms"] = _spec.rms(jnp, p)
     lr_t = _spec.adafactor_lr(h, count_inc, st["rms"], jnp)
     beta2t = _spec.adafactor_beta2(h, count_inc, jnp, g.dtype)
@@ -308,7 +364,7 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
     if _spec.has_first_moment(h):
         st["m"] = st["m"] * h.b1 + u * (1.0 - h.b1)
         u = st["m"]
-    full = _spec.project_back(jnp, u, st["P"], side, h.scale) if projected else u
+    full = _spec.project_back(jnp, u, proj, side, h.scale) if projected else u
     if not is_static_zero(h.weight_decay):
         p = p + p * (-h.weight_decay * lr_t)
     return p - full, st

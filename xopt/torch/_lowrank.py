@@ -231,6 +231,7 @@ class LowRankOptimizer(Optimizer):
                else Layout((), self.step_kind, "cpu")}
         for v in self.spec.state.vars:
             if v.scope == "param" and v.exists_for(shape, hp):
-                kind = sdt if v.dtype == "state" else int
+                kind = (sdt if v.dtype == "state" else int if v.dtype.startswith("int")
+                        else getattr(torch, v.dtype))  # a fixed dtype: COAP's 8-bit codes
                 out[self.state_keys[v.name]] = Layout(tuple(v.shape(shape, hp)), kind)
         return out

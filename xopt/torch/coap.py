@@ -11,9 +11,18 @@ State per parameter (``optimizer.state[p]``, the spec's ``"xopt.torch"`` naming)
 ``step`` (int64 CPU tensor), ``exp_avg`` (M; absent for Adafactor with ``b1=None``),
 ``exp_avg_sq`` (AdamW v; Adafactor v of tensors with fewer than 2 dims),
 ``exp_avg_sq_row``/``exp_avg_sq_col`` (Adafactor, factored), ``RMS`` (Adafactor),
-``ortho_matrix`` (P, projected matrices only). The authors keep ``P`` inside a projector
-object (``state["projector"].ortho_matrix``); xopt keeps the tensor itself, so
-``state_dict()`` loads with ``torch.load(..., weights_only=True)``.
+``ortho_matrix`` (P, projected matrices; a kernel's U₀), ``ortho_matrix_in`` (a Tucker-2
+kernel's U₁), ``ortho_matrix_grad``/``ortho_matrix_in_grad`` (a kernel's carried Eqn-6
+gradients, ``carry_factor_grad``). The authors keep ``P`` inside a projector object
+(``state["projector"].ortho_matrix``); xopt keeps the tensor itself, so ``state_dict()``
+loads with ``torch.load(..., weights_only=True)``.
+
+With ``state_bits=8`` the moments are ``exp_avg_codes``/``exp_avg_sq_codes`` (uint8, the
+moment's shape) and ``exp_avg_absmax``/``exp_avg_sq_absmax`` (float32, one per block of
+4096). The authors keep bitsandbytes' ``(codes, QuantState)`` tuples; plain uint8 and
+float32 tensors instead load with ``weights_only=True`` and go through ``state_dict``,
+DTensor and DCP like any other state tensor (a tensor subclass, as torchao's, needs its own
+DTensor and DCP support), and the JAX backend quantises to the same bytes.
 """
 
 from __future__ import annotations
@@ -33,7 +42,11 @@ __all__ = ["COAP"]
 
 # canonical state variable -> this optimizer's state key
 _KEYS = {"m": "exp_avg", "v": "exp_avg_sq", "v_row": "exp_avg_sq_row",
-         "v_col": "exp_avg_sq_col", "rms": "RMS", "P": "ortho_matrix"}
+         "v_col": "exp_avg_sq_col", "rms": "RMS", "P": "ortho_matrix",
+         "P_in": "ortho_matrix_in", "P_grad": "ortho_matrix_grad",
+         "P_in_grad": "ortho_matrix_in_grad", "m_q": "exp_avg_codes",
+         "m_absmax": "exp_avg_absmax", "v_q": "exp_avg_sq_codes",
+         "v_absmax": "exp_avg_sq_absmax"}
 
 
 class COAP(LowRankOptimizer):
@@ -96,14 +109,16 @@ class COAP(LowRankOptimizer):
             return None
         dtype = self.state_dtype(p)
         if inject is not None and "ortho_matrix" in inject:
-            return {"ortho_matrix": inject["ortho_matrix"].to(device=p.device, dtype=dtype)}
-        side = _spec.side_of(shape)
-        if ev == _spec.INITIAL:
-            om = _spec.initial_omega(hp, shape, backend="torch", device=p.device).to(dtype)
-        else:
-            om = _spec.warm_omega(state["ortho_matrix"], side)
-        p_new = _spec.decompose(torch, self._grad32(g).to(dtype), om, side,
-                                qr=lambda a: self.qr(a, name), svd=lambda a: self.svd(a, name))
+            return {k: inject[k].to(device=p.device, dtype=dtype)
+                    for k in ("ortho_matrix", "ortho_matrix_in") if k in inject}
+        p_new = _spec.new_projection(
+            torch, hp, shape, self._grad32(g).to(dtype),
+            state.get("ortho_matrix"), ev,
+            omega=lambda: _spec.initial_omega(hp, shape, backend="torch",
+                                              device=p.device).to(dtype),
+            qr=lambda a: self.qr(a, name), svd=lambda a: self.svd(a, name))
+        if isinstance(p_new, tuple):  # a kernel's Tucker factors
+            return dict(zip(("ortho_matrix", "ortho_matrix_in"), p_new, strict=False))
         return {"ortho_matrix": p_new}
 
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.COAP,
@@ -114,8 +129,9 @@ class COAP(LowRankOptimizer):
             state["step"] = torch.tensor(0, dtype=torch.int64)
             for v in _spec.STATE.vars:
                 if v.scope == "param" and v.exists_for(shape, hp):
+                    vdt = dtype if v.dtype == "state" else getattr(torch, v.dtype)
                     state[_KEYS[v.name]] = place_as(p, torch.zeros(
-                        v.shape(shape, hp), dtype=dtype, device=local(p).device))
+                        v.shape(shape, hp), dtype=vdt, device=local(p).device))
         t = int(state["step"])
         st = {var: state[key] for var, key in _KEYS.items() if key in state}
 

@@ -19,13 +19,22 @@ from xopt.specs import coap as S
 AUTHORS_NAMING = Naming(
     keys={"step": "{param}/step", "m": "{param}/exp_avg", "v": "{param}/exp_avg_sq",
           "v_row": "{param}/exp_avg_sq_row", "v_col": "{param}/exp_avg_sq_col",
-          "rms": "{param}/RMS", "P": "{param}/projector/ortho_matrix"},
+          "rms": "{param}/RMS", "P": "{param}/projector/ortho_matrix",
+          "P_in": "{param}/projector/ortho_matrix_in",
+          "P_grad": "{param}/projector/ortho_matrix_grad",
+          "P_in_grad": "{param}/projector/ortho_matrix_in_grad",
+          "m_q": "{param}/exp_avg/codes",
+          "m_absmax": "{param}/exp_avg/absmax", "v_q": "{param}/exp_avg_sq/codes",
+          "v_absmax": "{param}/exp_avg_sq/absmax"},
     dtypes={"step": "int64"},
-    doc="coap_torch.CoapAdamW / CoapAdafactor: optimizer.state[param][key]; P is "
-        "state['projector'].ortho_matrix",
+    doc="coap_torch.CoapAdamW / CoapAdamW8bit / CoapAdafactor: optimizer.state[param][key]; "
+        "P is state['projector'].ortho_matrix (a kernel's TuckerCOAP factors [U0, U1] as "
+        "ortho_matrix and ortho_matrix_in, their .grad as ortho_matrix_grad and "
+        "ortho_matrix_in_grad, zero where None); bitsandbytes' (codes, QuantState) moments as "
+        "<moment>/codes and <moment>/absmax (tools/record_coap_conv.py)",
 )
 
-_CLASSES = {"CoapAdamW": "adamw", "CoapAdafactor": "adafactor"}
+_CLASSES = {"CoapAdamW": "adamw", "CoapAdafactor": "adafactor", "CoapAdamW8bit": "adamw"}
 # the original's argument -> xopt field (None: handled separately or ignored)
 _ARGS = {
     "lr": "lr", "weight_decay": "weight_decay", "correct_bias": "correct_bias",
@@ -34,7 +43,9 @@ _ARGS = {
     "warmup_init": "warmup_init", "rank": "rank", "rank_ratio_matrix": "rank_ratio",
     "update_interval": "update_interval", "reproject_factor": "reproject_factor",
     "restore_state": "restore_state", "scale": "scale",
-    "betas": None, "eps": None, "proj_method": None, "rank_ratio_cnn": None, "dim": None,
+    "rank_ratio_cnn": "rank_ratio_cnn",
+    "betas": None, "eps": None, "proj_method": None, "dim": None,
+    "bitsandbytes_kernel": None,
     "no_deprecation_warning": None, "params": None,
 }
 
@@ -66,12 +77,15 @@ def from_kwargs(kw: Mapping[str, Any]) -> S.COAP | ParamGroups:
         raise HyperparameterError(f"optimizer_class {cls!r}: expected one of {sorted(_CLASSES)}")
     variant = _CLASSES[cls]
     extra = sorted(set(kw) - {"optimizer_class", "constructor", "param_groups",
-                              "effective_param_groups"})
+                              "effective_param_groups", "bitsandbytes_kernel"})
     if extra:
         raise HyperparameterError(f"unknown hyperparameter entries {extra}")
     ctor = dict(kw.get("constructor", {}))
     base = dict(S.PRESETS[variant])
     base.update(_values(variant, ctor, cls))
+    if cls == "CoapAdamW8bit":
+        # which bitsandbytes kernel quantised the recording (they pick different codes)
+        base.update(state_bits=8, quant_rounding=kw.get("bitsandbytes_kernel", "cuda"))
     if ctor.get("proj_method", "coap") not in ("coap", None):
         raise HyperparameterError(f"{cls}: proj_method {ctor['proj_method']!r} is not 'coap'")
     groups = kw.get("effective_param_groups")
@@ -82,17 +96,16 @@ def from_kwargs(kw: Mapping[str, Any]) -> S.COAP | ParamGroups:
     out = []
     for i, g in enumerate(groups):
         names = list(g.get("params", []))
-        if "proj_method" in g and g.get("dim") == 4:
-            if names:
-                raise HyperparameterError(
-                    f"{cls}: effective_param_groups[{i}] projects 4-D parameters {names} with "
-                    "TuckerCOAP, which xopt does not implement")
-            continue
         if not names:
             continue
         values = dict(base)
         values.update(_values(variant, g, f"{cls} effective_param_groups[{i}]"))
+        # setup_params put only kernels above MIN_CNN_PARAMS into the projected 4-D group
         values["project"] = "proj_method" in g and g["proj_method"] is not None
+        if values["project"] and g.get("dim") == 4 and values.get("rank_ratio_cnn") is None:
+            raise HyperparameterError(
+                f"{cls}: effective_param_groups[{i}] projects 4-D parameters {names} with "
+                "TuckerCOAP but rank_ratio_cnn is None, where the authors' code fails")
         out.append((names, S.COAP(**values)))
     return ParamGroups.of(out)
 
@@ -109,7 +122,10 @@ def to_kwargs(h: S.COAP | ParamGroups) -> dict[str, Any]:
                               rank_ratio_matrix=h.rank_ratio,
                               update_interval=h.update_interval,
                               reproject_factor=h.reproject_factor,
-                              restore_state=h.restore_state, scale=h.scale)
+                              restore_state=h.restore_state, scale=h.scale,
+                              rank_ratio_cnn=h.rank_ratio_cnn)
+    if h.min_conv_size != S.COAP().min_conv_size:
+        raise HyperparameterError("coap_torch hard-codes min_conv_size (MIN_CNN_PARAMS)")
     if h.proj_lr != 0.1 or h.proj_max_norm != 1.0 or h.seed != 3407:
         raise HyperparameterError("coap_torch hard-codes proj_lr 0.1, proj_max_norm 1 and "
                                   "seed 3407")
@@ -134,6 +150,8 @@ def inject(trace: Any, t: int, hp: S.COAP | ParamGroups) -> dict[str, dict[str, 
         if S.is_projected(tuple(shape), h) and S.event(t, h) in (S.INITIAL, S.EQN7):
             recorded = trace.state_after(t) if recorded is None else recorded
             out[name] = {"ortho_matrix": recorded[f"{name}/projector/ortho_matrix"]}
+            if f"{name}/projector/ortho_matrix_in" in recorded:  # a Tucker-2 kernel
+                out[name]["ortho_matrix_in"] = recorded[f"{name}/projector/ortho_matrix_in"]
     return out or None
 
 
@@ -168,6 +186,7 @@ PARITY = MethodParity(
             from_kwargs=from_kwargs, requires=("coap_torch",),
         )
         for name, variant in (("coap_torch.CoapAdamW", "adamw"),
+                              ("coap_torch.CoapAdamW8bit", "adamw"),
                               ("coap_torch.CoapAdafactor", "adafactor"))
     },
     tolerances=TOLERANCES,
