@@ -36,8 +36,8 @@ def _run(script: str, *args: str, interpret: bool = False) -> str:
 def test_bench_holds_only_maintained_benchmarks():
     """bench/ keeps benchmarks with a --tiny mode (tested here) and their results."""
     scripts = sorted(p.name for p in (REPO / "bench").iterdir() if p.suffix == ".py")
-    assert scripts == ["compact_memory.py", "lopt_step.py", "lopt_step_jax.py", "poet_layer.py",
-                       "train_step.py"]
+    assert scripts == ["compact_memory.py", "distributed.py", "lopt_step.py", "lopt_step_jax.py",
+                       "poet_layer.py", "train_step.py"]
     assert not [p for p in (REPO / "bench").iterdir() if p.is_dir()]
 
 
@@ -109,3 +109,27 @@ def test_train_step_tiny(tmp_path):
         assert r["step_ms_max"] >= r["step_ms_median"] > 0 and r["state_bytes"] > 0, name
         assert r["tokens_per_s"] > 0 and len(r["loss_first_last"]) == 2, name
     assert rows["torch.optim.AdamW(fused)"]["ratio_total_to_fused_adamw"] == 1.0
+
+
+def test_distributed_tiny(tmp_path):
+    """FSDP2 on 2 gloo CPU ranks: every row the GPU run reports; each method's sharded run
+    near one process after 3 closed-loop steps of a transformer (its forward and backward
+    sum in another order; the bench's small-size check, tests/distributed holds the tight
+    bounds); the learned optimizers' step communicating only reduced statistics."""
+    text = _run("distributed.py", "--tiny", "--out-dir", str(tmp_path))
+    report = json.loads((tmp_path / "distributed.json").read_text())
+    rows = report["rows"]
+    assert report["world_size"] == 2 and report["backend"] == "gloo"
+    assert set(rows) == {"torch_adamw_fused", "adamw", "small_fc_lopt", "velo", "mulo",
+                         "galore", "flora", "coap", "plumage", "compact", "poet"}
+    for method, r in rows.items():
+        if "skipped" in r:
+            continue
+        assert r["state_bytes"] > 0 and r["step_ms"] > 0, method
+        assert r["max_rel_err"] < 1e-3, (method, r["max_rel_err"])
+    for method in ("small_fc_lopt", "velo", "mulo"):
+        steady = rows[method]["step_comm_bytes"]["steady"]
+        params_bytes = 4 * max(1, rows[method]["params"]) // 2  # one rank's shard, float32
+        assert 0 < steady["largest"] < params_bytes // 16, (method, steady)
+    assert rows["adamw"]["step_comm_bytes"]["steady"]["bytes"] == 0
+    assert "wrote" in text

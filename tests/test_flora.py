@@ -388,7 +388,15 @@ def test_added_param_groups_continue_the_seed_count():
 
     from xopt.torch.flora import Flora
 
-    a, b, c = (torch.nn.Parameter(torch.zeros(4, 4)) for _ in range(3))
-    opt = Flora([a, b], lr=0.1, rank=2, beta1=0.9, seed=10)
-    opt.add_param_group({"params": [c]})
-    assert [opt.state[p]["seed"] for p in (a, b, c)] == [11, 12, 13]
+    def seeds(add: bool) -> list[int]:
+        a, b, c = (torch.nn.Parameter(torch.zeros(4, 4)) for _ in range(3))
+        opt = Flora([a, b] if add else [a, b, c], lr=0.1, rank=2, beta1=0.9, seed=10)
+        if add:
+            opt.add_param_group({"params": [c]})
+        assert not opt.state  # no state before the first step (DCP relies on it)
+        for p in (a, b, c):
+            p.grad = torch.ones(4, 4)
+        opt.step()
+        return [opt.state[p]["seed"] for p in (a, b, c)]
+
+    assert seeds(add=True) == seeds(add=False)

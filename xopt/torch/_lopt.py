@@ -22,10 +22,16 @@ for the arithmetic, which :func:`xopt.specs.lopt.outer_step` defines as a pure f
   name the hyperparameter values they fit;
 * meta-parameters: either naming, or a seeded fresh draw, kept as float32 tensors and
   copied once to each device that needs them;
-* global state in ``self.state["global"]`` (a str key: torch's ``state_dict`` and
-  ``load_state_dict`` carry it unchanged), and a ``load_state_dict`` that checks every
-  entry first and restores the float32 state of low-precision parameters exactly (torch
-  would cast it to the parameter's dtype).
+* global state in ``self.state["global"]``, created at the first step (as every other
+  state entry, so that DCP's ``get/set_optimizer_state_dict`` see an optimizer without
+  state until then and create it with one step of lr 0). ``state_dict()`` keeps every
+  entry under a parameter's key, as DCP requires: the global entries ride with the first
+  parameter's state as ``"global/<name>"``; ``load_state_dict`` reads that form (and the
+  older one with a ``"global"`` key), checks every entry first and restores the float32
+  state of low-precision parameters exactly (torch would cast it to the parameter's dtype);
+* data parallelism (:mod:`xopt.torch.distributed`): the ranks' agreement is checked at the
+  first step, and the loss given to ``step`` is each rank's own: the optimizer reads the
+  ranks' mean (the loss of the global batch), one scalar all-reduce.
 
 The Triton path (``impl=``) and the caches that keep a steady step free of per-tensor
 Python work are the mixin :class:`xopt.torch._lopt_triton.TritonPath`. The step reads its
@@ -88,6 +94,14 @@ from xopt.specs import MetaParams
 from xopt.specs.lopt import LOptOptions
 from xopt.torch._lopt_triton import TritonIO, TritonPath
 from xopt.torch._optim import Item, Layout, Optimizer, check_layout, param_name
+from xopt.torch.distributed import (
+    is_dtensor,
+    mean_loss,
+    place_as,
+    plain_as_replicated,
+    prepare,
+    settle,
+)
 
 __all__ = ["Entry", "LearnedOptimizer"]
 
@@ -190,7 +204,6 @@ class LearnedOptimizer(TritonPath, Optimizer):
                          nonfinite=nonfinite, check_finite=check_finite)
         first = next(iter(self._all_params()), None)
         self._device = first.device if first is not None else torch.device("cpu")
-        self.state["global"] = self._new_global_state()
 
     # -- checkpoints (xopt.checkpoints.hub) ---------------------------------------------------
     @classmethod
@@ -301,12 +314,16 @@ class LearnedOptimizer(TritonPath, Optimizer):
         st = self._init_param_state(p)
         if self.hp.accumulating:
             st["grad_accum"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        if is_dtensor(p):  # FSDP2: state placed as the parameter (DCP saves and reshards it)
+            st = {k: place_as(p, v) for k, v in st.items()}
         return st
 
     def _loss_tensor(self, loss: Any) -> Tensor:
         name = type(self).__name__
         if loss is None:
-            if self.needs_loss:
+            if self.needs_loss and not all(_is_zero(g["lr"]) for g in self.param_groups):
+                # (a step of lr 0, as DCP's get/set_optimizer_state_dict take to create the
+                # state of a fresh optimizer, moves nothing: its loss counts as 0)
                 raise ValueError(f"{name}.step needs the loss: call step(closure) with a closure "
                                  "that returns it, or step(loss=loss)")
             # one zero scalar per optimizer and device, not a new one (an allocation and a
@@ -344,11 +361,14 @@ class LearnedOptimizer(TritonPath, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._resolve_pending()
+        ranks = prepare(self)
         steady = self._steady_io()
         if steady is None:
             self._check_groups()
         items = self._gather() if steady is None else steady[0].items
         loss_t = self._loss_tensor(loss)
+        if loss is not None:  # data parallel: the loss of the global batch, on every rank
+            loss_t = mean_loss(loss_t, ranks)
         if self.nonfinite != "ignore":
             checked = [Item(gi, i, p, p.grad, group) for gi, i, p, group in items]
             params = [it.param for it in checked]
@@ -356,15 +376,19 @@ class LearnedOptimizer(TritonPath, Optimizer):
                 seen = {id(p) for p in params}
                 params += [p for p in self._all_params()
                            if id(p) not in seen and "grad_accum" in self.state.get(p, ())]
-            self._run_step(checked, lambda: self._step(items, loss_t, steady),
-                           loss=None if loss is None else loss_t, state_keys=["global"],
-                           params=params)
+            with plain_as_replicated(self._all_params()):
+                self._run_step(checked, lambda: self._step(items, loss_t, steady),
+                               loss=None if loss is None else loss_t, state_keys=["global"],
+                               params=params)
         else:
-            self._step(items, loss_t, steady)
+            with plain_as_replicated(self._all_params()):
+                self._step(items, loss_t, steady)
         return loss
 
     def _step(self, items: list, loss_t: Tensor, steady: Any) -> None:
         """The update (after validation; nothing has changed yet)."""
+        if not self.state.get("global"):
+            self.state["global"] = self._new_global_state()
         if steady is not None:  # nothing but the gradient tensors or the lrs changed
             io, io.grads = steady
             try:
@@ -416,6 +440,7 @@ class LearnedOptimizer(TritonPath, Optimizer):
             entries = [Entry(p, self.state[p], group, param_name(group, gi, i), (gi, i),
                              decayed_grad(p, group)) for gi, i, p, group in items]
             self._inner_update(entries, loss_t, gstate)
+            self._settle(entries)
             gstate["iteration"] += 1
             return
 
@@ -438,10 +463,19 @@ class LearnedOptimizer(TritonPath, Optimizer):
                     entries.append(Entry(p, st, group, param_name(group, gi, i), (gi, i),
                                          lambda acc=acc: acc * inv))
         self._inner_update(entries, gstate["loss_accum"] * inv, gstate)
+        self._settle(entries)
         gstate["iteration"] += 1
         for e in entries:
             e.state["grad_accum"].zero_()
         gstate["loss_accum"] = torch.zeros_like(gstate["loss_accum"])
+
+    @staticmethod
+    def _settle(entries: list[Entry]) -> None:
+        """FSDP2: state whose sums over shards DTensor left pending is completed now."""
+        for e in entries:
+            if is_dtensor(e.param):
+                for k, v in e.state.items():
+                    e.state[k] = settle(v)
 
     # -- state dicts --------------------------------------------------------------------------
     def _state_layout(self, p: Tensor, group: Any) -> dict[str, Layout]:
@@ -449,9 +483,26 @@ class LearnedOptimizer(TritonPath, Optimizer):
         self._meta_cache.pop(torch.device("meta"), None)
         return {k: Layout(tuple(v.shape), v.dtype) for k, v in st.items()}
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's, with the global state under the first parameter's key (``"global/<name>"``
+        entries beside its own): every key of ``state`` is a parameter's, as DCP requires."""
+        sd = super().state_dict()
+        glob = sd["state"].pop("global", None)
+        ids = [k for g in sd["param_groups"] for k in g["params"]]
+        if glob is not None and ids:
+            anchor = {k: v for k, v in sd["state"].get(ids[0], {}).items()}
+            anchor.update({f"{_GLOBAL}{k}": v for k, v in glob.items()})
+            sd["state"][ids[0]] = anchor
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(_global_apart(state_dict))
+
     def _check_state_dict(self, state_dict: Any) -> Any:
+        state_dict = _global_apart(state_dict)
         st = state_dict.get("state") if isinstance(state_dict, Mapping) else None
-        if isinstance(st, Mapping) and not isinstance(st.get("global"), Mapping):
+        if isinstance(st, Mapping) and any(k != "global" for k in st) and not isinstance(
+                st.get("global"), Mapping):
             raise StateError(f"{type(self).__name__}.load_state_dict: missing state['global'] "
                              "(the global state of a learned optimizer; a state dict of "
                              "another optimizer?)")
@@ -469,10 +520,38 @@ class LearnedOptimizer(TritonPath, Optimizer):
         check_layout(value, [layout], where)
 
     def _loaded(self, state_dict: Mapping[str, Any]) -> None:
-        glob = state_dict["state"]["global"]
+        glob = state_dict["state"].get("global")
+        if glob is None:  # saved before any step
+            self.state.pop("global", None)
+            return
         self.state["global"] = {
             kk: vv.detach().clone().to(self._device if kk == "loss_accum" else "cpu")
             for kk, vv in glob.items()}
+
+
+_GLOBAL = "global/"
+
+
+def _global_apart(state_dict: Any) -> Any:
+    """``state_dict`` with the ``"global/<name>"`` entries (:meth:`LearnedOptimizer.state_dict`)
+    moved back under ``state["global"]``; anything else as it is (the checks name it)."""
+    st = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+    groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    if not isinstance(st, Mapping) or "global" in st or not isinstance(groups, list):
+        return state_dict
+    ids = [k for g in groups if isinstance(g, Mapping) for k in g.get("params", ())]
+    entry = st.get(ids[0]) if ids else None
+    if not isinstance(entry, Mapping) or not any(
+            isinstance(k, str) and k.startswith(_GLOBAL) for k in entry):
+        return state_dict  # (global entries elsewhere are unexpected keys there)
+    new = dict(st)
+    own = {k: v for k, v in entry.items() if not str(k).startswith(_GLOBAL)}
+    if own:
+        new[ids[0]] = own
+    else:
+        del new[ids[0]]
+    new["global"] = {k[len(_GLOBAL):]: v for k, v in entry.items() if str(k).startswith(_GLOBAL)}
+    return {**state_dict, "state": new}
 
 
 def _f32(x: Tensor) -> Tensor:

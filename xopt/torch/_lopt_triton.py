@@ -35,6 +35,7 @@ from torch import Tensor
 
 from xopt.errors import GradientError, HyperparameterError
 from xopt.torch._optim import grad_problem, param_name
+from xopt.torch.distributed import is_dtensor
 
 if TYPE_CHECKING:
     from xopt.torch._lopt import Entry
@@ -168,6 +169,9 @@ class TritonPath:
         why = self._triton_unsupported()
         if why is not None:
             return why
+        if any(is_dtensor(p) for p in params):
+            return ("the parameters are DTensors (FSDP2): the fused kernels read whole "
+                    "tensors, the plain path runs on the shards")
         devices = {p.device for p in params}
         if len(devices) > 1:
             return f"all parameters must be on one device, got {sorted(map(str, devices))}"

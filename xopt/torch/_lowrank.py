@@ -50,6 +50,7 @@ from torch import Tensor
 from xopt.errors import DecompositionError, HyperparameterError
 from xopt.specs import Hyperparams, lowrank
 from xopt.torch._optim import Item, Layout, Optimizer
+from xopt.torch.distributed import decompose_once, is_dtensor, plain_as_replicated, settle
 
 
 class LowRankOptimizer(Optimizer):
@@ -146,7 +147,8 @@ class LowRankOptimizer(Optimizer):
         """
         loss = self._closure_loss(closure)
         items = self._step_items()
-        self._run_step(items, lambda: self._update_all(items, inject or {}))
+        with plain_as_replicated(it.param for it in items):
+            self._run_step(items, lambda: self._update_all(items, inject or {}))
         return loss
 
     def _update_all(self, items: list[Item],
@@ -160,8 +162,12 @@ class LowRankOptimizer(Optimizer):
                                   self.param_name(it.gi, it.i), inject.get(it.param))
                     for it in items]
         for it, prep in zip(items, prepared, strict=True):
-            self._update(it.param, self._grad32(it.grad), self.state[it.param], hps[it.gi],
+            state = self.state[it.param]
+            self._update(it.param, self._grad32(it.grad), state, hps[it.gi],
                          self.param_name(it.gi, it.i), inject.get(it.param), prep)
+            if is_dtensor(it.param):  # FSDP2: sums over shards DTensor left pending, done
+                for k, v in state.items():
+                    state[k] = settle(v)
 
     @staticmethod
     def _grad32(g: Tensor) -> Tensor:
@@ -180,7 +186,14 @@ class LowRankOptimizer(Optimizer):
     def svd(self, a: Tensor, name: str) -> tuple[Tensor, Tensor, Tensor]:
         """:func:`xopt.specs.lowrank.svd` of ``a``; raises naming ``name`` on failure."""
         try:
-            u, s, vh = lowrank.svd(torch, a)
+            if is_dtensor(a):  # FSDP2: decomposed once, on an owner rank, and broadcast
+                m, n = a.shape
+                k = min(m, n)
+                u, s, vh = decompose_once(
+                    self, a, lambda w: lowrank.svd(torch, w),
+                    [((m, k), a.dtype), ((k,), a.dtype), ((k, n), a.dtype)])
+            else:
+                u, s, vh = lowrank.svd(torch, a)
         except RuntimeError as e:  # torch.linalg.LinAlgError derives from RuntimeError
             raise DecompositionError(f"{type(self).__name__}: SVD of the gradient of {name} "
                                      f"(shape {tuple(a.shape)}) failed: {e}") from e
@@ -194,7 +207,13 @@ class LowRankOptimizer(Optimizer):
     def qr(self, a: Tensor, name: str) -> tuple[Tensor, Tensor]:
         """:func:`xopt.specs.lowrank.qr` of ``a``; raises naming ``name`` on failure."""
         try:
-            q, r = lowrank.qr(torch, a)
+            if is_dtensor(a):
+                m, n = a.shape
+                k = min(m, n)
+                q, r = decompose_once(self, a, lambda w: lowrank.qr(torch, w),
+                                      [((m, k), a.dtype), ((k, n), a.dtype)])
+            else:
+                q, r = lowrank.qr(torch, a)
         except RuntimeError as e:
             raise DecompositionError(f"{type(self).__name__}: QR for {name} (shape "
                                      f"{tuple(a.shape)}) failed: {e}") from e

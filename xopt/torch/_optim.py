@@ -62,6 +62,7 @@ from xopt.errors import (
     StateError,
 )
 from xopt.nonfinite import SKIP_COUNTER, resolve
+from xopt.torch.distributed import prepare
 
 __all__ = ["FLOATING", "Item", "Layout", "Optimizer"]
 
@@ -312,6 +313,7 @@ class Optimizer(torch.optim.Optimizer):
         group's hyperparameters (nothing has changed yet; errors name what is at fault)."""
         self._resolve_pending()
         self._check_groups()
+        prepare(self)  # distributed runs: every rank holds the same optimizer (else one error)
         items = []
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
@@ -523,7 +525,7 @@ class Optimizer(torch.optim.Optimizer):
 
     # -- copies --------------------------------------------------------------------------------
     #: attributes not pickled or deep-copied (caches); ``__setstate__`` leaves them unset
-    _transient: frozenset[str] = frozenset({"_checked_groups"})
+    _transient: frozenset[str] = frozenset({"_checked_groups", "_xopt_ranks"})
     _torch_attrs = frozenset(torch.optim.SGD([torch.zeros(1, requires_grad=True)]).__dict__)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from torch import Tensor
 from xopt.registry import register
 from xopt.specs import coap as _spec
 from xopt.torch._lowrank import LowRankOptimizer
+from xopt.torch.distributed import local, place_as
 
 __all__ = ["COAP"]
 
@@ -129,8 +130,8 @@ class COAP(LowRankOptimizer):
             for v in _spec.STATE.vars:
                 if v.scope == "param" and v.exists_for(shape, hp):
                     vdt = dtype if v.dtype == "state" else getattr(torch, v.dtype)
-                    state[_KEYS[v.name]] = torch.zeros(v.shape(shape, hp), dtype=vdt,
-                                                       device=p.device)
+                    state[_KEYS[v.name]] = place_as(p, torch.zeros(
+                        v.shape(shape, hp), dtype=vdt, device=local(p).device))
         t = int(state["step"])
         st = {var: state[key] for var, key in _KEYS.items() if key in state}
 

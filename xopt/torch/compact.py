@@ -41,6 +41,7 @@ from xopt.errors import HyperparameterError, StateError, XoptError
 from xopt.registry import register
 from xopt.specs import compact as _spec
 from xopt.torch._optim import FLOATING, Item, Layout, Optimizer, grad_problem
+from xopt.torch.distributed import is_dtensor, prepare
 
 __all__ = ["CompActAdamW", "CompActFunction", "CompActLinear", "LayerError", "compact_model",
            "LLAMA_LAYERS"]
@@ -522,14 +523,56 @@ class CompActAdamW(Optimizer):
         loss = self._closure_loss(closure)
         items = self._step_items()
         plans = [self._plan(it) for it in items]  # every layer checked before anything moves
+        items = self._project_dense(items, plans)
+        items = self._data_parallel_mean(items, plans)
         self._run_step(items, lambda: self._update(items, plans))
         return loss
+
+    def _project_dense(self, items: list[Item],
+                       plans: list[tuple[CompActLinear | None, int]]) -> list[Item]:
+        """``Ĝ = G P`` for the CompAct weights that carry a dense gradient ``G``."""
+        out = list(items)
+        for k, (it, (layer, refresh)) in enumerate(zip(items, plans, strict=True)):
+            if layer is None or it.grad is getattr(it.param, "compact_grad", None):
+                continue
+            proj = layer.projection(refresh, device=it.grad.device, dtype=it.grad.dtype)
+            out[k] = it._replace(grad=it.grad if proj is None else it.grad @ proj)
+        return out
+
+    def _data_parallel_mean(self, items: list[Item],
+                            plans: list[tuple[CompActLinear | None, int]]) -> list[Item]:
+        """Under DDP, the ranks' mean of every ``compact_grad`` (DDP's hooks reduce ``.grad``
+        only), in one all-reduce; new tensors, so that a retried step reduces the ranks' own
+        gradients again."""
+        ranks = prepare(self)
+        low = [k for k, (layer, _) in enumerate(plans) if layer is not None]
+        if ranks is None or ranks.size == 1 or not low:
+            return items
+        if any(is_dtensor(items[k].param) for k in low):
+            raise NotImplementedError(
+                "CompActAdamW: compact_grad of a sharded (FSDP2) weight is not reduce-"
+                "scattered yet; use DDP")
+        flat = torch.cat([items[k].grad.reshape(-1).float() for k in low])
+        ranks.all_reduce(flat)
+        flat /= ranks.size
+        out, pos = list(items), 0
+        for k in low:
+            g = items[k].grad
+            out[k] = items[k]._replace(grad=flat[pos:pos + g.numel()].view_as(g).to(g.dtype))
+            pos += g.numel()
+        return out
 
     def _plan(self, it: Item) -> tuple[CompActLinear | None, int]:
         """``(layer, refresh)`` of a CompAct weight's update (``(None, 0)`` for another
         parameter), after checking its projection key and moments against the state."""
         p, g = it.param, it.grad
         state = dict.get(self.state, p) or {}
+        if g is not getattr(p, "compact_grad", None) and _layer_of(p) is not None:
+            # a dense gradient of a CompAct weight (DCP's state-creating step gives zeros):
+            # projected with the layer's projection of this update, Ĝ = G P, as its
+            # backward would have (:meth:`_project_dense`)
+            layer = _layer_of(p)
+            return layer, layer.proj.refresh(int(state["step"]) if "step" in state else 0)
         if "exp_avg" in state and tuple(state["exp_avg"].shape) != tuple(g.shape):
             raise StateError(f"CompActAdamW: moments of shape {tuple(state['exp_avg'].shape)} "
                              f"do not fit the gradient of {self.param_name(it.gi, it.i)} "

@@ -36,6 +36,7 @@ from xopt.registry import register
 from xopt.specs import flora as _spec
 from xopt.torch._lowrank import LowRankOptimizer
 from xopt.torch._optim import Layout
+from xopt.torch.distributed import local, place_as, state_zeros
 
 __all__ = ["Flora"]
 
@@ -93,32 +94,28 @@ class Flora(LowRankOptimizer):
             relative_step=relative_step, warmup_init=warmup_init,
             factorize_second_moment=factorize_second_moment, seed=seed,
             quantization=quantization, project=project)
-        self._seeded = 0
+
+    def _initial_seed(self, p: Tensor) -> int:
+        """The original's seeds: parameter i (1-based over all groups, in order) gets its
+        group's seed + i. Drawn at ``p``'s first update, not at construction: an optimizer
+        holds no state before its first step (DCP creates a fresh optimizer's state with a
+        step, which it skips when any state exists)."""
+        i = 0
         for group in self.param_groups:
-            self._seed_group(group)
-
-    def _seed_group(self, group: dict[str, Any]) -> None:
-        """The original's seeds: parameter i (1-based over all groups) gets seed + i."""
-        for p in group["params"]:
-            self._seeded += 1
-            if p.requires_grad:
-                self.state[p]["seed"] = int(group["seed"]) + self._seeded
-
-    def _added_group(self, group: dict[str, Any], gi: int) -> None:
-        if hasattr(self, "_seeded"):  # after construction: continue the count
-            self._seed_group(group)
+            for q in group["params"]:
+                i += 1
+                if q is p:
+                    return int(group["seed"]) + i
+        raise StateError("Flora: a parameter outside the optimizer's groups")
 
     def _fresh_layouts(self, p: Tensor, group: Mapping[str, Any]) -> list[dict[str, Layout]]:
-        return [{"seed": Layout((), int)}]  # seeded at construction, before any update
+        return [{"seed": Layout((), int)}]  # state dicts of versions that seeded at construction
 
     def _check_param(self, p: Tensor, hp: _spec.Flora, where: str) -> None:
         _spec.check_param(tuple(p.shape), hp, where)
 
     def _prepare(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.Flora,
                  name: str, inject: Mapping[str, Tensor] | None) -> Any:
-        if "seed" not in state:  # (checked for every parameter before any is updated)
-            raise StateError(f"Flora: {name} has no projection seed in its state (it did not "
-                             "require a gradient when the optimizer was built?)")
         return None
 
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.Flora,
@@ -126,16 +123,19 @@ class Flora(LowRankOptimizer):
         sdt = self.state_dtype(p)
         shape = tuple(p.shape)
         if "step" not in state:
-            zeros = dict(dtype=sdt, device=p.device)
+            zeros = dict(dtype=sdt, device=local(p).device)
+            state.setdefault("seed", self._initial_seed(p))
             state["step"] = 0
             if hp.use_momentum:
-                state["exp_avg"] = torch.zeros(_spec.momentum_shape(shape, hp), **zeros)
-            if _spec.factored(shape, hp):
-                state["exp_avg_sq_row"] = torch.zeros(shape[:-1], **zeros)
-                state["exp_avg_sq_col"] = torch.zeros(shape[:-2] + shape[-1:], **zeros)
+                state["exp_avg"] = place_as(p, torch.zeros(_spec.momentum_shape(shape, hp),
+                                                           **zeros))
+            if _spec.factored(shape, hp):  # (FSDP2: the row statistic split as the rows)
+                state["exp_avg_sq_row"] = state_zeros(p, drop=(len(shape) - 1,), dtype=sdt)
+                state["exp_avg_sq_col"] = place_as(p, torch.zeros(shape[:-2] + shape[-1:],
+                                                                  **zeros))
             else:
-                state["exp_avg_sq"] = torch.zeros(shape, **zeros)
-            state["RMS"] = torch.zeros((), **zeros)
+                state["exp_avg_sq"] = place_as(p, torch.zeros(shape, **zeros))
+            state["RMS"] = place_as(p, torch.zeros((), **zeros))
         t = int(state["step"]) + 1
         p_c = p if p.dtype == sdt else p.to(sdt)
         g_c = g if g.dtype == sdt else g.to(sdt)

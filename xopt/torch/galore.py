@@ -34,6 +34,7 @@ from xopt.registry import register
 from xopt.specs import Hyperparams, lowrank
 from xopt.specs import galore as galore_spec
 from xopt.torch._lowrank import LowRankOptimizer
+from xopt.torch.distributed import local, place_as
 
 __all__ = ["GaLore"]
 
@@ -150,8 +151,9 @@ class GaLore(LowRankOptimizer):
             ortho_right = state.get("ortho_matrix_right") if which == "full" else None
         if "exp_avg" not in state:
             low = galore_spec.low_rank_shape(shape, hp)
-            state["exp_avg"] = torch.zeros(low, dtype=sdt, device=p.device)
-            state["exp_avg_sq"] = torch.zeros(low, dtype=sdt, device=p.device)
+            state["exp_avg"] = place_as(p, torch.zeros(low, dtype=sdt, device=local(p).device))
+            state["exp_avg_sq"] = place_as(p, torch.zeros(low, dtype=sdt,
+                                                          device=local(p).device))
         count = before + 1
         state["step"] = count
         p_c = p if p.dtype == sdt else p.to(sdt)

@@ -520,8 +520,9 @@ class POETAdamW(Optimizer):
     ``step()``).
 
     State per parameter: ``step`` (int), ``exp_avg``, ``exp_avg_sq`` (float32 for
-    low-precision parameters); ``global_step_counter`` on the optimizer (and in its state
-    dict, as ``state_dict()["global_step_counter"]``).
+    low-precision parameters); ``global_step_counter`` on the optimizer (in its state
+    dict with the first parameter's state, where DCP carries it; ``load_state_dict`` also
+    reads the older top-level key).
     """
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -627,13 +628,33 @@ class POETAdamW(Optimizer):
         self.global_step_counter += 1
 
     def state_dict(self) -> dict[str, Any]:
+        """torch's, with ``global_step_counter`` in the first parameter's state (DCP carries
+        only state keyed by parameter, and param groups)."""
         sd = super().state_dict()
-        sd["global_step_counter"] = self.global_step_counter
+        ids = [k for g in sd["param_groups"] for k in g["params"]]
+        if ids:
+            sd["state"][ids[0]] = {**sd["state"].get(ids[0], {}),
+                                   "global_step_counter": self.global_step_counter}
+        else:
+            sd["global_step_counter"] = self.global_step_counter
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         counter = state_dict.pop("global_step_counter", 0)
+        ids = [k for g in state_dict.get("param_groups", ()) if isinstance(g, dict)
+               for k in g.get("params", ())]
+        st = state_dict.get("state")
+        if ids and isinstance(st, dict) and isinstance(st.get(ids[0]), dict) and (
+                "global_step_counter" in st[ids[0]]):
+            st = dict(st)
+            first = dict(st[ids[0]])
+            counter = first.pop("global_step_counter")
+            if first:
+                st[ids[0]] = first
+            else:
+                del st[ids[0]]
+            state_dict["state"] = st
         if isinstance(counter, bool) or not isinstance(counter, int) or counter < 0:
             raise StateError(f"POETAdamW.load_state_dict: global_step_counter = {counter!r}: "
                              "must be an int >= 0")

@@ -1,0 +1,795 @@
+"""What every xopt optimizer needs to run on many ranks: DDP, FSDP2 (DTensor) and DCP.
+
+Under data parallelism an optimizer step sees, on each rank, either the whole parameter and
+the whole averaged gradient (DDP) or a shard of both (FSDP2: DTensor parameters placed
+``Shard(0)`` on a device mesh, gradients reduce-scattered to the same placement). The pieces
+here let a method compute the one-process update in both cases, and check that it does:
+
+* the ranks a step spans: :func:`data_parallel_ranks` (a DTensor parameter's device mesh, or
+  the default group when the parameters are plain tensors and ``torch.distributed`` runs more
+  than one rank: DDP), overridable per optimizer with :func:`set_process_group`;
+* :func:`prepare`, called at the start of a step: the first time (and whenever the
+  parameter groups change) it checks that every rank holds the same optimizer
+  (:func:`check_consistent`: class, parameters in order with their shapes, dtypes and
+  placements, hyperparameters, meta-parameters), raising :class:`RankMismatchError` with
+  the same message on every rank, so that no rank is left waiting in a collective;
+* :class:`Layout`: where a tensor's local shard sits in the global tensor; per-tensor
+  statistics on shards, completed by all-reduces of the row, column and scalar sums
+  (:meth:`Layout.sum`, :meth:`Layout.mean`; never a gather of the parameter), and state
+  created with the parameter's placements (:func:`state_zeros`, :meth:`Layout.wrap`) so
+  that DCP saves and reshards it;
+* the owner rule for whole-matrix decompositions at refresh steps (:func:`assign_owners`,
+  :func:`owner_compute`): each matrix is decomposed once, on the rank that owns it; under
+  FSDP2 its shards reach the owner in one ``all_to_all_single`` (each rank sends each shard
+  once), and the owners' small results are broadcast, as the distributed Muon of Dion and
+  torchtitan exchange them; under DDP, where every rank holds every matrix, only the results
+  travel;
+* :func:`mean_loss`: the data-parallel mean of a per-rank loss (VeLO reads the loss);
+* :class:`ShardedStep`: the distributed step of PyLO (section 7) for replicated (DDP)
+  training: each rank steps a share of the tensors, then every parameter is broadcast from
+  the rank that stepped it; identical to the replicated step;
+* :class:`CommCounter`: the bytes this rank hands to each collective in a block of code
+  (``torch.distributed`` calls and DTensor's own redistributions), for benchmarks and tests
+  that bound an optimizer's communication.
+
+Importing this module imports ``torch.distributed`` but not DTensor; that loads when a
+function here meets a distributed run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from xopt.errors import XoptError
+
+__all__ = ["assign_owners", "AUTO", "check_consistent", "CommCounter", "data_parallel_ranks",
+           "decompose_once", "is_dtensor", "Layout", "local", "mean_loss", "owner_compute",
+           "place_as", "plain_as_replicated", "prepare", "RankMismatchError", "Ranks",
+           "set_process_group", "settle", "ShardedStep", "state_zeros"]
+
+#: the default of ``optimizer.process_group``: the parameters' mesh, else the default group
+AUTO = "auto"
+
+
+class RankMismatchError(XoptError, ValueError):
+    """The ranks of a process group hold different optimizers (parameter lists, shapes,
+    placements, hyperparameters or meta-parameters); raised on every rank with the same
+    message, which names the first difference."""
+
+
+def _dtensor_module() -> Any:
+    import torch.distributed.tensor as dtensor
+
+    return dtensor
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (without importing DTensor when nothing has)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (a view: writing it writes the DTensor), else ``t``."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def _running() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+# -- the ranks a step spans ---------------------------------------------------------------------
+
+
+class Ranks:
+    """A set of ranks: one process group, or the dimensions of a device mesh (a reduction
+    runs over each dimension's group in turn, which covers the whole mesh)."""
+
+    def __init__(self, groups: Sequence[Any]) -> None:
+        self.groups = tuple(groups)
+        self.size = math.prod(dist.get_world_size(g) for g in self.groups)
+
+    @classmethod
+    def of_mesh(cls, mesh: Any) -> Ranks:
+        return cls([mesh.get_group(i) for i in range(mesh.ndim)])
+
+    def all_reduce(self, t: Tensor) -> Tensor:
+        """Sum ``t`` in place over every rank; returns it."""
+        for g in self.groups:
+            dist.all_reduce(t, group=g)
+        return t
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in an order that is the same on every rank."""
+        objs = [obj]
+        for g in self.groups:
+            out: list[Any] = [None] * dist.get_world_size(g)
+            dist.all_gather_object(out, objs, group=g)
+            objs = [o for lst in out for o in lst]
+        return objs
+
+
+def set_process_group(optimizer: torch.optim.Optimizer, group: Any) -> None:
+    """Choose the ranks ``optimizer``'s step spans: a ``ProcessGroup``, a ``DeviceMesh``,
+    None (this rank alone: no collective, no check) or :data:`AUTO` (the default, see
+    :func:`data_parallel_ranks`). Set it on every rank, before the first step."""
+    optimizer.process_group = group
+    optimizer.__dict__.pop("_xopt_ranks", None)
+
+
+def data_parallel_ranks(optimizer: torch.optim.Optimizer) -> Ranks | None:
+    """The ranks ``optimizer`` runs on: ``optimizer.process_group`` when set; under
+    :data:`AUTO` the device mesh of its DTensor parameters (FSDP2), else the default group
+    when ``torch.distributed`` is initialized with more than one rank (DDP: every rank then
+    holds the same parameters; with pipeline or tensor parallelism, name the data-parallel
+    group with :func:`set_process_group`), else None (one process)."""
+    group = getattr(optimizer, "process_group", AUTO)
+    if group is None:
+        return None
+    if not (isinstance(group, str) and group == AUTO):
+        if hasattr(group, "get_group") and hasattr(group, "ndim"):  # a DeviceMesh
+            return Ranks.of_mesh(group)
+        return Ranks([group])
+    if not _running():
+        return None
+    meshes = {p.device_mesh for g in optimizer.param_groups for p in g["params"]
+              if is_dtensor(p)}
+    if len(meshes) > 1:
+        raise RankMismatchError(
+            f"{type(optimizer).__name__}: parameters on {len(meshes)} different device "
+            "meshes; name the data-parallel group with xopt.torch.distributed."
+            "set_process_group(optimizer, group)")
+    if meshes:
+        return Ranks.of_mesh(next(iter(meshes)))
+    if dist.get_world_size() > 1:
+        return Ranks([dist.group.WORLD])
+    return None
+
+
+def prepare(optimizer: torch.optim.Optimizer) -> Ranks | None:
+    """The ranks of ``optimizer``'s step (:func:`data_parallel_ranks`), checked with
+    :func:`check_consistent` at the first step and whenever the parameter groups changed;
+    cached otherwise (no communication). Call it at the start of ``step``: on one process
+    it returns None at the cost of two attribute reads."""
+    group = getattr(optimizer, "process_group", AUTO)
+    if isinstance(group, str) and group == AUTO and not _running():
+        return None
+    key = tuple((id(g), len(g["params"])) for g in optimizer.param_groups)
+    cached = optimizer.__dict__.get("_xopt_ranks")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    ranks = data_parallel_ranks(optimizer)
+    if ranks is not None and ranks.size > 1:
+        check_consistent(optimizer, ranks)
+    optimizer.__dict__["_xopt_ranks"] = (key, ranks)
+    return ranks
+
+
+# -- every rank holds the same optimizer ---------------------------------------------------------
+
+
+def _digest(t: Tensor) -> str:
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _describe(v: Any) -> Any:
+    if isinstance(v, Tensor):
+        if is_dtensor(v):
+            return ("DTensor", tuple(v.shape), str(v.dtype), str(tuple(v.placements)))
+        v = v.detach()
+        if v.numel() <= 16:
+            return ("tensor", tuple(v.shape), str(v.dtype), v.cpu().tolist())
+        return ("tensor", tuple(v.shape), str(v.dtype), _digest(v))
+    if isinstance(v, (list, tuple)):
+        return tuple(_describe(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((str(k), _describe(x)) for k, x in v.items()))
+    return repr(v)
+
+
+def _facts(optimizer: torch.optim.Optimizer) -> list[tuple[str, Any]]:
+    """``[(what, value)]``: everything the ranks must agree on, each named for the error."""
+    facts: list[tuple[str, Any]] = [
+        ("the optimizer class", f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"),
+        ("the number of param groups", len(optimizer.param_groups))]
+    hp = getattr(optimizer, "hp", None)
+    if hp is not None:
+        facts.append(("the hyperparameters (optimizer.hp)", repr(hp)))
+    meta = getattr(optimizer, "meta", None)
+    if isinstance(meta, dict):
+        for k in sorted(meta):
+            facts.append((f"the meta-parameter {k!r}", _describe(meta[k])))
+    for gi, group in enumerate(optimizer.param_groups):
+        params, names = group["params"], group.get("param_names")
+        facts.append((f"the number of parameters in param_groups[{gi}]", len(params)))
+        for k in sorted(group):
+            if k not in ("params", "param_names"):
+                facts.append((f"param_groups[{gi}][{k!r}]", _describe(group[k])))
+        for i, p in enumerate(params):
+            name = names[i] if names else f"param_groups[{gi}]['params'][{i}]"
+            placement = str(tuple(p.placements)) if is_dtensor(p) else "not distributed"
+            facts.append((f"parameter {name} (shape, dtype, placements)",
+                          (tuple(p.shape), str(p.dtype), placement)))
+    return facts
+
+
+def _short(x: Any) -> str:
+    s = x if isinstance(x, str) else repr(x)
+    return s if len(s) <= 200 else s[:197] + "..."
+
+
+def check_consistent(optimizer: torch.optim.Optimizer, ranks: Ranks) -> None:
+    """Raise :class:`RankMismatchError` on every rank when the ranks' optimizers differ in
+    class, parameter groups, parameters (number, order, shapes, dtypes, placements),
+    hyperparameters or meta-parameters.
+
+    One ``all_gather_object`` of a 16-byte digest per rank; only when the digests differ, a
+    second one of the facts themselves, to name the first difference. Every rank takes the
+    same branches and reaches the same verdict."""
+    facts = _facts(optimizer)
+    digest = hashlib.sha256(repr(facts).encode()).hexdigest()[:32]
+    me = dist.get_rank()
+    digests = sorted(ranks.all_gather_object((me, digest)))
+    if len({d for _, d in digests}) == 1:
+        return
+    everyone = sorted(ranks.all_gather_object((me, facts)), key=lambda x: x[0])
+    r0, ref = everyone[0]
+    name = type(optimizer).__name__
+    for r, theirs in everyone[1:]:
+        for (what, a), (_, b) in zip(ref, theirs, strict=False):
+            if a != b:
+                raise RankMismatchError(
+                    f"{name}: the ranks disagree on {what}: rank {r0} has {_short(a)}, rank "
+                    f"{r} has {_short(b)}. Every rank must build the optimizer with the same "
+                    "parameters, in the same order, and the same hyperparameters (raised on "
+                    "every rank)")
+        if len(theirs) != len(ref):
+            raise RankMismatchError(
+                f"{name}: the ranks disagree on the parameter list: rank {r0} has "
+                f"{len(ref)} entries, rank {r} has {len(theirs)} (raised on every rank)")
+
+
+def mean_loss(loss: Tensor, ranks: Ranks | None) -> Tensor:
+    """The mean of the ranks' losses, a float32 0-d tensor (each rank's loss the mean over
+    its own batch: the loss of the global batch when the ranks' batches are of one size);
+    ``loss`` itself when ``ranks`` is None or one rank."""
+    if ranks is None or ranks.size == 1:
+        return loss
+    t = loss.detach().reshape(()).to(torch.float32).clone()
+    ranks.all_reduce(t)
+    return t / ranks.size
+
+
+# -- where a shard sits --------------------------------------------------------------------------
+
+
+def _chunk(n: int, k: int, i: int) -> tuple[int, int]:
+    """``(size, start)`` of chunk ``i`` when ``n`` rows are split in ``k`` as ``torch.chunk``
+    (and DTensor's ``Shard``) split them: ``ceil(n / k)`` each, the last ones short or
+    empty."""
+    c = -(-n // k) if n else 0
+    start = min(i * c, n)
+    return min(start + c, n) - start, start
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a tensor's local shard sits in the global tensor.
+
+    ``shape`` (global), ``local_shape``, ``offsets`` (the global index of the local block's
+    first element, per dimension), ``mesh`` and ``placements`` (None and ``()`` for a tensor
+    that is not distributed).
+    """
+
+    shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    mesh: Any = None
+    placements: tuple = ()
+
+    @classmethod
+    def of(cls, t: Tensor) -> Layout:
+        """The layout of ``t``: a DTensor of ``Shard``/``Replicate`` placements, or a plain
+        tensor (not distributed)."""
+        shape = tuple(t.shape)
+        if not is_dtensor(t):
+            return cls(shape, shape, (0,) * len(shape))
+        dt = _dtensor_module()
+        mesh, placements = t.device_mesh, tuple(t.placements)
+        size, off = list(shape), [0] * len(shape)
+        coord = mesh.get_coordinate()
+        for i, pl in enumerate(placements):
+            if isinstance(pl, dt.Shard):
+                d = pl.dim % len(shape)
+                n, start = _chunk(size[d], mesh.size(i), coord[i])
+                size[d], off[d] = n, off[d] + start
+            elif not isinstance(pl, dt.Replicate):
+                raise NotImplementedError(
+                    f"xopt.torch.distributed: placement {pl!r} is not supported (Shard and "
+                    "Replicate are)")
+        out = cls(shape, tuple(size), tuple(off), mesh, placements)
+        if tuple(t.to_local().shape) != out.local_shape:
+            raise NotImplementedError(
+                f"xopt.torch.distributed: a DTensor of shape {shape} with placements "
+                f"{placements} holds a local shard of shape {tuple(t.to_local().shape)}, "
+                f"not torch.chunk's {out.local_shape}")
+        return out
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def sharded(self) -> dict[int, tuple[int, ...]]:
+        """``{tensor dimension: the mesh dimensions (of size > 1) that split it}``."""
+        dt = _dtensor_module() if self.placements else None
+        out: dict[int, list[int]] = {}
+        for i, pl in enumerate(self.placements):
+            if isinstance(pl, dt.Shard) and self.mesh.size(i) > 1:
+                out.setdefault(pl.dim % len(self.shape), []).append(i)
+        return {d: tuple(v) for d, v in out.items()}
+
+    # -- statistics ------------------------------------------------------------------------
+    def sum(self, x: Tensor, dims: Iterable[int], keepdim: bool = False) -> Tensor:
+        """The sum of the global tensor over ``dims``, from this rank's shard ``x``, whose
+        leading dimensions are this layout's (trailing ones, e.g. one per decay, are kept):
+        a local sum, then one all-reduce per mesh dimension that splits a summed dimension
+        (of the reduced size: a row, a column or a scalar per trailing index). The result is
+        complete on every rank, laid out as :meth:`drop` ``(dims)``."""
+        dims = tuple(sorted(d % len(self.shape) for d in dims))
+        out = x.sum(dim=dims, keepdim=keepdim) if dims else x.clone()
+        sharded = self.sharded
+        for i in sorted({i for d in dims for i in sharded.get(d, ())}):
+            dist.all_reduce(out, group=self.mesh.get_group(i))
+        return out
+
+    def mean(self, x: Tensor, dims: Iterable[int], keepdim: bool = False) -> Tensor:
+        """:meth:`sum` divided by the global number of elements summed."""
+        dims = tuple(d % len(self.shape) for d in dims)
+        return self.sum(x, dims, keepdim) / math.prod(self.shape[d] for d in dims)
+
+    # -- derived layouts and state ---------------------------------------------------------
+    def drop(self, dims: Iterable[int]) -> Layout:
+        """The layout of a complete reduction over ``dims``: those dimensions removed; a
+        mesh dimension that split one of them now replicates."""
+        dims = sorted({d % len(self.shape) for d in dims})
+        keep = [d for d in range(len(self.shape)) if d not in dims]
+        if self.mesh is None:
+            return Layout(tuple(self.shape[d] for d in keep),
+                          tuple(self.local_shape[d] for d in keep),
+                          tuple(self.offsets[d] for d in keep))
+        dt = _dtensor_module()
+        index = {d: j for j, d in enumerate(keep)}
+        placements = tuple(
+            dt.Shard(index[pl.dim % len(self.shape)])
+            if isinstance(pl, dt.Shard) and pl.dim % len(self.shape) in index
+            else dt.Replicate() for pl in self.placements)
+        local_shape = [self.shape[d] for d in keep]
+        offsets = [0] * len(keep)
+        for d in keep:  # only the kept dims stay split
+            if d in self.sharded:
+                local_shape[index[d]] = self.local_shape[d]
+                offsets[index[d]] = self.offsets[d]
+        return Layout(tuple(self.shape[d] for d in keep), tuple(local_shape), tuple(offsets),
+                      self.mesh, placements)
+
+    def extend(self, *trailing: int) -> Layout:
+        """The layout with trailing dimensions that are not split (e.g. one per decay)."""
+        t = tuple(int(n) for n in trailing)
+        return Layout(self.shape + t, self.local_shape + t, self.offsets + (0,) * len(t),
+                      self.mesh, self.placements)
+
+    def wrap(self, x: Tensor) -> Tensor:
+        """This rank's shard ``x`` as the global tensor: a DTensor of this layout's mesh and
+        placements (``x`` itself when not distributed). No communication."""
+        if tuple(x.shape) != self.local_shape:
+            raise ValueError(f"Layout.wrap: a local shard of shape {tuple(x.shape)}, expected "
+                             f"{self.local_shape}")
+        if self.mesh is None:
+            return x
+        stride = tuple(math.prod(self.shape[d + 1:]) for d in range(len(self.shape)))
+        return _dtensor_module().DTensor.from_local(
+            x, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape),
+            stride=stride)
+
+    def zeros(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Tensor:
+        """Zeros of this layout (a DTensor when distributed)."""
+        return self.wrap(torch.zeros(self.local_shape, dtype=dtype, device=device))
+
+    def chunk_of(self, coordinate: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(local_shape, offsets)`` of the shard held at mesh coordinate ``coordinate``."""
+        size, off = list(self.shape), [0] * len(self.shape)
+        if self.mesh is None:
+            return tuple(size), tuple(off)
+        dt = _dtensor_module()
+        for i, pl in enumerate(self.placements):
+            if isinstance(pl, dt.Shard):
+                d = pl.dim % len(self.shape)
+                n, start = _chunk(size[d], self.mesh.size(i), coordinate[i])
+                size[d], off[d] = n, off[d] + start
+        return tuple(size), tuple(off)
+
+
+def state_zeros(p: Tensor, trailing: Sequence[int] = (), *, drop: Sequence[int] = (),
+                dtype: torch.dtype = torch.float32) -> Tensor:
+    """Optimizer state for parameter ``p``, zeros placed as ``p`` is: the shape of ``p``
+    without the dimensions ``drop`` (a row or column statistic) and with ``trailing`` ones
+    appended (one per decay), on ``p``'s device; a DTensor on ``p``'s mesh when ``p`` is one
+    (a dimension of ``p`` that stays keeps its split, a dropped one's mesh dimension
+    replicates). State of ``p``'s own shape needs no helper: ``torch.zeros_like(p)`` keeps
+    the placements."""
+    lay = Layout.of(p)
+    if drop:
+        lay = lay.drop(drop)
+    return lay.extend(*trailing).zeros(dtype, local(p).device)
+
+
+def place_as(p: Tensor, x: Tensor) -> Tensor:
+    """State ``x`` made for parameter ``p`` as a plain tensor of global shape, placed on
+    ``p``'s mesh: split as ``p`` when ``x`` has ``p``'s shape (plus trailing dimensions, one
+    per decay), replicated otherwise (row and column statistics, per-tensor vectors; a
+    step's reductions then place them as its math does). ``x`` itself when ``p`` is not a
+    DTensor. The local block is a copy of ``x``'s (which is made once, at the first step)."""
+    if not is_dtensor(p):
+        return x
+    lay = Layout.of(p)
+    n = len(lay.shape)
+    if tuple(x.shape[:n]) == lay.shape:
+        lay = lay.extend(*x.shape[n:])
+        block = x[tuple(slice(o, o + k) for o, k in zip(lay.offsets, lay.local_shape,
+                                                         strict=True))]
+        return lay.wrap(block.contiguous().clone())
+    dt = _dtensor_module()
+    mesh = p.device_mesh
+    return dt.DTensor.from_local(x, mesh, [dt.Replicate()] * mesh.ndim, run_check=False)
+
+
+def settle(t: Tensor) -> Tensor:
+    """``t`` with its pending reductions done: a DTensor with ``Partial`` placements (a sum
+    over a sharded dimension, which DTensor completes lazily) redistributed to
+    ``Replicate`` (one all-reduce of ``t``'s size, the reduced one), so that state is
+    complete on every rank and DCP can save it; anything else as it is."""
+    if not is_dtensor(t):
+        return t
+    dt = _dtensor_module()
+    placements = tuple(t.placements)
+    if not any(isinstance(pl, dt.Partial) for pl in placements):
+        return t
+    return t.redistribute(placements=[dt.Replicate() if isinstance(pl, dt.Partial) else pl
+                                      for pl in placements])
+
+
+def plain_as_replicated(params: Iterable[Tensor]) -> Any:
+    """The context of a step over DTensor parameters (when the first of ``params`` is one;
+    else a null context): plain tensors meeting DTensors count as replicated (a learned
+    optimizer's meta-parameters and time features, a replicated projection), and every
+    result that DTensor leaves as a pending sum over shards (``Partial``: a reduction or a
+    contraction over a sharded dimension) is completed at once, at its reduced size, by
+    :func:`settle`; left pending, it would meet a parameter-sized operand and be reduce-
+    scattered at the parameter's size."""
+    import contextlib
+
+    first = next(iter(params), None)
+    if first is None or not is_dtensor(first):
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(implicit_replication())
+    stack.enter_context(_eager_sums()())
+    return stack
+
+
+def _eager_sums() -> type:
+    cls = globals().get("_EagerSums")
+    if cls is not None:
+        return cls
+    from torch.overrides import TorchFunctionMode
+
+    class _EagerSums(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                               kwargs: dict | None = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            return settle(out) if is_dtensor(out) else out
+
+    globals()["_EagerSums"] = _EagerSums
+    return _EagerSums
+
+
+# -- the owner rule ------------------------------------------------------------------------------
+
+
+def assign_owners(costs: Sequence[float], world_size: int) -> list[int]:
+    """An owner rank per item: the costliest item first, to the least loaded rank (ties:
+    the lower rank). Deterministic, so every rank computes the same assignment."""
+    load = [0.0] * world_size
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += costs[i]
+    return owner
+
+
+def _split_dim(layout: Layout) -> tuple[int | None, Any]:
+    """``(tensor dimension split, group)`` of a layout on a 1-D mesh (``(None, group)`` when
+    replicated there; ``(None, None)`` when not distributed)."""
+    if layout.mesh is None:
+        return None, None
+    if layout.mesh.ndim != 1:
+        raise NotImplementedError("xopt.torch.distributed.owner_compute: only 1-D device "
+                                  f"meshes are handled (got {layout.mesh.ndim}-D)")
+    pl = layout.placements[0]
+    split = pl.dim % len(layout.shape) if isinstance(pl, _dtensor_module().Shard) else None
+    return split, layout.mesh.get_group(0)
+
+
+def owner_compute(items: Sequence[tuple[Tensor, Layout]], owners: Sequence[int],
+                  fn: Callable[[int, Tensor], Sequence[Tensor]],
+                  out_meta: Callable[[int], Sequence[tuple[tuple[int, ...], torch.dtype]]],
+                  group: Any = None) -> list[list[Tensor]]:
+    """``fn(i, whole_i)`` computed once, on rank ``owners[i]``, for every item ``i``; every
+    rank receives every result.
+
+    ``items[i]``: this rank's tensor and its :class:`Layout`: a shard on a 1-D mesh (FSDP2),
+    or the whole tensor (every rank holds it: DDP). The shards of sharded items reach their
+    owners in one ``all_to_all_single`` (each rank sends each shard once; no rank receives
+    a matrix it does not own); the results, whose shapes and dtypes ``out_meta(i)`` gives on
+    every rank, are broadcast from each owner, one flat buffer per owner and dtype.
+    ``group``: the process group of items that are not distributed (default: the mesh's,
+    else the default group). Returns ``results[i]``, a list of tensors, on every rank.
+    """
+    if not items:
+        return []
+    splits = [_split_dim(lay) for _, lay in items]
+    groups = {id(g): g for _, g in splits if g is not None}
+    if len(groups) > 1:
+        raise NotImplementedError("owner_compute: items on different process groups")
+    pg = next(iter(groups.values())) if groups else group
+    world, me = dist.get_world_size(pg), dist.get_rank(pg)
+    device = items[0][0].device
+    whole: dict[int, Tensor] = {}
+    sharded = [i for i, (d, _) in enumerate(splits) if d is not None]
+    for i, (x, _) in enumerate(items):
+        if splits[i][0] is None and owners[i] == me:
+            whole[i] = x
+    if sharded:
+        dtype = items[sharded[0]][0].dtype
+        if any(items[i][0].dtype != dtype for i in sharded):
+            raise NotImplementedError("owner_compute: sharded items of different dtypes")
+        send: list[list[Tensor]] = [[] for _ in range(world)]
+        recv_sizes = [0] * world
+        for i in sharded:
+            x, lay = items[i]
+            send[owners[i]].append(x.contiguous().reshape(-1))
+            if owners[i] == me:
+                for s in range(world):
+                    recv_sizes[s] += math.prod(lay.chunk_of((s,))[0])
+        send_sizes = [sum(t.numel() for t in ts) for ts in send]
+        flat_in = (torch.cat([t for ts in send for t in ts]) if any(send_sizes)
+                   else torch.empty(0, dtype=dtype, device=device))
+        flat_out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+        dist.all_to_all_single(flat_out, flat_in, output_split_sizes=recv_sizes,
+                               input_split_sizes=send_sizes, group=pg)
+        # flat_out holds, per source rank in rank order, its shards of my items in order
+        pos = [sum(recv_sizes[:s]) for s in range(world)]
+        for i in sharded:
+            if owners[i] != me:
+                continue
+            _, lay = items[i]
+            parts = []
+            for s in range(world):
+                shape_s, _ = lay.chunk_of((s,))
+                n = math.prod(shape_s)
+                parts.append(flat_out[pos[s]:pos[s] + n].reshape(shape_s))
+                pos[s] += n
+            whole[i] = torch.cat(parts, dim=splits[i][0])
+    mine = {i: list(fn(i, whole[i])) for i in range(len(items)) if owners[i] == me}
+    results: list[list[Any]] = [[None] * len(out_meta(i)) for i in range(len(items))]
+    for src in range(world):
+        owned = [i for i in range(len(items)) if owners[i] == src]
+        metas = [(i, j, tuple(shape), dt) for i in owned
+                 for j, (shape, dt) in enumerate(out_meta(i))]
+        for dt in dict.fromkeys(m[3] for m in metas):
+            chosen = [m for m in metas if m[3] == dt]
+            if src == me:
+                buf = torch.cat([mine[i][j].to(dt).reshape(-1) for i, j, _, _ in chosen])
+            else:
+                buf = torch.empty(sum(math.prod(m[2]) for m in chosen), dtype=dt,
+                                  device=device)
+            if world > 1:
+                dist.broadcast(buf, group_src=src, group=pg)
+            pos = 0
+            for i, j, shape, _ in chosen:
+                k = math.prod(shape)
+                results[i][j] = buf[pos:pos + k].reshape(shape)
+                pos += k
+    return results
+
+
+def decompose_once(optimizer: Any, a: Tensor, fn: Callable[[Tensor], Sequence[Tensor]],
+                   out_meta: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Tensor]:
+    """``fn(whole a)`` for a DTensor matrix ``a`` (a sharded gradient at a refresh step),
+    computed once, on one owner rank, and broadcast: the shards reach the owner in one
+    ``all_to_all_single`` (:func:`owner_compute`); owners rotate over the ranks with each
+    call, in the same order on every rank. A failure on the owner reaches every rank as
+    NaN results (the caller's finiteness check then raises everywhere; no rank waits)."""
+    a = settle(a)  # a product with a sharded factor (COAP's sketch): summed first
+    lay = Layout.of(a)
+    n = optimizer.__dict__.get("_xopt_owner_next", 0)
+    optimizer.__dict__["_xopt_owner_next"] = n + 1
+    world = lay.mesh.size()
+
+    def run(_: int, whole: Tensor) -> Sequence[Tensor]:
+        try:
+            return fn(whole)
+        except RuntimeError:
+            return [torch.full(shape, math.nan, dtype=dt, device=whole.device)
+                    for shape, dt in out_meta]
+
+    return owner_compute([(a.to_local(), lay)], [n % world], run, lambda _: out_meta)[0]
+
+
+# -- the PyLO-style distributed step -------------------------------------------------------------
+
+
+class ShardedStep:
+    """Replicated (DDP) training where each rank steps only a share of the tensors.
+
+    ``ShardedStep(optimizer).step(...)`` in place of ``optimizer.step(...)``: the tensors are
+    assigned to ranks by :func:`assign_owners` (cost: their sizes); each rank steps the
+    optimizer with the gradients of the tensors it does not own hidden (set to None for the
+    call, then restored), so it neither updates them nor keeps state for them; then every
+    updated parameter is broadcast from its owner (one flat buffer per owner and dtype).
+    This is the distributed step of the PyLO paper (section 7): optimizer state and compute
+    divided by the number of ranks. For an optimizer whose update of a tensor reads no other
+    tensor (every xopt optimizer; VeLO's loss is the ranks' mean, see :func:`mean_loss`),
+    the parameters are those of the replicated step, bit for bit.
+
+    The state of a tensor lives on its owner only, so save it per rank
+    (``optimizer.state_dict()``); DCP assumes replicated state and does not apply.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group: Any = None) -> None:
+        self.optimizer = optimizer
+        self.group = group
+        self._owners: tuple[tuple, list[int]] | None = None
+
+    def _params(self) -> list[Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def owners(self) -> list[int]:
+        """The owner rank of each parameter, in param-group order."""
+        params = self._params()
+        key = tuple(id(p) for p in params)
+        if self._owners is None or self._owners[0] != key:
+            world = dist.get_world_size(self.group)
+            self._owners = (key, assign_owners([float(p.numel()) for p in params], world))
+        return self._owners[1]
+
+    @torch.no_grad()
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        params = self._params()
+        if any(is_dtensor(p) for p in params):
+            raise ValueError("ShardedStep is for replicated parameters (DDP); sharded "
+                             "(FSDP2) parameters already divide the step")
+        owners = self.owners()
+        me = dist.get_rank(self.group)
+        had = [p.grad is not None for p in params]
+        hidden = [(p, p.grad) for p, o in zip(params, owners, strict=True)
+                  if o != me and p.grad is not None]
+        for p, _ in hidden:
+            p.grad = None
+        try:
+            result = self.optimizer.step(*args, **kwargs)
+        finally:
+            for p, g in hidden:
+                p.grad = g
+        for src in range(dist.get_world_size(self.group)):
+            stepped = [p for p, o, h in zip(params, owners, had, strict=True) if o == src and h]
+            for dt in dict.fromkeys(p.dtype for p in stepped):
+                ps = [p for p in stepped if p.dtype == dt]
+                if src == me:
+                    buf = torch.cat([p.detach().reshape(-1) for p in ps])
+                else:
+                    buf = torch.empty(sum(p.numel() for p in ps), dtype=dt,
+                                      device=ps[0].device)
+                dist.broadcast(buf, group_src=src, group=self.group)
+                if src != me:
+                    pos = 0
+                    for p in ps:
+                        p.detach().copy_(buf[pos:pos + p.numel()].view_as(p))
+                        pos += p.numel()
+        return result
+
+
+# -- counting communication ----------------------------------------------------------------------
+
+#: the argument of each c10d collective that holds what this rank sends
+_SENT_ARGS = ("tensors", "input_tensor", "input_tensors", "input", "inputs")
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+#: ops of those namespaces that send nothing (waits, barriers, autograd wrappers)
+_NOT_SENT = ("wait", "barrier", "_wrap_tensor_autograd")
+
+
+def _tensors(x: Any) -> Iterable[Tensor]:
+    if isinstance(x, Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
+class CommCounter:
+    """Counts, by collective, the bytes this rank hands to collectives inside a ``with``
+    block (the operand reduced, gathered, scattered or broadcast; a ``broadcast`` counts on
+    every rank): ``with CommCounter() as c: optimizer.step()``, then ``c.bytes``,
+    ``c.bytes_by_op``, ``c.calls_by_op`` and ``c.largest`` (the largest single operand).
+    Built on ``torch.distributed.tensor.debug.CommDebugMode``, so it sees
+    ``torch.distributed`` calls and DTensor's implicit redistributions alike."""
+
+    def __init__(self) -> None:
+        self.bytes_by_op: Counter[str] = Counter()
+        self.calls_by_op: Counter[str] = Counter()
+        self.largest = 0
+        self._mode: Any = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.bytes_by_op.values())
+
+    def record(self, name: str, n: int) -> None:
+        self.bytes_by_op[name] += n
+        self.calls_by_op[name] += 1
+        self.largest = max(self.largest, n)
+
+    def __enter__(self) -> CommCounter:
+        self._mode = _counting_mode()(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        self._mode = None
+
+
+def _counting_mode() -> type:
+    """The ``CommDebugMode`` subclass behind :class:`CommCounter` (made on first use: it
+    loads DTensor's debug modes)."""
+    cls = globals().get("_CountingMode")
+    if cls is not None:
+        return cls
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    class _CountingMode(CommDebugMode):
+        def __init__(self, counter: CommCounter) -> None:
+            super().__init__()
+            self.counter = counter
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                               kwargs: dict | None = None) -> Any:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if out is NotImplemented:
+                return out
+            if (getattr(func, "namespace", "") in _COLLECTIVE_NAMESPACES
+                    and not any(w in func.__name__ for w in _NOT_SENT)):
+                n = 0
+                for a, v in zip(func._schema.arguments, args, strict=False):
+                    if a.name in _SENT_ARGS:
+                        n += sum(t.numel() * t.element_size() for t in _tensors(v))
+                self.counter.record(func.__name__.split(".")[0], n)
+            return out
+
+    globals()["_CountingMode"] = _CountingMode
+    return _CountingMode
