@@ -46,8 +46,10 @@ SHARED_CASES = [
     "small_fc_lopt/pylo_sizes_perturbed_seed0",
     "velo/perturbed_seed0",
 ]
-#: cases recorded by xopt's own tools from the original libraries
-RECORDED = {"adamw": "tools/record_adamw.py", "mulo": "tools/record_mulo.py"}
+#: cases recorded by xopt's own tools from the original libraries, by the start of their
+#: path under xopt/parity/data
+RECORDED = {"adamw/": "tools/record_adamw.py", "mulo/": "tools/record_mulo.py",
+            "coap/conv_": "tools/record_coap_conv.py"}
 
 
 def sha256(path: Path) -> str:
@@ -72,8 +74,8 @@ def build_manifest() -> dict:
         case = name.rsplit(".", 1)[0]
         if f"{method}/{case}" in SHARED_CASES or rel in shared_meta:
             origin = f"shared/parity/{rel}"
-        elif method in RECORDED:
-            origin = RECORDED[method]
+        elif any(rel.startswith(k) for k in RECORDED):
+            origin = next(v for k, v in RECORDED.items() if rel.startswith(k))
         else:
             raise SystemExit(f"{rel}: no known origin; add it to SHARED_CASES or RECORDED")
         files[rel] = {"sha256": sha256(path), "bytes": path.stat().st_size, "origin": origin}
