@@ -37,7 +37,7 @@ import optax
 from xopt.errors import HyperparameterError
 from xopt.jax import _contract
 from xopt.jax._lopt import configure, learned_optimizer
-from xopt.jax.small_fc_lopt import SmallFCState
+from xopt.jax.small_fc_lopt import SmallFCState, init_state
 from xopt.registry import register
 from xopt.specs import ParamGroups
 from xopt.specs import mulo as _spec
@@ -95,15 +95,7 @@ class _Method:
 
     def init(self, params: Any) -> SmallFCState:
         self.mults(params)  # the multipliers are checked against the params once, here
-
-        def zeros(var: str) -> Any:
-            return jax.tree.map(
-                lambda p: jnp.zeros(_sf.param_state_shapes(self.hp, jnp.shape(p))[var],
-                                    jnp.float32), params)
-
-        km, kr, _ = _sf.num_decays(self.hp)
-        return SmallFCState(*(zeros(v) for v in _PARAM_VARS),
-                            mom_t=jnp.zeros((km,), jnp.int32), rms_t=jnp.zeros((kr,), jnp.int32))
+        return init_state(self.hp, params)
 
     def update(self, params: Any, grads: Any, loss: jax.Array, iteration: jax.Array,
                inner: SmallFCState) -> tuple[Any, SmallFCState]:

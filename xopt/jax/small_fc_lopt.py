@@ -35,7 +35,7 @@ from xopt.jax._lopt import AccumState, LOptState, configure, learned_optimizer
 from xopt.registry import register
 from xopt.specs import small_fc_lopt as _spec
 
-__all__ = ["AccumState", "LOptState", "SmallFCState", "small_fc_lopt"]
+__all__ = ["AccumState", "LOptState", "SmallFCState", "init_state", "small_fc_lopt"]
 
 _PARAM_VARS = ("m", "rms", "v_row", "v_col", "v_diag")
 
@@ -60,6 +60,18 @@ class SmallFCState(NamedTuple):
     rms_t: jax.Array
 
 
+def init_state(hp: _spec.SmallFCLOpt, params: Any) -> SmallFCState:
+    """The zero state of ``params`` (small_fc_lopt's layout; μLO keeps the same)."""
+    def zeros(var: str) -> Any:
+        return jax.tree.map(
+            lambda p: jnp.zeros(_spec.param_state_shapes(hp, jnp.shape(p))[var], jnp.float32),
+            params)
+
+    km, kr, _ = _spec.num_decays(hp)
+    return SmallFCState(*(zeros(v) for v in _PARAM_VARS),
+                        mom_t=jnp.zeros((km,), jnp.int32), rms_t=jnp.zeros((kr,), jnp.int32))
+
+
 class _Method:
     """The learned update proper (:class:`xopt.jax._lopt.InnerMethod`)."""
 
@@ -67,14 +79,7 @@ class _Method:
         self.hp, self.meta = hp, meta
 
     def init(self, params: Any) -> SmallFCState:
-        def zeros(var: str) -> Any:
-            return jax.tree.map(
-                lambda p: jnp.zeros(_spec.param_state_shapes(self.hp, jnp.shape(p))[var],
-                                    jnp.float32), params)
-
-        km, kr, _ = _spec.num_decays(self.hp)
-        return SmallFCState(*(zeros(v) for v in _PARAM_VARS),
-                            mom_t=jnp.zeros((km,), jnp.int32), rms_t=jnp.zeros((kr,), jnp.int32))
+        return init_state(self.hp, params)
 
     def update(self, params: Any, grads: Any, loss: jax.Array, iteration: jax.Array,
                inner: SmallFCState) -> tuple[Any, SmallFCState]:

@@ -31,6 +31,7 @@ from xopt.specs import ParamGroups
 from xopt.specs import mulo as _spec
 from xopt.specs import small_fc_lopt as _sf
 from xopt.torch._lopt import Entry, LearnedOptimizer
+from xopt.torch.small_fc_lopt import global_state, param_state
 
 __all__ = ["MuLO", "mup_param_groups", "mup_roles"]
 
@@ -187,13 +188,10 @@ class MuLO(LearnedOptimizer):
         super().add_param_group(group)
 
     def _init_param_state(self, p: Tensor) -> dict[str, Tensor]:
-        return {k: torch.zeros(shape, dtype=torch.float32, device=p.device)
-                for k, shape in _sf.param_state_shapes(self.hp, tuple(p.shape)).items()}
+        return param_state(self.hp, p)  # small_fc_lopt's layout, which μLO keeps
 
     def _init_global_state(self) -> dict[str, Tensor]:
-        km, kr, _ = _sf.num_decays(self.hp)
-        return {"mom_t": torch.zeros((km,), dtype=torch.int32),
-                "rms_t": torch.zeros((kr,), dtype=torch.int32)}
+        return global_state(self.hp)
 
     def _inner_update(self, entries: list[Entry], loss: Tensor, gstate: dict[str, Any]) -> None:
         del loss  # MuAdafacMLPLOpt does not read the loss

@@ -29,9 +29,22 @@ from xopt.specs import small_fc_lopt as _spec
 from xopt.torch._lopt import Entry, LearnedOptimizer
 from xopt.torch._lopt_triton import TritonIO
 
-__all__ = ["SmallFCLOpt"]
+__all__ = ["SmallFCLOpt", "global_state", "param_state"]
 
 _PARAM_VARS = ("m", "rms", "v_row", "v_col", "v_diag")
+
+
+def param_state(hp: _spec.SmallFCLOpt, p: Tensor) -> dict[str, Tensor]:
+    """A parameter's zero state (float32 accumulators on its device)."""
+    return {k: torch.zeros(shape, dtype=torch.float32, device=p.device)
+            for k, shape in _spec.param_state_shapes(hp, tuple(p.shape)).items()}
+
+
+def global_state(hp: _spec.SmallFCLOpt) -> dict[str, Tensor]:
+    """The zero global state: the decays' step counters."""
+    km, kr, _ = _spec.num_decays(hp)
+    return {"mom_t": torch.zeros((km,), dtype=torch.int32),
+            "rms_t": torch.zeros((kr,), dtype=torch.int32)}
 
 
 class SmallFCLOpt(LearnedOptimizer):
@@ -96,13 +109,10 @@ class SmallFCLOpt(LearnedOptimizer):
         return supported_small_fc(self.hp)
 
     def _init_param_state(self, p: Tensor) -> dict[str, Tensor]:
-        return {k: torch.zeros(shape, dtype=torch.float32, device=p.device)
-                for k, shape in _spec.param_state_shapes(self.hp, tuple(p.shape)).items()}
+        return param_state(self.hp, p)
 
     def _init_global_state(self) -> dict[str, Tensor]:
-        km, kr, _ = _spec.num_decays(self.hp)
-        return {"mom_t": torch.zeros((km,), dtype=torch.int32),
-                "rms_t": torch.zeros((kr,), dtype=torch.int32)}
+        return global_state(self.hp)
 
     def _inner_update(self, entries: list[Entry], loss: Tensor, gstate: dict[str, Any]) -> None:
         del loss  # AdafacMLPLOpt does not read the loss
