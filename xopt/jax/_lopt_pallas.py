@@ -124,6 +124,20 @@ def _index_maps(n1: int, n2: int):  # noqa: ANN202
     return nb1, nb2, per, elem
 
 
+def _element_specs(elem):  # noqa: ANN001, ANN202
+    """The block specs both methods' kernels share: the whole of a small vector, a
+    (tensor, row block, column block) tile of an element array, of the momenta (with their 3
+    decays) and of the row and column factors (3 decays each)."""
+    def whole(t):  # noqa: ANN001, ANN202
+        return (0,)
+
+    return (whole,
+            pl.BlockSpec((SQ, BR, BC), lambda t: elem(t)),
+            pl.BlockSpec((SQ, BR, BC, 3), lambda t: (*elem(t), 0)),
+            pl.BlockSpec((SQ, 3, BR), lambda t: (elem(t)[0], 0, elem(t)[1])),
+            pl.BlockSpec((SQ, 3, BC), lambda t: (elem(t)[0], 0, elem(t)[2])))
+
+
 def _load(ref, mask):  # noqa: ANN001, ANN202
     """``ref``'s block where ``mask`` (inside the array), 0 elsewhere (module docstring)."""
     return plt.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=0.0)
@@ -291,11 +305,7 @@ class SmallFCKernels:
         mv, rv = m.reshape(L, n1, n2, 3), rms.reshape(L, n1, n2)
         nb1, nb2, per, elem = _index_maps(n1, n2)
         grid = (L * per,)
-        whole = lambda t: (0,)  # noqa: E731
-        blk = pl.BlockSpec((SQ, BR, BC), lambda t: elem(t))
-        blk_m = pl.BlockSpec((SQ, BR, BC, 3), lambda t: (*elem(t), 0))
-        blk_f1 = pl.BlockSpec((SQ, 3, BR), lambda t: (elem(t)[0], 0, elem(t)[1]))
-        blk_f2 = pl.BlockSpec((SQ, 3, BC), lambda t: (elem(t)[0], 0, elem(t)[2]))
+        whole, blk, blk_m, blk_f1, blk_f2 = _element_specs(elem)
         interpret = _on_cpu()
         params = _compiler_params()
 
@@ -496,11 +506,7 @@ class VeLOKernels:
         mv, rv = m.reshape(L, n1, n2, 3), rms.reshape(L, n1, n2)
         _, _, per, elem = _index_maps(n1, n2)
         grid = (L * per,)
-        whole = lambda t: (0,)  # noqa: E731
-        blk = pl.BlockSpec((SQ, BR, BC), lambda t: elem(t))
-        blk_m = pl.BlockSpec((SQ, BR, BC, 3), lambda t: (*elem(t), 0))
-        blk_f1 = pl.BlockSpec((SQ, 3, BR), lambda t: (elem(t)[0], 0, elem(t)[1]))
-        blk_f2 = pl.BlockSpec((SQ, 3, BC), lambda t: (elem(t)[0], 0, elem(t)[2]))
+        whole, blk, blk_m, blk_f1, blk_f2 = _element_specs(elem)
         interpret = _on_cpu()
         params = _compiler_params()
         part = pl.pallas_call(
