@@ -400,42 +400,74 @@ def dcp_round_trip(method: str, mode: str, root: str) -> dict[str, Any]:
     return out
 
 
-def dcp_from_another_optimizer(root: str) -> str:
-    """An SGD checkpoint loaded into xopt's AdamW (both FSDP2): the error each rank raises."""
-    import torch.distributed.checkpoint as dcp
+#: seconds after which a rank of a bad-input case counts as hung: it prints its stacks and
+#: exits, which fails the test (a hang detector only; a correct run takes a second)
+HANG_AFTER = 600
 
-    model = wrap("fsdp2", make_model("adamw"))
-    sgd = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-    train_step("sgd", model, sgd, 0, distributed=True)
-    dcp.save(_state_dicts(model, sgd), checkpoint_id=f"{root}/sgd")
-    model = wrap("fsdp2", make_model("adamw"))
-    opt = make_optimizer("adamw", model)
-    sd = _state_dicts(model, opt)
+
+def _refused(fn: Any, *args: Any) -> str:
+    """``fn(*args)``'s error on this rank, ``"ErrorClass: message"`` ("no error" if none);
+    a rank that has not returned after :data:`HANG_AFTER` seconds exits with its stacks."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(HANG_AFTER, exit=True)
     try:
-        dcp.load(sd, checkpoint_id=f"{root}/sgd")
-        _set_state_dicts(model, opt, sd)
+        fn(*args)
     except BaseException as e:  # noqa: BLE001 - the message is the result (DCP's
         # CheckpointException derives from BaseException)
         return f"{type(e).__name__}: {e}"
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     return "no error"
 
 
-def disagreeing_ranks(mode: str, case: str) -> str:
-    """AdamW built differently on the two ranks (``case``: "lr" or "params"), under
-    ``mode``: the error each rank raises at the first step."""
-    model = make_model("adamw")
+def _load_checkpoint(model: nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    sd = _state_dicts(model, opt)
+    dcp.load(sd, checkpoint_id=path)
+    _set_state_dicts(model, opt, sd)
+
+
+def dcp_from_another_optimizer(root: str, saved: str = "sgd", loaded: str = "adamw") -> str:
+    """A checkpoint of optimizer ``saved`` ("sgd": torch's SGD with momentum, else an xopt
+    method) loaded into ``loaded`` (both FSDP2, after a step): the error each rank raises."""
+    import torch.distributed.checkpoint as dcp
+
+    mlp = "small_fc_lopt"  # a plain MLP whose shards are even (the learned optimizers')
+    model = wrap("fsdp2", make_model(mlp))
+    if saved == "sgd":
+        first = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    else:
+        first = make_optimizer(saved, model)
+    train_step(saved, model, first, 0, distributed=True)
+    dcp.save(_state_dicts(model, first), checkpoint_id=f"{root}/{saved}")
+    model = wrap("fsdp2", make_model(mlp))
+    opt = make_optimizer(loaded, model)
+    train_step(loaded, model, opt, 0, distributed=True)
+    return _refused(_load_checkpoint, model, opt, f"{root}/{saved}")
+
+
+def _model_of(mode: str, method: str, case: str) -> nn.Module:
+    """``method``'s model under ``mode``; for ``case`` "params", one layer more on rank 1
+    (not wrapped under DDP, which would refuse it)."""
+    model = make_model(method)
     if case == "params" and dist.get_rank() == 1:
-        model.append(nn.Linear(4, 2))
-    model = wrap(mode, model) if case != "params" or mode == "fsdp2" else model
-    params = list(base(model).parameters())
-    lr = 2e-2 if case == "lr" and dist.get_rank() == 1 else 1e-2
-    import xopt.torch as xt
+        model.append(nn.Linear(sizes(method)[1], 2))
+    return wrap(mode, model) if case != "params" or mode == "fsdp2" else model
 
-    opt = xt.AdamW(params, lr=lr)
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    try:
-        opt.step()
-    except Exception as e:  # noqa: BLE001 - the message is the result
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+
+def disagreeing_ranks(mode: str, case: str, method: str = "adamw") -> str:
+    """``method``'s optimizer built differently on rank 1 (``case``: "lr", another learning
+    rate; "params", one more layer; "invalid", a learning rate of NaN set after
+    construction, as a schedule would), under ``mode``: the error each rank raises at the
+    first step."""
+    odd = dist.get_rank() == 1
+    model = _model_of(mode, method, case)
+    opt = make_optimizer(method, base(model))
+    if odd and case in ("lr", "invalid"):
+        opt.param_groups[0]["lr"] = 2e-2 if case == "lr" else math.nan
+    for p in base(model).parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    return _refused(opt_step, method, opt, torch.tensor(1.0))

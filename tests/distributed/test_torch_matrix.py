@@ -69,13 +69,23 @@ def test_dcp_resharding_ddp(gang, method, tmp_path):
         _check_round_trip(gang.run(cases.dcp_round_trip, method, "ddp", str(tmp_path)))
 
 
-# -- bad input ----------------------------------------------------------------------------------
+# -- bad input: one clear error on every rank, no rank left waiting ----------------------------
+# (a rank that waits in a collective forever exits after matrix_cases.HANG_AFTER seconds,
+# which fails the test: a hang detector, not a bound on speed)
 
 
-def test_adamw_dcp_checkpoint_of_another_optimizer_is_refused_on_every_rank(gang, tmp_path):
-    messages = gang.run(cases.dcp_from_another_optimizer, str(tmp_path))
-    for m in messages:  # every rank raises (no rank is left waiting), naming the key
-        assert "Missing key in checkpoint" in m and "optim.state." in m, m
+@pytest.mark.parametrize("saved, loaded, names", [
+    ("sgd", "adamw", "Missing key in checkpoint state_dict: optim.state.0.weight.step"),
+    ("galore", "adamw", "Size mismatch between saved torch.Size([8, 2]) and current: "
+                        "torch.Size([8, 6]) for optim.state.0.weight.exp_avg"),
+    ("adamw", "small_fc_lopt", "Missing key in checkpoint state_dict: optim.state.0.weight.m"),
+    ("coap", "plumage", "Invalid checkpoint metadata for optim.state.0.weight.step"),
+])
+def test_dcp_checkpoint_of_another_optimizer_is_refused_on_every_rank(gang, tmp_path, saved,
+                                                                      loaded, names):
+    messages = gang.run(cases.dcp_from_another_optimizer, str(tmp_path), saved, loaded)
+    for m in messages:  # every rank raises, naming the key at fault
+        assert m.startswith("CheckpointException") and names in m, m
 
 
 @pytest.mark.parametrize("case, names", [
@@ -83,11 +93,24 @@ def test_adamw_dcp_checkpoint_of_another_optimizer_is_refused_on_every_rank(gang
     ("params", "the number of parameters in param_groups[0]"),
 ])
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_adamw_ranks_that_disagree_fail_on_every_rank(gang, mode, case, names):
-    messages = gang.run(cases.disagreeing_ranks, mode, case)
+@pytest.mark.parametrize("method", ["adamw", "small_fc_lopt"])
+def test_ranks_that_disagree_fail_on_every_rank(gang, method, mode, case, names):
+    messages = gang.run(cases.disagreeing_ranks, mode, case, method)
     assert messages[0] == messages[1], messages
-    assert messages[0].startswith("RankMismatchError: AdamW: the ranks disagree on "
+    name = {"adamw": "AdamW", "small_fc_lopt": "SmallFCLOpt"}[method]
+    assert messages[0].startswith(f"RankMismatchError: {name}: the ranks disagree on "
                                   f"{names}"), messages[0]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("method", cases.METHODS)
+def test_a_hyperparameter_invalid_on_one_rank_fails_on_every_rank(gang, method, mode):
+    """The step's validation and the ranks' agreement check are one decision: rank 1's
+    invalid learning rate raises its own error, naming the rank, on both ranks."""
+    messages = gang.run(cases.disagreeing_ranks, mode, "invalid", method)
+    assert messages[0] == messages[1], messages
+    assert messages[0].startswith("HyperparameterError: "), messages[0]
+    assert ".lr = nan: must be finite [on rank 1 of 2; raised on every rank]" in messages[0]
 
 
 def test_the_docs_table_is_this_matrix():

@@ -99,8 +99,8 @@ from xopt.torch.distributed import (
     mean_loss,
     place_as,
     plain_as_replicated,
-    prepare,
     settle,
+    validated,
 )
 
 __all__ = ["Entry", "LearnedOptimizer"]
@@ -361,12 +361,16 @@ class LearnedOptimizer(TritonPath, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._resolve_pending()
-        ranks = prepare(self)
-        steady = self._steady_io()
-        if steady is None:
-            self._check_groups()
-        items = self._gather() if steady is None else steady[0].items
-        loss_t = self._loss_tensor(loss)
+
+        def check() -> tuple[Any, list, Tensor]:
+            steady = self._steady_io()
+            if steady is None:
+                self._check_groups()
+            items = self._gather() if steady is None else steady[0].items
+            return steady, items, self._loss_tensor(loss)
+
+        # distributed runs: this validation and the ranks' agreement are one decision
+        ranks, (steady, items, loss_t) = validated(self, check)
         if loss is not None:  # data parallel: the loss of the global batch, on every rank
             loss_t = mean_loss(loss_t, ranks)
         if self.nonfinite != "ignore":

@@ -62,7 +62,7 @@ from xopt.errors import (
     StateError,
 )
 from xopt.nonfinite import SKIP_COUNTER, resolve
-from xopt.torch.distributed import prepare
+from xopt.torch.distributed import validated
 
 __all__ = ["FLOATING", "Item", "Layout", "Optimizer"]
 
@@ -312,8 +312,13 @@ class Optimizer(torch.optim.Optimizer):
         """Every parameter with a gradient, after validating every gradient and every
         group's hyperparameters (nothing has changed yet; errors name what is at fault)."""
         self._resolve_pending()
+        # distributed runs: this validation and the ranks' agreement are one decision (a
+        # failure on one rank raises on every rank, no rank waits in a collective)
+        return validated(self, self._checked_items)[1]
+
+    def _checked_items(self) -> list[Item]:
+        """:meth:`_step_items` on this rank alone."""
         self._check_groups()
-        prepare(self)  # distributed runs: every rank holds the same optimizer (else one error)
         items = []
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
@@ -325,7 +330,12 @@ class Optimizer(torch.optim.Optimizer):
                     raise GradientError(f"{type(self).__name__}: the gradient of "
                                         f"{param_name(group, gi, i)} {why}; nothing was updated")
                 items.append(Item(gi, i, p, g, group))
+        self._check_items(items)
         return items
+
+    def _check_items(self, items: list[Item]) -> None:
+        """A method's own checks of a step's items before anything changes (raise an
+        XoptError naming what is at fault); none by default."""
 
     def _raise_if_nonfinite(self, items: list[Item], loss: Tensor | None = None) -> None:
         """``nonfinite="raise"``: one host read; NonFiniteError naming the first tensor."""

@@ -521,12 +521,16 @@ class CompActAdamW(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = self._closure_loss(closure)
-        items = self._step_items()
-        plans = [self._plan(it) for it in items]  # every layer checked before anything moves
+        items = self._step_items()  # every layer's plan checked first (_check_items)
+        plans = [self._plan(it) for it in items]
         items = self._project_dense(items, plans)
         items = self._data_parallel_mean(items, plans)
         self._run_step(items, lambda: self._update(items, plans))
         return loss
+
+    def _check_items(self, items: list[Item]) -> None:
+        for it in items:  # every layer checked before anything moves, with the other ranks
+            self._plan(it)
 
     def _project_dense(self, items: list[Item],
                        plans: list[tuple[CompActLinear | None, int]]) -> list[Item]:

@@ -12,7 +12,9 @@ here let a method compute the one-process update in both cases, and check that i
   parameter groups change) it checks that every rank holds the same optimizer
   (:func:`check_consistent`: class, parameters in order with their shapes, dtypes and
   placements, hyperparameters, meta-parameters), raising :class:`RankMismatchError` with
-  the same message on every rank, so that no rank is left waiting in a collective;
+  the same message on every rank, so that no rank is left waiting in a collective; the
+  step's own validation joins that decision (:func:`validated`): a hyperparameter or
+  gradient invalid on one rank raises its error, naming the rank, on every rank;
 * :class:`Layout`: where a tensor's local shard sits in the global tensor; per-tensor
   statistics on shards, completed by all-reduces of the row, column and scalar sums
   (:meth:`Layout.sum`, :meth:`Layout.mean`; never a gather of the parameter), and state
@@ -55,7 +57,7 @@ from xopt.errors import XoptError
 __all__ = ["assign_owners", "AUTO", "check_consistent", "CommCounter", "data_parallel_ranks",
            "decompose_once", "is_dtensor", "Layout", "local", "mean_loss", "owner_compute",
            "place_as", "plain_as_replicated", "prepare", "RankMismatchError", "Ranks",
-           "set_process_group", "settle", "ShardedStep", "state_zeros"]
+           "set_process_group", "settle", "ShardedStep", "state_zeros", "validated"]
 
 #: the default of ``optimizer.process_group``: the parameters' mesh, else the default group
 AUTO = "auto"
@@ -156,23 +158,51 @@ def data_parallel_ranks(optimizer: torch.optim.Optimizer) -> Ranks | None:
     return None
 
 
-def prepare(optimizer: torch.optim.Optimizer) -> Ranks | None:
+def prepare(optimizer: torch.optim.Optimizer,
+            failure: BaseException | None = None) -> Ranks | None:
     """The ranks of ``optimizer``'s step (:func:`data_parallel_ranks`), checked with
     :func:`check_consistent` at the first step and whenever the parameter groups changed;
     cached otherwise (no communication). Call it at the start of ``step``: on one process
-    it returns None at the cost of two attribute reads."""
+    it returns None at the cost of two attribute reads.
+
+    ``failure``: the exception this rank's validation of the step raised (None: it passed).
+    When a check is due, it travels with the agreement check, so that a failure on one rank
+    raises the same error on every rank (:func:`check_consistent`) instead of leaving the
+    others waiting in a collective; otherwise it is raised here, on this rank. See
+    :func:`validated`."""
     group = getattr(optimizer, "process_group", AUTO)
     if isinstance(group, str) and group == AUTO and not _running():
+        if failure is not None:
+            raise failure
         return None
     key = tuple((id(g), len(g["params"])) for g in optimizer.param_groups)
     cached = optimizer.__dict__.get("_xopt_ranks")
     if cached is not None and cached[0] == key:
+        if failure is not None:
+            raise failure
         return cached[1]
     ranks = data_parallel_ranks(optimizer)
     if ranks is not None and ranks.size > 1:
-        check_consistent(optimizer, ranks)
+        check_consistent(optimizer, ranks, failure)
+    if failure is not None:
+        raise failure
     optimizer.__dict__["_xopt_ranks"] = (key, ranks)
     return ranks
+
+
+def validated(optimizer: torch.optim.Optimizer, check: Callable[[], Any]) -> tuple[
+        Ranks | None, Any]:
+    """``(ranks, check())``: the step's validation ``check`` run on this rank, then
+    :func:`prepare` with its outcome, as one collective decision at the first step: a
+    hyperparameter, gradient or parameter that fails validation on some ranks only raises
+    the same error, naming the first failing rank, on every rank (after the first step,
+    when no agreement check is due, a failure raises on its own rank)."""
+    try:
+        out = check()
+    except Exception as e:  # noqa: BLE001 - decided with the other ranks, then raised
+        prepare(optimizer, e)  # raises it (on every rank when a check is due)
+        raise
+    return prepare(optimizer), out
 
 
 # -- every rank holds the same optimizer ---------------------------------------------------------
@@ -229,19 +259,47 @@ def _short(x: Any) -> str:
     return s if len(s) <= 200 else s[:197] + "..."
 
 
-def check_consistent(optimizer: torch.optim.Optimizer, ranks: Ranks) -> None:
-    """Raise :class:`RankMismatchError` on every rank when the ranks' optimizers differ in
-    class, parameter groups, parameters (number, order, shapes, dtypes, placements),
-    hyperparameters or meta-parameters.
+def _error_class(name: str) -> type[Exception]:
+    """The exception class named ``name`` among xopt's errors and Python's built-in ones
+    (the same on every rank); :class:`RankMismatchError` for any other."""
+    import builtins
 
-    One ``all_gather_object`` of a 16-byte digest per rank; only when the digests differ, a
-    second one of the facts themselves, to name the first difference. Every rank takes the
-    same branches and reaches the same verdict."""
+    from xopt import errors
+
+    for where in (errors, builtins):
+        cls = getattr(where, name, None)
+        if isinstance(cls, type) and issubclass(cls, Exception):
+            return cls
+    return RankMismatchError
+
+
+def check_consistent(optimizer: torch.optim.Optimizer, ranks: Ranks,
+                     failure: BaseException | None = None) -> None:
+    """Raise on every rank when a rank's validation of the step failed (``failure``) or the
+    ranks' optimizers differ in class, parameter groups, parameters (number, order, shapes,
+    dtypes, placements), hyperparameters or meta-parameters.
+
+    One ``all_gather_object`` of a 16-byte digest and the failure's class and message per
+    rank. A failure is raised first: its class and message, with the rank it happened on,
+    on every rank. Otherwise, when the digests differ, a second gather of the facts
+    themselves names the first difference in a :class:`RankMismatchError`. Every rank takes
+    the same branches and reaches the same verdict."""
     facts = _facts(optimizer)
     digest = hashlib.sha256(repr(facts).encode()).hexdigest()[:32]
     me = dist.get_rank()
-    digests = sorted(ranks.all_gather_object((me, digest)))
-    if len({d for _, d in digests}) == 1:
+    status = None if failure is None else (type(failure).__name__, str(failure))
+    gathered = sorted(ranks.all_gather_object((me, digest, status)), key=lambda x: x[0])
+    failed = [(r, s) for r, _, s in gathered if s is not None]
+    if failed:
+        (r, (cls, msg)), also = failed[0], [x for x, _ in failed[1:]]
+        where = f"rank {r} of {ranks.size}" + (
+            f" (also rank{'s' if len(also) > 1 else ''} {', '.join(map(str, also))})"
+            if also else "")
+        err = _error_class(cls)(f"{msg} [on {where}; raised on every rank]")
+        if r == me:
+            raise err from failure
+        raise err
+    if len({d for _, d, _ in gathered}) == 1:
         return
     everyone = sorted(ranks.all_gather_object((me, facts)), key=lambda x: x[0])
     r0, ref = everyone[0]
