@@ -35,9 +35,6 @@ class KnownFailure(Exception):
 _DTENSOR_MIX = r"got mixed torch\.Tensor and DTensor"
 
 _FSDP2 = {
-    "compact": Known(
-        "compact_grad lands on FSDP2's temporary unsharded weight and is not reduce-"
-        "scattered onto the DTensor parameter", "RuntimeError", _DTENSOR_MIX),
     "poet": Known(
         "POETLinear's forward concatenates the DTensor rotation vector with plain tensors",
         "RuntimeError", _DTENSOR_MIX),

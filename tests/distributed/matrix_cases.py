@@ -241,16 +241,18 @@ def data_parallel_grads(model: nn.Module) -> dict[str, Any]:
     """What the distributed optimizer is given, whole: ``.grad`` (DDP's all-reduced mean,
     FSDP2's reduce-scattered shards) and CompAct's ``compact_grad`` averaged over the ranks
     (what the optimizer must use: DDP does not reduce it)."""
+    from xopt.torch.compact import compact_grad_of
+
     out: dict[str, Any] = {}
     for n, p in base(model).named_parameters():
         if p.grad is not None:
             out[n] = torch.as_tensor(_numpy(p.grad))
-        cg = getattr(p, "compact_grad", None)
+        cg, key = compact_grad_of(p)  # this rank's (on the weight, or its layer: FSDP2)
         if cg is not None:
             c = cg.detach().clone()
             dist.all_reduce(c)
             out[f"{n}/compact_grad"] = c / dist.get_world_size()
-            out[f"{n}/compact_key"] = p.compact_key
+            out[f"{n}/compact_key"] = key
     return out
 
 

@@ -28,6 +28,7 @@ raise an error naming the layer instead of silently mixing subspaces.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import weakref
@@ -35,16 +36,18 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from xopt.errors import HyperparameterError, StateError, XoptError
 from xopt.registry import register
 from xopt.specs import compact as _spec
 from xopt.torch._optim import FLOATING, Item, Layout, Optimizer, grad_problem
-from xopt.torch.distributed import is_dtensor, prepare
+from xopt.torch.distributed import Layout as DistLayout
+from xopt.torch.distributed import is_dtensor, local, prepare
 
-__all__ = ["CompActAdamW", "CompActFunction", "CompActLinear", "LayerError", "compact_model",
-           "LLAMA_LAYERS"]
+__all__ = ["CompActAdamW", "CompActFunction", "CompActLinear", "compact_grad_of", "LayerError",
+           "compact_model", "LLAMA_LAYERS"]
 
 #: The LLaMA linear layers the authors convert (``--layer_filter all``), by name.
 LLAMA_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -108,20 +111,24 @@ def _draw(proj: _spec.Projection, refresh: int, device: torch.device, dtype: tor
 class CompActFunction(torch.autograd.Function):
     """``y = x Wᵀ + b`` saving ``z = x P`` (paper Algorithms 1-2).
 
-    ``apply(x, weight, bias, p, key)``: ``x (..., n)``, ``weight (m, n)``, ``bias (m,)`` or
-    None, ``p (n, r)`` or None (identity: ``z = x``), all of one floating dtype; ``key``
-    is the ``(seed, refresh)`` P was drawn from, stored with the gradient. Returns
-    ``y (..., m)``. Backward: ``∂L/∂x = g W``, ``∂L/∂b = Σ g``, and ``Ĝ = Σ gᵀ z`` (m × r)
-    added to ``weight.compact_grad`` (created if None); ``weight.compact_key = key``.
+    ``apply(x, weight, bias, p, key, holder=None)``: ``x (..., n)``, ``weight (m, n)``,
+    ``bias (m,)`` or None, ``p (n, r)`` or None (identity: ``z = x``), all of one floating
+    dtype; ``key`` is the ``(seed, refresh)`` P was drawn from, stored with the gradient.
+    Returns ``y (..., m)``. Backward: ``∂L/∂x = g W``, ``∂L/∂b = Σ g``, and ``Ĝ = Σ gᵀ z``
+    (m × r) added to ``holder.compact_grad`` (created if None); ``holder.compact_key =
+    key``. ``holder`` defaults to ``weight``; under FSDP2 the layer passes itself, since
+    ``weight`` is then FSDP2's temporary unsharded copy (see :func:`compact_grad_of`).
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                p: torch.Tensor | None, key: tuple[int, int]) -> torch.Tensor:
+                p: torch.Tensor | None, key: tuple[int, int], holder: Any = None
+                ) -> torch.Tensor:
         y, z = _spec.linear_forward(x, weight, bias, p, xp=torch)
         ctx.save_for_backward(z, weight)
         ctx.has_bias = bias is not None
         ctx.key = key
+        ctx.holder = holder
         return y
 
     @staticmethod
@@ -141,26 +148,27 @@ class CompActFunction(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             grad_x = None
         if ctx.needs_input_grad[1]:
-            old = getattr(weight, "compact_grad", None)
+            holder = weight if ctx.holder is None else ctx.holder
+            old = getattr(holder, "compact_grad", None)
             if old is None:
-                weight.compact_grad = g_hat
-                weight.compact_key = ctx.key
-            elif getattr(weight, "compact_key", None) is None:  # zeroed, not cleared
+                holder.compact_grad = g_hat
+                holder.compact_key = ctx.key
+            elif getattr(holder, "compact_key", None) is None:  # zeroed, not cleared
                 old.add_(g_hat)
-                weight.compact_key = ctx.key
+                holder.compact_key = ctx.key
             else:
-                if weight.compact_key != ctx.key:
+                if holder.compact_key != ctx.key:
                     raise StateError(
-                        f"{_name_of(weight)}: gradients projected with (seed, refresh) "
-                        f"{weight.compact_key} and {ctx.key} cannot be accumulated; call the "
-                        "optimizer (or zero_grad) before the projection changes")
+                        f"{_name_of(weight if ctx.holder is None else ctx.holder.weight)}: "
+                        f"gradients projected with (seed, refresh) {holder.compact_key} and "
+                        f"{ctx.key} cannot be accumulated; call the optimizer (or zero_grad) "
+                        "before the projection changes")
                 old.add_(g_hat)
-        return grad_x, None, grad_b, None, None
+        return grad_x, None, grad_b, None, None, None
 
 
 def _name_of(weight: torch.Tensor) -> str:
-    layer = getattr(weight, "_compact_layer", None)
-    layer = layer() if layer is not None else None
+    layer = _layer_of(weight)
     name = getattr(layer, "compact_name", None) if layer is not None else None
     return f"CompAct layer {name!r}" if name else "a CompAct layer"
 
@@ -235,6 +243,7 @@ class CompActLinear(nn.Module):
         self.proj = _spec.Projection(kind=proj_type, in_features=self.in_features, rank=r,
                                      scale=float(scale), seed=seed, gap=gap, jl_nnz=jl_nnz)
         self.weight._compact_layer = weakref.ref(self)
+        _LAYERS.add(self)
 
     @property
     def seed(self) -> int:
@@ -312,7 +321,11 @@ class CompActLinear(nn.Module):
         the model breaks its graph around this layer, which runs eagerly."""
         refresh = self.refresh()
         p = self.projection(refresh, dtype=x.dtype)
-        return CompActFunction.apply(x, self.weight, self.bias, p, (self.proj.seed, refresh))
+        w = self.weight
+        # under FSDP2, ``w`` is a temporary unsharded copy of the sharded weight: the
+        # compressed gradient is then kept on the layer, for the optimizer to reduce-scatter
+        holder = None if _layer_of(w) is self else self
+        return CompActFunction.apply(x, w, self.bias, p, (self.proj.seed, refresh), holder)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -477,11 +490,11 @@ class CompActAdamW(Optimizer):
 
     # -- gradients and state ------------------------------------------------------------------
     def _grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
-        g_hat = getattr(p, "compact_grad", None)
+        g_hat = compact_grad_of(p)[0]
         return g_hat if g_hat is not None else p.grad
 
     def _grad_problem(self, p: torch.Tensor, g: torch.Tensor) -> str | None:
-        if g is getattr(p, "compact_grad", None):
+        if g is compact_grad_of(p)[0]:
             layer = _layer_of(p)
             want = (p.shape[0], layer.r) if layer is not None else tuple(g.shape)
             return grad_problem(g.new_empty(want, dtype=p.dtype, device="meta"), g)
@@ -537,25 +550,33 @@ class CompActAdamW(Optimizer):
         """``Ĝ = G P`` for the CompAct weights that carry a dense gradient ``G``."""
         out = list(items)
         for k, (it, (layer, refresh)) in enumerate(zip(items, plans, strict=True)):
-            if layer is None or it.grad is getattr(it.param, "compact_grad", None):
+            if layer is None or it.grad is compact_grad_of(it.param)[0]:
                 continue
             proj = layer.projection(refresh, device=it.grad.device, dtype=it.grad.dtype)
-            out[k] = it._replace(grad=it.grad if proj is None else it.grad @ proj)
+            if proj is None:
+                continue
+            if is_dtensor(it.grad):  # FSDP2: this rank's rows of G P, placed as the rows of W
+                g_hat = _rows_layout(it.param, proj.shape[1]).wrap(local(it.grad) @ proj)
+            else:
+                g_hat = it.grad @ proj
+            out[k] = it._replace(grad=g_hat)
         return out
 
     def _data_parallel_mean(self, items: list[Item],
                             plans: list[tuple[CompActLinear | None, int]]) -> list[Item]:
-        """Under DDP, the ranks' mean of every ``compact_grad`` (DDP's hooks reduce ``.grad``
-        only), in one all-reduce; new tensors, so that a retried step reduces the ranks' own
-        gradients again."""
+        """The ranks' mean of every ``compact_grad`` (DDP's hooks and FSDP2 reduce ``.grad``
+        only): under DDP in one all-reduce; under FSDP2 in one reduce-scatter, each rank
+        receiving the rows of ``Ĝ`` (out × r) that match its rows of the sharded weight, as
+        a DTensor placed as the weight. New tensors, so that a retried step reduces the
+        ranks' own gradients again."""
         ranks = prepare(self)
         low = [k for k, (layer, _) in enumerate(plans) if layer is not None]
         if ranks is None or ranks.size == 1 or not low:
             return items
-        if any(is_dtensor(items[k].param) for k in low):
-            raise NotImplementedError(
-                "CompActAdamW: compact_grad of a sharded (FSDP2) weight is not reduce-"
-                "scattered yet; use DDP")
+        sharded = [k for k in low if is_dtensor(items[k].param)]
+        if sharded:
+            return self._reduce_scatter(items, [k for k in sharded
+                                                if not is_dtensor(items[k].grad)])
         flat = torch.cat([items[k].grad.reshape(-1).float() for k in low])
         ranks.all_reduce(flat)
         flat /= ranks.size
@@ -566,12 +587,43 @@ class CompActAdamW(Optimizer):
             pos += g.numel()
         return out
 
+    def _reduce_scatter(self, items: list[Item], todo: list[int]) -> list[Item]:
+        """FSDP2: each weight's whole local ``Ĝ`` (out × r, this rank's batch) reduced over
+        the mesh and scattered by rows, as FSDP2 reduce-scatters ``.grad``: padded to a
+        multiple of the world size per weight (``torch.chunk``'s split, DTensor's), one
+        ``reduce_scatter_tensor`` for all of them, then divided by the world size."""
+        if not todo:
+            return items
+        layouts = [_rows_layout(items[k].param, items[k].grad.shape[1]) for k in todo]
+        group = layouts[0].mesh.get_group(0)
+        world = dist.get_world_size(group)
+        blocks = []
+        for k in todo:
+            g = items[k].grad.float()
+            c = -(-g.shape[0] // world)
+            padded = g.new_zeros((world * c, g.shape[1]))
+            padded[:g.shape[0]] = g
+            blocks.append(padded.reshape(world, -1))
+        send = torch.cat(blocks, dim=1).reshape(-1)
+        recv = send.new_empty(send.numel() // world)
+        dist.reduce_scatter_tensor(recv, send, group=group)
+        recv /= world
+        out, pos = list(items), 0
+        for k, lay, block in zip(todo, layouts, blocks, strict=True):
+            n = block.shape[1]
+            rows = recv[pos:pos + n].view(-1, lay.shape[1])[:lay.local_shape[0]]
+            pos += n
+            g = items[k].grad
+            out[k] = items[k]._replace(grad=lay.wrap(rows.to(g.dtype).contiguous()))
+        return out
+
     def _plan(self, it: Item) -> tuple[CompActLinear | None, int]:
         """``(layer, refresh)`` of a CompAct weight's update (``(None, 0)`` for another
         parameter), after checking its projection key and moments against the state."""
         p, g = it.param, it.grad
         state = dict.get(self.state, p) or {}
-        if g is not getattr(p, "compact_grad", None) and _layer_of(p) is not None:
+        compact, key = compact_grad_of(p)
+        if g is not compact and _layer_of(p) is not None:
             # a dense gradient of a CompAct weight (DCP's state-creating step gives zeros):
             # projected with the layer's projection of this update, Ĝ = G P, as its
             # backward would have (:meth:`_project_dense`)
@@ -581,13 +633,12 @@ class CompActAdamW(Optimizer):
             raise StateError(f"CompActAdamW: moments of shape {tuple(state['exp_avg'].shape)} "
                              f"do not fit the gradient of {self.param_name(it.gi, it.i)} "
                              f"(shape {tuple(g.shape)})")
-        if g is not getattr(p, "compact_grad", None):
+        if g is not compact:
             return None, 0
         layer = _layer_of(p)
         if layer is None:
             raise StateError("CompActAdamW: a parameter has a compact_grad but no CompAct "
                              "layer (was the layer deleted?)")
-        key = getattr(p, "compact_key", None)
         seed = state.get("seed", layer.proj.seed)
         t = int(state["step"]) if "step" in state else 0
         if key is None or key[0] != seed:
@@ -608,10 +659,16 @@ class CompActAdamW(Optimizer):
     def _update(self, items: list[Item], plans: list[tuple[CompActLinear | None, int]]) -> None:
         by_group: dict[int, list] = {}
         for it, (layer, refresh) in zip(items, plans, strict=True):
-            state = self._state(it.param, tuple(it.grad.shape))
+            state = self._state(it.param, it.grad)
             if layer is not None:
                 state.setdefault("seed", layer.proj.seed)
-            by_group.setdefault(it.gi, []).append((it.param, it.grad, state, layer, refresh))
+            if is_dtensor(it.param):
+                # FSDP2: every operation is elementwise or acts on rows (the projection
+                # back, N Pᵀ), so each rank updates its own rows, on local views
+                state = {**state, "exp_avg": local(state["exp_avg"]),
+                         "exp_avg_sq": local(state["exp_avg_sq"])}
+            by_group.setdefault(it.gi, []).append(
+                (local(it.param), local(it.grad), state, layer, refresh))
         for gi, todo in by_group.items():
             hp = self._group_hp(self.param_groups[gi])
             foreach = self.foreach
@@ -686,13 +743,19 @@ class CompActAdamW(Optimizer):
                 if layer is not None:
                     layer.set_proj_step(count)
 
-    def _state(self, p: torch.Tensor, shape: tuple[int, ...]) -> dict[str, Any]:
+    def _state(self, p: torch.Tensor, g: torch.Tensor) -> dict[str, Any]:
+        """``p``'s state, created at its first update: moments of the gradient's shape, and
+        its placement under FSDP2 (DCP saves and reshards them)."""
         state = self.state[p]
         if "step" not in state:
             dt = self._moment_dtype(p)
             state["step"] = torch.zeros((), dtype=torch.int64)
-            state["exp_avg"] = torch.zeros(shape, dtype=dt, device=p.device)
-            state["exp_avg_sq"] = torch.zeros(shape, dtype=dt, device=p.device)
+            if is_dtensor(g):
+                state["exp_avg"] = torch.zeros_like(g, dtype=dt)
+                state["exp_avg_sq"] = torch.zeros_like(g, dtype=dt)
+            else:
+                state["exp_avg"] = torch.zeros(g.shape, dtype=dt, device=p.device)
+                state["exp_avg_sq"] = torch.zeros(g.shape, dtype=dt, device=p.device)
         return state
 
     def _apply(self, hp: _spec.CompAct, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any],
@@ -723,17 +786,74 @@ class CompActAdamW(Optimizer):
         super().zero_grad(set_to_none=set_to_none)
         for group in self.param_groups:
             for p in group["params"]:
-                if getattr(p, "compact_grad", None) is not None:
+                holder = _holder_of(p)
+                if getattr(holder, "compact_grad", None) is not None:
                     if set_to_none:
-                        p.compact_grad = None
+                        holder.compact_grad = None
                     else:
-                        p.compact_grad.zero_()
-                    p.compact_key = None
+                        holder.compact_grad.zero_()
+                    holder.compact_key = None
+
+
+#: every CompActLinear, to find the layer of a weight FSDP2 replaced by a sharded copy
+_LAYERS: weakref.WeakSet[CompActLinear] = weakref.WeakSet()
+
+
+def _no_layer() -> None:
+    return None
 
 
 def _layer_of(p: torch.Tensor) -> CompActLinear | None:
+    """The CompAct layer of weight ``p``: linked when the layer was made; a DTensor weight
+    (FSDP2 registers a sharded copy on the layer in place of the weight) is found among
+    the layers once, and linked."""
     ref = getattr(p, "_compact_layer", None)
+    if ref is None and is_dtensor(p):
+        ref = _no_layer
+        for layer in list(_LAYERS):
+            if layer._parameters.get("weight") is p:
+                ref = weakref.ref(layer)
+                break
+        p._compact_layer = ref
     return ref() if ref is not None else None
+
+
+def _holder_of(p: torch.Tensor) -> Any:
+    """Where the backward leaves ``p``'s compressed gradient: ``p``, or under FSDP2 (``p``
+    a DTensor) its layer."""
+    if is_dtensor(p):
+        layer = _layer_of(p)
+        return layer if layer is not None else p
+    return p
+
+
+def compact_grad_of(weight: torch.Tensor) -> tuple[torch.Tensor | None, Any]:
+    """``(Ĝ, key)``: the compressed gradient the backward passes left for a CompAct weight
+    since the last ``zero_grad`` (out × r, None when there is none) and the ``(seed,
+    refresh)`` it was projected with. On one process and under DDP it is
+    ``weight.compact_grad`` (this rank's, not yet averaged under DDP); under FSDP2, where
+    ``weight`` is the sharded DTensor and the forward runs on a temporary unsharded copy,
+    it is kept on the layer, whole and of this rank's batch, and :class:`CompActAdamW`
+    reduce-scatters it onto the weight's rows at its step."""
+    holder = _holder_of(weight)
+    return getattr(holder, "compact_grad", None), getattr(holder, "compact_key", None)
+
+
+def _rows_layout(p: torch.Tensor, r: int) -> DistLayout:
+    """The layout of an (out × r) tensor split by rows as the sharded weight ``p``
+    (out × in) is: FSDP2's ``Shard(0)`` on a 1-D mesh."""
+    from torch.distributed.tensor import Shard
+
+    lay = DistLayout.of(p)
+    if (lay.mesh is None or lay.mesh.ndim != 1 or not isinstance(lay.placements[0], Shard)
+            or lay.placements[0].dim % 2 != 0):
+        raise NotImplementedError(
+            f"CompActAdamW: {_name_of(p)}'s weight is placed {lay.placements} on a "
+            f"{getattr(lay.mesh, 'ndim', 0)}-D mesh; its compressed gradient is reduce-"
+            "scattered by rows only (FSDP2's Shard(0) on a 1-D mesh)")
+    return dataclasses.replace(lay, shape=(lay.shape[0], r),
+                               local_shape=(lay.local_shape[0], r),
+                               offsets=(lay.offsets[0], 0))
 
 
 register("compact", "torch", CompActAdamW)
