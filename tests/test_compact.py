@@ -203,6 +203,68 @@ def test_torch_optimizer_reproduces_the_papers_algorithm_3_over_a_refresh():
 
 
 @needs_torch
+@pytest.mark.parametrize("proj_type", ["gaussian", "sparse_jl"])
+def test_the_projection_is_drawn_once_per_refresh_with_the_values_of_a_fresh_draw(proj_type):
+    # cache_projection keeps one float32 P per refresh for forwards and updates; the values
+    # are those drawn anew at every call (cache_projection=False, the authors' way), in
+    # every dtype, and a run with the cache is bitwise a run without it
+    import torch
+
+    from xopt.torch.compact import CompActAdamW, CompActLinear
+
+    def run(cache):
+        torch.manual_seed(2)
+        layer = CompActLinear(16, 8, rank=0.5, seed=4, gap=2, proj_type=proj_type,
+                              cache_projection=cache)
+        opt = CompActAdamW(layer.parameters(), lr=0.01)
+        drawn = []
+        for _ in range(5):
+            drawn.append(layer.projection())
+            layer(torch.randn(6, 16)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return layer, drawn
+
+    cached, with_cache = run(True)
+    fresh, without = run(False)
+    assert torch.equal(cached.weight, fresh.weight)
+    assert with_cache[0] is with_cache[1] and with_cache[2] is with_cache[3]  # kept
+    assert with_cache[1] is not with_cache[2] and not torch.equal(with_cache[1], with_cache[2])
+    assert without[0] is not without[1]  # drawn at every call
+    for a, b in zip(with_cache, without, strict=True):
+        assert torch.equal(a, b)
+    for dtype in (torch.bfloat16, torch.float64):
+        assert torch.equal(cached.projection(dtype=dtype), fresh.projection(dtype=dtype))
+
+
+@needs_torch
+def test_a_weight_assigned_to_a_layer_after_it_was_made_trains_as_its_own():
+    # the backward leaves Ĝ on the layer when the forward's weight is not the one linked
+    # to it (FSDP2's unsharded copy; here a weight assigned since); the optimizer finds it
+    import torch
+
+    from xopt.torch.compact import CompActAdamW, CompActLinear, compact_grad_of
+
+    torch.manual_seed(3)
+    w = torch.randn(8, 16)
+    ref = CompActLinear(16, 8, bias=False, rank=0.5, seed=6)
+    layer = CompActLinear(16, 8, bias=False, rank=0.5, seed=6)
+    with torch.no_grad():
+        ref.weight.copy_(w)
+    layer.weight = torch.nn.Parameter(w.clone())
+    opts = [CompActAdamW(m.parameters(), lr=0.01) for m in (ref, layer)]
+    for _ in range(2):
+        x = torch.randn(5, 16)
+        for m, opt in zip((ref, layer), opts, strict=True):
+            m(x).pow(2).sum().backward()
+            assert compact_grad_of(m.weight)[0] is not None and m.weight.grad is None
+            opt.step()
+            opt.zero_grad()
+            assert compact_grad_of(m.weight)[0] is None
+    assert torch.equal(layer.weight, ref.weight) and not torch.equal(layer.weight, w)
+
+
+@needs_torch
 def test_mismatched_seeds_between_forward_and_optimizer_are_named():
     import torch
 

@@ -193,6 +193,11 @@ class CompActLinear(nn.Module):
       generator: ``"xopt"`` (:mod:`xopt.random`, the same bits in JAX; the default) or
         ``"torch"`` (torch's generator seeded from the same seed: much faster on GPUs,
         not reproducible across frameworks).
+      cache_projection: keep the float32 P of the current refresh on the layer (n × r,
+        drawn on the device) for the forwards and the optimizer's updates until the next
+        refresh, instead of redrawing it at every forward and update (the authors' choice:
+        no memory held between steps, one draw per call). The same values either way;
+        also the attribute of that name.
 
     State: the buffer ``proj_step`` (int64, number of updates the optimizer applied) and
     the projection settings in ``get_extra_state`` (plain Python values), so a state dict
@@ -202,7 +207,8 @@ class CompActLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  rank: float = 0.5, proj_type: str = "gaussian", scale: float = 1.0,
                  seed: int = 0, gap: int = 0, jl_nnz: int = 4, generator: str = "xopt",
-                 device: Any = None, dtype: Any = None) -> None:
+                 cache_projection: bool = True, device: Any = None,
+                 dtype: Any = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device,
@@ -218,6 +224,8 @@ class CompActLinear(nn.Module):
         self.register_buffer("proj_step", torch.zeros((), dtype=torch.int64, device=device))
         self._step = 0  # proj_step as a Python int: reading the buffer would sync the GPU
         self.compact_name = ""
+        self.cache_projection = bool(cache_projection)
+        self._proj_cache: tuple[Any, torch.Tensor] | None = None
         self.configure(rank=rank, proj_type=proj_type, scale=scale, seed=seed, gap=gap,
                        jl_nnz=jl_nnz, generator=generator)
 
@@ -272,6 +280,8 @@ class CompActLinear(nn.Module):
                                                      device=layer.weight.device))
         new._step = 0
         new.compact_name = name
+        new.cache_projection = bool(kwargs.pop("cache_projection", True))
+        new._proj_cache = None
         defaults = dict(rank=0.5, proj_type="gaussian", scale=1.0, seed=0, gap=0, jl_nnz=4,
                         generator="xopt")
         unknown = sorted(set(kwargs) - set(defaults))
@@ -302,10 +312,24 @@ class CompActLinear(nn.Module):
 
     def projection(self, refresh: int | None = None, *, device: Any = None,
                    dtype: Any = None) -> torch.Tensor | None:
-        """P (n × r) at ``refresh`` (default: the current one), redrawn from the seed."""
+        """P (n × r) at ``refresh`` (default: the current one), drawn from the seed, or the
+        float32 draw kept for this refresh (``cache_projection``) cast to ``dtype``: the
+        same values (a draw in another dtype is the float32 one rounded)."""
         refresh = self.refresh() if refresh is None else refresh
-        return _draw(self.proj, refresh, torch.device(device or self.weight.device),
-                     dtype or self.weight.dtype, self.generator)
+        device = torch.device(device or self.weight.device)
+        dtype = dtype or self.weight.dtype
+        if self.proj.kind == "identity":
+            return None
+        key = (self.proj, self.generator, refresh, device)
+        cached = getattr(self, "_proj_cache", None)  # (absent in a layer pickled before)
+        if cached is not None and cached[0] == key:
+            p = cached[1]
+        else:
+            self._proj_cache = None  # the old refresh's P is not needed again
+            p = _draw(self.proj, refresh, device, torch.float32, self.generator)
+            if getattr(self, "cache_projection", True):
+                self._proj_cache = (key, p)
+        return p if dtype == torch.float32 else p.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)):
@@ -322,9 +346,11 @@ class CompActLinear(nn.Module):
         refresh = self.refresh()
         p = self.projection(refresh, dtype=x.dtype)
         w = self.weight
-        # under FSDP2, ``w`` is a temporary unsharded copy of the sharded weight: the
-        # compressed gradient is then kept on the layer, for the optimizer to reduce-scatter
-        holder = None if _layer_of(w) is self else self
+        # a weight not linked to this layer is FSDP2's temporary unsharded copy of the
+        # sharded one (or a weight assigned since): the compressed gradient is then kept on
+        # the layer, where the optimizer finds it (compact_grad_of)
+        ref = getattr(w, "_compact_layer", None)
+        holder = None if ref is not None and ref() is self else self
         return CompActFunction.apply(x, w, self.bias, p, (self.proj.seed, refresh), holder)
 
     def extra_repr(self) -> str:
@@ -343,7 +369,7 @@ class CompActLinear(nn.Module):
 
 def compact_model(model: nn.Module, *, rank: float = 0.5, proj_type: str = "gaussian",
                   scale: float = 1.0, scale_o_proj: float = 1.0, gap: int = 0, seed: int = 0,
-                  jl_nnz: int = 4, generator: str = "xopt",
+                  jl_nnz: int = 4, generator: str = "xopt", cache_projection: bool = True,
                   layers: Sequence[str] = LLAMA_LAYERS, identity: Sequence[str] = ("o_proj",),
                   spec: _spec.CompAct | None = None) -> dict[str, CompActLinear]:
     """Replace ``model``'s chosen linear layers by :class:`CompActLinear`, in place.
@@ -356,6 +382,7 @@ def compact_model(model: nn.Module, *, rank: float = 0.5, proj_type: str = "gaus
     and scale α = ``scale``. Layers are numbered in ``named_modules`` order and layer i
     gets the seed ``fold_in(seed, i)``. ``spec`` (a :class:`xopt.specs.compact.CompAct`)
     supplies rank, proj_type, scale, scale_o_proj, gap, seed and jl_nnz instead.
+    ``generator`` and ``cache_projection``: as :class:`CompActLinear`'s.
 
     Returns ``{name: layer}`` of the converted layers. Raises :class:`LayerError` naming
     the module when a selected module is not an ``nn.Linear`` or a full name in ``layers``
@@ -393,7 +420,8 @@ def compact_model(model: nn.Module, *, rank: float = 0.5, proj_type: str = "gaus
             module, name=name, rank=rank if not is_id else 1.0,
             proj_type="identity" if is_id else proj_type,
             scale=scale_o_proj * scale if is_id else scale,
-            seed=_spec.layer_seed(seed, i), gap=gap, jl_nnz=jl_nnz, generator=generator)
+            seed=_spec.layer_seed(seed, i), gap=gap, jl_nnz=jl_nnz, generator=generator,
+            cache_projection=cache_projection)
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         setattr(parent, last, new)
         out[name] = new
@@ -804,11 +832,11 @@ def _no_layer() -> None:
 
 
 def _layer_of(p: torch.Tensor) -> CompActLinear | None:
-    """The CompAct layer of weight ``p``: linked when the layer was made; a DTensor weight
-    (FSDP2 registers a sharded copy on the layer in place of the weight) is found among
-    the layers once, and linked."""
+    """The CompAct layer of weight ``p``: linked when the layer was made; a weight
+    registered on a layer since (FSDP2's sharded DTensor copy, or one assigned) is found
+    among the layers once, and linked."""
     ref = getattr(p, "_compact_layer", None)
-    if ref is None and is_dtensor(p):
+    if ref is None:
         ref = _no_layer
         for layer in list(_LAYERS):
             if layer._parameters.get("weight") is p:
@@ -819,11 +847,12 @@ def _layer_of(p: torch.Tensor) -> CompActLinear | None:
 
 
 def _holder_of(p: torch.Tensor) -> Any:
-    """Where the backward leaves ``p``'s compressed gradient: ``p``, or under FSDP2 (``p``
-    a DTensor) its layer."""
-    if is_dtensor(p):
-        layer = _layer_of(p)
-        return layer if layer is not None else p
+    """Where the backward left ``p``'s compressed gradient: ``p``, or its layer when the
+    forward ran on another tensor than ``p`` (FSDP2's unsharded copy; see
+    :meth:`CompActLinear._compressed`)."""
+    layer = _layer_of(p)
+    if layer is not None and getattr(layer, "compact_grad", None) is not None:
+        return layer
     return p
 
 
