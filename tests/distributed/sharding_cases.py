@@ -65,3 +65,81 @@ def sharded_init(case_id: str) -> dict[str, Any]:
 
 def cases_without_extra() -> list[str]:
     return [c.id for c in _contract_cases().cases() if c.extra is None]
+
+
+# -- the collectives of a compiled update --------------------------------------------------------
+
+#: the matrices whose collectives test_jax_sharding.py bounds: split by rows over 4 devices;
+#: tall, so that a decomposition's factors are smaller than the matrix they come from
+HLO_SHAPES = {"a": (32, 16), "b": (32, 16), "c": (64, 8), "v": (16,)}
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute",
+               "reduce-scatter")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+          "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def hlo_collectives(text: str) -> list[tuple[str, int]]:
+    """``[(op, bytes)]``: every collective of a compiled (SPMD-partitioned) HLO module's
+    text and the bytes of its result on one device (a tuple's elements summed; an async
+    pair counted once, at its ``-start``)."""
+    import re
+
+    ops = "|".join(COLLECTIVES)
+    out = []
+    for line in text.splitlines():
+        m = re.search(r"=\s*(.+?)\s+(" + ops + r")(-start)?\(", line)
+        if not m:
+            continue
+        n = 0
+        for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", m.group(1)):
+            size = 1
+            for d in dims.split(","):
+                size *= int(d) if d else 1
+            n += _BYTES[dtype] * size
+        out.append((m.group(2), n))
+    return out
+
+
+def compiled_collectives(case_id: str, owner_rule: bool = True, steps: int = 5
+                         ) -> dict[str, Any]:
+    """One contract case's transformation on :data:`HLO_SHAPES` (matrices split by rows
+    over the 4 devices), jitted with its state from ``xopt.jax.sharding.init``: the
+    collectives of its compiled update (:func:`hlo_collectives`; ``owner_rule``: traced
+    under ``jax.set_mesh``, so that decompositions run on one device each), and
+    ``teacher``: per update (refreshes among them), the worst relative error of the sharded
+    update and new state against the unsharded update from the same state and gradient."""
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from xopt.jax import sharding
+
+    jc = _contract_cases()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    rng = np.random.default_rng(0)
+    params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32)
+              for k, s in HLO_SHAPES.items()}
+    placed = jax.tree.map(lambda p: jax.device_put(p, NamedSharding(
+        mesh, PartitionSpec("d") if p.ndim == 2 else PartitionSpec())), params)
+    c = jc.case(case_id)
+    tx = c.build(params)
+    plain_update = jax.jit(tx.update)
+    out: dict[str, Any] = {"devices": len(jax.devices()), "teacher": [],
+                           "matrix_bytes": [4 * int(np.prod(s)) for s in HLO_SHAPES.values()
+                                            if len(s) == 2]}
+    with jax.set_mesh(mesh) if owner_rule else contextlib.nullcontext():
+        state = sharding.init(tx, placed)
+        update = jax.jit(tx.update)
+        out["ops"] = hlo_collectives(update.lower(placed, state, placed,
+                                                  **jc.update_kwargs(c, 0)).compile().as_text())
+        for t in range(steps):
+            g, kw = jc.grads_like(params, t), jc.update_kwargs(c, t)
+            whole = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), state)
+            u, state = update(jax.tree.map(lambda x, p: jax.device_put(x, p.sharding), g,
+                                           placed), state, placed, **kw)
+            u0, state0 = plain_update(g, whole, params, **kw)
+            out["teacher"].append(max(jc.max_rel(u, u0), jc.max_rel(state, state0)))
+    return out

@@ -38,6 +38,7 @@ from xopt.jax._lowrank import (
     resolve_spec,
 )
 from xopt.jax._precision import full_precision
+from xopt.jax.sharding import on_owner
 from xopt.registry import register
 from xopt.specs import galore as _spec
 from xopt.specs import lowrank
@@ -202,7 +203,7 @@ def galore(
             ortho = ortho_r = None
             if _spec.is_projected(shape, h):
                 ortho, ortho_r = _refresh(h, name, g, o_leaves[i], or_leaves[i],
-                                          state.count, injected[i], check)
+                                          state.count, injected[i], check, i)
             lr = h.lr if lr_now is None else jnp.asarray(lr_now, g.dtype)
             u, m, v = _spec.direction(jnp, h, g, m_leaves[i], v_leaves[i], ortho, ortho_r,
                                       count_inc)
@@ -221,10 +222,12 @@ def galore(
 
 
 def _refresh(h: _spec.GaLore, name: str, g: jax.Array, old: jax.Array, old_r: Any,
-             count: jax.Array, inj: Mapping[str, Any] | None, check: bool
+             count: jax.Array, inj: Mapping[str, Any] | None, check: bool, index: int
              ) -> tuple[jax.Array, Any]:
     """The projection after this update's refresh rule: the SVD's (or the injected) at a
-    refresh, ``old`` otherwise; a refresh whose SVD is not finite keeps ``old``."""
+    refresh, ``old`` otherwise; a refresh whose SVD is not finite keeps ``old``. The SVD
+    runs on one device of a mesh set with ``jax.set_mesh`` (:func:`xopt.jax.sharding.
+    on_owner`, the ``index``-th matrix)."""
     which = _spec.side(tuple(g.shape), h.proj_type)
     due = _spec.refresh_due(count, h)
     full = which == "full"
@@ -234,8 +237,8 @@ def _refresh(h: _spec.GaLore, name: str, g: jax.Array, old: jax.Array, old_r: An
         return lowrank.refresh(due, (old, old_r), None, injected, cond=jax.lax.cond)
 
     def fresh() -> tuple[jax.Array, jax.Array, jax.Array]:
-        o, o_r, sv = _spec.fresh_projection(
-            jnp, h, g.astype(jnp.promote_types(g.dtype, jnp.float32)))
+        o, o_r, sv = on_owner(lambda a: _spec.fresh_projection(jnp, h, a),
+                              g.astype(jnp.promote_types(g.dtype, jnp.float32)), index=index)
         o_r = o_r if full else o
         ok = jnp.all(jnp.isfinite(sv)) & jnp.all(jnp.isfinite(o)) & jnp.all(jnp.isfinite(o_r))
         return o.astype(old.dtype), o_r.astype(old.dtype) if full else old, ok

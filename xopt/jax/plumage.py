@@ -44,6 +44,7 @@ from xopt.jax._lowrank import (
     resolve_spec,
 )
 from xopt.jax._precision import full_precision
+from xopt.jax.sharding import on_owner
 from xopt.registry import register
 from xopt.specs import lowrank
 from xopt.specs import plumage as _spec
@@ -248,7 +249,9 @@ def _maybe_refresh(h: _spec.PLUMAGE, name: str, index: int, g: jax.Array, side: 
         old = dict(zip(keys, operands, strict=True))
 
         def from_svd() -> tuple[jax.Array, jax.Array, jax.Array]:
-            basis, probs, sigma = _spec.basis_and_probs(jnp, h, g, side, inject)
+            # on one device of a mesh set with jax.set_mesh (the owner rule)
+            basis, probs, sigma = on_owner(
+                lambda a: _spec.basis_and_probs(jnp, h, a, side, inject), g, index=index)
             ok = jnp.all(jnp.isfinite(sigma)) & jnp.all(jnp.isfinite(basis))
             return basis, probs, ok
 

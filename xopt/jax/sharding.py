@@ -1,4 +1,4 @@
-"""Optimizer state placed with the parameters' sharding.
+"""Optimizer state placed with the parameters' sharding, and decompositions on one device.
 
 ``tx.init(params)`` run eagerly puts every new array on the default device, however the
 parameters are sharded. :func:`init` runs it under ``jax.jit`` with an output sharding per
@@ -9,16 +9,28 @@ optimizer's global state) is replicated over the parameters' mesh. The values ar
 ``tx.init(params)``'s, bit for bit.
 
 >>> state = xopt.jax.sharding.init(tx, params)   # params: jax.Arrays with NamedSharding
+
+**The owner rule.** Under ``jit``, XLA partitions a whole-matrix decomposition (an SVD, a
+QR) of a sharded matrix by gathering the matrix on every device and decomposing it
+everywhere. The low-rank transformations (GaLore's and PLUMAGE's SVDs, COAP's QR + SVD)
+call :func:`on_owner` instead: when a mesh is set (``with jax.set_mesh(mesh):`` around the
+``jit``'s first call, which traces it), each matrix goes to one device, its owner (owners
+rotate over the devices with the leaves), in ``D − 1`` collective permutes of its row
+blocks (one matrix's worth, once); the owner alone decomposes it (the other devices skip
+the branch); the factors reach every device in one all-reduce of their bits (exact). The
+results are bit for bit the unsharded ones. Without a mesh set the call is ``fn`` itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["init", "state_shardings"]
+__all__ = ["init", "on_owner", "owner_mesh", "state_shardings"]
 
 
 def state_shardings(tx: Any, params: Any) -> Any:
@@ -54,3 +66,72 @@ def state_shardings(tx: Any, params: Any) -> Any:
 def init(tx: Any, params: Any) -> Any:
     """``tx.init(params)`` with the state placed as :func:`state_shardings` says."""
     return jax.jit(tx.init, out_shardings=state_shardings(tx, params))(params)
+
+
+def owner_mesh() -> Any:
+    """The mesh :func:`on_owner` distributes over: the one set with ``jax.set_mesh`` when
+    it spans more than one device, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or getattr(mesh, "empty", True) or mesh.size <= 1:
+        return None
+    return mesh
+
+
+_INT_OF = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
+def _broadcast_bits(x: jax.Array, mine: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """The owner's ``x`` on every device: an all-reduce of its bits (zeros elsewhere), so
+    that the values (signed zeros and NaNs included) arrive exactly."""
+    if x.dtype == jnp.bool_:
+        return jax.lax.psum(jnp.where(mine, x, False).astype(jnp.int32), axes) > 0
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        ints = jax.lax.bitcast_convert_type(x, _INT_OF[x.dtype.itemsize])
+        ints = jax.lax.psum(jnp.where(mine, ints, jnp.zeros_like(ints)), axes)
+        return jax.lax.bitcast_convert_type(ints, x.dtype)
+    return jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axes)
+
+
+def on_owner(fn: Callable[..., Any], a: jax.Array, *replicated: Any, index: int = 0) -> Any:
+    """``fn(a, *replicated)`` computed on one device of the mesh set by ``jax.set_mesh``
+    (:func:`owner_mesh`), device ``index mod D``, and broadcast; ``fn`` itself without one.
+
+    ``a`` (a matrix, sharded or not) reaches the owner in row blocks, as FSDP shards it
+    (``D − 1`` collective permutes, each of one block; rows padded to a multiple of ``D``
+    and the padding dropped on the owner), and ``replicated`` (small arrays every device
+    holds, e.g. a previous projection) as they are. Only the owner runs ``fn``; its
+    results (a pytree of arrays) are sent to every device bit for bit. Call it under
+    ``jit``, one call per matrix with ``index`` counting the matrices, so that owners
+    rotate over the devices."""
+    mesh = owner_mesh()
+    if mesh is None:
+        return fn(a, *replicated)
+    axes = tuple(mesh.axis_names)
+    d = mesh.size
+    owner = index % d
+    m = a.shape[0]
+    rows = -(-m // d)
+    padded = jnp.pad(a, ((0, rows * d - m),) + ((0, 0),) * (a.ndim - 1)) if rows * d != m \
+        else a
+    out_shape = jax.eval_shape(fn, a, *replicated)
+
+    def body(block: jax.Array, *rep: Any) -> Any:
+        me = jax.lax.axis_index(axes)
+        mine = me == owner
+        blocks = []
+        for src in range(d):
+            if src == owner:
+                blocks.append(block)
+            else:  # src's rows to the owner (every other device receives zeros)
+                blocks.append(jax.lax.ppermute(block, axes, perm=[(src, owner)]))
+        whole = jnp.concatenate(blocks, axis=0)[:m]
+        out = jax.lax.cond(mine, lambda: fn(whole, *rep),
+                           lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                                out_shape))
+        return jax.tree.map(lambda x: _broadcast_bits(x, mine, axes), out)
+
+    # check_vma off: the branches' outputs vary by device until the broadcast makes them
+    # the same everywhere, which is what out_specs=P() states
+    return jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec(axes),) + (
+        PartitionSpec(),) * len(replicated), out_specs=PartitionSpec(),
+        check_vma=False)(padded, *replicated)
