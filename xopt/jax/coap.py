@@ -40,7 +40,6 @@ from xopt.jax._lowrank import (
     resolve_spec,
 )
 from xopt.jax._precision import full_precision
-from xopt.jax.sharding import on_owner
 from xopt.registry import register
 from xopt.specs import coap as _spec
 from xopt.specs import lowrank
@@ -242,7 +241,7 @@ def coap(
             st = {var: old[var][i] for var in old if old[var][i] is not None}
             p32 = jnp.zeros(g.shape, dt) if p is None else p.astype(dt)
             new_p, st = _leaf_step(h, name, p32, g.astype(dt), st, t, count_inc, injected[i],
-                                   check_decomposition, i)
+                                   check_decomposition)
             out_u.append((new_p - p32).astype(g.dtype))
             for var in old:
                 new[var].append(st.get(var))
@@ -266,10 +265,8 @@ def _event(t: jax.Array, h: _spec.COAP) -> jax.Array:
 
 def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[str, Any],
                t: jax.Array, count_inc: jax.Array, inj: Mapping[str, Any] | None,
-               check: bool, index: int = 0) -> tuple[jax.Array, dict[str, Any]]:
-    """:func:`xopt.specs.coap.param_step` with the projection event chosen under ``jit``;
-    the decompositions on one device of a mesh set with ``jax.set_mesh`` (the owner rule,
-    :func:`xopt.jax.sharding.on_owner`; ``index``: the leaf's)."""
+               check: bool) -> tuple[jax.Array, dict[str, Any]]:
+    """:func:`xopt.specs.coap.param_step` with the projection event chosen under ``jit``."""
     shape = tuple(p.shape)
     projected = _spec.is_projected(shape, h)
     m_cur, v_cur = _spec.moments_of(jnp, h, st)
@@ -294,9 +291,8 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
 
         def eqn7() -> Any:
             if side == "tucker":  # afresh at events 1 and 3
-                return on_owner(lambda a, old: _spec.new_projection(
-                    jnp, h, shape, a, old, _spec.INITIAL, while_loop=jax.lax.while_loop),
-                    g, p_old, index=index)
+                return _spec.new_projection(jnp, h, shape, g, p_old, _spec.INITIAL,
+                                            while_loop=jax.lax.while_loop)
 
             # events 1 and 3 share one decomposition (one QR + SVD to compile per leaf);
             # only Ω differs: the seeded draw at the first update, the old P after
@@ -307,8 +303,7 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
                 return _spec.warm_omega(p_old, side)
 
             omega = jax.lax.cond(ev == _spec.INITIAL, drawn, warm)
-            return on_owner(lambda a, om: _spec.decompose(jnp, a, om, side), g, omega,
-                            index=index)
+            return _spec.decompose(jnp, g, omega, side)
 
         def not_eqn6() -> tuple[Any, Any]:
             f = lowrank.refresh(ev != _spec.KEEP, p_old, eqn7, given, cond=jax.lax.cond)

@@ -12,13 +12,14 @@ optimizer's global state) is replicated over the parameters' mesh. The values ar
 
 **The owner rule.** Under ``jit``, XLA partitions a whole-matrix decomposition (an SVD, a
 QR) of a sharded matrix by gathering the matrix on every device and decomposing it
-everywhere. The low-rank transformations (GaLore's and PLUMAGE's SVDs, COAP's QR + SVD)
-call :func:`on_owner` instead: when a mesh is set (``with jax.set_mesh(mesh):`` around the
-``jit``'s first call, which traces it), each matrix goes to one device, its owner (owners
-rotate over the devices with the leaves), in ``D − 1`` collective permutes of its row
-blocks (one matrix's worth, once); the owner alone decomposes it (the other devices skip
-the branch); the factors reach every device in one all-reduce of their bits (exact). The
-results are bit for bit the unsharded ones. Without a mesh set the call is ``fn`` itself.
+everywhere. GaLore's and PLUMAGE's SVDs call :func:`on_owner` instead (COAP decomposes
+its rank-r sketch, which is all XLA gathers). When a mesh is set (``with
+jax.set_mesh(mesh):`` around the ``jit``'s first call, which traces it), each matrix goes
+to one device, its owner (owners rotate over the devices with the leaves), in ``D − 1``
+collective permutes of its row blocks (one matrix's worth, once); the owner alone
+decomposes it (the other devices skip the branch); the factors reach every device in one
+all-reduce of their bits (exact). The results are bit for bit the unsharded ones. Without
+a mesh set the call is ``fn`` itself.
 """
 
 from __future__ import annotations
