@@ -47,11 +47,8 @@ def make_model(method: str) -> nn.Module:
         model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
         convert(model, block_size=4, exclude_modules=())
         return model
-    # 9 hidden rows: uneven shards on 2 ranks; the learned optimizers' MLP runs on DTensor
-    # features of the parameter's shape, and DTensor's matmul flattens its batch dimensions,
-    # which it refuses for uneven shards: their dimensions divide by the mesh (8)
-    hidden = 8 if method in LEARNED else 9
-    model = nn.Sequential(nn.Linear(6, hidden), nn.Tanh(), nn.Linear(hidden, 4))
+    # 9 hidden rows: uneven shards on 2 ranks (5 and 4 rows)
+    model = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 4))
     if method == "compact":
         from xopt.torch.compact import compact_model
 
@@ -436,7 +433,7 @@ def dcp_from_another_optimizer(root: str, saved: str = "sgd", loaded: str = "ada
     method) loaded into ``loaded`` (both FSDP2, after a step): the error each rank raises."""
     import torch.distributed.checkpoint as dcp
 
-    mlp = "small_fc_lopt"  # a plain MLP whose shards are even (the learned optimizers')
+    mlp = "adamw"  # the plain MLP
     model = wrap("fsdp2", make_model(mlp))
     if saved == "sgd":
         first = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)

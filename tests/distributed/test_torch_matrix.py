@@ -76,8 +76,8 @@ def test_dcp_resharding_ddp(gang, method, tmp_path):
 
 @pytest.mark.parametrize("saved, loaded, names", [
     ("sgd", "adamw", "Missing key in checkpoint state_dict: optim.state.0.weight.step"),
-    ("galore", "adamw", "Size mismatch between saved torch.Size([8, 2]) and current: "
-                        "torch.Size([8, 6]) for optim.state.0.weight.exp_avg"),
+    ("galore", "adamw", "Size mismatch between saved torch.Size([9, 2]) and current: "
+                        "torch.Size([9, 6]) for optim.state.0.weight.exp_avg"),
     ("adamw", "small_fc_lopt", "Missing key in checkpoint state_dict: optim.state.0.weight.m"),
     ("coap", "plumage", "Invalid checkpoint metadata for optim.state.0.weight.step"),
 ])

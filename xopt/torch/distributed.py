@@ -555,14 +555,44 @@ def _eager_sums() -> type:
         return cls
     from torch.overrides import TorchFunctionMode
 
+    matmuls = (torch.matmul, Tensor.matmul, Tensor.__matmul__)
+
     class _EagerSums(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                                kwargs: dict | None = None) -> Any:
+            if func in matmuls and not kwargs and len(args) == 2:
+                out = _rowwise_matmul(*args)
+                if out is not None:
+                    return out
             out = func(*args, **(kwargs or {}))
             return settle(out) if is_dtensor(out) else out
 
     globals()["_EagerSums"] = _EagerSums
     return _EagerSums
+
+
+def _rowwise_matmul(a: Any, b: Any) -> Tensor | None:
+    """``a @ b`` for a DTensor ``a`` of 3 or more dimensions split only along its leading
+    ones (a learned optimizer's per-element features) and a replicated matrix ``b`` (its
+    MLP's weights): each row is its own product, so the local shards multiply alone and
+    the result keeps ``a``'s placements. DTensor would flatten the leading dimensions
+    first, which it refuses for uneven shards. None when this does not apply."""
+    if not is_dtensor(a) or a.ndim < 3 or not isinstance(b, Tensor) or b.ndim != 2:
+        return None
+    dt = _dtensor_module()
+    if is_dtensor(b):
+        if not all(isinstance(pl, dt.Replicate) for pl in b.placements):
+            return None
+        b = b.to_local()
+    if not all(isinstance(pl, dt.Replicate)
+               or isinstance(pl, dt.Shard) and pl.dim % a.ndim < a.ndim - 1
+               for pl in a.placements):
+        return None
+    out = a.to_local() @ b
+    shape = (*a.shape[:-1], b.shape[-1])
+    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    return dt.DTensor.from_local(out, a.device_mesh, a.placements, run_check=False,
+                                 shape=torch.Size(shape), stride=stride)
 
 
 # -- the owner rule ------------------------------------------------------------------------------
