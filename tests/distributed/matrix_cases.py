@@ -470,3 +470,28 @@ def disagreeing_ranks(mode: str, case: str, method: str = "adamw") -> str:
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
     return _refused(opt_step, method, opt, torch.tensor(1.0))
+
+
+def nonfinite_on_one_rank(mode: str, policy: str, method: str = "adamw") -> dict[str, Any]:
+    """``method``'s optimizer with ``nonfinite=policy`` under ``mode`` (FSDP2), a NaN in
+    rank 1's shard of a gradient only: what each rank does at that step (the error it
+    raises, or the skip counters), whether the parameters changed, and whether the ranks
+    still agree."""
+    model = wrap(mode, make_model(method))
+    opt = make_optimizer(method, base(model))
+    opt.nonfinite = policy
+    forward_backward(method, model, 0, distributed=True)
+    from xopt.torch.distributed import local
+
+    first = next(p for p in base(model).parameters() if p.grad is not None)
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            local(first.grad).view(-1)[0] = math.nan
+    before = snapshot(model, opt)
+    out: dict[str, Any] = {"error": _refused(opt_step, method, opt, torch.tensor(1.0))}
+    after = snapshot(model, opt)
+    out["changed"] = any(not np.array_equal(before[k], after[k], equal_nan=True)
+                         for k in before if k.startswith("param/"))
+    out["skips"] = sorted(int(v) for k, v in after.items() if k.endswith("/nonfinite_skips"))
+    out["ranks_agree"] = ranks_agree(after)
+    return out
