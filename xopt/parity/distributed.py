@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from xopt.parity.compare import errors
+from xopt.parity.compare import TensorError, errors
 from xopt.parity.harness import (
     BadRequest,
     Report,
@@ -63,7 +63,8 @@ from xopt.parity.methods import get as get_parity
 from xopt.parity.trace import load_trace
 from xopt.specs import get as get_spec
 
-__all__ = ["SHARDINGS", "SYNTHETIC", "TOLERANCES", "Case", "jax_outputs", "load_case",
+__all__ = ["SHARDINGS", "SYNTHETIC", "TOLERANCES", "Case", "JaxShardedRunner",
+           "TorchDistributedRunner", "alone", "drive", "jax_outputs", "load_case",
            "run_distributed_parity", "split", "torch_outputs"]
 
 SHARDINGS = ("ddp", "fsdp2")
@@ -187,7 +188,7 @@ def split(grads: dict[str, np.ndarray], loss: float | None, t: int, n: int, rank
 # -- torch on N ranks ---------------------------------------------------------------------------
 
 
-def _alone(factory: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+def alone(factory: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
     """``factory`` whose optimizer steps on this process alone (a one-process reference
     inside a rank: no collective, no agreement check)."""
     from xopt.torch.distributed import set_process_group
@@ -226,17 +227,21 @@ def _shard_dim(shape: Sequence[int], n: int) -> int | None:
 
 
 class TorchDistributedRunner:
-    """The runner ``base`` (a one-process :class:`~xopt.parity.runners.TorchRunner`) on the
-    ranks of the default process group, its parameters in a module wrapped by ``sharding``
-    ("ddp" or "fsdp2"). ``reset``, ``step``, ``read`` as a runner's; ``step`` takes the
+    """The optimizer of ``factory`` (default: ``base``'s) on the ranks of the default process
+    group, its parameters in a module wrapped by ``sharding`` ("ddp" or "fsdp2"); ``base``,
+    a :class:`~xopt.parity.runners.TorchRunner` stepping alone, is the one-process mirror
+    that state goes through, whole. ``reset``, ``step``, ``read`` as a runner's; ``step`` takes the
     trace's whole gradient and loss and gives this rank its :func:`split` share."""
 
-    def __init__(self, base: Any, sharding: str) -> None:
+    def __init__(self, base: Any, sharding: str,
+                 factory: Callable[[list[Any]], Any] | None = None) -> None:
         import torch.distributed as dist
 
         if sharding not in SHARDINGS:
             raise BadRequest(f"sharding {sharding!r}: choose from {', '.join(SHARDINGS)}")
         self.base, self.sharding = base, sharding
+        #: the distributed optimizer's factory (the base's own is the one-process mirror's)
+        self.factory = factory or base.factory
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.t = 0
 
@@ -273,7 +278,7 @@ class TorchDistributedRunner:
         self.t = t
         self.model = self._wrap(_holder([params[n] for n in b.param_names], b.device))
         self.params = list(self._module().parameters())
-        self.opt = b.factory(self.params)
+        self.opt = self.factory(self.params)
         if state is not None:  # the trace's state, whole: through the one-process mirror
             b.reset(params, state)
             local = get_optimizer_state_dict(self._module(), self.opt)  # its fresh layout
@@ -364,9 +369,11 @@ def _digest(arrays: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def _drive(runner: Any, case: Case, mode: str, teacher: list[Step] | None) -> list[Step]:
-    """``runner`` over ``case`` in ``mode``; teacher-forced from ``case.before`` or, for a
-    synthetic stream, from ``teacher`` (the one-process closed loop)."""
+def drive(runner: Any, case: Case, mode: str, teacher: list[Step] | None) -> list[Step]:
+    """The steps of ``runner`` (a harness runner, :class:`TorchDistributedRunner` or
+    :class:`JaxShardedRunner`) over ``case`` in ``mode``; teacher-forced from
+    ``case.before`` or, for a synthetic stream, from ``teacher`` (the one-process closed
+    loop)."""
     out = []
     if mode == "closed_loop":
         runner.reset(case.init_params, case.init_state)
@@ -403,18 +410,19 @@ def torch_outputs(method: str, source: str, sharding: str, modes: Sequence[str],
     def base() -> Any:
         r = make_runner(spec, case.hp, case.names, "torch", impl=impl, device=device,
                         meta=case.meta)
-        r.factory = _alone(r.factory)
+        r.distributed_factory, r.factory = r.factory, alone(r.factory)
         return r
 
     rank = dist.get_rank()
     reference: dict[str, list[Step]] = {}
     if rank == 0 or case.before is None:
         for mode in ("closed_loop", *[m for m in modes if m != "closed_loop"]):
-            reference[mode] = _drive(base(), case, mode, reference.get("closed_loop"))
+            reference[mode] = drive(base(), case, mode, reference.get("closed_loop"))
     out: dict[str, Any] = {"digests": {}}
     for mode in modes:
-        dist_steps = _drive(TorchDistributedRunner(base(), sharding), case, mode,
-                            reference.get("closed_loop"))
+        b = base()
+        runner = TorchDistributedRunner(b, sharding, b.distributed_factory)
+        dist_steps = drive(runner, case, mode, reference.get("closed_loop"))
         out["digests"][mode] = [_digest(s.tensors()) for s in dist_steps]
         if rank == 0:
             out[mode] = (reference[mode], dist_steps)
@@ -459,9 +467,12 @@ class JaxShardedRunner:
         b = self.base
         b.reset(params, state)  # the trace's values, unsharded
         self.t = t
-        self.p_shard = {k: self._spec(np.shape(v)) for k, v in b.params.items()}
+        if self._step is None:  # the placements and the jitted update, once
+            self.p_shard = {k: self._spec(np.shape(v)) for k, v in b.params.items()}
+            self.params = {k: jax.device_put(v, self.p_shard[k]) for k, v in b.params.items()}
+            self.s_shard = state_shardings(b.tx, self.params)
+            self._step = self._compile()
         self.params = {k: jax.device_put(v, self.p_shard[k]) for k, v in b.params.items()}
-        self.s_shard = state_shardings(b.tx, self.params)
         self.state = jax.device_put(b.state, self.s_shard)
 
     def _compile(self) -> Callable[..., Any]:
@@ -499,8 +510,6 @@ class JaxShardedRunner:
         inj = None
         if inject and b.takes_inject:
             inj = {n: {k: jnp.asarray(v) for k, v in d.items()} for n, d in inject.items()}
-        if self._step is None:
-            self._step = self._compile()
         self.params, self.state = self._step(self.params, self.state, stacked, losses, inj)
         self.t += 1
 
@@ -517,14 +526,15 @@ def jax_outputs(method: str, source: str, n: int, modes: Sequence[str],
     case = load_case(method, source, max_steps)
     spec = get_spec(method)
 
-    def base() -> Any:
-        return make_runner(spec, case.hp, case.names, "jax", meta=case.meta)
-
-    closed = _drive(base(), case, "closed_loop", None)
+    # one runner of each kind for both modes: each jits its update once
+    one = make_runner(spec, case.hp, case.names, "jax", meta=case.meta)
+    sharded = JaxShardedRunner(make_runner(spec, case.hp, case.names, "jax", meta=case.meta),
+                               n)
+    closed = drive(one, case, "closed_loop", None)
     out = {}
     for mode in modes:
-        ref = closed if mode == "closed_loop" else _drive(base(), case, mode, closed)
-        out[mode] = (ref, _drive(JaxShardedRunner(base(), n), case, mode, closed))
+        ref = closed if mode == "closed_loop" else drive(one, case, mode, closed)
+        out[mode] = (ref, drive(sharded, case, mode, closed))
     return out
 
 
@@ -566,6 +576,8 @@ def run_distributed_parity(method: str, traces: Sequence[str] | None = None, *,
     started here, and stopped after, when not given."""
     import contextlib
 
+    from xopt.torch.launch import RankError
+
     if world_size < 2:
         raise BadRequest(f"--world-size {world_size}: at least 2")
     get_parity(method)  # an unknown method: its error, before anything starts
@@ -581,9 +593,15 @@ def run_distributed_parity(method: str, traces: Sequence[str] | None = None, *,
             gang = torch_gang or stack.enter_context(_torch_gang(world_size, device))
             for shd in shardings:
                 for src, name in zip(srcs, names, strict=True):
-                    res = gang.run(torch_outputs, method, src, shd, list(modes), max_steps,
-                                   impl, device)
                     label = f"xopt.torch {shd}x{world_size}"
+                    try:
+                        res = gang.run(torch_outputs, method, src, shd, list(modes),
+                                       max_steps, impl, device)
+                    except RankError as e:  # a failed run is a divergence, named in a note
+                        runs += [_failed(name, label, "xopt.torch", m) for m in modes]
+                        notes.append(f"{name} {label}: rank {e.rank} failed: "
+                                     f"{e.exc_type or 'died'}: {e.exc_message}".rstrip(": "))
+                        continue
                     for mode in modes:
                         ref, got = res[0][mode]
                         runs.append(_run(name, label, "xopt.torch", mode, ref, got))
@@ -591,23 +609,29 @@ def run_distributed_parity(method: str, traces: Sequence[str] | None = None, *,
                             runs[-1].per_step[-1]["ranks agree"] = _DISAGREE
                             notes.append(f"{name} {label} {mode}: the ranks disagree")
         if "jax" in backends:
-            gang = jax_gang or stack.enter_context(_jax_gang(world_size))
+            gang = jax_gang or stack.enter_context(_jax_gang(world_size, device))
             for src, name in zip(srcs, names, strict=True):
-                res = gang.run(jax_outputs, method, src, world_size, list(modes), max_steps)
+                label = f"xopt.jax {world_size} devices"
+                try:
+                    res = gang.run(jax_outputs, method, src, world_size, list(modes),
+                                   max_steps)
+                except RankError as e:
+                    runs += [_failed(name, label, "xopt.jax", m) for m in modes]
+                    notes.append(f"{name} {label}: failed: {e.exc_type or 'died'}: "
+                                 f"{e.exc_message}")
+                    continue
                 for mode in modes:
                     ref, got = res[0][mode]
-                    runs.append(_run(name, f"xopt.jax {world_size} devices", "xopt.jax", mode,
-                                     ref, got))
+                    runs.append(_run(name, label, "xopt.jax", mode, ref, got))
     return Report(method=method, traces=names, runs=runs, notes=notes)
 
 
-def _disagree() -> Any:
-    from xopt.parity.compare import TensorError
-
-    return TensorError(math.inf, math.inf)
+_DISAGREE = TensorError(math.inf, math.inf)
 
 
-_DISAGREE = _disagree()
+def _failed(case_name: str, label: str, against: str, mode: str) -> Run:
+    return Run(trace=case_name, backend=label, impl="plain", against=against, mode=mode,
+               steps=0, tolerance=TOLERANCES[mode], per_step=[{"(the run failed)": _DISAGREE}])
 
 
 def _torch_gang(world_size: int, device: str) -> Any:
@@ -616,14 +640,17 @@ def _torch_gang(world_size: int, device: str) -> Any:
     return Gang(world_size, "nccl" if str(device).startswith("cuda") else "gloo")
 
 
-def _jax_gang(world_size: int) -> Any:
+def _jax_gang(world_size: int, device: str) -> Any:
     from xopt.torch.launch import Gang
 
-    return Gang(1, None, env=jax_env(world_size))
+    return Gang(1, None, env=jax_env(world_size, device))
 
 
-def jax_env(world_size: int) -> dict[str, str]:
-    """The environment of a child process whose JAX sees ``world_size`` host devices."""
+def jax_env(world_size: int, device: str = "cpu") -> dict[str, str]:
+    """The environment of a child process whose JAX sees ``world_size`` devices: host
+    devices on the CPU; with ``device`` "cuda", its GPUs."""
+    if str(device).startswith("cuda"):
+        return {}
     return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={world_size}",
             "JAX_PLATFORMS": "cpu"}
 
