@@ -184,3 +184,25 @@ def test_layer_traces_are_refused_with_a_reason():
         run_distributed_parity("poet", world_size=2)
     with pytest.raises(BadRequest, match="at least 2"):
         run_distributed_parity("adamw", world_size=1)
+
+
+@needs_gloo
+def test_the_command_line_reports_like_every_parity_run(tmp_path, capsys):
+    import json
+
+    from xopt.cli import main
+
+    out = tmp_path / "r.json"
+    code = main(["parity", "adamw", "--world-size", "2", "--backends", "torch", "--sharding",
+                 "fsdp2", "--steps", "2", "--quiet", "--trace", _source("adamw"),
+                 "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "xopt.torch fsdp2x2" in text and "adamw: 2 runs on 1 trace; verdict: agree" in text
+    report = json.loads(out.read_text())
+    assert [(r["backend"], r["against"], r["mode"], r["tolerance"]["rel"])
+            for r in report["runs"]] == [
+        ("xopt.torch fsdp2x2", "xopt.torch", "teacher_forced", 1e-6),
+        ("xopt.torch fsdp2x2", "xopt.torch", "closed_loop", 1e-5)]
+    assert main(["parity", "compact", "--world-size", "2"]) == 2  # layer traces only
+    assert "layer traces" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Rank-side code of tests/distributed/test_fsdp2_nonfinite_coap8.py.
+"""Rank-side code of tests/distributed/test_torch_fsdp2_nonfinite_coap8.py.
 
 Reuses the support matrix's model, optimizers, wrapping and snapshots (matrix_cases.py):
 a tiny MLP, data parallel on 2 gloo ranks under FSDP2, against one process on the same
