@@ -9,7 +9,9 @@ any other pair of runs (:class:`~xopt.parity.harness.Run`, the same table and JS
   cuda``, one GPU per rank; :class:`xopt.torch.launch.Gang`), the parameters held by a
   module wrapped in DDP (``"ddp"``: every rank holds them whole) or FSDP2 (``"fsdp2"``:
   ``fully_shard``, DTensor parameters sharded along their first dimension that divides by
-  ``N``); the optimizer is the one ``xopt parity`` builds, given the module's parameters;
+  ``N``; a scalar, or a tensor with no such dimension, is left to the user by FSDP2 and
+  kept plain and replicated here, its gradient averaged over the ranks); the optimizer is
+  the one ``xopt parity`` builds, given the module's parameters;
 * **jax**, on ``N`` devices of one process (host devices on the CPU: the child process is
   started with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``), the parameters
   placed with ``NamedSharding`` on a one-axis mesh (split along their first dimension that
@@ -135,8 +137,8 @@ def _trace_case(path: str, max_steps: int | None) -> Case:
 def _plumage_stream(max_steps: int | None) -> Case:
     """PLUMAGE on left-, right- and square-projected matrices, a vector and an unprojected
     matrix: SVD refreshes every 4 updates, resamples every 3, weight decay."""
+    from xopt.specs import ParamGroups
     from xopt.specs import plumage as P
-    from xopt.specs._groups import ParamGroups
 
     shapes = {"a/left": (6, 10), "b/right": (12, 6), "c/square": (8, 8), "d/bias": (6,),
               "e/full": (4, 6)}
@@ -324,8 +326,9 @@ class TorchDistributedRunner:
                                           device=b.device)
         if inject and b.takes_inject:
             by_name = dict(zip(b.param_names, self.params, strict=True))
-            kwargs["inject"] = {by_name[n]: {k: b._tensor(v) for k, v in d.items()}
-                                for n, d in inject.items()}
+            kwargs["inject"] = {
+                by_name[n]: {k: torch.from_numpy(np.array(v, copy=True)).to(b.device)
+                             for k, v in d.items()} for n, d in inject.items()}
         self.opt.step(**kwargs)
         self.opt.zero_grad(set_to_none=True)
         self.t += 1
@@ -608,6 +611,7 @@ def run_distributed_parity(method: str, traces: Sequence[str] | None = None, *,
                         if len({tuple(r["digests"][mode]) for r in res}) != 1:
                             runs[-1].per_step[-1]["ranks agree"] = _DISAGREE
                             notes.append(f"{name} {label} {mode}: the ranks disagree")
+    with contextlib.ExitStack() as stack:  # the torch ranks (and their GPUs) released first
         if "jax" in backends:
             gang = jax_gang or stack.enter_context(_jax_gang(world_size, device))
             for src, name in zip(srcs, names, strict=True):
@@ -650,7 +654,7 @@ def jax_env(world_size: int, device: str = "cpu") -> dict[str, str]:
     """The environment of a child process whose JAX sees ``world_size`` devices: host
     devices on the CPU; with ``device`` "cuda", its GPUs."""
     if str(device).startswith("cuda"):
-        return {}
+        return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={world_size}",
             "JAX_PLATFORMS": "cpu"}
 
