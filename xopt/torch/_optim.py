@@ -62,7 +62,7 @@ from xopt.errors import (
     StateError,
 )
 from xopt.nonfinite import SKIP_COUNTER, resolve
-from xopt.torch.distributed import all_finite, dist_rank, local, prepare, validated
+from xopt.torch.distributed import is_dtensor, validated
 
 __all__ = ["FLOATING", "Item", "Layout", "Optimizer"]
 
@@ -125,12 +125,26 @@ def grad_problem(p: Tensor, g: Tensor) -> str | None:
     return None
 
 
+def finite_flags(tensors: Iterable[Tensor]) -> list[Tensor]:
+    """Per tensor, a plain 0-d bool tensor: its elements are all finite. A DTensor's (FSDP2)
+    is a reduction over its mesh that DTensor leaves pending: those are completed together,
+    one collective per mesh, so that every rank sees a NaN that one rank's shard holds."""
+    flags = [torch.isfinite(t).all() for t in tensors]
+    by_mesh: dict[Any, list[int]] = {}
+    for i, f in enumerate(flags):
+        if is_dtensor(f):
+            by_mesh.setdefault(f.device_mesh, []).append(i)
+    for at in by_mesh.values():
+        done = torch.stack([flags[i] for i in at]).full_tensor()
+        for j, i in enumerate(at):
+            flags[i] = done[j]
+    return flags
+
+
 def finite_flag(tensors: Iterable[Tensor], loss: Tensor | None = None) -> Tensor | None:
     """A 0-d bool tensor: every tensor (and the loss) is finite; computed without reading it
     on the host (on the first tensor's device). None when there is nothing to check."""
-    flags = [torch.isfinite(local(t)).all() for t in tensors]  # (a shard: its own)
-    if loss is not None:
-        flags.append(torch.isfinite(local(loss)).all())
+    flags = finite_flags([*tensors, *([] if loss is None else [loss])])
     if not flags:
         return None
     dev = flags[0].device
@@ -342,40 +356,21 @@ class Optimizer(torch.optim.Optimizer):
         tensors = [it.grad for it in items]
         if loss is not None:
             tensors.append(loss)
-        ranks = prepare(self)  # (cached: no communication)
-        distributed = ranks is not None and ranks.size > 1
-        if not tensors and not distributed:
+        if not tensors:
             return
-        flags = [torch.isfinite(local(t)).all() for t in tensors]
-        dev = flags[0].device if flags else self._flag_device()
-        finite = torch.stack([f.to(dev) for f in flags]) if flags else torch.ones(
-            1, dtype=torch.bool, device=dev)
-        ok = bool(all_finite(finite.all(), ranks))  # every rank's verdict, the same
-        if ok:
+        flags = finite_flags(tensors)
+        dev = flags[0].device
+        finite = torch.stack([f.to(dev) for f in flags])
+        if bool(finite.all()):
             return
+        k = int((~finite).nonzero()[0, 0])
         name = type(self).__name__
-        message = None
-        if not bool(finite.all()):
-            k = int((~finite).nonzero()[0, 0])
-            if k == len(items):
-                message = f"{name}: the loss is {float(local(loss))}; no parameter was updated"
-            else:
-                it = items[k]
-                message = (f"{name}: the gradient of {param_name(it.group, it.gi, it.i)} "
-                           f"(shape {tuple(it.param.shape)}) holds NaN or inf; no parameter "
-                           "was updated")
-        if distributed:  # the first failing rank's message, on every rank
-            r, message = next((r, m) for r, m in sorted(ranks.all_gather_object(
-                (dist_rank(), message)), key=lambda x: x[0]) if m is not None)
-            message = f"{message} [on rank {r} of {ranks.size}; raised on every rank]"
-        raise NonFiniteError(message)
-
-    def _flag_device(self) -> torch.device:
-        """Where a rank with nothing to check keeps its finiteness flag (its parameters')."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                return local(p).device
-        return torch.device("cpu")
+        if k == len(items):
+            raise NonFiniteError(f"{name}: the loss is {float(loss)}; no parameter was updated")
+        it = items[k]
+        raise NonFiniteError(
+            f"{name}: the gradient of {param_name(it.group, it.gi, it.i)} (shape "
+            f"{tuple(it.param.shape)}) holds NaN or inf; no parameter was updated")
 
     def _run_step(self, items: list[Item], update: Callable[[], Any], *,
                   loss: Tensor | None = None, state_keys: Iterable[Any] = (),
@@ -391,11 +386,6 @@ class Optimizer(torch.optim.Optimizer):
             self._raise_if_nonfinite(items, loss)
             return update()
         flag = finite_flag([it.grad for it in items], loss)
-        ranks = prepare(self)  # (cached: no communication)
-        if ranks is not None and ranks.size > 1:
-            # a shard's (FSDP2) or a share's (PyLO's sharded step) NaN skips every rank
-            flag = all_finite(flag if flag is not None else torch.ones(
-                (), dtype=torch.bool, device=self._flag_device()), ranks)
         if flag is None:
             return update()
         if params is None:

@@ -54,8 +54,8 @@ from torch import Tensor
 
 from xopt.errors import XoptError
 
-__all__ = ["all_finite", "assign_owners", "AUTO", "check_consistent", "CommCounter",
-           "data_parallel_ranks", "decompose_once", "dist_rank", "is_dtensor", "Layout",
+__all__ = ["assign_owners", "AUTO", "check_consistent", "CommCounter",
+           "data_parallel_ranks", "decompose_once", "is_dtensor", "Layout",
            "local", "mean_loss", "owner_compute", "place_as", "plain_as_replicated",
            "prepare", "RankMismatchError", "Ranks", "set_process_group", "settle",
            "ShardedStep", "state_zeros", "validated"]
@@ -317,22 +317,6 @@ def check_consistent(optimizer: torch.optim.Optimizer, ranks: Ranks,
             raise RankMismatchError(
                 f"{name}: the ranks disagree on the parameter list: rank {r0} has "
                 f"{len(ref)} entries, rank {r} has {len(theirs)} (raised on every rank)")
-
-
-def dist_rank() -> int:
-    """This process's rank in the default group (0 when not distributed)."""
-    return dist.get_rank() if _running() else 0
-
-
-def all_finite(flag: Tensor, ranks: Ranks | None) -> Tensor:
-    """``flag`` (a 0-d bool tensor: this rank's gradients are finite) and-ed over the ranks,
-    in one all-reduce of a 0-d int on ``flag``'s device, without reading it on the host:
-    a NaN in one rank's shard (FSDP2) or share then skips or raises on every rank."""
-    if ranks is None or ranks.size == 1:
-        return flag
-    bad = (~flag.reshape(())).to(torch.int32)
-    ranks.all_reduce(bad)
-    return bad == 0
 
 
 def mean_loss(loss: Tensor, ranks: Ranks | None) -> Tensor:
