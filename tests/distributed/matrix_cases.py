@@ -38,8 +38,8 @@ STEPS = 4
 # -- models, optimizers, data ---------------------------------------------------------------------
 
 
-def make_model(method: str) -> nn.Module:
-    """A tiny MLP; POET's and CompAct's with their layers."""
+def make_model(method: str, rows: int = 9) -> nn.Module:
+    """A tiny MLP (``rows`` hidden units); POET's and CompAct's with their layers."""
     torch.manual_seed(0)
     if method == "poet":
         from xopt.torch.poet import convert
@@ -47,8 +47,8 @@ def make_model(method: str) -> nn.Module:
         model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
         convert(model, block_size=4, exclude_modules=())
         return model
-    # 9 hidden rows: uneven shards on 2 ranks (5 and 4 rows)
-    model = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 4))
+    # 9 hidden rows by default: uneven shards on 2 ranks (5 and 4 rows)
+    model = nn.Sequential(nn.Linear(6, rows), nn.Tanh(), nn.Linear(rows, 4))
     if method == "compact":
         from xopt.torch.compact import compact_model
 
