@@ -139,7 +139,7 @@ def _load(model, opt, sd) -> None:
 
 def _coap_model(rows: int) -> torch.nn.Module:
     """The matrix's MLP with ``rows`` hidden units: 8 shards evenly on 2 ranks, 9 does not."""
-    return cases.make_model("small_fc_lopt" if rows == 8 else "coap")
+    return cases.make_model("coap", rows)
 
 
 def coap8_fsdp2_dcp(root: str, rows: int) -> dict[str, Any]:
