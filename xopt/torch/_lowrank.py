@@ -157,10 +157,22 @@ class LowRankOptimizer(Optimizer):
         for it in items:
             if it.gi not in hps:
                 hps[it.gi] = self.group_hp(it.group)
+        batched = [it for it in items
+                   if self._batchable(it, hps[it.gi], inject.get(it.param))]
+        if batched:
+            ids = {id(it.param) for it in batched}
+            items = [it for it in items if id(it.param) not in ids]
         # every decomposition of the step first: a failed one leaves everything unchanged
-        prepared = [self._prepare(it.param, it.grad, self.state[it.param], hps[it.gi],
-                                  self.param_name(it.gi, it.i), inject.get(it.param))
-                    for it in items]
+        self._svd_ready = self._batched_svds(items, hps, inject)
+        try:
+            prepared = [self._prepare(it.param, it.grad, self.state[it.param], hps[it.gi],
+                                      self.param_name(it.gi, it.i), inject.get(it.param))
+                        for it in items]
+        finally:
+            self._svd_ready = {}
+        batch_prepared = self._prepare_batch(batched, hps) if batched else None
+        if batched:
+            self._update_batch(batched, hps, batch_prepared)
         for it, prep in zip(items, prepared, strict=True):
             state = self.state[it.param]
             self._update(it.param, self._grad32(it.grad), state, hps[it.gi],
@@ -168,6 +180,75 @@ class LowRankOptimizer(Optimizer):
             if is_dtensor(it.param):  # FSDP2: sums over shards DTensor left pending, done
                 for k, v in state.items():
                     state[k] = settle(v)
+
+    # -- batched steps ---------------------------------------------------------------------
+    # A subclass may step some parameters together (one batched matmul per group of
+    # same-shaped matrices instead of a kernel sequence per matrix): ``_batchable`` picks
+    # them, ``_prepare_batch`` computes their decompositions (before anything is written,
+    # like ``_prepare``) and ``_update_batch`` updates them. Every other parameter takes
+    # ``_prepare``/``_update``; ``_svd_input`` lets those parameters' SVDs run batched too.
+
+    def _batchable(self, it: Item, hp: Hyperparams,
+                   inject: Mapping[str, Tensor] | None) -> bool:
+        """Whether ``it`` takes :meth:`_update_batch` in this step (default: never)."""
+        return False
+
+    def _prepare_batch(self, items: list[Item], hps: Mapping[int, Hyperparams]) -> Any:
+        raise NotImplementedError
+
+    def _update_batch(self, items: list[Item], hps: Mapping[int, Hyperparams],
+                      prepared: Any) -> None:
+        raise NotImplementedError
+
+    def _svd_input(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: Hyperparams,
+                   inject: Mapping[str, Tensor] | None) -> Tensor | None:
+        """The matrix :meth:`_prepare` of ``p`` will pass to :meth:`svd` in this step (None:
+        none). Those of same-shaped parameters are then decomposed in one batched call, and
+        :meth:`svd` returns the batch's result for the parameter's name."""
+        return None
+
+    def _batched_svds(self, items: list[Item], hps: Mapping[int, Hyperparams],
+                      inject: Mapping[Tensor, Mapping[str, Tensor]]
+                      ) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
+        names, mats = [], []
+        for it in items:
+            a = self._svd_input(it.param, it.grad, self.state[it.param], hps[it.gi],
+                                inject.get(it.param))
+            if a is not None:
+                names.append(self.param_name(it.gi, it.i))
+                mats.append(a)
+        return self._stacked_svds(mats, names)
+
+    def svd_batch(self, mats: list[Tensor], names: list[str]
+                  ) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """:meth:`svd` of every matrix of ``mats`` (``names[i]`` names ``mats[i]``'s
+        parameter), computed by one batched ``torch.linalg.svd`` per group of the same
+        shape, dtype and device (at most :data:`BATCH_ELEMENTS` elements a call). Each result
+        still passes through :meth:`svd`, which decomposes a matrix whose batch failed or
+        returned NaN/inf again on its own, so that the error names its parameter."""
+        saved = self._svd_ready
+        self._svd_ready = {**saved, **self._stacked_svds(mats, names)}
+        try:
+            return [self.svd(a, n) for a, n in zip(mats, names, strict=True)]
+        finally:
+            self._svd_ready = saved
+
+    @staticmethod
+    def _stacked_svds(mats: list[Tensor], names: list[str]
+                      ) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
+        """The finite batched SVDs of ``mats`` by name (a failed batch or matrix is left
+        out: :meth:`svd` then decomposes it alone and raises naming it)."""
+        out = {}
+        for idx in _same_kind([(i, a) for i, a in enumerate(mats) if not is_dtensor(a)]):
+            try:
+                u, s, vh = svd_stacked(torch.stack([mats[i] for i in idx]))
+                ok = torch.isfinite(s).all(dim=-1).tolist()  # one host read per batch
+            except RuntimeError:
+                continue
+            for j, i in enumerate(idx):
+                if ok[j]:  # ``clone``: each result owns its storage, not the whole batch's
+                    out[names[i]] = (u[j].clone(), s[j].clone(), vh[j].clone())
+        return out
 
     @staticmethod
     def _grad32(g: Tensor) -> Tensor:
@@ -185,6 +266,9 @@ class LowRankOptimizer(Optimizer):
 
     def svd(self, a: Tensor, name: str) -> tuple[Tensor, Tensor, Tensor]:
         """:func:`xopt.specs.lowrank.svd` of ``a``; raises naming ``name`` on failure."""
+        ready = self._svd_ready.get(name)  # decomposed in a batch (svd_batch): finite
+        if ready is not None and (ready[0].shape[0], ready[2].shape[1]) == tuple(a.shape):
+            return ready
         try:
             if is_dtensor(a):  # FSDP2: decomposed once, on an owner rank, and broadcast
                 m, n = a.shape
@@ -222,6 +306,8 @@ class LowRankOptimizer(Optimizer):
                                      f"{tuple(a.shape)}) returned NaN/inf")
         return q, r
 
+    _svd_ready: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
+
     # -- state dicts ---------------------------------------------------------------------------
     def _state_layout(self, p: Tensor, group: Mapping[str, Any]) -> dict[str, Layout]:
         """The state of ``p`` after an update, from the method's state schema."""
@@ -235,3 +321,46 @@ class LowRankOptimizer(Optimizer):
                         else getattr(torch, v.dtype))  # a fixed dtype: COAP's 8-bit codes
                 out[self.state_keys[v.name]] = Layout(tuple(v.shape(shape, hp)), kind)
         return out
+
+
+#: the most elements one batched call stacks (a group of same-shaped matrices is split into
+#: chunks of at most this many elements, which bounds the temporaries a batched step holds)
+BATCH_ELEMENTS = 1 << 27
+
+
+def _same_kind(indexed: list[tuple[int, Tensor]]) -> list[list[int]]:
+    """Indices grouped by (shape, dtype, device), in first-seen order, each group split
+    into chunks of at most :data:`BATCH_ELEMENTS` elements."""
+    groups: dict[Any, list[int]] = {}
+    for i, a in indexed:
+        groups.setdefault((tuple(a.shape), a.dtype, a.device), []).append(i)
+    out = []
+    for (shape, _, _), idx in groups.items():
+        n = max(1, BATCH_ELEMENTS // max(1, _numel(shape)))
+        out.extend(idx[k:k + n] for k in range(0, len(idx), n))
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def chunks(items: list[Any], shape: tuple[int, ...]) -> list[list[Any]]:
+    """``items`` (each standing for a tensor of ``shape``) split into runs whose stacked size
+    stays within :data:`BATCH_ELEMENTS` elements."""
+    n = max(1, BATCH_ELEMENTS // max(1, _numel(shape)))
+    return [items[k:k + n] for k in range(0, len(items), n)]
+
+
+def svd_stacked(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`xopt.specs.lowrank.svd` of each matrix of ``a`` (``(B, m, n)``), batched: the
+    same decomposition and sign convention (each left singular vector's entry of largest
+    magnitude positive, the first on a tie; the right one flipped with it)."""
+    u, s, vh = torch.linalg.svd(a, full_matrices=False)
+    rows = u.abs().argmax(dim=-2, keepdim=True)             # (B, 1, k)
+    pivot = torch.gather(u, -2, rows)                         # (B, 1, k)
+    sign = torch.where(pivot < 0, -torch.ones_like(pivot), torch.ones_like(pivot))
+    return u * sign, s, vh * sign.mT

@@ -125,6 +125,17 @@ class PLUMAGE(LowRankOptimizer):
             decomposition = (u, s)
         return decomposition
 
+    def _svd_input(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.PLUMAGE,
+                   inject: Mapping[str, Tensor] | None) -> Tensor | None:
+        """The oriented gradient :meth:`_prepare` decomposes (same-shaped ones in a batch)."""
+        shape = tuple(p.shape)
+        t = int(state["step"]) if "step" in state else 0
+        if not (_spec.is_projected(shape, hp) and _spec.resample_now(hp, t)[0]) or (
+                inject and "svd_u" in inject):
+            return None
+        g = self._grad32(g).to(self.state_dtype(p))
+        return _spec.oriented(torch, g, _spec.side_of(shape, hp))
+
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.PLUMAGE,
                 name: str, inject: Mapping[str, Tensor] | None, prepared: Any) -> None:
         dtype = self.state_dtype(p)
