@@ -1,0 +1,189 @@
+"""The low-rank optimizers' batched paths (xopt.torch._lowrank): same-shaped matrices step
+and decompose together, with the values of the per-parameter step.
+
+The per-parameter step is the reference (each optimizer with ``_batchable`` returning False
+and no ``_svd_input`` takes it; it evaluates the spec's functions per tensor). The batched
+step performs the same elementwise operations in the same order, so those agree bit for
+bit; the matrix products are ``torch.bmm`` instead of one ``@`` per matrix, which may sum
+in another order (on the CPU, bmm of small matrices runs its own loop), so the parameters
+agree to float32 rounding. The SVDs are LAPACK's on the same matrices, batched or not.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import has_torch
+
+pytestmark = pytest.mark.skipif(not has_torch, reason="needs torch")
+
+if has_torch:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import xopt.torch as xt
+    from xopt.errors import DecompositionError
+    from xopt.specs import lowrank
+    from xopt.torch._lowrank import svd_stacked
+
+    class _PerParamGaLore(xt.GaLore):
+        def _batchable(self, it, hp, inject):
+            return False
+
+        def _svd_input(self, p, g, state, hp, inject):
+            return None
+
+    class _PerParamPLUMAGE(xt.PLUMAGE):
+        def _svd_input(self, p, g, state, hp, inject):
+            return None
+
+    #: ops that dispatch no kernel (views and metadata)
+    _VIEWS = {"view", "_unsafe_view", "t", "transpose", "select", "slice", "unbind",
+              "as_strided", "expand", "detach", "alias", "permute", "unsqueeze", "squeeze"}
+
+    class _Ops(TorchDispatchMode):
+        """Counts the operations dispatched (each is at least one kernel on a GPU)."""
+
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in _VIEWS:
+                self.names.append(name)
+            return func(*args, **(kwargs or {}))
+
+#: (12, 8) twice, (8, 12) three times: batches of two and three, sides differing by shape
+SHAPES = [(12, 8), (8, 12), (12, 8), (8, 12), (8, 12), (7,), (7,), (5,)]
+
+
+def _params(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+
+
+def _grads(step, dtype):
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+
+
+def _groups(ps, **kw):
+    return [{"params": ps[:5], **kw}, {"params": ps[5:], "project": False}]
+
+
+def _run(cls, dtype, steps, **kw):
+    ps = _params(dtype)
+    opt = cls(_groups(ps), **kw)
+    history = []
+    for t in range(steps):
+        for p, g in zip(ps, _grads(t, dtype), strict=True):
+            p.grad = g
+        opt.step()
+        history.append({k: v.clone() if isinstance(v, torch.Tensor) else v
+                        for k, v in opt.state[ps[0]].items()})
+    return ps, opt, history
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def test_stacked_svd_is_the_spec_svd_of_each_matrix():
+    gen = torch.Generator().manual_seed(3)
+    for shape in ((12, 8), (8, 12), (6, 6)):
+        a = torch.randn((4, *shape), generator=gen)
+        u, s, vh = svd_stacked(a)
+        for j in range(4):
+            uj, sj, vhj = lowrank.svd(torch, a[j])
+            assert torch.equal(u[j], uj) and torch.equal(s[j], sj) and torch.equal(vh[j], vhj)
+        # the sign rule holds per matrix (each column's largest-magnitude entry positive)
+        pivots = torch.gather(u, -2, u.abs().argmax(dim=-2, keepdim=True))
+        assert bool((pivots > 0).all())
+
+
+@pytest.mark.parametrize("proj_type", ["std", "reverse_std", "left", "right"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_galore_batched_step_is_the_per_parameter_step(proj_type, dtype):
+    dtype = getattr(torch, dtype)
+    kw = dict(lr=0.01, rank=3, update_proj_gap=3, scale=0.5, weight_decay=0.1,
+              proj_type=proj_type)
+    pa, oa, ha = _run(xt.GaLore, dtype, 7, **kw)
+    pb, ob, hb = _run(_PerParamGaLore, dtype, 7, **kw)
+    for a, b in zip(ha, hb, strict=True):  # the projection at every step: bit for bit
+        assert a.keys() == hb[0].keys()
+        assert torch.equal(a["ortho_matrix"], b["ortho_matrix"])
+        assert a["step"] == b["step"]
+    for p, q in zip(pa[5:], pb[5:], strict=True):  # unprojected: elementwise only
+        assert torch.equal(p, q)
+        for k, v in oa.state[p].items():
+            assert v == ob.state[q][k] if k == "step" else torch.equal(v, ob.state[q][k])
+    for p, q in zip(pa[:5], pb[:5], strict=True):
+        sa, sb = oa.state[p], ob.state[q]
+        assert list(sa) == list(sb)
+        for k in ("exp_avg", "exp_avg_sq", "ortho_matrix"):
+            assert sa[k].dtype == sb[k].dtype == torch.float32 and sa[k].shape == sb[k].shape
+            assert sa[k].is_contiguous() and sa[k].untyped_storage().nbytes() == \
+                sa[k].numel() * 4  # its own storage, not a view of the batch's SVD
+        # float32 rounding of the products (measured <= 7.2e-9 relative after 7 steps)
+        assert _rel(sa["exp_avg"], sb["exp_avg"]) <= 1e-6
+        assert _rel(p.detach(), q.detach()) <= 1e-6
+
+
+def _count(opt, ps, grads):
+    for p, g in zip(ps, grads, strict=True):
+        p.grad = g
+    ops = _Ops()
+    with ops:
+        opt.step()
+    return ops.names
+
+
+def test_galore_ordinary_step_dispatches_per_shape_not_per_matrix():
+    """An ordinary step of n same-shaped matrices dispatches the same operations for n = 4
+    as for n = 16; the per-parameter path's count grows with n."""
+    counts = {}
+    for n in (4, 16):
+        for cls in (xt.GaLore, _PerParamGaLore):
+            gen = torch.Generator().manual_seed(0)
+            ps = [torch.nn.Parameter(torch.randn(16, 8, generator=gen)) for _ in range(n)]
+            opt = cls(ps, rank=2, update_proj_gap=10)
+            _count(opt, ps, [torch.randn(16, 8, generator=gen) for _ in ps])  # the refresh
+            counts[cls, n] = _count(opt, ps, [torch.randn(16, 8, generator=gen) for _ in ps])
+    assert counts[xt.GaLore, 4] == counts[xt.GaLore, 16]
+    assert counts[xt.GaLore, 16].count("bmm") == 2  # project and project back, once each
+    for n in (4, 16):
+        per_param = counts[_PerParamGaLore, n]
+        assert per_param.count("bmm") == 0 and per_param.count("mm") == 2 * n
+    assert len(counts[_PerParamGaLore, 16]) > 3 * len(counts[_PerParamGaLore, 4]) > 0
+
+
+def test_plumage_refresh_decomposes_each_shape_once():
+    ps = _params(torch.float32)
+    opt = xt.PLUMAGE(_groups(ps, rank=3, update_proj_gap=2))
+    names = _count(opt, ps, _grads(0, torch.float32))
+    # the five projected matrices' oriented gradients (the projected side's rows first:
+    # (12, 8) transposed, (8, 12) as it is) are all 8 x 12: one batched SVD
+    assert sum("svd" in n for n in names) == 1
+    ref = _PerParamPLUMAGE(_groups(_params(torch.float32), rank=3, update_proj_gap=2))
+    qs = [p for g in ref.param_groups for p in g["params"]]
+    assert sum("svd" in n for n in _count(ref, qs, _grads(0, torch.float32))) == 5
+    for p, q in zip(ps, qs, strict=True):  # the same SVDs: every value bit for bit
+        assert torch.equal(p, q)
+        for k, v in opt.state[p].items():
+            assert v == ref.state[q][k] if k == "step" else torch.equal(v, ref.state[q][k])
+
+
+def test_a_non_finite_gradient_in_a_batch_names_its_parameter_and_moves_nothing():
+    ps = _params(torch.float32)
+    opt = xt.GaLore(_groups(ps, rank=3))
+    grads = _grads(0, torch.float32)
+    grads[2][0, 0] = float("nan")  # the second (12, 8) matrix: p2
+    for p, g in zip(ps, grads, strict=True):
+        p.grad = g
+    before = [p.detach().clone() for p in ps]
+    where = r"param_groups\[0\]\['params'\]\[2\] \(shape \(12, 8\)\)"
+    with pytest.raises(DecompositionError, match=where):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(ps, before, strict=True))
+    assert not any(opt.state[p] for p in ps)
