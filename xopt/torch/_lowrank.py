@@ -200,6 +200,78 @@ class LowRankOptimizer(Optimizer):
                       prepared: Any) -> None:
         raise NotImplementedError
 
+    def _hf_adam_batch(self, items: list[Item], hps: Mapping[int, Hyperparams],
+                       side: Callable[[Tensor, Hyperparams], str | None], m_key: str,
+                       v_key: str, proj_key: str) -> None:
+        """The authors' AdamW step (:mod:`xopt.specs.lowrank`'s ``hf_*``: GaLore's and
+        COAP's) of every item, whose moments exist: one kernel sequence per group of
+        same-shaped matrices with the same hyperparameters and step count (one ``bmm`` to
+        project, one back), one foreach sequence for the unprojected tensors. The same
+        elementwise operations in the same order as the per-parameter step; ``side(p, hp)``
+        is ``"left"``, ``"right"`` or None (not projected); ``state[proj_key]`` the
+        projection (``(m, r)`` left, ``(r, n)`` right). Increments ``state["step"]``."""
+        groups: dict[Any, list[Item]] = {}
+        for it in items:
+            p, hp, state = it.param, hps[it.gi], self.state[it.param]
+            which = side(p, hp)
+            before = int(state.get("step", 0))
+            state["step"] = (before + 1 if self.step_kind is int
+                             else torch.tensor(before + 1, dtype=self.step_kind))
+            key = (it.gi, before, self.state_dtype(p), p.dtype, p.device, which,
+                   tuple(p.shape) if which is not None else None)
+            groups.setdefault(key, []).append(it)
+        for (gi, before, sdt, pdt, _, which, shape), its in groups.items():
+            for run in (chunks(its, shape) if which is not None else [its]):
+                self._hf_adam_run([it.param for it in run], [it.grad for it in run],
+                                  hps[gi], before + 1, sdt, pdt, which, m_key, v_key,
+                                  proj_key)
+
+    def _hf_adam_run(self, ps: list[Tensor], grads: list[Tensor], hp: Any, count: int,
+                     sdt: torch.dtype, pdt: torch.dtype, which: str | None, m_key: str,
+                     v_key: str, proj_key: str) -> None:
+        states = [self.state[p] for p in ps]
+        ms = [st[m_key] for st in states]
+        vs = [st[v_key] for st in states]
+        if which is not None:
+            g = torch.stack(grads)
+            g = g if g.dtype == sdt else g.to(sdt)
+            proj = torch.stack([st[proj_key] for st in states])
+            r = torch.bmm(g, proj.mT) if which == "right" else torch.bmm(proj.mT, g)
+            del g
+            rs = list(r.unbind(0))
+        else:
+            rs = [self._grad32(g) for g in grads]
+            rs = [g if g.dtype == sdt else g.to(sdt) for g in rs]
+        # hf_adam_moments: m·β₁ + r·(1 − β₁), v·β₂ + r²·(1 − β₂)
+        torch._foreach_mul_(ms, hp.b1)
+        torch._foreach_add_(ms, torch._foreach_mul(rs, 1.0 - hp.b1))
+        rr = torch._foreach_mul(rs, rs)
+        torch._foreach_mul_(rr, 1.0 - hp.b2)
+        torch._foreach_mul_(vs, hp.b2)
+        torch._foreach_add_(vs, rr)
+        del rr, rs
+        step_size = lowrank.hf_step_size(hp.lr, hp.b1, hp.b2, count, hp.correct_bias)
+        if which is not None:
+            # hf_adam_direction, then the projection back times scale
+            n = torch.stack(ms).div_(torch.stack(vs).sqrt_().add_(hp.eps))
+            u = torch.bmm(n, proj) if which == "right" else torch.bmm(proj, n)
+            del n
+            u.mul_(hp.scale)
+            us = list(u.mul_(step_size).unbind(0))
+        else:
+            den = torch._foreach_sqrt(vs)
+            torch._foreach_add_(den, hp.eps)
+            us = torch._foreach_div(ms, den)
+            del den
+            torch._foreach_mul_(us, step_size)
+        # hf_apply: p − α·u, then p − ηλ·p; rounded once into the parameter
+        ws = ps if pdt == sdt else [p.to(sdt) for p in ps]
+        torch._foreach_sub_(ws, us)
+        if hp.weight_decay > 0.0:
+            torch._foreach_sub_(ws, torch._foreach_mul(ws, hp.lr * hp.weight_decay))
+        if ws is not ps:
+            torch._foreach_copy_(ps, ws)
+
     def _svd_input(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: Hyperparams,
                    inject: Mapping[str, Tensor] | None) -> Tensor | None:
         """The matrix :meth:`_prepare` of ``p`` will pass to :meth:`svd` in this step (None:

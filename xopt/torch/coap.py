@@ -36,7 +36,8 @@ from torch import Tensor
 from xopt.registry import register
 from xopt.specs import coap as _spec
 from xopt.torch._lowrank import LowRankOptimizer
-from xopt.torch.distributed import local, place_as
+from xopt.torch._optim import Item
+from xopt.torch.distributed import is_dtensor, local, place_as
 
 __all__ = ["COAP"]
 
@@ -120,6 +121,31 @@ class COAP(LowRankOptimizer):
         if isinstance(p_new, tuple):  # a kernel's Tucker factors
             return dict(zip(("ortho_matrix", "ortho_matrix_in"), p_new, strict=False))
         return {"ortho_matrix": p_new}
+
+    # -- the batched step: AdamW with 32-bit state at updates that keep the projection (all
+    # but every update_interval-th), the authors' arithmetic as GaLore's
+    # (LowRankOptimizer._hf_adam_batch); every other update takes param_step per parameter
+    def _batchable(self, it: Item, hp: _spec.COAP, inject: Mapping[str, Tensor] | None) -> bool:
+        state = self.state[it.param]
+        if (hp.optimizer != "adamw" or hp.state_bits != 32 or inject or "step" not in state
+                or is_dtensor(it.param)):
+            return False
+        shape = tuple(it.param.shape)
+        return not _spec.is_projected(shape, hp) or (
+            _spec.side_of(shape) != "tucker"
+            and _spec.event(int(state["step"]), hp) == _spec.KEEP)
+
+    def _prepare_batch(self, items: list[Item], hps: Mapping[int, _spec.COAP]) -> None:
+        return None  # batched updates keep their projection
+
+    def _update_batch(self, items: list[Item], hps: Mapping[int, _spec.COAP],
+                      prepared: None) -> None:
+        self._hf_adam_batch(items, hps, self._side, _KEYS["m"], _KEYS["v"], _KEYS["P"])
+
+    @staticmethod
+    def _side(p: Tensor, hp: _spec.COAP) -> str | None:
+        shape = tuple(p.shape)
+        return _spec.side_of(shape) if _spec.is_projected(shape, hp) else None
 
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.COAP,
                 name: str, inject: Mapping[str, Tensor] | None, prepared: Any) -> None:

@@ -33,7 +33,7 @@ from xopt.errors import HyperparameterError
 from xopt.registry import register
 from xopt.specs import Hyperparams, lowrank
 from xopt.specs import galore as galore_spec
-from xopt.torch._lowrank import LowRankOptimizer, chunks
+from xopt.torch._lowrank import LowRankOptimizer
 from xopt.torch._optim import Item
 from xopt.torch.distributed import is_dtensor, local, place_as
 
@@ -149,9 +149,7 @@ class GaLore(LowRankOptimizer):
         g = self._grad32(g)
         return g if g.dtype == sdt else g.to(sdt)
 
-    # -- the batched step: the authors' arithmetic, one kernel sequence per group of
-    # same-shaped matrices; the same operations in the same order as tensor_update, so each
-    # parameter's values are those of the per-parameter step
+    # -- the batched step (the authors' arithmetic: LowRankOptimizer._hf_adam_batch)
     def _batchable(self, it: Item, hp: Hyperparams,
                    inject: Mapping[str, Tensor] | None) -> bool:
         return (hp.convention == "authors" and not inject and not is_dtensor(it.param)
@@ -175,76 +173,26 @@ class GaLore(LowRankOptimizer):
 
     def _update_batch(self, items: list[Item], hps: Mapping[int, Hyperparams],
                       prepared: dict[int, Tensor]) -> None:
-        groups: dict[Any, list[Item]] = {}
         for it in items:
             p, hp, state = it.param, hps[it.gi], self.state[it.param]
             shape = tuple(p.shape)
-            sdt = self.state_dtype(p)
-            which = (galore_spec.side(shape, hp.proj_type)
-                     if galore_spec.is_projected(shape, hp) else None)
             if id(p) in prepared:
                 # a copy of its own: not a view holding the whole SVD factor
                 state["ortho_matrix"] = prepared[id(p)].clone(
                     memory_format=torch.contiguous_format)
             if "exp_avg" not in state:
+                sdt = self.state_dtype(p)
                 low = galore_spec.low_rank_shape(shape, hp)
                 state["exp_avg"] = torch.zeros(low, dtype=sdt, device=p.device)
                 state["exp_avg_sq"] = torch.zeros(low, dtype=sdt, device=p.device)
-            before = int(state.get("step", 0))
-            state["step"] = before + 1
-            # projected matrices batch by shape; the rest run as one foreach list
-            key = (it.gi, before, sdt, p.dtype, p.device, which,
-                   shape if which is not None else None)
-            groups.setdefault(key, []).append(it)
-        for (gi, before, sdt, pdt, _, which, shape), its in groups.items():
-            for chunk in (chunks(its, shape) if which is not None else [its]):
-                self._batch_step(chunk, hps[gi], before + 1, sdt, pdt, which)
+        self._hf_adam_batch(items, hps, self._galore_side, "exp_avg", "exp_avg_sq",
+                            "ortho_matrix")
 
-    def _batch_step(self, its: list[Item], hp: Hyperparams, count: int, sdt: torch.dtype,
-                    pdt: torch.dtype, which: str | None) -> None:
-        ps = [it.param for it in its]
-        states = [self.state[p] for p in ps]
-        ms = [st["exp_avg"] for st in states]
-        vs = [st["exp_avg_sq"] for st in states]
-        if which is not None:
-            g = torch.stack([it.grad for it in its])
-            g = g if g.dtype == sdt else g.to(sdt)
-            ortho = torch.stack([st["ortho_matrix"] for st in states])
-            r = torch.bmm(g, ortho.mT) if which == "right" else torch.bmm(ortho.mT, g)
-            del g
-            rs = list(r.unbind(0))
-        else:
-            rs = [self._grad32(it.grad) for it in its]
-            rs = [g if g.dtype == sdt else g.to(sdt) for g in rs]
-        # lowrank.hf_adam_moments: m·β₁ + r·(1 − β₁), v·β₂ + r²·(1 − β₂)
-        torch._foreach_mul_(ms, hp.b1)
-        torch._foreach_add_(ms, torch._foreach_mul(rs, 1.0 - hp.b1))
-        rr = torch._foreach_mul(rs, rs)
-        torch._foreach_mul_(rr, 1.0 - hp.b2)
-        torch._foreach_mul_(vs, hp.b2)
-        torch._foreach_add_(vs, rr)
-        del rr, rs
-        step_size = lowrank.hf_step_size(hp.lr, hp.b1, hp.b2, count, hp.correct_bias)
-        if which is not None:
-            # lowrank.hf_adam_direction, then project_back: α · back(N)
-            n = torch.stack(ms).div_(torch.stack(vs).sqrt_().add_(hp.eps))
-            u = torch.bmm(n, ortho) if which == "right" else torch.bmm(ortho, n)
-            del n
-            u.mul_(hp.scale)
-            us = list(u.mul_(step_size).unbind(0))
-        else:
-            den = torch._foreach_sqrt(vs)
-            torch._foreach_add_(den, hp.eps)
-            us = torch._foreach_div(ms, den)
-            del den
-            torch._foreach_mul_(us, step_size)
-        # lowrank.hf_apply: p − α·u, then p − ηλ·p; rounded once into the parameter
-        ws = ps if pdt == sdt else [p.to(sdt) for p in ps]
-        torch._foreach_sub_(ws, us)
-        if hp.weight_decay > 0.0:
-            torch._foreach_sub_(ws, torch._foreach_mul(ws, hp.lr * hp.weight_decay))
-        if ws is not ps:
-            torch._foreach_copy_(ps, ws)
+    @staticmethod
+    def _galore_side(p: Tensor, hp: Hyperparams) -> str | None:
+        shape = tuple(p.shape)
+        return (galore_spec.side(shape, hp.proj_type)
+                if galore_spec.is_projected(shape, hp) else None)
 
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: Hyperparams,
                 name: str, inject: Mapping[str, Tensor] | None, prepared: Any) -> None:
