@@ -33,12 +33,21 @@ if has_torch:
             return None
 
     class _PerParamPLUMAGE(xt.PLUMAGE):
+        def _batchable(self, it, hp, inject):
+            return False
+
         def _svd_input(self, p, g, state, hp, inject):
             return None
 
-    #: ops that dispatch no kernel (views and metadata)
+    class _PerParamCOAP(xt.COAP):
+        def _batchable(self, it, hp, inject):
+            return False
+
+    #: ops that dispatch no kernel (views, metadata; lift_fresh wraps a tensor made on
+    #: the host, as COAP's CPU step counter)
     _VIEWS = {"view", "_unsafe_view", "t", "transpose", "select", "slice", "unbind",
-              "as_strided", "expand", "detach", "alias", "permute", "unsqueeze", "squeeze"}
+              "as_strided", "expand", "detach", "alias", "permute", "unsqueeze", "squeeze",
+              "lift_fresh"}
 
     class _Ops(TorchDispatchMode):
         """Counts the operations dispatched (each is at least one kernel on a GPU)."""
@@ -130,6 +139,39 @@ def test_galore_batched_step_is_the_per_parameter_step(proj_type, dtype):
         assert _rel(p.detach(), q.detach()) <= 1e-6
 
 
+@pytest.mark.parametrize("case", [
+    ("coap", dict(lr=0.01, rank=3, update_interval=3, reproject_factor=2)),
+    ("coap", dict(lr=0.01, rank=3, update_interval=3, reproject_factor=2, weight_decay=0.1,
+                  scale=0.5)),
+    ("plumage", dict(lr=0.01, rank=3, update_proj_gap=3, weight_decay=0.1)),
+    ("plumage", dict(lr=0.01, rank=3, update_proj_gap=4, resample_interval=2,
+                     eps_inside_sqrt=True, proj_side="right")),
+], ids=["coap", "coap-wd-scale", "plumage", "plumage-kappa-eps-right"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_coap_and_plumage_batched_steps_are_the_per_parameter_step(case, dtype):
+    """COAP's AdamW updates that keep the projection and PLUMAGE's updates that do not
+    resample run batched; the others (decompositions, Eqn 6, resampling) per parameter, so
+    over 9 steps both kinds alternate."""
+    method, kw = case
+    dtype = getattr(torch, dtype)
+    batched, per_param = ((xt.COAP, _PerParamCOAP) if method == "coap"
+                          else (xt.PLUMAGE, _PerParamPLUMAGE))
+    pa, oa, _ = _run(batched, dtype, 9, **kw)
+    pb, ob, _ = _run(per_param, dtype, 9, **kw)
+    for p, q in zip(pa, pb, strict=True):
+        sa, sb = oa.state[p], ob.state[q]
+        assert list(sa) == list(sb)
+        assert int(sa["step"]) == int(sb["step"]) == 9
+        assert type(sa["step"]) is type(sb["step"])
+        for k, v in sa.items():
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim:
+                assert v.dtype == sb[k].dtype and v.shape == sb[k].shape, k
+                assert _rel(v, sb[k]) <= 1e-6, (k, _rel(v, sb[k]))  # measured <= 4.4e-10
+        assert _rel(p.detach(), q.detach()) <= 1e-6
+    for p, q in zip(pa[5:], pb[5:], strict=True):  # unprojected: elementwise, bit for bit
+        assert torch.equal(p, q)
+
+
 def _count(opt, ps, grads):
     for p, g in zip(ps, grads, strict=True):
         p.grad = g
@@ -139,23 +181,31 @@ def _count(opt, ps, grads):
     return ops.names
 
 
-def test_galore_ordinary_step_dispatches_per_shape_not_per_matrix():
+@pytest.mark.parametrize("method", ["galore", "coap", "plumage"])
+def test_ordinary_step_dispatches_per_shape_not_per_matrix(method):
     """An ordinary step of n same-shaped matrices dispatches the same operations for n = 4
-    as for n = 16; the per-parameter path's count grows with n."""
+    as for n = 16 (reads of COAP's CPU step counters aside: host values, no kernel); the
+    per-parameter path's count grows with n."""
+    batched, per_param, kw = {
+        "galore": (xt.GaLore, _PerParamGaLore, dict(rank=2, update_proj_gap=10)),
+        "coap": (xt.COAP, _PerParamCOAP, dict(rank=2, update_interval=10)),
+        "plumage": (xt.PLUMAGE, _PerParamPLUMAGE, dict(rank=2, update_proj_gap=10)),
+    }[method]
     counts = {}
     for n in (4, 16):
-        for cls in (xt.GaLore, _PerParamGaLore):
+        for cls in (batched, per_param):
             gen = torch.Generator().manual_seed(0)
             ps = [torch.nn.Parameter(torch.randn(16, 8, generator=gen)) for _ in range(n)]
-            opt = cls(ps, rank=2, update_proj_gap=10)
+            opt = cls(ps, **kw)
             _count(opt, ps, [torch.randn(16, 8, generator=gen) for _ in ps])  # the refresh
-            counts[cls, n] = _count(opt, ps, [torch.randn(16, 8, generator=gen) for _ in ps])
-    assert counts[xt.GaLore, 4] == counts[xt.GaLore, 16]
-    assert counts[xt.GaLore, 16].count("bmm") == 2  # project and project back, once each
+            names = _count(opt, ps, [torch.randn(16, 8, generator=gen) for _ in ps])
+            counts[cls, n] = [k for k in names if k != "_local_scalar_dense"]
+    assert counts[batched, 4] == counts[batched, 16]
+    assert counts[batched, 16].count("bmm") == 2  # project and project back, once each
     for n in (4, 16):
-        per_param = counts[_PerParamGaLore, n]
-        assert per_param.count("bmm") == 0 and per_param.count("mm") == 2 * n
-    assert len(counts[_PerParamGaLore, 16]) > 3 * len(counts[_PerParamGaLore, 4]) > 0
+        assert counts[per_param, n].count("bmm") == 0
+        assert counts[per_param, n].count("mm") == 2 * n
+    assert len(counts[per_param, 16]) > 3 * len(counts[per_param, 4]) > 0
 
 
 def test_plumage_refresh_decomposes_each_shape_once():

@@ -203,13 +203,15 @@ class LowRankOptimizer(Optimizer):
     def _hf_adam_batch(self, items: list[Item], hps: Mapping[int, Hyperparams],
                        side: Callable[[Tensor, Hyperparams], str | None], m_key: str,
                        v_key: str, proj_key: str) -> None:
-        """The authors' AdamW step (:mod:`xopt.specs.lowrank`'s ``hf_*``: GaLore's and
-        COAP's) of every item, whose moments exist: one kernel sequence per group of
-        same-shaped matrices with the same hyperparameters and step count (one ``bmm`` to
-        project, one back), one foreach sequence for the unprojected tensors. The same
+        """The authors' AdamW step (:mod:`xopt.specs.lowrank`'s ``hf_*``: GaLore's, COAP's
+        and, with its own projection pieces, PLUMAGE's) of every item, whose moments exist:
+        one kernel sequence per group of same-shaped matrices with the same hyperparameters
+        and step count (one ``bmm`` to project, one back), one foreach sequence for the
+        unprojected tensors. The same
         elementwise operations in the same order as the per-parameter step; ``side(p, hp)``
         is ``"left"``, ``"right"`` or None (not projected); ``state[proj_key]`` the
-        projection (``(m, r)`` left, ``(r, n)`` right). Increments ``state["step"]``."""
+        projection (:meth:`_batch_project`, :meth:`_batch_back`). Increments
+        ``state["step"]``."""
         groups: dict[Any, list[Item]] = {}
         for it in items:
             p, hp, state = it.param, hps[it.gi], self.state[it.param]
@@ -236,7 +238,7 @@ class LowRankOptimizer(Optimizer):
             g = torch.stack(grads)
             g = g if g.dtype == sdt else g.to(sdt)
             proj = torch.stack([st[proj_key] for st in states])
-            r = torch.bmm(g, proj.mT) if which == "right" else torch.bmm(proj.mT, g)
+            r = self._batch_project(g, proj, which)
             del g
             rs = list(r.unbind(0))
         else:
@@ -252,17 +254,12 @@ class LowRankOptimizer(Optimizer):
         del rr, rs
         step_size = lowrank.hf_step_size(hp.lr, hp.b1, hp.b2, count, hp.correct_bias)
         if which is not None:
-            # hf_adam_direction, then the projection back times scale
-            n = torch.stack(ms).div_(torch.stack(vs).sqrt_().add_(hp.eps))
-            u = torch.bmm(n, proj) if which == "right" else torch.bmm(proj, n)
+            n = self._batch_directions([torch.stack(ms)], [torch.stack(vs)], hp)[0]
+            u = self._batch_back(n, proj, states, which, hp)
             del n
-            u.mul_(hp.scale)
             us = list(u.mul_(step_size).unbind(0))
         else:
-            den = torch._foreach_sqrt(vs)
-            torch._foreach_add_(den, hp.eps)
-            us = torch._foreach_div(ms, den)
-            del den
+            us = self._batch_directions(ms, vs, hp)
             torch._foreach_mul_(us, step_size)
         # hf_apply: p − α·u, then p − ηλ·p; rounded once into the parameter
         ws = ps if pdt == sdt else [p.to(sdt) for p in ps]
@@ -271,6 +268,26 @@ class LowRankOptimizer(Optimizer):
             torch._foreach_sub_(ws, torch._foreach_mul(ws, hp.lr * hp.weight_decay))
         if ws is not ps:
             torch._foreach_copy_(ps, ws)
+
+    # the method's pieces of _hf_adam_run (these: GaLore's and COAP's)
+    @staticmethod
+    def _batch_project(g: Tensor, proj: Tensor, which: str) -> Tensor:
+        """``R``: ``G Qᵀ`` (right, ``Q`` ``(r, n)``) or ``Pᵀ G`` (left), stacked."""
+        return torch.bmm(g, proj.mT) if which == "right" else torch.bmm(proj.mT, g)
+
+    @staticmethod
+    def _batch_directions(ms: list[Tensor], vs: list[Tensor], hp: Any) -> list[Tensor]:
+        """hf_adam_direction ``m / (√v + ε)`` of each pair."""
+        den = torch._foreach_sqrt(vs)
+        torch._foreach_add_(den, hp.eps)
+        return torch._foreach_div(ms, den)
+
+    @staticmethod
+    def _batch_back(n: Tensor, proj: Tensor, states: list[dict[str, Any]], which: str,
+                    hp: Any) -> Tensor:
+        """``scale · N Q`` (right) or ``scale · P N`` (left), stacked."""
+        u = torch.bmm(n, proj) if which == "right" else torch.bmm(proj, n)
+        return u.mul_(hp.scale)
 
     def _svd_input(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: Hyperparams,
                    inject: Mapping[str, Tensor] | None) -> Tensor | None:
