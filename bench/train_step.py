@@ -12,11 +12,12 @@ the timed steps that fall on the run's refresh schedule (every ``GAP``-th step; 
 PLUMAGE's SVDs, COAP's Eqn-6/7 updates, Flora's resampling, CompAct's and POET's merges) are
 timed apart from the others, and the amortised step is (ordinary·(K−1) + refresh)/K, its
 total against fused AdamW's at the same K. It times 6 steps after the warm-up (one refresh).
-``--tf32`` lets float32 matmuls (the optimizers' projections) use TF32.
+``--tf32`` lets float32 matmuls (the optimizers' projections) use TF32; ``--svd-driver``
+picks how GaLore, COAP and PLUMAGE decompose (``svd_driver=``, e.g. ``gram``).
 
     python3 bench/train_step.py --size 350m --out-dir OUT [--compile] [--deadline-s 500]
     python3 bench/train_step.py --size 1b --methods GaLore,COAP,PLUMAGE,Flora \
-        --refresh-interval 200 --out-dir OUT --deadline-s 240
+        --refresh-interval 200 --svd-driver gram --out-dir OUT --deadline-s 240
     python3 bench/train_step.py --tiny --out-dir OUT        # the CPU smoke run of CI
 """
 
@@ -110,11 +111,17 @@ def _rank(model: nn.Module) -> int:
     return model.embed.embedding_dim // 4
 
 
+#: the low-rank methods' ``svd_driver`` (``--svd-driver``; Flora decomposes nothing)
+SVD_DRIVER: dict[str, str | None] = {"driver": None}
+
+
 def _lowrank(cls: type, **kw: Any) -> Callable[[nn.Module, int], Any]:
     def make(model: nn.Module, steps: int) -> Any:
         mats, rest = _split(model)
+        if cls is not xt.Flora:
+            kw["svd_driver"] = SVD_DRIVER["driver"]
         return cls([{"params": mats}, {"params": rest, "project": False}], lr=1e-3,
-                    rank=_rank(model), **kw)
+                   rank=_rank(model), **kw)
     return make
 
 
@@ -270,12 +277,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="also report the step averaged over a refresh interval of K steps")
     ap.add_argument("--tf32", action="store_true",
                     help="float32 matmuls in TF32 (torch.backends.cuda.matmul.allow_tf32)")
+    ap.add_argument("--svd-driver", default=None,
+                    choices=("gesvd", "gesvdj", "gesvda", "gram"),
+                    help="the low-rank methods' svd_driver (default: torch.linalg.svd's)")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no method after this many seconds (each skipped one is listed)")
     args = ap.parse_args(argv)
     if args.refresh_interval is not None and args.refresh_interval < 1:
         ap.error(f"--refresh-interval {args.refresh_interval}: must be at least 1")
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    SVD_DRIVER["driver"] = args.svd_driver
     timed = TIMED if args.refresh_interval is None else GAP + 1  # one refresh in the window
     start = time.monotonic()
     size = "tiny" if args.tiny else args.size
@@ -290,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"{dev_name}; {time.strftime('%Y-%m-%d')}; torch {torch.__version__}; size {size} "
           f"{SIZES[size]}; {args.dtype}; {'compiled' if args.compile else 'eager'}"
-          f"{'; tf32' if args.tf32 else ''}", flush=True)
+          f"{'; tf32' if args.tf32 else ''}"
+          f"{f'; svd_driver {args.svd_driver}' if args.svd_driver else ''}", flush=True)
     rows: dict[str, Any] = {}
     for name in names:
         if args.deadline_s is not None and time.monotonic() - start > args.deadline_s:
@@ -329,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device": dev_name, "date": time.strftime("%Y-%m-%d"), "size": size,
             "shape": SIZES[size], "dtype": args.dtype, "compile": args.compile,
             "argv": sys.argv, "warmup": WARMUP, "timed": timed, "refresh_every": GAP,
-            "amortised_over": k, "tf32": args.tf32}
+            "amortised_over": k, "tf32": args.tf32, "svd_driver": args.svd_driver}
     name = f"train_step_{size}{'_compiled' if args.compile else ''}.json"
     (out / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0 if all("total_ms_mean" in r or "skipped" in r for r in rows.values()) else 1

@@ -64,8 +64,14 @@ class LowRankOptimizer(Optimizer):
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], *,
                  spec: Hyperparams | None = None, preset: str | None = None,
                  nonfinite: str | None = None, check_finite: bool | None = None,
-                 **hyperparameters: Any) -> None:
+                 svd_driver: str | None = None, **hyperparameters: Any) -> None:
         name = type(self).__name__
+        if svd_driver not in SVD_DRIVERS:
+            raise HyperparameterError(
+                f"{name}: svd_driver = {svd_driver!r}; known: "
+                f"{', '.join(map(repr, SVD_DRIVERS))}")
+        #: how the SVDs of refreshes are computed (:data:`SVD_DRIVERS`); not state
+        self.svd_driver = svd_driver
         given = {k: v for k, v in hyperparameters.items() if v is not None}
         if spec is not None:
             if not isinstance(spec, self.hyperparams_cls):
@@ -322,15 +328,14 @@ class LowRankOptimizer(Optimizer):
         finally:
             self._svd_ready = saved
 
-    @staticmethod
-    def _stacked_svds(mats: list[Tensor], names: list[str]
+    def _stacked_svds(self, mats: list[Tensor], names: list[str]
                       ) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
         """The finite batched SVDs of ``mats`` by name (a failed batch or matrix is left
         out: :meth:`svd` then decomposes it alone and raises naming it)."""
-        out = {}
+        out, driver = {}, self.svd_driver
         for idx in _same_kind([(i, a) for i, a in enumerate(mats) if not is_dtensor(a)]):
             try:
-                u, s, vh = svd_stacked(torch.stack([mats[i] for i in idx]))
+                u, s, vh = svd_stacked(torch.stack([mats[i] for i in idx]), driver)
                 ok = torch.isfinite(s).all(dim=-1).tolist()  # one host read per batch
             except RuntimeError:
                 continue
@@ -365,8 +370,10 @@ class LowRankOptimizer(Optimizer):
                 u, s, vh = decompose_once(
                     self, a, lambda w: lowrank.svd(torch, w),
                     [((m, k), a.dtype), ((k,), a.dtype), ((k, n), a.dtype)])
-            else:
+            elif self.svd_driver is None:
                 u, s, vh = lowrank.svd(torch, a)
+            else:
+                u, s, vh = (x[0] for x in svd_stacked(a[None], self.svd_driver))
         except RuntimeError as e:  # torch.linalg.LinAlgError derives from RuntimeError
             raise DecompositionError(f"{type(self).__name__}: SVD of the gradient of {name} "
                                      f"(shape {tuple(a.shape)}) failed: {e}") from e
@@ -444,12 +451,56 @@ def chunks(items: list[Any], shape: tuple[int, ...]) -> list[list[Any]]:
     return [items[k:k + n] for k in range(0, len(items), n)]
 
 
-def svd_stacked(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+#: ``svd_driver=`` of the low-rank optimizers: None (``torch.linalg.svd``'s default: LAPACK
+#: on the CPU, cuSOLVER's ``gesvdj`` on CUDA), a cuSOLVER driver (``"gesvd"``, ``"gesvdj"``,
+#: ``"gesvda"``; on CUDA tensors only, LAPACK's default elsewhere), or ``"gram"``:
+#: :func:`gram_svd`
+SVD_DRIVERS = (None, "gesvd", "gesvdj", "gesvda", "gram")
+
+
+def svd_stacked(a: Tensor, driver: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`xopt.specs.lowrank.svd` of each matrix of ``a`` (``(B, m, n)``), batched: the
     same decomposition and sign convention (each left singular vector's entry of largest
-    magnitude positive, the first on a tie; the right one flipped with it)."""
-    u, s, vh = torch.linalg.svd(a, full_matrices=False)
+    magnitude positive, the first on a tie; the right one flipped with it). ``driver``: see
+    :data:`SVD_DRIVERS` (None: the same LAPACK call per matrix as the spec's)."""
+    if driver == "gram":
+        u, s, vh = gram_svd(a)
+    else:
+        u, s, vh = torch.linalg.svd(a, full_matrices=False,
+                                    driver=driver if a.is_cuda else None)
     rows = u.abs().argmax(dim=-2, keepdim=True)             # (B, 1, k)
     pivot = torch.gather(u, -2, rows)                         # (B, 1, k)
     sign = torch.where(pivot < 0, -torch.ones_like(pivot), torch.ones_like(pivot))
     return u * sign, s, vh * sign.mT
+
+
+def gram_svd(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Reduced SVD of each matrix of ``a`` (``(B, m, n)``) from the symmetric eigenproblem
+    of its smaller float64 Gram matrix, returned in ``a``'s dtype (unsigned: callers apply
+    the sign rule).
+
+    For ``m ≤ n`` the eigenvectors of ``A Aᵀ`` (``m × m``) are ``U`` and ``Vᵀ = Σ⁻¹ Uᵀ A``;
+    for ``m > n`` those of ``Aᵀ A`` are ``V`` and ``U = A V Σ⁻¹``. One float64 product and
+    one ``eigh`` of the smaller side instead of an iterative SVD of the whole matrix (on
+    CUDA ``gesvdj`` iterates over every column pair of the full matrix). Precision: the
+    Gram's side is computed with float64 error ``≈ 1e-16·σ₁²/(σᵢ² − σⱼ²)``, below a float32
+    SVD's ``≈ 6e-8·σ₁/|σᵢ − σⱼ|`` wherever ``σᵢ ≥ 1e-8·σ₁``, so it is at least as close to
+    the exact singular vectors as the float32 SVD it replaces; the other side divides by
+    ``σᵢ`` and is as accurate only where ``σᵢ`` is not small (GaLore's ``"std"`` and
+    PLUMAGE's default project on the smaller side: the Gram's). Singular values below
+    ``1e-8·σ₁`` come out as ``√max(λ, 0)`` (their float64 eigenvalues are rounding noise)
+    and their vectors on the other side as zero.
+    """
+    m, n = a.shape[-2:]
+    x = a.to(torch.float64)
+    wide = m <= n
+    gram = x @ x.mT if wide else x.mT @ x
+    lam, w = torch.linalg.eigh(gram)              # ascending
+    lam, w = lam.flip(-1), w.flip(-1)             # descending, as an SVD's
+    s = lam.clamp(min=0).sqrt()
+    inv = torch.where(s > s[..., :1] * 1e-8, 1.0 / s, torch.zeros_like(s))
+    if wide:
+        u, vh = w, (w.mT @ x) * inv[..., :, None]
+    else:
+        u, vh = (x @ w) * inv[..., None, :], w.mT
+    return u.to(a.dtype), s.to(a.dtype), vh.to(a.dtype)

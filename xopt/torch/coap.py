@@ -67,6 +67,8 @@ class COAP(LowRankOptimizer):
         ``"adafactor"`` (``CoapAdafactor``'s, with ``b1=None``).
       nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`);
         ``check_finite=True`` is the older spelling of ``"raise"``.
+      svd_driver: how refreshes decompose (:data:`xopt.torch._lowrank.SVD_DRIVERS`; None:
+        ``torch.linalg.svd``'s default, as the spec).
       **hyperparameters: fields of :class:`xopt.specs.coap.COAP` (``lr``, ``rank``,
         ``rank_ratio``, ``update_interval``, ``reproject_factor``, ...).
 

@@ -76,6 +76,9 @@ class GaLore(LowRankOptimizer):
       spec: a :class:`xopt.specs.galore.GaLore` giving every field at once.
       nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`);
         ``check_finite=True`` is the older spelling of ``"raise"``.
+      svd_driver: how refreshes decompose (:data:`xopt.torch._lowrank.SVD_DRIVERS`; None:
+        ``torch.linalg.svd``'s default, as the spec; ``"gram"``: the float64 Gram matrix's
+        eigenvectors, see :func:`xopt.torch._lowrank.gram_svd`).
 
     Shapes and dtypes: parameters float32/float64/bfloat16/float16, any shape; projected
     ones are matrices ``(m, n)`` with ``rank <= min(m, n)`` (else
@@ -98,13 +101,14 @@ class GaLore(LowRankOptimizer):
                  proj_type: str | None = None, project: bool | None = None,
                  eps_root: float | None = None, convention: str | None = None,
                  preset: str | None = None, spec: galore_spec.GaLore | None = None,
-                 nonfinite: str | None = None, check_finite: bool | None = None) -> None:
+                 nonfinite: str | None = None, check_finite: bool | None = None,
+                 svd_driver: str | None = None) -> None:
         given = _split_betas(dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, correct_bias=correct_bias,
             rank=rank, update_proj_gap=update_proj_gap, scale=scale, proj_type=proj_type,
             project=project, eps_root=eps_root, convention=convention), "GaLore")
         super().__init__(params, spec=spec, preset=preset, nonfinite=nonfinite,
-                         check_finite=check_finite,
+                         check_finite=check_finite, svd_driver=svd_driver,
                          **{k: v for k, v in given.items() if v is not None})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

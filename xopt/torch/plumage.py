@@ -73,6 +73,8 @@ class PLUMAGE(LowRankOptimizer):
       spec: a :class:`~xopt.specs.plumage.PLUMAGE` giving all hyperparameters at once.
       nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`);
         ``check_finite=True`` is the older spelling of ``"raise"``.
+      svd_driver: how refreshes decompose (:data:`xopt.torch._lowrank.SVD_DRIVERS`; None:
+        ``torch.linalg.svd``'s default, as the spec).
       **hyperparameters: any other field of the spec (``rank``, ``update_proj_gap``,
         ``resample_interval``, ``proj_side``, ``realign_first_moment``,
         ``realign_second_moment``, ``prob_eps``, ``seed``, ``correct_bias``,
