@@ -43,6 +43,10 @@ if has_torch:
         def _batchable(self, it, hp, inject):
             return False
 
+    class _PerParamFlora(xt.Flora):
+        def _batchable(self, it, hp, inject):
+            return False
+
     #: ops that dispatch no kernel (views, metadata; lift_fresh wraps a tensor made on
     #: the host, as COAP's CPU step counter)
     _VIEWS = {"view", "_unsafe_view", "t", "transpose", "select", "slice", "unbind",
@@ -170,6 +174,30 @@ def test_coap_and_plumage_batched_steps_are_the_per_parameter_step(case, dtype):
         assert _rel(p.detach(), q.detach()) <= 1e-6
     for p, q in zip(pa[5:], pb[5:], strict=True):  # unprojected: elementwise, bit for bit
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("kw", [dict(lr=1e-3), dict(relative_step=True, warmup_init=True),
+                                dict(lr=1e-3, beta1=0.9), dict(lr=1e-3, beta1=0.9, rank=4),
+                                dict(lr=1e-2, scale_parameter=False)],
+                         ids=["adafactor", "relative", "momentum", "compressed", "unscaled"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_flora_batched_step_is_the_per_parameter_step(kw, dtype):
+    """Flora's factored matrices without compressed momentum run stacked (norms and row and
+    column means over each matrix of the stack), the rest per parameter; the results agree
+    to float32 rounding (bit for bit on the CPU where this was written)."""
+    dtype = getattr(torch, dtype)
+    pa, oa, _ = _run(xt.Flora, dtype, 6, **kw)
+    pb, ob, _ = _run(_PerParamFlora, dtype, 6, **kw)
+    for p, q in zip(pa, pb, strict=True):
+        sa, sb = oa.state[p], ob.state[q]
+        assert list(sa) == list(sb) and sa["step"] == sb["step"] == 6
+        assert sa["seed"] == sb["seed"]
+        for k in ("exp_avg", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "RMS"):
+            if k in sa:
+                assert sa[k].shape == sb[k].shape and sa[k].dtype == sb[k].dtype, k
+                assert sa[k].untyped_storage().nbytes() == sa[k].numel() * 4, k  # its own
+                assert _rel(sa[k], sb[k]) <= 1e-6, k
+        assert _rel(p.detach(), q.detach()) <= 1e-6
 
 
 def _count(opt, ps, grads):
