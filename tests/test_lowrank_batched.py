@@ -150,7 +150,11 @@ def test_galore_batched_step_is_the_per_parameter_step(proj_type, dtype):
     ("plumage", dict(lr=0.01, rank=3, update_proj_gap=3, weight_decay=0.1)),
     ("plumage", dict(lr=0.01, rank=3, update_proj_gap=4, resample_interval=2,
                      eps_inside_sqrt=True, proj_side="right")),
-], ids=["coap", "coap-wd-scale", "plumage", "plumage-kappa-eps-right"])
+    ("coap", dict(lr=0.01, rank=3, update_interval=3, reproject_factor=2, state_bits=8)),
+    ("coap", dict(lr=0.01, rank=3, update_interval=3, reproject_factor=2, state_bits=8,
+                  quant_rounding="cpu")),
+], ids=["coap", "coap-wd-scale", "plumage", "plumage-kappa-eps-right", "coap-8bit",
+        "coap-8bit-cpu-rounding"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_coap_and_plumage_batched_steps_are_the_per_parameter_step(case, dtype):
     """COAP's AdamW updates that keep the projection and PLUMAGE's updates that do not
@@ -198,6 +202,29 @@ def test_flora_batched_step_is_the_per_parameter_step(kw, dtype):
                 assert sa[k].untyped_storage().nbytes() == sa[k].numel() * 4, k  # its own
                 assert _rel(sa[k], sb[k]) <= 1e-6, k
         assert _rel(p.detach(), q.detach()) <= 1e-6
+
+
+@pytest.mark.parametrize("rounding", ["cuda", "cpu"])
+def test_8bit_moments_quantise_together_to_the_per_tensor_bytes(rounding):
+    """COAP's batched 8-bit step dequantises and quantises all moments of a run at once;
+    the codes and absmax are byte for byte xopt.specs.coap.quantize's of each tensor alone
+    (shapes with a short last block included), and dequantising gives its values."""
+    from xopt.specs import coap as C
+    from xopt.torch import coap as tc
+
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(3, 5000), (3, 5000), (64, 64), (7,), (3, 5000), (4096,)]
+    xs = [torch.randn(s, generator=gen) * 10.0 ** float(i % 3) for i, s in enumerate(shapes)]
+    xs[1][0] = 0.0  # a block of zeros: absmax 0, codes 0
+    xs[1][1, :4096 - 5000 % 4096] = 0.0
+    codes, absmax = tc._quantize_many(xs, rounding)
+    for x, q, a in zip(xs, codes, absmax, strict=True):
+        q1, a1 = C.quantize(torch, x, rounding)
+        assert q.dtype == torch.uint8 and torch.equal(q, q1)
+        assert torch.equal(a, a1)
+    back = tc._dequantize_many(codes, absmax)
+    for q, a, b in zip(codes, absmax, back, strict=True):
+        assert torch.equal(b, C.dequantize(torch, q, a))
 
 
 def _count(opt, ps, grads):

@@ -238,8 +238,7 @@ class LowRankOptimizer(Optimizer):
                      sdt: torch.dtype, pdt: torch.dtype, which: str | None, m_key: str,
                      v_key: str, proj_key: str) -> None:
         states = [self.state[p] for p in ps]
-        ms = [st[m_key] for st in states]
-        vs = [st[v_key] for st in states]
+        ms, vs = self._batch_moments(states, hp, m_key, v_key)
         if which is not None:
             g = torch.stack(grads)
             g = g if g.dtype == sdt else g.to(sdt)
@@ -261,11 +260,13 @@ class LowRankOptimizer(Optimizer):
         step_size = lowrank.hf_step_size(hp.lr, hp.b1, hp.b2, count, hp.correct_bias)
         if which is not None:
             n = self._batch_directions([torch.stack(ms)], [torch.stack(vs)], hp)[0]
+            self._batch_store(states, hp, ms, vs)
             u = self._batch_back(n, proj, states, which, hp)
             del n
             us = list(u.mul_(step_size).unbind(0))
         else:
             us = self._batch_directions(ms, vs, hp)
+            self._batch_store(states, hp, ms, vs)
             torch._foreach_mul_(us, step_size)
         # hf_apply: p − α·u, then p − ηλ·p; rounded once into the parameter
         ws = ps if pdt == sdt else [p.to(sdt) for p in ps]
@@ -276,6 +277,17 @@ class LowRankOptimizer(Optimizer):
             torch._foreach_copy_(ps, ws)
 
     # the method's pieces of _hf_adam_run (these: GaLore's and COAP's)
+    @staticmethod
+    def _batch_moments(states: list[dict[str, Any]], hp: Any, m_key: str, v_key: str
+                       ) -> tuple[list[Tensor], list[Tensor]]:
+        """The moments the step updates in place (the state's own tensors)."""
+        return [st[m_key] for st in states], [st[v_key] for st in states]
+
+    @staticmethod
+    def _batch_store(states: list[dict[str, Any]], hp: Any, ms: list[Tensor],
+                     vs: list[Tensor]) -> None:
+        """Write the updated moments into the state (they are the state's own tensors)."""
+
     @staticmethod
     def _batch_project(g: Tensor, proj: Tensor, which: str) -> Tensor:
         """``R``: ``G Qᵀ`` (right, ``Q`` ``(r, n)``) or ``Pᵀ G`` (left), stacked."""
