@@ -10,8 +10,9 @@ measured in the same run. A method that runs out of memory is a row saying so.
 ``--refresh-interval K`` reports each method's step averaged over a refresh interval of K:
 the timed steps that fall on the run's refresh schedule (every ``GAP``-th step; GaLore's and
 PLUMAGE's SVDs, COAP's Eqn-6/7 updates, Flora's resampling, CompAct's and POET's merges) are
-timed apart from the others, and the amortised step is (ordinary·(K−1) + refresh)/K, its
-total against fused AdamW's at the same K. It times 6 steps after the warm-up (one refresh).
+timed apart from the others (the window holds two: COAP's Eqn-6 and Eqn-7 updates, with
+``reproject_factor=2``), and the amortised step is (ordinary·(K−1) + refresh)/K with
+refresh their mean, its total against fused AdamW's at the same K.
 ``--tf32`` lets float32 matmuls (the optimizers' projections) use TF32; ``--svd-driver``
 picks how GaLore, COAP and PLUMAGE decompose (``svd_driver=``, e.g. ``gram``).
 
@@ -193,12 +194,12 @@ class _Timer:
 
 
 def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
-               compile_model: bool, timed: int = TIMED) -> dict[str, Any]:
+               compile_model: bool) -> dict[str, Any]:
     d, layers, heads, ff, vocab, seq, batch = SIZES[size]
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     model = Llama(d, layers, heads, ff, vocab, seq).to(device=device, dtype=dtype)
-    steps = WARMUP + timed
+    steps = WARMUP + TIMED
     opt = METHODS[name](model, steps)
     fwd = torch.compile(model) if compile_model else model
     takes_loss = isinstance(opt, (xt.SmallFCLOpt, xt.VeLO))
@@ -287,7 +288,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--refresh-interval {args.refresh_interval}: must be at least 1")
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     SVD_DRIVER["driver"] = args.svd_driver
-    timed = TIMED if args.refresh_interval is None else GAP + 1  # one refresh in the window
     start = time.monotonic()
     size = "tiny" if args.tiny else args.size
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[name] = {"skipped": "deadline"}
             continue
         try:
-            rows[name] = run_method(name, size, device, dtype, args.compile, timed)
+            rows[name] = run_method(name, size, device, dtype, args.compile)
         except torch.OutOfMemoryError:
             rows[name] = {"error": "OOM"}
         except Exception as e:  # a method's failure is its row, not the end of the run
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": dev_name, "date": time.strftime("%Y-%m-%d"), "size": size,
             "shape": SIZES[size], "dtype": args.dtype, "compile": args.compile,
-            "argv": sys.argv, "warmup": WARMUP, "timed": timed, "refresh_every": GAP,
+            "argv": sys.argv, "warmup": WARMUP, "timed": TIMED, "refresh_every": GAP,
             "amortised_over": k, "tf32": args.tf32, "svd_driver": args.svd_driver}
     name = f"train_step_{size}{'_compiled' if args.compile else ''}.json"
     (out / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
