@@ -47,6 +47,8 @@ SIZES = {
     "tiny": (64, 2, 4, 176, 256, 32, 2),
     "350m": (1024, 24, 16, 2736, 32000, 1024, 8),
     "1b": (2048, 24, 32, 5461, 32000, 1024, 4),
+    # LLaMA-3-8B's shapes at POET-X's single-GPU setting (sequence 256; its batch unstated)
+    "8b": (4096, 32, 32, 14336, 128256, 256, 8),
 }
 WARMUP, TIMED, GAP = 2, 10, 5  # refreshes fall at steps 5 and 10, inside the timed window
 
@@ -194,11 +196,13 @@ class _Timer:
 
 
 def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
-               compile_model: bool) -> dict[str, Any]:
-    d, layers, heads, ff, vocab, seq, batch = SIZES[size]
+               compile_model: bool, batch: int | None = None) -> dict[str, Any]:
+    d, layers, heads, ff, vocab, seq, size_batch = SIZES[size]
+    batch = batch or size_batch
     cuda = device.type == "cuda"
     torch.manual_seed(0)
-    model = Llama(d, layers, heads, ff, vocab, seq).to(device=device, dtype=dtype)
+    with torch.device(device):  # built where it trains: an 8B float32 copy on the host is slow
+        model = Llama(d, layers, heads, ff, vocab, seq).to(dtype=dtype)
     steps = WARMUP + TIMED
     opt = METHODS[name](model, steps)
     fwd = torch.compile(model) if compile_model else model
@@ -281,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--svd-driver", default=None,
                     choices=("gesvd", "gesvdj", "gesvda", "gram"),
                     help="the low-rank methods' svd_driver (default: torch.linalg.svd's)")
+    ap.add_argument("--batch", type=int, default=None, help="sequences per step (default: the "
+                    "size's)")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no method after this many seconds (each skipped one is listed)")
     args = ap.parse_args(argv)
@@ -300,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     names = ["torch.optim.AdamW(fused)", *[n for n in names if n != "torch.optim.AdamW(fused)"]]
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"{dev_name}; {time.strftime('%Y-%m-%d')}; torch {torch.__version__}; size {size} "
-          f"{SIZES[size]}; {args.dtype}; {'compiled' if args.compile else 'eager'}"
-          f"{'; tf32' if args.tf32 else ''}"
+          f"{SIZES[size]}; batch {args.batch or SIZES[size][-1]}; {args.dtype}; "
+          f"{'compiled' if args.compile else 'eager'}{'; tf32' if args.tf32 else ''}"
           f"{f'; svd_driver {args.svd_driver}' if args.svd_driver else ''}", flush=True)
     rows: dict[str, Any] = {}
     for name in names:
@@ -309,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[name] = {"skipped": "deadline"}
             continue
         try:
-            rows[name] = run_method(name, size, device, dtype, args.compile)
+            rows[name] = run_method(name, size, device, dtype, args.compile, args.batch)
         except torch.OutOfMemoryError:
             rows[name] = {"error": "OOM"}
         except Exception as e:  # a method's failure is its row, not the end of the run
@@ -339,9 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": dev_name, "date": time.strftime("%Y-%m-%d"), "size": size,
-            "shape": SIZES[size], "dtype": args.dtype, "compile": args.compile,
-            "argv": sys.argv, "warmup": WARMUP, "timed": TIMED, "refresh_every": GAP,
-            "amortised_over": k, "tf32": args.tf32, "svd_driver": args.svd_driver}
+            "shape": SIZES[size], "batch": args.batch or SIZES[size][-1], "dtype": args.dtype,
+            "compile": args.compile, "argv": sys.argv, "warmup": WARMUP, "timed": TIMED,
+            "refresh_interval": GAP, "amortised_over": k, "tf32": args.tf32,
+            "svd_driver": args.svd_driver}
     name = f"train_step_{size}{'_compiled' if args.compile else ''}.json"
     (out / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0 if all("total_ms_mean" in r or "skipped" in r for r in rows.values()) else 1

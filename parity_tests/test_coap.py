@@ -235,3 +235,105 @@ def test_eight_bit_cpu_trace_is_byte_exact():
     for r in report.runs:
         bound = 1e-6 if r.mode == "teacher_forced" else 1e-4
         assert r.max_rel_error <= bound, (r.backend, r.mode, r.worst[:2])
+
+
+# -- 8-bit, recorded with bitsandbytes' CUDA kernel on an H200 (tools/gpu_record_coap8.sh) ------
+
+EIGHT_BIT_CUDA = EIGHT_BIT_CPU.with_name("conv_8bit_cuda_r4_cnn4_tu3_rf2_restore.json")
+
+
+def _restore_event_steps(trace, hp) -> set[int]:
+    """Updates at which an 8-bit kernel's moments are restored and re-quantised."""
+    h = hp_for(hp, "conv0/weight")
+    return {t for t in range(trace.steps)
+            if C.event(t, h) in (C.EQN6, C.EQN7) and h.restore_state}
+
+
+def test_eight_bit_cuda_trace_codes_are_byte_exact_and_steps_agree_off_the_restore():
+    """The authors' 8-bit run on the GPU kernel: every backend's codes equal the recorded
+    bytes at every update, and every parameter and scale agrees within the issue's bounds,
+    closed loop at every step and teacher-forced at every step but a restore event, where
+    a float32 backend may land one code away in the re-quantised carried moments (the next
+    test says why)."""
+    trace = load_trace(EIGHT_BIT_CUDA)
+    hp = CP.from_kwargs(dict(trace.hyperparameters))
+    assert hp_for(hp, "conv0/weight").quant_rounding == "cuda"
+    restore = _restore_event_steps(trace, hp)
+    assert 6 in restore
+    report = run_parity("coap", [EIGHT_BIT_CUDA], backends=["torch", "jax", "oracle"])
+    for r in report.runs:
+        for t, errs in enumerate(r.per_step):
+            for k, e in errs.items():
+                if "_q/" in k:
+                    assert e.abs == 0, (r.backend, r.mode, t, k)
+                elif r.mode == "closed_loop" or t not in restore or "/bias" in k:
+                    bound = 1e-6 if r.mode == "teacher_forced" else 1e-4
+                    assert e.rel <= bound, (r.backend, r.mode, t, k, e.rel)
+    torch_and_oracle = [r for r in report.runs if r.backend != "xopt.jax"]
+    assert all(r.agrees for r in torch_and_oracle), explain_disagreements(report)
+
+
+def test_eight_bit_restore_requantisation_tie_is_within_float32_rounding():
+    """Why a float32 backend may leave 1e-6 at an 8-bit restore event. The authors store
+    the carried moments quantised and read them back before the Adam update; the carried
+    ``M`` is a chain of Tucker products whose float32 rounding depends on the summation
+    order (torch, NumPy and XLA differ by tens of ulps of an entry), and an entry that lies
+    that close to a midpoint of the code book gets the neighbouring code in one order and
+    not in another: one code step of M, 1e-5 of the kernel after the update. At update 6 of
+    this trace the float64 carried moments have entries within float32 rounding of a
+    midpoint, and every entry where two float32 orders pick different codes is such an
+    entry. The stored codes after the update agree again (the previous test)."""
+    torch = pytest.importorskip("torch")
+    trace = load_trace(EIGHT_BIT_CUDA)
+    spec_hp = CP.from_kwargs(dict(trace.hyperparameters))
+    h = hp_for(spec_hp, "conv0/weight")
+    from xopt.parity import harness as H
+
+    spec, par = H.get("coap"), H.get_parity("coap")
+    origin = H.original_of(spec, trace)
+    state = H.trace_state(trace, spec, spec_hp, origin.naming_for(spec_hp), 5)
+    st = {v: state[f"{v}/conv0/weight"] for v in C.VARS if f"{v}/conv0/weight" in state}
+    shape = trace.grads(6)["conv0/weight"].shape
+    side = C.side_of(shape)
+    p_old = C.projection_of(st, shape)
+    p_new = C.injected_projection(par.inject(trace, 6, spec_hp)["conv0/weight"], side)
+    m, v = C.moments_of(np, h, st)
+
+    def carried(xp, conv):
+        out = C.restore_moments(xp, h, conv(m), conv(v), tuple(map(conv, p_old)),
+                                tuple(map(conv, p_new)), side)
+        return [np.asarray(x, np.float64).reshape(-1) for x in out]
+
+    exact = carried(np, lambda a: np.asarray(a, np.float64))
+    orders = {"numpy": carried(np, lambda a: np.asarray(a, np.float32)),
+              "torch": carried(torch, lambda a: torch.from_numpy(np.asarray(a, np.float32)))}
+    if has_jax:
+        import jax
+        import jax.numpy as jnp
+
+        fn = jax.jit(lambda a, b, *ps: C.restore_moments(jnp, h, a, b, ps[:len(p_old)],
+                                                         ps[len(p_old):], side))
+        orders["jax"] = [np.asarray(x, np.float64).reshape(-1) for x in fn(
+            *(jnp.asarray(x, jnp.float32) for x in (m, v, *p_old, *p_new)))]
+    code = C.dynamic_code().astype(np.float64)
+    mids = 0.5 * (code[:-1] + code[1:])
+    ties = 0
+    for i in range(2):
+        n = exact[i].size
+        padded = np.concatenate([exact[i], np.zeros(-n % C.QUANT_BLOCK)])
+        blocks = np.abs(padded).reshape(-1, C.QUANT_BLOCK).max(1)
+        absmax = np.repeat(blocks, C.QUANT_BLOCK)[:n]  # each entry's block scale
+        # float32 rounding of the carried moment, measured: the orders' largest deviation
+        # from float64 relative to the entry's block scale (a few ulps of it)
+        rounding = max((np.abs(o[i] - exact[i]) / absmax).max() for o in orders.values())
+        assert rounding <= 32 * np.finfo(np.float32).eps  # tens of ulps of the scale
+        dist = np.abs(exact[i][:, None] / absmax[:, None] - mids[None, :]).min(1)
+        near = dist <= rounding
+        ties += int(near.sum())
+        codes = {k: C.quantize(np, o[i].astype(np.float32))[0] for k, o in orders.items()}
+        names = sorted(codes)
+        for a in names:
+            for b in names:
+                differ = codes[a] != codes[b]
+                assert near[differ].all(), (i, a, b, np.nonzero(differ & ~near))
+    assert ties >= 1

@@ -647,3 +647,47 @@ def test_eight_bit_conv_state_dict_resumes_bit_exactly():
     for a, b in zip(p1, p2, strict=True):
         assert torch.equal(a, b)
     assert all(torch.equal(s1[k], s2[k]) for k in s1)
+
+
+@needs_jax
+@pytest.mark.parametrize("state_bits", [32, 8])
+def test_jax_flax_kernel_layout_takes_the_same_update_as_the_spec_layout(state_bits):
+    """A Flax ``HWIO`` kernel with ``kernel_layout="HWIO"`` is stepped as its ``OIHW``
+    transpose is with the default: the same updates (transposed) through Tucker-2
+    decompositions, Eqn-6 steps and restores, the same state; without the option the
+    kernel's spatial axes would be projected instead of its channels."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import xopt.jax
+
+    kw = dict(rank=2, rank_ratio_cnn=4.0, update_interval=2, reproject_factor=2,
+              restore_state=True, state_bits=state_bits, min_conv_size=100)
+    rng = np.random.default_rng(0)
+    oihw = rng.standard_normal((16, 8, 3, 3)).astype(np.float32)
+    to_hwio = (2, 3, 1, 0)
+    grads = [rng.standard_normal(oihw.shape).astype(np.float32) for _ in range(6)]
+    runs = {}
+    for layout, tr in (("OIHW", lambda x: x), ("HWIO", lambda x: x.transpose(to_hwio))):
+        tx = xopt.jax.coap(1e-2, kernel_layout=layout, **kw)
+        p = {"conv": jnp.asarray(tr(oihw))}
+        state = tx.init(p)
+        step = jax.jit(lambda p, s, g, tx=tx: tx.update(g, s, p))
+        ups = []
+        for g in grads:
+            u, state = step(p, state, {"conv": jnp.asarray(tr(g))})
+            p = optax.apply_updates(p, u)
+            ups.append(np.asarray(u["conv"]))
+        runs[layout] = (ups, state)
+    (u_o, s_o), (u_h, s_h) = runs["OIHW"], runs["HWIO"]
+    for a, b in zip(u_o, u_h, strict=True):
+        np.testing.assert_allclose(b, a.transpose(to_hwio), rtol=1e-6, atol=1e-9)
+    for a, b in zip(jax.tree.leaves(s_o), jax.tree.leaves(s_h), strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(b, np.float64), np.asarray(a, np.float64),
+                                   rtol=1e-6, atol=1e-9)
+    # the factors project the channels (16 and 8), not the 3 × 3 window
+    assert s_h.proj["conv"].shape[0] == 16 and s_h.proj_in["conv"].shape[0] == 8
+    with pytest.raises(HyperparameterError, match="kernel_layout 'NHWC'"):
+        xopt.jax.coap(1e-2, kernel_layout="NHWC", **kw)

@@ -12,9 +12,12 @@ Projected leaves are chosen per leaf, as optax users choose masks: ``param_specs
 returning one, or ``{leaf path: spec}``); ``project=False`` on a leaf steps it with the base
 optimizer unprojected, ``"auto"`` (default) projects a matrix unless ``rank ≥ min(shape)``,
 ``True`` projects every matrix (a rank too large is an error naming the leaf). 4-D
-convolution kernels (HWIO is not assumed: the spec's ``O × I × k₁ × k₂``) are projected by
-Tucker-2 when ``rank_ratio_cnn`` is set; ``state_bits=8`` keeps the AdamW moments as
-bitsandbytes' blockwise 8-bit codes and scales (:mod:`xopt.specs.coap`).
+convolution kernels are projected by Tucker-2 when ``rank_ratio_cnn`` is set, read in the
+spec's ``O × I × k₁ × k₂`` (torch's layout) or, with ``kernel_layout="HWIO"``, in Flax's
+``k₁ × k₂ × I × O`` (transposed to the spec's layout for the step and back, so that the two
+layouts of one kernel take the same update; the state keeps the spec's shapes);
+``state_bits=8`` keeps the AdamW moments as bitsandbytes' blockwise 8-bit codes and scales
+(:mod:`xopt.specs.coap`).
 
 State (:class:`COAPState`, the spec's ``"xopt.jax"`` naming) is held in the parameter's
 dtype promoted to at least float32 (bfloat16/float16 leaves keep float32 state; the update
@@ -30,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from xopt.errors import HyperparameterError
 from xopt.jax import _contract
 from xopt.jax._lowrank import (
     check_float_leaf,
@@ -90,6 +94,9 @@ class COAPState(NamedTuple):
     nonfinite_skips: jax.Array | None = None
 
 
+# kernel_layout -> (axes that put a 4-D leaf in the spec's O×I×k₁×k₂, axes that undo it)
+_LAYOUTS = {"OIHW": ((0, 1, 2, 3), (0, 1, 2, 3)), "HWIO": ((3, 2, 0, 1), (2, 3, 1, 0))}
+
 # canonical state variable -> COAPState field
 _FIELDS = {"m": "mu", "v": "nu", "v_row": "nu_row", "v_col": "nu_col", "rms": "rms",
            "P": "proj", "P_in": "proj_in", "P_grad": "proj_grad",
@@ -110,6 +117,7 @@ def coap(
     carry_factor_grad: bool | None = None,
     state_bits: int | None = None,
     quant_rounding: str | None = None,
+    kernel_layout: str = "OIHW",
     project: str | bool | None = None,
     restore_state: bool | None = None,
     scale: float | None = None,
@@ -150,6 +158,9 @@ def coap(
         (``optax.inject_hyperparams`` injects each); ``rank``, ``rank_ratio``, the
         intervals and ``seed`` fix shapes, control flow and the first projection: Python
         numbers (``static_args`` under ``optax.inject_hyperparams``).
+      kernel_layout: how a 4-D leaf's axes are laid out: ``"OIHW"`` (default; torch, and
+        ``jax.lax.conv``'s default) or ``"HWIO"`` (``flax.linen.Conv``'s kernels). Not a
+        spec field: it says how the pytree stores a kernel, not how COAP steps it.
       spec: one :class:`xopt.specs.coap.COAP` for every leaf not in ``param_specs``.
       param_specs: per-leaf specs (see the module docstring).
       nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`).
@@ -175,6 +186,21 @@ def coap(
                              state_bits=state_bits,
                              update_interval=update_interval,
                              reproject_factor=reproject_factor, seed=seed)
+    if kernel_layout not in _LAYOUTS:
+        raise HyperparameterError(f"{_LABEL}: kernel_layout {kernel_layout!r}: expected one "
+                                  f"of {', '.join(map(repr, _LAYOUTS))}")
+    to_spec, from_spec = _LAYOUTS[kernel_layout]
+
+    def spec_shape(leaf: Any) -> tuple[int, ...]:
+        shape = tuple(leaf.shape)
+        return tuple(shape[a] for a in to_spec) if len(shape) == 4 else shape
+
+    def to_spec_layout(x: Any) -> Any:
+        return x.transpose(to_spec) if x.ndim == 4 and to_spec != (0, 1, 2, 3) else x
+
+    def from_spec_layout(x: Any) -> Any:
+        return x.transpose(from_spec) if x.ndim == 4 and from_spec != (0, 1, 2, 3) else x
+
     mode = _contract.resolve_nonfinite(_LABEL, nonfinite, check_finite)
     check_decomposition = mode == "raise"
     fields = dict(rank=rank, update_interval=update_interval, reproject_factor=reproject_factor,
@@ -196,7 +222,7 @@ def coap(
         specs = leaf_specs(tree, base, param_specs, _spec.COAP, _LABEL)
         for n, leaf, h in zip(names, jax.tree.leaves(tree), specs, strict=True):
             check_float_leaf(leaf, f"{_LABEL}: {n}")
-            _spec.check_param(tuple(leaf.shape), h, f"{_LABEL}: {n}")
+            _spec.check_param(spec_shape(leaf), h, f"{_LABEL}: {n}")
         return names, specs
 
     def init_fn(params: optax.Params) -> COAPState:
@@ -204,7 +230,7 @@ def coap(
         leaves, treedef = jax.tree.flatten(params)
         fields: dict[str, list[Any]] = {k: [] for k in _FIELDS}
         for p, h in zip(leaves, specs, strict=True):
-            shape = tuple(p.shape)
+            shape = spec_shape(p)
             dt = jnp.promote_types(p.dtype, jnp.float32)
             for var in fields:
                 v = _spec.STATE.var(var)
@@ -239,10 +265,11 @@ def coap(
                 h = h.replace(lr=jnp.asarray(lr_now, jnp.float32))
             dt = jnp.promote_types(g.dtype, jnp.float32)
             st = {var: old[var][i] for var in old if old[var][i] is not None}
-            p32 = jnp.zeros(g.shape, dt) if p is None else p.astype(dt)
-            new_p, st = _leaf_step(h, name, p32, g.astype(dt), st, t, count_inc, injected[i],
+            g32 = to_spec_layout(g.astype(dt))
+            p32 = jnp.zeros(g32.shape, dt) if p is None else to_spec_layout(p.astype(dt))
+            new_p, st = _leaf_step(h, name, p32, g32, st, t, count_inc, injected[i],
                                    check_decomposition)
-            out_u.append((new_p - p32).astype(g.dtype))
+            out_u.append(from_spec_layout(new_p - p32).astype(g.dtype))
             for var in old:
                 new[var].append(st.get(var))
         u = treedef.unflatten(out_u)
