@@ -60,6 +60,8 @@ class LowRankOptimizer(Optimizer):
     state_keys: dict[str, str]
     #: ``state["step"]``: a Python ``int``, or a CPU tensor of this dtype
     step_kind: Any = int
+    #: the instance's ``svd_driver=`` (this default for optimizers pickled without one)
+    svd_driver: str | None = None
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], *,
                  spec: Hyperparams | None = None, preset: str | None = None,
