@@ -209,9 +209,11 @@ class GaLore(LowRankOptimizer):
             which = galore_spec.side(shape, hp.proj_type)
             if prepared is not None:
                 ortho, ortho_right = prepared
-                state["ortho_matrix"] = ortho.contiguous()
+                # copies of their own: a row slice of Vᵀ would keep all of Vᵀ's storage
+                state["ortho_matrix"] = ortho.clone(memory_format=torch.contiguous_format)
                 if which == "full":
-                    state["ortho_matrix_right"] = ortho_right.contiguous()
+                    state["ortho_matrix_right"] = ortho_right.clone(
+                        memory_format=torch.contiguous_format)
             ortho = state["ortho_matrix"]
             ortho_right = state.get("ortho_matrix_right") if which == "full" else None
         if "exp_avg" not in state:
