@@ -4,6 +4,7 @@
                        [--against golden|original|torch|jax|oracle] [--mode teacher,closed]
                        [--impl plain|triton] [--device cpu|cuda] [--steps N]
                        [--json REPORT] [--plot PNG] [--quiet] [--localise]
+                       [--world-size N [--sharding ddp,fsdp2]]
     xopt record IMPL [--problem NAME] [--steps N] [--seed S] [--case NAME] --out FILE
     xopt compare A B [--problem NAME] [--steps N] [--seed S] [--mode teacher,closed]
                      [--map B_STATE=A_STATE ...] [--tol REL] [--closed-tol REL]
@@ -97,6 +98,8 @@ def _parity(args: argparse.Namespace) -> int:
     from xopt.parity.report import table, write_json, write_plot
 
     parity = get_parity(args.method)  # unknown method: exit 2 before anything else
+    if args.world_size is not None:
+        return _parity_distributed(args)
     traces = args.trace or [str(p) for p in bundled_traces(args.method)]
     if not traces:
         # nothing to compare is not a divergence: a loop over `xopt methods` goes on
@@ -126,6 +129,31 @@ def _parity(args: argparse.Namespace) -> int:
                   f"{path}, teacher-forced (max relative error, step):")
             for k, (e, step) in errs.items():
                 print(f"  {k:32s} {e:9.3g}  step {step}")
+    if args.json:
+        print(f"report: {write_json(report, args.json)}")
+    if args.plot:
+        print(f"plot: {write_plot(report, args.plot)}")
+    return _exit_code(report.verdict)
+
+
+def _parity_distributed(args: argparse.Namespace) -> int:
+    """``--world-size N``: the method's optimizer traces on N ranks (torch) and N devices
+    (JAX) against one process (:mod:`xopt.parity.distributed`)."""
+    from xopt.parity.distributed import run_distributed_parity
+    from xopt.parity.harness import MODES
+    from xopt.parity.report import table, write_json, write_plot
+
+    backends = [b for b in (args.backends or ("torch", "jax")) if b in ("torch", "jax")]
+    if not backends:
+        raise XoptError("--world-size runs the torch and jax backends only")
+    if args.against != "golden" or args.localise or args.aux or args.impl != "plain":
+        raise XoptError("--world-size compares against the one-process run; it takes no "
+                        "--against, --localise, --aux or --impl")
+    report = run_distributed_parity(
+        args.method, args.trace, world_size=args.world_size, backends=backends,
+        shardings=args.sharding, modes=[MODES[m] for m in args.mode], max_steps=args.steps,
+        device=args.device)
+    print(table(report))
     if args.json:
         print(f"report: {write_json(report, args.json)}")
     if args.plot:
@@ -274,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aux", action="store_true",
                    help="also compare the spec's internals (float32) with each trace's "
                         "recorded aux, teacher-forced, to localize a divergence")
+    p.add_argument("--world-size", type=int, metavar="N",
+                   help="replay the optimizer traces on N ranks (torch: gloo on the CPU, NCCL "
+                        "with --device cuda; jax: N devices, host devices on the CPU) with "
+                        "the gradient split across them, against one process")
+    p.add_argument("--sharding", type=_csv(("ddp", "fsdp2")), default=["ddp", "fsdp2"],
+                   help="with --world-size, the torch wrappers (default: ddp,fsdp2)")
     p.set_defaults(func=_parity)
 
     r = sub.add_parser("record", help="record a trace of any torch.optim optimizer or optax "

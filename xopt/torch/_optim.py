@@ -62,7 +62,7 @@ from xopt.errors import (
     StateError,
 )
 from xopt.nonfinite import SKIP_COUNTER, resolve
-from xopt.torch.distributed import prepare
+from xopt.torch.distributed import is_dtensor, prepare
 
 __all__ = ["FLOATING", "Item", "Layout", "Optimizer"]
 
@@ -125,12 +125,26 @@ def grad_problem(p: Tensor, g: Tensor) -> str | None:
     return None
 
 
+def finite_flags(tensors: Iterable[Tensor]) -> list[Tensor]:
+    """Per tensor, a plain 0-d bool tensor: its elements are all finite. A DTensor's (FSDP2)
+    is a reduction over its mesh that DTensor leaves pending: those are completed together,
+    one collective per mesh, so that every rank sees a NaN that one rank's shard holds."""
+    flags = [torch.isfinite(t).all() for t in tensors]
+    by_mesh: dict[Any, list[int]] = {}
+    for i, f in enumerate(flags):
+        if is_dtensor(f):
+            by_mesh.setdefault(f.device_mesh, []).append(i)
+    for at in by_mesh.values():
+        done = torch.stack([flags[i] for i in at]).full_tensor()
+        for j, i in enumerate(at):
+            flags[i] = done[j]
+    return flags
+
+
 def finite_flag(tensors: Iterable[Tensor], loss: Tensor | None = None) -> Tensor | None:
     """A 0-d bool tensor: every tensor (and the loss) is finite; computed without reading it
     on the host (on the first tensor's device). None when there is nothing to check."""
-    flags = [torch.isfinite(t).all() for t in tensors]
-    if loss is not None:
-        flags.append(torch.isfinite(loss).all())
+    flags = finite_flags([*tensors, *([] if loss is None else [loss])])
     if not flags:
         return None
     dev = flags[0].device
@@ -334,7 +348,7 @@ class Optimizer(torch.optim.Optimizer):
             tensors.append(loss)
         if not tensors:
             return
-        flags = [torch.isfinite(t).all() for t in tensors]
+        flags = finite_flags(tensors)
         dev = flags[0].device
         finite = torch.stack([f.to(dev) for f in flags])
         if bool(finite.all()):

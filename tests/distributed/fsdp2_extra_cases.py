@@ -1,0 +1,190 @@
+"""Rank-side code of tests/distributed/test_torch_fsdp2_nonfinite_coap8.py.
+
+Reuses the support matrix's model, optimizers, wrapping and snapshots (matrix_cases.py):
+a tiny MLP, data parallel on 2 gloo ranks under FSDP2, against one process on the same
+global batches (computed inside each rank, alone).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import matrix_cases as cases
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from xopt.nonfinite import SKIP_COUNTER
+
+CLOSED = 1e-5
+POISONED = 1  # the step whose gradient holds a NaN
+
+
+def _nan_row(n_rows: int) -> int:
+    """The global row of rank 1's first row of a ``Shard(0)`` tensor of ``n_rows`` rows
+    (``torch.chunk``'s split, as DTensor's)."""
+    return math.ceil(n_rows / dist.get_world_size())
+
+
+def _poison_rank1(model: torch.nn.Module) -> tuple[str, int]:
+    """A NaN in the first weight's gradient, on rank 1's shard only (rank 0's stays
+    finite); returns the weight's name and the global row."""
+    from torch.distributed.tensor import DTensor
+
+    name, p = next((n, p) for n, p in cases.base(model).named_parameters() if p.ndim == 2)
+    assert isinstance(p.grad, DTensor)
+    if dist.get_rank() == 1:
+        p.grad.to_local()[0, 0] = float("nan")
+    return name, _nan_row(p.shape[0])
+
+
+def _optimizer(method: str, model: torch.nn.Module, nonfinite: str, *, alone: bool = False):
+    """The matrix's optimizer of ``method`` with the policy ``nonfinite`` (validated as the
+    constructor validates it; the optimizers read the attribute at every step)."""
+    from xopt.nonfinite import resolve
+
+    opt = cases.make_optimizer(method, model, alone=alone)
+    opt.nonfinite = resolve(nonfinite, None, type(opt).__name__)
+    return opt
+
+
+def nonfinite_fsdp2(method: str, nonfinite: str) -> dict[str, Any]:
+    """Three steps under FSDP2, the second with a NaN in one rank's gradient shard, and
+    the same in one process (the NaN at the same element of the whole gradient). Returns
+    what this rank saw at the poisoned step (``error``: the exception's class and message,
+    or None), whether its parameters and state changed there (besides the skip counter),
+    the skip counters, and the worst closed-loop error against one process."""
+    model = cases.wrap("fsdp2", cases.make_model(method))
+    opt = _optimizer(method, cases.base(model), nonfinite)
+    ref_model = cases.make_model(method)
+    ref = _optimizer(method, ref_model, nonfinite, alone=True)
+    out: dict[str, Any] = {"error": None, "ref_error": None}
+    worst = (0.0, "-")
+    for t in range(3):
+        loss = cases.forward_backward(method, model, t, distributed=True)
+        ref_loss = cases.forward_backward(method, ref_model, t, distributed=False)
+        before = cases.snapshot(model, opt)
+        ref_before = cases.snapshot(ref_model, ref)
+        if t == POISONED:
+            name, row = _poison_rank1(model)
+            with torch.no_grad():
+                dict(ref_model.named_parameters())[name].grad[row, 0] = float("nan")
+        try:
+            cases.opt_step(method, opt, loss)
+        except Exception as e:  # noqa: BLE001 - what each rank raises is the result
+            out["error"] = f"{type(e).__name__}: {e}"
+            opt.zero_grad(set_to_none=True)
+        try:
+            cases.opt_step(method, ref, ref_loss)
+        except Exception as e:  # noqa: BLE001
+            out["ref_error"] = f"{type(e).__name__}: {e}"
+            ref.zero_grad(set_to_none=True)
+        now, ref_now = cases.snapshot(model, opt), cases.snapshot(ref_model, ref)
+        if t == POISONED:
+            out["changed"] = sorted(k for k in now if SKIP_COUNTER not in k and not (
+                np.array_equal(now[k], before[k], equal_nan=True)))
+            out["ref_changed"] = sorted(k for k in ref_now if SKIP_COUNTER not in k and not (
+                np.array_equal(ref_now[k], ref_before[k], equal_nan=True)))
+        e = cases.worst(now, ref_now, f"step {t}")
+        worst = e if e[0] > worst[0] else worst
+        out["ranks_agree"] = out.get("ranks_agree", True) and cases.ranks_agree(now)
+    final = cases.snapshot(model, opt)
+    out["skips"] = sorted({int(v) for k, v in final.items() if k.endswith(SKIP_COUNTER)})
+    out["closed"] = worst
+    return out
+
+
+# -- 8-bit COAP ---------------------------------------------------------------------------------
+
+
+def coap8(model: torch.nn.Module, *, alone: bool = False) -> torch.optim.Optimizer:
+    import xopt.torch as xt
+    from xopt.torch.distributed import set_process_group
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    mats = [p for p in params if p.ndim == 2]
+    rest = [p for p in params if p.ndim != 2]
+    opt = xt.COAP([{"params": mats}, {"params": rest, "project": False}], lr=1e-2, rank=2,
+                  update_interval=2, reproject_factor=2, state_bits=8)
+    if alone:
+        set_process_group(opt, None)
+    return opt
+
+
+def _step(model, opt, t: int, distributed: bool) -> None:
+    cases.forward_backward("coap", model, t, distributed)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _state_dicts(model, opt) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def _load(model, opt, sd) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+
+
+def _coap_model(rows: int) -> torch.nn.Module:
+    """The matrix's MLP with ``rows`` hidden units: 8 shards evenly on 2 ranks, 9 does not."""
+    return cases.make_model("small_fc_lopt" if rows == 8 else "coap")
+
+
+def coap8_fsdp2_dcp(root: str, rows: int) -> dict[str, Any]:
+    """8-bit COAP under FSDP2 (hidden ``rows``, 8 or 9): 2 steps on 2 ranks against one
+    process, ``dcp.save``; loaded on 1 rank (bit for bit), a step, saved; loaded on 2 ranks
+    (bit for bit), a step. Every tensor, the uint8 codes included, is compared by
+    :func:`matrix_cases.worst` (a load: error 0)."""
+    import torch.distributed.checkpoint as dcp
+
+    ref_model = _coap_model(rows)
+    ref_opt = coap8(ref_model, alone=True)
+    ref = []
+    for t in range(4):
+        _step(ref_model, ref_opt, t, False)
+        ref.append(cases.snapshot(ref_model, ref_opt))
+    out: dict[str, Any] = {}
+    model = cases.wrap("fsdp2", _coap_model(rows))
+    opt = coap8(cases.base(model))
+    for t in range(2):
+        _step(model, opt, t, True)
+    saved = cases.snapshot(model, opt)
+    out["codes"] = sorted(k for k, v in saved.items() if v.dtype == np.uint8)
+    out["before_save"] = cases.worst(saved, ref[1], "2 steps on 2 ranks")
+    out["ranks_agree"] = cases.ranks_agree(saved)
+    dcp.save(_state_dicts(model, opt), checkpoint_id=f"{root}/at2")
+    stepped = None
+    if dist.get_rank() == 0:
+        m1 = _coap_model(rows)
+        o1 = coap8(m1, alone=True)
+        sd = _state_dicts(m1, o1)
+        dcp.load(sd, checkpoint_id=f"{root}/at2", no_dist=True)
+        _load(m1, o1, sd)
+        out["load_at_1"] = cases.worst(cases.snapshot(m1, o1), saved, "loaded on 1 rank")
+        _step(m1, o1, 2, False)
+        stepped = cases.snapshot(m1, o1)
+        out["step_at_1"] = cases.worst(stepped, ref[2], "step 2 on 1 rank")
+        dcp.save(_state_dicts(m1, o1), checkpoint_id=f"{root}/at1", no_dist=True)
+    box = [stepped]
+    dist.broadcast_object_list(box, src=0)
+    model = cases.wrap("fsdp2", _coap_model(rows))
+    opt = coap8(cases.base(model))
+    sd = _state_dicts(cases.base(model), opt)
+    dcp.load(sd, checkpoint_id=f"{root}/at1")
+    _load(cases.base(model), opt, sd)
+    out["load_at_2"] = cases.worst(cases.snapshot(model, opt), box[0], "loaded on 2 ranks")
+    _step(model, opt, 3, True)
+    out["step_at_2"] = cases.worst(cases.snapshot(model, opt), ref[3], "step 3 on 2 ranks")
+    return out
