@@ -7,7 +7,18 @@ timed window, which spans whole refresh intervals, the cost averaged over them),
 peak memory, optimizer-state bytes; every ratio is to ``torch.optim.AdamW(fused=True)``
 measured in the same run. A method that runs out of memory is a row saying so.
 
+``--refresh-interval K`` reports each method's step averaged over a refresh interval of K:
+the timed steps that fall on the run's refresh schedule (every ``GAP``-th step; GaLore's and
+PLUMAGE's SVDs, COAP's Eqn-6/7 updates, Flora's resampling, CompAct's and POET's merges) are
+timed apart from the others (the window holds two: COAP's Eqn-6 and Eqn-7 updates, with
+``reproject_factor=2``), and the amortised step is (ordinary·(K−1) + refresh)/K with
+refresh their mean, its total against fused AdamW's at the same K.
+``--tf32`` lets float32 matmuls (the optimizers' projections) use TF32; ``--svd-driver``
+picks how GaLore, COAP and PLUMAGE decompose (``svd_driver=``, e.g. ``gram``).
+
     python3 bench/train_step.py --size 350m --out-dir OUT [--compile] [--deadline-s 500]
+    python3 bench/train_step.py --size 1b --methods GaLore,COAP,PLUMAGE,Flora \
+        --refresh-interval 200 --svd-driver gram --out-dir OUT --deadline-s 240
     python3 bench/train_step.py --tiny --out-dir OUT        # the CPU smoke run of CI
 """
 
@@ -103,11 +114,17 @@ def _rank(model: nn.Module) -> int:
     return model.embed.embedding_dim // 4
 
 
+#: the low-rank methods' ``svd_driver`` (``--svd-driver``; Flora decomposes nothing)
+SVD_DRIVER: dict[str, str | None] = {"driver": None}
+
+
 def _lowrank(cls: type, **kw: Any) -> Callable[[nn.Module, int], Any]:
     def make(model: nn.Module, steps: int) -> Any:
         mats, rest = _split(model)
+        if cls is not xt.Flora:
+            kw["svd_driver"] = SVD_DRIVER["driver"]
         return cls([{"params": mats}, {"params": rest, "project": False}], lr=1e-3,
-                    rank=_rank(model), **kw)
+                   rank=_rank(model), **kw)
     return make
 
 
@@ -193,7 +210,7 @@ def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
     gen = torch.Generator(device=device).manual_seed(1)
     ids = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
     timer = _Timer(cuda)
-    fb, st, losses = [], [], []
+    fb, st, losses, refresh = [], [], [], []
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -211,10 +228,15 @@ def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
         if k >= WARMUP:
             fb.append(timer.ms(t0, t1))
             st.append(timer.ms(t1, t2))
+            refresh.append(k % GAP == 0)  # the refresh schedule every method runs here
     if not all(math.isfinite(v) for v in losses):
         raise FloatingPointError(f"{name}: non-finite loss {losses}")
     total = statistics.mean(a + b for a, b in zip(fb, st, strict=True))
+    ordinary = [t for t, r in zip(st, refresh, strict=True) if not r]
+    at_refresh = [t for t, r in zip(st, refresh, strict=True) if r]
     return {
+        "step_ms_ordinary": statistics.median(ordinary),
+        "step_ms_refresh": statistics.mean(at_refresh) if at_refresh else None,
         "fwd_bwd_ms": statistics.median(fb), "step_ms_median": statistics.median(st),
         "step_ms_max": max(st), "step_ms_mean": statistics.mean(st), "total_ms_mean": total,
         "tokens_per_s": batch * seq / (total / 1e3),
@@ -225,6 +247,29 @@ def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
     }
 
 
+def _amortised_table(rows: dict[str, Any], k: int) -> None:
+    """Each row's step averaged over a refresh interval of ``k`` (written into the rows)."""
+    def amortised(r: dict[str, Any]) -> float:
+        ref = r["step_ms_refresh"]
+        ordinary = r["step_ms_ordinary"]
+        return ordinary if ref is None else (ordinary * (k - 1) + ref) / k
+
+    base = rows.get("torch.optim.AdamW(fused)", {})
+    base_total = base["fwd_bwd_ms"] + amortised(base) if "step_ms_ordinary" in base else None
+    print(f"\naveraged over a refresh interval of {k} steps\n{'method':26s} {'ordinary':>9s} "
+          f"{'refresh':>9s} {'amortised':>9s} {'total':>9s} {'x total':>8s}")
+    for name, r in rows.items():
+        if "step_ms_ordinary" not in r:
+            continue
+        a = amortised(r)
+        total = r["fwd_bwd_ms"] + a
+        x = total / base_total if base_total else math.nan
+        r[f"step_ms_amortised_{k}"], r[f"ratio_total_to_fused_adamw_{k}"] = a, x
+        ref = r["step_ms_refresh"]
+        print(f"{name:26s} {r['step_ms_ordinary']:9.2f} "
+              f"{ref if ref is not None else math.nan:9.2f} {a:9.2f} {total:9.2f} {x:8.3f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", required=True)
@@ -233,11 +278,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="", help="comma-separated subset of the names")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
+    ap.add_argument("--refresh-interval", type=int, default=None, metavar="K",
+                    help="also report the step averaged over a refresh interval of K steps")
+    ap.add_argument("--tf32", action="store_true",
+                    help="float32 matmuls in TF32 (torch.backends.cuda.matmul.allow_tf32)")
+    ap.add_argument("--svd-driver", default=None,
+                    choices=("gesvd", "gesvdj", "gesvda", "gram"),
+                    help="the low-rank methods' svd_driver (default: torch.linalg.svd's)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default: the "
                     "size's)")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no method after this many seconds (each skipped one is listed)")
     args = ap.parse_args(argv)
+    if args.refresh_interval is not None and args.refresh_interval < 1:
+        ap.error(f"--refresh-interval {args.refresh_interval}: must be at least 1")
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    SVD_DRIVER["driver"] = args.svd_driver
     start = time.monotonic()
     size = "tiny" if args.tiny else args.size
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -250,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     names = ["torch.optim.AdamW(fused)", *[n for n in names if n != "torch.optim.AdamW(fused)"]]
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"{dev_name}; {time.strftime('%Y-%m-%d')}; torch {torch.__version__}; size {size} "
-          f"{SIZES[size]}; batch {args.batch or SIZES[size][-1]}; {args.dtype}; {'compiled' if args.compile else 'eager'}", flush=True)
+          f"{SIZES[size]}; batch {args.batch or SIZES[size][-1]}; {args.dtype}; "
+          f"{'compiled' if args.compile else 'eager'}{'; tf32' if args.tf32 else ''}"
+          f"{f'; svd_driver {args.svd_driver}' if args.svd_driver else ''}", flush=True)
     rows: dict[str, Any] = {}
     for name in names:
         if args.deadline_s is not None and time.monotonic() - start > args.deadline_s:
@@ -281,11 +339,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:26s} {r['fwd_bwd_ms']:10.2f} {r['step_ms_median']:9.2f} "
               f"{r['step_ms_max']:9.2f} {r['step_ms_mean']:9.2f} {rt:8.2f} "
               f"{r['tokens_per_s']:9.0f} {peak:8.2f} {r['state_bytes'] / 2**30:9.3f} {rs:7.2f}")
+    k = args.refresh_interval
+    if k is not None:
+        _amortised_table(rows, k)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": dev_name, "date": time.strftime("%Y-%m-%d"), "size": size,
-            "shape": SIZES[size], "batch": args.batch or SIZES[size][-1], "dtype": args.dtype, "compile": args.compile,
-            "argv": sys.argv, "warmup": WARMUP, "timed": TIMED, "refresh_interval": GAP}
+            "shape": SIZES[size], "batch": args.batch or SIZES[size][-1], "dtype": args.dtype,
+            "compile": args.compile, "argv": sys.argv, "warmup": WARMUP, "timed": TIMED,
+            "refresh_interval": GAP, "amortised_over": k, "tf32": args.tf32,
+            "svd_driver": args.svd_driver}
     name = f"train_step_{size}{'_compiled' if args.compile else ''}.json"
     (out / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0 if all("total_ms_mean" in r or "skipped" in r for r in rows.values()) else 1

@@ -111,6 +111,20 @@ def test_train_step_tiny(tmp_path):
     assert rows["torch.optim.AdamW(fused)"]["ratio_total_to_fused_adamw"] == 1.0
 
 
+def test_train_step_tiny_amortised_over_a_refresh_interval(tmp_path):
+    """--refresh-interval K: ordinary and refresh steps timed apart, the amortised step
+    (ordinary·(K−1) + refresh)/K and its total against fused AdamW's."""
+    _run("train_step.py", "--tiny", "--out-dir", str(tmp_path), "--dtype", "fp32",
+         "--methods", "GaLore", "--refresh-interval", "200")
+    report = json.loads((tmp_path / "train_step_tiny.json").read_text())
+    assert report["meta"]["amortised_over"] == 200
+    for name, r in report["rows"].items():
+        ordinary, refresh = r["step_ms_ordinary"], r["step_ms_refresh"]
+        assert ordinary > 0 and refresh > 0, name
+        assert r["step_ms_amortised_200"] == pytest.approx((199 * ordinary + refresh) / 200)
+    assert report["rows"]["torch.optim.AdamW(fused)"]["ratio_total_to_fused_adamw_200"] == 1.0
+
+
 def test_distributed_tiny(tmp_path):
     """FSDP2 on 2 gloo CPU ranks: every row the GPU run reports; each method's sharded run
     near one process after 3 closed-loop steps of a transformer (its forward and backward

@@ -241,10 +241,11 @@ def flora(learning_rate: float | None = None, rank: int | None = None,
         old = {f: treedef.flatten_up_to(getattr(state, f)) for f in _PER_LEAF}
         count = optax.safe_increment(state.count)
         new = {f: list(v) for f, v in old.items()}
+        drawn = _draw_projections(leaves_p, specs, old["seed"], count, injected)
         outs = []
         for i, (g, p, h) in enumerate(zip(grads, leaves_p, specs, strict=True)):
             st = {f: old[f][i] for f in _PER_LEAF}
-            out, upd = _update_leaf(h, p, g, st, count, injected[i])
+            out, upd = _update_leaf(h, p, g, st, count, injected[i], drawn.get(i))
             outs.append(out)
             for f, v in upd.items():
                 new[f][i] = v
@@ -258,9 +259,43 @@ def flora(learning_rate: float | None = None, rank: int | None = None,
 _contract.public_signature(flora)
 
 
+def _draw_projections(leaves: list, specs: list, seeds: list, t: jax.Array,
+                      injected: list) -> dict[int, tuple[jax.Array, jax.Array, jax.Array]]:
+    """``{leaf index: (seed after, P before, P after)}`` of every compressed leaf that draws
+    its projections, drawn once per group of leaves of one shape and setting under
+    ``jax.vmap`` (the same integer and float32 operations per leaf; the program holds one
+    seed advance and one draw per group instead of one per leaf)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (p, h) in enumerate(zip(leaves, specs, strict=True)):
+        hs = _structure(h)
+        shape = tuple(p.shape)
+        if (hs.use_momentum and _spec.compressed(shape, hs)
+                and not (injected[i] is not None and "proj_before" in injected[i])):
+            key = (shape, str(_state_dtype(p)), h.rank, h.kappa)
+            groups.setdefault(key, []).append(i)
+    out: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
+    for (shape, sdt, rank, kappa), idx in groups.items():
+        def draw(s: jax.Array, shape: tuple = shape, rank: int = rank, sdt: str = sdt
+                 ) -> jax.Array:
+            return _spec.projection(s, shape, rank, xp=jnp, dtype=jnp.dtype(sdt))
+
+        seed = jnp.stack([seeds[i] for i in idx])
+        transfer = (t % kappa) == 0
+        seed_after = jax.lax.cond(transfer, jax.vmap(next_seed_words), lambda w: w, seed)
+        p_before = jax.vmap(draw)(seed)
+        p_after = lowrank.refresh(transfer, p_before, lambda d=draw, s=seed_after:
+                                  jax.vmap(d)(s), cond=jax.lax.cond)
+        for j, i in enumerate(idx):
+            out[i] = (seed_after[j], p_before[j], p_after[j])
+    return out
+
+
 def _update_leaf(h: _spec.Flora, p: jax.Array, g: jax.Array, st: dict[str, Any],
-                 t: jax.Array, inject: Any) -> tuple[jax.Array, dict[str, Any]]:
-    """One leaf's update at the traced 1-based step ``t``: ``(p_new − p, new state)``."""
+                 t: jax.Array, inject: Any, drawn: tuple | None = None
+                 ) -> tuple[jax.Array, dict[str, Any]]:
+    """One leaf's update at the traced 1-based step ``t``: ``(p_new − p, new state)``
+    (``drawn``: the leaf's seed after this step and projections,
+    :func:`_draw_projections`)."""
     xp = jnp
     hs = _structure(h)
     shape, sdt = tuple(p.shape), _state_dtype(p)
@@ -285,17 +320,12 @@ def _update_leaf(h: _spec.Flora, p: jax.Array, g: jax.Array, st: dict[str, Any],
             which = _spec.side(shape)
             seed = st["seed"]
             transfer = (t % h.kappa) == 0
-            seed_after = jax.lax.cond(transfer, next_seed_words, lambda w: w, seed)
-            if inject is not None and "proj_before" in inject:
+            if drawn is not None:  # (every leaf but those given recorded projections)
+                seed_after, p_before, p_after = drawn
+            else:
+                seed_after = jax.lax.cond(transfer, next_seed_words, lambda w: w, seed)
                 p_before = jnp.asarray(inject["proj_before"], sdt)
                 p_after = jnp.asarray(inject["proj_after"], sdt)
-            else:
-                def draw(s: jax.Array) -> jax.Array:
-                    return _spec.projection(s, shape, h.rank, xp=xp, dtype=sdt)
-
-                p_before = draw(seed)
-                p_after = lowrank.refresh(transfer, p_before, lambda: draw(seed_after),
-                                          cond=jax.lax.cond)
             c_up = _spec.up(xp, p_before, st["m"], which)
             raw = u
             u = _spec.mix(u, c_up, b1)

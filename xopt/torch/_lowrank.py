@@ -60,12 +60,20 @@ class LowRankOptimizer(Optimizer):
     state_keys: dict[str, str]
     #: ``state["step"]``: a Python ``int``, or a CPU tensor of this dtype
     step_kind: Any = int
+    #: the instance's ``svd_driver=`` (this default for optimizers pickled without one)
+    svd_driver: str | None = None
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], *,
                  spec: Hyperparams | None = None, preset: str | None = None,
                  nonfinite: str | None = None, check_finite: bool | None = None,
-                 **hyperparameters: Any) -> None:
+                 svd_driver: str | None = None, **hyperparameters: Any) -> None:
         name = type(self).__name__
+        if svd_driver not in SVD_DRIVERS:
+            raise HyperparameterError(
+                f"{name}: svd_driver = {svd_driver!r}; known: "
+                f"{', '.join(map(repr, SVD_DRIVERS))}")
+        #: how the SVDs of refreshes are computed (:data:`SVD_DRIVERS`); not state
+        self.svd_driver = svd_driver
         given = {k: v for k, v in hyperparameters.items() if v is not None}
         if spec is not None:
             if not isinstance(spec, self.hyperparams_cls):
@@ -157,10 +165,22 @@ class LowRankOptimizer(Optimizer):
         for it in items:
             if it.gi not in hps:
                 hps[it.gi] = self.group_hp(it.group)
+        batched = [it for it in items
+                   if self._batchable(it, hps[it.gi], inject.get(it.param))]
+        if batched:
+            ids = {id(it.param) for it in batched}
+            items = [it for it in items if id(it.param) not in ids]
         # every decomposition of the step first: a failed one leaves everything unchanged
-        prepared = [self._prepare(it.param, it.grad, self.state[it.param], hps[it.gi],
-                                  self.param_name(it.gi, it.i), inject.get(it.param))
-                    for it in items]
+        self._svd_ready = self._batched_svds(items, hps, inject)
+        try:
+            prepared = [self._prepare(it.param, it.grad, self.state[it.param], hps[it.gi],
+                                      self.param_name(it.gi, it.i), inject.get(it.param))
+                        for it in items]
+        finally:
+            self._svd_ready = {}
+        batch_prepared = self._prepare_batch(batched, hps) if batched else None
+        if batched:
+            self._update_batch(batched, hps, batch_prepared)
         for it, prep in zip(items, prepared, strict=True):
             state = self.state[it.param]
             self._update(it.param, self._grad32(it.grad), state, hps[it.gi],
@@ -168,6 +188,175 @@ class LowRankOptimizer(Optimizer):
             if is_dtensor(it.param):  # FSDP2: sums over shards DTensor left pending, done
                 for k, v in state.items():
                     state[k] = settle(v)
+
+    # -- batched steps ---------------------------------------------------------------------
+    # A subclass may step some parameters together (one batched matmul per group of
+    # same-shaped matrices instead of a kernel sequence per matrix): ``_batchable`` picks
+    # them, ``_prepare_batch`` computes their decompositions (before anything is written,
+    # like ``_prepare``) and ``_update_batch`` updates them. Every other parameter takes
+    # ``_prepare``/``_update``; ``_svd_input`` lets those parameters' SVDs run batched too.
+
+    def _batchable(self, it: Item, hp: Hyperparams,
+                   inject: Mapping[str, Tensor] | None) -> bool:
+        """Whether ``it`` takes :meth:`_update_batch` in this step (default: never)."""
+        return False
+
+    def _prepare_batch(self, items: list[Item], hps: Mapping[int, Hyperparams]) -> Any:
+        raise NotImplementedError
+
+    def _update_batch(self, items: list[Item], hps: Mapping[int, Hyperparams],
+                      prepared: Any) -> None:
+        raise NotImplementedError
+
+    def _hf_adam_batch(self, items: list[Item], hps: Mapping[int, Hyperparams],
+                       side: Callable[[Tensor, Hyperparams], str | None], m_key: str,
+                       v_key: str, proj_key: str) -> None:
+        """The authors' AdamW step (:mod:`xopt.specs.lowrank`'s ``hf_*``: GaLore's, COAP's
+        and, with its own projection pieces, PLUMAGE's) of every item, whose moments exist:
+        one kernel sequence per group of same-shaped matrices with the same hyperparameters
+        and step count (one ``bmm`` to project, one back), one foreach sequence for the
+        unprojected tensors. The same
+        elementwise operations in the same order as the per-parameter step; ``side(p, hp)``
+        is ``"left"``, ``"right"`` or None (not projected); ``state[proj_key]`` the
+        projection (:meth:`_batch_project`, :meth:`_batch_back`). Increments
+        ``state["step"]``."""
+        groups: dict[Any, list[Item]] = {}
+        for it in items:
+            p, hp, state = it.param, hps[it.gi], self.state[it.param]
+            which = side(p, hp)
+            before = int(state.get("step", 0))
+            state["step"] = (before + 1 if self.step_kind is int
+                             else torch.tensor(before + 1, dtype=self.step_kind))
+            key = (it.gi, before, self.state_dtype(p), p.dtype, p.device, which,
+                   tuple(p.shape) if which is not None else None)
+            groups.setdefault(key, []).append(it)
+        for (gi, before, sdt, pdt, _, which, shape), its in groups.items():
+            for run in (chunks(its, shape) if which is not None else [its]):
+                self._hf_adam_run([it.param for it in run], [it.grad for it in run],
+                                  hps[gi], before + 1, sdt, pdt, which, m_key, v_key,
+                                  proj_key)
+
+    def _hf_adam_run(self, ps: list[Tensor], grads: list[Tensor], hp: Any, count: int,
+                     sdt: torch.dtype, pdt: torch.dtype, which: str | None, m_key: str,
+                     v_key: str, proj_key: str) -> None:
+        states = [self.state[p] for p in ps]
+        ms, vs = self._batch_moments(states, hp, m_key, v_key)
+        if which is not None:
+            g = torch.stack(grads)
+            g = g if g.dtype == sdt else g.to(sdt)
+            proj = torch.stack([st[proj_key] for st in states])
+            r = self._batch_project(g, proj, which)
+            del g
+            rs = list(r.unbind(0))
+        else:
+            rs = [self._grad32(g) for g in grads]
+            rs = [g if g.dtype == sdt else g.to(sdt) for g in rs]
+        # hf_adam_moments: m·β₁ + r·(1 − β₁), v·β₂ + r²·(1 − β₂)
+        torch._foreach_mul_(ms, hp.b1)
+        torch._foreach_add_(ms, torch._foreach_mul(rs, 1.0 - hp.b1))
+        rr = torch._foreach_mul(rs, rs)
+        torch._foreach_mul_(rr, 1.0 - hp.b2)
+        torch._foreach_mul_(vs, hp.b2)
+        torch._foreach_add_(vs, rr)
+        del rr, rs
+        step_size = lowrank.hf_step_size(hp.lr, hp.b1, hp.b2, count, hp.correct_bias)
+        if which is not None:
+            n = self._batch_directions([torch.stack(ms)], [torch.stack(vs)], hp)[0]
+            self._batch_store(states, hp, ms, vs)
+            u = self._batch_back(n, proj, states, which, hp)
+            del n
+            us = list(u.mul_(step_size).unbind(0))
+        else:
+            us = self._batch_directions(ms, vs, hp)
+            self._batch_store(states, hp, ms, vs)
+            torch._foreach_mul_(us, step_size)
+        # hf_apply: p − α·u, then p − ηλ·p; rounded once into the parameter
+        ws = ps if pdt == sdt else [p.to(sdt) for p in ps]
+        torch._foreach_sub_(ws, us)
+        if hp.weight_decay > 0.0:
+            torch._foreach_sub_(ws, torch._foreach_mul(ws, hp.lr * hp.weight_decay))
+        if ws is not ps:
+            torch._foreach_copy_(ps, ws)
+
+    # the method's pieces of _hf_adam_run (these: GaLore's and COAP's)
+    @staticmethod
+    def _batch_moments(states: list[dict[str, Any]], hp: Any, m_key: str, v_key: str
+                       ) -> tuple[list[Tensor], list[Tensor]]:
+        """The moments the step updates in place (the state's own tensors)."""
+        return [st[m_key] for st in states], [st[v_key] for st in states]
+
+    @staticmethod
+    def _batch_store(states: list[dict[str, Any]], hp: Any, ms: list[Tensor],
+                     vs: list[Tensor]) -> None:
+        """Write the updated moments into the state (they are the state's own tensors)."""
+
+    @staticmethod
+    def _batch_project(g: Tensor, proj: Tensor, which: str) -> Tensor:
+        """``R``: ``G Qᵀ`` (right, ``Q`` ``(r, n)``) or ``Pᵀ G`` (left), stacked."""
+        return torch.bmm(g, proj.mT) if which == "right" else torch.bmm(proj.mT, g)
+
+    @staticmethod
+    def _batch_directions(ms: list[Tensor], vs: list[Tensor], hp: Any) -> list[Tensor]:
+        """hf_adam_direction ``m / (√v + ε)`` of each pair."""
+        den = torch._foreach_sqrt(vs)
+        torch._foreach_add_(den, hp.eps)
+        return torch._foreach_div(ms, den)
+
+    @staticmethod
+    def _batch_back(n: Tensor, proj: Tensor, states: list[dict[str, Any]], which: str,
+                    hp: Any) -> Tensor:
+        """``scale · N Q`` (right) or ``scale · P N`` (left), stacked."""
+        u = torch.bmm(n, proj) if which == "right" else torch.bmm(proj, n)
+        return u.mul_(hp.scale)
+
+    def _svd_input(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: Hyperparams,
+                   inject: Mapping[str, Tensor] | None) -> Tensor | None:
+        """The matrix :meth:`_prepare` of ``p`` will pass to :meth:`svd` in this step (None:
+        none). Those of same-shaped parameters are then decomposed in one batched call, and
+        :meth:`svd` returns the batch's result for the parameter's name."""
+        return None
+
+    def _batched_svds(self, items: list[Item], hps: Mapping[int, Hyperparams],
+                      inject: Mapping[Tensor, Mapping[str, Tensor]]
+                      ) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
+        names, mats = [], []
+        for it in items:
+            a = self._svd_input(it.param, it.grad, self.state[it.param], hps[it.gi],
+                                inject.get(it.param))
+            if a is not None:
+                names.append(self.param_name(it.gi, it.i))
+                mats.append(a)
+        return self._stacked_svds(mats, names)
+
+    def svd_batch(self, mats: list[Tensor], names: list[str]
+                  ) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """:meth:`svd` of every matrix of ``mats`` (``names[i]`` names ``mats[i]``'s
+        parameter), computed by one batched ``torch.linalg.svd`` per group of the same
+        shape, dtype and device (at most :data:`BATCH_ELEMENTS` elements a call). Each result
+        still passes through :meth:`svd`, which decomposes a matrix whose batch failed or
+        returned NaN/inf again on its own, so that the error names its parameter."""
+        saved = self._svd_ready
+        self._svd_ready = {**saved, **self._stacked_svds(mats, names)}
+        try:
+            return [self.svd(a, n) for a, n in zip(mats, names, strict=True)]
+        finally:
+            self._svd_ready = saved
+
+    def _stacked_svds(self, mats: list[Tensor], names: list[str]
+                      ) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
+        """The finite batched SVDs of ``mats`` by name (a failed batch or matrix is left
+        out: :meth:`svd` then decomposes it alone and raises naming it)."""
+        out, driver = {}, self.svd_driver
+        for idx in _same_kind([(i, a) for i, a in enumerate(mats) if not is_dtensor(a)]):
+            try:
+                u, s, vh = svd_stacked(torch.stack([mats[i] for i in idx]), driver)
+                ok = torch.isfinite(s).all(dim=-1).tolist()  # one host read per batch
+            except RuntimeError:
+                continue
+            for j, i in enumerate(idx):
+                if ok[j]:  # ``clone``: each result owns its storage, not the whole batch's
+                    out[names[i]] = (u[j].clone(), s[j].clone(), vh[j].clone())
+        return out
 
     @staticmethod
     def _grad32(g: Tensor) -> Tensor:
@@ -185,6 +374,9 @@ class LowRankOptimizer(Optimizer):
 
     def svd(self, a: Tensor, name: str) -> tuple[Tensor, Tensor, Tensor]:
         """:func:`xopt.specs.lowrank.svd` of ``a``; raises naming ``name`` on failure."""
+        ready = self._svd_ready.get(name)  # decomposed in a batch (svd_batch): finite
+        if ready is not None and (ready[0].shape[0], ready[2].shape[1]) == tuple(a.shape):
+            return ready
         try:
             if is_dtensor(a):  # FSDP2: decomposed once, on an owner rank, and broadcast
                 m, n = a.shape
@@ -192,8 +384,10 @@ class LowRankOptimizer(Optimizer):
                 u, s, vh = decompose_once(
                     self, a, lambda w: lowrank.svd(torch, w),
                     [((m, k), a.dtype), ((k,), a.dtype), ((k, n), a.dtype)])
-            else:
+            elif self.svd_driver is None:
                 u, s, vh = lowrank.svd(torch, a)
+            else:
+                u, s, vh = (x[0] for x in svd_stacked(a[None], self.svd_driver))
         except RuntimeError as e:  # torch.linalg.LinAlgError derives from RuntimeError
             raise DecompositionError(f"{type(self).__name__}: SVD of the gradient of {name} "
                                      f"(shape {tuple(a.shape)}) failed: {e}") from e
@@ -222,6 +416,8 @@ class LowRankOptimizer(Optimizer):
                                      f"{tuple(a.shape)}) returned NaN/inf")
         return q, r
 
+    _svd_ready: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
+
     # -- state dicts ---------------------------------------------------------------------------
     def _state_layout(self, p: Tensor, group: Mapping[str, Any]) -> dict[str, Layout]:
         """The state of ``p`` after an update, from the method's state schema."""
@@ -235,3 +431,90 @@ class LowRankOptimizer(Optimizer):
                         else getattr(torch, v.dtype))  # a fixed dtype: COAP's 8-bit codes
                 out[self.state_keys[v.name]] = Layout(tuple(v.shape(shape, hp)), kind)
         return out
+
+
+#: the most elements one batched call stacks (a group of same-shaped matrices is split into
+#: chunks of at most this many elements, which bounds the temporaries a batched step holds)
+BATCH_ELEMENTS = 1 << 27
+
+
+def _same_kind(indexed: list[tuple[int, Tensor]]) -> list[list[int]]:
+    """Indices grouped by (shape, dtype, device), in first-seen order, each group split
+    into chunks of at most :data:`BATCH_ELEMENTS` elements."""
+    groups: dict[Any, list[int]] = {}
+    for i, a in indexed:
+        groups.setdefault((tuple(a.shape), a.dtype, a.device), []).append(i)
+    out = []
+    for (shape, _, _), idx in groups.items():
+        n = max(1, BATCH_ELEMENTS // max(1, _numel(shape)))
+        out.extend(idx[k:k + n] for k in range(0, len(idx), n))
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def chunks(items: list[Any], shape: tuple[int, ...]) -> list[list[Any]]:
+    """``items`` (each standing for a tensor of ``shape``) split into runs whose stacked size
+    stays within :data:`BATCH_ELEMENTS` elements."""
+    n = max(1, BATCH_ELEMENTS // max(1, _numel(shape)))
+    return [items[k:k + n] for k in range(0, len(items), n)]
+
+
+#: ``svd_driver=`` of the low-rank optimizers: None (``torch.linalg.svd``'s default: LAPACK
+#: on the CPU, cuSOLVER's ``gesvdj`` on CUDA), a cuSOLVER driver (``"gesvd"``, ``"gesvdj"``,
+#: ``"gesvda"``; on CUDA tensors only, LAPACK's default elsewhere), or ``"gram"``:
+#: :func:`gram_svd`
+SVD_DRIVERS = (None, "gesvd", "gesvdj", "gesvda", "gram")
+
+
+def svd_stacked(a: Tensor, driver: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`xopt.specs.lowrank.svd` of each matrix of ``a`` (``(B, m, n)``), batched: the
+    same decomposition and sign convention (each left singular vector's entry of largest
+    magnitude positive, the first on a tie; the right one flipped with it). ``driver``: see
+    :data:`SVD_DRIVERS` (None: the same LAPACK call per matrix as the spec's)."""
+    if driver == "gram":
+        u, s, vh = gram_svd(a)
+    else:
+        u, s, vh = torch.linalg.svd(a, full_matrices=False,
+                                    driver=driver if a.is_cuda else None)
+    rows = u.abs().argmax(dim=-2, keepdim=True)             # (B, 1, k)
+    pivot = torch.gather(u, -2, rows)                         # (B, 1, k)
+    sign = torch.where(pivot < 0, -torch.ones_like(pivot), torch.ones_like(pivot))
+    return u * sign, s, vh * sign.mT
+
+
+def gram_svd(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Reduced SVD of each matrix of ``a`` (``(B, m, n)``) from the symmetric eigenproblem
+    of its smaller float64 Gram matrix, returned in ``a``'s dtype (unsigned: callers apply
+    the sign rule).
+
+    For ``m ≤ n`` the eigenvectors of ``A Aᵀ`` (``m × m``) are ``U`` and ``Vᵀ = Σ⁻¹ Uᵀ A``;
+    for ``m > n`` those of ``Aᵀ A`` are ``V`` and ``U = A V Σ⁻¹``. One float64 product and
+    one ``eigh`` of the smaller side instead of an iterative SVD of the whole matrix (on
+    CUDA ``gesvdj`` iterates over every column pair of the full matrix). Precision: the
+    Gram's side is computed with float64 error ``≈ 1e-16·σ₁²/(σᵢ² − σⱼ²)``, below a float32
+    SVD's ``≈ 6e-8·σ₁/|σᵢ − σⱼ|`` wherever ``σᵢ ≥ 1e-8·σ₁``, so it is at least as close to
+    the exact singular vectors as the float32 SVD it replaces; the other side divides by
+    ``σᵢ`` and is as accurate only where ``σᵢ`` is not small (GaLore's ``"std"`` and
+    PLUMAGE's default project on the smaller side: the Gram's). Singular values below
+    ``1e-8·σ₁`` come out as ``√max(λ, 0)`` (their float64 eigenvalues are rounding noise)
+    and their vectors on the other side as zero.
+    """
+    m, n = a.shape[-2:]
+    x = a.to(torch.float64)
+    wide = m <= n
+    gram = x @ x.mT if wide else x.mT @ x
+    lam, w = torch.linalg.eigh(gram)              # ascending
+    lam, w = lam.flip(-1), w.flip(-1)             # descending, as an SVD's
+    s = lam.clamp(min=0).sqrt()
+    inv = torch.where(s > s[..., :1] * 1e-8, 1.0 / s, torch.zeros_like(s))
+    if wide:
+        u, vh = w, (w.mT @ x) * inv[..., :, None]
+    else:
+        u, vh = (x @ w) * inv[..., None, :], w.mT
+    return u.to(a.dtype), s.to(a.dtype), vh.to(a.dtype)

@@ -27,6 +27,7 @@ DTensor and DCP support), and the JAX backend quantises to the same bytes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -36,7 +37,8 @@ from torch import Tensor
 from xopt.registry import register
 from xopt.specs import coap as _spec
 from xopt.torch._lowrank import LowRankOptimizer
-from xopt.torch.distributed import local, place_as
+from xopt.torch._optim import Item
+from xopt.torch.distributed import is_dtensor, local, place_as
 
 __all__ = ["COAP"]
 
@@ -66,6 +68,8 @@ class COAP(LowRankOptimizer):
         ``"adafactor"`` (``CoapAdafactor``'s, with ``b1=None``).
       nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`);
         ``check_finite=True`` is the older spelling of ``"raise"``.
+      svd_driver: how refreshes decompose (:data:`xopt.torch._lowrank.SVD_DRIVERS`; None:
+        ``torch.linalg.svd``'s default, as the spec).
       **hyperparameters: fields of :class:`xopt.specs.coap.COAP` (``lr``, ``rank``,
         ``rank_ratio``, ``update_interval``, ``reproject_factor``, ...).
 
@@ -121,6 +125,53 @@ class COAP(LowRankOptimizer):
             return dict(zip(("ortho_matrix", "ortho_matrix_in"), p_new, strict=False))
         return {"ortho_matrix": p_new}
 
+    # -- the batched step: AdamW at updates that keep the projection (all but every
+    # update_interval-th), the authors' arithmetic as GaLore's
+    # (LowRankOptimizer._hf_adam_batch); every other update takes param_step per parameter.
+    # 8-bit moments are dequantised and quantised for the whole run at once: each tensor's
+    # blocks of 4096, zero-padded, laid end to end are the blocks the spec's quantize makes
+    # of each tensor alone, so the codes and absmax are the per-parameter step's bytes
+    def _batchable(self, it: Item, hp: _spec.COAP, inject: Mapping[str, Tensor] | None) -> bool:
+        state = self.state[it.param]
+        if (hp.optimizer != "adamw" or inject or "step" not in state
+                or is_dtensor(it.param)):
+            return False
+        shape = tuple(it.param.shape)
+        return not _spec.is_projected(shape, hp) or (
+            _spec.side_of(shape) != "tucker"
+            and _spec.event(int(state["step"]), hp) == _spec.KEEP)
+
+    def _prepare_batch(self, items: list[Item], hps: Mapping[int, _spec.COAP]) -> None:
+        return None  # batched updates keep their projection
+
+    def _update_batch(self, items: list[Item], hps: Mapping[int, _spec.COAP],
+                      prepared: None) -> None:
+        self._hf_adam_batch(items, hps, self._side, _KEYS["m"], _KEYS["v"], _KEYS["P"])
+
+    @staticmethod
+    def _batch_moments(states: list[dict[str, Any]], hp: _spec.COAP, m_key: str, v_key: str
+                       ) -> tuple[list[Tensor], list[Tensor]]:
+        if hp.state_bits != 8:
+            return LowRankOptimizer._batch_moments(states, hp, m_key, v_key)
+        return tuple(_dequantize_many([st[_KEYS[q]] for st in states],
+                                      [st[_KEYS[a]] for st in states])
+                     for q, a in (("m_q", "m_absmax"), ("v_q", "v_absmax")))
+
+    @staticmethod
+    def _batch_store(states: list[dict[str, Any]], hp: _spec.COAP, ms: list[Tensor],
+                     vs: list[Tensor]) -> None:
+        if hp.state_bits != 8:
+            return
+        for x, q, a in ((ms, "m_q", "m_absmax"), (vs, "v_q", "v_absmax")):
+            codes, absmax = _quantize_many(x, hp.quant_rounding)
+            torch._foreach_copy_([st[_KEYS[q]] for st in states], codes)
+            torch._foreach_copy_([st[_KEYS[a]] for st in states], absmax)
+
+    @staticmethod
+    def _side(p: Tensor, hp: _spec.COAP) -> str | None:
+        shape = tuple(p.shape)
+        return _spec.side_of(shape) if _spec.is_projected(shape, hp) else None
+
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.COAP,
                 name: str, inject: Mapping[str, Tensor] | None, prepared: Any) -> None:
         shape = tuple(p.shape)
@@ -145,6 +196,45 @@ class COAP(LowRankOptimizer):
             state[_KEYS[var]] = value
         state["step"] = torch.tensor(t + 1, dtype=torch.int64)
         self.write(p, new_p)
+
+
+def _by_shape(xs: list[Tensor]) -> dict[tuple[int, ...], list[int]]:
+    out: dict[tuple[int, ...], list[int]] = {}
+    for i, x in enumerate(xs):
+        out.setdefault(tuple(x.shape), []).append(i)
+    return out
+
+
+def _dequantize_many(codes: list[Tensor], absmax: list[Tensor]) -> list[Tensor]:
+    """:func:`xopt.specs.coap.dequantize` of each tensor: one pass per shape."""
+    out: list[Any] = [None] * len(codes)
+    code = torch.as_tensor(_spec.dynamic_code(), device=codes[0].device)
+    for shape, idx in _by_shape(codes).items():
+        n = math.prod(shape)
+        q = torch.stack([codes[i].reshape(-1) for i in idx]).to(torch.int64)     # (B, n)
+        scale = torch.stack([absmax[i] for i in idx]).repeat_interleave(
+            _spec.QUANT_BLOCK, dim=1)[:, :n]
+        vals = code.take(q) * scale
+        for j, i in enumerate(idx):
+            out[i] = vals[j].view(shape)
+    return out
+
+
+def _quantize_many(xs: list[Tensor], rounding: str) -> tuple[list[Tensor], list[Tensor]]:
+    """:func:`xopt.specs.coap.quantize` of each tensor, one pass per shape: each tensor
+    zero-padded to whole blocks, the blocks laid end to end, are the blocks quantize makes
+    of it alone (it pads the last one with zeros too), so the bytes are the same."""
+    codes: list[Any] = [None] * len(xs)
+    absmax: list[Any] = [None] * len(xs)
+    for shape, idx in _by_shape(xs).items():
+        n, nb = math.prod(shape), _spec.num_blocks(shape)
+        flat = torch.stack([xs[i].reshape(-1) for i in idx]).to(torch.float32)
+        flat = torch.nn.functional.pad(flat, (0, nb * _spec.QUANT_BLOCK - n))
+        q, a = _spec.quantize(torch, flat.reshape(-1), rounding)
+        q, a = q.view(len(idx), -1)[:, :n], a.view(len(idx), nb)
+        for j, i in enumerate(idx):
+            codes[i], absmax[i] = q[j].view(shape), a[j]
+    return codes, absmax
 
 
 register("coap", "torch", COAP)

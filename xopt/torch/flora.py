@@ -25,6 +25,7 @@ What differs from the original (each documented in :mod:`xopt.specs.flora`):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -34,9 +35,9 @@ from torch import Tensor
 from xopt.errors import StateError
 from xopt.registry import register
 from xopt.specs import flora as _spec
-from xopt.torch._lowrank import LowRankOptimizer
-from xopt.torch._optim import Layout
-from xopt.torch.distributed import local, place_as, state_zeros
+from xopt.torch._lowrank import LowRankOptimizer, chunks
+from xopt.torch._optim import Item, Layout
+from xopt.torch.distributed import is_dtensor, local, place_as, state_zeros
 
 __all__ = ["Flora"]
 
@@ -117,6 +118,69 @@ class Flora(LowRankOptimizer):
     def _prepare(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.Flora,
                  name: str, inject: Mapping[str, Tensor] | None) -> Any:
         return None
+
+    # -- the batched step: factored matrices whose momentum is not compressed (Adafactor,
+    # with or without full momentum) and without weight decay, same-shaped ones stacked:
+    # xopt.specs.flora.update_param's operations on (B, m, n) stacks; every other parameter
+    # (compressed momentum, 1-D, weight decay, injected projections) per parameter
+    def _batchable(self, it: Item, hp: _spec.Flora,
+                   inject: Mapping[str, Tensor] | None) -> bool:
+        shape = tuple(it.param.shape)
+        return (not inject and "step" in self.state[it.param] and not is_dtensor(it.param)
+                and _spec.factored(shape, hp) and not _spec.compressed(shape, hp)
+                and hp.weight_decay == 0)
+
+    def _prepare_batch(self, items: list[Item], hps: Mapping[int, _spec.Flora]) -> None:
+        return None
+
+    def _update_batch(self, items: list[Item], hps: Mapping[int, _spec.Flora],
+                      prepared: None) -> None:
+        groups: dict[Any, list[Item]] = {}
+        for it in items:
+            p = it.param
+            key = (it.gi, int(self.state[p]["step"]), self.state_dtype(p), p.device,
+                   tuple(p.shape))
+            groups.setdefault(key, []).append(it)
+        for (gi, before, sdt, _, shape), its in groups.items():
+            for run in chunks(its, shape):
+                self._adafactor_run(run, hps[gi], before + 1, sdt)
+
+    def _adafactor_run(self, its: list[Item], h: _spec.Flora, t: int, sdt: torch.dtype) -> None:
+        ps = [it.param for it in its]
+        states = [self.state[p] for p in ps]
+        x = torch.stack(ps)
+        x = x if x.dtype == sdt else x.to(sdt)
+        g = torch.stack([it.grad for it in its])
+        g = g if g.dtype == sdt else g.to(sdt)
+        root_n = math.prod(x.shape[1:]) ** 0.5
+        rho = torch.linalg.vector_norm(x, dim=(-2, -1)) / root_n       # rms
+        rel = _spec.relative_step_size(h, t)
+        lr = rel                                                          # learning_rate
+        if h.scale_parameter:
+            eps1 = float(h.eps[1])
+            lr = torch.where(rho > eps1, rho * rel, eps1 * rel)[:, None, None]
+        b2, omb2 = _spec.beta2(t, h.decay_rate)
+        a = g * g + float(h.eps[0])                                       # second_moment_factored
+        row = torch.add(torch.stack([st["exp_avg_sq_row"] for st in states]) * b2,
+                        a.mean(dim=-1), alpha=omb2)
+        col = torch.add(torch.stack([st["exp_avg_sq_col"] for st in states]) * b2,
+                        a.mean(dim=-2), alpha=omb2)
+        del a
+        r = torch.rsqrt(row / row.mean(dim=-1, keepdim=True)).unsqueeze(-1)
+        u = (r * torch.rsqrt(col.unsqueeze(-2))) * g
+        del g
+        if h.use_momentum:                                                # mix, uncompressed
+            u = u * (1 - h.beta1) + torch.stack([st["exp_avg"] for st in states]) * h.beta1
+            torch._foreach_copy_([st["exp_avg"] for st in states], u.unbind(0))
+        u_rms = torch.linalg.vector_norm(u, dim=(-2, -1)) / root_n        # clip
+        u = u / (u_rms / h.clip_threshold).clamp(min=1.0)[:, None, None]
+        x = x - u * lr                                                    # apply (λ = 0)
+        for st in states:
+            st["step"] = t
+        torch._foreach_copy_([st["exp_avg_sq_row"] for st in states], row.unbind(0))
+        torch._foreach_copy_([st["exp_avg_sq_col"] for st in states], col.unbind(0))
+        torch._foreach_copy_([st["RMS"] for st in states], rho.unbind(0))
+        torch._foreach_copy_(ps, x.unbind(0))
 
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.Flora,
                 name: str, inject: Mapping[str, Tensor] | None, prepared: Any) -> None:

@@ -34,7 +34,8 @@ from xopt.registry import register
 from xopt.specs import Hyperparams, lowrank
 from xopt.specs import galore as galore_spec
 from xopt.torch._lowrank import LowRankOptimizer
-from xopt.torch.distributed import local, place_as
+from xopt.torch._optim import Item
+from xopt.torch.distributed import is_dtensor, local, place_as
 
 __all__ = ["GaLore"]
 
@@ -75,6 +76,9 @@ class GaLore(LowRankOptimizer):
       spec: a :class:`xopt.specs.galore.GaLore` giving every field at once.
       nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`);
         ``check_finite=True`` is the older spelling of ``"raise"``.
+      svd_driver: how refreshes decompose (:data:`xopt.torch._lowrank.SVD_DRIVERS`; None:
+        ``torch.linalg.svd``'s default, as the spec; ``"gram"``: the float64 Gram matrix's
+        eigenvectors, see :func:`xopt.torch._lowrank.gram_svd`).
 
     Shapes and dtypes: parameters float32/float64/bfloat16/float16, any shape; projected
     ones are matrices ``(m, n)`` with ``rank <= min(m, n)`` (else
@@ -97,13 +101,14 @@ class GaLore(LowRankOptimizer):
                  proj_type: str | None = None, project: bool | None = None,
                  eps_root: float | None = None, convention: str | None = None,
                  preset: str | None = None, spec: galore_spec.GaLore | None = None,
-                 nonfinite: str | None = None, check_finite: bool | None = None) -> None:
+                 nonfinite: str | None = None, check_finite: bool | None = None,
+                 svd_driver: str | None = None) -> None:
         given = _split_betas(dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, correct_bias=correct_bias,
             rank=rank, update_proj_gap=update_proj_gap, scale=scale, proj_type=proj_type,
             project=project, eps_root=eps_root, convention=convention), "GaLore")
         super().__init__(params, spec=spec, preset=preset, nonfinite=nonfinite,
-                         check_finite=check_finite,
+                         check_finite=check_finite, svd_driver=svd_driver,
                          **{k: v for k, v in given.items() if v is not None})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -133,6 +138,66 @@ class GaLore(LowRankOptimizer):
             galore_spec.injected_projection(
                 inject, old[1], which, cast=lambda a: a.to(device=p.device, dtype=sdt)))
 
+    def _refreshes(self, shape: tuple[int, ...], state: Mapping[str, Any], hp: Hyperparams
+                   ) -> bool:
+        return galore_spec.is_projected(shape, hp) and (
+            "ortho_matrix" not in state
+            or galore_spec.refresh_due(int(state.get("step", 0)), hp))
+
+    def _svd_input(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: Hyperparams,
+                   inject: Mapping[str, Tensor] | None) -> Tensor | None:
+        if not self._refreshes(tuple(p.shape), state, hp) or (
+                inject and "ortho_matrix" in inject):
+            return None
+        sdt = self.state_dtype(p)
+        g = self._grad32(g)
+        return g if g.dtype == sdt else g.to(sdt)
+
+    # -- the batched step (the authors' arithmetic: LowRankOptimizer._hf_adam_batch)
+    def _batchable(self, it: Item, hp: Hyperparams,
+                   inject: Mapping[str, Tensor] | None) -> bool:
+        return (hp.convention == "authors" and not inject and not is_dtensor(it.param)
+                and (not galore_spec.is_projected(tuple(it.param.shape), hp)
+                     or galore_spec.side(tuple(it.param.shape), hp.proj_type) != "full"))
+
+    def _prepare_batch(self, items: list[Item], hps: Mapping[int, Hyperparams]
+                       ) -> dict[int, Tensor]:
+        """The new projection of every item whose update refreshes it (batched SVDs)."""
+        due = [it for it in items
+               if self._refreshes(tuple(it.param.shape), self.state[it.param], hps[it.gi])]
+        mats = [self._svd_input(it.param, it.grad, self.state[it.param], hps[it.gi], None)
+                for it in due]
+        svds = self.svd_batch(mats, [self.param_name(it.gi, it.i) for it in due])
+        out = {}
+        for it, (u, _, vh) in zip(due, svds, strict=True):
+            hp = hps[it.gi]
+            which = galore_spec.side(tuple(it.param.shape), hp.proj_type)
+            out[id(it.param)] = galore_spec.projector_from_svd(u, vh, hp.rank, which)[0]
+        return out
+
+    def _update_batch(self, items: list[Item], hps: Mapping[int, Hyperparams],
+                      prepared: dict[int, Tensor]) -> None:
+        for it in items:
+            p, hp, state = it.param, hps[it.gi], self.state[it.param]
+            shape = tuple(p.shape)
+            if id(p) in prepared:
+                # a copy of its own: not a view holding the whole SVD factor
+                state["ortho_matrix"] = prepared[id(p)].clone(
+                    memory_format=torch.contiguous_format)
+            if "exp_avg" not in state:
+                sdt = self.state_dtype(p)
+                low = galore_spec.low_rank_shape(shape, hp)
+                state["exp_avg"] = torch.zeros(low, dtype=sdt, device=p.device)
+                state["exp_avg_sq"] = torch.zeros(low, dtype=sdt, device=p.device)
+        self._hf_adam_batch(items, hps, self._galore_side, "exp_avg", "exp_avg_sq",
+                            "ortho_matrix")
+
+    @staticmethod
+    def _galore_side(p: Tensor, hp: Hyperparams) -> str | None:
+        shape = tuple(p.shape)
+        return (galore_spec.side(shape, hp.proj_type)
+                if galore_spec.is_projected(shape, hp) else None)
+
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: Hyperparams,
                 name: str, inject: Mapping[str, Tensor] | None, prepared: Any) -> None:
         sdt = self.state_dtype(p)
@@ -144,9 +209,11 @@ class GaLore(LowRankOptimizer):
             which = galore_spec.side(shape, hp.proj_type)
             if prepared is not None:
                 ortho, ortho_right = prepared
-                state["ortho_matrix"] = ortho.contiguous()
+                # copies of their own: a row slice of Vᵀ would keep all of Vᵀ's storage
+                state["ortho_matrix"] = ortho.clone(memory_format=torch.contiguous_format)
                 if which == "full":
-                    state["ortho_matrix_right"] = ortho_right.contiguous()
+                    state["ortho_matrix_right"] = ortho_right.clone(
+                        memory_format=torch.contiguous_format)
             ortho = state["ortho_matrix"]
             ortho_right = state.get("ortho_matrix_right") if which == "full" else None
         if "exp_avg" not in state:

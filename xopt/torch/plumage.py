@@ -39,6 +39,8 @@ from xopt.errors import HyperparameterError
 from xopt.registry import register
 from xopt.specs import plumage as _spec
 from xopt.torch._lowrank import LowRankOptimizer
+from xopt.torch._optim import Item
+from xopt.torch.distributed import is_dtensor
 
 __all__ = ["PLUMAGE"]
 
@@ -71,6 +73,8 @@ class PLUMAGE(LowRankOptimizer):
       spec: a :class:`~xopt.specs.plumage.PLUMAGE` giving all hyperparameters at once.
       nonfinite: ``"ignore"`` (default), ``"raise"`` or ``"skip"`` (:mod:`xopt.nonfinite`);
         ``check_finite=True`` is the older spelling of ``"raise"``.
+      svd_driver: how refreshes decompose (:data:`xopt.torch._lowrank.SVD_DRIVERS`; None:
+        ``torch.linalg.svd``'s default, as the spec).
       **hyperparameters: any other field of the spec (``rank``, ``update_proj_gap``,
         ``resample_interval``, ``proj_side``, ``realign_first_moment``,
         ``realign_second_moment``, ``prob_eps``, ``seed``, ``correct_bias``,
@@ -124,6 +128,63 @@ class PLUMAGE(LowRankOptimizer):
             u, s, _ = self.svd(_spec.oriented(torch, g, side), name)
             decomposition = (u, s)
         return decomposition
+
+    def _svd_input(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.PLUMAGE,
+                   inject: Mapping[str, Tensor] | None) -> Tensor | None:
+        """The oriented gradient :meth:`_prepare` decomposes (same-shaped ones in a batch)."""
+        shape = tuple(p.shape)
+        t = int(state["step"]) if "step" in state else 0
+        if not (_spec.is_projected(shape, hp) and _spec.resample_now(hp, t)[0]) or (
+                inject and "svd_u" in inject):
+            return None
+        g = self._grad32(g).to(self.state_dtype(p))
+        return _spec.oriented(torch, g, _spec.side_of(shape, hp))
+
+    # -- the batched step: updates that do not resample (Adam on R = Pᵀ G with the kept P
+    # and D, xopt.specs.plumage.update_param's arithmetic), same-shaped matrices together
+    # (LowRankOptimizer._hf_adam_batch); resampling updates take update_param per parameter
+    def _batchable(self, it: Item, hp: _spec.PLUMAGE,
+                   inject: Mapping[str, Tensor] | None) -> bool:
+        state = self.state[it.param]
+        if (inject or "step" not in state or is_dtensor(it.param)
+                or not isinstance(hp.lr, (int, float))):
+            return False
+        shape = tuple(it.param.shape)
+        return not _spec.is_projected(shape, hp) or not _spec.resample_now(
+            hp, int(state["step"]))[1]
+
+    def _prepare_batch(self, items: list[Item], hps: Mapping[int, _spec.PLUMAGE]) -> None:
+        return None  # batched updates keep their projection
+
+    def _update_batch(self, items: list[Item], hps: Mapping[int, _spec.PLUMAGE],
+                      prepared: None) -> None:
+        self._hf_adam_batch(items, hps, self._side, "exp_avg", "exp_avg_sq", "projector")
+
+    @staticmethod
+    def _side(p: Tensor, hp: _spec.PLUMAGE) -> str | None:
+        shape = tuple(p.shape)
+        return _spec.side_of(shape, hp) if _spec.is_projected(shape, hp) else None
+
+    @staticmethod
+    def _batch_project(g: Tensor, proj: Tensor, which: str) -> Tensor:
+        """:func:`xopt.specs.plumage.project`: ``Pᵀ G`` (left) or ``G P`` (right)."""
+        return torch.bmm(proj.mT, g) if which == "left" else torch.bmm(g, proj)
+
+    @staticmethod
+    def _batch_directions(ms: list[Tensor], vs: list[Tensor], hp: Any) -> list[Tensor]:
+        """:func:`xopt.specs.plumage.adam_direction` of each pair."""
+        if not hp.eps_inside_sqrt:
+            return LowRankOptimizer._batch_directions(ms, vs, hp)
+        return torch._foreach_div(ms, torch._foreach_sqrt(torch._foreach_add(vs, hp.eps)))
+
+    @staticmethod
+    def _batch_back(n: Tensor, proj: Tensor, states: list[dict[str, Any]], which: str,
+                    hp: Any) -> Tensor:
+        """:func:`xopt.specs.plumage.project_back`: ``P D⁻¹ N`` or ``N D⁻¹ Pᵀ``."""
+        d = torch.stack([st["scale"] for st in states])
+        if which == "left":
+            return torch.bmm(proj, n / d[:, :, None])
+        return torch.bmm(n / d[:, None, :], proj.mT)
 
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.PLUMAGE,
                 name: str, inject: Mapping[str, Tensor] | None, prepared: Any) -> None:
