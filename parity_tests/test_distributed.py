@@ -50,10 +50,6 @@ CASES = {
 
 #: (method, sharding) cells that fail today, with the rank's exception
 KNOWN = {
-    ("velo", "fsdp2"): (
-        "VeLO under FSDP2 with a parameter FSDP2 leaves plain (the trace's scalar 'scale', "
-        "and 'vec/b' of 33 rows) beside DTensor parameters: DTensor's dispatch asserts in "
-        "the update's p.sub_(u) (small_fc_lopt and μLO take the same mix)", "AssertionError"),
 }
 
 

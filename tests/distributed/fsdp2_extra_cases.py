@@ -188,3 +188,60 @@ def coap8_fsdp2_dcp(root: str, rows: int) -> dict[str, Any]:
     _step(model, opt, 3, True)
     out["step_at_2"] = cases.worst(cases.snapshot(model, opt), ref[3], "step 3 on 2 ranks")
     return out
+
+
+# -- a parameter FSDP2 leaves plain beside sharded ones ------------------------------------------
+
+
+class _ScaledLinear(torch.nn.Module):
+    """An 8 × 8 weight (FSDP2 shards it) times a scalar gain (left out of FSDP2, as a user
+    leaves a scalar: a plain tensor whose gradient the user averages)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gain = torch.nn.Parameter(torch.tensor(0.7))  # first: the step's first tensor
+        self.weight = torch.nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T * self.gain
+
+
+def _scaled_step(method: str, model, opt, t: int, distributed: bool) -> None:
+    x, y = cases.batch("poet", t)  # 8 × 8 inputs and targets
+    if distributed:
+        x, y = cases.my_rows(x), cases.my_rows(y)
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    if distributed:  # FSDP2 reduces only what it manages
+        g = model.gain.grad
+        dist.all_reduce(g)
+        g.div_(dist.get_world_size())
+    cases.opt_step(method, opt, loss.detach())
+
+
+def plain_beside_sharded(method: str) -> dict[str, Any]:
+    """3 steps of a learned optimizer over :class:`_ScaledLinear` under FSDP2 (the weight
+    a DTensor, the gain plain) against one process: the worst closed-loop error, whether
+    the ranks agree, and the classes of the gain's state tensors (plain, as the gain)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ref_model = _ScaledLinear()
+    ref = cases.make_optimizer(method, ref_model, alone=True)
+    model = _ScaledLinear()
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)),
+                ignored_params={model.gain})
+    opt = cases.make_optimizer(method, model)
+    worst, agree = (0.0, "-"), True
+    for t in range(3):
+        _scaled_step(method, ref_model, ref, t, False)
+        _scaled_step(method, model, opt, t, True)
+        now = cases.snapshot(model, opt)
+        e = cases.worst(now, cases.snapshot(ref_model, ref), f"step {t}")
+        worst = e if e[0] > worst[0] else worst
+        agree = agree and cases.ranks_agree(now)
+    return {"closed": worst, "ranks_agree": agree,
+            "weight": type(model.weight).__name__,
+            "gain_state": sorted({type(v).__name__ for v in opt.state[model.gain].values()
+                                  if isinstance(v, torch.Tensor)})}

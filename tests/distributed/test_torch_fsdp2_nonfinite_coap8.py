@@ -1,6 +1,7 @@
 """FSDP2 on 2 gloo ranks, against one process: the NaN/inf policy (``nonfinite=``) when a
-NaN sits in one rank's gradient shard only, and 8-bit COAP's state (``state_bits=8``)
-through training and DCP with resharding (2 -> 1 -> 2 ranks)."""
+NaN sits in one rank's gradient shard only, 8-bit COAP's state (``state_bits=8``)
+through training and DCP with resharding (2 -> 1 -> 2 ranks), and the learned optimizers
+given a parameter FSDP2 leaves plain (a scalar) beside sharded ones."""
 
 from __future__ import annotations
 
@@ -69,3 +70,15 @@ def test_coap_8bit_state_under_fsdp2_and_dcp_resharded(gang, tmp_path, rows):
     for r in results:
         assert r["load_at_2"][0] == 0.0, f"not bit-exact: {r['load_at_2']}"
         assert r["step_at_2"][0] <= CLOSED, r["step_at_2"]
+
+
+@pytest.mark.parametrize("method", ["small_fc_lopt", "velo", "mulo"])
+def test_learned_optimizer_with_a_plain_parameter_beside_sharded_ones(gang, method):
+    """A scalar FSDP2 leaves plain beside an 8 x 8 DTensor weight: the learned optimizers
+    run over both at once (VeLO's LSTM takes one row per tensor), the scalar's state and
+    step stay plain, and 3 steps match one process within the closed-loop bound."""
+    for r in gang.run(cases.plain_beside_sharded, method):
+        assert r["weight"] == "DTensor", r
+        assert r["gain_state"] == ["Tensor"], r
+        assert r["ranks_agree"], r
+        assert r["closed"][0] <= CLOSED, r["closed"]

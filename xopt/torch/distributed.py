@@ -530,17 +530,16 @@ def settle(t: Tensor) -> Tensor:
 
 
 def plain_as_replicated(params: Iterable[Tensor]) -> Any:
-    """The context of a step over DTensor parameters (when the first of ``params`` is one;
-    else a null context): plain tensors meeting DTensors count as replicated (a learned
-    optimizer's meta-parameters and time features, a replicated projection), and every
-    result that DTensor leaves as a pending sum over shards (``Partial``: a reduction or a
-    contraction over a sharded dimension) is completed at once, at its reduced size, by
-    :func:`settle`; left pending, it would meet a parameter-sized operand and be reduce-
-    scattered at the parameter's size."""
+    """The context of a step over DTensor parameters (when any of ``params`` is one, also
+    beside a scalar FSDP2 leaves plain; else a null context): plain tensors meeting
+    DTensors count as replicated (a learned optimizer's meta-parameters and time
+    features, a replicated projection), and every result that DTensor leaves as a pending
+    sum over shards (``Partial``: a reduction or a contraction over a sharded dimension) is
+    completed at once, at its reduced size, by :func:`settle`; left pending, it would meet
+    a parameter-sized operand and be reduce-scattered at the parameter's size."""
     import contextlib
 
-    first = next(iter(params), None)
-    if first is None or not is_dtensor(first):
+    if not any(is_dtensor(p) for p in params):
         return contextlib.nullcontext()
     from torch.distributed.tensor.experimental import implicit_replication
 

@@ -47,6 +47,7 @@ from xopt.registry import register
 from xopt.specs import arrays
 from xopt.specs import velo as _spec
 from xopt.torch._lopt import Entry, LearnedOptimizer
+from xopt.torch.distributed import is_dtensor
 
 __all__ = ["VeLO"]
 
@@ -265,14 +266,25 @@ class VeLO(LearnedOptimizer):
             pdev = e.param.device
             d = on(pdev)
             st = e.state
+            p = e.param
             step, accs = _spec.update_tensor(
-                torch, hp, e.p32, e.grad, *(st[v] for v in _ACC_VARS), controls[i].to(pdev),
-                lr_mult[i].to(pdev), d["meta"], d["decays"])
+                torch, hp, e.p32, e.grad, *(st[v] for v in _ACC_VARS),
+                _row_for(p, controls[i]).to(pdev), _row_for(p, lr_mult[i]).to(pdev),
+                d["meta"], d["decays"])
             for v, a in zip(_ACC_VARS, accs, strict=True):
                 st[v] = a
-            st["lstm_hidden"] = hidden[i].to(pdev, copy=True)
-            st["lstm_cell"] = cell[i].to(pdev, copy=True)
+            st["lstm_hidden"] = _row_for(p, hidden[i]).to(pdev, copy=True)
+            st["lstm_cell"] = _row_for(p, cell[i]).to(pdev, copy=True)
             self._apply_step(e, step)
+
+
+def _row_for(p: Tensor, x: Tensor) -> Tensor:
+    """``p``'s row ``x`` of the LSTM's outputs. Under FSDP2 the LSTM runs over every tensor
+    at once, so its outputs are replicated DTensors as soon as one parameter is a DTensor;
+    a parameter FSDP2 leaves plain (a scalar, an ignored parameter) takes its row as a
+    plain tensor (the replicated row's local block is the whole row), so that its state
+    and its step stay plain like the parameter."""
+    return x.full_tensor() if is_dtensor(x) and not is_dtensor(p) else x
 
 
 register("velo", "torch", VeLO)
