@@ -965,13 +965,21 @@ def quantize(xp: ModuleType, x: Any, rounding: str = "cuda") -> tuple[Any, Any]:
     nonzero = absmax > 0
     inv = 1.0 / xp.where(nonzero, absmax, xp.ones_like(absmax))
     y = blocks * arrays.expand_dims(xp, inv, 1)
+    q = encode(xp, y, rounding)
+    q = xp.where(arrays.expand_dims(xp, nonzero, 1), q, q * 0)
+    q = q.reshape(-1)[:n].reshape(shape)
+    return _astype(xp, q, "uint8"), absmax
+
+
+def encode(xp: ModuleType, y: Any, rounding: str = "cuda") -> Any:
+    """The code-book index (an integer array of ``y``'s shape) of each float32 ``y = x ·
+    (1/absmax of its block)``, as :func:`quantize` picks it (``rounding``): elementwise, so
+    a caller that holds part of a tensor and its blocks' absmax encodes that part alone."""
     if rounding == "cpu":
         bins = (arrays.clip(xp, y, -1.0, 1.0) + 1.0) * 0.5 * float(LUT_SIZE - 1) + 0.5
         bins = _astype(xp, bins, "int64" if arrays.is_torch(xp) else "int32")
         lut = arrays.constant(xp, cpu_lookup_table(), bins)
-        q = xp.take(lut, bins)
-        q = xp.where(arrays.expand_dims(xp, nonzero, 1), q, q * 0)
-        return _astype(xp, q.reshape(-1)[:n].reshape(shape), "uint8"), absmax
+        return xp.take(lut, bins)
     code = arrays.constant(xp, dynamic_code(), y)
     idx = xp.int64 if arrays.is_torch(xp) else xp.int32  # torch.take wants int64
     pivot = xp.full_like(y, 127, dtype=idx)
@@ -989,10 +997,7 @@ def quantize(xp: ModuleType, x: Any, rounding: str = "cuda") -> tuple[Any, Any]:
     gt = y > val
     mid_up = (upper + val) * 0.5
     mid_lo = (lower + val) * 0.5
-    q = xp.where(gt, xp.where(y > mid_up, up_p, pivot), xp.where(y < mid_lo, lo_p, pivot))
-    q = xp.where(arrays.expand_dims(xp, nonzero, 1), q, q * 0)
-    q = q.reshape(-1)[:n].reshape(shape)
-    return _astype(xp, q, "uint8"), absmax
+    return xp.where(gt, xp.where(y > mid_up, up_p, pivot), xp.where(y < mid_lo, lo_p, pivot))
 
 
 def dequantize(xp: ModuleType, codes: Any, absmax: Any) -> Any:
@@ -1016,19 +1021,27 @@ def _astype(xp: ModuleType, x: Any, dtype: str) -> Any:
 # -- one parameter, one update (the oracle; xopt.torch runs it with xp=torch) -------------------
 
 
-def moments_of(xp: ModuleType, hp: COAP, st: Mapping[str, Any]) -> tuple[Any, Any]:
+#: ``(quantize, dequantize)`` of the 8-bit moments, each as the functions of that name
+#: without ``xp`` (a backend's own, e.g. on tensors split across devices)
+Codec = tuple[Callable[[Any, str], tuple[Any, Any]], Callable[[Any, Any], Any]]
+
+
+def moments_of(xp: ModuleType, hp: COAP, st: Mapping[str, Any],
+               codec: Codec | None = None) -> tuple[Any, Any]:
     """``(M, V)`` in float32 (dequantised under ``state_bits=8``); None where absent."""
     if hp.state_bits == 8:
-        return (dequantize(xp, st["m_q"], st["m_absmax"]),
-                dequantize(xp, st["v_q"], st["v_absmax"]))
+        deq = codec[1] if codec else (lambda q, a: dequantize(xp, q, a))
+        return deq(st["m_q"], st["m_absmax"]), deq(st["v_q"], st["v_absmax"])
     return st.get("m"), st.get("v")
 
 
-def store_moments(xp: ModuleType, hp: COAP, st: dict[str, Any], m: Any, v: Any) -> None:
+def store_moments(xp: ModuleType, hp: COAP, st: dict[str, Any], m: Any, v: Any,
+                  codec: Codec | None = None) -> None:
     """Write ``M, V`` into the state (quantised under ``state_bits=8``)."""
     if hp.state_bits == 8:
-        st["m_q"], st["m_absmax"] = quantize(xp, m, hp.quant_rounding)
-        st["v_q"], st["v_absmax"] = quantize(xp, v, hp.quant_rounding)
+        qz = codec[0] if codec else (lambda x, r: quantize(xp, x, r))
+        st["m_q"], st["m_absmax"] = qz(m, hp.quant_rounding)
+        st["v_q"], st["v_absmax"] = qz(v, hp.quant_rounding)
     else:
         st["m"], st["v"] = m, v
 
@@ -1038,7 +1051,7 @@ def param_step(xp: ModuleType, hp: COAP, p: Any, g: Any, st: dict[str, Any], t: 
                omega: Callable[[], Any] | None = None,
                qr: Callable[[Any], tuple[Any, Any]] | None = None,
                svd: Callable[[Any], tuple[Any, Any, Any]] | None = None,
-               ) -> tuple[Any, dict[str, Any]]:
+               codec: Codec | None = None) -> tuple[Any, dict[str, Any]]:
     """One COAP update of one parameter, in the authors' order of operations.
 
     Args:
@@ -1053,6 +1066,7 @@ def param_step(xp: ModuleType, hp: COAP, p: Any, g: Any, st: dict[str, Any], t: 
       aux: receives internals by the traces' aux names (without the parameter prefix).
       omega: draws the initial Ω (default :func:`initial_omega` under NumPy).
       qr, svd: decompositions for Eqn 7 and Tucker (see :func:`orthogonal_basis`).
+      codec: the 8-bit moments' :func:`quantize` and :func:`dequantize` (default: those).
     Returns:
       ``(new p, new st)``.
     """
@@ -1060,7 +1074,7 @@ def param_step(xp: ModuleType, hp: COAP, p: Any, g: Any, st: dict[str, Any], t: 
     st = dict(st)
     eight = hp.state_bits == 8
     projected = is_projected(shape, hp)
-    m_cur, v_cur = moments_of(xp, hp, st)
+    m_cur, v_cur = moments_of(xp, hp, st, codec)
     r = g
     side = side_of(shape) if projected else None
     if projected:
@@ -1092,8 +1106,8 @@ def param_step(xp: ModuleType, hp: COAP, p: Any, g: Any, st: dict[str, Any], t: 
             if hp.optimizer == "adamw":
                 v_cur = v
             if eight:  # the authors store the carried moments quantised, then read them back
-                store_moments(xp, hp, st, m_cur, v_cur)
-                m_cur, v_cur = moments_of(xp, hp, st)
+                store_moments(xp, hp, st, m_cur, v_cur, codec)
+                m_cur, v_cur = moments_of(xp, hp, st, codec)
             if aux is not None:
                 if m_cur is not None:
                     aux["restored_exp_avg"] = m_cur
@@ -1111,7 +1125,7 @@ def param_step(xp: ModuleType, hp: COAP, p: Any, g: Any, st: dict[str, Any], t: 
         step_size = lowrank.hf_step_size(hp.lr, hp.b1, hp.b2, count, hp.correct_bias)
         full = project_back(xp, n, projection_of(st, shape), side, hp.scale) if projected \
             else n
-        store_moments(xp, hp, st, m_cur, v_cur)
+        store_moments(xp, hp, st, m_cur, v_cur, codec)
         if aux is not None and projected:
             aux["update_full"] = full
         return lowrank.hf_apply(p, full, step_size, hp.lr, hp.weight_decay), st
