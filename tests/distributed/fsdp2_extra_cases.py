@@ -245,3 +245,47 @@ def plain_beside_sharded(method: str) -> dict[str, Any]:
             "weight": type(model.weight).__name__,
             "gain_state": sorted({type(v).__name__ for v in opt.state[model.gain].values()
                                   if isinstance(v, torch.Tensor)})}
+
+
+def coap8_blocks_across_shards(rounding: str) -> dict[str, Any]:
+    """8-bit COAP's AdamW moments of a 9 × 1000 weight (9000 entries: blocks of 4096 at
+    entries 0, 4096 and 8192, so the second block spans both ranks' rows, 5 and 4) under
+    FSDP2, given the same gradients as one process for 2 steps: the keys whose bytes differ
+    from one process's (the moments are elementwise, so none may), and the placements of
+    the codes and absmax."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import xopt.torch as xt
+    from xopt.torch.distributed import set_process_group
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Linear(1000, 9, bias=False)
+
+    def coap(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return xt.COAP([{"params": [m.weight], "project": False}], lr=1e-2, rank=2,
+                       state_bits=8, quant_rounding=rounding)
+
+    ref_model = make()
+    ref = coap(ref_model)
+    set_process_group(ref, None)
+    model = make()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fully_shard(model, mesh=mesh)
+    opt = coap(model)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        grad = torch.randn(9, 1000, generator=g) * torch.logspace(-4, 0, 1000)
+        ref_model.weight.grad = grad.clone()
+        model.weight.grad = distribute_tensor(grad, mesh, [Shard(0)])
+        ref.step()
+        opt.step()
+    now, one = cases.snapshot(model, opt), cases.snapshot(ref_model, ref)
+    st = opt.state[model.weight]
+    return {"differ": sorted(k for k in one if not np.array_equal(now[k], one[k])),
+            "keys": sorted(one),
+            "codes": str(st["exp_avg_codes"].placements),
+            "absmax": str(st["exp_avg_absmax"].placements),
+            "blocks": int(st["exp_avg_absmax"].shape[0])}

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import fsdp2_extra_cases as cases
 import pytest
-from known import KnownFailure
-
-from xopt.torch.launch import RankError
 
 CLOSED = 1e-5
 METHODS = ("adamw", "small_fc_lopt", "galore", "coap")
@@ -43,23 +40,11 @@ def test_a_nan_on_one_ranks_shard_raises_on_every_rank(gang, method):
         assert r["closed"][0] <= CLOSED, r["closed"]
 
 
-UNEVEN = ("8-bit COAP quantises a moment in blocks of its flattened elements, and DTensor "
-          "cannot flatten a tensor sharded unevenly (9 rows on 2 ranks): the first step "
-          "fails (xopt/specs/coap.py quantize)")
-
-
-@pytest.mark.parametrize("rows", [
-    8, pytest.param(9, marks=pytest.mark.xfail(strict=True, raises=KnownFailure,
-                                               reason=UNEVEN))])
+@pytest.mark.parametrize("rows", [8, 9])
 def test_coap_8bit_state_under_fsdp2_and_dcp_resharded(gang, tmp_path, rows):
     """Against one process within the closed-loop bound; every load bit for bit (the uint8
     codes and their absmax included)."""
-    try:
-        results = gang.run(cases.coap8_fsdp2_dcp, str(tmp_path), rows)
-    except RankError as e:
-        if rows == 9 and "Cannot flatten unevenly sharded tensor" in e.exc_message:
-            raise KnownFailure(UNEVEN) from e
-        raise
+    results = gang.run(cases.coap8_fsdp2_dcp, str(tmp_path), rows)
     for r in results:
         assert r["codes"], "no 8-bit state: state_bits=8 was not in effect"
         assert r["ranks_agree"], r
@@ -70,6 +55,20 @@ def test_coap_8bit_state_under_fsdp2_and_dcp_resharded(gang, tmp_path, rows):
     for r in results:
         assert r["load_at_2"][0] == 0.0, f"not bit-exact: {r['load_at_2']}"
         assert r["step_at_2"][0] <= CLOSED, r["step_at_2"]
+
+
+@pytest.mark.parametrize("rounding", ["cuda", "cpu"])
+def test_coap_8bit_codes_are_one_process_bytes_with_blocks_across_shards(gang, rounding):
+    """The 8-bit moments under FSDP2 are quantised in the whole moment's row-major blocks of
+    4096, as in one process, though a block spans two ranks' rows: given the same
+    gradients, the codes, the absmax, the parameter and the step are one process's bytes.
+    The codes are placed as the moment (each rank its rows' codes); absmax, one float per
+    block of the whole moment, is replicated."""
+    for r in gang.run(cases.coap8_blocks_across_shards, rounding):
+        assert "state/weight/exp_avg_codes" in r["keys"], r["keys"]
+        assert r["blocks"] == 3, r
+        assert r["differ"] == [], r
+        assert r["codes"] == "(Shard(dim=0),)" and r["absmax"] == "(Replicate(),)", r
 
 
 @pytest.mark.parametrize("method", ["small_fc_lopt", "velo", "mulo"])

@@ -38,7 +38,7 @@ from xopt.registry import register
 from xopt.specs import coap as _spec
 from xopt.torch._lowrank import LowRankOptimizer
 from xopt.torch._optim import Item
-from xopt.torch.distributed import is_dtensor, local, place_as
+from xopt.torch.distributed import Layout, is_dtensor, local, place_as
 
 __all__ = ["COAP"]
 
@@ -191,7 +191,8 @@ class COAP(LowRankOptimizer):
 
         new_p, st = _spec.param_step(
             torch, hp, p.detach().to(dtype), g.to(dtype), st, t, inject=prepared,
-            qr=no_decomposition, svd=no_decomposition)
+            qr=no_decomposition, svd=no_decomposition,
+            codec=_SHARDED_CODEC if is_dtensor(p) else None)
         for var, value in st.items():
             state[_KEYS[var]] = value
         state["step"] = torch.tensor(t + 1, dtype=torch.int64)
@@ -235,6 +236,64 @@ def _quantize_many(xs: list[Tensor], rounding: str) -> tuple[list[Tensor], list[
         for j, i in enumerate(idx):
             codes[i], absmax[i] = q[j].view(shape), a[j]
     return codes, absmax
+
+
+# -- 8-bit moments under FSDP2 --------------------------------------------------------------
+# The blocks are the whole moment's (row-major, 4096 entries), as in one process: each rank
+# takes the global flat index of its local entries, the blocks' absmax is completed by one
+# all-reduce (max) of num_blocks floats, and every entry is encoded alone (spec.encode), so
+# the codes and absmax are one process's, byte for byte. The codes are placed as the moment
+# (a rank holds its rows' codes); absmax, one float per block of the whole moment, is
+# replicated. DTensor's own ops would flatten the moment, which it refuses for uneven shards.
+
+
+def _block_of(lay: Layout, device: torch.device) -> Tensor:
+    """The block (global row-major index // 4096) of each local entry of ``lay``."""
+    idx = torch.zeros(lay.local_shape, dtype=torch.int64, device=device)
+    for d, (off, n) in enumerate(zip(lay.offsets, lay.local_shape, strict=True)):
+        shape = [1] * len(lay.shape)
+        shape[d] = n
+        stride = math.prod(lay.shape[d + 1:])
+        idx = idx + (torch.arange(off, off + n, device=device) * stride).view(shape)
+    return idx // _spec.QUANT_BLOCK
+
+
+def _replicated_like(lay: Layout, x: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if lay.mesh is None:
+        return x
+    return DTensor.from_local(x, lay.mesh, [Replicate()] * lay.mesh.ndim, run_check=False)
+
+
+def _sharded_quantize(x: Tensor, rounding: str) -> tuple[Tensor, Tensor]:
+    """:func:`xopt.specs.coap.quantize` of a DTensor moment, on its shards."""
+    import torch.distributed as dist
+
+    lay = Layout.of(x)
+    xl = local(x).to(torch.float32)
+    block = _block_of(lay, xl.device)
+    absmax = torch.zeros(_spec.num_blocks(lay.shape), dtype=torch.float32, device=xl.device)
+    absmax.scatter_reduce_(0, block.reshape(-1), xl.abs().reshape(-1), "amax")
+    for i in sorted({i for dims in lay.sharded.values() for i in dims}):
+        dist.all_reduce(absmax, op=dist.ReduceOp.MAX, group=lay.mesh.get_group(i))
+    nonzero = absmax > 0
+    inv = 1.0 / torch.where(nonzero, absmax, torch.ones_like(absmax))
+    q = _spec.encode(torch, xl * inv[block], rounding)
+    q = torch.where(nonzero[block], q, torch.zeros_like(q))
+    return lay.wrap(q.to(torch.uint8)), _replicated_like(lay, absmax)
+
+
+def _sharded_dequantize(codes: Tensor, absmax: Tensor) -> Tensor:
+    """:func:`xopt.specs.coap.dequantize` of a DTensor's codes, on its shards."""
+    lay = Layout.of(codes)
+    ql = local(codes)
+    am = absmax.full_tensor() if is_dtensor(absmax) else absmax
+    code = torch.as_tensor(_spec.dynamic_code(), device=ql.device)
+    return lay.wrap(code.take(ql.to(torch.int64)) * am.to(ql.device)[_block_of(lay, ql.device)])
+
+
+_SHARDED_CODEC = (_sharded_quantize, _sharded_dequantize)
 
 
 register("coap", "torch", COAP)
