@@ -42,6 +42,8 @@ from xopt.errors import HyperparameterError, StateError
 from xopt.registry import register
 from xopt.specs import poet as spec
 from xopt.torch._optim import Item, Layout, Optimizer
+from xopt.torch.distributed import Layout as ShardLayout
+from xopt.torch.distributed import is_dtensor
 
 __all__ = ["MergeEvery", "POETAdamW", "POETLinear", "convert", "merge_and_reset",
            "poet_param_groups"]
@@ -320,7 +322,7 @@ class POETLinear(nn.Module):
         kernels use TF32 tensor cores (chosen by :meth:`forward` for bf16/fp16 inputs)."""
         if triton_path is None:
             triton_path = self._use_triton(self.oft_R.device)
-        x = self.oft_R.to(self._work_dtype())
+        x = _whole(self.oft_R).to(self._work_dtype())  # FSDP2 outside the forward: gathered
         if triton_path:
             from xopt.kernels import poet_cayley
 
@@ -366,7 +368,7 @@ class POETLinear(nn.Module):
         """``W_eff = R · W0 · P`` as one ``out × in`` matrix (float32)."""
         r_out, r_in = self.rotations(False)
         return _spec_module.effective_weight(
-            self.weight.to(self._work_dtype()), r_out, r_in, self.perm_in.long(),
+            _whole(self.weight).to(self._work_dtype()), r_out, r_in, self.perm_in.long(),
             self.perm_out.long(), xp=torch)
 
     @torch.no_grad()
@@ -380,20 +382,23 @@ class POETLinear(nn.Module):
                                                     self.in_features, self.out_features)
             perm_in = drawn[0] if perm_in is None else perm_in
             perm_out = drawn[1] if perm_out is None else perm_out
+        # under FSDP2 (DTensor parameters outside the forward) each rank merges the whole
+        # layer from its gathered parameters and keeps its own block
         r_out, r_in = self.rotations(False)
-        dev = self.weight.device
+        weight, bias = _whole(self.weight), _whole(self.bias)
+        dev = weight.device
         new_in_inv = torch.as_tensor(_spec_module.inverse(np.asarray(
             perm_in.cpu() if isinstance(perm_in, Tensor) else perm_in)), device=dev)
         new_out_inv = torch.as_tensor(_spec_module.inverse(np.asarray(
             perm_out.cpu() if isinstance(perm_out, Tensor) else perm_out)), device=dev)
-        w = _spec_module.merged_weight(self.weight.to(self._work_dtype()), r_out, r_in,
+        w = _spec_module.merged_weight(weight.to(self._work_dtype()), r_out, r_in,
                                        self.perm_in.long(), self.perm_out.long(),
                                        new_in_inv, new_out_inv, xp=torch)
         if self.bias is not None:
-            nb = _spec_module.merged_bias(self.bias.to(self._work_dtype()), r_out,
+            nb = _spec_module.merged_bias(bias.to(self._work_dtype()), r_out,
                                           self.perm_out.long(), new_out_inv, xp=torch)
-            self.bias.copy_(nb.to(self.bias.dtype))
-        self.weight.copy_(w.to(self.weight.dtype))
+            _write_whole(self.bias, nb)
+        _write_whole(self.weight, w)
         self.set_permutations(perm_in, perm_out)
         self.oft_R.zero_()
         self.merges.fill_(merges)
@@ -446,6 +451,20 @@ def convert(model: nn.Module, block_size: int | None = None, *, spec: spec.POET 
                     child, spec=hp, seed=layer_seed(base_seed, full), **kwargs))
                 count += 1
     return model, count
+
+
+def _whole(t: Tensor | None) -> Tensor | None:
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+def _write_whole(p: Tensor, value: Tensor) -> None:
+    """``p ← value`` (a whole tensor): a DTensor ``p`` takes its local block."""
+    if is_dtensor(p):
+        lay = ShardLayout.of(p)
+        value = value[tuple(slice(o, o + n) for o, n in zip(lay.offsets, lay.local_shape,
+                                                              strict=True))]
+        p = p.to_local()
+    p.copy_(value.to(p.dtype))
 
 
 def poet_layers(model: nn.Module) -> list[POETLinear]:
