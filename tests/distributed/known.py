@@ -32,18 +32,7 @@ class KnownFailure(Exception):
     """A cell failed for its stated reason."""
 
 
-_DTENSOR_MIX = r"got mixed torch\.Tensor and DTensor"
-
-_FSDP2 = {
-    "poet": Known(
-        "POETLinear's forward concatenates the DTensor rotation vector with plain tensors",
-        "RuntimeError", _DTENSOR_MIX),
-}
-
-KNOWN: dict[tuple[str, str], Known] = {
-    **{("fsdp2", m): k for m, k in _FSDP2.items()},
-    **{("dcp_fsdp2", m): k for m, k in _FSDP2.items()},
-}
+KNOWN: dict[tuple[str, str], Known] = {}
 
 
 def marks(cell: str, method: str) -> list:
