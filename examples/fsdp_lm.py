@@ -16,8 +16,8 @@ PLUMAGE decompose each matrix once, on one rank, at their refresh steps
 rank). Rank 0 prints the loss of the global batch every few steps, and the script exits 1
 unless the loss went down.
 
-CompAct and POET-X train through their own layers, which FSDP2 does not shard yet
-(docs/distributed.md); ``--method compact`` and ``--method poet`` run them under DDP.
+CompAct and POET-X train through their own layers (``compact_model``, ``convert``), which
+FSDP2 shards like any other.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ VOCAB, WIDTH, HEADS, LAYERS, CONTEXT = 128, 64, 4, 2, 32
 METHODS = ("adamw", "small_fc_lopt", "velo", "mulo", "galore", "flora", "coap", "plumage",
            "compact", "poet")
 LEARNED = ("small_fc_lopt", "velo", "mulo")
-NOT_UNDER_FSDP2 = ("compact", "poet")
 
 
 def corpus() -> np.ndarray:
@@ -117,7 +116,7 @@ def make_optimizer(method: str, model: Any, steps: int, lr: float) -> Any:
 
 
 def wrap(method: str, model: Any, device: str) -> Any:
-    """FSDP2 (each block a unit, then the root); DDP for the layer methods."""
+    """FSDP2 (each block a unit, then the root)."""
     import torch.distributed as dist
 
     if method == "compact":
@@ -129,10 +128,6 @@ def wrap(method: str, model: Any, device: str) -> Any:
 
         convert(model, block_size=16)
     model.to(device)
-    if method in NOT_UNDER_FSDP2:
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel(model)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
