@@ -266,3 +266,64 @@ def test_jax_layer_matches_torch(variant):
     assert np.abs(got - want).max() <= 1 and np.mean(got != want) < 0.01
     np.testing.assert_allclose(np.asarray(merged["poet"]["weight_scales"]),
                                q.weight_scales.numpy(), rtol=1e-5)
+
+
+# -- the Triton path (TRITON_INTERPRET=1 on the CPU, set by tests/conftest.py) -------------------
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,gs,n", [((48, 64), 256, 37), ((40, 24), 8, 70)])
+def test_dequantising_matmul_kernel(shape, gs, n, dtype):
+    from xopt.kernels import poet_qmm
+
+    gen = torch.Generator().manual_seed(n)
+    w = torch.randn(*shape, generator=gen) * 0.3
+    codes, scales, zeros = (t.to(DEV) for t in P.quantize_weight(w, gs, xp=torch))
+    out_f, in_f = shape
+    # the tile the kernel dequantises is the spec's W0 bit for bit: read it back through
+    # products with the identity
+    eye_in = torch.eye(in_f, device=DEV, dtype=dtype)
+    w0 = P.dequantize_weight(codes, scales, zeros, gs, dtype, xp=torch)
+    assert torch.equal(poet_qmm.matmul_wt(eye_in, codes, scales, zeros, gs), w0.T)
+    eye_out = torch.eye(out_f, device=DEV, dtype=dtype)
+    assert torch.equal(poet_qmm.matmul_w(eye_out, codes, scales, zeros, gs), w0)
+    # products: float32 accumulation in another order than the plain path's matmul
+    w64 = w0.double()
+    for fn, width, ref in ((poet_qmm.matmul_wt, in_f, lambda a: a @ w64.T),
+                           (poet_qmm.matmul_w, out_f, lambda a: a @ w64)):
+        a = torch.randn(n, width, generator=gen).to(device=DEV, dtype=dtype)
+        got = fn(a, codes, scales, zeros, gs).double()
+        want = ref(a.double())
+        # float32: accumulation rounding only; bf16/fp16: one rounding of the result
+        tol = 1e-6 if dtype == torch.float32 else float(torch.finfo(dtype).eps)
+        assert (got - want).abs().max() <= tol * want.abs().max()
+
+
+@pytest.mark.parametrize("variant", ["fast", "mem"])
+def test_triton_layer_matches_plain(variant, monkeypatch):
+    from xopt.kernels import poet_qmm
+
+    calls = []
+    for name in ("matmul_wt", "matmul_w"):
+        fn = getattr(poet_qmm, name)
+        monkeypatch.setattr(poet_qmm, name, lambda *a, _f=fn, _n=name: (calls.append(_n),
+                                                                        _f(*a))[1])
+    q, _ = _pair(variant)
+    t = POETLinear(32, 16, 8, bias=True, variant=variant, weight_bits=8, weight_group_size=64,
+                   impl="triton")
+    t.load_state_dict(q.state_dict())
+    q, t = q.to(DEV), t.to(DEV)
+    x = torch.randn(3, 5, 32, device=DEV)
+    outs = []
+    for layer in (q, t):
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi)
+        y.square().sum().backward()
+        outs.append((y.detach(), xi.grad, layer.oft_R.grad))
+    # the triton layer's products with W0 are the kernel's (mem recomputes y1 with it)
+    assert sorted(calls) == sorted(["matmul_wt", "matmul_w"]
+                                   + (["matmul_wt"] if variant == "mem" else []))
+    for a, b in zip(*outs, strict=True):
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max()

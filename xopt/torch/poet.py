@@ -122,10 +122,10 @@ class _Chain(torch.autograd.Function):
     def forward(ctx, x, r, n_out: int, weight, bias, perm_in, perm_in_inv, perm_out,
                 perm_out_inv, keep_y1: bool, triton_path: bool, cnp=None, wq=None):
         shape = x.shape
-        ctx.wq = wq
-        codes = weight
-        if wq is not None:  # POET-XQ: W0 held as codes; a temporary float W0 per product
-            weight = _dequantize(codes, wq, x.dtype)
+        # POET-XQ: W0 held as codes; the triton path dequantises inside the products
+        # (xopt.kernels.poet_qmm), the plain path into a temporary float W0 per product
+        tf32 = bool(cnp is not None and cnp[2])
+        ctx.wq = (*wq, triton_path, tf32) if wq is not None else None
         x2d = x.reshape(-1, shape[-1])
         cnp_saved = ()
         if cnp is not None:
@@ -142,12 +142,11 @@ class _Chain(torch.autograd.Function):
         r_out, r_in = r[:n_out], r[n_out:]
         x1 = _gather(x2d, perm_in_inv, triton_path)
         x2 = _rotate(x1, r_in)
-        y1 = nn.functional.linear(x2, weight)  # x2 · W0ᵀ (mm; one host call)
+        y1 = _mm_wt(x2, weight, ctx.wq)  # x2 · W0ᵀ (mm; one host call)
         del x2
         if bias is not None:
             y1 += bias
         y = _gather(_rotate(y1, r_out), perm_out, triton_path)
-        weight = codes  # what the backward keeps: the codes for POET-XQ
         if keep_y1:  # fast: the backward needs x1 and y1, keep them (no re-gather)
             ctx.save_for_backward(x1, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, y1,
                                   *cnp_saved)
@@ -163,8 +162,10 @@ class _Chain(torch.autograd.Function):
         xs, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, y1, *cnp_saved = \
             ctx.saved_tensors
         keep_y1, triton_path, shape, n_out = ctx.flags
-        if ctx.wq is not None:
-            weight = _dequantize(weight, ctx.wq, g.dtype)
+        if ctx.wq is not None and not ctx.wq[3]:  # plain POET-XQ: one temporary W0
+            weight, wq = _dequantize(weight, ctx.wq[:3], g.dtype), None
+        else:
+            wq = ctx.wq
         r_out, r_in = r[:n_out], r[n_out:]
         g2d = g.reshape(-1, g.shape[-1])
         if keep_y1:
@@ -172,7 +173,7 @@ class _Chain(torch.autograd.Function):
         else:  # mem: re-gather x1, recompute y1, holding at most two activations at once
             x1 = _gather(xs, perm_in_inv, triton_path)
             x2 = _rotate(x1, r_in)
-            y1 = nn.functional.linear(x2, weight)  # x2 · W0ᵀ (mm; one host call)
+            y1 = _mm_wt(x2, weight, wq)  # x2 · W0ᵀ (mm; one host call)
             del x2
             if bias is not None:
                 y1 += bias
@@ -184,7 +185,7 @@ class _Chain(torch.autograd.Function):
         gy1 = _rotate(g2, r_out, transpose=True)
         del g2
         grad_bias = gy1.sum(0) if bias is not None and ctx.needs_input_grad[4] else None
-        gx2 = torch.mm(gy1, weight)
+        gx2 = _mm_w(gy1, weight, wq)
         del gy1
         if grad_r is not None:
             _outer(x1, gx2, r.shape[0] - n_out, out=grad_r[n_out:])
@@ -204,9 +205,31 @@ class _Chain(torch.autograd.Function):
                 None)
 
 
-def _dequantize(codes: Tensor, wq: tuple[Tensor, Tensor, int], dtype: torch.dtype) -> Tensor:
-    scales, zeros, group_size = wq
+def _dequantize(codes: Tensor, wq: tuple, dtype: torch.dtype) -> Tensor:
+    scales, zeros, group_size = wq[:3]
     return _spec_module.dequantize_weight(codes, scales, zeros, group_size, dtype, xp=torch)
+
+
+def _mm_wt(x2: Tensor, weight: Tensor, wq: tuple | None) -> Tensor:
+    """``x2 · W0ᵀ``; ``wq = (scales, zeros, group_size, triton, tf32)`` for POET-XQ codes."""
+    if wq is None:
+        return nn.functional.linear(x2, weight)
+    if wq[3]:
+        from xopt.kernels import poet_qmm
+
+        return poet_qmm.matmul_wt(x2, weight, wq[0], wq[1], wq[2], wq[4])
+    return nn.functional.linear(x2, _dequantize(weight, wq, x2.dtype))
+
+
+def _mm_w(gy1: Tensor, weight: Tensor, wq: tuple | None) -> Tensor:
+    """``gy1 · W0`` (as :func:`_mm_wt`)."""
+    if wq is None:
+        return torch.mm(gy1, weight)
+    if wq[3]:
+        from xopt.kernels import poet_qmm
+
+        return poet_qmm.matmul_w(gy1, weight, wq[0], wq[1], wq[2], wq[4])
+    return torch.mm(gy1, _dequantize(weight, wq, gy1.dtype))
 
 
 # -- the layer -------------------------------------------------------------------------------
