@@ -19,13 +19,20 @@ traces (test_poet.py).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import needs_jax, needs_torch
+from helpers import has_torch, needs_jax, needs_torch
 
 from xopt.specs import poet as P
+
+if has_torch:
+    import torch
+
+    if not torch.cuda.is_available():  # before triton is imported: its CPU interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CASE = Path(__file__).resolve().parents[1] / "tests/fixtures/parity/poet/xq_in64_out48_b16_g256"
 GS, B = 256, 16
@@ -41,13 +48,13 @@ def rec():
 
 
 def _normalised(rec):
+    """The authors' from_linear normalisation, in torch (its reduction order)."""
     w = rec["linear_weight"]
-    import torch
-
     t = torch.as_tensor(w)
     return (t / torch.norm(t, dim=1, keepdim=True)).numpy()  # the authors' from_linear
 
 
+@needs_torch
 def test_quantisation_is_byte_exact_in_numpy(rec):
     codes, scales, zeros = P.quantize_weight(_normalised(rec), GS)
     for name, got in zip(NAMES, (codes, scales, zeros), strict=True):
@@ -65,8 +72,6 @@ def _steps(rec):
 
 @needs_torch
 def test_torch_layer_replays_the_authors_merges(rec):
-    import torch
-
     from xopt.torch.poet import POETLinear
 
     lin = torch.nn.Linear(64, 48, bias=False)
@@ -94,6 +99,7 @@ def test_torch_layer_replays_the_authors_merges(rec):
 
 
 @needs_jax
+@needs_torch
 def test_jax_merge_replays_the_authors_merges(rec):
     import jax.numpy as jnp
 
@@ -144,3 +150,72 @@ def test_float64_oracle_of_the_merges(rec):
         step = np.repeat(rec[f"{now}/weight_scales"].astype(np.float64), GS, axis=1)
         err = np.abs(rec[f"{now}/dequantized"] - new).reshape(-1, GS)
         assert np.all(err <= step * 0.5 + 1e-6 * np.abs(new).max()), k
+
+
+LAYER = CASE.with_name("xq_layer_in64_out48_b16_g256")
+
+
+@pytest.fixture(scope="module")
+def layer_rec():
+    manifest = json.loads(LAYER.with_suffix(".json").read_text())
+    assert manifest["source"]["commit"].startswith("3a34bb6")
+    with np.load(LAYER.with_suffix(".npz")) as z:
+        return {k: z[k] for k in z.files}
+
+
+def _close(got, want, what):
+    got = np.asarray(got)
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), what
+
+
+@needs_torch
+@pytest.mark.parametrize("impl", ["plain", "triton"])
+@pytest.mark.parametrize("variant", ["fast", "mem"])
+def test_torch_layer_replays_the_authors_forward(layer_rec, variant, impl):
+    """One teacher-forced step of QPOETLinear (the Triton Cayley kernel's "product"
+    series): output and both gradients within 1e-6."""
+    from xopt.torch.poet import POETLinear
+
+    if impl == "triton" and not (torch.cuda.is_available()
+                                 or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("the triton path needs a GPU, or TRITON_INTERPRET=1 on the CPU")
+    r = {k.split("/", 1)[1]: v for k, v in layer_rec.items() if k.startswith(variant + "/")}
+    layer = POETLinear(64, 48, B, variant=variant, weight_bits=8, weight_group_size=GS,
+                       impl=impl)
+    with torch.no_grad():
+        for name in (*NAMES, "oft_R"):
+            getattr(layer, name).copy_(torch.as_tensor(r[name]))
+        layer.set_permutations(r["perm_in"], r["perm_out"])
+    x = torch.as_tensor(r["x"]).requires_grad_(True)
+    y = layer(x)
+    y.backward(torch.as_tensor(r["grad_output"]))
+    _close(y.detach(), r["y"], "y")
+    _close(x.grad, r["grad_input"], "grad_input")
+    _close(layer.oft_R.grad, r["grad/oft_R"], "grad/oft_R")
+
+
+@needs_jax
+@pytest.mark.parametrize("variant", ["fast", "mem"])
+def test_jax_layer_replays_the_authors_forward(layer_rec, variant):
+    import jax
+    import jax.numpy as jnp
+
+    from xopt.jax.poet import POETDense
+
+    r = {k.split("/", 1)[1]: v for k, v in layer_rec.items() if k.startswith(variant + "/")}
+    dense = POETDense(48, block_size=B, variant=variant, weight_bits=8, weight_group_size=GS)
+    poet = dict(dense.init(jax.random.PRNGKey(0), jnp.zeros((1, 64)))["poet"])
+    for name in NAMES:
+        poet[name] = jnp.asarray(r[name])
+    for name in ("perm_in", "perm_out"):
+        poet[name] = jnp.asarray(r[name])
+        poet[name + "_inv"] = jnp.asarray(P.inverse(r[name]), jnp.int32)
+
+    def f(oft, x):
+        return dense.apply({"params": {"oft_R": oft}, "poet": poet}, x)
+
+    y, vjp = jax.vjp(f, jnp.asarray(r["oft_R"]), jnp.asarray(r["x"]))
+    g_oft, g_x = vjp(jnp.asarray(r["grad_output"]))
+    _close(y, r["y"], "y")
+    _close(g_x, r["grad_input"], "grad_input")
+    _close(g_oft, r["grad/oft_R"], "grad/oft_R")
