@@ -133,11 +133,11 @@ def _compact(model: nn.Module, steps: int) -> Any:
     return xt.CompActAdamW(model.parameters(), lr=1e-3)
 
 
-def _poet(variant: str) -> Callable[[nn.Module, int], Any]:
+def _poet(variant: str, **kw: Any) -> Callable[[nn.Module, int], Any]:
     def make(model: nn.Module, steps: int) -> Any:
         block = 256 if model.embed.embedding_dim >= 1024 else 16
         xpoet.convert(model, block_size=block, exclude_modules=("lm_head", "embed"),
-                      variant=variant)
+                      variant=variant, **kw)
         groups = xpoet.poet_param_groups(model, lr=1e-3, poet_lr=5e-4)
         return xpoet.POETAdamW(groups, model=model, merge_interval=GAP)
     return make
@@ -157,6 +157,8 @@ METHODS: dict[str, Callable[[nn.Module, int], Any]] = {
     "CompAct": _compact,
     "POET-X fast": _poet("fast"),
     "POET-X mem": _poet("mem"),
+    # W0 in the authors' 8-bit format (groups of 256), dequantised inside each product
+    "POET-XQ": _poet("mem", weight_bits=8, weight_group_size=256),
 }
 
 

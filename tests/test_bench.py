@@ -104,7 +104,7 @@ def test_train_step_tiny(tmp_path):
     assert list(rows) == [
         "torch.optim.AdamW(fused)", "xopt AdamW", "GaLore", "Flora", "COAP", "COAP 8-bit",
         "PLUMAGE",
-        "small_fc_lopt", "VeLO", "CompAct", "POET-X fast", "POET-X mem"], out
+        "small_fc_lopt", "VeLO", "CompAct", "POET-X fast", "POET-X mem", "POET-XQ"], out
     for name, r in rows.items():
         assert r["step_ms_max"] >= r["step_ms_median"] > 0 and r["state_bytes"] > 0, name
         assert r["tokens_per_s"] > 0 and len(r["loss_first_last"]) == 2, name

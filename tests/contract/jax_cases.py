@@ -175,6 +175,22 @@ def _poet_model() -> tuple[Any, Any, str]:
     return module, module.init(jax.random.PRNGKey(0), jnp.zeros((1, 4))), "params"
 
 
+def _poet_xq_model() -> tuple[Any, Any, str]:
+    """POET-XQ: the rotations over an 8-bit W0 (groups of 8)."""
+    import flax.linen as nn
+
+    from xopt.jax.poet import POETDense
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return POETDense(4, block_size=2, seed=3, variant="mem", weight_bits=8,
+                             weight_group_size=8, name="rot")(x)
+
+    module = Model()
+    return module, module.init(jax.random.PRNGKey(0), jnp.zeros((1, 4))), "params"
+
+
 @functools.cache
 def cases() -> tuple[JaxCase, ...]:
     import xopt.jax as xj
@@ -261,7 +277,19 @@ def cases() -> tuple[JaxCase, ...]:
                             weight_decay=0.7),
             static=("merge_interval",),
             not_arguments={f: "a property of the POETDense layer, not of its optimizer"
-                           for f in ("block_size", "neumann_terms", "seed")}),
+                           for f in ("block_size", "neumann_terms", "seed",
+                                     "weight_group_size")}),
+        JaxCase(
+            id="poet_adamw/xq", method="poet", factory=xj.poet_adamw, params=tiny_params,
+            model=_poet_xq_model, modules=("POETDense",),
+            kwargs=dict(learning_rate=1e-2, poet_scale=0.5, b1=0.9, b2=0.999, eps=1e-6,
+                        weight_decay=0.1, merge_interval=2),
+            injectable=dict(learning_rate=3e-2, poet_scale=0.25, b1=0.5, b2=0.9, eps=0.3,
+                            weight_decay=0.7),
+            static=("merge_interval",),
+            not_arguments={f: "a property of the POETDense layer, not of its optimizer"
+                           for f in ("block_size", "neumann_terms", "seed",
+                                     "weight_group_size")}),
         JaxCase(
             id="compact_adamw", method="compact", factory=xj.compact_adamw,
             params=_compact_params, model=_compact_model, extra=_compact_projections,

@@ -112,6 +112,16 @@ def _poet_model(dtype: torch.dtype = torch.float32) -> nn.Module:
     return _seeded(build, dtype)
 
 
+def _poet_xq_model(dtype: torch.dtype = torch.float32) -> nn.Module:
+    """POET-XQ: the same model with W0 in 8 bits (groups of 16)."""
+    def build() -> nn.Module:
+        return nn.Sequential(xt.POETLinear(8, 8, block_size=4, seed=5, impl="plain",
+                                           variant="mem", weight_bits=8, weight_group_size=16),
+                             nn.Tanh(), nn.Linear(8, 3))
+
+    return _seeded(build, dtype)
+
+
 def _conv_model(dtype: torch.dtype = torch.float32) -> nn.Module:
     """A linear layer (inputs of width 4, as :func:`mlp`) into a conv kernel (4, 3, 2, 2):
     COAP's Tucker-2 path."""
@@ -162,6 +172,10 @@ CASES: list[Case] = [
          lambda m, ps, **kw: xt.POETAdamW(ps, **_kw(dict(lr=1e-2, merge_interval=2, model=m),
                                                     kw)),
          lr=1e-2),
+    Case("poet/xq", "poet", _poet_xq_model,
+         lambda m, ps, **kw: xt.POETAdamW(ps, **_kw(dict(lr=1e-2, merge_interval=2, model=m),
+                                                    kw)),
+         lr=1e-2),
     Case("mulo", "mulo", mlp,
          lambda m, ps, **kw: xt.MuLO(ps, **_kw(dict(num_training_steps=100, lr=1.0), kw)),
          lr=1.0, takes_loss=True),
@@ -190,6 +204,7 @@ LAYERS = [
     # the plain path builds the skew-symmetric index tables with NumPy in the spec
     # (xopt/specs/poet.py, skew): one graph break per forward; the Triton path is the fast one
     ("poet/POETLinear", lambda dtype: _poet_model(dtype)[0], r"ndarray"),
+    ("poet/POETLinear-xq", lambda dtype: _poet_xq_model(dtype)[0], r"ndarray"),
 ]
 
 

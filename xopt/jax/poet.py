@@ -8,7 +8,10 @@ The same layer as :class:`xopt.torch.poet.POETLinear`, computing
 * ``poet`` collection (frozen between merges): ``weight`` (``W0``, ``out × in``),
   ``bias`` (with ``use_bias``), ``perm_in``, ``perm_out``, ``perm_in_inv``,
   ``perm_out_inv`` (int32), ``merges`` (int32) and ``seed`` (the layer's 64-bit
-  permutation seed as two uint32 words).
+  permutation seed as two uint32 words). With ``weight_bits=8`` (POET-XQ) ``weight``
+  holds uint8 codes and ``weight_scales``, ``weight_zeros`` (float32,
+  ``(out·in/weight_group_size, 1)``) sit beside it (:func:`xopt.specs.poet.quantize_weight`);
+  ``W0`` is dequantised inside the forward and, for ``mem``, again in the backward.
 
 ``variant="fast"`` differentiates the forward with JAX's autodiff (XLA keeps what it
 needs); ``variant="mem"`` is a ``jax.custom_vjp`` whose residuals are the input and the
@@ -23,6 +26,7 @@ those and whatever the rest of the model trains; split with ``optax.multi_transf
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Callable, Mapping
@@ -89,6 +93,41 @@ def _chain_bwd(res, g):
 chain_mem.defvjp(full_precision(_chain_fwd), full_precision(_chain_bwd))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+@full_precision
+def chain_mem_q(x, r_out, r_in, codes, scales, zeros, group_size, bias, perm_in, perm_in_inv,
+                perm_out, perm_out_inv):
+    """:func:`chain_mem` of POET-XQ: the residuals hold ``W0``'s codes, not ``W0``."""
+    w = spec_lib.dequantize_weight(codes, scales, zeros, group_size, x.dtype, xp=jnp)
+    return chain_mem(x, r_out, r_in, w, bias, perm_in, perm_in_inv, perm_out, perm_out_inv)
+
+
+def _chain_q_fwd(x, r_out, r_in, codes, scales, zeros, group_size, bias, perm_in, perm_in_inv,
+                 perm_out, perm_out_inv):
+    y = chain_mem_q(x, r_out, r_in, codes, scales, zeros, group_size, bias, perm_in,
+                    perm_in_inv, perm_out, perm_out_inv)
+    return y, (x, r_out, r_in, codes, scales, zeros, bias, perm_in, perm_in_inv, perm_out,
+               perm_out_inv)
+
+
+def _chain_q_bwd(group_size, res, g):
+    x, r_out, r_in, codes, scales, zeros, bias, perm_in, perm_in_inv, perm_out, perm_out_inv = res
+    w = spec_lib.dequantize_weight(codes, scales, zeros, group_size, x.dtype, xp=jnp)
+    gx, g_out, g_in, _, g_bias, *_ = _chain_bwd(
+        (x, r_out, r_in, w, bias, perm_in, perm_in_inv, perm_out_inv), g)
+    del w
+
+    def zero_int(a):
+        return np.zeros(a.shape, dtype=jax.dtypes.float0)
+
+    return (gx, g_out, g_in, zero_int(codes), jnp.zeros_like(scales), jnp.zeros_like(zeros),
+            g_bias, zero_int(perm_in), zero_int(perm_in_inv), zero_int(perm_out),
+            zero_int(perm_out_inv))
+
+
+chain_mem_q.defvjp(full_precision(_chain_q_fwd), full_precision(_chain_q_bwd))
+
+
 # -- the layer -------------------------------------------------------------------------------
 
 
@@ -117,6 +156,9 @@ class POETDense(nn.Module):
         module path (``fold_in(seed, crc32("a/b/c"))``, the rule of ``xopt.torch.poet``).
       weight_init: initialiser of ``W0`` (``(out, in)``); default LeCun normal with the
         rows normalised (``spec.normalize_weights``), as the authors normalise W0.
+      weight_bits, weight_group_size: ``weight_bits=8`` is POET-XQ (``W0`` as the
+        authors' uint8 codes, a scale and a zero point per ``weight_group_size``
+        consecutive elements; merges quantise afresh).
       dtype: dtype of the computation (rotations are always evaluated in float32).
     """
 
@@ -130,6 +172,8 @@ class POETDense(nn.Module):
     seed: int | None = None
     spec: spec_lib.POET | None = None
     weight_init: Callable[..., Any] | None = None
+    weight_bits: int | None = None
+    weight_group_size: int | None = None
     dtype: Any = jnp.float32
 
     def hyperparams(self) -> spec_lib.POET:
@@ -137,7 +181,10 @@ class POETDense(nn.Module):
         over = {k: v for k, v in dict(block_size=self.block_size, variant=self.variant,
                                         neumann_terms=self.neumann_terms,
                                         cayley_formula=self.cayley_formula,
-                                        permutation=self.permutation).items() if v is not None}
+                                        permutation=self.permutation,
+                                        weight_bits=self.weight_bits,
+                                        weight_group_size=self.weight_group_size,
+                                        ).items() if v is not None}
         return hp.replace(**over)
 
     @nn.compact
@@ -157,8 +204,24 @@ class POETDense(nn.Module):
             layer_seed = xrandom.fold_in(hp.seed, zlib.crc32(name))
         pin, pout = spec_lib.layer_permutations(hp, layer_seed, 0, n_in, n_out)
         init = self.weight_init or _normalized_init(hp.normalize_weights)
-        weight = self.variable("poet", "weight", lambda: init(self.make_rng("params"),
-                                                               (n_out, n_in), jnp.float32))
+        quant = None
+        if hp.weight_bits is None:
+            weight = self.variable("poet", "weight", lambda: init(self.make_rng("params"),
+                                                                   (n_out, n_in), jnp.float32))
+        else:
+            gs = hp.weight_group_size
+            spec_lib.quant_groups(n_out, n_in, gs, where="POETDense")
+            made = {}
+
+            def make(i):
+                if not made:
+                    w0 = init(self.make_rng("params"), (n_out, n_in), jnp.float32)
+                    made["q"] = spec_lib.quantize_weight(w0, gs, xp=jnp)
+                return made["q"][i]
+
+            weight = self.variable("poet", "weight", lambda: make(0))
+            quant = (self.variable("poet", "weight_scales", lambda: make(1)).value,
+                     self.variable("poet", "weight_zeros", lambda: make(2)).value, gs)
         bias = (self.variable("poet", "bias", lambda: jnp.zeros((n_out,), jnp.float32))
                 if self.use_bias else None)
         v = {}
@@ -174,8 +237,18 @@ class POETDense(nn.Module):
                                              hp.cayley_formula, xp=jnp)
         x = x.astype(self.dtype)
         rot_out, rot_in = rot_out.astype(self.dtype), rot_in.astype(self.dtype)
-        w = weight.value.astype(self.dtype)
         bb = bias.value.astype(self.dtype) if bias is not None else None
+        if quant is not None and hp.variant == "mem":
+            empty = jnp.zeros((0,), self.dtype)
+            scales, zeros, gs = quant
+            return chain_mem_q(x, rot_out, rot_in, weight.value, scales, zeros, gs,
+                               bb if bb is not None else empty, v["perm_in"],
+                               v["perm_in_inv"], v["perm_out"], v["perm_out_inv"])
+        if quant is not None:
+            w = spec_lib.dequantize_weight(weight.value, quant[0], quant[1], quant[2],
+                                           self.dtype, xp=jnp)
+        else:
+            w = weight.value.astype(self.dtype)
         if hp.variant == "fast":
             y, _ = spec_lib.layer_forward(x, rot_out, rot_in, w, bb, v["perm_in_inv"],
                                           v["perm_out"], xp=jnp)
@@ -221,7 +294,15 @@ def merge_layer(params: Mapping[str, Any], buffers: Mapping[str, Any], hp: spec_
     oft = jnp.asarray(params["oft_R"], jnp.float32)
     m = oft.shape[1]
     b = int(round((1 + np.sqrt(1 + 8 * m)) / 2))
-    w = jnp.asarray(buffers["weight"], jnp.float32)
+    quantized = "weight_scales" in buffers
+    if quantized:  # POET-XQ: dequantise, merge, quantise afresh (in float32, as torch)
+        codes = jnp.asarray(buffers["weight"])
+        gs = codes.size // buffers["weight_scales"].shape[0]
+        w = spec_lib.dequantize_weight(codes, jnp.asarray(buffers["weight_scales"]),
+                                       jnp.asarray(buffers["weight_zeros"]), gs, jnp.float32,
+                                       xp=jnp)
+    else:
+        w = jnp.asarray(buffers["weight"], jnp.float32)
     n_out, n_in = w.shape
     merges = int(buffers["merges"]) + 1
     if perm_in is None or perm_out is None:
@@ -238,7 +319,13 @@ def merge_layer(params: Mapping[str, Any], buffers: Mapping[str, Any], hp: spec_
     new_w = spec_lib.merged_weight(w, r_out, r_in, old_in, old_out, new_in_inv, new_out_inv,
                                    xp=jnp)
     out_buf = dict(buffers)
-    out_buf["weight"] = new_w.astype(jnp.asarray(buffers["weight"]).dtype)
+    if quantized:
+        codes, scales, zeros = spec_lib.quantize_weight(new_w, gs, xp=jnp)
+        out_buf["weight"] = codes
+        out_buf["weight_scales"] = scales.astype(jnp.asarray(buffers["weight_scales"]).dtype)
+        out_buf["weight_zeros"] = zeros.astype(jnp.asarray(buffers["weight_zeros"]).dtype)
+    else:
+        out_buf["weight"] = new_w.astype(jnp.asarray(buffers["weight"]).dtype)
     if "bias" in buffers:
         out_buf["bias"] = spec_lib.merged_bias(jnp.asarray(buffers["bias"], jnp.float32), r_out,
                                                old_out, new_out_inv, xp=jnp)

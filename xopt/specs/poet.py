@@ -90,6 +90,13 @@ class POET(Hyperparams):
                       "backward (keeps only x)", choices=("fast", "mem"))
     normalize_weights: bool = hp(True, doc="from_linear divides each row of W by its norm "
                                  "(replace_linear_with_poet's default)")
+    # POET-XQ (the authors' QPOETConfig / QPOETLinear)
+    weight_bits: int | None = hp(None, doc="None: W0 in the layer's dtype; 8: W0 stored as "
+                                 "uint8 codes with per-group scales and zero points, "
+                                 "dequantised on the fly (POET-XQ)", choices=(None, 8))
+    weight_group_size: int = hp(256, doc="consecutive elements of the row-major W0 sharing "
+                                "one scale and zero point (divides out·in)",
+                                interval=Interval(1, None))
     # POETAdamW / get_poet_optimizer
     lr: float = hp(5e-4, doc="rotations' learning rate (POETConfig.poet_lr)", interval=NONNEGATIVE)
     poet_scale: float = hp(0.5, doc="multiplier on the rotations' learning rate",
@@ -420,6 +427,105 @@ def merged_bias(bias, r_out, perm_out, new_perm_out_inv, *, xp=None):
     xp = xp or _xp_of(bias)
     c = _take_last(xp, block_rotate(bias, r_out, xp=xp), perm_out)
     return _take_last(xp, c, new_perm_out_inv)
+
+
+# -- POET-XQ: W0 in 8 bits --------------------------------------------------------------------
+#
+# The authors' format (poet_torch/core/ops.py, quantize_tensor_int8; QPOETLinear): the
+# row-major W0 is cut into groups of ``group_size`` consecutive elements; each group gets
+# an asymmetric min/max uint8 code with one scale and one zero point, both in W0's dtype,
+# shaped ``(groups, 1)``:
+#
+#     scale = max(max(g) − min(g), 1e-5) / 255
+#     zero  = clip(−round(min(g) / scale), 0, 255)
+#     code  = clip(round(g / scale) + zero, 0, 255)          (round: half to even)
+#     W0 ≈ (code − zero) · scale                             (in the compute dtype)
+#
+# Every operation is one IEEE rounding in W0's dtype, so NumPy, torch and jax.numpy give
+# the same bytes. A merge dequantises W0, folds the rotations in (merged_weight) and
+# quantises the result afresh (QPOETLinear.merge_then_reinitialize).
+
+QUANT_MAX = 255  # 2**8 − 1: uint8 codes
+
+
+def quant_groups(out_features: int, in_features: int, group_size: int,
+                 where: str = "POETLinear") -> int:
+    """The number of quantisation groups of an ``out × in`` W0; names the parameter at
+    fault when ``group_size`` does not divide ``out · in``."""
+    n = out_features * in_features
+    if n % group_size:
+        raise HyperparameterError(
+            f"{where}.weight_group_size = {group_size}: must divide out_features · "
+            f"in_features = {out_features} · {in_features} = {n}")
+    return n // group_size
+
+
+def _amax_amin(xp, g):
+    if xp.__name__ == "torch":
+        return g.amax(dim=1, keepdim=True), g.amin(dim=1, keepdim=True)
+    return xp.max(g, axis=1, keepdims=True), xp.min(g, axis=1, keepdims=True)
+
+
+def _clip(xp, x, lo, hi):
+    return x.clamp(lo, hi) if xp.__name__ == "torch" else xp.clip(x, lo, hi)
+
+
+def _div(xp, a, b):
+    """``a / b`` rounded once (IEEE). XLA rewrites a division by a broadcast operand into a
+    multiplication by its reciprocal (one ulp off in most elements), so under jax.numpy
+    the divisor is broadcast to ``a``'s shape behind an optimisation barrier."""
+    if xp.__name__.startswith("jax"):
+        import jax
+
+        b = jax.lax.optimization_barrier(xp.broadcast_to(xp.asarray(b, dtype=a.dtype), a.shape))
+    return a / b
+
+
+def _as_uint8(xp, x):
+    return x.to(xp.uint8) if xp.__name__ == "torch" else x.astype(xp.uint8)
+
+
+def quantize_weight(w: Any, group_size: int = 256, *, xp=None) -> tuple[Any, Any, Any]:
+    """``(codes, scales, zeros)`` of a 2-d ``w``: uint8 codes of ``w``'s shape, float
+    scales and zero points ``(out·in / group_size, 1)`` in ``w``'s dtype."""
+    xp = xp or _xp_of(w)
+    shape = tuple(w.shape)
+    quant_groups(shape[0], shape[1], group_size, "quantize_weight")
+    g = w.reshape(-1, group_size)
+    hi, lo = _amax_amin(xp, g)
+    spread = hi - lo
+    spread = spread.clamp(min=1e-5) if xp.__name__ == "torch" else xp.maximum(spread, 1e-5)
+    scales = _div(xp, spread, QUANT_MAX)
+    zeros = _clip(xp, -xp.round(_div(xp, lo, scales)), 0, QUANT_MAX)
+    codes = _clip(xp, xp.round(_div(xp, g, scales)) + zeros, 0, QUANT_MAX)
+    return _as_uint8(xp, codes.reshape(shape)), scales, zeros
+
+
+def dequantize_weight(codes: Any, scales: Any, zeros: Any, group_size: int, dtype: Any = None,
+                      *, xp=None) -> Any:
+    """``W0 = (codes − zeros) · scales`` evaluated in ``dtype`` (default: the scales')."""
+    xp = xp or _xp_of(scales)
+    if xp.__name__ == "torch":
+        dtype = dtype or scales.dtype
+        w = codes.to(dtype).reshape(-1, group_size)
+        w = (w - zeros.to(dtype)) * scales.to(dtype)
+    else:
+        dtype = dtype or scales.dtype
+        w = codes.astype(dtype).reshape(-1, group_size)
+        w = (w - zeros.astype(dtype)) * scales.astype(dtype)
+    return w.reshape(codes.shape)
+
+
+def requantized_weight(codes, scales, zeros, group_size, r_out, r_in, perm_in, perm_out,
+                       new_perm_in_inv, new_perm_out_inv, *, dtype=None, xp=None):
+    """POET-XQ's merge: ``W0`` dequantised (in ``dtype``, default the scales'), the
+    rotations folded in for the new permutations (:func:`merged_weight`), quantised
+    afresh; returns the new ``(codes, scales, zeros)`` (scales in ``dtype``)."""
+    xp = xp or _xp_of(scales)
+    w = dequantize_weight(codes, scales, zeros, group_size, dtype, xp=xp)
+    w = merged_weight(w, r_out, r_in, perm_in, perm_out, new_perm_in_inv, new_perm_out_inv,
+                      xp=xp)
+    return quantize_weight(w, group_size, xp=xp)
 
 
 # -- permutations ---------------------------------------------------------------------------

@@ -122,8 +122,12 @@ class _Chain(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, r, n_out: int, weight, bias, perm_in, perm_in_inv, perm_out,
-                perm_out_inv, keep_y1: bool, triton_path: bool, cnp=None):
+                perm_out_inv, keep_y1: bool, triton_path: bool, cnp=None, wq=None):
         shape = x.shape
+        # POET-XQ: W0 held as codes; the triton path dequantises inside the products
+        # (xopt.kernels.poet_qmm), the plain path into a temporary float W0 per product
+        tf32 = bool(cnp is not None and cnp[2])
+        ctx.wq = (*wq, triton_path, tf32) if wq is not None else None
         x2d = x.reshape(-1, shape[-1])
         cnp_saved = ()
         if cnp is not None:
@@ -140,7 +144,7 @@ class _Chain(torch.autograd.Function):
         r_out, r_in = r[:n_out], r[n_out:]
         x1 = _gather(x2d, perm_in_inv, triton_path)
         x2 = _rotate(x1, r_in)
-        y1 = nn.functional.linear(x2, weight)  # x2 · W0ᵀ (mm; one host call)
+        y1 = _mm_wt(x2, weight, ctx.wq)  # x2 · W0ᵀ (mm; one host call)
         del x2
         if bias is not None:
             y1 += bias
@@ -160,6 +164,10 @@ class _Chain(torch.autograd.Function):
         xs, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, y1, *cnp_saved = \
             ctx.saved_tensors
         keep_y1, triton_path, shape, n_out = ctx.flags
+        if ctx.wq is not None and not ctx.wq[3]:  # plain POET-XQ: one temporary W0
+            weight, wq = _dequantize(weight, ctx.wq[:3], g.dtype), None
+        else:
+            wq = ctx.wq
         r_out, r_in = r[:n_out], r[n_out:]
         g2d = g.reshape(-1, g.shape[-1])
         if keep_y1:
@@ -167,7 +175,7 @@ class _Chain(torch.autograd.Function):
         else:  # mem: re-gather x1, recompute y1, holding at most two activations at once
             x1 = _gather(xs, perm_in_inv, triton_path)
             x2 = _rotate(x1, r_in)
-            y1 = nn.functional.linear(x2, weight)  # x2 · W0ᵀ (mm; one host call)
+            y1 = _mm_wt(x2, weight, wq)  # x2 · W0ᵀ (mm; one host call)
             del x2
             if bias is not None:
                 y1 += bias
@@ -179,7 +187,7 @@ class _Chain(torch.autograd.Function):
         gy1 = _rotate(g2, r_out, transpose=True)
         del g2
         grad_bias = gy1.sum(0) if bias is not None and ctx.needs_input_grad[4] else None
-        gx2 = torch.mm(gy1, weight)
+        gx2 = _mm_w(gy1, weight, wq)
         del gy1
         if grad_r is not None:
             _outer(x1, gx2, r.shape[0] - n_out, out=grad_r[n_out:])
@@ -195,7 +203,35 @@ class _Chain(torch.autograd.Function):
             b, formula, tf32, backend, oft_dtype = ctx.cnp
             grad_r = poet_cayley.blocks_backward(tuple(cnp_saved), grad_r, b, formula, tf32,
                                                  backend, oft_dtype)
-        return (gx, grad_r, None, None, grad_bias, None, None, None, None, None, None, None)
+        return (gx, grad_r, None, None, grad_bias, None, None, None, None, None, None, None,
+                None)
+
+
+def _dequantize(codes: Tensor, wq: tuple, dtype: torch.dtype) -> Tensor:
+    scales, zeros, group_size = wq[:3]
+    return _spec_module.dequantize_weight(codes, scales, zeros, group_size, dtype, xp=torch)
+
+
+def _mm_wt(x2: Tensor, weight: Tensor, wq: tuple | None) -> Tensor:
+    """``x2 · W0ᵀ``; ``wq = (scales, zeros, group_size, triton, tf32)`` for POET-XQ codes."""
+    if wq is None:
+        return nn.functional.linear(x2, weight)
+    if wq[3]:
+        from xopt.kernels import poet_qmm
+
+        return poet_qmm.matmul_wt(x2, weight, wq[0], wq[1], wq[2], wq[4])
+    return nn.functional.linear(x2, _dequantize(weight, wq, x2.dtype))
+
+
+def _mm_w(gy1: Tensor, weight: Tensor, wq: tuple | None) -> Tensor:
+    """``gy1 · W0`` (as :func:`_mm_wt`)."""
+    if wq is None:
+        return torch.mm(gy1, weight)
+    if wq[3]:
+        from xopt.kernels import poet_qmm
+
+        return poet_qmm.matmul_w(gy1, weight, wq[0], wq[1], wq[2], wq[4])
+    return torch.mm(gy1, _dequantize(weight, wq, gy1.dtype))
 
 
 # -- the layer -------------------------------------------------------------------------------
@@ -214,26 +250,36 @@ class POETLinear(nn.Module):
       permutation: ``"random"`` (default) or ``"identity"``; ``seed``: this layer's seed
         for the permutation draws (``xopt.random``: the same permutations in JAX).
       impl: ``"auto"``, ``"plain"`` or ``"triton"`` (triton needs CUDA and 3 terms).
+      weight_bits, weight_group_size: ``weight_bits=8`` is POET-XQ: ``W0`` is stored as
+        uint8 codes with a scale and a zero point per ``weight_group_size`` consecutive
+        elements (:func:`xopt.specs.poet.quantize_weight`, the authors' ``QPOETLinear``
+        format), dequantised into a temporary inside each product of the forward and
+        backward; merges quantise the merged ``W0`` afresh.
       spec: an :class:`xopt.specs.poet.POET` giving the defaults of all of the above.
 
     Parameters and buffers (the authors' names, so state dicts interchange):
     ``weight`` (``W0``, ``out × in``, frozen), ``bias``, ``oft_R`` (``(r_out + r_in,
     b(b−1)/2)``, zero = identity rotations), ``perm_in``, ``perm_out``,
     ``perm_in_inv``, ``perm_out_inv`` (int32), and ``merges`` (how many merges so far).
+    With ``weight_bits=8``, ``weight`` is a uint8 buffer of codes and ``weight_scales``,
+    ``weight_zeros`` (``(out·in/weight_group_size, 1)``, the layer's dtype) sit beside it.
     """
 
     def __init__(self, in_features: int, out_features: int, block_size: int | None = None,
                  bias: bool = False, *, bias_requires_grad: bool = False,
                  variant: str | None = None, neumann_terms: int | None = None,
                  cayley_formula: str | None = None, permutation: str | None = None,
-                 seed: int = 0, impl: str = "auto", spec: spec.POET | None = None,
+                 seed: int = 0, impl: str = "auto", weight_bits: int | None = None,
+                 weight_group_size: int | None = None, spec: spec.POET | None = None,
                  device=None, dtype=None):
         super().__init__()
         hp = spec or _spec_module.POET()
         overrides = {k: v for k, v in dict(block_size=block_size, variant=variant,
                                              neumann_terms=neumann_terms,
                                              cayley_formula=cayley_formula,
-                                             permutation=permutation).items() if v is not None}
+                                             permutation=permutation, weight_bits=weight_bits,
+                                             weight_group_size=weight_group_size,
+                                             ).items() if v is not None}
         if "block_size" in overrides:
             _spec_module.check_width(overrides["block_size"], in_features, out_features)
         hp = hp.replace(**overrides)
@@ -253,8 +299,17 @@ class POETLinear(nn.Module):
         self.seed = int(seed)
         self.num_in_blocks, self.num_out_blocks = in_features // b, out_features // b
         kw = dict(device=device, dtype=dtype)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw),
-                                   requires_grad=False)
+        self.weight_bits, self.weight_group_size = hp.weight_bits, hp.weight_group_size
+        if self.quantized:
+            groups = _spec_module.quant_groups(out_features, in_features, hp.weight_group_size)
+            # buffers, not parameters: uint8 codes have no gradient and no optimizer
+            self.register_buffer("weight", torch.zeros(out_features, in_features,
+                                                       dtype=torch.uint8, device=device))
+            self.register_buffer("weight_scales", torch.ones(groups, 1, **kw))
+            self.register_buffer("weight_zeros", torch.zeros(groups, 1, **kw))
+        else:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw),
+                                       requires_grad=False)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, **kw),
                                      requires_grad=bias_requires_grad)
@@ -268,7 +323,43 @@ class POETLinear(nn.Module):
         self.register_buffer("merges", torch.zeros((), dtype=torch.int64, device=device))
         self.set_permutations(*_spec_module.layer_permutations(hp, self.seed, 0, in_features,
                                                                out_features))
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        w0 = torch.empty(out_features, in_features, **kw) if self.quantized else self.weight
+        nn.init.kaiming_uniform_(w0, a=math.sqrt(5))
+        if self.quantized:
+            self.set_w0(w0)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether ``W0`` is held in ``weight_bits`` (POET-XQ)."""
+        return self.weight_bits is not None
+
+    @torch.no_grad()
+    def set_w0(self, w: Tensor) -> None:
+        """Install ``w`` as ``W0`` (quantised for POET-XQ, in ``w``'s dtype as the authors'
+        ``quantize_tensor_int8``; the scales then take the layer's dtype)."""
+        if tuple(w.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"POETLinear.set_w0: shape {tuple(w.shape)}, expected "
+                             f"{(self.out_features, self.in_features)}")
+        if not self.quantized:
+            self.weight.copy_(w)
+            return
+        codes, scales, zeros = _spec_module.quantize_weight(
+            w.to(self.weight_scales.device), self.weight_group_size, xp=torch)
+        self.weight.copy_(codes)
+        self.weight_scales.copy_(scales)
+        self.weight_zeros.copy_(zeros)
+
+    def w0(self, dtype: torch.dtype | None = None) -> Tensor:
+        """``W0`` as a float tensor (dequantised for POET-XQ; ``dtype`` default: the
+        layer's)."""
+        if not self.quantized:
+            return self.weight if dtype is None else self.weight.to(dtype)
+        return _dequantize(self.weight, self._wq(), dtype or self.weight_scales.dtype)
+
+    def _wq(self) -> tuple[Tensor, Tensor, int] | None:
+        if not self.quantized:
+            return None
+        return (self.weight_scales, self.weight_zeros, self.weight_group_size)
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -287,7 +378,7 @@ class POETLinear(nn.Module):
             wd = w.detach()
             if norm:
                 wd = wd / torch.norm(wd, dim=1, keepdim=True)
-            layer.weight.copy_(wd)
+            layer.set_w0(wd)
             if linear.bias is not None:
                 layer.bias.copy_(linear.bias.detach())
         return layer
@@ -337,7 +428,11 @@ class POETLinear(nn.Module):
                              f"{self.in_features}")
         triton_path = self._use_triton(x.device)
         tf32 = x.dtype in (torch.bfloat16, torch.float16)
-        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        wq = self._wq()
+        if wq is not None:
+            w = self.weight  # codes: _Chain dequantises them inside each product
+        else:
+            w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
         bias = self.bias
         if triton_path:
             from xopt.kernels import poet_cayley
@@ -351,16 +446,18 @@ class POETLinear(nn.Module):
             cnp = (self.block_size, self.hp.cayley_formula, tf32, cd, poet_cayley.BACKEND)
             return _Chain.apply(x, self.oft_R, self.num_out_blocks, w, bias, self.perm_in,
                                 self.perm_in_inv, self.perm_out, self.perm_out_inv,
-                                self.variant == "fast", True, cnp)
+                                self.variant == "fast", True, cnp, wq)
         r_out, r_in = self.rotations(False)
         r_out, r_in = r_out.to(x.dtype), r_in.to(x.dtype)
         pin, pin_inv = self.perm_in.long(), self.perm_in_inv.long()
         pout, pout_inv = self.perm_out.long(), self.perm_out_inv.long()
         if self.variant == "fast":
+            if wq is not None:  # the reference path: autograd keeps the temporary W0
+                w = _dequantize(w, wq, x.dtype)
             y, _ = _spec_module.layer_forward(x, r_out, r_in, w, bias, pin_inv, pout, xp=torch)
             return y
         return _Chain.apply(x, torch.cat((r_out, r_in)), self.num_out_blocks, w, bias, pin,
-                            pin_inv, pout, pout_inv, False, False)
+                            pin_inv, pout, pout_inv, False, False, None, wq)
 
     # -- merging ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -368,7 +465,8 @@ class POETLinear(nn.Module):
         """``W_eff = R · W0 · P`` as one ``out × in`` matrix (float32)."""
         r_out, r_in = self.rotations(False)
         return _spec_module.effective_weight(
-            _whole(self.weight).to(self._work_dtype()), r_out, r_in, self.perm_in.long(),
+            (self.w0(self._work_dtype()) if self.quantized
+             else _whole(self.weight).to(self._work_dtype())), r_out, r_in, self.perm_in.long(),
             self.perm_out.long(), xp=torch)
 
     @torch.no_grad()
@@ -391,14 +489,18 @@ class POETLinear(nn.Module):
             perm_in.cpu() if isinstance(perm_in, Tensor) else perm_in)), device=dev)
         new_out_inv = torch.as_tensor(_spec_module.inverse(np.asarray(
             perm_out.cpu() if isinstance(perm_out, Tensor) else perm_out)), device=dev)
-        w = _spec_module.merged_weight(weight.to(self._work_dtype()), r_out, r_in,
+        w0 = self.w0(self._work_dtype()) if self.quantized else weight.to(self._work_dtype())
+        w = _spec_module.merged_weight(w0, r_out, r_in,
                                        self.perm_in.long(), self.perm_out.long(),
                                        new_in_inv, new_out_inv, xp=torch)
         if self.bias is not None:
             nb = _spec_module.merged_bias(bias.to(self._work_dtype()), r_out,
                                           self.perm_out.long(), new_out_inv, xp=torch)
             _write_whole(self.bias, nb)
-        _write_whole(self.weight, w)
+        if self.quantized:  # POET-XQ: the merged W0 quantised afresh, in the work dtype
+            self.set_w0(w)
+        else:
+            _write_whole(self.weight, w)
         self.set_permutations(perm_in, perm_out)
         self.oft_R.zero_()
         self.merges.fill_(merges)
@@ -406,7 +508,9 @@ class POETLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"block_size={self.block_size}, bias={self.bias is not None}, "
-                f"variant={self.variant!r}, impl={self.impl!r}")
+                f"variant={self.variant!r}, impl={self.impl!r}"
+                + (f", weight_bits={self.weight_bits}, weight_group_size="
+                   f"{self.weight_group_size}" if self.quantized else ""))
 
 
 _spec_module = spec  # the constructor's ``spec=`` argument shadows the module name
