@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xopt.kernels import interpreting
+from xopt.kernels import FP_FUSION, interpreting
 from xopt.kernels._grid import cdiv
 
 __all__ = ["matmul_w", "matmul_wt", "reference"]
@@ -108,7 +108,7 @@ def _launch(a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: t
     grid = (cdiv(n, bn), cdiv(m, bm))
     _qmm_kernel[grid](a, codes, scales, zeros, out, n, m, k, in_f, group_size, a.stride(0),
                       out.stride(0), TRANS_W=trans_w, DT=_TL_DTYPE[a.dtype],
-                      PREC=prec, BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk)
+                      PREC=prec, BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, **FP_FUSION)
     return out
 
 
