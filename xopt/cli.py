@@ -95,7 +95,7 @@ def _parity(args: argparse.Namespace) -> int:
     from xopt.parity import bundled_traces
     from xopt.parity.harness import MODES, run_parity
     from xopt.parity.methods import get as get_parity
-    from xopt.parity.report import table, write_json, write_plot
+    from xopt.parity.report import table
 
     parity = get_parity(args.method)  # unknown method: exit 2 before anything else
     if args.world_size is not None:
@@ -129,6 +129,15 @@ def _parity(args: argparse.Namespace) -> int:
                   f"{path}, teacher-forced (max relative error, step):")
             for k, (e, step) in errs.items():
                 print(f"  {k:32s} {e:9.3g}  step {step}")
+    return _finish(report, args)
+
+
+def _finish(report, args: argparse.Namespace, show: bool = False) -> int:
+    """Print the table (``show``), write ``--json``/``--plot``; the report's exit code."""
+    from xopt.parity.report import table, write_json, write_plot
+
+    if show:
+        print(table(report))
     if args.json:
         print(f"report: {write_json(report, args.json)}")
     if args.plot:
@@ -141,7 +150,6 @@ def _parity_distributed(args: argparse.Namespace) -> int:
     (JAX) against one process (:mod:`xopt.parity.distributed`)."""
     from xopt.parity.distributed import run_distributed_parity
     from xopt.parity.harness import MODES
-    from xopt.parity.report import table, write_json, write_plot
 
     backends = [b for b in (args.backends or ("torch", "jax")) if b in ("torch", "jax")]
     if not backends:
@@ -153,12 +161,7 @@ def _parity_distributed(args: argparse.Namespace) -> int:
         args.method, args.trace, world_size=args.world_size, backends=backends,
         shardings=args.sharding, modes=[MODES[m] for m in args.mode], max_steps=args.steps,
         device=args.device)
-    print(table(report))
-    if args.json:
-        print(f"report: {write_json(report, args.json)}")
-    if args.plot:
-        print(f"plot: {write_plot(report, args.plot)}")
-    return _exit_code(report.verdict)
+    return _finish(report, args, show=True)
 
 
 def _record(args: argparse.Namespace) -> int:
@@ -182,7 +185,6 @@ def _mapping(items: Sequence[str] | None) -> dict[str, str]:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from xopt.parity.report import table, write_json, write_plot
 
     if args.table:
         if args.a or args.b:
@@ -211,12 +213,7 @@ def _compare(args: argparse.Namespace) -> int:
     report = compare(args.a, args.b, problem=args.problem, steps=args.steps, seed=args.seed,
                      modes=args.mode, mapping=_mapping(args.map), tolerances=tolerances,
                      record_to=args.record)
-    print(table(report))
-    if args.json:
-        print(f"report: {write_json(report, args.json)}")
-    if args.plot:
-        print(f"plot: {write_plot(report, args.plot)}")
-    return _exit_code(report.verdict)
+    return _finish(report, args, show=True)
 
 
 def _methods(args: argparse.Namespace) -> int:
