@@ -268,7 +268,7 @@ def cases() -> tuple[JaxCase, ...]:
             injectable=dict(learning_rate=3e-2, b1=0.5, b2=0.9, eps=0.3, weight_decay=0.7,
                             prob_eps=10.0),
             static=("rank", "update_proj_gap", "resample_interval", "seed")),
-        JaxCase(
+        poet := JaxCase(
             id="poet_adamw", method="poet", factory=xj.poet_adamw, params=tiny_params,
             model=_poet_model, modules=("POETDense",),
             kwargs=dict(learning_rate=1e-2, poet_scale=0.5, b1=0.9, b2=0.999, eps=1e-6,
@@ -279,17 +279,8 @@ def cases() -> tuple[JaxCase, ...]:
             not_arguments={f: "a property of the POETDense layer, not of its optimizer"
                            for f in ("block_size", "neumann_terms", "seed",
                                      "weight_group_size")}),
-        JaxCase(
-            id="poet_adamw/xq", method="poet", factory=xj.poet_adamw, params=tiny_params,
-            model=_poet_xq_model, modules=("POETDense",),
-            kwargs=dict(learning_rate=1e-2, poet_scale=0.5, b1=0.9, b2=0.999, eps=1e-6,
-                        weight_decay=0.1, merge_interval=2),
-            injectable=dict(learning_rate=3e-2, poet_scale=0.25, b1=0.5, b2=0.9, eps=0.3,
-                            weight_decay=0.7),
-            static=("merge_interval",),
-            not_arguments={f: "a property of the POETDense layer, not of its optimizer"
-                           for f in ("block_size", "neumann_terms", "seed",
-                                     "weight_group_size")}),
+        # POET-XQ: the same optimizer over a layer holding W0 in 8 bits
+        dataclasses.replace(poet, id="poet_adamw/xq", model=_poet_xq_model),
         JaxCase(
             id="compact_adamw", method="compact", factory=xj.compact_adamw,
             params=_compact_params, model=_compact_model, extra=_compact_projections,
