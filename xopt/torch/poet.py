@@ -43,7 +43,7 @@ from xopt.registry import register
 from xopt.specs import poet as spec
 from xopt.torch._optim import Item, Layout, Optimizer
 from xopt.torch.distributed import Layout as ShardLayout
-from xopt.torch.distributed import is_dtensor
+from xopt.torch.distributed import data_parallel_ranks, is_dtensor
 
 __all__ = ["MergeEvery", "POETAdamW", "POETLinear", "convert", "merge_and_reset",
            "poet_param_groups"]
@@ -473,37 +473,66 @@ class POETLinear(nn.Module):
     def merge_and_reset(self, perm_in: Any = None, perm_out: Any = None) -> None:
         """Fold the rotations into ``W0``, install new permutations (drawn from
         ``xopt.random`` unless given), re-lay ``W0`` (and the bias) for them, zero
-        ``oft_R``. The layer's function is unchanged up to rounding."""
-        merges = int(self.merges) + 1
+        ``oft_R``. The layer's function is unchanged up to rounding. Under FSDP2 this
+        gathers the layer on this rank; :func:`merge_and_reset` of a model merges each layer
+        on one rank instead (:func:`xopt.torch.distributed.merge_by_owner`)."""
+        perm_in, perm_out = self.next_permutations(perm_in, perm_out)
+        new = self.merged(_whole(self.oft_R), _whole(self.weight), _whole(self.bias),
+                          perm_in, perm_out)
+        self.install_merge({k: _block(getattr(self, k), v) for k, v in new.items()},
+                           perm_in, perm_out)
+
+    def next_permutations(self, perm_in: Any = None, perm_out: Any = None) -> tuple[Any, Any]:
+        """The next merge's permutations: those given, else drawn from ``xopt.random``."""
         if perm_in is None or perm_out is None:
-            drawn = _spec_module.layer_permutations(self.hp, self.seed, merges,
+            drawn = _spec_module.layer_permutations(self.hp, self.seed, int(self.merges) + 1,
                                                     self.in_features, self.out_features)
             perm_in = drawn[0] if perm_in is None else perm_in
             perm_out = drawn[1] if perm_out is None else perm_out
-        # under FSDP2 (DTensor parameters outside the forward) each rank merges the whole
-        # layer from its gathered parameters and keeps its own block
-        r_out, r_in = self.rotations(False)
-        weight, bias = _whole(self.weight), _whole(self.bias)
+        return perm_in, perm_out
+
+    @torch.no_grad()
+    def merged(self, oft_r: Tensor, weight: Tensor, bias: Tensor | None, perm_in: Any,
+               perm_out: Any) -> dict[str, Tensor]:
+        """A merge's results from the whole ``oft_R``, ``weight`` and ``bias`` (plain
+        tensors): the new ``weight`` (POET-XQ: its codes, ``weight_scales`` and
+        ``weight_zeros``) and ``bias``, whole, keyed by the layer's tensor names."""
+        work = self._work_dtype()
+        r_out, r_in = _spec_module.rotations(oft_r.to(work), self.block_size,
+                                             self.num_out_blocks, self.hp.neumann_terms,
+                                             self.hp.cayley_formula, xp=torch)
         dev = weight.device
         new_in_inv = torch.as_tensor(_spec_module.inverse(np.asarray(
             perm_in.cpu() if isinstance(perm_in, Tensor) else perm_in)), device=dev)
         new_out_inv = torch.as_tensor(_spec_module.inverse(np.asarray(
             perm_out.cpu() if isinstance(perm_out, Tensor) else perm_out)), device=dev)
-        w0 = self.w0(self._work_dtype()) if self.quantized else weight.to(self._work_dtype())
+        w0 = self.w0(work) if self.quantized else weight.to(work)
         w = _spec_module.merged_weight(w0, r_out, r_in,
                                        self.perm_in.long(), self.perm_out.long(),
                                        new_in_inv, new_out_inv, xp=torch)
-        if self.bias is not None:
-            nb = _spec_module.merged_bias(bias.to(self._work_dtype()), r_out,
-                                          self.perm_out.long(), new_out_inv, xp=torch)
-            _write_whole(self.bias, nb)
+        out = {}
+        if bias is not None:
+            out["bias"] = _spec_module.merged_bias(bias.to(work), r_out, self.perm_out.long(),
+                                                   new_out_inv, xp=torch).to(bias.dtype)
         if self.quantized:  # POET-XQ: the merged W0 quantised afresh, in the work dtype
-            self.set_w0(w)
+            codes, scales, zeros = _spec_module.quantize_weight(
+                w.to(self.weight_scales.device), self.weight_group_size, xp=torch)
+            out.update(weight=codes, weight_scales=scales.to(self.weight_scales.dtype),
+                       weight_zeros=zeros.to(self.weight_zeros.dtype))
         else:
-            _write_whole(self.weight, w)
+            out["weight"] = w.to(weight.dtype)
+        return out
+
+    @torch.no_grad()
+    def install_merge(self, new: dict[str, Tensor], perm_in: Any, perm_out: Any) -> None:
+        """Install :meth:`merged`'s results, each this rank's block of it (the whole tensor
+        when not sharded), and the permutations; zero ``oft_R``; count the merge."""
+        for k, v in new.items():
+            dst = getattr(self, k)
+            (dst.to_local() if is_dtensor(dst) else dst).copy_(v)
         self.set_permutations(perm_in, perm_out)
         self.oft_R.zero_()
-        self.merges.fill_(merges)
+        self.merges.add_(1)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -561,14 +590,13 @@ def _whole(t: Tensor | None) -> Tensor | None:
     return t.full_tensor() if is_dtensor(t) else t
 
 
-def _write_whole(p: Tensor, value: Tensor) -> None:
-    """``p ← value`` (a whole tensor): a DTensor ``p`` takes its local block."""
-    if is_dtensor(p):
-        lay = ShardLayout.of(p)
-        value = value[tuple(slice(o, o + n) for o, n in zip(lay.offsets, lay.local_shape,
-                                                              strict=True))]
-        p = p.to_local()
-    p.copy_(value.to(p.dtype))
+def _block(p: Tensor, value: Tensor) -> Tensor:
+    """This rank's block of ``value`` (a whole tensor) where ``p`` is a DTensor."""
+    if not is_dtensor(p):
+        return value
+    lay = ShardLayout.of(p)
+    return value[tuple(slice(o, o + n) for o, n in zip(lay.offsets, lay.local_shape,
+                                                        strict=True))]
 
 
 def poet_layers(model: nn.Module) -> list[POETLinear]:
@@ -576,11 +604,15 @@ def poet_layers(model: nn.Module) -> list[POETLinear]:
 
 
 @torch.no_grad()
-def merge_and_reset(model: nn.Module) -> int:
-    """Merge every :class:`POETLinear` in ``model``; returns how many."""
+def merge_and_reset(model: nn.Module, ranks: Any = "auto") -> int:
+    """Merge every :class:`POETLinear` in ``model``; returns how many. On many ranks each
+    layer is merged on one of them and the result sent to the others
+    (:func:`xopt.torch.distributed.merge_by_owner`: ``ranks``, default the layers' FSDP2
+    mesh; None merges on every rank)."""
+    from xopt.torch.distributed import merge_by_owner
+
     layers = poet_layers(model)
-    for layer in layers:
-        layer.merge_and_reset()
+    merge_by_owner(layers, ranks)
     return len(layers)
 
 
@@ -707,7 +739,7 @@ class POETAdamW(Optimizer):
         self._run_step(items, lambda: self._update(items))
         counter = self.global_step_counter  # (unchanged when the step was skipped)
         if self.model is not None and counter != before and counter % self.hp.merge_interval == 0:
-            merge_and_reset(self.model)
+            merge_and_reset(self.model, data_parallel_ranks(self))
         return loss
 
     def _update(self, items: list[Item]) -> None:
