@@ -55,10 +55,10 @@ from torch import Tensor
 from xopt.errors import XoptError
 
 __all__ = ["assign_owners", "AUTO", "check_consistent", "CommCounter",
-           "data_parallel_ranks", "decompose_once", "is_dtensor", "Layout",
-           "local", "mean_loss", "owner_compute", "place_as", "plain_as_replicated",
-           "prepare", "RankMismatchError", "Ranks", "set_process_group", "settle",
-           "ShardedStep", "state_zeros", "validated"]
+           "data_parallel_ranks", "decompose_once", "is_dtensor", "Layout", "local",
+           "mean_loss", "merge_by_owner", "owner_apply", "owner_compute", "place_as",
+           "plain_as_replicated", "prepare", "RankMismatchError", "Ranks",
+           "set_process_group", "settle", "ShardedStep", "state_zeros", "validated"]
 
 #: the default of ``optimizer.process_group``: the parameters' mesh, else the default group
 AUTO = "auto"
@@ -727,6 +727,193 @@ def decompose_once(optimizer: Any, a: Tensor, fn: Callable[[Tensor], Sequence[Te
                     for shape, dt in out_meta]
 
     return owner_compute([(a.to_local(), lay)], [n % world], run, lambda _: out_meta)[0]
+
+
+def owner_apply(jobs: Sequence[Sequence[tuple[Tensor, Layout] | None]],
+                owners: Sequence[int],
+                fn: Callable[[int, list[Tensor | None]], Sequence[Tensor]],
+                outs: Callable[[int], Sequence[tuple[Layout, torch.dtype]]],
+                group: Any = None) -> list[list[Tensor]]:
+    """``fn(i, wholes_i)`` computed once, on rank ``owners[i]``, for every job ``i`` of
+    several inputs and results; each rank receives its part of every result.
+
+    ``jobs[i]``: this rank's inputs of job ``i``, each a tensor and its :class:`Layout` (a
+    shard on a 1-D mesh, or a whole tensor every rank holds) or None. The shards reach
+    their owners in one ``all_to_all_single`` per dtype (each rank sends each shard once);
+    ``fn`` gets the whole inputs (None stays None). ``outs(i)``, known on every rank: each
+    result's layout and dtype. A result of a distributed layout is scattered, each rank
+    receiving its block (one ``all_to_all_single`` per dtype for all owners); any other is
+    broadcast whole from its owner (one buffer per owner and dtype). ``group``: the process
+    group when no input is distributed (DDP). Returns ``results[i]`` on every rank: its
+    block of each distributed result, the others whole."""
+    splits = [[(None, None) if item is None else _split_dim(item[1]) for item in job]
+              for job in jobs]
+    outs_ = [list(outs(i)) for i in range(len(jobs))]
+    groups = {id(g): g for sp in splits for _, g in sp if g is not None}
+    for o in outs_:
+        groups.update({id(g): g for _, g in map(_split_dim, (lay for lay, _ in o))
+                       if g is not None})
+    if len(groups) > 1:
+        raise NotImplementedError("owner_apply: tensors on different process groups")
+    pg = next(iter(groups.values())) if groups else group
+    world, me = dist.get_world_size(pg), dist.get_rank(pg)
+    device = next((item[0].device for job in jobs for item in job if item is not None),
+                  torch.device("cpu"))
+    whole: dict[int, list[Tensor | None]] = {}
+    for i, job in enumerate(jobs):
+        if owners[i] == me:
+            whole[i] = [None if item is None or splits[i][k][0] is not None else item[0]
+                        for k, item in enumerate(job)]
+    sharded = [(i, k) for i, job in enumerate(jobs) for k, item in enumerate(job)
+               if item is not None and splits[i][k][0] is not None]
+    for dt in dict.fromkeys(jobs[i][k][0].dtype for i, k in sharded):
+        chosen = [(i, k) for i, k in sharded if jobs[i][k][0].dtype == dt]
+        send: list[list[Tensor]] = [[] for _ in range(world)]
+        recv_sizes = [0] * world
+        for i, k in chosen:
+            x, lay = jobs[i][k]
+            send[owners[i]].append(x.contiguous().reshape(-1))
+            if owners[i] == me:
+                for s in range(world):
+                    recv_sizes[s] += math.prod(lay.chunk_of((s,))[0])
+        flat_out = _all_to_all(send, recv_sizes, dt, device, pg)
+        pos = [sum(recv_sizes[:s]) for s in range(world)]
+        for i, k in chosen:  # per source rank, its shards of my jobs' inputs in order
+            if owners[i] != me:
+                continue
+            lay = jobs[i][k][1]
+            parts = []
+            for s in range(world):
+                shape_s, _ = lay.chunk_of((s,))
+                n = math.prod(shape_s)
+                parts.append(flat_out[pos[s]:pos[s] + n].reshape(shape_s))
+                pos[s] += n
+            whole[i][k] = torch.cat(parts, dim=splits[i][k][0])
+    mine = {i: [r.to(dt) for r, (_, dt) in zip(fn(i, whole[i]), outs_[i], strict=True)]
+            for i in whole}
+    results: list[list[Any]] = [[None] * len(o) for o in outs_]
+    scattered = [(i, j) for i, o in enumerate(outs_) for j, (lay, _) in enumerate(o)
+                 if _split_dim(lay)[0] is not None]
+    for dt in dict.fromkeys(outs_[i][j][1] for i, j in scattered):
+        chosen = [(i, j) for i, j in scattered if outs_[i][j][1] == dt]
+        send = [[] for _ in range(world)]
+        recv_sizes = [0] * world
+        for i, j in chosen:
+            lay = outs_[i][j][0]
+            if owners[i] == me:
+                for s in range(world):
+                    shape_s, off = lay.chunk_of((s,))
+                    block = mine[i][j][tuple(slice(o, o + n) for o, n in zip(off, shape_s,
+                                                                              strict=True))]
+                    send[s].append(block.contiguous().reshape(-1))
+            recv_sizes[owners[i]] += math.prod(lay.local_shape)
+        flat_out = _all_to_all(send, recv_sizes, dt, device, pg)
+        pos = [sum(recv_sizes[:s]) for s in range(world)]
+        for i, j in chosen:  # per owner, my blocks of its jobs' results in order
+            lay, o = outs_[i][j][0], owners[i]
+            n = math.prod(lay.local_shape)
+            results[i][j] = flat_out[pos[o]:pos[o] + n].reshape(lay.local_shape)
+            pos[o] += n
+    for src in range(world):
+        metas = [(i, j, outs_[i][j][0].shape, outs_[i][j][1]) for i in range(len(jobs))
+                 if owners[i] == src for j in range(len(outs_[i]))
+                 if _split_dim(outs_[i][j][0])[0] is None]
+        for dt in dict.fromkeys(m[3] for m in metas):
+            chosen = [m for m in metas if m[3] == dt]
+            if src == me:
+                buf = torch.cat([mine[i][j].reshape(-1) for i, j, _, _ in chosen])
+            else:
+                buf = torch.empty(sum(math.prod(m[2]) for m in chosen), dtype=dt,
+                                  device=device)
+            if world > 1:
+                dist.broadcast(buf, group_src=src, group=pg)
+            pos = 0
+            for i, j, shape, _ in chosen:
+                k = math.prod(shape)
+                results[i][j] = buf[pos:pos + k].reshape(shape)
+                pos += k
+    return results
+
+
+def _all_to_all(send: list[list[Tensor]], recv_sizes: list[int], dtype: torch.dtype,
+                device: Any, group: Any) -> Tensor:
+    send_sizes = [sum(t.numel() for t in ts) for ts in send]
+    flat_in = (torch.cat([t for ts in send for t in ts]) if any(send_sizes)
+               else torch.empty(0, dtype=dtype, device=device))
+    flat_out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+    dist.all_to_all_single(flat_out, flat_in, output_split_sizes=recv_sizes,
+                           input_split_sizes=send_sizes, group=group)
+    return flat_out
+
+
+#: what a merging layer (POET-X's ``POETLinear``) reads and what its merge writes
+_MERGE_INPUTS = ("oft_R", "weight", "bias")
+_MERGE_OUTPUTS = ("weight", "weight_scales", "weight_zeros", "bias")
+
+
+@torch.no_grad()
+def merge_by_owner(layers: Sequence[Any], ranks: Any = AUTO,
+                   perms: Sequence[tuple[Any, Any]] | None = None) -> None:
+    """Merge each of ``layers`` (``POETLinear`` s) once, on one owner rank, and send the
+    result to the others: the owner rule of the decompositions, for POET-X's merges.
+
+    ``ranks``: a :class:`Ranks` (an optimizer's :func:`data_parallel_ranks`), a process
+    group, :data:`AUTO` (the FSDP2 mesh of the layers' DTensor parameters; plain
+    parameters: every rank merges alone) or None (every rank merges alone, gathering a
+    sharded layer). Owners are assigned by :func:`assign_owners` with each layer's
+    ``W0`` size as its cost. Under FSDP2 each owner receives the shards of its layers'
+    ``oft_R``, ``W0`` and bias in one ``all_to_all_single`` and sends each rank its block
+    of the merged ``W0`` and bias in another; replicated results (DDP's whole tensors,
+    POET-XQ's codes, scales and zero points, which FSDP2 leaves as buffers) are broadcast
+    from their owner. Every rank draws (or is given, ``perms[i]``) the same new
+    permutations and installs them itself. The owner's merge is the one-process merge of
+    the same tensors, so the result is that of one process, bit for bit."""
+    if perms is None:
+        perms = [(None, None)] * len(layers)
+    perms = [layer.next_permutations(*pp) for layer, pp in zip(layers, perms, strict=True)]
+    group, world = _merge_group(layers, ranks)
+    if group is None or world == 1 or not layers:
+        for layer, (pi, po) in zip(layers, perms, strict=True):
+            layer.merge_and_reset(pi, po)
+        return
+    owners = assign_owners([float(layer.weight.numel()) for layer in layers], world)
+    jobs = [[None if getattr(layer, n) is None else (local(getattr(layer, n)),
+                                                     Layout.of(getattr(layer, n)))
+             for n in _MERGE_INPUTS] for layer in layers]
+    names = [[n for n in _MERGE_OUTPUTS if getattr(layer, n, None) is not None]
+             for layer in layers]
+
+    def fn(i: int, wholes: list[Tensor | None]) -> list[Tensor]:
+        new = layers[i].merged(*wholes, *perms[i])
+        return [new[n] for n in names[i]]
+
+    def outs(i: int) -> list[tuple[Layout, torch.dtype]]:
+        return [(Layout.of(getattr(layers[i], n)), getattr(layers[i], n).dtype)
+                for n in names[i]]
+
+    results = owner_apply(jobs, owners, fn, outs, group)
+    for layer, ns, res, (pi, po) in zip(layers, names, results, perms, strict=True):
+        layer.install_merge(dict(zip(ns, res, strict=True)), pi, po)
+
+
+def _merge_group(layers: Sequence[Any], ranks: Any) -> tuple[Any, int]:
+    """``(process group, its size)`` of :func:`merge_by_owner`; ``(None, 1)``: merge alone."""
+    if ranks is None:
+        return None, 1
+    if isinstance(ranks, str) and ranks == AUTO:
+        meshes = {p.device_mesh for layer in layers for p in layer.parameters()
+                  if is_dtensor(p)}
+        if not meshes:
+            return None, 1
+        if len(meshes) > 1:
+            raise NotImplementedError("merge_by_owner: layers on different device meshes")
+        ranks = Ranks.of_mesh(next(iter(meshes)))
+    if not isinstance(ranks, Ranks):
+        ranks = (Ranks.of_mesh(ranks) if hasattr(ranks, "get_group") and hasattr(ranks, "ndim")
+                 else Ranks([ranks]))
+    if len(ranks.groups) != 1:  # a 2-D mesh (HSDP): each rank merges its layers whole
+        return None, 1
+    return ranks.groups[0], ranks.size
 
 
 # -- the PyLO-style distributed step -------------------------------------------------------------
