@@ -50,6 +50,12 @@ from typing import Any
 import numpy as np
 
 from xopt.parity.compare import TensorError, errors
+from xopt.parity.distributed_layers import (
+    LAYER_METHODS,
+    layer_sources,
+    load_layer_case,
+    torch_layer_outputs,
+)
 from xopt.parity.harness import (
     BadRequest,
     Report,
@@ -65,9 +71,9 @@ from xopt.parity.methods import get as get_parity
 from xopt.parity.trace import load_trace
 from xopt.specs import get as get_spec
 
-__all__ = ["SHARDINGS", "SYNTHETIC", "TOLERANCES", "Case", "JaxShardedRunner",
-           "TorchDistributedRunner", "alone", "drive", "jax_outputs", "load_case",
-           "run_distributed_parity", "split", "torch_outputs"]
+__all__ = ["LAYER_EXCEPTIONS", "SHARDINGS", "SYNTHETIC", "TOLERANCES", "Case",
+           "JaxShardedRunner", "TorchDistributedRunner", "alone", "drive", "jax_outputs",
+           "load_case", "run_distributed_parity", "split", "tolerance", "torch_outputs"]
 
 SHARDINGS = ("ddp", "fsdp2")
 
@@ -544,11 +550,37 @@ def jax_outputs(method: str, source: str, n: int, modes: Sequence[str],
 # -- the report ---------------------------------------------------------------------------------
 
 
+#: layer traces' tensors that a float32 re-evaluation of the gradient moves beyond the
+#: closed-loop bound, with the method's own derived bound for them
+LAYER_EXCEPTIONS = {"poet": ("param/oft_R",)}
+
+_WHY_LAYER = (
+    ". On N ranks the gradient is the ranks' row sums reduced, not one sum over the batch: "
+    "a second float32 evaluation of the same gradient (parity_tests/test_distributed.py "
+    "shows the N-rank run bit for bit equal to one process accumulating the same "
+    "micro-batches, so the difference is that evaluation alone; teacher-forced, where the "
+    "update consumes the same gradient, it meets 1e-6). Measured, 2 ranks against one "
+    "process: 1.7e-5 (train_in64_out48_b16_merge4, step 0, the first update).")
+
+
+def tolerance(method: str, mode: str, layered: bool = False) -> Tolerance:
+    """The bound of ``mode`` (:data:`TOLERANCES`); for a layer trace, closed loop, with the
+    method's own bound on the tensors :data:`LAYER_EXCEPTIONS` names."""
+    base = TOLERANCES[mode]
+    if not layered or mode != "closed_loop" or method not in LAYER_EXCEPTIONS:
+        return base
+    own = get_parity(method).tolerance("closed_loop")
+    return dataclasses.replace(base, tensors={
+        k: dataclasses.replace(own.for_tensor(k),
+                               why=own.for_tensor(k).why.rstrip(".") + _WHY_LAYER)
+        for k in LAYER_EXCEPTIONS[method]})
+
+
 def _run(case_name: str, label: str, against: str, mode: str, ref: list[Step],
-         got: list[Step]) -> Run:
+         got: list[Step], tol: Tolerance | None = None) -> Run:
     per_step = [errors(g.tensors(), r.tensors()) for g, r in zip(got, ref, strict=True)]
     return Run(trace=case_name, backend=label, impl="plain", against=against, mode=mode,
-               steps=len(per_step), tolerance=TOLERANCES[mode], per_step=per_step)
+               steps=len(per_step), tolerance=tol or TOLERANCES[mode], per_step=per_step)
 
 
 def sources(method: str, traces: Sequence[str] | None = None) -> list[str]:
@@ -584,12 +616,21 @@ def run_distributed_parity(method: str, traces: Sequence[str] | None = None, *,
     if world_size < 2:
         raise BadRequest(f"--world-size {world_size}: at least 2")
     get_parity(method)  # an unknown method: its error, before anything starts
-    srcs = sources(method, traces)
     notes: list[str] = []
+    layered = method in LAYER_METHODS
+    if layered:  # its traces train a module: xopt.parity.distributed_layers
+        srcs = layer_sources(method, traces, notes)
+        names = [load_layer_case(method, s, max_steps, device).name for s in srcs]
+        if "jax" in backends:
+            notes.append(f"{method}: JAX's layers are not replayed on {world_size} devices "
+                         "(torch's DDP and FSDP2 are)")
+            backends = [b for b in backends if b != "jax"]
+    else:
+        srcs = sources(method, traces)
+        names = [load_case(method, s, max_steps).name for s in srcs]  # before a rank
     if not srcs:
-        raise BadRequest(f"{method}: no optimizer trace to replay on {world_size} ranks "
-                         "(its bundled traces are layer traces); pass --trace FILE")
-    names = [load_case(method, s, max_steps).name for s in srcs]  # bad input, before a rank
+        raise BadRequest(f"{method}: no optimizer or layer trace to replay on {world_size} "
+                         "ranks; pass --trace FILE")
     runs: list[Run] = []
     with contextlib.ExitStack() as stack:
         if "torch" in backends:
@@ -598,8 +639,12 @@ def run_distributed_parity(method: str, traces: Sequence[str] | None = None, *,
                 for src, name in zip(srcs, names, strict=True):
                     label = f"xopt.torch {shd}x{world_size}"
                     try:
-                        res = gang.run(torch_outputs, method, src, shd, list(modes),
-                                       max_steps, impl, device)
+                        if layered:
+                            res = gang.run(torch_layer_outputs, method, src, shd,
+                                           list(modes), max_steps, device)
+                        else:
+                            res = gang.run(torch_outputs, method, src, shd, list(modes),
+                                           max_steps, impl, device)
                     except RankError as e:  # a failed run is a divergence, named in a note
                         runs += [_failed(name, label, "xopt.torch", m) for m in modes]
                         notes.append(f"{name} {label}: rank {e.rank} failed: "
@@ -607,7 +652,8 @@ def run_distributed_parity(method: str, traces: Sequence[str] | None = None, *,
                         continue
                     for mode in modes:
                         ref, got = res[0][mode]
-                        runs.append(_run(name, label, "xopt.torch", mode, ref, got))
+                        runs.append(_run(name, label, "xopt.torch", mode, ref, got,
+                                         tolerance(method, mode, layered)))
                         if len({tuple(r["digests"][mode]) for r in res}) != 1:
                             runs[-1].per_step[-1]["ranks agree"] = _DISAGREE
                             notes.append(f"{name} {label} {mode}: the ranks disagree")
