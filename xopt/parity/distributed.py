@@ -37,6 +37,11 @@ stream (:data:`SYNTHETIC`), teacher-forced on the one-process run's own states.
 
 Bounds (issue 25), for every method alike: teacher-forced, max relative error 1e-6 per
 tensor and update; closed loop 1e-5. The ranks must also agree bit for bit.
+
+CompAct's and POET-X's traces are layer traces (a module's forward and backward): they are
+replayed with the batch's rows split across the torch ranks by
+:mod:`xopt.parity.distributed_layers`, reported here alike (:func:`tolerance` names the one
+tensor whose closed-loop bound is the method's own).
 """
 
 from __future__ import annotations
