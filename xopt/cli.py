@@ -146,8 +146,8 @@ def _finish(report, args: argparse.Namespace, show: bool = False) -> int:
 
 
 def _parity_distributed(args: argparse.Namespace) -> int:
-    """``--world-size N``: the method's optimizer traces on N ranks (torch) and N devices
-    (JAX) against one process (:mod:`xopt.parity.distributed`)."""
+    """``--world-size N``: the method's traces on N ranks (torch) and N devices (JAX)
+    against one process (:mod:`xopt.parity.distributed`)."""
     from xopt.parity.distributed import run_distributed_parity
     from xopt.parity.harness import MODES
 
@@ -300,9 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also compare the spec's internals (float32) with each trace's "
                         "recorded aux, teacher-forced, to localize a divergence")
     p.add_argument("--world-size", type=int, metavar="N",
-                   help="replay the optimizer traces on N ranks (torch: gloo on the CPU, NCCL "
+                   help="replay the traces on N ranks (torch: gloo on the CPU, NCCL "
                         "with --device cuda; jax: N devices, host devices on the CPU) with "
-                        "the gradient split across them, against one process")
+                        "the gradient (layer traces: the batch's rows) split across them, "
+                        "against one process")
     p.add_argument("--sharding", type=_csv(("ddp", "fsdp2")), default=["ddp", "fsdp2"],
                    help="with --world-size, the torch wrappers (default: ddp,fsdp2)")
     p.set_defaults(func=_parity)
