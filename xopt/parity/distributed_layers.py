@@ -90,14 +90,28 @@ class LayerCase:
         return {n: n.replace(".", "/") for n, _ in module.named_parameters()
                 if n.replace(".", "/") in self.trace.params}
 
-    def model(self) -> Any: ...
+    def model(self) -> Any:
+        raise NotImplementedError
+
     def layer_types(self) -> tuple[type, ...]:
         """The method's layer classes (each an FSDP2 unit of its own)."""
-    def optimizer(self, module: Any) -> Any: ...
-    def load(self, module: Any, opt: Any, t: int) -> None: ...
-    def batch(self, t: int) -> dict[str, np.ndarray]: ...
+        raise NotImplementedError
+
+    def optimizer(self, module: Any) -> Any:
+        raise NotImplementedError
+
+    def load(self, module: Any, opt: Any, t: int) -> None:
+        raise NotImplementedError
+
+    def batch(self, t: int) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
     def backward(self, module: Any, rows: dict[str, np.ndarray], world: int
-                 ) -> dict[str, Any]: ...
+                 ) -> dict[str, Any]:
+        """Forward and backward on ``rows`` (a part of ``world`` of the batch): its outputs
+        (``y``, ``grad_input`` as the whole batch's gradient gives it, ``loss``)."""
+        raise NotImplementedError
+
     def prepare(self, module: Any, t: int) -> None:
         """What each rank sets itself before step ``t`` (after a reset)."""
 
