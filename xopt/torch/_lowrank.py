@@ -368,20 +368,29 @@ class LowRankOptimizer(Optimizer):
     def svd_stacked(self, a: Tensor, names: list[str]) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`svd` of each matrix of ``a`` (``(B, m, n)``; ``names[j]`` names ``a[j]``'s
         parameter), stacked: one batched call (:func:`svd_stacked`, ``svd_driver=``) and one
-        host read of its finiteness; a matrix whose result is not finite (or all, when the
-        batched call fails) is decomposed again alone by :meth:`svd`, which raises naming
-        it."""
+        host read of its finiteness. Every matrix still passes through :meth:`svd` (which
+        returns the batch's finite result without computing anything), so a matrix whose
+        result is not finite (or every one, when the batched call fails) is decomposed
+        again alone there, which raises naming it."""
+        ready: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
         try:
             u, s, vh = svd_stacked(a, self.svd_driver)
-            bad = _not_finite(s)
+            bad = set(_not_finite(s))
+            ready = {n: (u[j], s[j], vh[j]) for j, n in enumerate(names) if j not in bad}
         except RuntimeError:
             m, n = a.shape[-2:]
             k = min(m, n)
             u, s, vh = (a.new_empty((a.shape[0], *shape))
                         for shape in ((m, k), (k,), (k, n)))
-            bad = list(range(a.shape[0]))
-        for j in bad:
-            u[j], s[j], vh[j] = self.svd(a[j], names[j])
+        saved = self._svd_ready
+        self._svd_ready = {**saved, **ready}
+        try:
+            for j, name in enumerate(names):
+                got = self.svd(a[j], name)
+                if name not in ready or got[0] is not ready[name][0]:  # decomposed alone
+                    u[j], s[j], vh[j] = got
+        finally:
+            self._svd_ready = saved
         return u, s, vh
 
     def qr_stacked(self, a: Tensor, names: list[str]) -> Tensor:
