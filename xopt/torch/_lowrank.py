@@ -242,15 +242,13 @@ class LowRankOptimizer(Optimizer):
         states = [self.state[p] for p in ps]
         ms, vs = self._batch_moments(states, hp, m_key, v_key)
         if which is not None:
-            g = torch.stack(grads)
-            g = g if g.dtype == sdt else g.to(sdt)
+            g = stack_as(grads, sdt)
             proj = torch.stack([st[proj_key] for st in states])
             r = self._batch_project(g, proj, which)
             del g
             rs = list(r.unbind(0))
         else:
-            rs = [self._grad32(g) for g in grads]
-            rs = [g if g.dtype == sdt else g.to(sdt) for g in rs]
+            rs = converted(grads, sdt)
         # hf_adam_moments: m·β₁ + r·(1 − β₁), v·β₂ + r²·(1 − β₂)
         torch._foreach_mul_(ms, hp.b1)
         torch._foreach_add_(ms, torch._foreach_mul(rs, 1.0 - hp.b1))
@@ -265,13 +263,22 @@ class LowRankOptimizer(Optimizer):
             self._batch_store(states, hp, ms, vs)
             u = self._batch_back(n, proj, states, which, hp)
             del n
-            us = list(u.mul_(step_size).unbind(0))
+            u.mul_(step_size)
+            if pdt != sdt:
+                # hf_apply on the stack: p − α·u with p widened exactly (a mixed-dtype
+                # subtraction computes in sdt), then p − ηλ·p; rounded once into p below
+                torch.sub(torch.stack(ps), u, out=u)
+                if hp.weight_decay > 0.0:
+                    u.sub_(u * (hp.lr * hp.weight_decay))
+                torch._foreach_copy_(ps, list(u.unbind(0)))
+                return
+            us = list(u.unbind(0))
         else:
             us = self._batch_directions(ms, vs, hp)
             self._batch_store(states, hp, ms, vs)
             torch._foreach_mul_(us, step_size)
         # hf_apply: p − α·u, then p − ηλ·p; rounded once into the parameter
-        ws = ps if pdt == sdt else [p.to(sdt) for p in ps]
+        ws = ps if pdt == sdt else converted(ps, sdt)
         torch._foreach_sub_(ws, us)
         if hp.weight_decay > 0.0:
             torch._foreach_sub_(ws, torch._foreach_mul(ws, hp.lr * hp.weight_decay))
@@ -358,6 +365,48 @@ class LowRankOptimizer(Optimizer):
                     out[names[i]] = (u[j].clone(), s[j].clone(), vh[j].clone())
         return out
 
+    def svd_stacked(self, a: Tensor, names: list[str]) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`svd` of each matrix of ``a`` (``(B, m, n)``; ``names[j]`` names ``a[j]``'s
+        parameter), stacked: one batched call (:func:`svd_stacked`, ``svd_driver=``) and one
+        host read of its finiteness. Every matrix still passes through :meth:`svd` (which
+        returns the batch's finite result without computing anything), so a matrix whose
+        result is not finite (or every one, when the batched call fails) is decomposed
+        again alone there, which raises naming it."""
+        ready: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
+        try:
+            u, s, vh = svd_stacked(a, self.svd_driver)
+            bad = set(_not_finite(s))
+            ready = {n: (u[j], s[j], vh[j]) for j, n in enumerate(names) if j not in bad}
+        except RuntimeError:
+            m, n = a.shape[-2:]
+            k = min(m, n)
+            u, s, vh = (a.new_empty((a.shape[0], *shape))
+                        for shape in ((m, k), (k,), (k, n)))
+        saved = self._svd_ready
+        self._svd_ready = {**saved, **ready}
+        try:
+            for j, name in enumerate(names):
+                got = self.svd(a[j], name)
+                if name not in ready or got[0] is not ready[name][0]:  # decomposed alone
+                    u[j], s[j], vh[j] = got
+        finally:
+            self._svd_ready = saved
+        return u, s, vh
+
+    def qr_stacked(self, a: Tensor, names: list[str]) -> Tensor:
+        """``Q`` of :meth:`qr` of each matrix of ``a`` (``(B, m, k)``), stacked, as
+        :meth:`svd_stacked` (a failed matrix is decomposed alone by :meth:`qr`, which raises
+        naming it)."""
+        try:
+            q, r = qr_stacked(a)
+            bad = _not_finite(r)
+        except RuntimeError:
+            q = a.new_empty(a.shape[:-1] + (min(a.shape[-2:]),))
+            bad = list(range(a.shape[0]))
+        for j in bad:
+            q[j] = self.qr(a[j], names[j])[0]
+        return q
+
     @staticmethod
     def _grad32(g: Tensor) -> Tensor:
         return g if g.dtype in (torch.float32, torch.float64) else g.float()
@@ -433,6 +482,34 @@ class LowRankOptimizer(Optimizer):
         return out
 
 
+def stack_as(xs: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """``torch.stack(xs)`` in ``dtype``: one copy that converts (exact when widening)."""
+    if xs[0].dtype == dtype:
+        return torch.stack(xs)
+    out = torch.empty((len(xs), *xs[0].shape), dtype=dtype, device=xs[0].device)
+    torch._foreach_copy_(list(out.unbind(0)), xs)
+    return out
+
+
+def converted(xs: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """``[x.to(dtype) for x in xs]`` by one foreach copy (``xs`` itself when already so)."""
+    if all(x.dtype == dtype for x in xs):
+        return list(xs)
+    out = [torch.empty_like(x, dtype=dtype) for x in xs]
+    torch._foreach_copy_(out, xs)
+    return out
+
+
+def qr_stacked(a: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`xopt.specs.lowrank.qr` of each matrix of ``a`` (``(B, m, k)``), batched: the
+    same LAPACK call per matrix on the CPU and the same sign rule (``R``'s diagonal
+    non-negative, ``Q``'s columns flipped with it)."""
+    q, r = torch.linalg.qr(a, mode="reduced")
+    diag = r.diagonal(dim1=-2, dim2=-1)
+    sign = torch.where(diag < 0, -torch.ones_like(diag), torch.ones_like(diag))
+    return q * sign[..., None, :], r * sign[..., :, None]
+
+
 #: the most elements one batched call stacks (a group of same-shaped matrices is split into
 #: chunks of at most this many elements, which bounds the temporaries a batched step holds)
 BATCH_ELEMENTS = 1 << 27
@@ -449,6 +526,14 @@ def _same_kind(indexed: list[tuple[int, Tensor]]) -> list[list[int]]:
         n = max(1, BATCH_ELEMENTS // max(1, _numel(shape)))
         out.extend(idx[k:k + n] for k in range(0, len(idx), n))
     return out
+
+
+def _not_finite(x: Tensor) -> list[int]:
+    """The indices ``j`` whose ``x[j]`` holds NaN/inf (one host read)."""
+    ok = torch.isfinite(x).flatten(1).all(dim=1)
+    if bool(ok.all()):
+        return []
+    return [j for j, v in enumerate(ok.tolist()) if not v]
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -27,6 +27,7 @@ DTensor and DCP support), and the JAX backend quantises to the same bytes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -36,7 +37,7 @@ from torch import Tensor
 
 from xopt.registry import register
 from xopt.specs import coap as _spec
-from xopt.torch._lowrank import LowRankOptimizer
+from xopt.torch._lowrank import LowRankOptimizer, chunks, stack_as
 from xopt.torch._optim import Item
 from xopt.torch.distributed import Layout, is_dtensor, local, place_as
 
@@ -125,28 +126,104 @@ class COAP(LowRankOptimizer):
             return dict(zip(("ortho_matrix", "ortho_matrix_in"), p_new, strict=False))
         return {"ortho_matrix": p_new}
 
-    # -- the batched step: AdamW at updates that keep the projection (all but every
-    # update_interval-th), the authors' arithmetic as GaLore's
-    # (LowRankOptimizer._hf_adam_batch); every other update takes param_step per parameter.
+    # -- the batched step: the AdamW variant's matrices and unprojected tensors, same-shaped
+    # matrices at the same update together. Events 1 and 3 (Eqn 7) decompose in
+    # _prepare_batch: one batched product, QR and SVD per run of same-shaped matrices (the
+    # spec's orthogonal_basis on a stack); event 2 (Eqn 6) and the moments' restoration
+    # evaluate the spec's functions over the stack (torch.func.vmap: one batched kernel
+    # sequence, the per-parameter arithmetic); then one AdamW step as GaLore's
+    # (LowRankOptimizer._hf_adam_batch). Adafactor, kernels (Tucker), injected projections
+    # and DTensors take param_step per parameter.
     # 8-bit moments are dequantised and quantised for the whole run at once: each tensor's
     # blocks of 4096, zero-padded, laid end to end are the blocks the spec's quantize makes
     # of each tensor alone, so the codes and absmax are the per-parameter step's bytes
     def _batchable(self, it: Item, hp: _spec.COAP, inject: Mapping[str, Tensor] | None) -> bool:
-        state = self.state[it.param]
-        if (hp.optimizer != "adamw" or inject or "step" not in state
-                or is_dtensor(it.param)):
+        if hp.optimizer != "adamw" or inject or is_dtensor(it.param):
             return False
         shape = tuple(it.param.shape)
-        return not _spec.is_projected(shape, hp) or (
-            _spec.side_of(shape) != "tucker"
-            and _spec.event(int(state["step"]), hp) == _spec.KEEP)
+        return not (_spec.is_projected(shape, hp) and _spec.side_of(shape) == "tucker")
 
-    def _prepare_batch(self, items: list[Item], hps: Mapping[int, _spec.COAP]) -> None:
-        return None  # batched updates keep their projection
+    def _event_runs(self, items: list[Item], hps: Mapping[int, _spec.COAP],
+                    events: tuple[int, ...]) -> list[tuple[tuple[Any, ...], list[Item]]]:
+        """The projected items whose update has one of ``events``, grouped by (group, update,
+        state dtype, device, shape) and split into runs of at most BATCH_ELEMENTS."""
+        groups: dict[Any, list[Item]] = {}
+        for it in items:
+            p, hp, state = it.param, hps[it.gi], self.state[it.param]
+            shape = tuple(p.shape)
+            t = int(state["step"]) if "step" in state else 0
+            if _spec.is_projected(shape, hp) and _spec.event(t, hp) in events:
+                key = (it.gi, t, self.state_dtype(p), p.device, shape)
+                groups.setdefault(key, []).append(it)
+        return [(key, run) for key, its in groups.items() for run in chunks(its, key[-1])]
+
+    def _prepare_batch(self, items: list[Item], hps: Mapping[int, _spec.COAP]
+                       ) -> dict[int, Tensor]:
+        """The new ``P`` of every item whose update decomposes (events 1 and 3), by Eqn 7:
+        ``Q = QR(A Ω)``, ``Z`` of ``SVD(Qᵀ A)`` (:func:`xopt.specs.coap.orthogonal_basis`
+        on the stack; Ω drawn once per run at event 1, each old ``P`` at event 3)."""
+        out: dict[int, Tensor] = {}
+        for (gi, t, sdt, device, shape), run in self._event_runs(
+                items, hps, (_spec.INITIAL, _spec.EQN7)):
+            hp, side = hps[gi], _spec.side_of(shape)
+            g = stack_as([it.grad for it in run], sdt)
+            a = g if side == "right" else g.mT
+            if _spec.event(t, hp) == _spec.INITIAL:
+                omega = _spec.initial_omega(hp, shape, backend="torch", device=device).to(sdt)
+            else:
+                old = torch.stack([self.state[it.param][_KEYS["P"]] for it in run])
+                omega = torch.vmap(functools.partial(_spec.warm_omega, side=side))(old)
+            names = [self.param_name(it.gi, it.i) for it in run]
+            q = self.qr_stacked(torch.matmul(a, omega), names)
+            z = self.svd_stacked(torch.matmul(q.mT, a), names)[2]
+            new = z if side == "right" else z.mT
+            for j, it in enumerate(run):
+                out[id(it.param)] = new[j]
+        return out
 
     def _update_batch(self, items: list[Item], hps: Mapping[int, _spec.COAP],
-                      prepared: None) -> None:
+                      prepared: dict[int, Tensor]) -> None:
+        for it in items:
+            if "step" not in self.state[it.param]:
+                self._init_state(it.param, self.state[it.param], hps[it.gi])
+        for (gi, t, sdt, _, shape), run in self._event_runs(
+                items, hps, (_spec.INITIAL, _spec.EQN6, _spec.EQN7)):
+            self._event_run(run, hps[gi], _spec.event(t, hps[gi]), sdt, shape, prepared)
         self._hf_adam_batch(items, hps, self._side, _KEYS["m"], _KEYS["v"], _KEYS["P"])
+
+    def _event_run(self, run: list[Item], hp: _spec.COAP, ev: int, sdt: torch.dtype,
+                   shape: tuple[int, ...], prepared: dict[int, Tensor]) -> None:
+        """The projection event ``ev`` of a run (param_step's before the AdamW step): the
+        new ``P`` (Eqn 6 here, Eqn 7 from ``prepared``), the moments restored into its
+        subspace (``restore_state``), ``P`` stored."""
+        side = _spec.side_of(shape)
+        states = [self.state[it.param] for it in run]
+        p_old = torch.stack([st[_KEYS["P"]] for st in states])
+        moves = ev in (_spec.EQN6, _spec.EQN7)
+        ms = vs = None
+        if ev == _spec.EQN6 or (moves and hp.restore_state):
+            ms, vs = self._batch_moments(states, hp, _KEYS["m"], _KEYS["v"])
+        if ev == _spec.EQN6:
+            def eqn6(p: Tensor, m: Tensor, g: Tensor) -> Tensor:
+                m6 = _spec.eqn6_moment(torch, hp, m, g, p, side)
+                return _spec.eqn6_step(torch, p, m6, g, side, hp.proj_lr, hp.proj_max_norm)
+
+            new = torch.vmap(eqn6)(p_old, torch.stack(ms),
+                                   stack_as([it.grad for it in run], sdt))
+        else:
+            new = torch.stack([prepared[id(it.param)] for it in run])
+        if moves and hp.restore_state:
+            def restore(m: Tensor, v: Tensor, po: Tensor, pn: Tensor) -> tuple[Tensor, Tensor]:
+                return _spec.restore_moments(torch, hp, m, v, po, pn, side)
+
+            m2, v2 = torch.vmap(restore)(torch.stack(ms), torch.stack(vs), p_old, new)
+            m2, v2 = list(m2.unbind(0)), list(v2.unbind(0))
+            if hp.state_bits == 8:  # stored quantised; the AdamW step reads them back
+                self._batch_store(states, hp, m2, v2)
+            else:
+                torch._foreach_copy_(ms, m2)
+                torch._foreach_copy_(vs, v2)
+        torch._foreach_copy_([st[_KEYS["P"]] for st in states], list(new.unbind(0)))
 
     @staticmethod
     def _batch_moments(states: list[dict[str, Any]], hp: _spec.COAP, m_key: str, v_key: str
@@ -172,17 +249,21 @@ class COAP(LowRankOptimizer):
         shape = tuple(p.shape)
         return _spec.side_of(shape) if _spec.is_projected(shape, hp) else None
 
+    def _init_state(self, p: Tensor, state: dict[str, Any], hp: _spec.COAP) -> None:
+        """The state before the first update: step 0, zeros (``P`` is set at update 0)."""
+        shape, dtype = tuple(p.shape), self.state_dtype(p)
+        state["step"] = torch.tensor(0, dtype=torch.int64)
+        for v in _spec.STATE.vars:
+            if v.scope == "param" and v.exists_for(shape, hp):
+                vdt = dtype if v.dtype == "state" else getattr(torch, v.dtype)
+                state[_KEYS[v.name]] = place_as(p, torch.zeros(
+                    v.shape(shape, hp), dtype=vdt, device=local(p).device))
+
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.COAP,
                 name: str, inject: Mapping[str, Tensor] | None, prepared: Any) -> None:
-        shape = tuple(p.shape)
         dtype = self.state_dtype(p)
         if "step" not in state:
-            state["step"] = torch.tensor(0, dtype=torch.int64)
-            for v in _spec.STATE.vars:
-                if v.scope == "param" and v.exists_for(shape, hp):
-                    vdt = dtype if v.dtype == "state" else getattr(torch, v.dtype)
-                    state[_KEYS[v.name]] = place_as(p, torch.zeros(
-                        v.shape(shape, hp), dtype=vdt, device=local(p).device))
+            self._init_state(p, state, hp)
         t = int(state["step"])
         st = {var: state[key] for var, key in _KEYS.items() if key in state}
 

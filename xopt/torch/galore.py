@@ -33,7 +33,7 @@ from xopt.errors import HyperparameterError
 from xopt.registry import register
 from xopt.specs import Hyperparams, lowrank
 from xopt.specs import galore as galore_spec
-from xopt.torch._lowrank import LowRankOptimizer
+from xopt.torch._lowrank import LowRankOptimizer, chunks, stack_as
 from xopt.torch._optim import Item
 from xopt.torch.distributed import is_dtensor, local, place_as
 
@@ -161,32 +161,43 @@ class GaLore(LowRankOptimizer):
                      or galore_spec.side(tuple(it.param.shape), hp.proj_type) != "full"))
 
     def _prepare_batch(self, items: list[Item], hps: Mapping[int, Hyperparams]
-                       ) -> dict[int, Tensor]:
-        """The new projection of every item whose update refreshes it (batched SVDs)."""
-        due = [it for it in items
-               if self._refreshes(tuple(it.param.shape), self.state[it.param], hps[it.gi])]
-        mats = [self._svd_input(it.param, it.grad, self.state[it.param], hps[it.gi], None)
-                for it in due]
-        svds = self.svd_batch(mats, [self.param_name(it.gi, it.i) for it in due])
-        out = {}
-        for it, (u, _, vh) in zip(due, svds, strict=True):
-            hp = hps[it.gi]
-            which = galore_spec.side(tuple(it.param.shape), hp.proj_type)
-            out[id(it.param)] = galore_spec.projector_from_svd(u, vh, hp.rank, which)[0]
+                       ) -> list[tuple[list[Item], Tensor]]:
+        """The new projections of the items whose update refreshes them: one batched SVD
+        per run of same-shaped matrices of a group (:meth:`svd_stacked`), the projections
+        stacked as the run's."""
+        groups: dict[Any, list[Item]] = {}
+        for it in items:
+            p = it.param
+            if self._refreshes(tuple(p.shape), self.state[p], hps[it.gi]):
+                key = (it.gi, self.state_dtype(p), p.device, tuple(p.shape))
+                groups.setdefault(key, []).append(it)
+        out = []
+        for (gi, sdt, _, shape), its in groups.items():
+            hp = hps[gi]
+            which = galore_spec.side(shape, hp.proj_type)
+            for run in chunks(its, shape):
+                u, _, vh = self.svd_stacked(stack_as([it.grad for it in run], sdt),
+                                            [self.param_name(it.gi, it.i) for it in run])
+                new = torch.vmap(lambda u, vh, which=which, rank=hp.rank:
+                                 galore_spec.projector_from_svd(u, vh, rank, which)[0])(u, vh)
+                out.append((run, new))
         return out
 
     def _update_batch(self, items: list[Item], hps: Mapping[int, Hyperparams],
-                      prepared: dict[int, Tensor]) -> None:
+                      prepared: list[tuple[list[Item], Tensor]]) -> None:
+        for run, new in prepared:
+            states = [self.state[it.param] for it in run]
+            if all("ortho_matrix" in st for st in states):
+                torch._foreach_copy_([st["ortho_matrix"] for st in states],
+                                     list(new.unbind(0)))
+            else:  # the first refresh: copies of their own, not views of the run's stack
+                for st, proj in zip(states, new.unbind(0), strict=True):
+                    st["ortho_matrix"] = proj.clone(memory_format=torch.contiguous_format)
         for it in items:
             p, hp, state = it.param, hps[it.gi], self.state[it.param]
-            shape = tuple(p.shape)
-            if id(p) in prepared:
-                # a copy of its own: not a view holding the whole SVD factor
-                state["ortho_matrix"] = prepared[id(p)].clone(
-                    memory_format=torch.contiguous_format)
             if "exp_avg" not in state:
                 sdt = self.state_dtype(p)
-                low = galore_spec.low_rank_shape(shape, hp)
+                low = galore_spec.low_rank_shape(tuple(p.shape), hp)
                 state["exp_avg"] = torch.zeros(low, dtype=sdt, device=p.device)
                 state["exp_avg_sq"] = torch.zeros(low, dtype=sdt, device=p.device)
         self._hf_adam_batch(items, hps, self._galore_side, "exp_avg", "exp_avg_sq",

@@ -35,10 +35,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from xopt import random as xrandom
 from xopt.errors import HyperparameterError
 from xopt.registry import register
 from xopt.specs import plumage as _spec
-from xopt.torch._lowrank import LowRankOptimizer
+from xopt.torch._lowrank import LowRankOptimizer, chunks, stack_as
 from xopt.torch._optim import Item
 from xopt.torch.distributed import is_dtensor
 
@@ -140,25 +141,98 @@ class PLUMAGE(LowRankOptimizer):
         g = self._grad32(g).to(self.state_dtype(p))
         return _spec.oriented(torch, g, _spec.side_of(shape, hp))
 
-    # -- the batched step: updates that do not resample (Adam on R = Pᵀ G with the kept P
-    # and D, xopt.specs.plumage.update_param's arithmetic), same-shaped matrices together
-    # (LowRankOptimizer._hf_adam_batch); resampling updates take update_param per parameter
+    # -- the batched step: same-shaped matrices at the same step together. At a refresh the
+    # SVDs run batched (_prepare_batch, before anything is written), and the refresh block
+    # (Algorithm 2's probabilities, Algorithm 3's draws and sampling, Algorithm 4, the
+    # realignment of Eq. 28-29) evaluates the spec's functions over the stack
+    # (torch.func.vmap: one batched kernel sequence, the per-parameter arithmetic; the
+    # random words of every matrix come from one Threefry call keyed per matrix); then one
+    # Adam step (LowRankOptimizer._hf_adam_batch, update_param's arithmetic). Injected
+    # values, DTensors and a tensor learning rate take update_param per parameter.
     def _batchable(self, it: Item, hp: _spec.PLUMAGE,
                    inject: Mapping[str, Tensor] | None) -> bool:
-        state = self.state[it.param]
-        if (inject or "step" not in state or is_dtensor(it.param)
-                or not isinstance(hp.lr, (int, float))):
-            return False
-        shape = tuple(it.param.shape)
-        return not _spec.is_projected(shape, hp) or not _spec.resample_now(
-            hp, int(state["step"]))[1]
+        return not (inject or is_dtensor(it.param) or not isinstance(hp.lr, (int, float)))
 
-    def _prepare_batch(self, items: list[Item], hps: Mapping[int, _spec.PLUMAGE]) -> None:
-        return None  # batched updates keep their projection
+    def _refresh_runs(self, items: list[Item], hps: Mapping[int, _spec.PLUMAGE], which: int
+                      ) -> list[tuple[tuple[Any, ...], list[Item]]]:
+        """The projected items whose update decomposes (``which=0``) or resamples (1),
+        grouped by (group, step, state dtype, device, shape), in runs of BATCH_ELEMENTS."""
+        groups: dict[Any, list[Item]] = {}
+        for it in items:
+            p, hp, state = it.param, hps[it.gi], self.state[it.param]
+            shape = tuple(p.shape)
+            t = int(state["step"]) if "step" in state else 0
+            if _spec.is_projected(shape, hp) and _spec.resample_now(hp, t)[which]:
+                groups.setdefault((it.gi, t, self.state_dtype(p), p.device, shape),
+                                  []).append(it)
+        return [(key, run) for key, its in groups.items() for run in chunks(its, key[-1])]
+
+    def _prepare_batch(self, items: list[Item], hps: Mapping[int, _spec.PLUMAGE]
+                       ) -> dict[int, tuple[Tensor, Tensor]]:
+        """``(U, σ)`` of the oriented gradient of every item whose update decomposes
+        (:func:`xopt.specs.plumage.decompose`), one batched SVD per oriented shape (a
+        right-projected ``(n, m)`` matrix decomposes with the left-projected ``(m, n)``)."""
+        kinds: dict[Any, list[tuple[Tensor, list[Item]]]] = {}
+        for (gi, _, sdt, _, shape), run in self._refresh_runs(items, hps, 0):
+            g = stack_as([it.grad for it in run], sdt)
+            a = g if _spec.side_of(shape, hps[gi]) == "left" else g.mT
+            kinds.setdefault((tuple(a.shape[1:]), sdt, a.device), []).append((a, run))
+        out = {}
+        for parts in kinds.values():
+            run = [it for _, r in parts for it in r]
+            a = parts[0][0] if len(parts) == 1 else torch.cat([a for a, _ in parts])
+            u, s, _ = self.svd_stacked(a, [self.param_name(it.gi, it.i) for it in run])
+            for j, it in enumerate(run):
+                out[id(it.param)] = (u[j], s[j])
+        return out
 
     def _update_batch(self, items: list[Item], hps: Mapping[int, _spec.PLUMAGE],
-                      prepared: None) -> None:
+                      prepared: dict[int, tuple[Tensor, Tensor]]) -> None:
+        for it in items:
+            state = self.state[it.param]
+            if "step" not in state:
+                self._init_state(it.param, state, hps[it.gi])
+        for (gi, t, _, _, shape), run in self._refresh_runs(items, hps, 1):
+            self._refresh_run(run, hps[gi], t, shape, prepared)
         self._hf_adam_batch(items, hps, self._side, "exp_avg", "exp_avg_sq", "projector")
+
+    def _refresh_run(self, run: list[Item], hp: _spec.PLUMAGE, t: int,
+                     shape: tuple[int, ...], prepared: dict[int, tuple[Tensor, Tensor]]
+                     ) -> None:
+        """:func:`xopt.specs.plumage.refresh` of every item of ``run`` (one shape, step
+        ``t``), over the stack."""
+        side = _spec.side_of(shape, hp)
+        states = [self.state[it.param] for it in run]
+        svd = _spec.resample_now(hp, t)[0]
+        if svd:
+            basis = torch.stack([prepared[id(it.param)][0] for it in run])
+            sigma = torch.stack([prepared[id(it.param)][1] for it in run])
+            probs = torch.vmap(lambda s: _spec.inclusion_probabilities(
+                torch, s, hp.rank, hp.prob_eps)[1])(sigma)
+            if _spec.needs_basis(hp):
+                torch._foreach_copy_([st["basis"] for st in states], list(basis.unbind(0)))
+                torch._foreach_copy_([st["probs"] for st in states], list(probs.unbind(0)))
+        else:
+            basis = torch.stack([st["basis"] for st in states])
+            probs = torch.stack([st["probs"] for st in states])
+        perm, u = draws(hp.seed, [self._index[id(it.param)] for it in run], t,
+                        probs.shape[-1], probs.device)
+
+        def sample(basis: Tensor, probs: Tensor, perm: Tensor, u: Tensor, m: Tensor,
+                   v: Tensor, old: Tensor) -> tuple[Tensor, ...]:
+            idx = _spec.sample_indices(torch, probs, hp.rank, perm, u)
+            proj, dvec = _spec.sample_projection(torch, basis, probs, idx)
+            m, v = _spec.realign(torch, m, v, proj, old, side,
+                                 first=hp.realign_first_moment,
+                                 second=hp.realign_second_moment)
+            return proj, dvec, m, v
+
+        stacked = [torch.stack([st[k] for st in states])
+                   for k in ("exp_avg", "exp_avg_sq", "projector")]
+        new = torch.vmap(sample)(basis, probs, perm, u, *stacked)
+        for key, value in zip(("projector", "scale", "exp_avg", "exp_avg_sq"), new,
+                              strict=True):
+            torch._foreach_copy_([st[key] for st in states], list(value.unbind(0)))
 
     @staticmethod
     def _side(p: Tensor, hp: _spec.PLUMAGE) -> str | None:
@@ -186,14 +260,17 @@ class PLUMAGE(LowRankOptimizer):
             return torch.bmm(proj, n / d[:, :, None])
         return torch.bmm(n / d[:, None, :], proj.mT)
 
+    def _init_state(self, p: Tensor, state: dict[str, Any], hp: _spec.PLUMAGE) -> None:
+        state["step"] = 0
+        for k, v in _spec.init_param_state(torch, hp, tuple(p.shape), self.state_dtype(p),
+                                           like=p).items():
+            state[_STATE_KEYS[k]] = v
+
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.PLUMAGE,
                 name: str, inject: Mapping[str, Tensor] | None, prepared: Any) -> None:
         dtype = self.state_dtype(p)
-        shape = tuple(p.shape)
         if "step" not in state:
-            state["step"] = 0
-            for k, v in _spec.init_param_state(torch, hp, shape, dtype, like=p).items():
-                state[_STATE_KEYS[k]] = v
+            self._init_state(p, state, hp)
         t = int(state["step"])
         st = {k: state[key] for k, key in _STATE_KEYS.items() if key in state}
         g = g.to(dtype)
@@ -203,6 +280,24 @@ class PLUMAGE(LowRankOptimizer):
         for k, v in st.items():
             state[_STATE_KEYS[k]] = v
         state["step"] = t + 1
+
+
+def draws(seed: int, indices: list[int], t: int, d: int, device: torch.device
+          ) -> tuple[Tensor, Tensor]:
+    """:func:`xopt.specs.plumage.draw` of parameters ``indices`` at step ``t``, stacked:
+    ``(perm (B, d), u (B,))``. The words of parameter ``i`` are blocks ``0..d`` of stream
+    ``fold_in(seed, i, t)`` (``xopt.random.bits(s, (2d + 1,))``: word ``k`` is word ``k % 2``
+    of block ``k // 2``), computed by one Threefry call keyed per parameter."""
+    keys = [xrandom.key_from_seed(_spec.draw_seed(seed, i, t)) for i in indices]
+    k0 = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=device)[:, None]
+    k1 = torch.tensor([k[1] for k in keys], dtype=torch.int64, device=device)[:, None]
+    counters = torch.arange(d + 1, dtype=torch.int64, device=device)[None, :]
+    y0, y1 = xrandom.threefry2x32(k0, k1, 0, counters, backend="torch", device=device)
+    words = torch.stack((y0, y1), dim=-1).reshape(len(indices), 2 * d + 2)
+    u = (words[:, 2 * d] >> 8).to(torch.float32) * 2.0**-24
+    perm = torch.vmap(lambda w: _spec.permutation_from_words(torch, w))(
+        words[:, :2 * d].reshape(-1, 2, d))
+    return perm, u
 
 
 register("plumage", "torch", PLUMAGE)
