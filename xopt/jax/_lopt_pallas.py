@@ -273,98 +273,151 @@ class SmallFCKernels:
 
     def __call__(self, shape: tuple[int, ...], p: Any, g: Any, m: Any, rms: Any, v_row: Any,
                  v_col: Any, v_diag: Any, *, tf: Any, decays: tuple[Any, Any, Any],
-                 aux: dict | None = None) -> tuple[Any, ...]:
+                 aux: dict | None = None, stage: Any = None) -> tuple[Any, ...]:
         """One shape group (stacked on axis 0): ``(step, m, rms, v_row, v_col, v_diag)``
         stacked, as :func:`xopt.specs.small_fc_lopt.compute_step` per tensor. ``aux``, if
         given, receives the statistics kernel's output as it came (``"stats"``: per block)
-        and the normalizers' statistic (``"feature_sq_mean"`` [L, F], the spec's order)."""
-        L = p.shape[0]
+        and the normalizers' statistic (``"feature_sq_mean"`` [L, F], the spec's order).
+        ``stage(name, fn, *args)`` runs each of the four stages (module docstring; default:
+        ``fn(*args)``), so that a benchmark can time them apart on their real inputs."""
+        stage = stage or run_stage
+        pre = stage("prep", functools.partial(self.prep, shape), v_row, v_col, v_diag, g,
+                    *decays)
+        part = stage("stats", functools.partial(self.stats, shape), pre, g, p, m, rms)
+        norm = stage("norm", functools.partial(self.normalize, shape), pre, part, tf)
+        if aux is not None:
+            aux.update(stats=part, feature_sq_mean=norm["feature_sq_mean"])
+        step, m_new, rms_new = stage("fused", functools.partial(self.fused, shape), pre, norm,
+                                     g, p, m, rms)
+        return (step.reshape(p.shape), m_new.reshape(m.shape), rms_new.reshape(rms.shape),
+                pre["new_row"], pre["new_col"], v_diag)
+
+    def prep(self, shape: tuple[int, ...], v_row: Any, v_col: Any, v_diag: Any, g: Any,
+             mom_d: Any, rms_d: Any, fac_d: Any) -> dict[str, Any]:
+        """Stage 1 (XLA): the new Adafactor statistics, the row and column factors and
+        features, the axis features' sums of squares and the decays the kernels read."""
+        return _axis_prep(shape, v_row, v_col, v_diag, g, mom_d, rms_d, fac_d)
+
+    def stats(self, shape: tuple[int, ...], pre: dict, g: Any, p: Any, m: Any,
+              rms: Any) -> Any:
+        """Stage 2 (:func:`_stats_kernel`): Σ feature² of the per-element features, per
+        block ``[L · blocks, 16]``."""
+        return _stats_call(_stats_kernel, 16, "sfc_stats", shape, pre, g, p, m, rms)
+
+    def normalize(self, shape: tuple[int, ...], pre: dict, part: Any, tf: Any) -> dict:
+        """Stage 3 (XLA): the normalizers, the axis features' first-layer terms and the
+        weights as the fused kernel reads them."""
         n1, n2, row_on_1 = two_d_view(shape)
-        mom_d, rms_d, fac_d = decays
-        # 1. the Adafactor statistics (the spec's own function, batched)
-        new_row, new_col, _, _ = jax.vmap(
-            lambda vr, vc, vd, gg: lopt.factored_update(jnp, vr, vc, vd, gg, fac_d)
-        )(v_row, v_col, v_diag, g)
-        vr2 = new_row.reshape(L, -1, 3)  # [L, positions of the v_row axis, 3]
-        vc2 = new_col.reshape(L, -1, 3)
-        rcm = jnp.mean(vr2, axis=1, keepdims=True)
-        rf = lopt.safe_rsqrt(jnp, vr2 / (rcm + 1e-9))
-        cf = lopt.safe_rsqrt(jnp, vc2)
-        f1, f2 = (rf, cf) if row_on_1 else (cf, rf)
-        f1 = jnp.swapaxes(f1, 1, 2)  # [L, 3, N1]
-        f2 = jnp.swapaxes(f2, 1, 2)  # [L, 3, N2]
-        # the row/column features: v_row (13-15), v_col (16-18), rsqrt(v + 1e-8) (19-24)
-        row_feats = jnp.concatenate([vr2, jax.lax.rsqrt(vr2 + 1e-8)], axis=-1)  # [L, n, 6]
-        col_feats = jnp.concatenate([vc2, jax.lax.rsqrt(vc2 + 1e-8)], axis=-1)
-        n_row_pos, n_col_pos = vr2.shape[1], vc2.shape[1]
-        row_sq = jnp.sum(row_feats * row_feats, axis=1) * n_col_pos  # Σ over elements
-        col_sq = jnp.sum(col_feats * col_feats, axis=1) * n_row_pos
-
-        decs = jnp.concatenate([mom_d, rms_d, jnp.zeros((4,), jnp.float32)])  # [8]
-        gv, pv = g.reshape(L, n1, n2), p.reshape(L, n1, n2)
-        mv, rv = m.reshape(L, n1, n2, 3), rms.reshape(L, n1, n2)
-        nb1, nb2, per, elem = _index_maps(n1, n2)
-        grid = (L * per,)
-        whole, blk, blk_m, blk_f1, blk_f2 = _element_specs(elem)
-        interpret = _on_cpu()
-        params = _compiler_params()
-
-        # 2. Σ feature² of the per-element features, per block
-        part = pl.pallas_call(
-            functools.partial(_stats_kernel, n1=n1, n2=n2, row_on_1=row_on_1),
-            out_shape=jax.ShapeDtypeStruct((L * per, 16), jnp.float32), grid=grid,
-            in_specs=[pl.BlockSpec((8,), whole), blk, blk, blk_m, blk, blk_f1, blk_f2],
-            out_specs=pl.BlockSpec((SQ, 16), lambda t: (t, 0)),
-            interpret=interpret, compiler_params=params, name="sfc_stats",
-        )(decs, gv, pv, mv, rv, f1, f2)
-        elem_sq = jnp.sum(part.reshape(L, per, 16), axis=1)  # [L, 16]
+        L = part.shape[0] // _index_maps(n1, n2)[2]
+        elem_sq = jnp.sum(part.reshape(L, -1, 16), axis=1)  # [L, 16]
+        row_sq, col_sq = pre["row_sq"], pre["col_sq"]
         sq = jnp.concatenate([elem_sq[:, :13], row_sq[:, :3], col_sq[:, :3], row_sq[:, 3:],
                               col_sq[:, 3:], elem_sq[:, 13:]], axis=1)  # [L, 28] spec order
         inv = jax.lax.rsqrt(1e-5 + sq / float(n1 * n2))
-        if aux is not None:
-            aux.update(stats=part, feature_sq_mean=sq / float(n1 * n2))
-
-        # 3. the axis features' first-layer terms and the bias
         w = self._weights(tf)
         w0 = w["w0"]
         row_rows = np.array([13, 14, 15, 19, 20, 21])
         col_rows = np.array([16, 17, 18, 22, 23, 24])
         hi = jax.lax.Precision.HIGHEST
-        t_row = jnp.einsum("lnk,kh->lnh", row_feats * inv[:, None, row_rows], w0[row_rows],
-                           precision=hi)
-        t_col = jnp.einsum("lnk,kh->lnh", col_feats * inv[:, None, col_rows], w0[col_rows],
-                           precision=hi)
+        t_row = jnp.einsum("lnk,kh->lnh", pre["row_feats"] * inv[:, None, row_rows],
+                           w0[row_rows], precision=hi)
+        t_col = jnp.einsum("lnk,kh->lnh", pre["col_feats"] * inv[:, None, col_rows],
+                           w0[col_rows], precision=hi)
         t1, t2 = (t_row, t_col) if row_on_1 else (t_col, t_row)
-        inv16 = inv[:, np.array(ELEM)]  # [L, 16]
-        w16 = w0[np.array(ELEM)]  # [16, HP]
-        hp_ = self.hp_
-        nhid = self.nl - 1
+        return dict(inv16=inv[:, np.array(ELEM)], w16=w0[np.array(ELEM)], b0=w["b0"],
+                    wh=w["wh"], bh=w["bh"], wl=w["wl"], bl=w["bl"], t1=t1, t2=t2,
+                    feature_sq_mean=sq / float(n1 * n2))
 
-        # 4. the fused pass
+    def fused(self, shape: tuple[int, ...], pre: dict, norm: dict, g: Any, p: Any, m: Any,
+              rms: Any) -> tuple[Any, Any, Any]:
+        """Stage 4 (:func:`_fused_kernel`): ``(step, m, rms)`` as ``[L, N1, N2(, 3)]``."""
+        L = p.shape[0]
+        n1, n2, row_on_1 = two_d_view(shape)
+        hp_ = self.hp_
+        _, _, per, elem = _index_maps(n1, n2)
+        whole, blk, blk_m, blk_f1, blk_f2 = _element_specs(elem)
         kern = functools.partial(
-            _fused_kernel, n1=n1, n2=n2, row_on_1=row_on_1, nhid=nhid, hp=hp_,
+            _fused_kernel, n1=n1, n2=n2, row_on_1=row_on_1, nhid=self.nl - 1, hp=hp_,
             exp_mult=float(self.hp.exp_mult), step_mult=float(self.hp.step_mult),
             prec=_dot_precision(self.precision))
         full = lambda *shape: pl.BlockSpec(shape, lambda t: (0,) * len(shape))  # noqa: E731
-        step, m_new, rms_new = pl.pallas_call(
+        return pl.pallas_call(
             kern,
             out_shape=(jax.ShapeDtypeStruct((L, n1, n2), jnp.float32),
                        jax.ShapeDtypeStruct((L, n1, n2, 3), jnp.float32),
                        jax.ShapeDtypeStruct((L, n1, n2), jnp.float32)),
-            grid=grid,
+            grid=(L * per,),
             in_specs=[pl.BlockSpec((8,), whole),
                       pl.BlockSpec((SQ, 16), lambda t: (elem(t)[0], 0)),
-                      full(16, hp_), full(1, hp_), full(*w["wh"].shape), full(*w["bh"].shape),
-                      full(2, hp_), pl.BlockSpec((2,), whole),
+                      full(16, hp_), full(1, hp_), full(*norm["wh"].shape),
+                      full(*norm["bh"].shape), full(2, hp_), pl.BlockSpec((2,), whole),
                       blk, blk, blk_m, blk, blk_f1, blk_f2,
                       pl.BlockSpec((SQ, BR, hp_), lambda t: (elem(t)[0], elem(t)[1], 0)),
                       pl.BlockSpec((SQ, BC, hp_), lambda t: (elem(t)[0], elem(t)[2], 0))],
             out_specs=[blk, blk_m, blk],
-            interpret=interpret, compiler_params=params, name="sfc_fused",
-        )(decs, inv16, w16, w["b0"], w["wh"], w["bh"], w["wl"], w["bl"], gv, pv, mv, rv, f1, f2,
-          t1, t2)
-        return (step.reshape(p.shape), m_new.reshape(m.shape), rms_new.reshape(rms.shape),
-                new_row, new_col, v_diag)
+            interpret=_on_cpu(), compiler_params=_compiler_params(), name="sfc_fused",
+        )(pre["decs"], norm["inv16"], norm["w16"], norm["b0"], norm["wh"], norm["bh"],
+          norm["wl"], norm["bl"], *_element_views(shape, g, p, m, rms), pre["f1"], pre["f2"],
+          norm["t1"], norm["t2"])
+
+
+def run_stage(name: str, fn: Any, *args: Any) -> Any:
+    """The default stage runner: ``fn(*args)`` (a benchmark passes one that times it)."""
+    del name
+    return fn(*args)
+
+
+def _element_views(shape: tuple[int, ...], g: Any, p: Any, m: Any, rms: Any) -> list[Any]:
+    """A stacked group's ``g``, ``p``, ``m``, ``rms`` as ``[L, N1, N2(, 3)]`` (reshapes)."""
+    L = p.shape[0]
+    n1, n2, _ = two_d_view(shape)
+    return [g.reshape(L, n1, n2), p.reshape(L, n1, n2), m.reshape(L, n1, n2, 3),
+            rms.reshape(L, n1, n2)]
+
+
+def _axis_prep(shape: tuple[int, ...], v_row: Any, v_col: Any, v_diag: Any, g: Any,
+               mom_d: Any, rms_d: Any, fac_d: Any) -> dict[str, Any]:
+    """Both methods' first stage: the new ``v_row``/``v_col`` (the spec's
+    ``factored_update``, batched; ``g`` as the method feeds it), their factors per axis
+    ``f1`` [L, 3, N1], ``f2`` [L, 3, N2], the row and column features [L, n, 6] and their
+    sums of squares over the tensor [L, 6], and the kernels' decays [8]."""
+    L = g.shape[0]
+    _, _, row_on_1 = two_d_view(shape)
+    new_row, new_col, _, _ = jax.vmap(
+        lambda vr, vc, vd, gg: lopt.factored_update(jnp, vr, vc, vd, gg, fac_d)
+    )(v_row, v_col, v_diag, g)
+    vr2 = new_row.reshape(L, -1, 3)  # [L, positions of the v_row axis, 3]
+    vc2 = new_col.reshape(L, -1, 3)
+    rcm = jnp.mean(vr2, axis=1, keepdims=True)
+    rf = lopt.safe_rsqrt(jnp, vr2 / (rcm + 1e-9))
+    cf = lopt.safe_rsqrt(jnp, vc2)
+    f1, f2 = (rf, cf) if row_on_1 else (cf, rf)
+    # the row/column features: v_row, v_col, rsqrt(v + 1e-8) of each
+    row_feats = jnp.concatenate([vr2, jax.lax.rsqrt(vr2 + 1e-8)], axis=-1)  # [L, n, 6]
+    col_feats = jnp.concatenate([vc2, jax.lax.rsqrt(vc2 + 1e-8)], axis=-1)
+    # a feature of one axis summed over a tensor: the other axis's length times its sum
+    row_sq = jnp.sum(row_feats * row_feats, axis=1) * vc2.shape[1]
+    col_sq = jnp.sum(col_feats * col_feats, axis=1) * vr2.shape[1]
+    decs = jnp.concatenate([mom_d, rms_d, jnp.zeros((4,), jnp.float32)])  # [8]
+    return dict(new_row=new_row, new_col=new_col, f1=jnp.swapaxes(f1, 1, 2),
+                f2=jnp.swapaxes(f2, 1, 2), row_feats=row_feats, col_feats=col_feats,
+                row_sq=row_sq, col_sq=col_sq, decs=decs)
+
+
+def _stats_call(kernel: Any, width: int, name: str, shape: tuple[int, ...], pre: dict,
+                g: Any, p: Any, m: Any, rms: Any) -> Any:
+    """A statistics kernel over a group: ``[L · blocks, width]`` per-block sums."""
+    L = p.shape[0]
+    n1, n2, row_on_1 = two_d_view(shape)
+    _, _, per, elem = _index_maps(n1, n2)
+    whole, blk, blk_m, blk_f1, blk_f2 = _element_specs(elem)
+    return pl.pallas_call(
+        functools.partial(kernel, n1=n1, n2=n2, row_on_1=row_on_1),
+        out_shape=jax.ShapeDtypeStruct((L * per, width), jnp.float32), grid=(L * per,),
+        in_specs=[pl.BlockSpec((8,), whole), blk, blk, blk_m, blk, blk_f1, blk_f2],
+        out_specs=pl.BlockSpec((SQ, width), lambda t: (t, 0)),
+        interpret=_on_cpu(), compiler_params=_compiler_params(), name=name,
+    )(pre["decs"], *_element_views(shape, g, p, m, rms), pre["f1"], pre["f2"])
 
 
 # -- VeLO --------------------------------------------------------------------------------------
@@ -476,63 +529,52 @@ class VeLOKernels:
 
     def __call__(self, shape: tuple[int, ...], p: Any, g: Any, m: Any, rms: Any, v_row: Any,
                  v_col: Any, v_diag: Any, controls: Any, lr_mult: Any, *,
-                 decays: tuple[Any, Any, Any], aux: dict | None = None) -> tuple[Any, ...]:
+                 decays: tuple[Any, Any, Any], aux: dict | None = None,
+                 stage: Any = None) -> tuple[Any, ...]:
         """One shape group: ``(step, m, rms, v_row, v_col, v_diag)`` stacked, as
-        :func:`xopt.specs.velo.update_tensor` per tensor (``aux``: as
+        :func:`xopt.specs.velo.update_tensor` per tensor (``aux``, ``stage``: as
         :meth:`SmallFCKernels.__call__`'s)."""
         from xopt.specs import velo as vspec
 
-        L = p.shape[0]
-        n1, n2, row_on_1 = two_d_view(shape)
-        mom_d, rms_d, fac_d = decays
-        gc = jnp.clip(g, -vspec.GRAD_CLIP, vspec.GRAD_CLIP)
-        new_row, new_col, _, _ = jax.vmap(
-            lambda vr, vc, vd, gg: lopt.factored_update(jnp, vr, vc, vd, gg, fac_d)
-        )(v_row, v_col, v_diag, gc)
-        vr2 = new_row.reshape(L, -1, 3)
-        vc2 = new_col.reshape(L, -1, 3)
-        rcm = jnp.mean(vr2, axis=1, keepdims=True)
-        rf = lopt.safe_rsqrt(jnp, vr2 / (rcm + 1e-9))
-        cf = lopt.safe_rsqrt(jnp, vc2)
-        f1, f2 = (rf, cf) if row_on_1 else (cf, rf)
-        f1, f2 = jnp.swapaxes(f1, 1, 2), jnp.swapaxes(f2, 1, 2)
-        row_feats = jnp.concatenate([vr2, jax.lax.rsqrt(vr2 + 1e-8)], axis=-1)
-        col_feats = jnp.concatenate([vc2, jax.lax.rsqrt(vc2 + 1e-8)], axis=-1)
-        row_sq = jnp.sum(row_feats * row_feats, axis=1) * vc2.shape[1]
-        col_sq = jnp.sum(col_feats * col_feats, axis=1) * vr2.shape[1]
+        stage = stage or run_stage
+        def prep(v_row, v_col, v_diag, g, *decays):  # noqa: ANN001, ANN202
+            gc = jnp.clip(g, -vspec.GRAD_CLIP, vspec.GRAD_CLIP)
+            return _axis_prep(shape, v_row, v_col, v_diag, gc, *decays)
 
-        decs = jnp.concatenate([mom_d, rms_d, jnp.zeros((4,), jnp.float32)])
-        gv, pv = g.reshape(L, n1, n2), p.reshape(L, n1, n2)
-        mv, rv = m.reshape(L, n1, n2, 3), rms.reshape(L, n1, n2)
-        _, _, per, elem = _index_maps(n1, n2)
-        grid = (L * per,)
-        whole, blk, blk_m, blk_f1, blk_f2 = _element_specs(elem)
-        interpret = _on_cpu()
-        params = _compiler_params()
-        part = pl.pallas_call(
-            functools.partial(_velo_stats_kernel, n1=n1, n2=n2, row_on_1=row_on_1),
-            out_shape=jax.ShapeDtypeStruct((L * per, 32), jnp.float32), grid=grid,
-            in_specs=[pl.BlockSpec((8,), whole), blk, blk, blk_m, blk, blk_f1, blk_f2],
-            out_specs=pl.BlockSpec((SQ, 32), lambda t: (t, 0)),
-            interpret=interpret, compiler_params=params, name="velo_stats",
-        )(decs, gv, pv, mv, rv, f1, f2)
-        elem_sq = jnp.sum(part.reshape(L, per, 32), axis=1)
+        pre = stage("prep", prep, v_row, v_col, v_diag, g, *decays)
+        part = stage("stats", functools.partial(_stats_call, _velo_stats_kernel, 32,
+                                                "velo_stats", shape), pre, g, p, m, rms)
+        norm = stage("norm", functools.partial(self.normalize, shape), pre, part, controls,
+                     lr_mult)
+        if aux is not None:
+            aux.update(stats=part, feature_sq_mean=norm["feature_sq_mean"])
+        step, m_new, rms_new = stage("fused", functools.partial(self.fused, shape), pre, norm,
+                                     g, p, m, rms)
+        return (step.reshape(p.shape), m_new.reshape(m.shape), rms_new.reshape(rms.shape),
+                pre["new_row"], pre["new_col"], v_diag)
+
+    def normalize(self, shape: tuple[int, ...], pre: dict, part: Any, controls: Any,
+                  lr_mult: Any) -> dict:
+        """Stage 3 (XLA): the normalizers, the per-tensor MLPs (100 · mean_k controls_k ·
+        bank_k), the axis terms and the per-tensor scalars the fused kernel reads."""
+        from xopt.specs import velo as vspec
+
+        n1, n2, row_on_1 = two_d_view(shape)
+        L = part.shape[0] // _index_maps(n1, n2)[2]
+        elem_sq = jnp.sum(part.reshape(L, -1, 32), axis=1)
         sq = jnp.zeros((L, 30), jnp.float32)
         sq = sq.at[:, np.array(VELO_ELEM)].set(elem_sq[:, :len(VELO_ELEM)])
-        sq = sq.at[:, np.array(VELO_ROW)].set(row_sq).at[:, np.array(VELO_COL)].set(col_sq)
+        sq = sq.at[:, np.array(VELO_ROW)].set(pre["row_sq"])
+        sq = sq.at[:, np.array(VELO_COL)].set(pre["col_sq"])
         n = float(n1 * n2)
         inv = jax.lax.rsqrt(1e-5 + sq / n)  # [L, 30]
-        if aux is not None:
-            aux.update(stats=part, feature_sq_mean=sq / n)
         param_scale = jnp.sqrt(sq[:, 2] / n + 1e-9)
-
-        # the per-tensor MLPs (100 · mean_k controls_k · bank_k), and the axis terms
         weights = jax.vmap(lambda c: vspec.mix_mlp_weights(jnp, c, self.meta, self.hp))(controls)
         w0 = weights["w0"]  # [L, 30, F]
         hi = jax.lax.Precision.HIGHEST
-        t_row = jnp.einsum("lnk,lkh->lnh", row_feats * inv[:, None, np.array(VELO_ROW)],
+        t_row = jnp.einsum("lnk,lkh->lnh", pre["row_feats"] * inv[:, None, np.array(VELO_ROW)],
                            w0[:, np.array(VELO_ROW)], precision=hi)
-        t_col = jnp.einsum("lnk,lkh->lnh", col_feats * inv[:, None, np.array(VELO_COL)],
+        t_col = jnp.einsum("lnk,lkh->lnh", pre["col_feats"] * inv[:, None, np.array(VELO_COL)],
                            w0[:, np.array(VELO_COL)], precision=hi)
         t1, t2 = (t_row, t_col) if row_on_1 else (t_col, t_row)
         nl = self.nhid + 1
@@ -544,23 +586,31 @@ class VeLOKernels:
                    lr_mult[:, None], param_scale[:, None]]
         scal = jnp.concatenate(pieces, axis=1)
         scal = jnp.pad(scal, [(0, 0), (0, VELO_SCAL - scal.shape[1])])
+        return dict(scal=scal, t1=t1, t2=t2, feature_sq_mean=sq / n)
+
+    def fused(self, shape: tuple[int, ...], pre: dict, norm: dict, g: Any, p: Any, m: Any,
+              rms: Any) -> tuple[Any, Any, Any]:
+        """Stage 4 (:func:`_velo_fused_kernel`): ``(step, m, rms)`` as ``[L, N1, N2(, 3)]``."""
+        L = p.shape[0]
+        n1, n2, row_on_1 = two_d_view(shape)
+        _, _, per, elem = _index_maps(n1, n2)
+        whole, blk, blk_m, blk_f1, blk_f2 = _element_specs(elem)
         width = self.width
         kern = functools.partial(
             _velo_fused_kernel, n1=n1, n2=n2, row_on_1=row_on_1, width=width, nhid=self.nhid,
             off=self.off, exp_mult=float(self.hp.exp_mult), step_mult=float(self.hp.step_mult))
-        step, m_new, rms_new = pl.pallas_call(
+        return pl.pallas_call(
             kern,
             out_shape=(jax.ShapeDtypeStruct((L, n1, n2), jnp.float32),
                        jax.ShapeDtypeStruct((L, n1, n2, 3), jnp.float32),
                        jax.ShapeDtypeStruct((L, n1, n2), jnp.float32)),
-            grid=grid,
+            grid=(L * per,),
             in_specs=[pl.BlockSpec((8,), whole),
                       pl.BlockSpec((SQ, VELO_SCAL), lambda t: (elem(t)[0], 0)),
                       blk, blk, blk_m, blk, blk_f1, blk_f2,
                       pl.BlockSpec((SQ, BR, width), lambda t: (elem(t)[0], elem(t)[1], 0)),
                       pl.BlockSpec((SQ, BC, width), lambda t: (elem(t)[0], elem(t)[2], 0))],
             out_specs=[blk, blk_m, blk],
-            interpret=interpret, compiler_params=params, name="velo_fused",
-        )(decs, scal, gv, pv, mv, rv, f1, f2, t1, t2)
-        return (step.reshape(p.shape), m_new.reshape(m.shape), rms_new.reshape(rms.shape),
-                new_row, new_col, v_diag)
+            interpret=_on_cpu(), compiler_params=_compiler_params(), name="velo_fused",
+        )(pre["decs"], norm["scal"], *_element_views(shape, g, p, m, rms), pre["f1"],
+          pre["f2"], norm["t1"], norm["t2"])
