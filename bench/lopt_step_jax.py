@@ -404,6 +404,11 @@ def checks(model: str, shapes, report: dict, dl: Deadline, with_torch: bool) -> 
 # -- the phases --------------------------------------------------------------------------------
 
 
+def wanted(args, label: str) -> bool:
+    """``--only``: the label contains one of its comma-separated strings (or it is empty)."""
+    return not args.only or any(w and w in label for w in args.only.split(","))
+
+
 def bench_model(model: str, args, report: dict, dl: Deadline) -> None:
     shapes = MODELS[model]()
     n = int(sum(int(np.prod(s)) for s in shapes))
@@ -433,7 +438,7 @@ def bench_model(model: str, args, report: dict, dl: Deadline) -> None:
         except Exception as e:  # noqa: BLE001
             note(report, f"{model}: torch fused AdamW failed: {err(e)}")
     for method in ("small_fc_lopt", "velo"):
-        if args.only and not any(args.only in label for label, _, _ in JAX_PATHS[method]):
+        if args.only and not any(wanted(args, label) for label, _, _ in JAX_PATHS[method]):
             continue
         if dl.left() < 45:
             note(report, f"{model}: timing of {method} skipped (deadline)")
@@ -442,7 +447,7 @@ def bench_model(model: str, args, report: dict, dl: Deadline) -> None:
         if adamw is not None:
             entries["jax/optax.adamw"] = adamw
         for label, impl, prec in JAX_PATHS[method]:
-            if args.only and args.only not in label:
+            if not wanted(args, label):
                 continue
             if dl.left() < 40:
                 note(report, f"{model}: {label} skipped (deadline)")
@@ -1158,7 +1163,8 @@ def main() -> None:
     ap.add_argument("--no-survey", action="store_true")
     ap.add_argument("--plain", action="store_true",
                     help="also the plain learned optimizers (slow to compile)")
-    ap.add_argument("--only", default="", help="time only JAX labels containing this")
+    ap.add_argument("--only", default="", help="time only the JAX labels containing one of "
+                    "these comma-separated strings")
     ap.add_argument("--survey", default="", help="compile survey: only the transforms whose "
                     "label contains one of these comma-separated strings")
     ap.add_argument("--diagnose", action="store_true",

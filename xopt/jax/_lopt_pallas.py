@@ -55,9 +55,17 @@ from xopt.specs import small_fc_lopt as spec
 
 __all__ = ["SmallFCKernels", "two_d_view", "unsupported_small_fc"]
 
-#: a block: BR rows of BC contiguous elements (BR·BC elements per program)
+#: a sub-tile: BR rows of BC contiguous elements, what a program computes at a time
 BR = 2
 BC = 64
+#: sub-tiles per program: a program owns NSUB·BR rows of BC columns and walks them in a
+#: loop (``fori_loop``, not unrolled: the kernel body is one sub-tile's, so its compile cost
+#: does not grow), so that what depends only on its columns or on the tensor (the MLP's
+#: weights, the column terms and factors, the index math) is loaded once per NSUB sub-tiles
+#: and the grid is NSUB times smaller, as the torch Triton kernels walk their tiles
+NSUB = 8
+#: rows of a program's block
+RP = BR * NSUB
 NUM_WARPS = 4
 #: a squeezed block dimension (``None`` in older Pallas)
 SQ = getattr(pl, "squeezed", None)
@@ -111,7 +119,7 @@ def _compiler_params() -> Any:
 
 
 def _blocks(n1: int, n2: int) -> tuple[int, int]:
-    return -(-n1 // BR), -(-n2 // BC)
+    return -(-n1 // RP), -(-n2 // BC)
 
 
 def _index_maps(n1: int, n2: int):  # noqa: ANN202
@@ -132,9 +140,9 @@ def _element_specs(elem):  # noqa: ANN001, ANN202
         return (0,)
 
     return (whole,
-            pl.BlockSpec((SQ, BR, BC), lambda t: elem(t)),
-            pl.BlockSpec((SQ, BR, BC, 3), lambda t: (*elem(t), 0)),
-            pl.BlockSpec((SQ, 3, BR), lambda t: (elem(t)[0], 0, elem(t)[1])),
+            pl.BlockSpec((SQ, RP, BC), lambda t: elem(t)),
+            pl.BlockSpec((SQ, RP, BC, 3), lambda t: (*elem(t), 0)),
+            pl.BlockSpec((SQ, 3, RP), lambda t: (elem(t)[0], 0, elem(t)[1])),
             pl.BlockSpec((SQ, 3, BC), lambda t: (elem(t)[0], 0, elem(t)[2])))
 
 
@@ -153,36 +161,63 @@ def _i(k: int) -> jax.Array:
     return jnp.int32(k)
 
 
-def _masks(n1: int, n2: int):  # noqa: ANN202
-    """This program's block: which of its BR rows and BC columns are inside the tensor, and
-    their product ``[BR, BC]``."""
+def _col_mask(n1: int, n2: int) -> jax.Array:
+    """Which of this program's BC columns are inside the tensor."""
+    t = pl.program_id(0)
+    nb2 = _blocks(n1, n2)[1]
+    return (t % nb2) * BC + jax.lax.broadcasted_iota(jnp.int32, (BC,), 0) < n2
+
+
+def _row_base(n1: int, n2: int) -> jax.Array:
+    """This program's first row (read outside the sub-tile loop: the interpreter gives
+    ``program_id`` only there)."""
     t = pl.program_id(0)
     _, nb2, per, _ = _index_maps(n1, n2)
-    rows = ((t % per) // nb2) * BR + jax.lax.broadcasted_iota(jnp.int32, (BR,), 0)
-    cols = (t % nb2) * BC + jax.lax.broadcasted_iota(jnp.int32, (BC,), 0)
-    r_ok, c_ok = rows < n1, cols < n2
-    return r_ok, c_ok, r_ok[:, None] & c_ok[None, :]
+    return ((t % per) // nb2) * RP
 
 
-def _accumulate(g, p, m_ref, r_ref, dec_ref, valid):  # noqa: ANN001, ANN202
-    """The updated momenta and second moment of a block, and ``rsqrt(rms + 1e-6)``."""
+def _row_mask(base: jax.Array, n1: int, s: jax.Array) -> jax.Array:
+    """Which of the BR rows of sub-tile ``s`` of the block from row ``base`` are inside the
+    tensor."""
+    return base + s * BR + jax.lax.broadcasted_iota(jnp.int32, (BR,), 0) < n1
+
+
+def _rows(s: jax.Array) -> Any:
+    """The rows of sub-tile ``s`` in a program's block (a dynamic slice of BR)."""
+    return pl.ds(pl.multiple_of(s * BR, BR), BR)
+
+
+def _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows):  # noqa: ANN001, ANN202
+    """The updated momenta and second moment of a sub-tile, and ``rsqrt(rms + 1e-6)``."""
     ms = []
     for k in range(3):
         d = dec_ref[k]
-        ms.append(d * _load(m_ref.at[:, :, _i(k)], valid) + (1 - d) * g)
+        ms.append(d * _load(m_ref.at[rows, :, _i(k)], valid) + (1 - d) * g)
     c = jnp.clip(dec_ref[3], 0.0, 1.0)
-    rms = c * _load(r_ref, valid) + (1 - c) * (g * g)
+    rms = c * _load(r_ref.at[rows], valid) + (1 - c) * (g * g)
     return ms, rms, jax.lax.rsqrt(rms + 1e-6)
 
 
-def _factors(f1_ref, f2_ref, r_ok, c_ok, row_on_1):  # noqa: ANN001, ANN202
-    """Per decay k, the row factor and the column factor of a block, broadcastable to it."""
+def _col_factors(f2_ref, c_ok):  # noqa: ANN001, ANN202
+    """Per decay k, the factor along axis 2 of this program's columns ``[1, BC]`` (loaded
+    once per program)."""
+    return [_load(f2_ref.at[_i(k), :], c_ok)[None, :] for k in range(3)]
+
+
+def _factors(f1_ref, col, r_ok, rows, row_on_1):  # noqa: ANN001, ANN202
+    """Per decay k, the row factor and the column factor of a sub-tile, broadcastable to it
+    (``col``: :func:`_col_factors`)."""
     out = []
     for k in range(3):
-        a = _load(f1_ref.at[_i(k), :], r_ok)[:, None]  # factor of decay k along axis 1
-        b = _load(f2_ref.at[_i(k), :], c_ok)[None, :]  # along axis 2
+        a = _load(f1_ref.at[_i(k), rows], r_ok)[:, None]  # factor of decay k along axis 1
+        b = col[k]  # along axis 2
         out.append((a, b) if row_on_1 else (b, a))
     return out
+
+
+def _sub_tiles(body: Any, init: Any) -> Any:
+    """``body(s, carry)`` over the program's NSUB sub-tiles (a loop, not unrolled)."""
+    return jax.lax.fori_loop(0, NSUB, body, init)
 
 
 def _elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
@@ -195,44 +230,64 @@ def _elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
 
 def _stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *, n1, n2,
                   row_on_1):  # noqa: ANN001
-    r_ok, c_ok, valid = _masks(n1, n2)
-    g = _load(g_ref, valid)
-    p = _load(p_ref, valid)
-    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid)
-    feats = _elem_features(g, p, ms, rms, r, _factors(f1_ref, f2_ref, r_ok, c_ok, row_on_1))
+    c_ok = _col_mask(n1, n2)
+    base = _row_base(n1, n2)
+    col = _col_factors(f2_ref, c_ok)
+
+    def sub_tile(s, acc):  # noqa: ANN001, ANN202
+        rows = _rows(s)
+        r_ok = _row_mask(base, n1, s)
+        valid = r_ok[:, None] & c_ok[None, :]
+        g = _load(g_ref.at[rows], valid)
+        p = _load(p_ref.at[rows], valid)
+        ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows)
+        feats = _elem_features(g, p, ms, rms, r, _factors(f1_ref, col, r_ok, rows, row_on_1))
+        return tuple(a + jnp.where(valid, f * f, 0.0) for a, f in zip(acc, feats, strict=True))
+
+    acc = _sub_tiles(sub_tile, tuple(jnp.zeros((BR, BC), jnp.float32) for _ in ELEM))
     lanes = jax.lax.broadcasted_iota(jnp.int32, (16,), 0)
     out = jnp.zeros((16,), jnp.float32)
-    for k, f in enumerate(feats):
-        out = jnp.where(lanes == k, jnp.sum(jnp.where(valid, f * f, 0.0)), out)
+    for k, a in enumerate(acc):
+        out = jnp.where(lanes == k, jnp.sum(a), out)
     o_ref[...] = out
 
 
 def _fused_kernel(dec_ref, inv_ref, w0_ref, b0_ref, wh_ref, bh_ref, wl_ref, bl_ref, g_ref,
                   p_ref, m_ref, r_ref, f1_ref, f2_ref, t1_ref, t2_ref, s_ref, mo_ref, ro_ref,
                   *, n1, n2, row_on_1, nhid, hp, exp_mult, step_mult, prec):  # noqa: ANN001
-    r_ok, c_ok, valid = _masks(n1, n2)
-    g = _load(g_ref, valid)
-    p = _load(p_ref, valid)
-    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid)
-    feats = _elem_features(g, p, ms, rms, r, _factors(f1_ref, f2_ref, r_ok, c_ok, row_on_1))
+    c_ok = _col_mask(n1, n2)
+    base = _row_base(n1, n2)
+    col = _col_factors(f2_ref, c_ok)
+    t2 = _load(t2_ref, c_ok[:, None])  # this program's columns' first-layer terms [BC, HP]
     n = BR * BC
-    t1 = _load(t1_ref, r_ok[:, None])
-    t2 = _load(t2_ref, c_ok[:, None])
-    h = (t1[:, None, :] + t2[None, :, :]).reshape(n, hp) + b0_ref[...]
-    for k, f in enumerate(feats):  # the first layer, feature by feature (float32 FMAs)
-        x = (f * inv_ref[k]).reshape(n)
-        h = h + x[:, None] * w0_ref[k, :][None, :]
-    h = jnp.maximum(h, 0.0)
-    for i in range(nhid):
-        h = jnp.dot(h, wh_ref[i], precision=prec) + bh_ref[i, :][None, :]
+
+    def sub_tile(s, carry):  # noqa: ANN001, ANN202
+        rows = _rows(s)
+        r_ok = _row_mask(base, n1, s)
+        valid = r_ok[:, None] & c_ok[None, :]
+        g = _load(g_ref.at[rows], valid)
+        p = _load(p_ref.at[rows], valid)
+        ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows)
+        feats = _elem_features(g, p, ms, rms, r, _factors(f1_ref, col, r_ok, rows, row_on_1))
+        t1 = _load(t1_ref.at[rows], r_ok[:, None])
+        h = (t1[:, None, :] + t2[None, :, :]).reshape(n, hp) + b0_ref[...]
+        for k, f in enumerate(feats):  # the first layer, feature by feature (float32 FMAs)
+            x = (f * inv_ref[k]).reshape(n)
+            h = h + x[:, None] * w0_ref[k, :][None, :]
         h = jnp.maximum(h, 0.0)
-    direction = jnp.sum(h * wl_ref[0, :][None, :], axis=1) + bl_ref[0]
-    magnitude = jnp.sum(h * wl_ref[1, :][None, :], axis=1) + bl_ref[1]
-    step = direction * jnp.exp(magnitude * exp_mult) * step_mult
-    _store(s_ref, step.reshape(BR, BC), valid)
-    for k in range(3):
-        _store(mo_ref.at[:, :, _i(k)], ms[k], valid)
-    _store(ro_ref, rms, valid)
+        for i in range(nhid):
+            h = jnp.dot(h, wh_ref[i], precision=prec) + bh_ref[i, :][None, :]
+            h = jnp.maximum(h, 0.0)
+        direction = jnp.sum(h * wl_ref[0, :][None, :], axis=1) + bl_ref[0]
+        magnitude = jnp.sum(h * wl_ref[1, :][None, :], axis=1) + bl_ref[1]
+        step = direction * jnp.exp(magnitude * exp_mult) * step_mult
+        _store(s_ref.at[rows], step.reshape(BR, BC), valid)
+        for k in range(3):
+            _store(mo_ref.at[rows, :, _i(k)], ms[k], valid)
+        _store(ro_ref.at[rows], rms, valid)
+        return carry
+
+    _sub_tiles(sub_tile, jnp.int32(0))
 
 
 def _pad_cols(w: Any, n: int) -> Any:
@@ -352,7 +407,7 @@ class SmallFCKernels:
                       full(16, hp_), full(1, hp_), full(*norm["wh"].shape),
                       full(*norm["bh"].shape), full(2, hp_), pl.BlockSpec((2,), whole),
                       blk, blk, blk_m, blk, blk_f1, blk_f2,
-                      pl.BlockSpec((SQ, BR, hp_), lambda t: (elem(t)[0], elem(t)[1], 0)),
+                      pl.BlockSpec((SQ, RP, hp_), lambda t: (elem(t)[0], elem(t)[1], 0)),
                       pl.BlockSpec((SQ, BC, hp_), lambda t: (elem(t)[0], elem(t)[2], 0))],
             out_specs=[blk, blk_m, blk],
             interpret=_on_cpu(), compiler_params=_compiler_params(), name="sfc_fused",
@@ -453,56 +508,76 @@ def _velo_elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
 
 def _velo_stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *, n1, n2,
                        row_on_1):  # noqa: ANN001
-    r_ok, c_ok, valid = _masks(n1, n2)
-    g = jnp.clip(_load(g_ref, valid), -1000.0, 1000.0)
-    p = _load(p_ref, valid)
-    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid)
-    feats = _velo_elem_features(g, p, ms, rms, r,
-                                _factors(f1_ref, f2_ref, r_ok, c_ok, row_on_1))
+    c_ok = _col_mask(n1, n2)
+    base = _row_base(n1, n2)
+    col = _col_factors(f2_ref, c_ok)
+
+    def sub_tile(s, acc):  # noqa: ANN001, ANN202
+        rows = _rows(s)
+        r_ok = _row_mask(base, n1, s)
+        valid = r_ok[:, None] & c_ok[None, :]
+        g = jnp.clip(_load(g_ref.at[rows], valid), -1000.0, 1000.0)
+        p = _load(p_ref.at[rows], valid)
+        ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows)
+        feats = _velo_elem_features(g, p, ms, rms, r,
+                                    _factors(f1_ref, col, r_ok, rows, row_on_1))
+        return tuple(a + jnp.where(valid, f * f, 0.0) for a, f in zip(acc, feats, strict=True))
+
+    acc = _sub_tiles(sub_tile, tuple(jnp.zeros((BR, BC), jnp.float32) for _ in VELO_ELEM))
     lanes = jax.lax.broadcasted_iota(jnp.int32, (32,), 0)
     out = jnp.zeros((32,), jnp.float32)
-    for k, f in enumerate(feats):
-        out = jnp.where(lanes == k, jnp.sum(jnp.where(valid, f * f, 0.0)), out)
+    for k, a in enumerate(acc):
+        out = jnp.where(lanes == k, jnp.sum(a), out)
     o_ref[...] = out
 
 
 def _velo_fused_kernel(dec_ref, w_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, t1_ref,
                        t2_ref, s_ref, mo_ref, ro_ref, *, n1, n2, row_on_1, width, nhid, off,
                        exp_mult, step_mult):  # noqa: ANN001
-    r_ok, c_ok, valid = _masks(n1, n2)
-    g = jnp.clip(_load(g_ref, valid), -1000.0, 1000.0)
-    p = _load(p_ref, valid)
-    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid)
-    feats = _velo_elem_features(g, p, ms, rms, r,
-                                _factors(f1_ref, f2_ref, r_ok, c_ok, row_on_1))
+    c_ok = _col_mask(n1, n2)
+    base = _row_base(n1, n2)
+    col = _col_factors(f2_ref, c_ok)
+    t2 = [_load(t2_ref.at[:, _i(j)], c_ok)[None, :] for j in range(width)]
     ne = len(VELO_ELEM)
-    h = [_load(t1_ref.at[:, _i(j)], r_ok)[:, None] + _load(t2_ref.at[:, _i(j)], c_ok)[None, :]
-         for j in range(width)]
-    for k, f in enumerate(feats):  # the first layer, channel by channel (float32 FMAs)
-        x = f * w_ref[k]  # normalized
-        h = [h[j] + x * w_ref[ne + k * width + j] for j in range(width)]
-    h = [jnp.maximum(h[j] + w_ref[off["b0"] + j], 0.0) for j in range(width)]
-    for i in range(nhid):
-        w0, b0 = off["wh"] + i * width * width, off["bh"] + i * width
-        new = []
-        for j in range(width):
-            acc = h[0] * w_ref[w0 + j]
+
+    def sub_tile(s, carry):  # noqa: ANN001, ANN202
+        rows = _rows(s)
+        r_ok = _row_mask(base, n1, s)
+        valid = r_ok[:, None] & c_ok[None, :]
+        g = jnp.clip(_load(g_ref.at[rows], valid), -1000.0, 1000.0)
+        p = _load(p_ref.at[rows], valid)
+        ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows)
+        feats = _velo_elem_features(g, p, ms, rms, r,
+                                    _factors(f1_ref, col, r_ok, rows, row_on_1))
+        h = [_load(t1_ref.at[rows, _i(j)], r_ok)[:, None] + t2[j] for j in range(width)]
+        for k, f in enumerate(feats):  # the first layer, channel by channel (float32 FMAs)
+            x = f * w_ref[k]  # normalized
+            h = [h[j] + x * w_ref[ne + k * width + j] for j in range(width)]
+        h = [jnp.maximum(h[j] + w_ref[off["b0"] + j], 0.0) for j in range(width)]
+        for i in range(nhid):
+            w0, b0 = off["wh"] + i * width * width, off["bh"] + i * width
+            new = []
+            for j in range(width):
+                acc = h[0] * w_ref[w0 + j]
+                for q in range(1, width):
+                    acc = acc + h[q] * w_ref[w0 + q * width + j]
+                new.append(jnp.maximum(acc + w_ref[b0 + j], 0.0))
+            h = new
+        outs = []
+        for c in range(2):
+            acc = h[0] * w_ref[off["wl"] + c]
             for q in range(1, width):
-                acc = acc + h[q] * w_ref[w0 + q * width + j]
-            new.append(jnp.maximum(acc + w_ref[b0 + j], 0.0))
-        h = new
-    outs = []
-    for c in range(2):
-        acc = h[0] * w_ref[off["wl"] + c]
-        for q in range(1, width):
-            acc = acc + h[q] * w_ref[off["wl"] + q * 2 + c]
-        outs.append(acc + w_ref[off["bl"] + c])
-    direction, magnitude = outs
-    step = direction * (w_ref[off["scale"]] * jnp.exp(magnitude * exp_mult)) * step_mult
-    _store(s_ref, w_ref[off["lr"]] * step, valid)
-    for k in range(3):
-        _store(mo_ref.at[:, :, _i(k)], ms[k], valid)
-    _store(ro_ref, rms, valid)
+                acc = acc + h[q] * w_ref[off["wl"] + q * 2 + c]
+            outs.append(acc + w_ref[off["bl"] + c])
+        direction, magnitude = outs
+        step = direction * (w_ref[off["scale"]] * jnp.exp(magnitude * exp_mult)) * step_mult
+        _store(s_ref.at[rows], w_ref[off["lr"]] * step, valid)
+        for k in range(3):
+            _store(mo_ref.at[rows, :, _i(k)], ms[k], valid)
+        _store(ro_ref.at[rows], rms, valid)
+        return carry
+
+    _sub_tiles(sub_tile, jnp.int32(0))
 
 
 class VeLOKernels:
@@ -608,7 +683,7 @@ class VeLOKernels:
             in_specs=[pl.BlockSpec((8,), whole),
                       pl.BlockSpec((SQ, VELO_SCAL), lambda t: (elem(t)[0], 0)),
                       blk, blk, blk_m, blk, blk_f1, blk_f2,
-                      pl.BlockSpec((SQ, BR, width), lambda t: (elem(t)[0], elem(t)[1], 0)),
+                      pl.BlockSpec((SQ, RP, width), lambda t: (elem(t)[0], elem(t)[1], 0)),
                       pl.BlockSpec((SQ, BC, width), lambda t: (elem(t)[0], elem(t)[2], 0))],
             out_specs=[blk, blk_m, blk],
             interpret=_on_cpu(), compiler_params=_compiler_params(), name="velo_fused",
