@@ -12,7 +12,7 @@ Per group, with the math of :func:`xopt.specs.small_fc_lopt.compute_step`:
    batched), their row-column means and factors, and the 12 row/column features' sums of
    squares (a feature of one axis summed over a tensor is the other axis's length times
    its sum over positions);
-2. :func:`_stats_kernel`: per block of elements, Σ feature² of the 16 per-element features
+2. :func:`_stats_kernel`: per block, Σ feature² of the 16 per-element features
    (g, p, m, rms, m·rsqrt(rms), rsqrt(rms), fac_g, m·row_factor·col_factor), with the
    updated accumulators recomputed in registers; XLA adds the blocks and forms the
    normalizers ``rsqrt(1e-5 + mean feature²)``;
@@ -26,10 +26,14 @@ Per group, with the math of :func:`xopt.specs.small_fc_lopt.compute_step`:
    step; writes the step, ``m`` and ``rms``.
 
 Nothing is materialized per element but the kernels' inputs and outputs: no [n, 39]
-feature matrix, no [n, hidden] activations. Grids are one-dimensional (a tensor's blocks
-one after another), so no grid axis meets CUDA's 65535 limit.
+feature matrix, no [n, hidden] activations. A program owns a block of RP rows of BC
+columns and walks it in NSUB sub-tiles of BR rows (a loop, not unrolled); what depends
+only on its columns or its tensor is loaded once per block. Grids are one-dimensional (a
+tensor's blocks one after another), so no grid axis meets CUDA's 65535 limit. Each stage
+(1-4) runs through a stage runner (``stage=``, :func:`run_stage` by default) so that
+bench/lopt_step_jax.py ``--breakdown`` can time them apart.
 
-Boundary blocks (a tensor's last rows or columns when BR or BC does not divide them): every
+Boundary blocks (a tensor's last rows or columns when RP or BC does not divide them): every
 load of a block that can reach past its array is masked with ``other=0`` and every such
 store is masked (:func:`_load`, :func:`_store`). Pallas's Triton lowering does not mask a
 plain ``ref[...]`` against the array's bounds: an unmasked boundary block reads and writes
