@@ -32,6 +32,21 @@ short still leaves its results):
 Prints a short table per model (ms, ratio to optax.adamw, compile s) and writes
 ``lopt_step_jax.json`` under ``--out-dir``.
 
+``--breakdown MODEL`` first takes the Pallas update apart on MODEL's shapes, per path of
+``--breakdown-paths``: the inner update runs with a stage runner
+(:func:`xopt.jax._lopt_fast.run_stage`) that compiles each stage alone and times it on its
+real inputs: ``setup``, ``pack`` (the shape groups stacked), per kernel group ``prep``
+(XLA: Adafactor statistics, factors), ``stats`` (Pallas), ``norm`` (XLA: normalizers, axis
+terms, weights), ``fused`` (Pallas), per other group ``xla`` (the packed path), VeLO's
+``lstm``, and ``unpack`` (each tensor's rows sliced out); per stage the median ms, the bytes
+of its array arguments and results (what it must read and write at least) as GB/s, and the
+launches of its compiled program (ENTRY instructions that run something). Beside them: the
+sum of the stages, the inner update as one jit, the whole step (update + apply_updates)
+and optax.adamw's, the staged result against the one-jit result, each Pallas kernel's
+calls, summed grid and Triton IR size (lowered for CUDA, what bounds its compile time),
+and on CUDA the torch Triton path's kernels per step (torch.profiler, CUDA graphs off).
+``--breakdown-only`` stops there.
+
 Two other modes, each instead of the phases above:
 
 * ``--diagnose`` (about a minute on a GPU; ``--deadline-s`` 90 by default): each Pallas
@@ -58,6 +73,7 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -106,7 +122,14 @@ def tiny_model() -> list[tuple[int, ...]]:
     return [(1, 5, d)] + [(d,), (3 * d, d), (d, 3 * d)] * 2 + [()]
 
 
-MODELS = {"vit_b16": vit_b16, "gpt2_medium": gpt2_medium, "tiny": tiny_model}
+def tiny_pair() -> list[tuple[int, ...]]:
+    """Two groups of two tensors, one for the kernels and one for XLA (the CPU test of
+    ``--breakdown``: each stage is compiled alone, so fewer groups keep it short)."""
+    return [(8,), (24, 8), (8,), (24, 8)]
+
+
+MODELS = {"vit_b16": vit_b16, "gpt2_medium": gpt2_medium, "tiny": tiny_model,
+          "tiny_pair": tiny_pair}
 
 #: the JAX paths timed: label -> (method, impl, precision)
 JAX_PATHS = {
@@ -157,7 +180,7 @@ def device_params(shapes, seed: int, scale: float) -> list:
             for k, s in zip(keys[:len(shapes)], shapes, strict=True)]
 
 
-def step_fn(tx, method: str, donate: bool = True):
+def _step_body(tx, method: str):
     def step(params, state, grads, loss):
         if method == "adamw":
             updates, state = tx.update(grads, state, params)
@@ -165,7 +188,11 @@ def step_fn(tx, method: str, donate: bool = True):
             updates, state = tx.update(grads, state, params, value=loss)
         return optax.apply_updates(params, updates), state
 
-    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+    return step
+
+
+def step_fn(tx, method: str, donate: bool = True):
+    return jax.jit(_step_body(tx, method), donate_argnums=(0, 1) if donate else ())
 
 
 class JaxEntry:
@@ -377,6 +404,11 @@ def checks(model: str, shapes, report: dict, dl: Deadline, with_torch: bool) -> 
 # -- the phases --------------------------------------------------------------------------------
 
 
+def wanted(args, label: str) -> bool:
+    """``--only``: the label contains one of its comma-separated strings (or it is empty)."""
+    return not args.only or any(w and w in label for w in args.only.split(","))
+
+
 def bench_model(model: str, args, report: dict, dl: Deadline) -> None:
     shapes = MODELS[model]()
     n = int(sum(int(np.prod(s)) for s in shapes))
@@ -406,7 +438,7 @@ def bench_model(model: str, args, report: dict, dl: Deadline) -> None:
         except Exception as e:  # noqa: BLE001
             note(report, f"{model}: torch fused AdamW failed: {err(e)}")
     for method in ("small_fc_lopt", "velo"):
-        if args.only and not any(args.only in label for label, _, _ in JAX_PATHS[method]):
+        if args.only and not any(wanted(args, label) for label, _, _ in JAX_PATHS[method]):
             continue
         if dl.left() < 45:
             note(report, f"{model}: timing of {method} skipped (deadline)")
@@ -415,7 +447,7 @@ def bench_model(model: str, args, report: dict, dl: Deadline) -> None:
         if adamw is not None:
             entries["jax/optax.adamw"] = adamw
         for label, impl, prec in JAX_PATHS[method]:
-            if args.only and args.only not in label:
+            if not wanted(args, label):
                 continue
             if dl.left() < 40:
                 note(report, f"{model}: {label} skipped (deadline)")
@@ -866,6 +898,250 @@ def plain_timing(model: str, args, report: dict, dl: Deadline) -> None:
     table(model, res)
 
 
+# -- --breakdown: where the Pallas update's time goes --------------------------------------
+
+#: the breakdown's paths by default (--breakdown-paths)
+BREAKDOWN = "small_fc_lopt/exact,small_fc_lopt/fast,velo/exact"
+#: stage kinds: the Pallas kernels, the XLA glue of a kernel group, a whole group on the packed
+#: XLA path (vectors, scalars, 3-D), the packing and unpacking, the rest
+KERNEL_STAGES = ("stats", "fused")
+GLUE_STAGES = ("prep", "norm")
+#: opcodes of a compiled entry computation that launch nothing
+_NO_LAUNCH = {"parameter", "tuple", "get-tuple-element", "constant", "bitcast", "after-all",
+              "partition-id", "replica-id", "opt-barrier"}
+
+
+def entry_launches(hlo_text: str) -> int:
+    """Instructions of the compiled program's ENTRY computation that run something (on a GPU:
+    about one kernel launch each; fusions, custom calls, copies)."""
+    n, inside = 0, False
+    for line in hlo_text.splitlines():
+        if line.startswith("ENTRY "):
+            inside = True
+            continue
+        if inside:
+            if line.startswith("}"):
+                break
+            op = re.search(r"=.*?\s([a-z][a-z\-]*)\(", line)
+            if op and op.group(1) not in _NO_LAUNCH:
+                n += 1
+    return n
+
+
+def _nbytes(tree) -> int:
+    return int(sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes")))
+
+
+class StageTimer:
+    """The fast paths' stage runner (``method.stage``): each stage compiled alone and run on
+    its real inputs, ``reps`` timed calls after a warm one (median ms), with the bytes it
+    must read and write (its array arguments and results) and its launches."""
+
+    def __init__(self, reps: int) -> None:
+        self.reps, self.rows = reps, []
+
+    def __call__(self, name: str, fn, *args):
+        stage, _, group = name.partition("@")
+        compiled = jax.jit(fn).lower(*args).compile()
+        out = compiled(*args)
+        jax.block_until_ready(out)
+        times = []
+        for _ in range(self.reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            times.append((time.perf_counter() - t0) * 1e3)
+        ms = statistics.median(times)
+        nbytes = _nbytes(args) + _nbytes(out)
+        kind = ("kernel" if stage in KERNEL_STAGES else "glue" if stage in GLUE_STAGES
+                else "xla group" if stage == "xla" else stage)
+        self.rows.append({"stage": stage, "group": group, "kind": kind, "ms": ms,
+                          "bytes": nbytes, "gb_s": nbytes / ms / 1e6,
+                          "launches": entry_launches(compiled.as_text())})
+        return out
+
+
+class _Capture:
+    """The inner method a transformation is built with (``_lopt_fast.select``'s result)."""
+
+    def __enter__(self):
+        from xopt.jax import _lopt_fast
+
+        self.mod, self.orig, self.methods = _lopt_fast, _lopt_fast.select, []
+
+        def select(*a, **k):
+            m = self.orig(*a, **k)
+            self.methods.append(m)
+            return m
+
+        _lopt_fast.select = select
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mod.select = self.orig
+
+
+def pallas_kernels(tx, params, state) -> list[dict]:
+    """The Pallas kernels of ``tx``'s update as the GPU compiles them (lowered for CUDA from
+    any backend): per kernel name, the calls, their grid sizes summed and the size of one
+    call's Triton IR (bytes), what bounds the kernels' compile time."""
+    from unittest import mock
+
+    from xopt.jax import _lopt_pallas
+
+    with mock.patch.object(_lopt_pallas, "_on_cpu", lambda: False):
+        text = jax.jit(lambda g, s, p: tx.update(g, s, p, value=jnp.float32(1.0))).trace(
+            params, state, params).lower(lowering_platforms=("cuda",)).as_text()
+    out: dict = {}
+    for call in text.split("__gpu$xla.gpu.triton")[1:]:
+        cfg = call.split("}", 1)[0] if "backend_config = {" not in call[:200] else \
+            call.split("backend_config = {", 1)[1].split("}>", 1)[0]
+        name = re.search(r'name = "([^"]+)"', cfg)
+        grid = re.search(r"grid_x = (\d+)", cfg)
+        ir = re.search(r'ir = "((?:[^"\\]|\\.)*)"', cfg)
+        row = out.setdefault(name.group(1) if name else "?", {"calls": 0, "grid": 0,
+                                                             "ir_bytes": 0})
+        row["calls"] += 1
+        row["grid"] += int(grid.group(1)) if grid else 0
+        row["ir_bytes"] = max(row["ir_bytes"], len(ir.group(1)) if ir else 0)
+    return [{"kernel": k, **v} for k, v in out.items()]
+
+
+def torch_kernels(method: str, shapes, steps: int = 5) -> list[dict]:
+    """The torch Triton path's kernels per step (torch.profiler, CUDA graphs off so that each
+    launch is seen): per kernel name, launches and ms per step."""
+    import lopt_step as L
+    import torch
+
+    os.environ["XOPT_LOPT_CUDA_GRAPHS"] = "0"
+    try:
+        params = L.make(shapes)
+        opt, loss = L.build(method, params, "triton", "exact")
+        for _ in range(3):
+            opt.step(**({"loss": loss} if loss is not None else {}))
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                opt.step(**({"loss": loss} if loss is not None else {}))
+            torch.cuda.synchronize()
+    finally:
+        os.environ.pop("XOPT_LOPT_CUDA_GRAPHS", None)
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if e.count and us:
+            rows.append({"kernel": e.key[:60], "launches": e.count / steps,
+                         "ms": us / 1e3 / steps})
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
+def _tree_rel(a, b) -> float:
+    return max((rel(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)),
+               default=0.0)
+
+
+def breakdown_one(model: str, method: str, precision: str, args) -> dict:
+    """One method's Pallas update on ``model``'s shapes, stage by stage (module docstring)."""
+    shapes = MODELS[model]()
+    params = device_params(shapes, 0, 0.02)
+    grads = device_params(shapes, 7, 1e-3)
+    loss = jnp.float32(1.0)
+    with _Capture() as cap:
+        tx = make_tx(method, "pallas", precision)
+    inner_method = cap.methods[-1]
+    state = tx.init(params)
+    out: dict = {"kernels": pallas_kernels(tx, params, state)}
+
+    def timed(fn, *a):
+        compiled = jax.jit(fn).lower(*a).compile()
+        res = compiled(*a)
+        jax.block_until_ready(res)
+        times = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(*a))
+            times.append((time.perf_counter() - t0) * 1e3)
+        return res, statistics.median(times), entry_launches(compiled.as_text())
+
+    _, out["step_ms"], out["step_launches"] = timed(_step_body(tx, method), params, state,
+                                                    grads, loss)
+    whole, out["inner_ms"], out["inner_launches"] = timed(
+        inner_method.update, params, grads, loss, state.iteration, state.inner)
+    timer = StageTimer(args.reps)
+    inner_method.stage = timer
+    try:
+        staged = inner_method.update(params, grads, loss, state.iteration, state.inner)
+    finally:
+        inner_method.stage = None
+    out["stages"] = timer.rows
+    out["staged_vs_one_jit"] = {"step_max_rel": _tree_rel(staged[0], whole[0]),
+                                "state_max_rel": _tree_rel(staged[1], whole[1])}
+    _, out["adamw_ms"], out["adamw_launches"] = timed(
+        _step_body(optax.adamw(1e-3), "adamw"), params, optax.adamw(1e-3).init(params), grads,
+        loss)
+    return out
+
+
+def breakdown_table(label: str, res: dict) -> None:
+    """Prints one breakdown: the stages summed by kind and stage name, then the totals."""
+    rows = res["stages"]
+    print(f"\n{label}: stage (groups), ms, MB read+written, GB/s, launches")
+    agg: dict = {}
+    for r in rows:
+        a = agg.setdefault((r["kind"], r["stage"]), {"n": 0, "ms": 0.0, "bytes": 0,
+                                                     "launches": 0})
+        a["n"] += 1
+        a["ms"] += r["ms"]
+        a["bytes"] += r["bytes"]
+        a["launches"] += r["launches"]
+    for (kind, stage), a in agg.items():
+        print(f"  {kind:10s} {stage:8s} ({a['n']:3d}) {a['ms']:10.3f} {a['bytes'] / 1e6:10.1f} "
+              f"{a['bytes'] / max(a['ms'], 1e-9) / 1e6:8.1f} {a['launches']:6d}")
+    total = sum(r["ms"] for r in rows)
+    print(f"  {'sum of stages':30s}{total:10.3f}   launches {sum(r['launches'] for r in rows)}")
+    print(f"  {'inner update, one jit':30s}{res['inner_ms']:10.3f}   launches "
+          f"{res['inner_launches']}")
+    print(f"  {'whole step (update+apply)':30s}{res['step_ms']:10.3f}   launches "
+          f"{res['step_launches']}   ({res['step_ms'] / res['adamw_ms']:.2f}x optax.adamw "
+          f"{res['adamw_ms']:.3f} ms, {res['adamw_launches']} launches)")
+    top = sorted(rows, key=lambda r: -r["ms"])[:8]
+    print("  slowest stages: " + "; ".join(f"{r['stage']}@{r['group']} {r['ms']:.3f} ms "
+                                          f"{r['gb_s']:.0f} GB/s" for r in top))
+    c = res["staged_vs_one_jit"]
+    print(f"  staged vs one jit: step {c['step_max_rel']:.1e}, state {c['state_max_rel']:.1e}")
+    for k in res["kernels"]:
+        print(f"  pallas_call {k['kernel']:11s} x{k['calls']:3d}  grid {k['grid']:9d}  "
+              f"Triton IR {k['ir_bytes'] / 1e3:7.1f} kB")
+    for k in res.get("torch", []):
+        print(f"  torch {k['kernel']:48s} {k['launches']:6.1f}/step {k['ms']:9.3f} ms")
+
+
+def breakdown(report: dict, args, dl: Deadline) -> None:
+    model = args.breakdown
+    out = report.setdefault("breakdown", {}).setdefault(model, {})
+    why_torch = torch_cuda()
+    for method, precision in (p.split("/") for p in args.breakdown_paths.split(",")):
+        label = f"{model} {method} pallas {precision}"
+        if dl.left() < 30:
+            note(report, f"breakdown {label} skipped (deadline)")
+            continue
+        try:
+            res = breakdown_one(model, method, precision, args)
+        except Exception as e:  # noqa: BLE001
+            note(report, f"breakdown {label} failed: {err(e)}")
+            traceback.print_exc(limit=4)
+            continue
+        if why_torch is None and precision == "exact":
+            try:
+                res["torch"] = torch_kernels(method, MODELS[model]())
+            except Exception as e:  # noqa: BLE001
+                note(report, f"breakdown {label}: torch kernels failed: {err(e)}")
+        out[f"{method}/{precision}"] = res
+        breakdown_table(label, res)
+        write(report, args)
+    if why_torch is not None:
+        note(report, f"breakdown: torch Triton kernels not profiled: {why_torch}")
+
+
 def write(report: dict, args) -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -887,7 +1163,8 @@ def main() -> None:
     ap.add_argument("--no-survey", action="store_true")
     ap.add_argument("--plain", action="store_true",
                     help="also the plain learned optimizers (slow to compile)")
-    ap.add_argument("--only", default="", help="time only JAX labels containing this")
+    ap.add_argument("--only", default="", help="time only the JAX labels containing one of "
+                    "these comma-separated strings")
     ap.add_argument("--survey", default="", help="compile survey: only the transforms whose "
                     "label contains one of these comma-separated strings")
     ap.add_argument("--diagnose", action="store_true",
@@ -895,6 +1172,13 @@ def main() -> None:
                     "few shapes: max abs diff and NaN/inf (default --deadline-s 90)")
     ap.add_argument("--diag-shapes", default="", metavar="AxB,...",
                     help="--diagnose on these 2-D shapes instead of DIAG_SHAPES")
+    ap.add_argument("--breakdown", default="", metavar="MODEL",
+                    help="first, the Pallas update on MODEL's shapes stage by stage (each "
+                    "stage compiled and timed alone on its real inputs), with its kernels' "
+                    "sizes and, on CUDA, the torch Triton path's kernels per step")
+    ap.add_argument("--breakdown-paths", default=BREAKDOWN, metavar="METHOD/PRECISION,...")
+    ap.add_argument("--breakdown-only", action="store_true",
+                    help="only the breakdown (CI: --tiny --breakdown tiny --breakdown-only)")
     ap.add_argument("--op-counts", default="", metavar="N,N,...",
                     help="only count the ops and kernels of every transform's jitted update "
                     "at these tensor counts (e.g. 8,32,128; any backend)")
@@ -925,6 +1209,12 @@ def main() -> None:
         return
     if report["backend"] != "gpu" and not args.tiny:
         note(report, "no GPU: the figures are the CPU's (the Pallas kernels interpreted)")
+    if args.breakdown:
+        breakdown(report, args, dl)
+        write(report, args)
+        if args.breakdown_only:
+            print(f"\nwrote {Path(args.out_dir) / 'lopt_step_jax.json'}", flush=True)
+            return
     for model in models:
         try:
             bench_model(model, args, report, dl)

@@ -332,11 +332,20 @@ def _unmasked_boundary_accesses(closed) -> list[str]:
                                                             strict=True)):
                 over[id(ref)] = f"{eqn.params.get('name')}: block {tuple(sizes)} of " \
                             f"{bm.array_aval.shape}"
-        for q in kj.eqns:
+        accesses(kj, over)
+
+    def accesses(body, over) -> None:
+        for q in body.eqns:
             refs = [id(v) for v in q.invars if id(v) in over]
             if not refs:
                 continue
             name = q.primitive.name
+            if name == "scan":  # a loop over sub-tiles: its body's accesses are checked
+                inner = q.params["jaxpr"].jaxpr
+                accesses(inner, {id(w): over[id(v)] for v, w in zip(q.invars, inner.invars,
+                                                                    strict=True)
+                                 if id(v) in over})
+                continue
             if name == "masked_load":
                 _, _, mask, other = q.params["args_tree"].unflatten(q.invars)
                 ok = mask is not None and other is not None

@@ -88,6 +88,20 @@ def select(label: str, method_name: str, plain: Any, impl: str | None,
     raise ValueError(f"no fast path for {method_name!r}")
 
 
+def run_stage(name: str, fn: Any, *args: Any) -> Any:
+    """How the fast paths run each stage of their update (``fn(*args)``). A benchmark sets
+    a method's ``stage`` to a function of the same signature that runs and times each stage
+    apart on its real inputs (bench/lopt_step_jax.py ``--breakdown``)."""
+    del name
+    return fn(*args)
+
+
+def _in_group(stage: Any, shape: tuple[int, ...]) -> Any:
+    """``stage`` with the group's shape appended to every stage name (``"stats@768x768"``)."""
+    tag = "x".join(str(d) for d in shape) or "scalar"
+    return lambda name, fn, *args: stage(f"{name}@{tag}", fn, *args)
+
+
 # -- grouping tensors by shape --------------------------------------------------------------
 
 
@@ -121,6 +135,16 @@ class Buckets:
                 out[i] = arr[j]
         return out
 
+    def unstack_results(self, results: Sequence[Sequence[Any]]) -> list[list[Any]]:
+        """Per group a tuple of stacked outputs → per output the leaves' list (each leaf
+        its row of its group's array)."""
+        outs: list[list[Any]] = [[None] * self.n for _ in results[0]] if results else []
+        for (_, idx), res in zip(self.groups, results, strict=True):
+            for out, arr in zip(outs, res, strict=True):
+                for j, i in enumerate(idx):
+                    out[i] = arr[j]
+        return outs
+
     def order(self) -> list[int]:
         """The leaf index of each row of the groups concatenated."""
         return [i for _, idx in self.groups for i in idx]
@@ -136,6 +160,8 @@ class PackedSmallFC:
     def __init__(self, plain: Any, impl: str, precision: str) -> None:
         self.plain, self.hp, self.meta = plain, plain.hp, plain.meta
         self.impl, self.precision = impl, precision
+        #: the stage runner (None: :func:`run_stage`)
+        self.stage = None
         if impl == "pallas":
             from xopt.jax import _lopt_pallas
 
@@ -152,15 +178,15 @@ class PackedSmallFC:
 
         del loss  # AdafacMLPLOpt does not read the loss
         hp, meta = self.hp, self.meta
+        stage = self.stage or run_stage
         p_leaves, treedef = jax.tree.flatten(params)
         g_leaves = treedef.flatten_up_to(grads)
         names = spec.PARAM_VARS
         accs_in = [treedef.flatten_up_to(getattr(inner, v)) for v in names]
-        decays = spec.decays(hp, meta, xp=jnp)
-        tf = spec.time_features(jnp, iteration, meta["mlp/b0"])
+        decays, tf = stage("setup", lambda it: (spec.decays(hp, meta, xp=jnp),
+                                                spec.time_features(jnp, it, meta["mlp/b0"])),
+                           iteration)
         buckets = Buckets([jnp.shape(p) for p in p_leaves])
-        steps: list[Any] = [None] * len(p_leaves)
-        accs_out: list[list[Any]] = [[None] * len(p_leaves) for _ in names]
 
         def one(p, g, m, rms, v_row, v_col, v_diag):  # noqa: ANN001, ANN202
             step, accs = spec.compute_step(hp, p, g, m, rms, v_row, v_col, v_diag, tf, meta,
@@ -172,17 +198,17 @@ class PackedSmallFC:
             from xopt.jax import _lopt_pallas
 
             fused = _lopt_pallas.SmallFCKernels(hp, meta, self.precision)
-        stacked = [buckets.stack(x) for x in (p_leaves, g_leaves, *accs_in)]
-        for k, (shape, idx) in enumerate(buckets.groups):
+        stacked = stage("pack", lambda *xs: [buckets.stack(x) for x in xs], p_leaves,
+                        g_leaves, *accs_in)
+        results = []
+        for k, (shape, _) in enumerate(buckets.groups):
             args = [st[k] for st in stacked]
             if fused is not None and fused.handles(shape):
-                res = fused(shape, *args, tf=tf, decays=decays)
+                results.append(fused(shape, *args, tf=tf, decays=decays,
+                                     stage=_in_group(stage, shape)))
             else:
-                res = jax.vmap(one)(*args)
-            for j, i in enumerate(idx):
-                steps[i] = res[0][j]
-                for out, arr in zip(accs_out, res[1:], strict=True):
-                    out[i] = arr[j]
+                results.append(_in_group(stage, shape)("xla", jax.vmap(one), *args))
+        steps, *accs_out = stage("unpack", buckets.unstack_results, results)
         new = type(inner)(*(treedef.unflatten(a) for a in accs_out),
                           mom_t=inner.mom_t + 1, rms_t=inner.rms_t + 1)
         return treedef.unflatten(steps), new
@@ -198,6 +224,8 @@ class PackedVeLO:
 
     def __init__(self, plain: Any, impl: str = "packed") -> None:
         self.plain, self.hp, self.meta, self.impl = plain, plain.hp, plain.meta, impl
+        #: the stage runner (None: :func:`run_stage`)
+        self.stage = None
         if impl == "pallas":
             from xopt.jax import _lopt_pallas
 
@@ -213,32 +241,48 @@ class PackedVeLO:
         from xopt.specs import velo as spec
 
         hp, meta = self.hp, self.meta
+        stage = self.stage or run_stage
         acc_vars = ("m", "rms", "v_row", "v_col", "v_diag")
         p_leaves, treedef = jax.tree.flatten(params)
         g_leaves = treedef.flatten_up_to(grads)
         accs_in = [treedef.flatten_up_to(getattr(inner, v)) for v in acc_vars]
         like = inner.loss_means
-        means, rmin, loss_it, lfeat = spec.loss_buffer_step(
-            jnp, inner.loss_means, inner.loss_running_min, inner.loss_decays,
-            inner.loss_iteration, loss)
-        # as the plain path: the horizon kept opaque, so that t / N stays a division
-        num_steps = jax.lax.optimization_barrier(jnp.asarray(hp.inner_num_steps, jnp.int32))
-        frac = spec.fraction_trained(jnp, iteration, num_steps, like)
+
+        def setup(loss, iteration, means, rmin, ldecays, lit):  # noqa: ANN001, ANN202
+            means, rmin, loss_it, lfeat = spec.loss_buffer_step(jnp, means, rmin, ldecays, lit,
+                                                                loss)
+            # as the plain path: the horizon kept opaque, so that t / N stays a division
+            num_steps = jax.lax.optimization_barrier(jnp.asarray(hp.inner_num_steps,
+                                                                 jnp.int32))
+            frac = spec.fraction_trained(jnp, iteration, num_steps, like)
+            return means, rmin, loss_it, lfeat, frac
+
+        means, rmin, loss_it, lfeat, frac = stage(
+            "setup", setup, loss, iteration, inner.loss_means, inner.loss_running_min,
+            inner.loss_decays, inner.loss_iteration)
         buckets = Buckets([jnp.shape(p) for p in p_leaves])
         n = len(p_leaves)
         # every input stacked once per group, read by both passes
-        stacked = [buckets.stack(x_) for x_ in (p_leaves, g_leaves, *accs_in)]
+        stacked = stage("pack", lambda *xs: [buckets.stack(x_) for x_ in xs], p_leaves,
+                        g_leaves, *accs_in)
 
-        def features(p, m, rms):  # noqa: ANN001, ANN202
-            return spec.lstm_features(jnp, p, m, rms, frac, lfeat)
+        def lstm(stacked, hidden, cell, frac, lfeat):  # noqa: ANN001, ANN202
+            def features(p, m, rms):  # noqa: ANN001, ANN202
+                return spec.lstm_features(jnp, p, m, rms, frac, lfeat)
 
-        rows = [jax.vmap(features)(p_, m_, r_)
-                for p_, m_, r_ in zip(stacked[0], stacked[2], stacked[3], strict=True)]
-        # the parameters' order, as the plain path (one gather, not a slice per tensor)
-        x = jnp.concatenate(rows)[buckets.rows]
-        hidden = jnp.stack(treedef.flatten_up_to(inner.lstm_hidden))
-        cell = jnp.stack(treedef.flatten_up_to(inner.lstm_cell))
-        controls, lr_mult, hidden, cell = spec.lstm_step(jnp, x, hidden, cell, meta)
+            rows = [jax.vmap(features)(p_, m_, r_)
+                    for p_, m_, r_ in zip(stacked[0], stacked[2], stacked[3], strict=True)]
+            # the parameters' order, as the plain path (one gather, not a slice per tensor)
+            x = jnp.concatenate(rows)[buckets.rows]
+            controls, lr_mult, hidden, cell = spec.lstm_step(jnp, x, jnp.stack(hidden),
+                                                             jnp.stack(cell), meta)
+            per_group = [(controls[jnp.asarray(idx)], lr_mult[jnp.asarray(idx)])
+                         for _, idx in buckets.groups]
+            return per_group, hidden, cell
+
+        per_group, hidden, cell = stage("lstm", lstm, stacked,
+                                        treedef.flatten_up_to(inner.lstm_hidden),
+                                        treedef.flatten_up_to(inner.lstm_cell), frac, lfeat)
         decays = tuple(jnp.asarray(d) for d in spec.decay_arrays(hp))
 
         def one(p, g, m, rms, v_row, v_col, v_diag, c, s):  # noqa: ANN001, ANN202
@@ -251,20 +295,24 @@ class PackedVeLO:
             from xopt.jax import _lopt_pallas
 
             fused = _lopt_pallas.VeLOKernels(hp, meta)
-        res: list[list[Any]] = [[None] * n for _ in range(1 + len(acc_vars))]
-        for k, (shape, idx) in enumerate(buckets.groups):
-            rows_idx = jnp.asarray(idx)
+        results = []
+        for k, (shape, _) in enumerate(buckets.groups):
             args = [st[k] for st in stacked]
             if fused is not None and fused.handles(shape):
-                out = fused(shape, *args, controls[rows_idx], lr_mult[rows_idx], decays=decays)
+                results.append(fused(shape, *args, *per_group[k], decays=decays,
+                                     stage=_in_group(stage, shape)))
             else:
-                out = jax.vmap(one)(*args, controls[rows_idx], lr_mult[rows_idx])
-            for r, arr in zip(res, out, strict=True):
-                for j, i in enumerate(idx):
-                    r[i] = arr[j]
+                results.append(_in_group(stage, shape)("xla", jax.vmap(one), *args,
+                                                       *per_group[k]))
+
+        def unpack(results, hidden, cell):  # noqa: ANN001, ANN202
+            return (buckets.unstack_results(results), [hidden[i] for i in range(n)],
+                    [cell[i] for i in range(n)])
+
+        res, hidden, cell = stage("unpack", unpack, results, hidden, cell)
         new = type(inner)(*(treedef.unflatten(a) for a in res[1:]),
-                          lstm_hidden=treedef.unflatten([hidden[i] for i in range(n)]),
-                          lstm_cell=treedef.unflatten([cell[i] for i in range(n)]),
+                          lstm_hidden=treedef.unflatten(hidden),
+                          lstm_cell=treedef.unflatten(cell),
                           mom_t=inner.mom_t + 1, rms_t=inner.rms_t + 1, loss_means=means,
                           loss_running_min=rmin, loss_decays=inner.loss_decays,
                           loss_iteration=loss_it)

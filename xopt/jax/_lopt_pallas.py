@@ -12,7 +12,7 @@ Per group, with the math of :func:`xopt.specs.small_fc_lopt.compute_step`:
    batched), their row-column means and factors, and the 12 row/column features' sums of
    squares (a feature of one axis summed over a tensor is the other axis's length times
    its sum over positions);
-2. :func:`_stats_kernel`: per block of elements, Σ feature² of the 16 per-element features
+2. :func:`_stats_kernel`: per block, Σ feature² of the 16 per-element features
    (g, p, m, rms, m·rsqrt(rms), rsqrt(rms), fac_g, m·row_factor·col_factor), with the
    updated accumulators recomputed in registers; XLA adds the blocks and forms the
    normalizers ``rsqrt(1e-5 + mean feature²)``;
@@ -26,10 +26,14 @@ Per group, with the math of :func:`xopt.specs.small_fc_lopt.compute_step`:
    step; writes the step, ``m`` and ``rms``.
 
 Nothing is materialized per element but the kernels' inputs and outputs: no [n, 39]
-feature matrix, no [n, hidden] activations. Grids are one-dimensional (a tensor's blocks
-one after another), so no grid axis meets CUDA's 65535 limit.
+feature matrix, no [n, hidden] activations. A program owns a block of RP rows of BC
+columns and walks it in NSUB sub-tiles of BR rows (a loop, not unrolled); what depends
+only on its columns or its tensor is loaded once per block. Grids are one-dimensional (a
+tensor's blocks one after another), so no grid axis meets CUDA's 65535 limit. Each stage
+(1-4) runs through a stage runner (``stage=``, :func:`run_stage` by default) so that
+bench/lopt_step_jax.py ``--breakdown`` can time them apart.
 
-Boundary blocks (a tensor's last rows or columns when BR or BC does not divide them): every
+Boundary blocks (a tensor's last rows or columns when RP or BC does not divide them): every
 load of a block that can reach past its array is masked with ``other=0`` and every such
 store is masked (:func:`_load`, :func:`_store`). Pallas's Triton lowering does not mask a
 plain ``ref[...]`` against the array's bounds: an unmasked boundary block reads and writes
@@ -55,9 +59,17 @@ from xopt.specs import small_fc_lopt as spec
 
 __all__ = ["SmallFCKernels", "two_d_view", "unsupported_small_fc"]
 
-#: a block: BR rows of BC contiguous elements (BR·BC elements per program)
+#: a sub-tile: BR rows of BC contiguous elements, what a program computes at a time
 BR = 2
 BC = 64
+#: sub-tiles per program: a program owns NSUB·BR rows of BC columns and walks them in a
+#: loop (``fori_loop``, not unrolled: the kernel body is one sub-tile's, so its compile cost
+#: does not grow), so that what depends only on its columns or on the tensor (the MLP's
+#: weights, the column terms and factors, the index math) is loaded once per NSUB sub-tiles
+#: and the grid is NSUB times smaller, as the torch Triton kernels walk their tiles
+NSUB = 8
+#: rows of a program's block
+RP = BR * NSUB
 NUM_WARPS = 4
 #: a squeezed block dimension (``None`` in older Pallas)
 SQ = getattr(pl, "squeezed", None)
@@ -111,7 +123,7 @@ def _compiler_params() -> Any:
 
 
 def _blocks(n1: int, n2: int) -> tuple[int, int]:
-    return -(-n1 // BR), -(-n2 // BC)
+    return -(-n1 // RP), -(-n2 // BC)
 
 
 def _index_maps(n1: int, n2: int):  # noqa: ANN202
@@ -132,9 +144,9 @@ def _element_specs(elem):  # noqa: ANN001, ANN202
         return (0,)
 
     return (whole,
-            pl.BlockSpec((SQ, BR, BC), lambda t: elem(t)),
-            pl.BlockSpec((SQ, BR, BC, 3), lambda t: (*elem(t), 0)),
-            pl.BlockSpec((SQ, 3, BR), lambda t: (elem(t)[0], 0, elem(t)[1])),
+            pl.BlockSpec((SQ, RP, BC), lambda t: elem(t)),
+            pl.BlockSpec((SQ, RP, BC, 3), lambda t: (*elem(t), 0)),
+            pl.BlockSpec((SQ, 3, RP), lambda t: (elem(t)[0], 0, elem(t)[1])),
             pl.BlockSpec((SQ, 3, BC), lambda t: (elem(t)[0], 0, elem(t)[2])))
 
 
@@ -153,36 +165,63 @@ def _i(k: int) -> jax.Array:
     return jnp.int32(k)
 
 
-def _masks(n1: int, n2: int):  # noqa: ANN202
-    """This program's block: which of its BR rows and BC columns are inside the tensor, and
-    their product ``[BR, BC]``."""
+def _col_mask(n1: int, n2: int) -> jax.Array:
+    """Which of this program's BC columns are inside the tensor."""
+    t = pl.program_id(0)
+    nb2 = _blocks(n1, n2)[1]
+    return (t % nb2) * BC + jax.lax.broadcasted_iota(jnp.int32, (BC,), 0) < n2
+
+
+def _row_base(n1: int, n2: int) -> jax.Array:
+    """This program's first row (read outside the sub-tile loop: the interpreter gives
+    ``program_id`` only there)."""
     t = pl.program_id(0)
     _, nb2, per, _ = _index_maps(n1, n2)
-    rows = ((t % per) // nb2) * BR + jax.lax.broadcasted_iota(jnp.int32, (BR,), 0)
-    cols = (t % nb2) * BC + jax.lax.broadcasted_iota(jnp.int32, (BC,), 0)
-    r_ok, c_ok = rows < n1, cols < n2
-    return r_ok, c_ok, r_ok[:, None] & c_ok[None, :]
+    return ((t % per) // nb2) * RP
 
 
-def _accumulate(g, p, m_ref, r_ref, dec_ref, valid):  # noqa: ANN001, ANN202
-    """The updated momenta and second moment of a block, and ``rsqrt(rms + 1e-6)``."""
+def _row_mask(base: jax.Array, n1: int, s: jax.Array) -> jax.Array:
+    """Which of the BR rows of sub-tile ``s`` of the block from row ``base`` are inside the
+    tensor."""
+    return base + s * BR + jax.lax.broadcasted_iota(jnp.int32, (BR,), 0) < n1
+
+
+def _rows(s: jax.Array) -> Any:
+    """The rows of sub-tile ``s`` in a program's block (a dynamic slice of BR)."""
+    return pl.ds(pl.multiple_of(s * BR, BR), BR)
+
+
+def _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows):  # noqa: ANN001, ANN202
+    """The updated momenta and second moment of a sub-tile, and ``rsqrt(rms + 1e-6)``."""
     ms = []
     for k in range(3):
         d = dec_ref[k]
-        ms.append(d * _load(m_ref.at[:, :, _i(k)], valid) + (1 - d) * g)
+        ms.append(d * _load(m_ref.at[rows, :, _i(k)], valid) + (1 - d) * g)
     c = jnp.clip(dec_ref[3], 0.0, 1.0)
-    rms = c * _load(r_ref, valid) + (1 - c) * (g * g)
+    rms = c * _load(r_ref.at[rows], valid) + (1 - c) * (g * g)
     return ms, rms, jax.lax.rsqrt(rms + 1e-6)
 
 
-def _factors(f1_ref, f2_ref, r_ok, c_ok, row_on_1):  # noqa: ANN001, ANN202
-    """Per decay k, the row factor and the column factor of a block, broadcastable to it."""
+def _col_factors(f2_ref, c_ok):  # noqa: ANN001, ANN202
+    """Per decay k, the factor along axis 2 of this program's columns ``[1, BC]`` (loaded
+    once per program)."""
+    return [_load(f2_ref.at[_i(k), :], c_ok)[None, :] for k in range(3)]
+
+
+def _factors(f1_ref, col, r_ok, rows, row_on_1):  # noqa: ANN001, ANN202
+    """Per decay k, the row factor and the column factor of a sub-tile, broadcastable to it
+    (``col``: :func:`_col_factors`)."""
     out = []
     for k in range(3):
-        a = _load(f1_ref.at[_i(k), :], r_ok)[:, None]  # factor of decay k along axis 1
-        b = _load(f2_ref.at[_i(k), :], c_ok)[None, :]  # along axis 2
+        a = _load(f1_ref.at[_i(k), rows], r_ok)[:, None]  # factor of decay k along axis 1
+        b = col[k]  # along axis 2
         out.append((a, b) if row_on_1 else (b, a))
     return out
+
+
+def _sub_tiles(body: Any, init: Any) -> Any:
+    """``body(s, carry)`` over the program's NSUB sub-tiles (a loop, not unrolled)."""
+    return jax.lax.fori_loop(0, NSUB, body, init)
 
 
 def _elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
@@ -195,44 +234,64 @@ def _elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
 
 def _stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *, n1, n2,
                   row_on_1):  # noqa: ANN001
-    r_ok, c_ok, valid = _masks(n1, n2)
-    g = _load(g_ref, valid)
-    p = _load(p_ref, valid)
-    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid)
-    feats = _elem_features(g, p, ms, rms, r, _factors(f1_ref, f2_ref, r_ok, c_ok, row_on_1))
+    c_ok = _col_mask(n1, n2)
+    base = _row_base(n1, n2)
+    col = _col_factors(f2_ref, c_ok)
+
+    def sub_tile(s, acc):  # noqa: ANN001, ANN202
+        rows = _rows(s)
+        r_ok = _row_mask(base, n1, s)
+        valid = r_ok[:, None] & c_ok[None, :]
+        g = _load(g_ref.at[rows], valid)
+        p = _load(p_ref.at[rows], valid)
+        ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows)
+        feats = _elem_features(g, p, ms, rms, r, _factors(f1_ref, col, r_ok, rows, row_on_1))
+        return tuple(a + jnp.where(valid, f * f, 0.0) for a, f in zip(acc, feats, strict=True))
+
+    acc = _sub_tiles(sub_tile, tuple(jnp.zeros((BR, BC), jnp.float32) for _ in ELEM))
     lanes = jax.lax.broadcasted_iota(jnp.int32, (16,), 0)
     out = jnp.zeros((16,), jnp.float32)
-    for k, f in enumerate(feats):
-        out = jnp.where(lanes == k, jnp.sum(jnp.where(valid, f * f, 0.0)), out)
+    for k, a in enumerate(acc):
+        out = jnp.where(lanes == k, jnp.sum(a), out)
     o_ref[...] = out
 
 
 def _fused_kernel(dec_ref, inv_ref, w0_ref, b0_ref, wh_ref, bh_ref, wl_ref, bl_ref, g_ref,
                   p_ref, m_ref, r_ref, f1_ref, f2_ref, t1_ref, t2_ref, s_ref, mo_ref, ro_ref,
                   *, n1, n2, row_on_1, nhid, hp, exp_mult, step_mult, prec):  # noqa: ANN001
-    r_ok, c_ok, valid = _masks(n1, n2)
-    g = _load(g_ref, valid)
-    p = _load(p_ref, valid)
-    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid)
-    feats = _elem_features(g, p, ms, rms, r, _factors(f1_ref, f2_ref, r_ok, c_ok, row_on_1))
+    c_ok = _col_mask(n1, n2)
+    base = _row_base(n1, n2)
+    col = _col_factors(f2_ref, c_ok)
+    t2 = _load(t2_ref, c_ok[:, None])  # this program's columns' first-layer terms [BC, HP]
     n = BR * BC
-    t1 = _load(t1_ref, r_ok[:, None])
-    t2 = _load(t2_ref, c_ok[:, None])
-    h = (t1[:, None, :] + t2[None, :, :]).reshape(n, hp) + b0_ref[...]
-    for k, f in enumerate(feats):  # the first layer, feature by feature (float32 FMAs)
-        x = (f * inv_ref[k]).reshape(n)
-        h = h + x[:, None] * w0_ref[k, :][None, :]
-    h = jnp.maximum(h, 0.0)
-    for i in range(nhid):
-        h = jnp.dot(h, wh_ref[i], precision=prec) + bh_ref[i, :][None, :]
+
+    def sub_tile(s, carry):  # noqa: ANN001, ANN202
+        rows = _rows(s)
+        r_ok = _row_mask(base, n1, s)
+        valid = r_ok[:, None] & c_ok[None, :]
+        g = _load(g_ref.at[rows], valid)
+        p = _load(p_ref.at[rows], valid)
+        ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows)
+        feats = _elem_features(g, p, ms, rms, r, _factors(f1_ref, col, r_ok, rows, row_on_1))
+        t1 = _load(t1_ref.at[rows], r_ok[:, None])
+        h = (t1[:, None, :] + t2[None, :, :]).reshape(n, hp) + b0_ref[...]
+        for k, f in enumerate(feats):  # the first layer, feature by feature (float32 FMAs)
+            x = (f * inv_ref[k]).reshape(n)
+            h = h + x[:, None] * w0_ref[k, :][None, :]
         h = jnp.maximum(h, 0.0)
-    direction = jnp.sum(h * wl_ref[0, :][None, :], axis=1) + bl_ref[0]
-    magnitude = jnp.sum(h * wl_ref[1, :][None, :], axis=1) + bl_ref[1]
-    step = direction * jnp.exp(magnitude * exp_mult) * step_mult
-    _store(s_ref, step.reshape(BR, BC), valid)
-    for k in range(3):
-        _store(mo_ref.at[:, :, _i(k)], ms[k], valid)
-    _store(ro_ref, rms, valid)
+        for i in range(nhid):
+            h = jnp.dot(h, wh_ref[i], precision=prec) + bh_ref[i, :][None, :]
+            h = jnp.maximum(h, 0.0)
+        direction = jnp.sum(h * wl_ref[0, :][None, :], axis=1) + bl_ref[0]
+        magnitude = jnp.sum(h * wl_ref[1, :][None, :], axis=1) + bl_ref[1]
+        step = direction * jnp.exp(magnitude * exp_mult) * step_mult
+        _store(s_ref.at[rows], step.reshape(BR, BC), valid)
+        for k in range(3):
+            _store(mo_ref.at[rows, :, _i(k)], ms[k], valid)
+        _store(ro_ref.at[rows], rms, valid)
+        return carry
+
+    _sub_tiles(sub_tile, jnp.int32(0))
 
 
 def _pad_cols(w: Any, n: int) -> Any:
@@ -273,98 +332,151 @@ class SmallFCKernels:
 
     def __call__(self, shape: tuple[int, ...], p: Any, g: Any, m: Any, rms: Any, v_row: Any,
                  v_col: Any, v_diag: Any, *, tf: Any, decays: tuple[Any, Any, Any],
-                 aux: dict | None = None) -> tuple[Any, ...]:
+                 aux: dict | None = None, stage: Any = None) -> tuple[Any, ...]:
         """One shape group (stacked on axis 0): ``(step, m, rms, v_row, v_col, v_diag)``
         stacked, as :func:`xopt.specs.small_fc_lopt.compute_step` per tensor. ``aux``, if
         given, receives the statistics kernel's output as it came (``"stats"``: per block)
-        and the normalizers' statistic (``"feature_sq_mean"`` [L, F], the spec's order)."""
-        L = p.shape[0]
+        and the normalizers' statistic (``"feature_sq_mean"`` [L, F], the spec's order).
+        ``stage(name, fn, *args)`` runs each of the four stages (module docstring; default:
+        ``fn(*args)``), so that a benchmark can time them apart on their real inputs."""
+        stage = stage or run_stage
+        pre = stage("prep", functools.partial(self.prep, shape), v_row, v_col, v_diag, g,
+                    *decays)
+        part = stage("stats", functools.partial(self.stats, shape), pre, g, p, m, rms)
+        norm = stage("norm", functools.partial(self.normalize, shape), pre, part, tf)
+        if aux is not None:
+            aux.update(stats=part, feature_sq_mean=norm["feature_sq_mean"])
+        step, m_new, rms_new = stage("fused", functools.partial(self.fused, shape), pre, norm,
+                                     g, p, m, rms)
+        return (step.reshape(p.shape), m_new.reshape(m.shape), rms_new.reshape(rms.shape),
+                pre["new_row"], pre["new_col"], v_diag)
+
+    def prep(self, shape: tuple[int, ...], v_row: Any, v_col: Any, v_diag: Any, g: Any,
+             mom_d: Any, rms_d: Any, fac_d: Any) -> dict[str, Any]:
+        """Stage 1 (XLA): the new Adafactor statistics, the row and column factors and
+        features, the axis features' sums of squares and the decays the kernels read."""
+        return _axis_prep(shape, v_row, v_col, v_diag, g, mom_d, rms_d, fac_d)
+
+    def stats(self, shape: tuple[int, ...], pre: dict, g: Any, p: Any, m: Any,
+              rms: Any) -> Any:
+        """Stage 2 (:func:`_stats_kernel`): Σ feature² of the per-element features, per
+        block ``[L · blocks, 16]``."""
+        return _stats_call(_stats_kernel, 16, "sfc_stats", shape, pre, g, p, m, rms)
+
+    def normalize(self, shape: tuple[int, ...], pre: dict, part: Any, tf: Any) -> dict:
+        """Stage 3 (XLA): the normalizers, the axis features' first-layer terms and the
+        weights as the fused kernel reads them."""
         n1, n2, row_on_1 = two_d_view(shape)
-        mom_d, rms_d, fac_d = decays
-        # 1. the Adafactor statistics (the spec's own function, batched)
-        new_row, new_col, _, _ = jax.vmap(
-            lambda vr, vc, vd, gg: lopt.factored_update(jnp, vr, vc, vd, gg, fac_d)
-        )(v_row, v_col, v_diag, g)
-        vr2 = new_row.reshape(L, -1, 3)  # [L, positions of the v_row axis, 3]
-        vc2 = new_col.reshape(L, -1, 3)
-        rcm = jnp.mean(vr2, axis=1, keepdims=True)
-        rf = lopt.safe_rsqrt(jnp, vr2 / (rcm + 1e-9))
-        cf = lopt.safe_rsqrt(jnp, vc2)
-        f1, f2 = (rf, cf) if row_on_1 else (cf, rf)
-        f1 = jnp.swapaxes(f1, 1, 2)  # [L, 3, N1]
-        f2 = jnp.swapaxes(f2, 1, 2)  # [L, 3, N2]
-        # the row/column features: v_row (13-15), v_col (16-18), rsqrt(v + 1e-8) (19-24)
-        row_feats = jnp.concatenate([vr2, jax.lax.rsqrt(vr2 + 1e-8)], axis=-1)  # [L, n, 6]
-        col_feats = jnp.concatenate([vc2, jax.lax.rsqrt(vc2 + 1e-8)], axis=-1)
-        n_row_pos, n_col_pos = vr2.shape[1], vc2.shape[1]
-        row_sq = jnp.sum(row_feats * row_feats, axis=1) * n_col_pos  # Σ over elements
-        col_sq = jnp.sum(col_feats * col_feats, axis=1) * n_row_pos
-
-        decs = jnp.concatenate([mom_d, rms_d, jnp.zeros((4,), jnp.float32)])  # [8]
-        gv, pv = g.reshape(L, n1, n2), p.reshape(L, n1, n2)
-        mv, rv = m.reshape(L, n1, n2, 3), rms.reshape(L, n1, n2)
-        nb1, nb2, per, elem = _index_maps(n1, n2)
-        grid = (L * per,)
-        whole, blk, blk_m, blk_f1, blk_f2 = _element_specs(elem)
-        interpret = _on_cpu()
-        params = _compiler_params()
-
-        # 2. Σ feature² of the per-element features, per block
-        part = pl.pallas_call(
-            functools.partial(_stats_kernel, n1=n1, n2=n2, row_on_1=row_on_1),
-            out_shape=jax.ShapeDtypeStruct((L * per, 16), jnp.float32), grid=grid,
-            in_specs=[pl.BlockSpec((8,), whole), blk, blk, blk_m, blk, blk_f1, blk_f2],
-            out_specs=pl.BlockSpec((SQ, 16), lambda t: (t, 0)),
-            interpret=interpret, compiler_params=params, name="sfc_stats",
-        )(decs, gv, pv, mv, rv, f1, f2)
-        elem_sq = jnp.sum(part.reshape(L, per, 16), axis=1)  # [L, 16]
+        L = part.shape[0] // _index_maps(n1, n2)[2]
+        elem_sq = jnp.sum(part.reshape(L, -1, 16), axis=1)  # [L, 16]
+        row_sq, col_sq = pre["row_sq"], pre["col_sq"]
         sq = jnp.concatenate([elem_sq[:, :13], row_sq[:, :3], col_sq[:, :3], row_sq[:, 3:],
                               col_sq[:, 3:], elem_sq[:, 13:]], axis=1)  # [L, 28] spec order
         inv = jax.lax.rsqrt(1e-5 + sq / float(n1 * n2))
-        if aux is not None:
-            aux.update(stats=part, feature_sq_mean=sq / float(n1 * n2))
-
-        # 3. the axis features' first-layer terms and the bias
         w = self._weights(tf)
         w0 = w["w0"]
         row_rows = np.array([13, 14, 15, 19, 20, 21])
         col_rows = np.array([16, 17, 18, 22, 23, 24])
         hi = jax.lax.Precision.HIGHEST
-        t_row = jnp.einsum("lnk,kh->lnh", row_feats * inv[:, None, row_rows], w0[row_rows],
-                           precision=hi)
-        t_col = jnp.einsum("lnk,kh->lnh", col_feats * inv[:, None, col_rows], w0[col_rows],
-                           precision=hi)
+        t_row = jnp.einsum("lnk,kh->lnh", pre["row_feats"] * inv[:, None, row_rows],
+                           w0[row_rows], precision=hi)
+        t_col = jnp.einsum("lnk,kh->lnh", pre["col_feats"] * inv[:, None, col_rows],
+                           w0[col_rows], precision=hi)
         t1, t2 = (t_row, t_col) if row_on_1 else (t_col, t_row)
-        inv16 = inv[:, np.array(ELEM)]  # [L, 16]
-        w16 = w0[np.array(ELEM)]  # [16, HP]
-        hp_ = self.hp_
-        nhid = self.nl - 1
+        return dict(inv16=inv[:, np.array(ELEM)], w16=w0[np.array(ELEM)], b0=w["b0"],
+                    wh=w["wh"], bh=w["bh"], wl=w["wl"], bl=w["bl"], t1=t1, t2=t2,
+                    feature_sq_mean=sq / float(n1 * n2))
 
-        # 4. the fused pass
+    def fused(self, shape: tuple[int, ...], pre: dict, norm: dict, g: Any, p: Any, m: Any,
+              rms: Any) -> tuple[Any, Any, Any]:
+        """Stage 4 (:func:`_fused_kernel`): ``(step, m, rms)`` as ``[L, N1, N2(, 3)]``."""
+        L = p.shape[0]
+        n1, n2, row_on_1 = two_d_view(shape)
+        hp_ = self.hp_
+        _, _, per, elem = _index_maps(n1, n2)
+        whole, blk, blk_m, blk_f1, blk_f2 = _element_specs(elem)
         kern = functools.partial(
-            _fused_kernel, n1=n1, n2=n2, row_on_1=row_on_1, nhid=nhid, hp=hp_,
+            _fused_kernel, n1=n1, n2=n2, row_on_1=row_on_1, nhid=self.nl - 1, hp=hp_,
             exp_mult=float(self.hp.exp_mult), step_mult=float(self.hp.step_mult),
             prec=_dot_precision(self.precision))
         full = lambda *shape: pl.BlockSpec(shape, lambda t: (0,) * len(shape))  # noqa: E731
-        step, m_new, rms_new = pl.pallas_call(
+        return pl.pallas_call(
             kern,
             out_shape=(jax.ShapeDtypeStruct((L, n1, n2), jnp.float32),
                        jax.ShapeDtypeStruct((L, n1, n2, 3), jnp.float32),
                        jax.ShapeDtypeStruct((L, n1, n2), jnp.float32)),
-            grid=grid,
+            grid=(L * per,),
             in_specs=[pl.BlockSpec((8,), whole),
                       pl.BlockSpec((SQ, 16), lambda t: (elem(t)[0], 0)),
-                      full(16, hp_), full(1, hp_), full(*w["wh"].shape), full(*w["bh"].shape),
-                      full(2, hp_), pl.BlockSpec((2,), whole),
+                      full(16, hp_), full(1, hp_), full(*norm["wh"].shape),
+                      full(*norm["bh"].shape), full(2, hp_), pl.BlockSpec((2,), whole),
                       blk, blk, blk_m, blk, blk_f1, blk_f2,
-                      pl.BlockSpec((SQ, BR, hp_), lambda t: (elem(t)[0], elem(t)[1], 0)),
+                      pl.BlockSpec((SQ, RP, hp_), lambda t: (elem(t)[0], elem(t)[1], 0)),
                       pl.BlockSpec((SQ, BC, hp_), lambda t: (elem(t)[0], elem(t)[2], 0))],
             out_specs=[blk, blk_m, blk],
-            interpret=interpret, compiler_params=params, name="sfc_fused",
-        )(decs, inv16, w16, w["b0"], w["wh"], w["bh"], w["wl"], w["bl"], gv, pv, mv, rv, f1, f2,
-          t1, t2)
-        return (step.reshape(p.shape), m_new.reshape(m.shape), rms_new.reshape(rms.shape),
-                new_row, new_col, v_diag)
+            interpret=_on_cpu(), compiler_params=_compiler_params(), name="sfc_fused",
+        )(pre["decs"], norm["inv16"], norm["w16"], norm["b0"], norm["wh"], norm["bh"],
+          norm["wl"], norm["bl"], *_element_views(shape, g, p, m, rms), pre["f1"], pre["f2"],
+          norm["t1"], norm["t2"])
+
+
+def run_stage(name: str, fn: Any, *args: Any) -> Any:
+    """The default stage runner: ``fn(*args)`` (a benchmark passes one that times it)."""
+    del name
+    return fn(*args)
+
+
+def _element_views(shape: tuple[int, ...], g: Any, p: Any, m: Any, rms: Any) -> list[Any]:
+    """A stacked group's ``g``, ``p``, ``m``, ``rms`` as ``[L, N1, N2(, 3)]`` (reshapes)."""
+    L = p.shape[0]
+    n1, n2, _ = two_d_view(shape)
+    return [g.reshape(L, n1, n2), p.reshape(L, n1, n2), m.reshape(L, n1, n2, 3),
+            rms.reshape(L, n1, n2)]
+
+
+def _axis_prep(shape: tuple[int, ...], v_row: Any, v_col: Any, v_diag: Any, g: Any,
+               mom_d: Any, rms_d: Any, fac_d: Any) -> dict[str, Any]:
+    """Both methods' first stage: the new ``v_row``/``v_col`` (the spec's
+    ``factored_update``, batched; ``g`` as the method feeds it), their factors per axis
+    ``f1`` [L, 3, N1], ``f2`` [L, 3, N2], the row and column features [L, n, 6] and their
+    sums of squares over the tensor [L, 6], and the kernels' decays [8]."""
+    L = g.shape[0]
+    _, _, row_on_1 = two_d_view(shape)
+    new_row, new_col, _, _ = jax.vmap(
+        lambda vr, vc, vd, gg: lopt.factored_update(jnp, vr, vc, vd, gg, fac_d)
+    )(v_row, v_col, v_diag, g)
+    vr2 = new_row.reshape(L, -1, 3)  # [L, positions of the v_row axis, 3]
+    vc2 = new_col.reshape(L, -1, 3)
+    rcm = jnp.mean(vr2, axis=1, keepdims=True)
+    rf = lopt.safe_rsqrt(jnp, vr2 / (rcm + 1e-9))
+    cf = lopt.safe_rsqrt(jnp, vc2)
+    f1, f2 = (rf, cf) if row_on_1 else (cf, rf)
+    # the row/column features: v_row, v_col, rsqrt(v + 1e-8) of each
+    row_feats = jnp.concatenate([vr2, jax.lax.rsqrt(vr2 + 1e-8)], axis=-1)  # [L, n, 6]
+    col_feats = jnp.concatenate([vc2, jax.lax.rsqrt(vc2 + 1e-8)], axis=-1)
+    # a feature of one axis summed over a tensor: the other axis's length times its sum
+    row_sq = jnp.sum(row_feats * row_feats, axis=1) * vc2.shape[1]
+    col_sq = jnp.sum(col_feats * col_feats, axis=1) * vr2.shape[1]
+    decs = jnp.concatenate([mom_d, rms_d, jnp.zeros((4,), jnp.float32)])  # [8]
+    return dict(new_row=new_row, new_col=new_col, f1=jnp.swapaxes(f1, 1, 2),
+                f2=jnp.swapaxes(f2, 1, 2), row_feats=row_feats, col_feats=col_feats,
+                row_sq=row_sq, col_sq=col_sq, decs=decs)
+
+
+def _stats_call(kernel: Any, width: int, name: str, shape: tuple[int, ...], pre: dict,
+                g: Any, p: Any, m: Any, rms: Any) -> Any:
+    """A statistics kernel over a group: ``[L · blocks, width]`` per-block sums."""
+    L = p.shape[0]
+    n1, n2, row_on_1 = two_d_view(shape)
+    _, _, per, elem = _index_maps(n1, n2)
+    whole, blk, blk_m, blk_f1, blk_f2 = _element_specs(elem)
+    return pl.pallas_call(
+        functools.partial(kernel, n1=n1, n2=n2, row_on_1=row_on_1),
+        out_shape=jax.ShapeDtypeStruct((L * per, width), jnp.float32), grid=(L * per,),
+        in_specs=[pl.BlockSpec((8,), whole), blk, blk, blk_m, blk, blk_f1, blk_f2],
+        out_specs=pl.BlockSpec((SQ, width), lambda t: (t, 0)),
+        interpret=_on_cpu(), compiler_params=_compiler_params(), name=name,
+    )(pre["decs"], *_element_views(shape, g, p, m, rms), pre["f1"], pre["f2"])
 
 
 # -- VeLO --------------------------------------------------------------------------------------
@@ -400,56 +512,76 @@ def _velo_elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
 
 def _velo_stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *, n1, n2,
                        row_on_1):  # noqa: ANN001
-    r_ok, c_ok, valid = _masks(n1, n2)
-    g = jnp.clip(_load(g_ref, valid), -1000.0, 1000.0)
-    p = _load(p_ref, valid)
-    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid)
-    feats = _velo_elem_features(g, p, ms, rms, r,
-                                _factors(f1_ref, f2_ref, r_ok, c_ok, row_on_1))
+    c_ok = _col_mask(n1, n2)
+    base = _row_base(n1, n2)
+    col = _col_factors(f2_ref, c_ok)
+
+    def sub_tile(s, acc):  # noqa: ANN001, ANN202
+        rows = _rows(s)
+        r_ok = _row_mask(base, n1, s)
+        valid = r_ok[:, None] & c_ok[None, :]
+        g = jnp.clip(_load(g_ref.at[rows], valid), -1000.0, 1000.0)
+        p = _load(p_ref.at[rows], valid)
+        ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows)
+        feats = _velo_elem_features(g, p, ms, rms, r,
+                                    _factors(f1_ref, col, r_ok, rows, row_on_1))
+        return tuple(a + jnp.where(valid, f * f, 0.0) for a, f in zip(acc, feats, strict=True))
+
+    acc = _sub_tiles(sub_tile, tuple(jnp.zeros((BR, BC), jnp.float32) for _ in VELO_ELEM))
     lanes = jax.lax.broadcasted_iota(jnp.int32, (32,), 0)
     out = jnp.zeros((32,), jnp.float32)
-    for k, f in enumerate(feats):
-        out = jnp.where(lanes == k, jnp.sum(jnp.where(valid, f * f, 0.0)), out)
+    for k, a in enumerate(acc):
+        out = jnp.where(lanes == k, jnp.sum(a), out)
     o_ref[...] = out
 
 
 def _velo_fused_kernel(dec_ref, w_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, t1_ref,
                        t2_ref, s_ref, mo_ref, ro_ref, *, n1, n2, row_on_1, width, nhid, off,
                        exp_mult, step_mult):  # noqa: ANN001
-    r_ok, c_ok, valid = _masks(n1, n2)
-    g = jnp.clip(_load(g_ref, valid), -1000.0, 1000.0)
-    p = _load(p_ref, valid)
-    ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid)
-    feats = _velo_elem_features(g, p, ms, rms, r,
-                                _factors(f1_ref, f2_ref, r_ok, c_ok, row_on_1))
+    c_ok = _col_mask(n1, n2)
+    base = _row_base(n1, n2)
+    col = _col_factors(f2_ref, c_ok)
+    t2 = [_load(t2_ref.at[:, _i(j)], c_ok)[None, :] for j in range(width)]
     ne = len(VELO_ELEM)
-    h = [_load(t1_ref.at[:, _i(j)], r_ok)[:, None] + _load(t2_ref.at[:, _i(j)], c_ok)[None, :]
-         for j in range(width)]
-    for k, f in enumerate(feats):  # the first layer, channel by channel (float32 FMAs)
-        x = f * w_ref[k]  # normalized
-        h = [h[j] + x * w_ref[ne + k * width + j] for j in range(width)]
-    h = [jnp.maximum(h[j] + w_ref[off["b0"] + j], 0.0) for j in range(width)]
-    for i in range(nhid):
-        w0, b0 = off["wh"] + i * width * width, off["bh"] + i * width
-        new = []
-        for j in range(width):
-            acc = h[0] * w_ref[w0 + j]
+
+    def sub_tile(s, carry):  # noqa: ANN001, ANN202
+        rows = _rows(s)
+        r_ok = _row_mask(base, n1, s)
+        valid = r_ok[:, None] & c_ok[None, :]
+        g = jnp.clip(_load(g_ref.at[rows], valid), -1000.0, 1000.0)
+        p = _load(p_ref.at[rows], valid)
+        ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows)
+        feats = _velo_elem_features(g, p, ms, rms, r,
+                                    _factors(f1_ref, col, r_ok, rows, row_on_1))
+        h = [_load(t1_ref.at[rows, _i(j)], r_ok)[:, None] + t2[j] for j in range(width)]
+        for k, f in enumerate(feats):  # the first layer, channel by channel (float32 FMAs)
+            x = f * w_ref[k]  # normalized
+            h = [h[j] + x * w_ref[ne + k * width + j] for j in range(width)]
+        h = [jnp.maximum(h[j] + w_ref[off["b0"] + j], 0.0) for j in range(width)]
+        for i in range(nhid):
+            w0, b0 = off["wh"] + i * width * width, off["bh"] + i * width
+            new = []
+            for j in range(width):
+                acc = h[0] * w_ref[w0 + j]
+                for q in range(1, width):
+                    acc = acc + h[q] * w_ref[w0 + q * width + j]
+                new.append(jnp.maximum(acc + w_ref[b0 + j], 0.0))
+            h = new
+        outs = []
+        for c in range(2):
+            acc = h[0] * w_ref[off["wl"] + c]
             for q in range(1, width):
-                acc = acc + h[q] * w_ref[w0 + q * width + j]
-            new.append(jnp.maximum(acc + w_ref[b0 + j], 0.0))
-        h = new
-    outs = []
-    for c in range(2):
-        acc = h[0] * w_ref[off["wl"] + c]
-        for q in range(1, width):
-            acc = acc + h[q] * w_ref[off["wl"] + q * 2 + c]
-        outs.append(acc + w_ref[off["bl"] + c])
-    direction, magnitude = outs
-    step = direction * (w_ref[off["scale"]] * jnp.exp(magnitude * exp_mult)) * step_mult
-    _store(s_ref, w_ref[off["lr"]] * step, valid)
-    for k in range(3):
-        _store(mo_ref.at[:, :, _i(k)], ms[k], valid)
-    _store(ro_ref, rms, valid)
+                acc = acc + h[q] * w_ref[off["wl"] + q * 2 + c]
+            outs.append(acc + w_ref[off["bl"] + c])
+        direction, magnitude = outs
+        step = direction * (w_ref[off["scale"]] * jnp.exp(magnitude * exp_mult)) * step_mult
+        _store(s_ref.at[rows], w_ref[off["lr"]] * step, valid)
+        for k in range(3):
+            _store(mo_ref.at[rows, :, _i(k)], ms[k], valid)
+        _store(ro_ref.at[rows], rms, valid)
+        return carry
+
+    _sub_tiles(sub_tile, jnp.int32(0))
 
 
 class VeLOKernels:
@@ -476,63 +608,52 @@ class VeLOKernels:
 
     def __call__(self, shape: tuple[int, ...], p: Any, g: Any, m: Any, rms: Any, v_row: Any,
                  v_col: Any, v_diag: Any, controls: Any, lr_mult: Any, *,
-                 decays: tuple[Any, Any, Any], aux: dict | None = None) -> tuple[Any, ...]:
+                 decays: tuple[Any, Any, Any], aux: dict | None = None,
+                 stage: Any = None) -> tuple[Any, ...]:
         """One shape group: ``(step, m, rms, v_row, v_col, v_diag)`` stacked, as
-        :func:`xopt.specs.velo.update_tensor` per tensor (``aux``: as
+        :func:`xopt.specs.velo.update_tensor` per tensor (``aux``, ``stage``: as
         :meth:`SmallFCKernels.__call__`'s)."""
         from xopt.specs import velo as vspec
 
-        L = p.shape[0]
-        n1, n2, row_on_1 = two_d_view(shape)
-        mom_d, rms_d, fac_d = decays
-        gc = jnp.clip(g, -vspec.GRAD_CLIP, vspec.GRAD_CLIP)
-        new_row, new_col, _, _ = jax.vmap(
-            lambda vr, vc, vd, gg: lopt.factored_update(jnp, vr, vc, vd, gg, fac_d)
-        )(v_row, v_col, v_diag, gc)
-        vr2 = new_row.reshape(L, -1, 3)
-        vc2 = new_col.reshape(L, -1, 3)
-        rcm = jnp.mean(vr2, axis=1, keepdims=True)
-        rf = lopt.safe_rsqrt(jnp, vr2 / (rcm + 1e-9))
-        cf = lopt.safe_rsqrt(jnp, vc2)
-        f1, f2 = (rf, cf) if row_on_1 else (cf, rf)
-        f1, f2 = jnp.swapaxes(f1, 1, 2), jnp.swapaxes(f2, 1, 2)
-        row_feats = jnp.concatenate([vr2, jax.lax.rsqrt(vr2 + 1e-8)], axis=-1)
-        col_feats = jnp.concatenate([vc2, jax.lax.rsqrt(vc2 + 1e-8)], axis=-1)
-        row_sq = jnp.sum(row_feats * row_feats, axis=1) * vc2.shape[1]
-        col_sq = jnp.sum(col_feats * col_feats, axis=1) * vr2.shape[1]
+        stage = stage or run_stage
+        def prep(v_row, v_col, v_diag, g, *decays):  # noqa: ANN001, ANN202
+            gc = jnp.clip(g, -vspec.GRAD_CLIP, vspec.GRAD_CLIP)
+            return _axis_prep(shape, v_row, v_col, v_diag, gc, *decays)
 
-        decs = jnp.concatenate([mom_d, rms_d, jnp.zeros((4,), jnp.float32)])
-        gv, pv = g.reshape(L, n1, n2), p.reshape(L, n1, n2)
-        mv, rv = m.reshape(L, n1, n2, 3), rms.reshape(L, n1, n2)
-        _, _, per, elem = _index_maps(n1, n2)
-        grid = (L * per,)
-        whole, blk, blk_m, blk_f1, blk_f2 = _element_specs(elem)
-        interpret = _on_cpu()
-        params = _compiler_params()
-        part = pl.pallas_call(
-            functools.partial(_velo_stats_kernel, n1=n1, n2=n2, row_on_1=row_on_1),
-            out_shape=jax.ShapeDtypeStruct((L * per, 32), jnp.float32), grid=grid,
-            in_specs=[pl.BlockSpec((8,), whole), blk, blk, blk_m, blk, blk_f1, blk_f2],
-            out_specs=pl.BlockSpec((SQ, 32), lambda t: (t, 0)),
-            interpret=interpret, compiler_params=params, name="velo_stats",
-        )(decs, gv, pv, mv, rv, f1, f2)
-        elem_sq = jnp.sum(part.reshape(L, per, 32), axis=1)
+        pre = stage("prep", prep, v_row, v_col, v_diag, g, *decays)
+        part = stage("stats", functools.partial(_stats_call, _velo_stats_kernel, 32,
+                                                "velo_stats", shape), pre, g, p, m, rms)
+        norm = stage("norm", functools.partial(self.normalize, shape), pre, part, controls,
+                     lr_mult)
+        if aux is not None:
+            aux.update(stats=part, feature_sq_mean=norm["feature_sq_mean"])
+        step, m_new, rms_new = stage("fused", functools.partial(self.fused, shape), pre, norm,
+                                     g, p, m, rms)
+        return (step.reshape(p.shape), m_new.reshape(m.shape), rms_new.reshape(rms.shape),
+                pre["new_row"], pre["new_col"], v_diag)
+
+    def normalize(self, shape: tuple[int, ...], pre: dict, part: Any, controls: Any,
+                  lr_mult: Any) -> dict:
+        """Stage 3 (XLA): the normalizers, the per-tensor MLPs (100 · mean_k controls_k ·
+        bank_k), the axis terms and the per-tensor scalars the fused kernel reads."""
+        from xopt.specs import velo as vspec
+
+        n1, n2, row_on_1 = two_d_view(shape)
+        L = part.shape[0] // _index_maps(n1, n2)[2]
+        elem_sq = jnp.sum(part.reshape(L, -1, 32), axis=1)
         sq = jnp.zeros((L, 30), jnp.float32)
         sq = sq.at[:, np.array(VELO_ELEM)].set(elem_sq[:, :len(VELO_ELEM)])
-        sq = sq.at[:, np.array(VELO_ROW)].set(row_sq).at[:, np.array(VELO_COL)].set(col_sq)
+        sq = sq.at[:, np.array(VELO_ROW)].set(pre["row_sq"])
+        sq = sq.at[:, np.array(VELO_COL)].set(pre["col_sq"])
         n = float(n1 * n2)
         inv = jax.lax.rsqrt(1e-5 + sq / n)  # [L, 30]
-        if aux is not None:
-            aux.update(stats=part, feature_sq_mean=sq / n)
         param_scale = jnp.sqrt(sq[:, 2] / n + 1e-9)
-
-        # the per-tensor MLPs (100 · mean_k controls_k · bank_k), and the axis terms
         weights = jax.vmap(lambda c: vspec.mix_mlp_weights(jnp, c, self.meta, self.hp))(controls)
         w0 = weights["w0"]  # [L, 30, F]
         hi = jax.lax.Precision.HIGHEST
-        t_row = jnp.einsum("lnk,lkh->lnh", row_feats * inv[:, None, np.array(VELO_ROW)],
+        t_row = jnp.einsum("lnk,lkh->lnh", pre["row_feats"] * inv[:, None, np.array(VELO_ROW)],
                            w0[:, np.array(VELO_ROW)], precision=hi)
-        t_col = jnp.einsum("lnk,lkh->lnh", col_feats * inv[:, None, np.array(VELO_COL)],
+        t_col = jnp.einsum("lnk,lkh->lnh", pre["col_feats"] * inv[:, None, np.array(VELO_COL)],
                            w0[:, np.array(VELO_COL)], precision=hi)
         t1, t2 = (t_row, t_col) if row_on_1 else (t_col, t_row)
         nl = self.nhid + 1
@@ -544,23 +665,31 @@ class VeLOKernels:
                    lr_mult[:, None], param_scale[:, None]]
         scal = jnp.concatenate(pieces, axis=1)
         scal = jnp.pad(scal, [(0, 0), (0, VELO_SCAL - scal.shape[1])])
+        return dict(scal=scal, t1=t1, t2=t2, feature_sq_mean=sq / n)
+
+    def fused(self, shape: tuple[int, ...], pre: dict, norm: dict, g: Any, p: Any, m: Any,
+              rms: Any) -> tuple[Any, Any, Any]:
+        """Stage 4 (:func:`_velo_fused_kernel`): ``(step, m, rms)`` as ``[L, N1, N2(, 3)]``."""
+        L = p.shape[0]
+        n1, n2, row_on_1 = two_d_view(shape)
+        _, _, per, elem = _index_maps(n1, n2)
+        whole, blk, blk_m, blk_f1, blk_f2 = _element_specs(elem)
         width = self.width
         kern = functools.partial(
             _velo_fused_kernel, n1=n1, n2=n2, row_on_1=row_on_1, width=width, nhid=self.nhid,
             off=self.off, exp_mult=float(self.hp.exp_mult), step_mult=float(self.hp.step_mult))
-        step, m_new, rms_new = pl.pallas_call(
+        return pl.pallas_call(
             kern,
             out_shape=(jax.ShapeDtypeStruct((L, n1, n2), jnp.float32),
                        jax.ShapeDtypeStruct((L, n1, n2, 3), jnp.float32),
                        jax.ShapeDtypeStruct((L, n1, n2), jnp.float32)),
-            grid=grid,
+            grid=(L * per,),
             in_specs=[pl.BlockSpec((8,), whole),
                       pl.BlockSpec((SQ, VELO_SCAL), lambda t: (elem(t)[0], 0)),
                       blk, blk, blk_m, blk, blk_f1, blk_f2,
-                      pl.BlockSpec((SQ, BR, width), lambda t: (elem(t)[0], elem(t)[1], 0)),
+                      pl.BlockSpec((SQ, RP, width), lambda t: (elem(t)[0], elem(t)[1], 0)),
                       pl.BlockSpec((SQ, BC, width), lambda t: (elem(t)[0], elem(t)[2], 0))],
             out_specs=[blk, blk_m, blk],
-            interpret=interpret, compiler_params=params, name="velo_fused",
-        )(decs, scal, gv, pv, mv, rv, f1, f2, t1, t2)
-        return (step.reshape(p.shape), m_new.reshape(m.shape), rms_new.reshape(rms.shape),
-                new_row, new_col, v_diag)
+            interpret=_on_cpu(), compiler_params=_compiler_params(), name="velo_fused",
+        )(pre["decs"], norm["scal"], *_element_views(shape, g, p, m, rms), pre["f1"],
+          pre["f2"], norm["t1"], norm["t2"])
