@@ -385,8 +385,17 @@ def test_cayley_kernels_match_their_references(b):
         got = K.cnp_backward_bmm(q, saved, g, formula).double()
         want = K.triu_grad_reference(qq.grad, b)
         assert (got - want).abs().max() <= 1e-6 * want.abs().max()
-    # the autograd Function end to end, upper triangles in and out, both backends
-    for backend in ("triton", "bmm"):
+    # the product form's two-launch path: Y, then the triangles' gradient
+    y, saved = K.cnp_forward_fused(x, b)
+    ref = K.cayley_neumann_reference(q.double())
+    assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+    qq = q.double().requires_grad_()
+    K.cayley_neumann_reference(qq).backward(g.double())
+    got = K.cnp_backward_fused(saved, g).double()
+    want = K.triu_grad_reference(qq.grad, b)
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+    # the autograd Function end to end, upper triangles in and out, every backend
+    for backend in K.BACKENDS:
         xx = x.clone().requires_grad_()
         K.cayley_neumann(xx, b, backend=backend).backward(g)
         xr = x.double().requires_grad_()
@@ -395,7 +404,7 @@ def test_cayley_kernels_match_their_references(b):
 
 
 @needs_triton
-@pytest.mark.parametrize("backend", ["bmm", "triton"])
+@pytest.mark.parametrize("backend", ["fused", "bmm", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cayley_kernels_in_low_precision(dtype, backend):
     """Both backends evaluated in bf16/fp16 (what a bf16/fp16 POETLinear uses): skew reads
@@ -404,7 +413,8 @@ def test_cayley_kernels_in_low_precision(dtype, backend):
     dtype. The bmm backend rounds three results in the forward of the product form (B =
     I + Q², A = B + 2Q, Y = AB; Taylor: four, Q², T, Q + Q², Y) and five in the backward
     (product: GB, AᵀG, Z, N, the triangles; Taylor: D, two sums, two products), the fused
-    kernels fewer (Q², Y; T and the products' left operands as
+    backend three forward (A, B, Y) and two backward (Z as an operand, the triangles), the
+    fused series fewer (Q², Y; T and the products' left operands as
     operands, D not at all): each rounding carries at most half an ulp of ``dtype``
     relative to its own magnitude, all ≤ max|result| here, so the bound is that many
     half-ulps of max|ref| (the float32 evaluation rounded to ``dtype`` alone is within one
@@ -545,7 +555,7 @@ def test_block_products_read_row_strided_inputs():
 
 
 @needs_triton
-@pytest.mark.parametrize("backend", ["bmm", "triton"])
+@pytest.mark.parametrize("backend", ["fused", "bmm", "triton"])
 @pytest.mark.parametrize("variant", ["fast", "mem"])
 def test_triton_layer_matches_plain_layer(variant, backend, monkeypatch):
     from xopt.kernels import poet_cayley as K
