@@ -1,0 +1,105 @@
+"""The launch budget of POETLinear's forward+backward on the triton path.
+
+An eager forward+backward of the layer is paced by the host's launches (bench/poet_layer.py
+shows it: eager back to back far slower than its CUDA-graph replay), so the number of
+device kernels it launches is bounded here, counted on the host by
+:func:`xopt.kernels.poet_launches.count_launches` (ATen kernels and Triton launches; under
+``TRITON_INTERPRET=1`` on the CPU, compiled on a GPU). The budget follows from the design:
+
+* forward (7): the Cayley–Neumann blocks of all of the layer's rotations (2: the fused
+  backend's factor kernel and one batched product ``Y = A·B``), the input's gather, the
+  input rotation (one batched product), ``x2·W0ᵀ`` (one matmul), the output rotation, the
+  output's gather;
+* backward (9): the cotangent's gather, ``R_out``'s outer products (one batched product),
+  the rotation back, ``·W0``, ``R_in``'s outer products, the rotation back, the input
+  gradient's gather, and the CNP backward (2 kernels);
+* ``variant="mem"``: + 3 in the backward (re-gather, rotation, matmul);
+* a bias: + 1 (its addition; mem: + 1 more in the recomputation) and + 1 for its
+  gradient (a column sum) when it is trained.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+from helpers import has_torch
+
+if has_torch:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+DEV = "cuda" if has_torch and torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(not has_torch or importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed")
+
+FWD, BWD, MEM = 7, 9, 3
+
+
+def _budget(variant: str, bias: bool) -> int:
+    n = FWD + BWD + (MEM if variant == "mem" else 0)
+    if bias:
+        n += (2 if variant == "mem" else 1) + 1
+    return n
+
+
+def _count(layer, x, g):
+    from xopt.kernels.poet_launches import count_launches
+
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def once():
+        x.grad = None
+        for p in params:
+            p.grad = None
+        layer(x).backward(g)
+
+    once()  # (first calls compile or fill caches)
+    return count_launches(once)
+
+
+def _layer(variant, bias, shape=(32, 64)):
+    from xopt.torch.poet import POETLinear
+
+    torch.manual_seed(0)
+    layer = POETLinear(64, 48, 16, bias=bias, bias_requires_grad=bias, variant=variant,
+                       impl="triton").to(DEV)
+    with torch.no_grad():
+        layer.oft_R.normal_(0, 0.05)
+    x = torch.randn(*shape, device=DEV, requires_grad=True)
+    g = torch.randn(*shape[:-1], 48, device=DEV)
+    return layer, x, g
+
+
+@needs_triton
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("variant", ["fast", "mem"])
+def test_forward_backward_stays_within_its_launch_budget(variant, bias, monkeypatch):
+    from xopt.kernels import poet_cayley as K
+
+    monkeypatch.setattr(K, "BACKEND", "fused")
+    c = _count(*_layer(variant, bias))
+    assert c.launches <= _budget(variant, bias), str(c)
+    # the kernels are the ones of the design: the products in cuBLAS, the rest in Triton
+    assert set(c.aten) <= {"bmm", "mm", "add_", "sum"}, str(c)
+    assert c.triton["_perm_smem_kernel"] + c.triton["_perm_rowloop_kernel"] == (
+        5 if variant == "mem" else 4), str(c)
+    assert sum(c.triton.values()) - 4 - (variant == "mem") == 3, str(c)
+
+
+@needs_triton
+def test_launch_count_sees_every_launch(monkeypatch):
+    """The counter is not blind: a 3-d input costs no launch (views only), and the
+    batched-matmul CNP backend, whose launches are known (skew, B = I + Q² in place,
+    A = B + 2Q, Y = AB; backward GB, AᵀG, the symmetrization, ZQ, the triangles: 9
+    against the fused backend's 4), counts 5 more."""
+    from xopt.kernels import poet_cayley as K
+
+    monkeypatch.setattr(K, "BACKEND", "fused")
+    base = _count(*_layer("fast", False)).launches
+    assert base == _budget("fast", False)
+    assert _count(*_layer("fast", False, shape=(2, 16, 64))).launches == base
+    monkeypatch.setattr(K, "BACKEND", "bmm")
+    assert _count(*_layer("fast", False)).launches == base + 5
