@@ -25,8 +25,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["LaunchCount", "count_launches"]
 
-#: ATen calls that allocate without writing (no kernel)
-_ALLOC = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+#: ATen calls that launch no kernel besides the views: bare allocations, and views that
+#: ATen does not mark as views (``_unsafe_view``, ``lift_fresh``)
+_ALLOC = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                    "_unsafe_view", "lift_fresh"})
 
 
 @dataclasses.dataclass
