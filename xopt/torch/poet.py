@@ -29,6 +29,7 @@ after each merge boundary, as the authors' optimizer does.
 from __future__ import annotations
 
 import math
+import weakref
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -45,7 +46,8 @@ from xopt.torch._optim import Item, Layout, Optimizer
 from xopt.torch.distributed import Layout as ShardLayout
 from xopt.torch.distributed import is_dtensor
 
-__all__ = ["MergeEvery", "POETAdamW", "POETLinear", "convert", "merge_and_reset",
+__all__ = ["MergeEvery", "POETAdamW", "POETLinear", "batch_rotations", "convert",
+           "merge_and_reset",
            "poet_param_groups"]
 
 
@@ -444,9 +446,14 @@ class POETLinear(nn.Module):
             # with no casts; otherwise float32 (TF32 products for a bf16/fp16 input).
             cd = x.dtype if tf32 and self.oft_R.dtype == x.dtype else torch.float32
             cnp = (self.block_size, self.hp.cayley_formula, tf32, cd, poet_cayley.BACKEND)
-            return _Chain.apply(x, self.oft_R, self.num_out_blocks, w, bias, self.perm_in,
+            blocks = _stashed_blocks(self, cnp)
+            if blocks is not None and blocks.dtype != x.dtype:
+                blocks = blocks.to(x.dtype)  # (float32 series for a bf16/fp16 input)
+            return _Chain.apply(x, self.oft_R if blocks is None else blocks,
+                                self.num_out_blocks, w, bias, self.perm_in,
                                 self.perm_in_inv, self.perm_out, self.perm_out_inv,
-                                self.variant == "fast", True, cnp, wq)
+                                self.variant == "fast", True,
+                                cnp if blocks is None else None, wq)
         r_out, r_in = self.rotations(False)
         r_out, r_in = r_out.to(x.dtype), r_in.to(x.dtype)
         pin, pin_inv = self.perm_in.long(), self.perm_in_inv.long()
@@ -514,6 +521,103 @@ class POETLinear(nn.Module):
 
 
 _spec_module = spec  # the constructor's ``spec=`` argument shadows the module name
+
+
+# -- the rotations of several layers in one evaluation ------------------------------------------
+
+
+class _Blocks(torch.autograd.Function):
+    """The Cayley–Neumann blocks of several layers' rotations in one evaluation (their
+    ``oft_R`` rows stacked: one concatenation and the CNP's launches once for all of
+    them, each way); returns one view per layer. The backward stacks the layers' block
+    cotangents (zeros for a layer that did not use its blocks) and returns each ``oft_R``
+    its rows of the triangles' gradient."""
+
+    @staticmethod
+    def forward(ctx, cnp, *oft):
+        from xopt.kernels import poet_cayley
+
+        b, formula, tf32, cd, backend = cnp
+        sizes = [t.shape[0] for t in oft]
+        x = torch.cat(oft) if len(oft) > 1 else oft[0]
+        y, saved = poet_cayley.blocks_forward(x, b, formula, tf32, backend, cd)
+        ctx.save_for_backward(*saved)
+        ctx.args = (b, formula, tf32, backend, x.dtype, sizes)
+        ctx.set_materialize_grads(False)
+        return tuple(y.split(sizes))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from xopt.kernels import poet_cayley
+
+        b, formula, tf32, backend, x_dtype, sizes = ctx.args
+        if all(g is None for g in grads):
+            return (None, *(None for _ in grads))
+        ref = next(g for g in grads if g is not None)
+        g = torch.cat([ref.new_zeros((n, b, b)) if gi is None else gi
+                       for gi, n in zip(grads, sizes, strict=True)]) if len(grads) > 1 else ref
+        dx = poet_cayley.blocks_backward(ctx.saved_tensors, g, b, formula, tf32, backend,
+                                         x_dtype)
+        return (None, *dx.split(sizes))
+
+
+#: layer -> (its blocks, oft_R's version when they were made, the CNP settings, grad mode):
+#: set by :func:`batch_rotations`' hook, read by the layer's forward; weak keys, and not
+#: an attribute of the layer (a copied or pickled model carries no autograd graph)
+_STASH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _stashed_blocks(layer: POETLinear, cnp: tuple) -> Tensor | None:
+    """The blocks :func:`batch_rotations` made for ``layer`` if they are still its
+    rotations: ``oft_R`` unchanged since (its version counter), the same CNP settings and
+    grad mode; else None (the layer evaluates its own)."""
+    entry = _STASH.get(layer)
+    if entry is None:
+        return None
+    blocks, version, settings, grad = entry
+    if (version != layer.oft_R._version or settings != cnp
+            or grad != torch.is_grad_enabled()):
+        return None
+    return blocks
+
+
+def batch_rotations(model: nn.Module):
+    """Evaluate the rotations of all of ``model``'s :class:`POETLinear` layers together,
+    once per forward of ``model``: a forward pre-hook stacks the ``oft_R`` of the layers
+    that share a block size, dtype and device and runs the Cayley–Neumann series once for
+    each such group (3 launches each way per group instead of 2 per layer each way; the
+    same per-block arithmetic), and each layer's forward takes its blocks from there.
+
+    Layers on the triton path only (CUDA; ``impl="plain"`` layers evaluate their own), not
+    POET-XQ layers, not DTensor (FSDP2) parameters, and only while the blocks are current:
+    a layer whose ``oft_R`` changed since (an optimizer step, a merge) or that is called
+    outside the model's forward with another dtype or grad mode evaluates its own. The
+    input of each layer is assumed in the layer's dtype (else it evaluates its own).
+    Call it after :func:`convert` (the layers are listed once, here). Returns the hook's
+    handle (``.remove()`` turns it off)."""
+    from xopt.kernels import poet_cayley
+
+    every = poet_layers(model)
+
+    def hook(module, args):
+        groups: dict[tuple, list[POETLinear]] = {}
+        for layer in every:
+            _STASH.pop(layer, None)
+            oft = layer.oft_R
+            if (layer.quantized or is_dtensor(oft) or not layer._use_triton(oft.device)):
+                continue
+            dt = layer.weight.dtype
+            tf32 = dt in (torch.bfloat16, torch.float16)
+            cd = dt if tf32 and oft.dtype == dt else torch.float32
+            cnp = (layer.block_size, layer.hp.cayley_formula, tf32, cd, poet_cayley.BACKEND)
+            groups.setdefault((cnp, oft.device, oft.dtype), []).append(layer)
+        grad = torch.is_grad_enabled()
+        for (cnp, _, _), layers in groups.items():
+            blocks = _Blocks.apply(cnp, *(layer.oft_R for layer in layers))
+            for layer, y in zip(layers, blocks, strict=True):
+                _STASH[layer] = (y, layer.oft_R._version, cnp, grad)
+
+    return model.register_forward_pre_hook(hook)
 
 
 def layer_seed(seed: int, name: str) -> int:
