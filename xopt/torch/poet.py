@@ -120,11 +120,17 @@ class _Chain(torch.autograd.Function):
     ``cnp``: ``None`` (``r`` holds the blocks), or ``(b, formula, tf32, dtype, backend)``:
     then ``r`` is ``oft_R`` and the Cayley–Neumann blocks are made here and differentiated
     here (:func:`xopt.kernels.poet_cayley.blocks_forward`/``blocks_backward``): one autograd
-    node for the whole layer, fewer launches on the host."""
+    node for the whole layer, fewer launches on the host.
+
+    The differentiable inputs are ``x``, ``r`` and ``bias``; the rest comes as one tuple
+    ``k = (n_out, weight, perm_in, perm_in_inv, perm_out, perm_out_inv, keep_y1,
+    triton_path, cnp, wq)`` (``weight`` is frozen): ``apply`` handles each argument on the
+    host, per call."""
 
     @staticmethod
-    def forward(ctx, x, r, n_out: int, weight, bias, perm_in, perm_in_inv, perm_out,
-                perm_out_inv, keep_y1: bool, triton_path: bool, cnp=None, wq=None):
+    def forward(ctx, x, r, bias, k):
+        (n_out, weight, perm_in, perm_in_inv, perm_out, perm_out_inv, keep_y1, triton_path,
+         cnp, wq) = k
         shape = x.shape
         # POET-XQ: W0 held as codes; the triton path dequantises inside the products
         # (xopt.kernels.poet_qmm), the plain path into a temporary float W0 per product
@@ -188,7 +194,7 @@ class _Chain(torch.autograd.Function):
         del y1
         gy1 = _rotate(g2, r_out, transpose=True)
         del g2
-        grad_bias = gy1.sum(0) if bias is not None and ctx.needs_input_grad[4] else None
+        grad_bias = gy1.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
         gx2 = _mm_w(gy1, weight, wq)
         del gy1
         if grad_r is not None:
@@ -205,8 +211,7 @@ class _Chain(torch.autograd.Function):
             b, formula, tf32, backend, oft_dtype = ctx.cnp
             grad_r = poet_cayley.blocks_backward(tuple(cnp_saved), grad_r, b, formula, tf32,
                                                  backend, oft_dtype)
-        return (gx, grad_r, None, None, grad_bias, None, None, None, None, None, None, None,
-                None)
+        return gx, grad_r, grad_bias, None
 
 
 def _dequantize(codes: Tensor, wq: tuple, dtype: torch.dtype) -> Tensor:
@@ -449,11 +454,10 @@ class POETLinear(nn.Module):
             blocks = _stashed_blocks(self, cnp)
             if blocks is not None and blocks.dtype != x.dtype:
                 blocks = blocks.to(x.dtype)  # (float32 series for a bf16/fp16 input)
-            return _Chain.apply(x, self.oft_R if blocks is None else blocks,
-                                self.num_out_blocks, w, bias, self.perm_in,
-                                self.perm_in_inv, self.perm_out, self.perm_out_inv,
-                                self.variant == "fast", True,
-                                cnp if blocks is None else None, wq)
+            return _Chain.apply(x, self.oft_R if blocks is None else blocks, bias,
+                                (self.num_out_blocks, w, self.perm_in, self.perm_in_inv,
+                                 self.perm_out, self.perm_out_inv, self.variant == "fast",
+                                 True, cnp if blocks is None else None, wq))
         r_out, r_in = self.rotations(False)
         r_out, r_in = r_out.to(x.dtype), r_in.to(x.dtype)
         pin, pin_inv = self.perm_in.long(), self.perm_in_inv.long()
@@ -463,8 +467,9 @@ class POETLinear(nn.Module):
                 w = _dequantize(w, wq, x.dtype)
             y, _ = _spec_module.layer_forward(x, r_out, r_in, w, bias, pin_inv, pout, xp=torch)
             return y
-        return _Chain.apply(x, torch.cat((r_out, r_in)), self.num_out_blocks, w, bias, pin,
-                            pin_inv, pout, pout_inv, False, False, None, wq)
+        return _Chain.apply(x, torch.cat((r_out, r_in)), bias,
+                            (self.num_out_blocks, w, pin, pin_inv, pout, pout_inv, False,
+                             False, None, wq))
 
     # -- merging ----------------------------------------------------------------------------
     @torch.no_grad()
