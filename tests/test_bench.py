@@ -137,8 +137,6 @@ def test_distributed_tiny(tmp_path):
     assert set(rows) == {"torch_adamw_fused", "adamw", "small_fc_lopt", "velo", "mulo",
                          "galore", "flora", "coap", "plumage", "compact", "poet"}
     for method, r in rows.items():
-        if "skipped" in r:
-            continue
         assert r["state_bytes"] > 0 and r["step_ms"] > 0, method
         assert r["max_rel_err"] < 1e-3, (method, r["max_rel_err"])
     for method in ("small_fc_lopt", "velo", "mulo"):

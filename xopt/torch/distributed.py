@@ -44,6 +44,7 @@ import dataclasses
 import hashlib
 import math
 import sys
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -545,6 +546,11 @@ def plain_as_replicated(params: Iterable[Tensor]) -> Any:
 
     stack = contextlib.ExitStack()
     stack.enter_context(implicit_replication())
+    # DTensor warns for every plain (k,)-shaped tensor with k = 1 (a learned optimizer's
+    # single decay) before replicating it: replication is what this context asks for.
+    stack.enter_context(warnings.catch_warnings())
+    warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1",
+                            category=UserWarning)
     stack.enter_context(_eager_sums()())
     return stack
 

@@ -97,11 +97,13 @@ def _worker(rank: int, world_size: int, backend: str | None, store_path: str, co
             env: Mapping[str, str]) -> None:
     """A worker's main loop: join the process group, then run what the parent sends until
     it sends None (or goes away)."""
+    import faulthandler
+
     os.environ.update(env)
+    # A rank killed by a signal (a crash in native code) prints every thread's Python stack.
+    faulthandler.enable(all_threads=True)
     stacks = os.environ.get("XOPT_GANG_DEBUG_STACKS")
     if stacks:
-        import faulthandler
-
         faulthandler.dump_traceback_later(float(stacks), repeat=True)
     try:
         if backend is not None:
