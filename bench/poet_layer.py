@@ -1,7 +1,8 @@
 """POET-X layer benchmark: forward+backward latency and peak memory of one layer.
 
     python bench/poet_layer.py [--out RESULTS.json] [--dtype bf16|fp32] [--check] [--tiny]
-                               [--rounds N]
+                               [--rounds N] [--shapes 4096x4096] [--blocks 256,512]
+                               [--cnp fused,bmm]
 
 At LLaMA-8B-like shapes (4096×4096 and 4096→14336, block sizes 256 and 512, 4096 tokens)
 it times, in one run: ``nn.Linear`` (the weight trained, as in AdamW pre-training), xopt's
@@ -14,6 +15,10 @@ memory the forward/backward itself needs (activations kept for backward, gradien
 workspaces). ``--rounds N`` adds, per shape, nn.Linear and the fast layers timed side by
 side: N interleaved rounds of CUDA-graph replays, each after 50 ms of idle GPU
 (:func:`side_by_side`); the ratio of medians is the figure for a speed target.
+Each row also gives its device-kernel launches per forward+backward, counted on the host
+(:func:`xopt.kernels.poet_launches.count_launches`; not for the authors' compiled layer),
+and the run ends with a summary of the fast layers: eager back to back ("piped") and
+graph time, each against nn.Linear's, and the launches.
 
 ``--check`` first validates the kernels on the device against their PyTorch references
 (float32) and runs the parity harness on the bundled POET traces with ``impl="triton"``.
@@ -38,6 +43,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from xopt.kernels.poet_launches import count_launches  # noqa: E402
 from xopt.torch.poet import POETLinear  # noqa: E402
 
 
@@ -46,7 +52,9 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def measure(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int, warmup: int):
+def measure(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int, warmup: int,
+            count: bool = True):
+    """``(ms, peak MiB, piped ms, graph ms, launches)`` of ``layer``'s forward+backward."""
     dev = x.device
 
     def once():
@@ -94,7 +102,8 @@ def measure(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int, warm
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     graph = graph_ms(layer, x, g, iters) if dev.type == "cuda" else None
-    return statistics.median(times), peak, pipelined, graph
+    launches = count_launches(once).launches if count else None
+    return statistics.median(times), peak, pipelined, graph, launches
 
 
 def _grad_reset(layer: nn.Module, x: torch.Tensor):
@@ -384,6 +393,9 @@ def main(argv=None) -> int:
                          "(triton, 4096x4096, b=256)")
     ap.add_argument("--profile-xopt-only", action="store_true",
                     help="--profile: nn.Linear and xopt only")
+    ap.add_argument("--shapes", default="4096x4096,4096x14336",
+                    help="in x out shapes on a GPU, comma-separated")
+    ap.add_argument("--blocks", default="256,512", help="block sizes on a GPU")
     ap.add_argument("--impls", default="triton,plain",
                     help="xopt implementations in the table (on a GPU)")
     ap.add_argument("--cnp", default="",
@@ -423,7 +435,8 @@ def main(argv=None) -> int:
         impls = ["plain", "triton"] if interpreting() else ["plain"]
         args.iters, args.warmup = 2, 1
     else:
-        shapes, blocks, tokens = [(4096, 4096), (4096, 14336)], [256, 512], args.tokens
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        blocks, tokens = [int(v) for v in args.blocks.split(",")], args.tokens
         impls = args.impls.split(",") if dev.type == "cuda" else ["plain"]
     from xopt.kernels import poet_cayley as K
 
@@ -434,7 +447,8 @@ def main(argv=None) -> int:
         print("note: the authors' poet_torch is not importable here; its rows are skipped")
     result["authors_importable"] = has_orig
     header = (f"{'layer':28s} {'in':>5s} {'out':>5s} {'b':>4s} | {'eager ms':>8s} {'x Lin':>5s} | "
-              f"{'piped ms':>8s} {'x Lin':>5s} | {'graph ms':>8s} {'x Lin':>5s} | {'peak MiB':>8s}")
+              f"{'piped ms':>8s} {'x Lin':>5s} | {'graph ms':>8s} {'x Lin':>5s} | {'peak MiB':>8s}"
+              f" | {'launches':>8s}")
     print("eager: one call, synchronized (host launch time included); piped: calls back to "
           "back, one sync; graph: one CUDA-graph replay per call (GPU time alone)")
     print(header)
@@ -477,28 +491,50 @@ def main(argv=None) -> int:
                         with torch.no_grad():
                             orig.oft_R.normal_(0, 1e-3)
                         rows.append((f"authors POET-X {'mem' if mem else 'fast'}", b,
-                                     measure(orig, x, g, args.iters, args.warmup)))
+                                     measure(orig, x, g, args.iters, args.warmup, False)))
                         del orig
                 except Exception as e:  # keep the other rows
                     print(f"authors POET-X {'mem' if mem else 'fast'} b={b}: {e!r}"[:400])
-        for label, b, (t, m, pl, gr) in rows:
+        for label, b, (t, m, pl, gr, nl) in rows:
             print(f"{label:28s} {n_in:5d} {n_out:5d} {b or '-':>4} | {fmt(t, ref[0])} | "
                   f"{fmt(pl, ref[2])} | {fmt(gr, ref[3])} | "
-                  f"{m if m is not None else float('nan'):8.1f}", flush=True)
+                  f"{m if m is not None else float('nan'):8.1f} | "
+                  f"{nl if nl is not None else 'n/a':>8}", flush=True)
             result["rows"].append({
                 "layer": label, "in": n_in, "out": n_out, "block_size": b, "ms": t,
                 "ratio_to_linear": t / ref[0], "peak_mib": m, "pipelined_ms": pl,
                 "pipelined_ratio": pl / ref[2] if pl is not None else None, "graph_ms": gr,
-                "graph_ratio": gr / ref[3] if gr is not None and ref[3] else None})
+                "graph_ratio": gr / ref[3] if gr is not None and ref[3] else None,
+                "launches": nl})
         if args.rounds and dev.type == "cuda":
             result.setdefault("side_by_side", []).extend(
                 rounds_table(n_in, n_out, blocks, x, g, args.rounds, args.iters, dtype, dev))
         del x, g
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    summary(result["rows"])
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def summary(rows: list) -> None:
+    """The fast layers against nn.Linear of their shape: eager back to back (piped; the
+    host's launches included) and graph (GPU time alone), and the launches."""
+    lin = {(r["in"], r["out"]): r for r in rows if r["layer"] == "nn.Linear"}
+    print("summary: fast layer / nn.Linear, eager back to back (piped) and CUDA graph; "
+          "launches per forward+backward")
+    for r in rows:
+        ref = lin.get((r["in"], r["out"]))
+        if "fast" not in r["layer"] or ref is None:
+            continue
+        piped = (f"{r['pipelined_ms']:.3f} / {ref['pipelined_ms']:.3f} ms = "
+                 f"{r['pipelined_ratio']:.2f}x" if r["pipelined_ratio"] else "n/a")
+        graph = (f"{r['graph_ms']:.3f} / {ref['graph_ms']:.3f} ms = {r['graph_ratio']:.2f}x"
+                 if r["graph_ratio"] else "n/a")
+        print(f"  {r['layer']} {r['in']}x{r['out']} b={r['block_size']}: eager piped {piped}; "
+              f"graph {graph}; launches {r['launches']} (nn.Linear {ref['launches']})",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -138,6 +138,7 @@ def _poet(variant: str, **kw: Any) -> Callable[[nn.Module, int], Any]:
         block = 256 if model.embed.embedding_dim >= 1024 else 16
         xpoet.convert(model, block_size=block, exclude_modules=("lm_head", "embed"),
                       variant=variant, **kw)
+        xpoet.batch_rotations(model)  # one CNP evaluation for all layers, each way
         groups = xpoet.poet_param_groups(model, lr=1e-3, poet_lr=5e-4)
         return xpoet.POETAdamW(groups, model=model, merge_interval=GAP)
     return make

@@ -8,6 +8,7 @@ The kernels run under TRITON_INTERPRET=1 on the CPU (set here before they are im
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -272,6 +273,49 @@ def test_poet_adamw_is_the_authors_arithmetic():
     assert torch.allclose(p.detach().double(), ref, rtol=1e-6)
 
 
+def test_poet_adamw_buckets_update_as_the_per_parameter_loop():
+    """The step runs its arithmetic once per bucket (group, device, dtypes, step count) as
+    foreach calls; the result is the per-parameter loop's, bit for bit, over two groups,
+    bf16 parameters (float32 moments, casts), weight decay and a parameter that skipped a
+    step (its own step count, so its own bucket and bias correction)."""
+    from xopt.torch.poet import POETAdamW, _loop_update
+
+    torch.manual_seed(0)
+    shapes = [(4, 6), (3,), (5, 2), (7,)]
+    ps = [torch.nn.Parameter(torch.randn(s, dtype=torch.bfloat16 if i % 2 else torch.float32))
+          for i, s in enumerate(shapes)]
+    ref = [p.detach().clone() for p in ps]
+    groups = [dict(params=ps[:2], use_poet=True, weight_decay=0.0, lr=1e-2),
+              dict(params=ps[2:], use_poet=False, weight_decay=0.1, lr=3e-3)]
+    opt = POETAdamW(groups, poet_scale=0.5, merge_interval=100)
+    state = [(torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32),
+              0) for p in ps]
+    for step in range(3):
+        grads = [torch.randn(s).to(p.dtype) for s, p in zip(shapes, ps, strict=True)]
+        skip = 3 if step == 1 else None  # the last parameter has no gradient in step 2
+        for i, (p, g) in enumerate(zip(ps, grads, strict=True)):
+            p.grad = None if i == skip else g.clone()
+        opt.step()
+        for i, (r, g) in enumerate(zip(ref, grads, strict=True)):
+            if i == skip:
+                continue
+            m, v, k = state[i]
+            k += 1
+            state[i] = (m, v, k)
+            grp = groups[0] if i < 2 else groups[1]
+            lr = grp["lr"] * (0.5 if grp["use_poet"] else 1.0)
+            step_size = lr * math.sqrt(1 - 0.999 ** k) / (1 - 0.9 ** k)
+            decay = -lr * grp["weight_decay"] if grp["weight_decay"] > 0 else None
+            _loop_update([r], [g], [m], [v], 0.9, 0.999, 1e-6, step_size, decay,
+                         r.dtype != torch.float32)
+        for p, r in zip(ps, ref, strict=True):
+            assert torch.equal(p.detach(), r)
+    for p, (m, v, k) in zip(ps, state, strict=True):
+        st = opt.state[p]
+        assert st["step"] == k and torch.equal(st["exp_avg"], m)
+        assert torch.equal(st["exp_avg_sq"], v)
+
+
 # -- JAX ---------------------------------------------------------------------------------------
 
 
@@ -385,8 +429,17 @@ def test_cayley_kernels_match_their_references(b):
         got = K.cnp_backward_bmm(q, saved, g, formula).double()
         want = K.triu_grad_reference(qq.grad, b)
         assert (got - want).abs().max() <= 1e-6 * want.abs().max()
-    # the autograd Function end to end, upper triangles in and out, both backends
-    for backend in ("triton", "bmm"):
+    # the product form's two-launch path: Y, then the triangles' gradient
+    y, saved = K.cnp_forward_fused(x, b)
+    ref = K.cayley_neumann_reference(q.double())
+    assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+    qq = q.double().requires_grad_()
+    K.cayley_neumann_reference(qq).backward(g.double())
+    got = K.cnp_backward_fused(saved, g).double()
+    want = K.triu_grad_reference(qq.grad, b)
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+    # the autograd Function end to end, upper triangles in and out, every backend
+    for backend in K.BACKENDS:
         xx = x.clone().requires_grad_()
         K.cayley_neumann(xx, b, backend=backend).backward(g)
         xr = x.double().requires_grad_()
@@ -395,7 +448,7 @@ def test_cayley_kernels_match_their_references(b):
 
 
 @needs_triton
-@pytest.mark.parametrize("backend", ["bmm", "triton"])
+@pytest.mark.parametrize("backend", ["fused", "bmm", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cayley_kernels_in_low_precision(dtype, backend):
     """Both backends evaluated in bf16/fp16 (what a bf16/fp16 POETLinear uses): skew reads
@@ -404,7 +457,8 @@ def test_cayley_kernels_in_low_precision(dtype, backend):
     dtype. The bmm backend rounds three results in the forward of the product form (B =
     I + Q², A = B + 2Q, Y = AB; Taylor: four, Q², T, Q + Q², Y) and five in the backward
     (product: GB, AᵀG, Z, N, the triangles; Taylor: D, two sums, two products), the fused
-    kernels fewer (Q², Y; T and the products' left operands as
+    backend three forward (A, B, Y) and two backward (Z as an operand, the triangles), the
+    fused series fewer (Q², Y; T and the products' left operands as
     operands, D not at all): each rounding carries at most half an ulp of ``dtype``
     relative to its own magnitude, all ≤ max|result| here, so the bound is that many
     half-ulps of max|ref| (the float32 evaluation rounded to ``dtype`` alone is within one
@@ -545,7 +599,7 @@ def test_block_products_read_row_strided_inputs():
 
 
 @needs_triton
-@pytest.mark.parametrize("backend", ["bmm", "triton"])
+@pytest.mark.parametrize("backend", ["fused", "bmm", "triton"])
 @pytest.mark.parametrize("variant", ["fast", "mem"])
 def test_triton_layer_matches_plain_layer(variant, backend, monkeypatch):
     from xopt.kernels import poet_cayley as K

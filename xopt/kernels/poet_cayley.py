@@ -7,6 +7,15 @@ the authors' GPU kernel; ``c = 2``: the Taylor form of their PyTorch fallback).
 
 Backends (``backend=`` of :func:`cayley_neumann`, default :data:`BACKEND`):
 
+* ``"fused"`` (the default), the product form in two launches each way:
+  ``_cnp_ab_kernel`` reads the triangles and writes ``Q``, ``A = (I + Q)²`` and
+  ``B = I + Q²`` (``Q²`` made in the tile's registers), then one cuBLAS batched product
+  ``Y = A·B``; backward ``_cnp_px_kernel`` (``P = G·B``, ``X = P + AᵀG``, float32) and
+  ``_cnp_skew_grad_kernel``, which writes the triangles' gradient ``2(P − Pᵀ) −
+  (ZQ + QZ)``, ``Z = X + Xᵀ``, tile by tile (the ``"bmm"`` derivation below, with
+  ``N − Nᵀ = ZQ + QZ`` so that neither ``Z`` nor ``N`` is stored). The layer's host time
+  is mostly launches (:mod:`xopt.torch.poet`), hence the fewest. The Taylor form takes
+  ``"triton"``.
 * ``"triton"``, four kernels and the triangle kernel, any of float32/bfloat16/float16:
   ``_cnp_square_kernel`` reads ``Q`` straight from the stored upper triangles (both halves
   read along the triangle's rows) and writes ``Q`` and ``Q²``; ``_cnp_series_kernel``
@@ -32,9 +41,10 @@ parity path) multiplies in IEEE float32 (FMA units), ``tf32=True`` on TF32 tenso
 Triton interpreter, whose ``tl.dot`` misreads bf16/fp16 operands, low-precision operands
 are rounded to their dtype and multiplied in float32: the same products.
 
-Backends (:data:`BACKEND`): ``"bmm"`` (cuBLAS batched products with the Triton skew,
-triangle and symmetrization kernels) is the default because inside the layer it ties
-with the fused ``"triton"`` series at b = 256 and is faster at b = 512; ``"triton"``
+Backends (:data:`BACKEND`): ``"fused"`` is the default (4 launches per forward+backward
+against ``"bmm"``'s 9 and ``"triton"``'s 5); ``"bmm"`` (cuBLAS batched products with the
+Triton skew, triangle and symmetrization kernels) tied inside the layer with the
+``"triton"`` series at b = 256 and was faster at b = 512 on GPU time; every backend
 accepts any float dtype.
 
 References: :func:`skew_reference`, :func:`triu_grad_reference`,
@@ -55,9 +65,10 @@ from xopt.kernels import FP_FUSION
 from xopt.kernels._grid import cdiv, next_pow2
 from xopt.specs import poet as spec
 
-__all__ = ["BACKEND", "CayleyNeumann", "blocks_backward", "blocks_forward", "cayley_neumann",
-           "cayley_neumann_reference", "cnp_backward_bmm", "cnp_forward_bmm", "rotations", "skew",
-           "skew_reference", "triu_grad", "triu_grad_reference"]
+__all__ = ["BACKEND", "BACKENDS", "CayleyNeumann", "blocks_backward", "blocks_forward",
+           "cayley_neumann", "cayley_neumann_reference", "cnp_backward_bmm", "cnp_backward_fused",
+           "cnp_forward_bmm", "cnp_forward_fused", "rotations", "skew", "skew_reference",
+           "triu_grad", "triu_grad_reference"]
 
 
 # -- references ------------------------------------------------------------------------------
@@ -294,6 +305,83 @@ def _cnp_grad_kernel(q_ptr, q2_ptr, g_ptr, d_ptr, out_ptr, B, C, BM: tl.constexp
                          q_ptr.dtype.element_ty, PREC))
 
 
+@triton.jit
+def _cnp_ab_kernel(x_ptr, out_ptr, B, M, NBB, BM: tl.constexpr, BK: tl.constexpr,
+                   PREC: tl.constexpr):
+    """The product form's factors of one block tile, straight from the triangles, in one
+    pass: ``Q``, ``A = I + 2Q + Q²`` and ``B = I + Q²`` (``out`` holds the three stacks,
+    ``NBB`` elements apart), each rounded once (``Q²`` accumulated in float32)."""
+    n, ti, tj, rows, cols = _block_tile(B, BM)
+    src = x_ptr + n.to(tl.int64) * M
+    od = out_ptr.dtype.element_ty
+    acc = tl.zeros((BM, BM), dtype=tl.float32)
+    for k0 in range(0, B, BK):
+        ks = k0 + tl.arange(0, BK)
+        acc = _dot(_skew_tile(src, rows, ks, B), _skew_tile(src, ks, cols, B), acc, od, PREC)
+    q = _skew_tile(src, rows, cols, B)
+    eye = tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
+    base = out_ptr + n.to(tl.int64) * B * B
+    _store_tile(base, rows, cols, B, q)
+    _store_tile(base + NBB, rows, cols, B, eye + 2.0 * q + acc)
+    _store_tile(base + 2 * NBB, rows, cols, B, eye + acc)
+
+
+@triton.jit
+def _cnp_px_kernel(g_ptr, ab_ptr, px_ptr, B, NBB, BM: tl.constexpr, BK: tl.constexpr,
+                   PREC: tl.constexpr):
+    """``P = G·B`` and ``X = P + AᵀG`` of one block tile, both kept in float32 (``px``
+    holds the two stacks, ``NBB`` apart; ``ab``: the forward's ``Q, A, B`` stacks). ``Aᵀ``'s
+    tiles are read row-wise and transposed in registers."""
+    n, ti, tj, rows, cols = _block_tile(B, BM)
+    off = n.to(tl.int64) * B * B
+    g = g_ptr + off
+    a = ab_ptr + NBB + off
+    bb = ab_ptr + 2 * NBB + off
+    od = ab_ptr.dtype.element_ty
+    p = tl.zeros((BM, BM), dtype=tl.float32)
+    w = tl.zeros((BM, BM), dtype=tl.float32)
+    for k0 in range(0, B, BK):
+        ks = k0 + tl.arange(0, BK)
+        gk = _tile(g, ks, cols, B)
+        p = _dot(_tile(g, rows, ks, B), _tile(bb, ks, cols, B), p, od, PREC)
+        w = _dot(tl.trans(_tile(a, ks, rows, B)), gk, w, od, PREC)
+    _store_tile(px_ptr + off, rows, cols, B, p)
+    _store_tile(px_ptr + NBB + off, rows, cols, B, p + w)
+
+
+@triton.jit
+def _cnp_skew_grad_kernel(px_ptr, q_ptr, out_ptr, B, M, NBB, BM: tl.constexpr,
+                          BK: tl.constexpr, PREC: tl.constexpr):
+    """The triangles' gradient of one tile on or above the diagonal:
+    ``∂x[k(r, c)] = 2(P[r, c] − P[c, r]) − (ZQ + QZ)[r, c]`` for ``r < c``, with
+    ``Z = X + Xᵀ`` made from the loaded tiles (never stored) and the mirror tiles read
+    row-wise and transposed in registers; one rounding, at the store."""
+    ti = tl.program_id(1)
+    tj = tl.program_id(2)
+    if tj >= ti:
+        n = tl.program_id(0).to(tl.int64)
+        rows = ti * BM + tl.arange(0, BM)
+        cols = tj * BM + tl.arange(0, BM)
+        off = n * B * B
+        p = px_ptr + off
+        x = px_ptr + NBB + off
+        q = q_ptr + off
+        od = q_ptr.dtype.element_ty
+        acc = tl.zeros((BM, BM), dtype=tl.float32)
+        for k0 in range(0, B, BK):
+            ks = k0 + tl.arange(0, BK)
+            z = _tile(x, rows, ks, B) + tl.trans(_tile(x, ks, rows, B))
+            acc = _dot(z, _tile(q, ks, cols, B), acc, od, PREC)
+            z = _tile(x, ks, cols, B) + tl.trans(_tile(x, cols, ks, B))
+            acc = _dot(_tile(q, rows, ks, B), z, acc, od, PREC)
+        v = 2.0 * (_tile(p, rows, cols, B) - tl.trans(_tile(p, cols, rows, B))) - acc
+        r = rows[:, None]
+        c = cols[None, :]
+        k = r * B - (r * (r + 1)) // 2 + (c - r - 1)
+        tl.store(out_ptr + n * M + k, v.to(out_ptr.dtype.element_ty),
+                 mask=(r < B) & (c < B) & (r < c))
+
+
 # -- launchers -------------------------------------------------------------------------------
 
 
@@ -446,9 +534,11 @@ def cnp_backward(q: torch.Tensor, q2: torch.Tensor, g: torch.Tensor,
     return _cnp_backward(q, q2, g, formula, tf32, None)
 
 
-#: the Cayley–Neumann backend: "bmm" (cuBLAS batched products) or "triton" (the fused
-#: kernels); ``XOPT_POET_CNP`` sets it (see the module docstring)
-BACKEND = os.environ.get("XOPT_POET_CNP", "bmm")
+#: the Cayley–Neumann backend: "fused" (two launches each way), "bmm" (cuBLAS batched
+#: products) or "triton" (the fused series); ``XOPT_POET_CNP`` sets it (see the module
+#: docstring)
+BACKEND = os.environ.get("XOPT_POET_CNP", "fused")
+BACKENDS = ("fused", "bmm", "triton")
 
 
 class _Precision:
@@ -533,10 +623,61 @@ def cnp_backward_bmm(q: torch.Tensor, saved: tuple[torch.Tensor, ...], g: torch.
     return triu_grad(out, b, dtype or q.dtype)
 
 
+def cnp_forward_fused(x: torch.Tensor, b: int, tf32: bool = False,
+                      dtype: torch.dtype | None = None,
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The product form's blocks ``Y = A·B`` (``(n, b, b)`` in ``dtype``, default ``x``'s)
+    from upper triangles ``x`` in two launches: ``_cnp_ab_kernel`` writes ``Q``,
+    ``A = I + 2Q + Q²`` and ``B = I + Q²`` (one stack, one allocation), then one cuBLAS
+    batched product. Returns ``(Y, saved)`` for :func:`cnp_backward_fused`. Dtypes and
+    ``tf32`` as :func:`cnp_forward`."""
+    x = _check(x, "x", _FLOATS)
+    dtype = dtype or x.dtype
+    n = x.shape[0]
+    bm, bk, warps = _tiles(b, dtype)
+    qab = torch.empty((3, n, b, b), dtype=dtype, device=x.device)
+    _cnp_ab_kernel[(n, cdiv(b, bm) ** 2)](x, qab, b, x.shape[1], n * b * b, BM=bm, BK=bk,
+                                          PREC=_prec(dtype, tf32), num_warps=warps,
+                                          **FP_FUSION)
+    if dtype == torch.float32:
+        with _Precision(tf32):
+            y = torch.bmm(qab[1], qab[2])
+    else:  # (TF32 concerns float32 operands only)
+        y = torch.bmm(qab[1], qab[2])
+    return y, (qab,)
+
+
+def cnp_backward_fused(saved: tuple[torch.Tensor, ...], g: torch.Tensor,
+                       tf32: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The upper triangles' gradient (in ``dtype``, default the blocks') of ``⟨Y, G⟩``
+    through :func:`cnp_forward_fused`, in two launches: ``_cnp_px_kernel`` (``P = G·B``,
+    ``X = P + AᵀG``, float32) and ``_cnp_skew_grad_kernel`` (``2(P − Pᵀ) − (ZQ + QZ)`` at
+    the triangle, ``Z = X + Xᵀ``): the derivation of :func:`cnp_backward_bmm`, with
+    ``N − Nᵀ = ZQ + QZ`` so that ``N`` is never stored."""
+    (qab,) = saved
+    _, n, b, _ = qab.shape
+    g = _check(g, "grad", _FLOATS).to(qab.dtype)
+    bm, bk, warps = _tiles(b, qab.dtype)
+    prec = _prec(qab.dtype, tf32)
+    nbb = n * b * b
+    px = torch.empty((2, n, b, b), dtype=torch.float32, device=qab.device)
+    _cnp_px_kernel[(n, cdiv(b, bm) ** 2)](g, qab, px, b, nbb, BM=bm, BK=bk, PREC=prec,
+                                          num_warps=warps, **FP_FUSION)
+    m = spec.num_triu(b)
+    out = torch.empty((n, m), dtype=dtype or qab.dtype, device=qab.device)
+    tiles = cdiv(b, bm)
+    _cnp_skew_grad_kernel[(n, tiles, tiles)](px, qab, out, b, m, nbb, BM=bm, BK=bk,
+                                             PREC=prec, num_warps=warps, **FP_FUSION)
+    return out
+
+
 def blocks_forward(x: torch.Tensor, b: int, formula: str, tf32: bool, backend: str,
                    dtype: torch.dtype) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """CNP blocks ``(n, b, b)`` in ``dtype`` from upper triangles ``x``, and what
     :func:`blocks_backward` needs. No autograd: for use inside a Function (the layer's)."""
+    backend = _resolve(backend, formula)
+    if backend == "fused":
+        return cnp_forward_fused(x, b, tf32, dtype)
     if backend == "bmm":
         q, eye = _skew(x, b, dtype, _c4(formula) == 1.0)
         y, saved = cnp_forward_bmm(q, formula, tf32, eye)
@@ -548,12 +689,22 @@ def blocks_forward(x: torch.Tensor, b: int, formula: str, tf32: bool, backend: s
 def blocks_backward(saved: tuple[torch.Tensor, ...], g: torch.Tensor, b: int, formula: str,
                     tf32: bool, backend: str, x_dtype: torch.dtype) -> torch.Tensor:
     """The upper triangles' gradient (in ``x_dtype``) from the blocks' cotangent ``g``."""
+    backend = _resolve(backend, formula)
+    if backend == "fused":
+        return cnp_backward_fused(saved, g, tf32, x_dtype)
     if backend == "bmm":
         q, *rest = saved
         return cnp_backward_bmm(q, tuple(rest), g.contiguous().to(q.dtype), formula, tf32,
                                 x_dtype)
     q, q2 = saved
     return _cnp_backward(q, q2, g.contiguous(), formula, tf32, x_dtype)
+
+
+def _resolve(backend: str, formula: str) -> str:
+    """``"fused"`` covers the product form; the Taylor form takes the fused series."""
+    if backend not in BACKENDS:
+        raise ValueError(f"cayley_neumann backend {backend!r}: use one of {BACKENDS}")
+    return "triton" if backend == "fused" and _c4(formula) != 1.0 else backend
 
 
 class CayleyNeumann(torch.autograd.Function):
@@ -582,10 +733,9 @@ def cayley_neumann(x: torch.Tensor, b: int, formula: str = "product",
     """CNP blocks ``(n, b, b)`` in ``dtype`` from upper triangles ``x`` (``(n, m)``, any of
     float32/bfloat16/float16), differentiable; the gradient is returned in ``x``'s dtype.
     ``dtype=float32`` (default) evaluates the series in float32 whatever ``x``'s dtype.
-    ``backend``: ``"bmm"`` or ``"triton"`` (default :data:`BACKEND`)."""
+    ``backend``: ``"fused"``, ``"bmm"`` or ``"triton"`` (default :data:`BACKEND`)."""
     backend = backend or BACKEND
-    if backend not in ("bmm", "triton"):
-        raise ValueError(f"cayley_neumann backend {backend!r}: use 'bmm' or 'triton'")
+    _resolve(backend, formula)
     if dtype not in _FLOATS:
         raise TypeError(f"cayley_neumann: dtype must be one of {_FLOATS}; got {dtype}")
     return CayleyNeumann.apply(x, b, formula, tf32, backend, dtype)

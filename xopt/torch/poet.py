@@ -29,6 +29,7 @@ after each merge boundary, as the authors' optimizer does.
 from __future__ import annotations
 
 import math
+import weakref
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -45,7 +46,8 @@ from xopt.torch._optim import Item, Layout, Optimizer
 from xopt.torch.distributed import Layout as ShardLayout
 from xopt.torch.distributed import data_parallel_ranks, is_dtensor
 
-__all__ = ["MergeEvery", "POETAdamW", "POETLinear", "convert", "merge_and_reset",
+__all__ = ["MergeEvery", "POETAdamW", "POETLinear", "batch_rotations", "convert",
+           "merge_and_reset",
            "poet_param_groups"]
 
 
@@ -118,11 +120,17 @@ class _Chain(torch.autograd.Function):
     ``cnp``: ``None`` (``r`` holds the blocks), or ``(b, formula, tf32, dtype, backend)``:
     then ``r`` is ``oft_R`` and the Cayley–Neumann blocks are made here and differentiated
     here (:func:`xopt.kernels.poet_cayley.blocks_forward`/``blocks_backward``): one autograd
-    node for the whole layer, fewer launches on the host."""
+    node for the whole layer, fewer launches on the host.
+
+    The differentiable inputs are ``x``, ``r`` and ``bias``; the rest comes as one tuple
+    ``k = (n_out, weight, perm_in, perm_in_inv, perm_out, perm_out_inv, keep_y1,
+    triton_path, cnp, wq)`` (``weight`` is frozen): ``apply`` handles each argument on the
+    host, per call."""
 
     @staticmethod
-    def forward(ctx, x, r, n_out: int, weight, bias, perm_in, perm_in_inv, perm_out,
-                perm_out_inv, keep_y1: bool, triton_path: bool, cnp=None, wq=None):
+    def forward(ctx, x, r, bias, k):
+        (n_out, weight, perm_in, perm_in_inv, perm_out, perm_out_inv, keep_y1, triton_path,
+         cnp, wq) = k
         shape = x.shape
         # POET-XQ: W0 held as codes; the triton path dequantises inside the products
         # (xopt.kernels.poet_qmm), the plain path into a temporary float W0 per product
@@ -186,7 +194,7 @@ class _Chain(torch.autograd.Function):
         del y1
         gy1 = _rotate(g2, r_out, transpose=True)
         del g2
-        grad_bias = gy1.sum(0) if bias is not None and ctx.needs_input_grad[4] else None
+        grad_bias = gy1.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
         gx2 = _mm_w(gy1, weight, wq)
         del gy1
         if grad_r is not None:
@@ -203,8 +211,7 @@ class _Chain(torch.autograd.Function):
             b, formula, tf32, backend, oft_dtype = ctx.cnp
             grad_r = poet_cayley.blocks_backward(tuple(cnp_saved), grad_r, b, formula, tf32,
                                                  backend, oft_dtype)
-        return (gx, grad_r, None, None, grad_bias, None, None, None, None, None, None, None,
-                None)
+        return gx, grad_r, grad_bias, None
 
 
 def _dequantize(codes: Tensor, wq: tuple, dtype: torch.dtype) -> Tensor:
@@ -444,9 +451,13 @@ class POETLinear(nn.Module):
             # with no casts; otherwise float32 (TF32 products for a bf16/fp16 input).
             cd = x.dtype if tf32 and self.oft_R.dtype == x.dtype else torch.float32
             cnp = (self.block_size, self.hp.cayley_formula, tf32, cd, poet_cayley.BACKEND)
-            return _Chain.apply(x, self.oft_R, self.num_out_blocks, w, bias, self.perm_in,
-                                self.perm_in_inv, self.perm_out, self.perm_out_inv,
-                                self.variant == "fast", True, cnp, wq)
+            blocks = _stashed_blocks(self, cnp)
+            if blocks is not None and blocks.dtype != x.dtype:
+                blocks = blocks.to(x.dtype)  # (float32 series for a bf16/fp16 input)
+            return _Chain.apply(x, self.oft_R if blocks is None else blocks, bias,
+                                (self.num_out_blocks, w, self.perm_in, self.perm_in_inv,
+                                 self.perm_out, self.perm_out_inv, self.variant == "fast",
+                                 True, cnp if blocks is None else None, wq))
         r_out, r_in = self.rotations(False)
         r_out, r_in = r_out.to(x.dtype), r_in.to(x.dtype)
         pin, pin_inv = self.perm_in.long(), self.perm_in_inv.long()
@@ -456,8 +467,9 @@ class POETLinear(nn.Module):
                 w = _dequantize(w, wq, x.dtype)
             y, _ = _spec_module.layer_forward(x, r_out, r_in, w, bias, pin_inv, pout, xp=torch)
             return y
-        return _Chain.apply(x, torch.cat((r_out, r_in)), self.num_out_blocks, w, bias, pin,
-                            pin_inv, pout, pout_inv, False, False, None, wq)
+        return _Chain.apply(x, torch.cat((r_out, r_in)), bias,
+                            (self.num_out_blocks, w, pin, pin_inv, pout, pout_inv, False,
+                             False, None, wq))
 
     # -- merging ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -543,6 +555,103 @@ class POETLinear(nn.Module):
 
 
 _spec_module = spec  # the constructor's ``spec=`` argument shadows the module name
+
+
+# -- the rotations of several layers in one evaluation ------------------------------------------
+
+
+class _Blocks(torch.autograd.Function):
+    """The Cayley–Neumann blocks of several layers' rotations in one evaluation (their
+    ``oft_R`` rows stacked: one concatenation and the CNP's launches once for all of
+    them, each way); returns one view per layer. The backward stacks the layers' block
+    cotangents (zeros for a layer that did not use its blocks) and returns each ``oft_R``
+    its rows of the triangles' gradient."""
+
+    @staticmethod
+    def forward(ctx, cnp, *oft):
+        from xopt.kernels import poet_cayley
+
+        b, formula, tf32, cd, backend = cnp
+        sizes = [t.shape[0] for t in oft]
+        x = torch.cat(oft) if len(oft) > 1 else oft[0]
+        y, saved = poet_cayley.blocks_forward(x, b, formula, tf32, backend, cd)
+        ctx.save_for_backward(*saved)
+        ctx.args = (b, formula, tf32, backend, x.dtype, sizes)
+        ctx.set_materialize_grads(False)
+        return tuple(y.split(sizes))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from xopt.kernels import poet_cayley
+
+        b, formula, tf32, backend, x_dtype, sizes = ctx.args
+        if all(g is None for g in grads):
+            return (None, *(None for _ in grads))
+        ref = next(g for g in grads if g is not None)
+        g = torch.cat([ref.new_zeros((n, b, b)) if gi is None else gi
+                       for gi, n in zip(grads, sizes, strict=True)]) if len(grads) > 1 else ref
+        dx = poet_cayley.blocks_backward(ctx.saved_tensors, g, b, formula, tf32, backend,
+                                         x_dtype)
+        return (None, *dx.split(sizes))
+
+
+#: layer -> (its blocks, oft_R's version when they were made, the CNP settings, grad mode):
+#: set by :func:`batch_rotations`' hook, read by the layer's forward; weak keys, and not
+#: an attribute of the layer (a copied or pickled model carries no autograd graph)
+_STASH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _stashed_blocks(layer: POETLinear, cnp: tuple) -> Tensor | None:
+    """The blocks :func:`batch_rotations` made for ``layer`` if they are still its
+    rotations: ``oft_R`` unchanged since (its version counter), the same CNP settings and
+    grad mode; else None (the layer evaluates its own)."""
+    entry = _STASH.get(layer)
+    if entry is None:
+        return None
+    blocks, version, settings, grad = entry
+    if (version != layer.oft_R._version or settings != cnp
+            or grad != torch.is_grad_enabled()):
+        return None
+    return blocks
+
+
+def batch_rotations(model: nn.Module):
+    """Evaluate the rotations of all of ``model``'s :class:`POETLinear` layers together,
+    once per forward of ``model``: a forward pre-hook stacks the ``oft_R`` of the layers
+    that share a block size, dtype and device and runs the Cayley–Neumann series once for
+    each such group (3 launches each way per group instead of 2 per layer each way; the
+    same per-block arithmetic), and each layer's forward takes its blocks from there.
+
+    Layers on the triton path only (CUDA; ``impl="plain"`` layers evaluate their own), not
+    POET-XQ layers, not DTensor (FSDP2) parameters, and only while the blocks are current:
+    a layer whose ``oft_R`` changed since (an optimizer step, a merge) or that is called
+    outside the model's forward with another dtype or grad mode evaluates its own. The
+    input of each layer is assumed in the layer's dtype (else it evaluates its own).
+    Call it after :func:`convert` (the layers are listed once, here). Returns the hook's
+    handle (``.remove()`` turns it off)."""
+    from xopt.kernels import poet_cayley
+
+    every = poet_layers(model)
+
+    def hook(module, args):
+        groups: dict[tuple, list[POETLinear]] = {}
+        for layer in every:
+            _STASH.pop(layer, None)
+            oft = layer.oft_R
+            if (layer.quantized or is_dtensor(oft) or not layer._use_triton(oft.device)):
+                continue
+            dt = layer.weight.dtype
+            tf32 = dt in (torch.bfloat16, torch.float16)
+            cd = dt if tf32 and oft.dtype == dt else torch.float32
+            cnp = (layer.block_size, layer.hp.cayley_formula, tf32, cd, poet_cayley.BACKEND)
+            groups.setdefault((cnp, oft.device, oft.dtype), []).append(layer)
+        grad = torch.is_grad_enabled()
+        for (cnp, _, _), layers in groups.items():
+            blocks = _Blocks.apply(cnp, *(layer.oft_R for layer in layers))
+            for layer, y in zip(layers, blocks, strict=True):
+                _STASH[layer] = (y, layer.oft_R._version, cnp, grad)
+
+    return model.register_forward_pre_hook(hook)
 
 
 def layer_seed(seed: int, name: str) -> int:
@@ -744,15 +853,17 @@ class POETAdamW(Optimizer):
 
     def _update(self, items: list[Item]) -> None:
         gstep = self.global_step_counter
+        # per parameter: the moment resets and step counts (host work only); then the
+        # arithmetic once per bucket of parameters sharing group, device, dtypes and step,
+        # as foreach calls (a few launches per bucket instead of ~10 per parameter). The
+        # foreach ops are the loop's per-tensor ops in its order (on the CPU, and for
+        # DTensors, which keep the loop, they are those ops).
+        buckets: dict[tuple, list[Item]] = {}
         for it in items:
             group, p = it.group, it.param
-            b1, b2 = group["betas"]
             use_poet = group.get("use_poet", True)
             interval = group["poet_merge_interval"] if use_poet else 0
             reset = _spec_module.needs_reset(gstep, interval)
-            lr = group["lr"]
-            if use_poet and group["poet_scale"] > 0.0:
-                lr = lr * group["poet_scale"]
             st = self.state[p]
             if "step" not in st or reset:
                 sdt = torch.float64 if p.dtype == torch.float64 else torch.float32
@@ -760,26 +871,24 @@ class POETAdamW(Optimizer):
                 st["exp_avg"] = torch.zeros_like(p, dtype=sdt)
                 st["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt)
             st["step"] += 1
-            g = it.grad.to(st["exp_avg"].dtype)
-            pf = p.to(st["exp_avg"].dtype) if p.dtype != st["exp_avg"].dtype else p
-            m, v = st["exp_avg"], st["exp_avg_sq"]
-            # in place, the authors' operations in their order
-            m.mul_(b1).add_(g, alpha=1.0 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-            denom = v.sqrt().add_(group["eps"])
+            key = (id(group), p.device, p.dtype, st["exp_avg"].dtype, st["step"],
+                   is_dtensor(p))
+            buckets.setdefault(key, []).append(it)
+        for (_, _, pdt, sdt, k, dtensor), its in buckets.items():
+            group = its[0].group
+            b1, b2 = group["betas"]
+            lr = group["lr"]
+            if group.get("use_poet", True) and group["poet_scale"] > 0.0:
+                lr = lr * group["poet_scale"]
             step_size = lr
             if group["correct_bias"]:
-                k = st["step"]
                 step_size = step_size * math.sqrt(1.0 - b2 ** k) / (1.0 - b1 ** k)
-            if pf is p:
-                p.addcdiv_(m, denom, value=-step_size)
-                if group["weight_decay"] > 0.0:
-                    p.add_(p, alpha=-lr * group["weight_decay"])
-            else:
-                pf = pf.addcdiv(m, denom, value=-step_size)
-                if group["weight_decay"] > 0.0:
-                    pf = pf.add(pf, alpha=-lr * group["weight_decay"])
-                p.copy_(pf)
+            decay = -lr * group["weight_decay"] if group["weight_decay"] > 0.0 else None
+            (_loop_update if dtensor else _foreach_update)(
+                [it.param for it in its], [it.grad for it in its],
+                [self.state[it.param]["exp_avg"] for it in its],
+                [self.state[it.param]["exp_avg_sq"] for it in its],
+                b1, b2, group["eps"], step_size, decay, pdt != sdt)
         self.global_step_counter += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -815,6 +924,50 @@ class POETAdamW(Optimizer):
                              "must be an int >= 0")
         super().load_state_dict(state_dict)
         self.global_step_counter = counter
+
+
+def _loop_update(ps, gs, ms, vs, b1, b2, eps, step_size, decay, cast) -> None:
+    """The authors' arithmetic, in place, one parameter at a time (``cast``: the moments
+    are float32 for low-precision parameters)."""
+    for p, g, m, v in zip(ps, gs, ms, vs, strict=True):
+        g = g.to(m.dtype)
+        m.mul_(b1).add_(g, alpha=1.0 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+        denom = v.sqrt().add_(eps)
+        if not cast:
+            p.addcdiv_(m, denom, value=-step_size)
+            if decay is not None:
+                p.add_(p, alpha=decay)
+        else:
+            pf = p.to(m.dtype).addcdiv(m, denom, value=-step_size)
+            if decay is not None:
+                pf = pf.add(pf, alpha=decay)
+            p.copy_(pf)
+
+
+def _foreach_update(ps, gs, ms, vs, b1, b2, eps, step_size, decay, cast) -> None:
+    """:func:`_loop_update` as foreach calls over the bucket (same ops, same order; the
+    casts as ``_foreach_copy_`` into float32 temporaries)."""
+    if cast:
+        gs32 = [torch.empty_like(m) for m in ms]
+        torch._foreach_copy_(gs32, gs)
+        gs = gs32
+    torch._foreach_mul_(ms, b1)
+    torch._foreach_add_(ms, gs, alpha=1.0 - b1)
+    torch._foreach_mul_(vs, b2)
+    torch._foreach_addcmul_(vs, gs, gs, value=1.0 - b2)
+    denom = torch._foreach_sqrt(vs)
+    torch._foreach_add_(denom, eps)
+    if cast:
+        pfs = [torch.empty_like(m) for m in ms]
+        torch._foreach_copy_(pfs, ps)
+    else:
+        pfs = ps
+    torch._foreach_addcdiv_(pfs, ms, denom, value=-step_size)
+    if decay is not None:
+        torch._foreach_add_(pfs, pfs, alpha=decay)
+    if cast:
+        torch._foreach_copy_(ps, pfs)
 
 
 register("poet", "torch", POETAdamW)

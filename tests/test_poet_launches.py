@@ -1,0 +1,215 @@
+"""The launch budget of POETLinear's forward+backward on the triton path.
+
+An eager forward+backward of the layer is paced by the host's launches (bench/poet_layer.py
+shows it: eager back to back far slower than its CUDA-graph replay), so the number of
+device kernels it launches is bounded here, counted on the host by
+:func:`xopt.kernels.poet_launches.count_launches` (ATen kernels and Triton launches; under
+``TRITON_INTERPRET=1`` on the CPU, compiled on a GPU). The budget follows from the design:
+
+* forward (7): the Cayley–Neumann blocks of all of the layer's rotations (2: the fused
+  backend's factor kernel and one batched product ``Y = A·B``), the input's gather, the
+  input rotation (one batched product), ``x2·W0ᵀ`` (one matmul), the output rotation, the
+  output's gather;
+* backward (9): the cotangent's gather, ``R_out``'s outer products (one batched product),
+  the rotation back, ``·W0``, ``R_in``'s outer products, the rotation back, the input
+  gradient's gather, and the CNP backward (2 kernels);
+* ``variant="mem"``: + 3 in the backward (re-gather, rotation, matmul);
+* a bias: + 1 (its addition; mem: + 1 more in the recomputation) and + 1 for its
+  gradient (a column sum) when it is trained.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+from helpers import has_torch
+
+if has_torch:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+DEV = "cuda" if has_torch and torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(not has_torch or importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed")
+
+FWD, BWD, MEM = 7, 9, 3
+
+
+def _budget(variant: str, bias: bool) -> int:
+    n = FWD + BWD + (MEM if variant == "mem" else 0)
+    if bias:
+        n += (2 if variant == "mem" else 1) + 1
+    return n
+
+
+def _count(layer, x, g):
+    from xopt.kernels.poet_launches import count_launches
+
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def once():
+        x.grad = None
+        for p in params:
+            p.grad = None
+        layer(x).backward(g)
+
+    once()  # (first calls compile or fill caches)
+    return count_launches(once)
+
+
+def _layer(variant, bias, shape=(32, 64)):
+    from xopt.torch.poet import POETLinear
+
+    torch.manual_seed(0)
+    layer = POETLinear(64, 48, 16, bias=bias, bias_requires_grad=bias, variant=variant,
+                       impl="triton").to(DEV)
+    with torch.no_grad():
+        layer.oft_R.normal_(0, 0.05)
+    x = torch.randn(*shape, device=DEV, requires_grad=True)
+    g = torch.randn(*shape[:-1], 48, device=DEV)
+    return layer, x, g
+
+
+@needs_triton
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("variant", ["fast", "mem"])
+def test_forward_backward_stays_within_its_launch_budget(variant, bias, monkeypatch):
+    from xopt.kernels import poet_cayley as K
+
+    monkeypatch.setattr(K, "BACKEND", "fused")
+    c = _count(*_layer(variant, bias))
+    assert c.launches <= _budget(variant, bias), str(c)
+    # the kernels are the ones of the design: the products in cuBLAS, the rest in Triton
+    assert set(c.aten) <= {"bmm", "mm", "add_", "sum"}, str(c)
+    assert c.triton["_perm_smem_kernel"] + c.triton["_perm_rowloop_kernel"] == (
+        5 if variant == "mem" else 4), str(c)
+    assert sum(c.triton.values()) - 4 - (variant == "mem") == 3, str(c)
+
+
+@needs_triton
+def test_launch_count_sees_every_launch(monkeypatch):
+    """The counter is not blind: a 3-d input costs no launch (views only), and the
+    batched-matmul CNP backend, whose launches are known (skew, B = I + Q² in place,
+    A = B + 2Q, Y = AB; backward GB, AᵀG, the symmetrization, ZQ, the triangles: 9
+    against the fused backend's 4), counts 5 more."""
+    from xopt.kernels import poet_cayley as K
+
+    monkeypatch.setattr(K, "BACKEND", "fused")
+    base = _count(*_layer("fast", False)).launches
+    assert base == _budget("fast", False)
+    assert _count(*_layer("fast", False, shape=(2, 16, 64))).launches == base
+    monkeypatch.setattr(K, "BACKEND", "bmm")
+    assert _count(*_layer("fast", False)).launches == base + 5
+
+
+def _stack(seed=0):
+    from xopt.torch.poet import POETLinear
+
+    torch.manual_seed(seed)
+    widths = [32, 48, 32, 32, 48]
+    layers = []
+    for i in range(4):
+        layer = POETLinear(widths[i], widths[i + 1], 16, impl="triton").to(DEV)
+        with torch.no_grad():
+            layer.oft_R.normal_(0, 0.05)
+        layers += [layer, torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def _close(u, v):
+    # the same per-block arithmetic over a longer batch of blocks (cuBLAS/MKL may block a
+    # batched product differently by batch count: not claimed bit for bit)
+    return (u - v).abs().max() <= 1e-6 * v.abs().max()
+
+
+@needs_triton
+def test_batched_rotations_match_per_layer_and_save_launches(monkeypatch):
+    """:func:`batch_rotations`: one CNP evaluation for the 4 layers (3 launches each way:
+    the stacking, the factor kernel and the product; backward the stacking, two kernels)
+    instead of 2 per layer each way, with the same outputs and gradients; an optimizer
+    step makes the stashed blocks stale (the layer called alone then evaluates its own),
+    and a no_grad forward and a checkpointed one work."""
+    from torch.utils.checkpoint import checkpoint
+
+    from xopt.kernels import poet_cayley as K
+    from xopt.kernels.poet_launches import count_launches
+    from xopt.torch.poet import POETLinear, batch_rotations
+
+    monkeypatch.setattr(K, "BACKEND", "fused")
+    ref, model = _stack(), _stack()
+    handle = batch_rotations(model)
+    x = torch.randn(6, 32, device=DEV)
+    g = torch.randn(6, 48, device=DEV)
+
+    def run(m, fn=None):
+        for p in m.parameters():
+            p.grad = None
+        xx = x.clone().requires_grad_()
+        y = (fn or m)(xx)
+        y.backward(g)
+        return [y, xx.grad] + [p.grad for p in m.parameters() if p.requires_grad]
+
+    for u, v in zip(run(model), run(ref), strict=True):
+        assert _close(u, v)
+    n_ref, n = count_launches(run, ref).launches, count_launches(run, model).launches
+    assert n == n_ref - 4 * 4 + 6, (n, n_ref)
+    # checkpointed: the recomputation takes the same stashed blocks
+    for u, v in zip(run(model, lambda t: checkpoint(model, t, use_reentrant=False)), run(ref),
+                    strict=True):
+        assert _close(u, v)
+    with torch.no_grad():
+        assert _close(model(x), ref(x))
+    # a step changes oft_R in place: the stash is stale for a layer called on its own
+    model(x)
+    first, first_ref = model[0], ref[0]
+    with torch.no_grad():
+        for layer in (first, first_ref):
+            layer.oft_R.add_(0.01)
+    assert isinstance(first, POETLinear)
+    assert _close(first(x), first_ref(x))
+    handle.remove()
+    assert _close(model(x), ref(x))
+
+
+@needs_triton
+@pytest.mark.skipif(DEV != "cuda", reason="CUDA graphs need a GPU (run on the device)")
+def test_batched_rotations_are_cuda_graph_capturable():
+    """The hook and the batched evaluation do no host↔device copies and no syncs: a model's
+    forward+backward with :func:`batch_rotations` captured in a CUDA graph and replayed
+    gives the eager results, bit for bit."""
+    from xopt.torch.poet import batch_rotations
+
+    model = _stack().to(torch.bfloat16)
+    batch_rotations(model)
+    x = torch.randn(8, 32, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(8, 48, device=DEV, dtype=torch.bfloat16)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def reset():
+        x.grad = None
+        for p in params:
+            p.grad = None
+
+    y = model(x)
+    y.backward(g)
+    eager = [y.detach().clone(), x.grad.clone(), *(p.grad.clone() for p in params)]
+    del y
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            reset()
+            model(x).backward(g)
+    torch.cuda.current_stream().wait_stream(side)
+    reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = model(x)
+        y_static.backward(g)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip([y_static, x.grad, *(p.grad for p in params)], eager, strict=True):
+        assert torch.equal(got, want)
