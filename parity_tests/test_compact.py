@@ -76,12 +76,12 @@ def test_llama_gradients_are_float32_noise():
     import torch
 
     from xopt.parity.compare import tensor_error
-    from xopt.parity.layers.compact import _Case, _drive, _fixed_projection, _runner
+    from xopt.parity.layers.compact import CompActCase, _drive, _fixed_projection, _runner
     from xopt.parity.layers.llama import torch_llama
     from xopt.torch.compact import compact_model
 
     trace = load_trace([p for p in TRACES if p.stem.startswith("llama")][0])
-    case = _Case(trace)
+    case = CompActCase(trace)
     steps = trace.steps
     ours = {b: _drive(_runner(b, case, "cpu"), case, "teacher_forced", steps, True)
             for b in ("torch", "jax")}

@@ -41,6 +41,8 @@ class Case:
         integer dtype when the optimizer is built).
       not_applicable: ``{check: reason}`` for checks that do not apply, each reason stated
         here and, where it can be, asserted by the check itself.
+      float32_state: the state is float32 whatever the parameters' dtype (the learned
+        optimizers: their networks were meta-trained in float32 and their modules say so).
     """
 
     name: str
@@ -53,6 +55,7 @@ class Case:
     decomposes: bool = False
     dtype_options: tuple[str, ...] = ()
     not_applicable: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    float32_state: bool = False
 
     def __str__(self) -> str:
         return self.name
@@ -178,15 +181,15 @@ CASES: list[Case] = [
          lr=1e-2),
     Case("mulo", "mulo", mlp,
          lambda m, ps, **kw: xt.MuLO(ps, **_kw(dict(num_training_steps=100, lr=1.0), kw)),
-         lr=1.0, takes_loss=True),
+         lr=1.0, takes_loss=True, float32_state=True),
     Case("small_fc_lopt", "small_fc_lopt", mlp,
          lambda m, ps, **kw: xt.SmallFCLOpt(ps, **_kw(dict(num_training_steps=100, lr=1.0),
                                                       kw)),
-         lr=1.0, takes_loss=True),
+         lr=1.0, takes_loss=True, float32_state=True),
     Case("velo", "velo", mlp,
          lambda m, ps, **kw: xt.VeLO(ps, **_kw(dict(num_training_steps=100, lr=1.0,
                                                     lstm_hidden_size=8, param_inits=4), kw)),
-         lr=1.0, takes_loss=True,
+         lr=1.0, takes_loss=True, float32_state=True,
          not_applicable={"groups_independent_over_steps": (
              "VeLO's LSTM normalises its inputs over all tensors (learned_optimization's "
              "HyperV2), so from the second step on one group's lr moves every group's "

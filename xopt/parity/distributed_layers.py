@@ -122,9 +122,9 @@ class LayerCase:
 class _CompAct(LayerCase):
     def __init__(self, trace: Trace, max_steps: int | None, device: str) -> None:
         super().__init__(trace, max_steps, device)
-        from xopt.parity.layers.compact import _Case
+        from xopt.parity.layers.compact import CompActCase
 
-        self.case = _Case(trace)
+        self.case = CompActCase(trace)
         self.projections = self.case.projections({k: tuple(v)
                                                   for k, v in trace.params.items()})
 

@@ -1027,11 +1027,17 @@ Codec = tuple[Callable[[Any, str], tuple[Any, Any]], Callable[[Any, Any], Any]]
 
 
 def moments_of(xp: ModuleType, hp: COAP, st: Mapping[str, Any],
-               codec: Codec | None = None) -> tuple[Any, Any]:
-    """``(M, V)`` in float32 (dequantised under ``state_bits=8``); None where absent."""
+               codec: Codec | None = None, like: Any = None) -> tuple[Any, Any]:
+    """``(M, V)`` (dequantised under ``state_bits=8``: float32, or ``like``'s dtype when
+    given, the working dtype of a float64 parameter; a widening, exact); None where
+    absent."""
     if hp.state_bits == 8:
         deq = codec[1] if codec else (lambda q, a: dequantize(xp, q, a))
-        return deq(st["m_q"], st["m_absmax"]), deq(st["v_q"], st["v_absmax"])
+        m, v = deq(st["m_q"], st["m_absmax"]), deq(st["v_q"], st["v_absmax"])
+        if like is not None and m.dtype != like.dtype:
+            m, v = (x.to(like.dtype) if arrays.is_torch(xp) else x.astype(like.dtype)
+                    for x in (m, v))
+        return m, v
     return st.get("m"), st.get("v")
 
 
@@ -1074,7 +1080,7 @@ def param_step(xp: ModuleType, hp: COAP, p: Any, g: Any, st: dict[str, Any], t: 
     st = dict(st)
     eight = hp.state_bits == 8
     projected = is_projected(shape, hp)
-    m_cur, v_cur = moments_of(xp, hp, st, codec)
+    m_cur, v_cur = moments_of(xp, hp, st, codec, like=g)
     r = g
     side = side_of(shape) if projected else None
     if projected:
@@ -1107,7 +1113,7 @@ def param_step(xp: ModuleType, hp: COAP, p: Any, g: Any, st: dict[str, Any], t: 
                 v_cur = v
             if eight:  # the authors store the carried moments quantised, then read them back
                 store_moments(xp, hp, st, m_cur, v_cur, codec)
-                m_cur, v_cur = moments_of(xp, hp, st, codec)
+                m_cur, v_cur = moments_of(xp, hp, st, codec, like=g)
             if aux is not None:
                 if m_cur is not None:
                     aux["restored_exp_avg"] = m_cur

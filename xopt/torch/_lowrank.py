@@ -240,7 +240,7 @@ class LowRankOptimizer(Optimizer):
                      sdt: torch.dtype, pdt: torch.dtype, which: str | None, m_key: str,
                      v_key: str, proj_key: str) -> None:
         states = [self.state[p] for p in ps]
-        ms, vs = self._batch_moments(states, hp, m_key, v_key)
+        ms, vs = self._batch_moments(states, hp, m_key, v_key, sdt)
         if which is not None:
             g = stack_as(grads, sdt)
             proj = torch.stack([st[proj_key] for st in states])
@@ -287,9 +287,9 @@ class LowRankOptimizer(Optimizer):
 
     # the method's pieces of _hf_adam_run (these: GaLore's and COAP's)
     @staticmethod
-    def _batch_moments(states: list[dict[str, Any]], hp: Any, m_key: str, v_key: str
-                       ) -> tuple[list[Tensor], list[Tensor]]:
-        """The moments the step updates in place (the state's own tensors)."""
+    def _batch_moments(states: list[dict[str, Any]], hp: Any, m_key: str, v_key: str,
+                       dtype: torch.dtype) -> tuple[list[Tensor], list[Tensor]]:
+        """The moments the step updates in place (the state's own tensors, of ``dtype``)."""
         return [st[m_key] for st in states], [st[v_key] for st in states]
 
     @staticmethod

@@ -202,7 +202,7 @@ class COAP(LowRankOptimizer):
         moves = ev in (_spec.EQN6, _spec.EQN7)
         ms = vs = None
         if ev == _spec.EQN6 or (moves and hp.restore_state):
-            ms, vs = self._batch_moments(states, hp, _KEYS["m"], _KEYS["v"])
+            ms, vs = self._batch_moments(states, hp, _KEYS["m"], _KEYS["v"], sdt)
         if ev == _spec.EQN6:
             def eqn6(p: Tensor, m: Tensor, g: Tensor) -> Tensor:
                 m6 = _spec.eqn6_moment(torch, hp, m, g, p, side)
@@ -226,12 +226,13 @@ class COAP(LowRankOptimizer):
         torch._foreach_copy_([st[_KEYS["P"]] for st in states], list(new.unbind(0)))
 
     @staticmethod
-    def _batch_moments(states: list[dict[str, Any]], hp: _spec.COAP, m_key: str, v_key: str
-                       ) -> tuple[list[Tensor], list[Tensor]]:
+    def _batch_moments(states: list[dict[str, Any]], hp: _spec.COAP, m_key: str, v_key: str,
+                       dtype: torch.dtype) -> tuple[list[Tensor], list[Tensor]]:
         if hp.state_bits != 8:
-            return LowRankOptimizer._batch_moments(states, hp, m_key, v_key)
-        return tuple(_dequantize_many([st[_KEYS[q]] for st in states],
-                                      [st[_KEYS[a]] for st in states])
+            return LowRankOptimizer._batch_moments(states, hp, m_key, v_key, dtype)
+        # dequantised in float32, widened (exactly) to a float64 parameter's working dtype
+        return tuple([x.to(dtype) for x in _dequantize_many([st[_KEYS[q]] for st in states],
+                                                            [st[_KEYS[a]] for st in states])]
                      for q, a in (("m_q", "m_absmax"), ("v_q", "v_absmax")))
 
     @staticmethod

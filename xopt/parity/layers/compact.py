@@ -50,7 +50,7 @@ from xopt.specs import compact as _spec
 # -- reading the cases ---------------------------------------------------------------------------
 
 
-class _Case:
+class CompActCase:
     """What a trace asks for, read from its manifest."""
 
     def __init__(self, trace: Trace) -> None:
@@ -195,7 +195,7 @@ class _Case:
 
 
 class _TorchRunner:
-    def __init__(self, case: _Case, device: str) -> None:
+    def __init__(self, case: CompActCase, device: str) -> None:
         import torch
 
         from xopt.torch.compact import CompActAdamW, CompActLinear, compact_model
@@ -308,7 +308,7 @@ def _fixed_projection(p: Any) -> Callable[..., Any]:
 
 
 class _JaxRunner:
-    def __init__(self, case: _Case) -> None:
+    def __init__(self, case: CompActCase) -> None:
         import jax
         import jax.numpy as jnp
 
@@ -414,7 +414,7 @@ class _OracleRunner:
     """The spec in NumPy float64 (linear case only); P is float32 (drawn or recorded) and
     then widened, since it is an input, not a result."""
 
-    def __init__(self, case: _Case) -> None:
+    def __init__(self, case: CompActCase) -> None:
         self.case = case
         shapes = {k: tuple(v) for k, v in case.trace.params.items()}
         self.projections = case.projections(shapes)
@@ -488,7 +488,7 @@ def jax_llama_loss(params: dict[str, Any], ids: Any, cfg: dict[str, Any],
 # -- the driver ----------------------------------------------------------------------------------
 
 
-def _runner(which: str, case: _Case, device: str) -> Any:
+def _runner(which: str, case: CompActCase, device: str) -> Any:
     if which == "torch":
         return _TorchRunner(case, device)
     if which == "jax":
@@ -497,7 +497,7 @@ def _runner(which: str, case: _Case, device: str) -> Any:
 
 
 @float32_matmuls
-def _drive(runner: Any, case: _Case, mode: str, steps: int, inject: bool
+def _drive(runner: Any, case: CompActCase, mode: str, steps: int, inject: bool
            ) -> list[dict[str, np.ndarray]]:
     out = []
     if mode == "closed_loop":
@@ -516,7 +516,7 @@ def run(trace: Trace, *, backends: Sequence[str], against: str, modes: Sequence[
         notes: list[str], explicit_backends: bool = False) -> list[Run]:
     """Run CompAct's comparisons on one layer trace; see the module docstring."""
     parity = get_parity("compact")
-    case = _Case(trace)
+    case = CompActCase(trace)
     steps = trace.steps if max_steps is None else min(max_steps, trace.steps)
     def skip(b: str) -> str | None:
         if b == "oracle" and case.kind != "linear":
