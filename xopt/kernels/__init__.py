@@ -24,15 +24,16 @@ the CUDA graphs, when an optimizer's first Triton step builds its recorder):
 |---|---|---|
 | ``XOPT_LOPT_CUDA_GRAPHS`` | ``1`` | ``0``: the learned optimizers' Triton step runs eagerly |
 | ``XOPT_VELO_COMPILE_GLUE`` | ``1`` | ``0``: VeLO's LSTM glue runs eagerly, not compiled |
-| ``XOPT_POET_CNP`` | ``fused`` | ``bmm``, ``triton``: POET-X's Cayley–Neumann backends |
+| ``XOPT_POET_CNP`` | ``bmm`` | ``fused``, ``triton``: POET-X's Cayley–Neumann backends |
 
 ``XOPT_LOPT_CUDA_GRAPHS=0`` is for profilers and debugging: every launch is then an
 ordinary one, with the same bits. ``XOPT_VELO_COMPILE_GLUE=0`` skips ``torch.compile`` of
 the ~90 small torch ops between VeLO's passes (the same numbers; a failed compilation
 falls back to eager by itself, with a warning). ``XOPT_POET_CNP`` chooses how POET-X's
-Cayley–Neumann series runs: ``fused`` (two launches each way), cuBLAS batched products
-(``bmm``) or the fused Triton series (``triton``); :data:`xopt.kernels.poet_cayley.BACKEND`
-is the same switch at run time.
+Cayley–Neumann series runs: cuBLAS batched products (``bmm``, the default: validated on a
+GPU), ``fused`` (two launches each way; opt-in until ``bench/poet_layer.py --check`` has
+run it on a GPU) or the fused Triton series (``triton``);
+:data:`xopt.kernels.poet_cayley.BACKEND` is the same switch at run time.
 
 Every other setting of the kernels (sub-tile sizes, warps, register caps, prefetching) is
 a module constant with its reason beside it.

@@ -7,7 +7,7 @@ the authors' GPU kernel; ``c = 2``: the Taylor form of their PyTorch fallback).
 
 Backends (``backend=`` of :func:`cayley_neumann`, default :data:`BACKEND`):
 
-* ``"fused"`` (the default), the product form in two launches each way:
+* ``"fused"``, the product form in two launches each way:
   ``_cnp_ab_kernel`` reads the triangles and writes ``Q``, ``A = (I + Q)²`` and
   ``B = I + Q²`` (``Q²`` made in the tile's registers), then one cuBLAS batched product
   ``Y = A·B``; backward ``_cnp_px_kernel`` (``P = G·B``, ``X = P + AᵀG``, float32) and
@@ -41,9 +41,11 @@ parity path) multiplies in IEEE float32 (FMA units), ``tf32=True`` on TF32 tenso
 Triton interpreter, whose ``tl.dot`` misreads bf16/fp16 operands, low-precision operands
 are rounded to their dtype and multiplied in float32: the same products.
 
-Backends (:data:`BACKEND`): ``"fused"`` is the default (4 launches per forward+backward
-against ``"bmm"``'s 9 and ``"triton"``'s 5); ``"bmm"`` (cuBLAS batched products with the
-Triton skew, triangle and symmetrization kernels) tied inside the layer with the
+Backends (:data:`BACKEND`): ``"bmm"`` is the default, the backend validated on a GPU
+(``bench/poet_layer.py --check``); ``"fused"`` (4 launches per forward+backward against
+``"bmm"``'s 9 and ``"triton"``'s 5) is opt-in until that check has run it on one.
+``"bmm"`` (cuBLAS batched products with the Triton skew, triangle and symmetrization
+kernels) tied inside the layer with the
 ``"triton"`` series at b = 256 and was faster at b = 512 on GPU time; every backend
 accepts any float dtype.
 
@@ -534,10 +536,10 @@ def cnp_backward(q: torch.Tensor, q2: torch.Tensor, g: torch.Tensor,
     return _cnp_backward(q, q2, g, formula, tf32, None)
 
 
-#: the Cayley–Neumann backend: "fused" (two launches each way), "bmm" (cuBLAS batched
-#: products) or "triton" (the fused series); ``XOPT_POET_CNP`` sets it (see the module
-#: docstring)
-BACKEND = os.environ.get("XOPT_POET_CNP", "fused")
+#: the Cayley–Neumann backend: "bmm" (cuBLAS batched products; the default, validated on
+#: a GPU), "fused" (two launches each way) or "triton" (the fused series);
+#: ``XOPT_POET_CNP`` sets it (see the module docstring)
+BACKEND = os.environ.get("XOPT_POET_CNP", "bmm")
 BACKENDS = ("fused", "bmm", "triton")
 
 
