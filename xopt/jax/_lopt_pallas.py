@@ -232,20 +232,38 @@ def _elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
     return feats + fg + fm
 
 
-def _stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *, n1, n2,
-                  row_on_1):  # noqa: ANN001
+def _tile_reader(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, *, n1, n2, row_on_1,
+                 features, clip=None):  # noqa: ANN001, ANN202
+    """What every kernel reads per sub-tile: ``(c_ok, read)``, ``c_ok`` the program's column
+    mask and ``read(s)`` -> ``(rows, r_ok, valid, ms, rms, feats)`` for sub-tile ``s``: its
+    rows and masks, the updated accumulators and ``features`` (unnormalized) of the gradient
+    (clipped to ±``clip`` when given) and the parameter."""
     c_ok = _col_mask(n1, n2)
     base = _row_base(n1, n2)
     col = _col_factors(f2_ref, c_ok)
 
-    def sub_tile(s, acc):  # noqa: ANN001, ANN202
+    def read(s):  # noqa: ANN001, ANN202
         rows = _rows(s)
         r_ok = _row_mask(base, n1, s)
         valid = r_ok[:, None] & c_ok[None, :]
         g = _load(g_ref.at[rows], valid)
+        if clip is not None:
+            g = jnp.clip(g, -clip, clip)
         p = _load(p_ref.at[rows], valid)
         ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows)
-        feats = _elem_features(g, p, ms, rms, r, _factors(f1_ref, col, r_ok, rows, row_on_1))
+        feats = features(g, p, ms, rms, r, _factors(f1_ref, col, r_ok, rows, row_on_1))
+        return rows, r_ok, valid, ms, rms, feats
+
+    return c_ok, read
+
+
+def _stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *, n1, n2,
+                  row_on_1):  # noqa: ANN001
+    _, read = _tile_reader(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1, n2=n2,
+                           row_on_1=row_on_1, features=_elem_features)
+
+    def sub_tile(s, acc):  # noqa: ANN001, ANN202
+        _, _, valid, _, _, feats = read(s)
         return tuple(a + jnp.where(valid, f * f, 0.0) for a, f in zip(acc, feats, strict=True))
 
     acc = _sub_tiles(sub_tile, tuple(jnp.zeros((BR, BC), jnp.float32) for _ in ELEM))
@@ -259,20 +277,13 @@ def _stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *,
 def _fused_kernel(dec_ref, inv_ref, w0_ref, b0_ref, wh_ref, bh_ref, wl_ref, bl_ref, g_ref,
                   p_ref, m_ref, r_ref, f1_ref, f2_ref, t1_ref, t2_ref, s_ref, mo_ref, ro_ref,
                   *, n1, n2, row_on_1, nhid, hp, exp_mult, step_mult, prec):  # noqa: ANN001
-    c_ok = _col_mask(n1, n2)
-    base = _row_base(n1, n2)
-    col = _col_factors(f2_ref, c_ok)
+    c_ok, read = _tile_reader(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1,
+                              n2=n2, row_on_1=row_on_1, features=_elem_features)
     t2 = _load(t2_ref, c_ok[:, None])  # this program's columns' first-layer terms [BC, HP]
     n = BR * BC
 
     def sub_tile(s, carry):  # noqa: ANN001, ANN202
-        rows = _rows(s)
-        r_ok = _row_mask(base, n1, s)
-        valid = r_ok[:, None] & c_ok[None, :]
-        g = _load(g_ref.at[rows], valid)
-        p = _load(p_ref.at[rows], valid)
-        ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows)
-        feats = _elem_features(g, p, ms, rms, r, _factors(f1_ref, col, r_ok, rows, row_on_1))
+        rows, r_ok, valid, ms, rms, feats = read(s)
         t1 = _load(t1_ref.at[rows], r_ok[:, None])
         h = (t1[:, None, :] + t2[None, :, :]).reshape(n, hp) + b0_ref[...]
         for k, f in enumerate(feats):  # the first layer, feature by feature (float32 FMAs)
@@ -512,19 +523,11 @@ def _velo_elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
 
 def _velo_stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *, n1, n2,
                        row_on_1):  # noqa: ANN001
-    c_ok = _col_mask(n1, n2)
-    base = _row_base(n1, n2)
-    col = _col_factors(f2_ref, c_ok)
+    _, read = _tile_reader(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1, n2=n2,
+                           row_on_1=row_on_1, features=_velo_elem_features, clip=1000.0)
 
     def sub_tile(s, acc):  # noqa: ANN001, ANN202
-        rows = _rows(s)
-        r_ok = _row_mask(base, n1, s)
-        valid = r_ok[:, None] & c_ok[None, :]
-        g = jnp.clip(_load(g_ref.at[rows], valid), -1000.0, 1000.0)
-        p = _load(p_ref.at[rows], valid)
-        ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows)
-        feats = _velo_elem_features(g, p, ms, rms, r,
-                                    _factors(f1_ref, col, r_ok, rows, row_on_1))
+        _, _, valid, _, _, feats = read(s)
         return tuple(a + jnp.where(valid, f * f, 0.0) for a, f in zip(acc, feats, strict=True))
 
     acc = _sub_tiles(sub_tile, tuple(jnp.zeros((BR, BC), jnp.float32) for _ in VELO_ELEM))
@@ -538,21 +541,14 @@ def _velo_stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_re
 def _velo_fused_kernel(dec_ref, w_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, t1_ref,
                        t2_ref, s_ref, mo_ref, ro_ref, *, n1, n2, row_on_1, width, nhid, off,
                        exp_mult, step_mult):  # noqa: ANN001
-    c_ok = _col_mask(n1, n2)
-    base = _row_base(n1, n2)
-    col = _col_factors(f2_ref, c_ok)
+    c_ok, read = _tile_reader(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1,
+                              n2=n2, row_on_1=row_on_1, features=_velo_elem_features,
+                              clip=1000.0)
     t2 = [_load(t2_ref.at[:, _i(j)], c_ok)[None, :] for j in range(width)]
     ne = len(VELO_ELEM)
 
     def sub_tile(s, carry):  # noqa: ANN001, ANN202
-        rows = _rows(s)
-        r_ok = _row_mask(base, n1, s)
-        valid = r_ok[:, None] & c_ok[None, :]
-        g = jnp.clip(_load(g_ref.at[rows], valid), -1000.0, 1000.0)
-        p = _load(p_ref.at[rows], valid)
-        ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows)
-        feats = _velo_elem_features(g, p, ms, rms, r,
-                                    _factors(f1_ref, col, r_ok, rows, row_on_1))
+        rows, r_ok, valid, ms, rms, feats = read(s)
         h = [_load(t1_ref.at[rows, _i(j)], r_ok)[:, None] + t2[j] for j in range(width)]
         for k, f in enumerate(feats):  # the first layer, channel by channel (float32 FMAs)
             x = f * w_ref[k]  # normalized

@@ -46,7 +46,7 @@ import math
 import sys
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -693,23 +693,31 @@ def owner_compute(items: Sequence[tuple[Tensor, Layout]], owners: Sequence[int],
     results: list[list[Any]] = [[None] * len(out_meta(i)) for i in range(len(items))]
     for src in range(world):
         owned = [i for i in range(len(items)) if owners[i] == src]
-        metas = [(i, j, tuple(shape), dt) for i in owned
-                 for j, (shape, dt) in enumerate(out_meta(i))]
-        for dt in dict.fromkeys(m[3] for m in metas):
-            chosen = [m for m in metas if m[3] == dt]
-            if src == me:
-                buf = torch.cat([mine[i][j].to(dt).reshape(-1) for i, j, _, _ in chosen])
-            else:
-                buf = torch.empty(sum(math.prod(m[2]) for m in chosen), dtype=dt,
-                                  device=device)
-            if world > 1:
-                dist.broadcast(buf, group_src=src, group=pg)
-            pos = 0
-            for i, j, shape, _ in chosen:
-                k = math.prod(shape)
-                results[i][j] = buf[pos:pos + k].reshape(shape)
-                pos += k
+        _broadcast_owned([(i, j, tuple(shape), dt) for i in owned
+                          for j, (shape, dt) in enumerate(out_meta(i))],
+                         mine, results, src, me, world, device, pg)
     return results
+
+
+def _broadcast_owned(metas: Sequence[tuple[int, int, tuple[int, ...], torch.dtype]],
+                     mine: Mapping[int, Sequence[Tensor]], results: list[list[Any]], src: int,
+                     me: int, world: int, device: Any, pg: Any) -> None:
+    """``results[i][j]`` on every rank for each ``(i, j, shape, dtype)`` of ``metas`` that
+    rank ``src`` computed (``mine[i][j]`` there): one broadcast per dtype of the results
+    flattened and concatenated."""
+    for dt in dict.fromkeys(m[3] for m in metas):
+        chosen = [m for m in metas if m[3] == dt]
+        if src == me:
+            buf = torch.cat([mine[i][j].to(dt).reshape(-1) for i, j, _, _ in chosen])
+        else:
+            buf = torch.empty(sum(math.prod(m[2]) for m in chosen), dtype=dt, device=device)
+        if world > 1:
+            dist.broadcast(buf, group_src=src, group=pg)
+        pos = 0
+        for i, j, shape, _ in chosen:
+            k = math.prod(shape)
+            results[i][j] = buf[pos:pos + k].reshape(shape)
+            pos += k
 
 
 def decompose_once(optimizer: Any, a: Tensor, fn: Callable[[Tensor], Sequence[Tensor]],
@@ -821,23 +829,11 @@ def owner_apply(jobs: Sequence[Sequence[tuple[Tensor, Layout] | None]],
             results[i][j] = flat_out[pos[o]:pos[o] + n].reshape(lay.local_shape)
             pos[o] += n
     for src in range(world):
-        metas = [(i, j, outs_[i][j][0].shape, outs_[i][j][1]) for i in range(len(jobs))
-                 if owners[i] == src for j in range(len(outs_[i]))
-                 if _split_dim(outs_[i][j][0])[0] is None]
-        for dt in dict.fromkeys(m[3] for m in metas):
-            chosen = [m for m in metas if m[3] == dt]
-            if src == me:
-                buf = torch.cat([mine[i][j].reshape(-1) for i, j, _, _ in chosen])
-            else:
-                buf = torch.empty(sum(math.prod(m[2]) for m in chosen), dtype=dt,
-                                  device=device)
-            if world > 1:
-                dist.broadcast(buf, group_src=src, group=pg)
-            pos = 0
-            for i, j, shape, _ in chosen:
-                k = math.prod(shape)
-                results[i][j] = buf[pos:pos + k].reshape(shape)
-                pos += k
+        _broadcast_owned([(i, j, outs_[i][j][0].shape, outs_[i][j][1])
+                          for i in range(len(jobs)) if owners[i] == src
+                          for j in range(len(outs_[i]))
+                          if _split_dim(outs_[i][j][0])[0] is None],
+                         mine, results, src, me, world, device, pg)
     return results
 
 
