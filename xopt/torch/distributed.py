@@ -670,25 +670,12 @@ def owner_compute(items: Sequence[tuple[Tensor, Layout]], owners: Sequence[int],
             if owners[i] == me:
                 for s in range(world):
                     recv_sizes[s] += math.prod(lay.chunk_of((s,))[0])
-        send_sizes = [sum(t.numel() for t in ts) for ts in send]
-        flat_in = (torch.cat([t for ts in send for t in ts]) if any(send_sizes)
-                   else torch.empty(0, dtype=dtype, device=device))
-        flat_out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
-        dist.all_to_all_single(flat_out, flat_in, output_split_sizes=recv_sizes,
-                               input_split_sizes=send_sizes, group=pg)
+        flat_out = _all_to_all(send, recv_sizes, dtype, device, pg)
         # flat_out holds, per source rank in rank order, its shards of my items in order
         pos = [sum(recv_sizes[:s]) for s in range(world)]
         for i in sharded:
-            if owners[i] != me:
-                continue
-            _, lay = items[i]
-            parts = []
-            for s in range(world):
-                shape_s, _ = lay.chunk_of((s,))
-                n = math.prod(shape_s)
-                parts.append(flat_out[pos[s]:pos[s] + n].reshape(shape_s))
-                pos[s] += n
-            whole[i] = torch.cat(parts, dim=splits[i][0])
+            if owners[i] == me:
+                whole[i] = _reassemble(flat_out, pos, items[i][1], splits[i][0], world)
     mine = {i: list(fn(i, whole[i])) for i in range(len(items)) if owners[i] == me}
     results: list[list[Any]] = [[None] * len(out_meta(i)) for i in range(len(items))]
     for src in range(world):
@@ -793,16 +780,8 @@ def owner_apply(jobs: Sequence[Sequence[tuple[Tensor, Layout] | None]],
         flat_out = _all_to_all(send, recv_sizes, dt, device, pg)
         pos = [sum(recv_sizes[:s]) for s in range(world)]
         for i, k in chosen:  # per source rank, its shards of my jobs' inputs in order
-            if owners[i] != me:
-                continue
-            lay = jobs[i][k][1]
-            parts = []
-            for s in range(world):
-                shape_s, _ = lay.chunk_of((s,))
-                n = math.prod(shape_s)
-                parts.append(flat_out[pos[s]:pos[s] + n].reshape(shape_s))
-                pos[s] += n
-            whole[i][k] = torch.cat(parts, dim=splits[i][k][0])
+            if owners[i] == me:
+                whole[i][k] = _reassemble(flat_out, pos, jobs[i][k][1], splits[i][k][0], world)
     mine = {i: [r.to(dt) for r, (_, dt) in zip(fn(i, whole[i]), outs_[i], strict=True)]
             for i in whole}
     results: list[list[Any]] = [[None] * len(o) for o in outs_]
@@ -846,6 +825,19 @@ def _all_to_all(send: list[list[Tensor]], recv_sizes: list[int], dtype: torch.dt
     dist.all_to_all_single(flat_out, flat_in, output_split_sizes=recv_sizes,
                            input_split_sizes=send_sizes, group=group)
     return flat_out
+
+
+def _reassemble(flat_out: Tensor, pos: list[int], lay: Layout, dim: int, world: int
+                ) -> Tensor:
+    """The whole tensor of layout ``lay`` from its shards in ``flat_out`` (rank ``s``'s at
+    ``pos[s]``, which advances past it), concatenated along the split dimension ``dim``."""
+    parts = []
+    for s in range(world):
+        shape_s, _ = lay.chunk_of((s,))
+        n = math.prod(shape_s)
+        parts.append(flat_out[pos[s]:pos[s] + n].reshape(shape_s))
+        pos[s] += n
+    return torch.cat(parts, dim=dim)
 
 
 #: what a merging layer (POET-X's ``POETLinear``) reads and what its merge writes
