@@ -100,12 +100,18 @@ def hlo_collectives(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def compiled_collectives(case_id: str, owner_rule: bool = True, steps: int = 5
+#: how compiled_collectives traces the update: the parameters and gradients placed with
+#: NamedSharding and nothing else ("placed": the owner rule finds the mesh on the arrays),
+#: inside ``jax.set_mesh`` ("set_mesh"), or placed with the rule turned off ("off")
+TRACINGS = ("placed", "set_mesh", "off")
+
+
+def compiled_collectives(case_id: str, tracing: str = "placed", steps: int = 5
                          ) -> dict[str, Any]:
     """One contract case's transformation on :data:`HLO_SHAPES` (matrices split by rows
     over the 4 devices), jitted with its state from ``xopt.jax.sharding.init``: the
-    collectives of its compiled update (:func:`hlo_collectives`; ``owner_rule``: traced
-    under ``jax.set_mesh``, so that decompositions run on one device each), and
+    collectives of its compiled update (:func:`hlo_collectives`; ``tracing``, one of
+    :data:`TRACINGS`: how the update is traced), and
     ``teacher``: per update (refreshes among them), the worst relative error of the sharded
     update and new state against the unsharded update from the same state and gradient."""
     import contextlib
@@ -131,7 +137,9 @@ def compiled_collectives(case_id: str, owner_rule: bool = True, steps: int = 5
     out: dict[str, Any] = {"devices": len(jax.devices()), "teacher": [],
                            "matrix_bytes": [4 * int(np.prod(s)) for s in HLO_SHAPES.values()
                                             if len(s) == 2]}
-    with jax.set_mesh(mesh) if owner_rule else contextlib.nullcontext():
+    context = {"placed": contextlib.nullcontext, "set_mesh": lambda: jax.set_mesh(mesh),
+               "off": lambda: sharding.owner_rule(False)}[tracing]
+    with context():
         state = sharding.init(tx, placed)
         update = jax.jit(tx.update)
         out["ops"] = hlo_collectives(update.lower(placed, state, placed,
