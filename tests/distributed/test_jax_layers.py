@@ -61,6 +61,8 @@ def test_poet_on_devices_against_one_device_and_its_closed_loop_exception(jax_wo
         return max(e.rel for a, b in zip(got, ref, strict=True)
                    for k, e in errors(a.tensors(), b.tensors()).items() if keep(k))
 
+    # the batch split over the devices, and every parameter placed on them
+    assert set(res["devices"].values()) == {WORLD}, res["devices"]
     for mode in ("teacher_forced", "closed_loop"):
         ref, got = res[mode]
         _keys_compared([errors(got[-1].tensors(), ref[-1].tensors())], loss=True)

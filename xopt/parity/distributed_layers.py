@@ -790,7 +790,12 @@ class _JaxSide:
                 if v.shape[0] % self.n:
                     raise BadRequest(f"{self.case.name}: step {t}'s {k} has {v.shape[0]} "
                                      f"rows, which do not split over {self.n} devices")
-        out, grads = self._forward(self.params, self.buffers, self._place(batch, rows=True),
+        placed = self._place(batch, rows=True)
+        #: the devices holding the batch's first array and each parameter
+        self.devices = {k: len(v.sharding.device_set)
+                        for k, v in {"batch": next(iter(placed.values())),
+                                     **self.params}.items()}
+        out, grads = self._forward(self.params, self.buffers, placed,
                                    jnp.asarray(t, jnp.int32))
         shown = {k: np.asarray(v) for k, v in {**out, **self.layer.report(grads)}.items()}
         return shown, grads
@@ -843,9 +848,10 @@ def jax_layer_outputs(method: str, source: str, n: int, modes: Sequence[str],
     """In a process whose JAX sees at least ``n`` devices: the layer trace ``source``
     replayed by the method's JAX layers on ``n`` devices (the batch's rows split over
     them) and on one. Returns ``{mode: (one device, n devices)}`` (lists of
-    :class:`LayerStep`). ``fed``: also ``"fed"``, a closed loop whose one-device update
-    consumes the n-device gradients (each side's forward and backward on its own
-    parameters), which leaves the two gradients' float32 evaluations out of what
+    :class:`LayerStep`), and ``"devices"``: how many devices held the batch and each
+    parameter on the ``n``-device side. ``fed``: also ``"fed"``, a closed loop whose
+    one-device update consumes the n-device gradients (each side's forward and backward on
+    its own parameters), which leaves the two gradients' float32 evaluations out of what
     separates the sides."""
     from xopt.parity.layers import float32_matmuls
 
@@ -859,4 +865,6 @@ def jax_layer_outputs(method: str, source: str, n: int, modes: Sequence[str],
             return _jax_drive(sharded, one, "closed_loop", case.steps, True)
         return _jax_drive(sharded, one, mode, case.steps)
 
-    return {mode: run(mode) for mode in [*modes, *(["fed"] if fed else [])]}
+    out: dict[str, Any] = {mode: run(mode) for mode in [*modes, *(["fed"] if fed else [])]}
+    out["devices"] = sharded.devices
+    return out
