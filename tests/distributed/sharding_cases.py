@@ -157,3 +157,32 @@ def compiled_collectives(case_id: str, tracing: str = "placed", steps: int = 5
                                                  optax.apply_updates(params, u0)),
                                       jc.max_rel(state, state0)))
     return out
+
+
+def inside_shard_map(case_id: str) -> float:
+    """One contract case's update called inside a user's ``shard_map`` over the 4 devices
+    (every array replicated into it, so each device updates the whole tensors): the
+    owner rule stands aside there (the mesh's axes are manual). The worst relative error
+    against the update on one device."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from xopt.jax import sharding
+
+    jc = _contract_cases()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    c = jc.case(case_id)
+    params = jc.tiny_params()
+    placed = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    tx = c.build(params)
+    grads, kw = jc.grads_like(params, 0), jc.update_kwargs(c, 0)
+    state = sharding.init(tx, placed)
+
+    def body(g, st, p):
+        return tx.update(g, st, p, **kw)[0]
+
+    spec = PartitionSpec()
+    u = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec))(
+        jax.device_put(grads, NamedSharding(mesh, spec)), state, placed)
+    return jc.max_rel(u, jax.jit(tx.update)(grads, tx.init(params), params, **kw)[0])

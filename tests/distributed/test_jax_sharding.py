@@ -111,3 +111,10 @@ def test_without_the_owner_rule_xla_gathers_every_matrix_on_every_device(compile
     gathered = sorted(n for op, n in r["ops"] if op == "all-gather")
     assert gathered[-len(r["matrix_bytes"]):] == sorted(r["matrix_bytes"]), r["ops"]
     assert max(r["teacher"]) <= 1e-6, r
+
+
+def test_the_owner_rule_stands_aside_inside_a_users_shard_map(jax_worker):
+    """Inside ``shard_map`` the arrays' mesh has manual axes: each device holds its own
+    blocks, and a decomposition runs on them as the caller asked (no owner exchange,
+    which would mistake the blocks for the matrix)."""
+    assert jax_worker.run(cases.inside_shard_map, "galore")[0] <= 1e-6

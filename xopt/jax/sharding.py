@@ -96,7 +96,9 @@ def owner_mesh(like: Any = None) -> Any:
     """The mesh :func:`on_owner` distributes over, when it spans more than one device: the
     one set with ``jax.set_mesh``; else that of ``like``'s sharding (an array or a traced
     value whose inputs were placed with ``NamedSharding``: its abstract mesh, which ``jit``
-    carries through the trace); else None. None too under ``owner_rule(False)``."""
+    carries through the trace); else None. None too under ``owner_rule(False)`` and
+    inside ``shard_map`` (a mesh with manual axes: ``fn`` then runs on what each device
+    holds, as the caller's ``shard_map`` asks)."""
     if not _OWNER_RULE.get():
         return None
     mesh = jax.sharding.get_abstract_mesh()
@@ -108,6 +110,8 @@ def owner_mesh(like: Any = None) -> Any:
         mesh = getattr(sharding, "mesh", None)
     if mesh is None or getattr(mesh, "empty", True) or mesh.size <= 1:
         return None
+    if jax.sharding.AxisType.Manual in tuple(getattr(mesh, "axis_types", ())):
+        return None  # inside shard_map: each device holds its own blocks, fn runs on them
     return mesh
 
 
