@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 #: the methods whose transformations test_jax_sharding.py places (docs/distributed.md's JAX
-#: column; CompAct's and POET's take their layers' inputs)
+#: column; CompAct's and POET's take their layers' inputs: test_jax_layers.py)
 JAX_SHARDED = ("adamw", "galore", "flora", "coap", "plumage", "small_fc_lopt", "velo", "mulo")
 
 _CONTRACT = Path(__file__).resolve().parents[1] / "contract" / "jax_cases.py"
