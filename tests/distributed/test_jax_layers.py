@@ -18,9 +18,14 @@ from xopt.parity.distributed import (
     run_distributed_parity,
     tolerance,
 )
-from xopt.parity.distributed_layers import jax_layer_outputs
+from xopt.parity.distributed_layers import LAYER_METHODS, jax_layer_outputs
 
 WORLD = 2  # CompAct's linear trace has batches of 2 rows
+
+
+def test_every_layer_method_is_covered():
+    """docs/distributed.md's JAX cell of each layer method is a test here."""
+    assert set(LAYER_METHODS) == {"compact", "poet"}
 
 
 def _keys_compared(per_step: list[dict], loss: bool) -> None:
