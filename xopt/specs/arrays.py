@@ -13,6 +13,7 @@ No framework is imported here: the namespace is recognised from the array's type
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Any
 
@@ -316,8 +317,17 @@ def divide(xp: ModuleType, a: Any, b: Any) -> Any:
     a, b = xp.broadcast_arrays(xp.asarray(a, dt), xp.asarray(b, dt))
     # float16/bfloat16: the float32 quotient rounded to the narrow format is the correctly
     # rounded narrow quotient, because 24 ≥ 2·11 + 2 bits (no double-rounding error)
-    q = _divide_f32(a.astype(xp.float32), b.astype(xp.float32))
+    q = _divide_f32_jit()(a.astype(xp.float32), b.astype(xp.float32))
     return q.astype(dt)
+
+
+@functools.cache
+def _divide_f32_jit() -> Any:
+    # jitted so that eager callers compile one fused kernel per shape, not ~150 ops one by
+    # one; inside an outer jit it is inlined
+    import jax
+
+    return jax.jit(_divide_f32)
 
 
 def _divide_f32(a: Any, b: Any) -> Any:
