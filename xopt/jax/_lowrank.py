@@ -11,6 +11,10 @@
 * **inject.** ``update(..., inject={path name: {key: array}})`` (an extra argument, as
   ``value=`` is for the learned optimizers): values an update uses instead of its own
   draws or decompositions; the parity harness feeds an original's recorded projections.
+* **One trace per group.** :func:`map_grouped` runs a method's per-leaf update once per
+  group of leaves that share shape, dtype and hyperparameters (``jax.vmap`` over the
+  stacked leaves), so the traced program, and its compile time, grows with the number of
+  distinct shapes rather than the number of tensors. The state stays per leaf.
 * **Decompositions.** Under ``nonfinite="raise"`` (outside ``jit``; see
   :mod:`xopt.jax._contract`, which also checks the gradients) a refresh whose
   decomposition is not finite raises :class:`~xopt.errors.DecompositionError` naming the
@@ -20,7 +24,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -29,6 +34,7 @@ import numpy as np
 
 from xopt.errors import DecompositionError, HyperparameterError
 from xopt.jax._contract import path_names
+from xopt.jax.sharding import owner_mesh
 from xopt.specs import Hyperparams
 
 #: the leaf dtypes GaLore and COAP take (an SVD/QR needs at least float32 state)
@@ -130,3 +136,73 @@ def resolve_spec(label: str, method: Any, spec: Hyperparams | None, preset: str 
         return method.make(preset, **fields), schedule
     except HyperparameterError as e:
         raise HyperparameterError(f"{label}: {e}") from e
+
+
+def _value_key(v: Any) -> Hashable:
+    """A hashable stand-in for a hyperparameter's value: the value itself (with its type),
+    an array's identity (``optax.inject_hyperparams``' 0-d arrays are shared by every leaf,
+    so leaves holding the same array still group)."""
+    if isinstance(v, (jax.Array, np.ndarray)) or isinstance(v, jax.core.Tracer):
+        return ("id", id(v))
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, tuple(_value_key(x) for x in v))
+    try:
+        hash(v)
+    except TypeError:
+        return ("id", id(v))
+    return (type(v).__name__, v)
+
+
+def spec_key(h: Any) -> Hashable:
+    """A key equal for two hyperparameter dataclasses that step a leaf identically."""
+    return (type(h).__name__,) + tuple((f.name, _value_key(getattr(h, f.name)))
+                                       for f in dataclasses.fields(h))
+
+
+def group_key(spec: Any, args: Any, *, batchable: bool = True) -> Hashable | None:
+    """The :func:`map_grouped` key of one leaf: its hyperparameters (:func:`spec_key`) and
+    the structure, shapes and dtypes of its arrays ``args``; None (a group of its own) when
+    not ``batchable`` or when an array carries a mesh of several devices (stacking would
+    move sharded matrices, and the owner rule of :mod:`xopt.jax.sharding` works per
+    matrix)."""
+    if not batchable:
+        return None
+    leaves, treedef = jax.tree.flatten(args)
+    shapes = []
+    for x in leaves:
+        if owner_mesh(x) is not None:
+            return None
+        shapes.append((tuple(np.shape(x)), str(jnp.result_type(x))))
+    return (spec_key(spec), treedef, tuple(shapes))
+
+
+def map_grouped(keys: Sequence[Hashable | None], fn: Callable[[int, Any], Any],
+                args: Sequence[Any]) -> list[Any]:
+    """``[fn(i, args[i]) for i]``, tracing ``fn`` once per group of equal ``keys``.
+
+    Leaves whose key is shared by another leaf run together: their ``args`` (pytrees of
+    arrays and None, of one structure) are stacked on a new leading axis, ``fn`` runs once
+    under ``jax.vmap`` (with the group's first index ``i``: ``fn`` must not make ``i``
+    change the math; pass what differs per leaf, such as a seed, in ``args``) and the
+    results are unstacked. A key of None, or a key of one leaf, calls ``fn`` directly.
+    ``fn`` must close over only what every leaf of a group shares (the count, the schedule's
+    learning rate): a ``lax.cond`` on such a value stays a branch under ``vmap``.
+    """
+    groups: dict[Hashable, list[int]] = {}
+    for i, k in enumerate(keys):
+        if k is not None:
+            groups.setdefault(k, []).append(i)
+    out: list[Any] = [None] * len(args)
+    done = set()
+    for idx in groups.values():
+        if len(idx) < 2:
+            continue
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(args[i] for i in idx))
+        res = jax.vmap(lambda a, i0=idx[0]: fn(i0, a))(stacked)
+        for j, i in enumerate(idx):
+            out[i] = jax.tree.map(lambda x, j=j: x[j], res)
+            done.add(i)
+    for i, a in enumerate(args):
+        if i not in done:
+            out[i] = fn(i, a)
+    return out

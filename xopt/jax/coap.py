@@ -38,8 +38,10 @@ from xopt.jax import _contract
 from xopt.jax._lowrank import (
     check_float_leaf,
     decomposition_guard,
+    group_key,
     inject_for,
     leaf_specs,
+    map_grouped,
     path_names,
     resolve_spec,
 )
@@ -253,23 +255,36 @@ def coap(
         count_inc = optax.safe_increment(state.count)
         lr_now = schedule(state.count) if schedule is not None else None
 
-        out_u: list[Any] = []
-        new: dict[str, list[Any]] = {var: [] for var in old}
+        # one array for every leaf's η, so that leaves of one setting still group
+        lr_arr = None if lr_now is None else jnp.asarray(lr_now, jnp.float32)
+        hs = []
         for i, (name, h) in enumerate(zip(names, specs, strict=True)):
-            g, p = g_leaves[i], p_leaves[i]
-            if p is None and (h.optimizer == "adafactor" or not is_static_zero(h.weight_decay)):
+            if p_leaves[i] is None and (h.optimizer == "adafactor"
+                                        or not is_static_zero(h.weight_decay)):
                 raise ValueError(f"{_LABEL}: update(grads, state, params) needs params "
                                  f"({name}: Adafactor scales its step by RMS(W); weight decay "
                                  "multiplies W)")
-            if lr_now is not None:
-                h = h.replace(lr=jnp.asarray(lr_now, jnp.float32))
+            hs.append(h if lr_arr is None else h.replace(lr=lr_arr))
+
+        def leaf(i: int, a: tuple) -> tuple:
+            g, p, st, inj = a
             dt = jnp.promote_types(g.dtype, jnp.float32)
-            st = {var: old[var][i] for var in old if old[var][i] is not None}
             g32 = to_spec_layout(g.astype(dt))
             p32 = jnp.zeros(g32.shape, dt) if p is None else to_spec_layout(p.astype(dt))
-            new_p, st = _leaf_step(h, name, p32, g32, st, t, count_inc, injected[i],
+            new_p, st = _leaf_step(hs[i], names[i], p32, g32, dict(st), t, count_inc, inj,
                                    check_decomposition)
-            out_u.append(from_spec_layout(new_p - p32).astype(g.dtype))
+            return from_spec_layout(new_p - p32).astype(g.dtype), st
+
+        args = [(g_leaves[i], p_leaves[i],
+                 {var: old[var][i] for var in old if old[var][i] is not None}, injected[i])
+                for i in range(len(names))]
+        # nonfinite="raise" names the leaf whose decomposition failed: one leaf at a time
+        keys = [group_key(hs[i], args[i], batchable=not check_decomposition)
+                for i in range(len(names))]
+        out_u: list[Any] = []
+        new: dict[str, list[Any]] = {var: [] for var in old}
+        for u_i, st in map_grouped(keys, leaf, args):
+            out_u.append(u_i)
             for var in old:
                 new[var].append(st.get(var))
         u = treedef.unflatten(out_u)

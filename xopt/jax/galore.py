@@ -32,8 +32,10 @@ from xopt.jax import _contract
 from xopt.jax._lowrank import (
     check_float_leaf,
     decomposition_guard,
+    group_key,
     inject_for,
     leaf_specs,
+    map_grouped,
     path_names,
     resolve_spec,
 )
@@ -191,28 +193,33 @@ def galore(
         count_inc = optax.safe_increment(state.count)
         lr_now = schedule(state.count) if schedule is not None else None
 
-        out_u, out_m, out_v, out_o, out_or = [], [], [], [], []
+        hs = []
         for i, (name, h) in enumerate(zip(names, specs, strict=True)):
-            g, p = g_leaves[i], p_leaves[i]
-            shape = tuple(g.shape)
             h = h if decay[i] else h.replace(weight_decay=0.0)
             wd_on = not (isinstance(h.weight_decay, (int, float)) and h.weight_decay == 0)
-            if wd_on and p is None:
+            if wd_on and p_leaves[i] is None:
                 raise ValueError(f"{_LABEL}: update(grads, state, params) needs params: "
                                  f"weight_decay = {h.weight_decay!r} multiplies {name}")
+            hs.append(h)
+
+        def leaf(i: int, a: tuple) -> tuple:
+            g, p, m, v, o, o_r, inj = a
+            h, shape = hs[i], tuple(g.shape)
             ortho = ortho_r = None
             if _spec.is_projected(shape, h):
-                ortho, ortho_r = _refresh(h, name, g, o_leaves[i], or_leaves[i],
-                                          state.count, injected[i], check, i)
+                ortho, ortho_r = _refresh(h, names[i], g, o, o_r, state.count, inj, check, i)
             lr = h.lr if lr_now is None else jnp.asarray(lr_now, g.dtype)
-            u, m, v = _spec.direction(jnp, h, g, m_leaves[i], v_leaves[i], ortho, ortho_r,
-                                      count_inc)
+            u, m_new, v_new = _spec.direction(jnp, h, g, m, v, ortho, ortho_r, count_inc)
             u = _spec.additive_update(h, p, u, count_inc, lr)
-            out_u.append(u.astype(g.dtype))
-            out_m.append(m.astype(m_leaves[i].dtype))
-            out_v.append(v.astype(v_leaves[i].dtype))
-            out_o.append(ortho)
-            out_or.append(ortho_r)
+            return (u.astype(g.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype), ortho,
+                    ortho_r)
+
+        args = [(g_leaves[i], p_leaves[i], m_leaves[i], v_leaves[i], o_leaves[i],
+                 or_leaves[i], injected[i]) for i in range(len(names))]
+        # nonfinite="raise" names the leaf whose SVD failed: one leaf at a time
+        keys = [group_key(hs[i], args[i], batchable=not check) for i in range(len(names))]
+        out_u, out_m, out_v, out_o, out_or = map(list, zip(
+            *map_grouped(keys, leaf, args), strict=True)) if names else ([],) * 5
         new_state = GaLoreState(count=count_inc, mu=treedef.unflatten(out_m),
                                 nu=treedef.unflatten(out_v), ortho=treedef.unflatten(out_o),
                                 ortho_right=treedef.unflatten(out_or))

@@ -38,8 +38,10 @@ from xopt.jax import _contract
 from xopt.jax._lowrank import (
     check_float_leaf,
     decomposition_guard,
+    group_key,
     inject_for,
     leaf_specs,
+    map_grouped,
     path_names,
     resolve_spec,
 )
@@ -77,9 +79,19 @@ def _state_dtype(x: Any) -> Any:
 
 def draws(seed: int, index: int, t: jax.Array, d: int) -> tuple[jax.Array, jax.Array]:
     """:func:`xopt.specs.plumage.draw` with a traced step ``t`` (int32): ``(perm, u)``."""
+    return _draws_of_key(_leaf_key(seed, index), t, d)
+
+
+def _leaf_key(seed: int, index: int) -> jax.Array:
+    """Leaf ``index``'s two key words (uint32 ``(2,)``): an array, so that the leaves of one
+    shape draw under ``jax.vmap`` with their keys as the batch."""
     s = xrandom.fold_in(int(seed), int(index))
-    k0, k1 = s >> 32, s & 0xFFFFFFFF
-    y0, y1 = xrandom.threefry2x32(k0, k1, _FOLD_TAG, t.astype(jnp.uint32), backend="jax")
+    return jnp.asarray([s >> 32, s & 0xFFFFFFFF], jnp.uint32)
+
+
+def _draws_of_key(leaf_key: jax.Array, t: jax.Array, d: int) -> tuple[jax.Array, jax.Array]:
+    y0, y1 = xrandom.threefry2x32(leaf_key[0], leaf_key[1], _FOLD_TAG, t.astype(jnp.uint32),
+                                  backend="jax")
     key = jnp.stack([y0, y1])
     words = xrandom.bits(key, (2, d), backend="jax")
     u = xrandom.uniform(key, (), counter=d, dtype="float32", backend="jax")
@@ -182,14 +194,29 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
         nu_leaves = treedef.flatten_up_to(state.nu)
         t = state.count
         extra = {k: dict(getattr(state, k)) for k in ("projector", "scale", "basis", "probs")}
-        new_u, new_mu, new_nu = [], [], []
-        for index, (name, h, g, p, m, v, inj) in enumerate(zip(
-                names, specs, g_leaves, p_leaves, mu_leaves, nu_leaves, injects, strict=True)):
-            lr = schedule(t) if schedule is not None else h.lr
+        lr = schedule(t) if schedule is not None else None
+
+        def leaf(index: int, a: tuple) -> tuple:
+            g, p, st, inj, key = a
+            h = specs[index]
+            u, st = _leaf_update(h, names[index], index, g, p, dict(st), t,
+                                 h.lr if lr is None else lr, inj, check_decomposition, key)
+            return u.astype(g.dtype), st
+
+        args = []
+        for name, h, g, p, m, v, inj in zip(names, specs, g_leaves, p_leaves, mu_leaves,
+                                            nu_leaves, injects, strict=True):
             st = {"m": m, "v": v}
             st.update({k: extra[k][name] for k in extra if name in extra[k]})
-            u, st = _leaf_update(h, name, index, g, p, st, t, lr, inj, check_decomposition)
-            new_u.append(u.astype(g.dtype))
+            projected = _spec.is_projected(tuple(g.shape), h)
+            args.append((g, p, st, inj,
+                         _leaf_key(h.seed, len(args)) if projected else None))
+        # nonfinite="raise" names the leaf whose SVD failed: one leaf at a time
+        keys = [group_key(specs[i], args[i], batchable=not check_decomposition)
+                for i in range(len(names))]
+        new_u, new_mu, new_nu = [], [], []
+        for name, (u, st) in zip(names, map_grouped(keys, leaf, args), strict=True):
+            new_u.append(u)
             new_mu.append(st.pop("m"))
             new_nu.append(st.pop("v"))
             for k, val in st.items():
@@ -210,16 +237,17 @@ def _is_zero(x: Any) -> bool:
 
 def _leaf_update(h: _spec.PLUMAGE, name: str, index: int, g: jax.Array, p: jax.Array | None,
                  st: dict[str, jax.Array], t: jax.Array, lr: Any,
-                 inject: Mapping[str, Any] | None, check_finite: bool
-                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                 inject: Mapping[str, Any] | None, check_finite: bool,
+                 leaf_key: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One leaf's update (the spec's :func:`~xopt.specs.plumage.update_param` with the
-    refresh as ``lax.cond``); returns the additive update and the new state."""
+    refresh as ``lax.cond``); returns the additive update and the new state. ``leaf_key``
+    (:func:`_leaf_key`) seeds a projected leaf's draws; ``index`` picks the SVD's owner."""
     dtype = st["m"].dtype
     g = g.astype(dtype)
     shape = tuple(g.shape)
     if _spec.is_projected(shape, h):
         side = _spec.side_of(shape, h)
-        st = _maybe_refresh(h, name, index, g, side, st, t, inject, check_finite)
+        st = _maybe_refresh(h, name, index, g, side, st, t, inject, check_finite, leaf_key)
         r = _spec.project(jnp, g, st["projector"], side)
     else:
         side, r = None, g
@@ -236,8 +264,8 @@ def _leaf_update(h: _spec.PLUMAGE, name: str, index: int, g: jax.Array, p: jax.A
 
 def _maybe_refresh(h: _spec.PLUMAGE, name: str, index: int, g: jax.Array, side: str,
                    st: dict[str, jax.Array], t: jax.Array,
-                   inject: Mapping[str, Any] | None, check_finite: bool
-                   ) -> dict[str, jax.Array]:
+                   inject: Mapping[str, Any] | None, check_finite: bool,
+                   leaf_key: jax.Array) -> dict[str, jax.Array]:
     """Algorithm 5's refresh block under ``jit``: an SVD when ``t mod τ = 0``, a resample
     when also (or only) ``t mod κ = 0``; a refresh whose SVD is not finite keeps the state."""
     keys = sorted(st)
@@ -265,7 +293,7 @@ def _maybe_refresh(h: _spec.PLUMAGE, name: str, index: int, g: jax.Array, side: 
         if indices is not None:
             idx = jnp.asarray(indices).astype(jnp.int32)
         else:
-            perm, u = draws(h.seed, index, t, probs.shape[0])
+            perm, u = _draws_of_key(leaf_key, t, probs.shape[0])
             idx = _spec.sample_indices(jnp, probs, h.rank, perm, u)
         P, dvec = _spec.sample_projection(jnp, basis, probs, idx)
         m, v = _spec.realign(jnp, old["m"], old["v"], P, old["projector"], side,
