@@ -1,0 +1,155 @@
+"""The JAX low-rank transformations step same-shaped leaves together (``map_grouped``).
+
+GaLore, Flora, COAP and PLUMAGE trace their per-leaf update once per group of leaves with
+one shape, dtype and setting, under ``jax.vmap``. Checked here: the grouped updates and
+states are the per-leaf path's bit for bit, and the traced program's matrix products and
+decompositions do not grow with the number of same-shaped leaves.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+METHODS = ("galore", "flora", "coap", "plumage")
+
+# small settings that refresh (SVD / QR / draw / resample) within a few steps
+SETTINGS = {
+    "galore": dict(rank=4, update_proj_gap=2, weight_decay=0.01),
+    "flora": dict(learning_rate=1e-3, rank=4, kappa=2, beta1=0.9, weight_decay=0.01),
+    "coap": dict(rank=4, update_interval=2, reproject_factor=2, weight_decay=0.01),
+    "plumage": dict(rank=4, update_proj_gap=2, resample_interval=1, weight_decay=0.01),
+}
+
+
+def _model(k: int, seed: int = 0) -> dict:
+    """``k`` copies of a block (two matrices, a bias) and leaves of shapes of their own."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def leaf(*shape: int) -> jax.Array:
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+    params = {f"blk{i}": {"w1": leaf(16, 24), "w2": leaf(24, 16), "b": leaf(24)}
+              for i in range(k)}
+    params["odd"] = leaf(12, 20)
+    return params
+
+
+_HEAVY = ("dot_general", "svd", "qr", "eigh", "geqrf", "householder_product")
+
+
+def _heavy_ops(jaxpr: jax.extend.core.Jaxpr) -> int:
+    """Matrix products and decompositions in ``jaxpr`` and its sub-jaxprs (cond branches,
+    nested jits)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name in _HEAVY
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            n += _heavy_ops(sub)
+    return n
+
+
+def _count(method: str, k: int, per_leaf: bool, monkeypatch: pytest.MonkeyPatch) -> int:
+    mod = importlib.import_module(f"xopt.jax.{method}")
+    with monkeypatch.context() as m:
+        if per_leaf:
+            m.setattr(mod, "group_key", lambda *a, **kw: None)
+        tx = getattr(mod, method)(**SETTINGS[method])
+        params = _model(k)
+        state = tx.init(params)
+        closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(params, state, params)
+    return _heavy_ops(closed.jaxpr)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_traced_products_and_decompositions_do_not_grow_with_same_shaped_leaves(
+        method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    one, four = _count(method, 1, False, monkeypatch), _count(method, 4, False, monkeypatch)
+    assert one > 0
+    assert four == one, f"{method}: {one} products/decompositions for 1 block, {four} for 4"
+    # the per-leaf path (what the grouping replaces) grows: the count can tell them apart
+    assert _count(method, 4, True, monkeypatch) > four
+
+
+# Run in a child process with XLA's CPU code generation capped at SSE4.2: with FMA
+# available, XLA contracts a*b + c into an FMA or not depending on how it fused the
+# program, so two programs of the same operations may differ in the last bit.
+_CHILD = textwrap.dedent("""
+    import importlib, json, sys
+    import jax, numpy as np, optax
+    sys.path.insert(0, sys.argv[1])
+    from tests.test_jax_lowrank_batched import SETTINGS, _model
+
+    def run(method, per_leaf, extra):
+        mod = importlib.import_module(f"xopt.jax.{method}")
+        grouped = mod.group_key
+        if per_leaf:
+            mod.group_key = lambda *a, **kw: None
+        try:
+            tx = getattr(mod, method)(**dict(SETTINGS[method], **extra))
+            params = _model(3)
+            state = tx.init(params)
+            step = jax.jit(lambda g, s, p: tx.update(g, s, p))
+            rng = np.random.default_rng(1)
+            out = []
+            for _ in range(4):
+                g = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(x.dtype),
+                                 params)
+                u, state = step(g, state, params)
+                params = optax.apply_updates(params, u)
+                out.append((u, state))
+            return out
+        finally:
+            mod.group_key = grouped
+
+    from xopt.specs import galore as galore_spec
+    h = galore_spec.SPEC.make(None, **SETTINGS["galore"])
+    cases = {
+        "galore": {},
+        # leaves of one shape with settings of their own: groups of their own
+        "galore/param_specs": {"param_specs": {"blk0/w1": h.replace(project=False),
+                                               "blk1/w2": h.replace(rank=2)}},
+        "flora": {},
+        "coap": {},
+        "coap/adafactor+schedule": {"optimizer": "adafactor", "b1": 0.9,
+                                    "learning_rate": optax.linear_schedule(1e-3, 1e-4, 3)},
+        "plumage": {},
+    }
+    report = {}
+    for case, extra in cases.items():
+        method = case.split("/")[0]
+        a, b = run(method, True, extra), run(method, False, extra)
+        la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+        assert jax.tree.structure(a) == jax.tree.structure(b), case
+        report[case] = {"leaves": len(la), "differing": sum(
+            not np.array_equal(np.asarray(x), np.asarray(y)) or x.dtype != y.dtype
+            for x, y in zip(la, lb))}
+    print(json.dumps(report))
+""")
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                    reason="the FMA-free code generation is requested by an x86 ISA name")
+def test_grouped_updates_and_states_are_the_per_leaf_paths_bit_for_bit() -> None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_cpu_max_isa=SSE4_2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", _CHILD, root], env=env,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(report) >= set(METHODS)
+    for case, r in report.items():
+        assert r["leaves"] > 0 and r["differing"] == 0, (case, r)
