@@ -278,8 +278,12 @@ def coap(
         args = [(g_leaves[i], p_leaves[i],
                  {var: old[var][i] for var in old if old[var][i] is not None}, injected[i])
                 for i in range(len(names))]
-        # nonfinite="raise" names the leaf whose decomposition failed: one leaf at a time
-        keys = [group_key(hs[i], args[i], batchable=not check_decomposition)
+        # projected leaves step once per group under vmap; the others stay per leaf, where
+        # XLA compiles the identical kernels of same-shaped leaves once (a group's results
+        # are unstacked by slices, each a kernel of its own). nonfinite="raise" names the
+        # leaf whose decomposition failed: one leaf at a time.
+        keys = [group_key(hs[i], args[i], batchable=not check_decomposition
+                          and _spec.is_projected(spec_shape(g_leaves[i]), hs[i]))
                 for i in range(len(names))]
         out_u: list[Any] = []
         new: dict[str, list[Any]] = {var: [] for var in old}

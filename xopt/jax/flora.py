@@ -29,14 +29,7 @@ import optax
 
 from xopt.errors import HyperparameterError
 from xopt.jax import _contract
-from xopt.jax._lowrank import (
-    check_float_leaf,
-    group_key,
-    inject_for,
-    leaf_specs,
-    map_grouped,
-    path_names,
-)
+from xopt.jax._lowrank import check_float_leaf, inject_for, leaf_specs, path_names
 from xopt.jax._precision import full_precision
 from xopt.registry import register
 from xopt.specs import flora as _spec
@@ -249,15 +242,10 @@ def flora(learning_rate: float | None = None, rank: int | None = None,
         count = optax.safe_increment(state.count)
         new = {f: list(v) for f, v in old.items()}
         drawn = _draw_projections(leaves_p, specs, old["seed"], count, injected)
-        def leaf(i: int, a: tuple) -> tuple:
-            g, p, st, inj, d = a
-            return _update_leaf(specs[i], p, g, st, count, inj, d)
-
-        args = [(g, p, {f: old[f][i] for f in _PER_LEAF}, injected[i], drawn.get(i))
-                for i, (g, p) in enumerate(zip(grads, leaves_p, strict=True))]
-        keys = [group_key(specs[i], args[i]) for i in range(len(args))]
         outs = []
-        for i, (out, upd) in enumerate(map_grouped(keys, leaf, args)):
+        for i, (g, p, h) in enumerate(zip(grads, leaves_p, specs, strict=True)):
+            st = {f: old[f][i] for f in _PER_LEAF}
+            out, upd = _update_leaf(h, p, g, st, count, injected[i], drawn.get(i))
             outs.append(out)
             for f, v in upd.items():
                 new[f][i] = v

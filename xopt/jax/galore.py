@@ -202,24 +202,37 @@ def galore(
                                  f"weight_decay = {h.weight_decay!r} multiplies {name}")
             hs.append(h)
 
-        def leaf(i: int, a: tuple) -> tuple:
-            g, p, m, v, o, o_r, inj = a
-            h, shape = hs[i], tuple(g.shape)
-            ortho = ortho_r = None
-            if _spec.is_projected(shape, h):
-                ortho, ortho_r = _refresh(h, names[i], g, o, o_r, state.count, inj, check, i)
-            lr = h.lr if lr_now is None else jnp.asarray(lr_now, g.dtype)
-            u, m_new, v_new = _spec.direction(jnp, h, g, m, v, ortho, ortho_r, count_inc)
-            u = _spec.additive_update(h, p, u, count_inc, lr)
-            return (u.astype(g.dtype), m_new.astype(m.dtype), v_new.astype(v.dtype), ortho,
-                    ortho_r)
+        # the refresh (a lax.cond holding the SVD) is traced once per group of same-shaped
+        # leaves; the Adam step stays per leaf, where XLA compiles identical kernels once
+        projected = [_spec.is_projected(tuple(g.shape), h) for g, h in zip(g_leaves, hs,
+                                                                          strict=True)]
 
-        args = [(g_leaves[i], p_leaves[i], m_leaves[i], v_leaves[i], o_leaves[i],
-                 or_leaves[i], injected[i]) for i in range(len(names))]
+        def refresh(i: int, a: tuple | None) -> tuple:
+            if a is None:
+                return None, None
+            g, o, o_r, inj = a
+            return _refresh(hs[i], names[i], g, o, o_r, state.count, inj, check, i)
+
+        args = [(g_leaves[i], o_leaves[i], or_leaves[i], injected[i]) if projected[i]
+                else None for i in range(len(names))]
         # nonfinite="raise" names the leaf whose SVD failed: one leaf at a time
-        keys = [group_key(hs[i], args[i], batchable=not check) for i in range(len(names))]
-        out_u, out_m, out_v, out_o, out_or = map(list, zip(
-            *map_grouped(keys, leaf, args), strict=True)) if names else ([],) * 5
+        keys = [group_key(hs[i], args[i], batchable=not check) if projected[i] else None
+                for i in range(len(names))]
+        refreshed = map_grouped(keys, refresh, args)
+
+        out_u, out_m, out_v, out_o, out_or = [], [], [], [], []
+        for i, h in enumerate(hs):
+            g, p = g_leaves[i], p_leaves[i]
+            ortho, ortho_r = refreshed[i]
+            lr = h.lr if lr_now is None else jnp.asarray(lr_now, g.dtype)
+            u, m, v = _spec.direction(jnp, h, g, m_leaves[i], v_leaves[i], ortho, ortho_r,
+                                      count_inc)
+            u = _spec.additive_update(h, p, u, count_inc, lr)
+            out_u.append(u.astype(g.dtype))
+            out_m.append(m.astype(m_leaves[i].dtype))
+            out_v.append(v.astype(v_leaves[i].dtype))
+            out_o.append(ortho)
+            out_or.append(ortho_r)
         new_state = GaLoreState(count=count_inc, mu=treedef.unflatten(out_m),
                                 nu=treedef.unflatten(out_v), ortho=treedef.unflatten(out_o),
                                 ortho_right=treedef.unflatten(out_or))

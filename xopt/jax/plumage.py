@@ -196,27 +196,36 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
         extra = {k: dict(getattr(state, k)) for k in ("projector", "scale", "basis", "probs")}
         lr = schedule(t) if schedule is not None else None
 
-        def leaf(index: int, a: tuple) -> tuple:
-            g, p, st, inj, key = a
+        # the refresh (lax.cond: SVD, draws, realignment) is traced once per group of
+        # same-shaped leaves; the Adam step stays per leaf, where XLA compiles identical
+        # kernels once
+        def refresh(index: int, a: tuple | None) -> dict[str, jax.Array] | None:
+            if a is None:
+                return None
+            g, st, inj, key = a
             h = specs[index]
-            u, st = _leaf_update(h, names[index], index, g, p, dict(st), t,
-                                 h.lr if lr is None else lr, inj, check_decomposition, key)
-            return u.astype(g.dtype), st
+            g = g.astype(st["m"].dtype)
+            return _maybe_refresh(h, names[index], index, g, _spec.side_of(tuple(g.shape), h),
+                                  dict(st), t, inj, check_decomposition, key)
 
-        args = []
-        for name, h, g, p, m, v, inj in zip(names, specs, g_leaves, p_leaves, mu_leaves,
-                                            nu_leaves, injects, strict=True):
+        states, args = [], []
+        for index, (name, h, g, m, v, inj) in enumerate(zip(
+                names, specs, g_leaves, mu_leaves, nu_leaves, injects, strict=True)):
             st = {"m": m, "v": v}
             st.update({k: extra[k][name] for k in extra if name in extra[k]})
-            projected = _spec.is_projected(tuple(g.shape), h)
-            args.append((g, p, st, inj,
-                         _leaf_key(h.seed, len(args)) if projected else None))
+            states.append(st)
+            args.append((g, st, inj, _leaf_key(h.seed, index))
+                        if _spec.is_projected(tuple(g.shape), h) else None)
         # nonfinite="raise" names the leaf whose SVD failed: one leaf at a time
-        keys = [group_key(specs[i], args[i], batchable=not check_decomposition)
-                for i in range(len(names))]
+        keys = [None if a is None else group_key(specs[i], a, batchable=not check_decomposition)
+                for i, a in enumerate(args)]
+        refreshed = map_grouped(keys, refresh, args)
         new_u, new_mu, new_nu = [], [], []
-        for name, (u, st) in zip(names, map_grouped(keys, leaf, args), strict=True):
-            new_u.append(u)
+        for name, h, g, p, st, st_r in zip(names, specs, g_leaves, p_leaves, states, refreshed,
+                                           strict=True):
+            u, st = _leaf_update(h, g, p, dict(st) if st_r is None else st_r, t,
+                                 h.lr if lr is None else lr)
+            new_u.append(u.astype(g.dtype))
             new_mu.append(st.pop("m"))
             new_nu.append(st.pop("v"))
             for k, val in st.items():
@@ -235,19 +244,17 @@ def _is_zero(x: Any) -> bool:
     return isinstance(x, (int, float)) and x == 0
 
 
-def _leaf_update(h: _spec.PLUMAGE, name: str, index: int, g: jax.Array, p: jax.Array | None,
-                 st: dict[str, jax.Array], t: jax.Array, lr: Any,
-                 inject: Mapping[str, Any] | None, check_finite: bool,
-                 leaf_key: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """One leaf's update (the spec's :func:`~xopt.specs.plumage.update_param` with the
-    refresh as ``lax.cond``); returns the additive update and the new state. ``leaf_key``
-    (:func:`_leaf_key`) seeds a projected leaf's draws; ``index`` picks the SVD's owner."""
+def _leaf_update(h: _spec.PLUMAGE, g: jax.Array, p: jax.Array | None,
+                 st: dict[str, jax.Array], t: jax.Array, lr: Any
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One leaf's Adam step (the spec's :func:`~xopt.specs.plumage.update_param`) on the
+    state after this update's refresh (:func:`_maybe_refresh`); returns the additive update
+    and the new state."""
     dtype = st["m"].dtype
     g = g.astype(dtype)
     shape = tuple(g.shape)
     if _spec.is_projected(shape, h):
         side = _spec.side_of(shape, h)
-        st = _maybe_refresh(h, name, index, g, side, st, t, inject, check_finite, leaf_key)
         r = _spec.project(jnp, g, st["projector"], side)
     else:
         side, r = None, g
