@@ -1,9 +1,10 @@
-"""The JAX low-rank transformations step same-shaped leaves together (``map_grouped``).
+"""The JAX low-rank transformations trace their refreshes once per group of leaves.
 
-GaLore, Flora, COAP and PLUMAGE trace their per-leaf update once per group of leaves with
-one shape, dtype and setting, under ``jax.vmap``. Checked here: the grouped updates and
-states are the per-leaf path's bit for bit, and the traced program's matrix products and
-decompositions do not grow with the number of same-shaped leaves.
+GaLore's and PLUMAGE's refreshes and COAP's projected steps run once per group of leaves
+with one shape, dtype and setting, under ``jax.vmap`` (``map_grouped``). Checked here: the
+grouped updates and states are the per-leaf path's bit for bit, and the traced program's
+decompositions and conditionals do not grow with the number of same-shaped leaves.
+(Flora's projections are drawn per group already; the rest of its step stays per leaf.)
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-METHODS = ("galore", "flora", "coap", "plumage")
+METHODS = ("galore", "coap", "plumage")
 
 # small settings that refresh (SVD / QR / draw / resample) within a few steps
 SETTINGS = {
     "galore": dict(rank=4, update_proj_gap=2, weight_decay=0.01),
-    "flora": dict(learning_rate=1e-3, rank=4, kappa=2, beta1=0.9, weight_decay=0.01),
     "coap": dict(rank=4, update_interval=2, reproject_factor=2, weight_decay=0.01),
     "plumage": dict(rank=4, update_proj_gap=2, resample_interval=1, weight_decay=0.01),
 }
@@ -47,11 +47,11 @@ def _model(k: int, seed: int = 0) -> dict:
     return params
 
 
-_HEAVY = ("dot_general", "svd", "qr", "eigh", "geqrf", "householder_product")
+_HEAVY = ("svd", "qr", "eigh", "geqrf", "householder_product", "cond", "while")
 
 
 def _heavy_ops(jaxpr: jax.extend.core.Jaxpr) -> int:
-    """Matrix products and decompositions in ``jaxpr`` and its sub-jaxprs (cond branches,
+    """Decompositions and control flow in ``jaxpr`` and its sub-jaxprs (cond branches,
     nested jits)."""
     n = 0
     for eqn in jaxpr.eqns:
@@ -74,11 +74,11 @@ def _count(method: str, k: int, per_leaf: bool, monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_traced_products_and_decompositions_do_not_grow_with_same_shaped_leaves(
+def test_traced_decompositions_and_conds_do_not_grow_with_same_shaped_leaves(
         method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     one, four = _count(method, 1, False, monkeypatch), _count(method, 4, False, monkeypatch)
     assert one > 0
-    assert four == one, f"{method}: {one} products/decompositions for 1 block, {four} for 4"
+    assert four == one, f"{method}: {one} decompositions/conds for 1 block, {four} for 4"
     # the per-leaf path (what the grouping replaces) grows: the count can tell them apart
     assert _count(method, 4, True, monkeypatch) > four
 
@@ -121,7 +121,6 @@ _CHILD = textwrap.dedent("""
         # leaves of one shape with settings of their own: groups of their own
         "galore/param_specs": {"param_specs": {"blk0/w1": h.replace(project=False),
                                                "blk1/w2": h.replace(rank=2)}},
-        "flora": {},
         "coap": {},
         "coap/adafactor+schedule": {"optimizer": "adafactor", "b1": 0.9,
                                     "learning_rate": optax.linear_schedule(1e-3, 1e-4, 3)},

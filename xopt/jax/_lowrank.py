@@ -11,10 +11,13 @@
 * **inject.** ``update(..., inject={path name: {key: array}})`` (an extra argument, as
   ``value=`` is for the learned optimizers): values an update uses instead of its own
   draws or decompositions; the parity harness feeds an original's recorded projections.
-* **One trace per group.** :func:`map_grouped` runs a method's per-leaf update once per
-  group of leaves that share shape, dtype and hyperparameters (``jax.vmap`` over the
-  stacked leaves), so the traced program, and its compile time, grows with the number of
-  distinct shapes rather than the number of tensors. The state stays per leaf.
+* **One trace per group.** :func:`map_grouped` runs per-leaf work once per group of
+  leaves that share shape, dtype and hyperparameters (``jax.vmap`` over the stacked
+  leaves), so that its traced size does not grow with the number of same-shaped tensors;
+  the state stays per leaf. The methods group their refreshes (GaLore, PLUMAGE) or
+  projected steps (COAP), whose per-leaf conditionals, decompositions and draws made the
+  compile slow; plain per-leaf arithmetic stays per leaf, since XLA compiles the identical
+  kernels of same-shaped leaves once while each unstacked result is a kernel of its own.
 * **Decompositions.** Under ``nonfinite="raise"`` (outside ``jit``; see
   :mod:`xopt.jax._contract`, which also checks the gradients) a refresh whose
   decomposition is not finite raises :class:`~xopt.errors.DecompositionError` naming the
@@ -34,7 +37,6 @@ import numpy as np
 
 from xopt.errors import DecompositionError, HyperparameterError
 from xopt.jax._contract import path_names
-from xopt.jax.sharding import owner_mesh
 from xopt.specs import Hyperparams
 
 #: the leaf dtypes GaLore and COAP take (an SVD/QR needs at least float32 state)
@@ -159,10 +161,25 @@ def spec_key(h: Any) -> Hashable:
                                        for f in dataclasses.fields(h))
 
 
+def _mesh_size(mesh: Any) -> int:
+    return 0 if mesh is None or getattr(mesh, "empty", True) else int(mesh.size)
+
+
+def _on_several_devices(x: Any) -> bool:
+    """Whether ``x`` (or the mesh set with ``jax.set_mesh``) spans more than one device."""
+    if _mesh_size(jax.sharding.get_abstract_mesh()) > 1:
+        return True
+    try:
+        sharding = getattr(jax.typeof(x), "sharding", None)
+    except TypeError:  # not an array
+        return False
+    return _mesh_size(getattr(sharding, "mesh", None)) > 1
+
+
 def group_key(spec: Any, args: Any, *, batchable: bool = True) -> Hashable | None:
     """The :func:`map_grouped` key of one leaf: its hyperparameters (:func:`spec_key`) and
     the structure, shapes and dtypes of its arrays ``args``; None (a group of its own) when
-    not ``batchable`` or when an array carries a mesh of several devices (stacking would
+    not ``batchable`` or when an array is on a mesh of several devices (stacking would
     move sharded matrices, and the owner rule of :mod:`xopt.jax.sharding` works per
     matrix)."""
     if not batchable:
@@ -170,7 +187,7 @@ def group_key(spec: Any, args: Any, *, batchable: bool = True) -> Hashable | Non
     leaves, treedef = jax.tree.flatten(args)
     shapes = []
     for x in leaves:
-        if owner_mesh(x) is not None:
+        if _on_several_devices(x):
             return None
         shapes.append((tuple(np.shape(x)), str(jnp.result_type(x))))
     return (spec_key(spec), treedef, tuple(shapes))
