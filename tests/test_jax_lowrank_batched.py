@@ -24,10 +24,11 @@ import jax.numpy as jnp  # noqa: E402
 
 METHODS = ("galore", "coap", "plumage")
 
-# small settings that refresh (SVD / QR / draw / resample) within a few steps
+# small settings that refresh within three steps (GaLore: SVDs at t = 0, 2; COAP: the
+# first decomposition, Eqn 6, Eqn 7; PLUMAGE: SVDs at t = 0, 2, resamples at every t)
 SETTINGS = {
     "galore": dict(rank=4, update_proj_gap=2, weight_decay=0.01),
-    "coap": dict(rank=4, update_interval=2, reproject_factor=2, weight_decay=0.01),
+    "coap": dict(rank=4, update_interval=1, reproject_factor=2, weight_decay=0.01),
     "plumage": dict(rank=4, update_proj_gap=2, resample_interval=1, weight_decay=0.01),
 }
 
@@ -104,7 +105,7 @@ _CHILD = textwrap.dedent("""
             step = jax.jit(lambda g, s, p: tx.update(g, s, p))
             rng = np.random.default_rng(1)
             out = []
-            for _ in range(4):
+            for _ in range(3):
                 g = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(x.dtype),
                                  params)
                 u, state = step(g, state, params)
