@@ -9,7 +9,7 @@ float32 rounding of the inputs moves it by more than 1e-6 on these shapes).
 
 Not the torch Triton path's bits: the Pallas kernels are written anew for JAX, so they add
 the statistics in another order (XLA's reductions over per-block sums instead of
-float64 per tile) and run the MLP's first layer as float32 rank-1 updates instead of
+float64 per tile), and under the interpreter multiply in float32 where the GPU runs
 split-precision TF32 products; both paths are held to the plain path and to float64
 instead (bench/lopt_step_jax.py also compares them on the GPU, from the same inputs).
 

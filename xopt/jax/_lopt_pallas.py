@@ -19,11 +19,16 @@ Per group, with the math of :func:`xopt.specs.small_fc_lopt.compute_step`:
 3. XLA: the first layer's row/column terms, ``Σ (f·inv)·W0[f]`` over the 6 features of each
    axis, one row of ``hidden`` numbers per position, and the time features folded into
    the first bias;
-4. :func:`_fused_kernel`: per block, the accumulators, the 16 per-element features
-   normalized, the first layer as float32 rank-1 updates on top of the axis terms, the
-   hidden layers on the tensor cores (``precision``: "exact" three TF32 products, "fast"
-   one; full float32 under the CPU interpreter), the output layer as float32 sums, the
-   step; writes the step, ``m`` and ``rms``.
+4. :func:`_fused_kernel`: per block, the accumulators, the 16 per-element features, and
+   the MLP as torch's folded kernel (xopt.kernels.small_fc_lopt) evaluates it: the first
+   layer one [n, 16] × [16, HP] product of the raw features and the first-layer rows with
+   the tensor's normalizers folded in (XLA, stage 3), accumulated onto the axis terms and
+   bias; the hidden layers' inputs relabeled so that a product's accumulator is the next
+   one's operand (:func:`_mma_to_operand`); every product on the tensor cores
+   (``precision``: "exact" three TF32 products of operands split into TF32 halves, the
+   weights' halves split once by XLA, "fast" one; full float32 under the CPU
+   interpreter, :func:`_dot3`); the output layer as float32 sums, the step; writes the
+   step, ``m`` and ``rms``.
 
 Nothing is materialized per element but the kernels' inputs and outputs: no [n, 39]
 feature matrix, no [n, hidden] activations. A program owns a block of RP rows of BC
@@ -106,12 +111,64 @@ def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def _dot_precision(precision: str) -> Any:
-    if _on_cpu():  # the interpreter: XLA's CPU dot, full float32
-        return jax.lax.Precision.HIGHEST
-    if precision == "exact":
-        return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    return jax.lax.Precision.DEFAULT
+def _dot_mode(precision: str) -> str:
+    """How the fused kernel multiplies on the tensor cores: "f32" (the interpreter: XLA's
+    CPU dot, full float32), "tf32x3" (exact: three TF32 products, :func:`_dot3`) or "tf32"
+    (fast: one)."""
+    if _on_cpu():
+        return "f32"
+    return "tf32x3" if precision == "exact" else "tf32"
+
+
+def _round_tf32(x: Any) -> Any:
+    """``x`` rounded to the nearest TF32 number (10 mantissa bits, ties away from zero), so
+    that a TF32 product reads it unchanged (xopt.kernels.lopt_common.round_tf32's bits)."""
+    b = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jax.lax.bitcast_convert_type((b + 4096) & -8192, jnp.float32)
+
+
+def split_tf32(w: Any) -> Any:
+    """``w`` as its TF32 halves stacked on a new axis -3: ``(hi, lo)`` with ``hi =
+    round_tf32(w)``, ``lo = round_tf32(w − hi)`` (the weights' side of :func:`_dot3`)."""
+    hi = _round_tf32(w)
+    return jnp.stack([hi, _round_tf32(w - hi)], axis=-3)
+
+
+def _dot3(x: Any, w: tuple[Any, Any], acc: Any, mode: str) -> Any:
+    """``acc + x @ w`` [n, K] × [K, N], ``w`` a pair [K, N] (:func:`split_tf32`'s halves in
+    "tf32x3" mode; else the weights and zeros). "tf32x3": the exact mode of the torch
+    kernels (xopt.kernels.lopt_common.dot3_acc, ``LO_RN=False``): ``x_hi = round_tf32(x)``,
+    ``x_lo = x − x_hi`` read by the tensor cores as its TF32 truncation, and ``x_lo·w_hi``,
+    ``x_hi·w_lo``, ``x_hi·w_hi`` added to ``acc`` in that order, small first. Split here
+    rather than by Triton's own TF32x3, which splits the weights again in every sub-tile
+    and guards each product's NaNs with a compare and a select per element."""
+    if mode == "f32":
+        return acc + jnp.dot(x, w[0], precision=jax.lax.Precision.HIGHEST)
+    tf32 = jax.lax.Precision.DEFAULT
+    if mode == "tf32":
+        return acc + jnp.dot(x, w[0], precision=tf32)
+    x_hi = _round_tf32(x)
+    x_lo = x - x_hi
+    acc = acc + jnp.dot(x_lo, w[0], precision=tf32)
+    acc = acc + jnp.dot(x_hi, w[1], precision=tf32)
+    return acc + jnp.dot(x_hi, w[0], precision=tf32)
+
+
+def _mma_to_operand(h: Any, hp: int) -> Any:
+    """Columns of ``h`` [n, HP] permuted, ``c = 8j + 2q + r → 8j + 4r + q`` (q < 4, r < 2),
+    as xopt.kernels.small_fc_lopt's: on Hopper a thread holds columns 8j + 2q + {0, 1} of a
+    matmul's accumulator and 8j + q + {0, 4} of the next matmul's TF32 operand, so after
+    this relabeling the one already is the other (no shuffle between threads). The next
+    layer's rows are stored permuted alike (:func:`_operand_perm`): the product is the
+    same."""
+    n = h.shape[0]
+    return jnp.swapaxes(h.reshape(n, hp // 8, 4, 2), 2, 3).reshape(n, hp)
+
+
+def _operand_perm(hp: int) -> np.ndarray:
+    """Row ``k`` of a hidden layer as the kernel stores it is row ``perm[k]`` of the layer
+    (:func:`_mma_to_operand`'s relabeling: k = 8j + 4r + q holds c = 8j + 2q + r)."""
+    return np.array([8 * (k // 8) + 2 * (k % 4) + (k % 8) // 4 for k in range(hp)])
 
 
 def _compiler_params() -> Any:
@@ -274,27 +331,46 @@ def _stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *,
     o_ref[...] = out
 
 
-def _fused_kernel(dec_ref, inv_ref, w0_ref, b0_ref, wh_ref, bh_ref, wl_ref, bl_ref, g_ref,
-                  p_ref, m_ref, r_ref, f1_ref, f2_ref, t1_ref, t2_ref, s_ref, mo_ref, ro_ref,
-                  *, n1, n2, row_on_1, nhid, hp, exp_mult, step_mult, prec):  # noqa: ANN001
+def _cat(fs):  # noqa: ANN001, ANN202
+    """A power-of-two number of equal-shape arrays ``[..]`` → ``[.., 2, .., 2]`` whose last
+    axes flattened hold ``fs[i]`` at ``i``: pairs ``len/2`` apart joined on a new last axis
+    (Triton's ``join``, the one concatenation its Pallas lowering has), then pairs of those."""
+    while len(fs) > 1:
+        half = len(fs) // 2
+        fs = [jnp.stack([fs[i], fs[i + half]], axis=-1) for i in range(half)]
+    return fs[0]
+
+
+def _fused_kernel(dec_ref, w16_ref, b0_ref, wh_ref, bh_ref, wl_ref, bl_ref, g_ref, p_ref,
+                  m_ref, r_ref, f1_ref, f2_ref, t1_ref, t2_ref, s_ref, mo_ref, ro_ref, *, n1,
+                  n2, row_on_1, nhid, hp, exp_mult, step_mult, mode):  # noqa: ANN001
     c_ok, read = _tile_reader(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1,
                               n2=n2, row_on_1=row_on_1, features=_elem_features)
-    t2 = _load(t2_ref, c_ok[:, None])  # this program's columns' first-layer terms [BC, HP]
+    # loaded once per program: this program's columns' first-layer terms plus the bias
+    # [BC, HP], the tensor's per-element first-layer rows with its normalizers folded in
+    # [2, 16, HP] and the hidden and output layers
+    t2 = _load(t2_ref, c_ok[:, None]) + b0_ref[...]
+    w16 = (w16_ref[0], w16_ref[1])
+    wh = [(wh_ref[i, 0], wh_ref[i, 1]) for i in range(nhid)]
+    bh = [bh_ref[i, :][None, :] for i in range(nhid)]
+    wl0, wl1 = wl_ref[0, :][None, :], wl_ref[1, :][None, :]
+    bl0, bl1 = bl_ref[0], bl_ref[1]
     n = BR * BC
 
     def sub_tile(s, carry):  # noqa: ANN001, ANN202
         rows, r_ok, valid, ms, rms, feats = read(s)
         t1 = _load(t1_ref.at[rows], r_ok[:, None])
-        h = (t1[:, None, :] + t2[None, :, :]).reshape(n, hp) + b0_ref[...]
-        for k, f in enumerate(feats):  # the first layer, feature by feature (float32 FMAs)
-            x = (f * inv_ref[k]).reshape(n)
-            h = h + x[:, None] * w0_ref[k, :][None, :]
-        h = jnp.maximum(h, 0.0)
+        # the first layer as the torch kernel's: the 16 raw features as one [n, 16] operand
+        # times the normalized rows on the tensor cores, the axis terms and the bias as the
+        # accumulator they are added to
+        x = _cat(feats).reshape(n, len(ELEM))
+        ab = (t1[:, None, :] + t2[None, :, :]).reshape(n, hp)
+        h = jnp.maximum(_dot3(x, w16, ab, mode), 0.0)
         for i in range(nhid):
-            h = jnp.dot(h, wh_ref[i], precision=prec) + bh_ref[i, :][None, :]
+            h = _dot3(_mma_to_operand(h, hp), wh[i], bh[i], mode)
             h = jnp.maximum(h, 0.0)
-        direction = jnp.sum(h * wl_ref[0, :][None, :], axis=1) + bl_ref[0]
-        magnitude = jnp.sum(h * wl_ref[1, :][None, :], axis=1) + bl_ref[1]
+        direction = jnp.sum(h * wl0, axis=1) + bl0
+        magnitude = jnp.sum(h * wl1, axis=1) + bl1
         step = direction * jnp.exp(magnitude * exp_mult) * step_mult
         _store(s_ref.at[rows], step.reshape(BR, BC), valid)
         for k in range(3):
@@ -321,6 +397,13 @@ class SmallFCKernels:
     def handles(self, shape: tuple[int, ...]) -> bool:
         return two_d_view(shape) is not None
 
+    def _pair(self, w: Any) -> Any:
+        """``w`` as :func:`_dot3` reads it: its TF32 halves in exact mode on a GPU, else
+        ``w`` and zeros (stacked on axis -3)."""
+        if _dot_mode(self.precision) == "tf32x3":
+            return split_tf32(w)
+        return jnp.stack([w, jnp.zeros_like(w)], axis=-3)
+
     def _weights(self, tf: Any) -> dict[str, Any]:
         meta, hp_, nl = self.meta, self.hp_, self.nl
         nf = spec.num_param_features(self.hp)
@@ -337,7 +420,9 @@ class SmallFCKernels:
         wl = jnp.pad(wl, [(0, hp_ - wl.shape[0]), (0, 0)]).T  # [2, HP]
         return dict(
             w0=_pad_cols(w0[:nf], hp_), b0=_pad_cols(b0t, hp_)[None, :],
-            wh=jnp.stack(wh) if wh else jnp.zeros((1, hp_, hp_), jnp.float32),
+            # rows relabeled as the kernel's activations (_mma_to_operand)
+            wh=self._pair(jnp.stack(wh)[:, _operand_perm(hp_)]) if wh
+            else jnp.zeros((1, 2, hp_, hp_), jnp.float32),
             bh=jnp.stack(bh) if bh else jnp.zeros((1, hp_), jnp.float32),
             wl=wl, bl=jnp.asarray(meta[f"mlp/b{nl}"], jnp.float32)[:2])
 
@@ -394,7 +479,10 @@ class SmallFCKernels:
         t_col = jnp.einsum("lnk,kh->lnh", pre["col_feats"] * inv[:, None, col_rows],
                            w0[col_rows], precision=hi)
         t1, t2 = (t_row, t_col) if row_on_1 else (t_col, t_row)
-        return dict(inv16=inv[:, np.array(ELEM)], w16=w0[np.array(ELEM)], b0=w["b0"],
+        # the per-element features' first-layer rows times the tensor's normalizers [L, 16,
+        # HP], as torch's sfc_norm_kernel folds them
+        w16 = self._pair(inv[:, np.array(ELEM), None] * w0[np.array(ELEM)][None])
+        return dict(w16=w16, b0=w["b0"],
                     wh=w["wh"], bh=w["bh"], wl=w["wl"], bl=w["bl"], t1=t1, t2=t2,
                     feature_sq_mean=sq / float(n1 * n2))
 
@@ -409,7 +497,7 @@ class SmallFCKernels:
         kern = functools.partial(
             _fused_kernel, n1=n1, n2=n2, row_on_1=row_on_1, nhid=self.nl - 1, hp=hp_,
             exp_mult=float(self.hp.exp_mult), step_mult=float(self.hp.step_mult),
-            prec=_dot_precision(self.precision))
+            mode=_dot_mode(self.precision))
         full = lambda *shape: pl.BlockSpec(shape, lambda t: (0,) * len(shape))  # noqa: E731
         return pl.pallas_call(
             kern,
@@ -418,15 +506,15 @@ class SmallFCKernels:
                        jax.ShapeDtypeStruct((L, n1, n2), jnp.float32)),
             grid=(L * per,),
             in_specs=[pl.BlockSpec((8,), whole),
-                      pl.BlockSpec((SQ, 16), lambda t: (elem(t)[0], 0)),
-                      full(16, hp_), full(1, hp_), full(*norm["wh"].shape),
+                      pl.BlockSpec((SQ, 2, 16, hp_), lambda t: (elem(t)[0], 0, 0, 0)),
+                      full(1, hp_), full(*norm["wh"].shape),
                       full(*norm["bh"].shape), full(2, hp_), pl.BlockSpec((2,), whole),
                       blk, blk, blk_m, blk, blk_f1, blk_f2,
                       pl.BlockSpec((SQ, RP, hp_), lambda t: (elem(t)[0], elem(t)[1], 0)),
                       pl.BlockSpec((SQ, BC, hp_), lambda t: (elem(t)[0], elem(t)[2], 0))],
             out_specs=[blk, blk_m, blk],
             interpret=_on_cpu(), compiler_params=_compiler_params(), name="sfc_fused",
-        )(pre["decs"], norm["inv16"], norm["w16"], norm["b0"], norm["wh"], norm["bh"],
+        )(pre["decs"], norm["w16"], norm["b0"], norm["wh"], norm["bh"],
           norm["wl"], norm["bl"], *_element_views(shape, g, p, m, rms), pre["f1"], pre["f2"],
           norm["t1"], norm["t2"])
 
