@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import re
 
 import numpy as np
 import pytest
@@ -222,9 +223,16 @@ def test_pallas_kernels_lower_to_triton_for_cuda(monkeypatch, method, precision,
     tx = _tx(method, "pallas", velo_theta, precision=precision)
     low = jax.jit(lambda g, s, p: tx.update(g, s, p, value=jnp.float32(1.0))).trace(
         params, tx.init(params), params).lower(lowering_platforms=("cuda",))
-    groups = {s for s in SHAPES if _lopt_pallas.two_d_view(s) is not None}
+    in_kernels = [s for s in SHAPES if _lopt_pallas.two_d_view(s) is not None]
+    groups = set(in_kernels)
     assert groups == {(7, 3), (3, 9), (6, 6), (40, 36), (1, 5, 8)}
-    assert low.as_text().count("__gpu$xla.gpu.triton") == 2 * len(groups)
+    # a statistics and a fused call per tensor, reading and writing its own arrays; the
+    # calls of a group are one kernel (the tensor's index is an input), which XLA compiles
+    # once (its kernel cache is keyed by the call's backend config, the kernel's IR)
+    text = low.as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2 * len(in_kernels)
+    kernels = set(re.findall(r'ir = "((?:[^"\\]|\\.)*)"', text))
+    assert len(kernels) == 2 * len(groups), len(kernels)
 
 
 def test_impl_and_precision_are_checked():
@@ -382,6 +390,6 @@ def test_pallas_boundary_blocks_are_masked(method, velo_theta):
     closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p, value=jnp.float32(1.0)))(
         params, tx.init(params), params)
     n_calls = str(closed).count("pallas_call[")
-    assert n_calls == 4, n_calls  # statistics and fused pass of both shapes
+    assert n_calls == 6, n_calls  # statistics and fused pass of each tensor
     assert _unmasked_boundary_accesses(closed) == []
     assert _lopt_pallas.BR == 2 and _lopt_pallas.BC == 64  # (what makes the shapes ragged)

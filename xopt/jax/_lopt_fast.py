@@ -29,7 +29,7 @@ one implementation resumes under the other. The default (``impl=None``) is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Any
 
 import jax
@@ -122,11 +122,14 @@ class Buckets:
         #: the row of each leaf in the groups concatenated (``x[rows]``: the leaves' order)
         self.rows = np.argsort(np.asarray(grouped, np.int64)) if grouped else np.zeros(0, int)
 
-    def stack(self, leaves: Sequence[Any]) -> list[Any]:
+    def stack(self, leaves: Sequence[Any], keep: Container[int] = ()) -> list[Any]:
         """One array per group; a group of one leaf is that leaf with a leading axis of 1
-        (a reshape, no copy)."""
-        return [leaves[idx[0]][None] if len(idx) == 1 else jnp.stack([leaves[i] for i in idx])
-                for _, idx in self.groups]
+        (a reshape, no copy). The groups numbered in ``keep`` stay lists of their leaves
+        (no copy: the Pallas kernels read each tensor's own arrays)."""
+        return [[leaves[i] for i in idx] if k in keep
+                else leaves[idx[0]][None] if len(idx) == 1
+                else jnp.stack([leaves[i] for i in idx])
+                for k, (_, idx) in enumerate(self.groups)]
 
     def unstack(self, stacked: Sequence[Any]) -> list[Any]:
         out: list[Any] = [None] * self.n
@@ -136,8 +139,9 @@ class Buckets:
         return out
 
     def unstack_results(self, results: Sequence[Sequence[Any]]) -> list[list[Any]]:
-        """Per group a tuple of stacked outputs → per output the leaves' list (each leaf
-        its row of its group's array)."""
+        """Per group a tuple of outputs, each stacked or a list of the group's leaves →
+        per output the leaves' list (each leaf its row of its group's array, or its
+        entry)."""
         outs: list[list[Any]] = [[None] * self.n for _ in results[0]] if results else []
         for (_, idx), res in zip(self.groups, results, strict=True):
             for out, arr in zip(outs, res, strict=True):
@@ -148,6 +152,13 @@ class Buckets:
     def order(self) -> list[int]:
         """The leaf index of each row of the groups concatenated."""
         return [i for _, idx in self.groups for i in idx]
+
+
+def _kernel_groups(buckets: Buckets, fused: Any) -> frozenset[int]:
+    """The groups (numbers) the Pallas kernels ``fused`` (None: none) take."""
+    if fused is None:
+        return frozenset()
+    return frozenset(k for k, (shape, _) in enumerate(buckets.groups) if fused.handles(shape))
 
 
 # -- small_fc_lopt --------------------------------------------------------------------------
@@ -198,12 +209,13 @@ class PackedSmallFC:
             from xopt.jax import _lopt_pallas
 
             fused = _lopt_pallas.SmallFCKernels(hp, meta, self.precision)
-        stacked = stage("pack", lambda *xs: [buckets.stack(x) for x in xs], p_leaves,
+        keep = _kernel_groups(buckets, fused)
+        stacked = stage("pack", lambda *xs: [buckets.stack(x, keep) for x in xs], p_leaves,
                         g_leaves, *accs_in)
         results = []
         for k, (shape, _) in enumerate(buckets.groups):
             args = [st[k] for st in stacked]
-            if fused is not None and fused.handles(shape):
+            if k in keep:
                 results.append(fused(shape, *args, tf=tf, decays=decays,
                                      stage=_in_group(stage, shape)))
             else:
@@ -262,16 +274,25 @@ class PackedVeLO:
             inner.loss_decays, inner.loss_iteration)
         buckets = Buckets([jnp.shape(p) for p in p_leaves])
         n = len(p_leaves)
-        # every input stacked once per group, read by both passes
-        stacked = stage("pack", lambda *xs: [buckets.stack(x_) for x_ in xs], p_leaves,
+        fused = None
+        if self.impl == "pallas":
+            from xopt.jax import _lopt_pallas
+
+            fused = _lopt_pallas.VeLOKernels(hp, meta)
+        keep = _kernel_groups(buckets, fused)
+        # every input stacked once per group, read by both passes (the kernels' groups: their
+        # leaves as they are)
+        stacked = stage("pack", lambda *xs: [buckets.stack(x_, keep) for x_ in xs], p_leaves,
                         g_leaves, *accs_in)
 
         def lstm(stacked, hidden, cell, frac, lfeat):  # noqa: ANN001, ANN202
             def features(p, m, rms):  # noqa: ANN001, ANN202
                 return spec.lstm_features(jnp, p, m, rms, frac, lfeat)
 
-            rows = [jax.vmap(features)(p_, m_, r_)
-                    for p_, m_, r_ in zip(stacked[0], stacked[2], stacked[3], strict=True)]
+            rows = [jnp.stack([features(*x) for x in zip(p_, m_, r_, strict=True)])
+                    if k in keep else jax.vmap(features)(p_, m_, r_)
+                    for k, (p_, m_, r_) in enumerate(zip(stacked[0], stacked[2], stacked[3],
+                                                         strict=True))]
             # the parameters' order, as the plain path (one gather, not a slice per tensor)
             x = jnp.concatenate(rows)[buckets.rows]
             controls, lr_mult, hidden, cell = spec.lstm_step(jnp, x, jnp.stack(hidden),
@@ -290,15 +311,10 @@ class PackedVeLO:
                                             meta, decays)
             return (step, *accs)
 
-        fused = None
-        if self.impl == "pallas":
-            from xopt.jax import _lopt_pallas
-
-            fused = _lopt_pallas.VeLOKernels(hp, meta)
         results = []
         for k, (shape, _) in enumerate(buckets.groups):
             args = [st[k] for st in stacked]
-            if fused is not None and fused.handles(shape):
+            if k in keep:
                 results.append(fused(shape, *args, *per_group[k], decays=decays,
                                      stage=_in_group(stage, shape)))
             else:

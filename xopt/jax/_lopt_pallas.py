@@ -184,27 +184,26 @@ def _blocks(n1: int, n2: int) -> tuple[int, int]:
 
 
 def _index_maps(n1: int, n2: int):  # noqa: ANN202
+    """``(nb1, nb2, per, elem)``: a tensor's row and column blocks, its programs and the
+    (row block, column block) of program ``t``."""
     nb1, nb2 = _blocks(n1, n2)
     per = nb1 * nb2
 
     def elem(t):  # noqa: ANN001, ANN202
-        return t // per, (t % per) // nb2, t % nb2
+        return t // nb2, t % nb2
 
     return nb1, nb2, per, elem
 
 
 def _element_specs(elem):  # noqa: ANN001, ANN202
-    """The block specs both methods' kernels share: the whole of a small vector, a
-    (tensor, row block, column block) tile of an element array, of the momenta (with their 3
-    decays) and of the row and column factors (3 decays each)."""
+    """The block specs both methods' kernels share: the whole of a small vector, a (row
+    block, column block) tile of one tensor's element array and of its momenta (with their
+    3 decays), and the whole of a group's per-tensor array (read at the tensor's index)."""
     def whole(t):  # noqa: ANN001, ANN202
         return (0,)
 
-    return (whole,
-            pl.BlockSpec((SQ, RP, BC), lambda t: elem(t)),
-            pl.BlockSpec((SQ, RP, BC, 3), lambda t: (*elem(t), 0)),
-            pl.BlockSpec((SQ, 3, RP), lambda t: (elem(t)[0], 0, elem(t)[1])),
-            pl.BlockSpec((SQ, 3, BC), lambda t: (elem(t)[0], 0, elem(t)[2])))
+    return (whole, pl.BlockSpec((RP, BC), lambda t: elem(t)),
+            pl.BlockSpec((RP, BC, 3), lambda t: (*elem(t), 0)), pl.no_block_spec)
 
 
 def _load(ref, mask):  # noqa: ANN001, ANN202
@@ -232,9 +231,12 @@ def _col_mask(n1: int, n2: int) -> jax.Array:
 def _row_base(n1: int, n2: int) -> jax.Array:
     """This program's first row (read outside the sub-tile loop: the interpreter gives
     ``program_id`` only there)."""
-    t = pl.program_id(0)
-    _, nb2, per, _ = _index_maps(n1, n2)
-    return ((t % per) // nb2) * RP
+    return (pl.program_id(0) // _blocks(n1, n2)[1]) * RP
+
+
+def _col_base(n1: int, n2: int) -> jax.Array:
+    """This program's first column."""
+    return (pl.program_id(0) % _blocks(n1, n2)[1]) * BC
 
 
 def _row_mask(base: jax.Array, n1: int, s: jax.Array) -> jax.Array:
@@ -259,21 +261,36 @@ def _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows):  # noqa: ANN001, ANN2
     return ms, rms, jax.lax.rsqrt(rms + 1e-6)
 
 
-def _col_factors(f2_ref, c_ok):  # noqa: ANN001, ANN202
+def _col_factors(f2_ref, at, c_ok):  # noqa: ANN001, ANN202
     """Per decay k, the factor along axis 2 of this program's columns ``[1, BC]`` (loaded
-    once per program)."""
-    return [_load(f2_ref.at[_i(k), :], c_ok)[None, :] for k in range(3)]
+    once per program; ``at``: :func:`_place`)."""
+    return [_load(f2_ref.at[at.l, _i(k), at.cols], c_ok)[None, :] for k in range(3)]
 
 
-def _factors(f1_ref, col, r_ok, rows, row_on_1):  # noqa: ANN001, ANN202
-    """Per decay k, the row factor and the column factor of a sub-tile, broadcastable to it
-    (``col``: :func:`_col_factors`)."""
+def _factors(f1_ref, at, col, r_ok, s, row_on_1):  # noqa: ANN001, ANN202
+    """Per decay k, the row factor and the column factor of sub-tile ``s``, broadcastable
+    to it (``col``: :func:`_col_factors`)."""
     out = []
     for k in range(3):
-        a = _load(f1_ref.at[_i(k), rows], r_ok)[:, None]  # factor of decay k along axis 1
+        # factor of decay k along axis 1
+        a = _load(f1_ref.at[at.l, _i(k), at.rows(s)], r_ok)[:, None]
         b = col[k]  # along axis 2
         out.append((a, b) if row_on_1 else (b, a))
     return out
+
+
+class _Place:
+    """Where a program is in the group's per-tensor arrays: its tensor's index ``l`` in the
+    group (read from the kernel's ``idx`` input), the slice of its columns ``cols`` and
+    ``rows(s)``, the rows of its sub-tile ``s``, both in the tensor's coordinates."""
+
+    def __init__(self, idx_ref, n1: int, n2: int) -> None:  # noqa: ANN001
+        self.l = idx_ref[0]
+        self.base = _row_base(n1, n2)
+        self.cols = pl.ds(pl.multiple_of(_col_base(n1, n2), BC), BC)
+
+    def rows(self, s: jax.Array) -> Any:
+        return pl.ds(pl.multiple_of(self.base + s * BR, BR), BR)
 
 
 def _sub_tiles(body: Any, init: Any) -> Any:
@@ -289,15 +306,16 @@ def _elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
     return feats + fg + fm
 
 
-def _tile_reader(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, *, n1, n2, row_on_1,
-                 features, clip=None):  # noqa: ANN001, ANN202
+def _tile_reader(at, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, *, n1, n2,
+                 row_on_1, features, clip=None):  # noqa: ANN001, ANN202
     """What every kernel reads per sub-tile: ``(c_ok, read)``, ``c_ok`` the program's column
     mask and ``read(s)`` -> ``(rows, r_ok, valid, ms, rms, feats)`` for sub-tile ``s``: its
-    rows and masks, the updated accumulators and ``features`` (unnormalized) of the gradient
-    (clipped to ±``clip`` when given) and the parameter."""
+    rows (in the program's block) and masks, the updated accumulators and ``features``
+    (unnormalized) of the gradient (clipped to ±``clip`` when given) and the parameter
+    (``at``: :class:`_Place`)."""
     c_ok = _col_mask(n1, n2)
-    base = _row_base(n1, n2)
-    col = _col_factors(f2_ref, c_ok)
+    base = at.base
+    col = _col_factors(f2_ref, at, c_ok)
 
     def read(s):  # noqa: ANN001, ANN202
         rows = _rows(s)
@@ -308,16 +326,17 @@ def _tile_reader(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, *, n1, n2,
             g = jnp.clip(g, -clip, clip)
         p = _load(p_ref.at[rows], valid)
         ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows)
-        feats = features(g, p, ms, rms, r, _factors(f1_ref, col, r_ok, rows, row_on_1))
+        feats = features(g, p, ms, rms, r, _factors(f1_ref, at, col, r_ok, s, row_on_1))
         return rows, r_ok, valid, ms, rms, feats
 
     return c_ok, read
 
 
-def _stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *, n1, n2,
-                  row_on_1):  # noqa: ANN001
-    _, read = _tile_reader(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1, n2=n2,
-                           row_on_1=row_on_1, features=_elem_features)
+def _stats_kernel(idx_ref, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *, n1,
+                  n2, row_on_1):  # noqa: ANN001
+    _, read = _tile_reader(_Place(idx_ref, n1, n2), dec_ref, g_ref, p_ref, m_ref, r_ref,
+                           f1_ref, f2_ref, n1=n1, n2=n2, row_on_1=row_on_1,
+                           features=_elem_features)
 
     def sub_tile(s, acc):  # noqa: ANN001, ANN202
         _, _, valid, _, _, feats = read(s)
@@ -341,16 +360,17 @@ def _cat(fs):  # noqa: ANN001, ANN202
     return fs[0]
 
 
-def _fused_kernel(dec_ref, w16_ref, b0_ref, wh_ref, bh_ref, wl_ref, bl_ref, g_ref, p_ref,
-                  m_ref, r_ref, f1_ref, f2_ref, t1_ref, t2_ref, s_ref, mo_ref, ro_ref, *, n1,
-                  n2, row_on_1, nhid, hp, exp_mult, step_mult, mode):  # noqa: ANN001
-    c_ok, read = _tile_reader(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1,
+def _fused_kernel(idx_ref, dec_ref, w16_ref, b0_ref, wh_ref, bh_ref, wl_ref, bl_ref, g_ref,
+                  p_ref, m_ref, r_ref, f1_ref, f2_ref, t1_ref, t2_ref, s_ref, mo_ref, ro_ref,
+                  *, n1, n2, row_on_1, nhid, hp, exp_mult, step_mult, mode):  # noqa: ANN001
+    at = _Place(idx_ref, n1, n2)
+    c_ok, read = _tile_reader(at, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1,
                               n2=n2, row_on_1=row_on_1, features=_elem_features)
     # loaded once per program: this program's columns' first-layer terms plus the bias
     # [BC, HP], the tensor's per-element first-layer rows with its normalizers folded in
     # [2, 16, HP] and the hidden and output layers
-    t2 = _load(t2_ref, c_ok[:, None]) + b0_ref[...]
-    w16 = (w16_ref[0], w16_ref[1])
+    t2 = _load(t2_ref.at[at.l, at.cols], c_ok[:, None]) + b0_ref[...]
+    w16 = (w16_ref[at.l, 0], w16_ref[at.l, 1])
     wh = [(wh_ref[i, 0], wh_ref[i, 1]) for i in range(nhid)]
     bh = [bh_ref[i, :][None, :] for i in range(nhid)]
     wl0, wl1 = wl_ref[0, :][None, :], wl_ref[1, :][None, :]
@@ -359,7 +379,7 @@ def _fused_kernel(dec_ref, w16_ref, b0_ref, wh_ref, bh_ref, wl_ref, bl_ref, g_re
 
     def sub_tile(s, carry):  # noqa: ANN001, ANN202
         rows, r_ok, valid, ms, rms, feats = read(s)
-        t1 = _load(t1_ref.at[rows], r_ok[:, None])
+        t1 = _load(t1_ref.at[at.l, at.rows(s)], r_ok[:, None])
         # the first layer as the torch kernel's: the 16 raw features as one [n, 16] operand
         # times the normalized rows on the tensor cores, the axis terms and the bias as the
         # accumulator they are added to
@@ -428,14 +448,20 @@ class SmallFCKernels:
 
     def __call__(self, shape: tuple[int, ...], p: Any, g: Any, m: Any, rms: Any, v_row: Any,
                  v_col: Any, v_diag: Any, *, tf: Any, decays: tuple[Any, Any, Any],
-                 aux: dict | None = None, stage: Any = None) -> tuple[Any, ...]:
-        """One shape group (stacked on axis 0): ``(step, m, rms, v_row, v_col, v_diag)``
-        stacked, as :func:`xopt.specs.small_fc_lopt.compute_step` per tensor. ``aux``, if
-        given, receives the statistics kernel's output as it came (``"stats"``: per block)
-        and the normalizers' statistic (``"feature_sq_mean"`` [L, F], the spec's order).
-        ``stage(name, fn, *args)`` runs each of the four stages (module docstring; default:
-        ``fn(*args)``), so that a benchmark can time them apart on their real inputs."""
+                 aux: dict | None = None, stage: Any = None) -> tuple[list[Any], ...]:
+        """One shape group, each argument the group's tensors (a sequence, or an array
+        stacked on axis 0): ``(step, m, rms, v_row, v_col, v_diag)``, each a list of the
+        tensors', as :func:`xopt.specs.small_fc_lopt.compute_step` per tensor. The kernels
+        read and write each tensor's own arrays (no copy into a stacked group and back);
+        the per-tensor statistics, normalizers and axis terms are computed for the group at
+        once. ``aux``, if given, receives the statistics kernels' output as it came
+        (``"stats"``: per block, the tensors' in order) and the normalizers' statistic
+        (``"feature_sq_mean"`` [L, F], the spec's order). ``stage(name, fn, *args)`` runs
+        each of the four stages (module docstring; default: ``fn(*args)``), so that a
+        benchmark can time them apart on their real inputs."""
         stage = stage or run_stage
+        p, g, m, rms, v_row, v_col, v_diag = (list(x) for x in (p, g, m, rms, v_row, v_col,
+                                                                v_diag))
         pre = stage("prep", functools.partial(self.prep, shape), v_row, v_col, v_diag, g,
                     *decays)
         part = stage("stats", functools.partial(self.stats, shape), pre, g, p, m, rms)
@@ -444,8 +470,7 @@ class SmallFCKernels:
             aux.update(stats=part, feature_sq_mean=norm["feature_sq_mean"])
         step, m_new, rms_new = stage("fused", functools.partial(self.fused, shape), pre, norm,
                                      g, p, m, rms)
-        return (step.reshape(p.shape), m_new.reshape(m.shape), rms_new.reshape(rms.shape),
-                pre["new_row"], pre["new_col"], v_diag)
+        return step, m_new, rms_new, pre["new_row"], pre["new_col"], v_diag
 
     def prep(self, shape: tuple[int, ...], v_row: Any, v_col: Any, v_diag: Any, g: Any,
              mom_d: Any, rms_d: Any, fac_d: Any) -> dict[str, Any]:
@@ -455,8 +480,8 @@ class SmallFCKernels:
 
     def stats(self, shape: tuple[int, ...], pre: dict, g: Any, p: Any, m: Any,
               rms: Any) -> Any:
-        """Stage 2 (:func:`_stats_kernel`): Σ feature² of the per-element features, per
-        block ``[L · blocks, 16]``."""
+        """Stage 2 (:func:`_stats_kernel`, one call per tensor): Σ feature² of the
+        per-element features, per block ``[L · blocks, 16]``."""
         return _stats_call(_stats_kernel, 16, "sfc_stats", shape, pre, g, p, m, rms)
 
     def normalize(self, shape: tuple[int, ...], pre: dict, part: Any, tf: Any) -> dict:
@@ -487,36 +512,36 @@ class SmallFCKernels:
                     feature_sq_mean=sq / float(n1 * n2))
 
     def fused(self, shape: tuple[int, ...], pre: dict, norm: dict, g: Any, p: Any, m: Any,
-              rms: Any) -> tuple[Any, Any, Any]:
-        """Stage 4 (:func:`_fused_kernel`): ``(step, m, rms)`` as ``[L, N1, N2(, 3)]``."""
-        L = p.shape[0]
+              rms: Any) -> tuple[list[Any], list[Any], list[Any]]:
+        """Stage 4 (:func:`_fused_kernel`, one call per tensor): ``(step, m, rms)``, each a
+        list of the tensors' (their shapes)."""
         n1, n2, row_on_1 = two_d_view(shape)
         hp_ = self.hp_
         _, _, per, elem = _index_maps(n1, n2)
-        whole, blk, blk_m, blk_f1, blk_f2 = _element_specs(elem)
+        whole, blk, blk_m, group = _element_specs(elem)
         kern = functools.partial(
             _fused_kernel, n1=n1, n2=n2, row_on_1=row_on_1, nhid=self.nl - 1, hp=hp_,
             exp_mult=float(self.hp.exp_mult), step_mult=float(self.hp.step_mult),
             mode=_dot_mode(self.precision))
         full = lambda *shape: pl.BlockSpec(shape, lambda t: (0,) * len(shape))  # noqa: E731
-        return pl.pallas_call(
+        call = pl.pallas_call(
             kern,
-            out_shape=(jax.ShapeDtypeStruct((L, n1, n2), jnp.float32),
-                       jax.ShapeDtypeStruct((L, n1, n2, 3), jnp.float32),
-                       jax.ShapeDtypeStruct((L, n1, n2), jnp.float32)),
-            grid=(L * per,),
-            in_specs=[pl.BlockSpec((8,), whole),
-                      pl.BlockSpec((SQ, 2, 16, hp_), lambda t: (elem(t)[0], 0, 0, 0)),
-                      full(1, hp_), full(*norm["wh"].shape),
-                      full(*norm["bh"].shape), full(2, hp_), pl.BlockSpec((2,), whole),
-                      blk, blk, blk_m, blk, blk_f1, blk_f2,
-                      pl.BlockSpec((SQ, RP, hp_), lambda t: (elem(t)[0], elem(t)[1], 0)),
-                      pl.BlockSpec((SQ, BC, hp_), lambda t: (elem(t)[0], elem(t)[2], 0))],
+            out_shape=(jax.ShapeDtypeStruct((n1, n2), jnp.float32),
+                       jax.ShapeDtypeStruct((n1, n2, 3), jnp.float32),
+                       jax.ShapeDtypeStruct((n1, n2), jnp.float32)),
+            grid=(per,),
+            in_specs=[pl.BlockSpec((1,), whole), pl.BlockSpec((8,), whole), group,
+                      full(1, hp_), full(*norm["wh"].shape), full(*norm["bh"].shape),
+                      full(2, hp_), pl.BlockSpec((2,), whole),
+                      blk, blk, blk_m, blk, group, group, group, group],
             out_specs=[blk, blk_m, blk],
             interpret=_on_cpu(), compiler_params=_compiler_params(), name="sfc_fused",
-        )(pre["decs"], norm["w16"], norm["b0"], norm["wh"], norm["bh"],
-          norm["wl"], norm["bl"], *_element_views(shape, g, p, m, rms), pre["f1"], pre["f2"],
-          norm["t1"], norm["t2"])
+        )
+        outs = [call(_index(i), pre["decs"], norm["w16"], norm["b0"], norm["wh"], norm["bh"],
+                     norm["wl"], norm["bl"], *_element_views(shape, *a), pre["f1"],
+                     pre["f2"], norm["t1"], norm["t2"])
+                for i, a in enumerate(zip(g, p, m, rms, strict=True))]
+        return _per_tensor_outputs(outs, p, m, rms)
 
 
 def run_stage(name: str, fn: Any, *args: Any) -> Any:
@@ -525,27 +550,42 @@ def run_stage(name: str, fn: Any, *args: Any) -> Any:
     return fn(*args)
 
 
+def _index(i: int) -> Any:
+    """A tensor's index in its group, the kernels' ``idx`` input (data, not a constant of
+    the kernel, so that a group's calls are one kernel, compiled once)."""
+    return jnp.full((1,), i, jnp.int32)
+
+
 def _element_views(shape: tuple[int, ...], g: Any, p: Any, m: Any, rms: Any) -> list[Any]:
-    """A stacked group's ``g``, ``p``, ``m``, ``rms`` as ``[L, N1, N2(, 3)]`` (reshapes)."""
-    L = p.shape[0]
+    """One tensor's ``g``, ``p``, ``m``, ``rms`` as ``[N1, N2(, 3)]`` (reshapes)."""
     n1, n2, _ = two_d_view(shape)
-    return [g.reshape(L, n1, n2), p.reshape(L, n1, n2), m.reshape(L, n1, n2, 3),
-            rms.reshape(L, n1, n2)]
+    return [g.reshape(n1, n2), p.reshape(n1, n2), m.reshape(n1, n2, 3), rms.reshape(n1, n2)]
 
 
-def _axis_prep(shape: tuple[int, ...], v_row: Any, v_col: Any, v_diag: Any, g: Any,
-               mom_d: Any, rms_d: Any, fac_d: Any) -> dict[str, Any]:
+def _per_tensor_outputs(outs: list[Any], p: list[Any], m: list[Any],
+                        rms: list[Any]) -> tuple[list[Any], list[Any], list[Any]]:
+    """The fused kernels' ``(step, m, rms)`` per tensor → three lists, each array in its
+    tensor's shape (reshapes)."""
+    return ([o[0].reshape(x.shape) for o, x in zip(outs, p, strict=True)],
+            [o[1].reshape(x.shape) for o, x in zip(outs, m, strict=True)],
+            [o[2].reshape(x.shape) for o, x in zip(outs, rms, strict=True)])
+
+
+def _axis_prep(shape: tuple[int, ...], v_row: list[Any], v_col: list[Any],
+               v_diag: list[Any], g: list[Any], mom_d: Any, rms_d: Any,
+               fac_d: Any) -> dict[str, Any]:
     """Both methods' first stage: the new ``v_row``/``v_col`` (the spec's
-    ``factored_update``, batched; ``g`` as the method feeds it), their factors per axis
-    ``f1`` [L, 3, N1], ``f2`` [L, 3, N2], the row and column features [L, n, 6] and their
-    sums of squares over the tensor [L, 6], and the kernels' decays [8]."""
-    L = g.shape[0]
+    ``factored_update`` per tensor, on its own gradient, as the method feeds it: lists),
+    their factors per axis ``f1`` [L, 3, N1], ``f2`` [L, 3, N2], the row and column features
+    [L, n, 6] and their sums of squares over the tensor [L, 6], and the kernels' decays
+    [8]."""
+    L = len(g)
     _, _, row_on_1 = two_d_view(shape)
-    new_row, new_col, _, _ = jax.vmap(
-        lambda vr, vc, vd, gg: lopt.factored_update(jnp, vr, vc, vd, gg, fac_d)
-    )(v_row, v_col, v_diag, g)
-    vr2 = new_row.reshape(L, -1, 3)  # [L, positions of the v_row axis, 3]
-    vc2 = new_col.reshape(L, -1, 3)
+    new = [lopt.factored_update(jnp, vr, vc, vd, gg, fac_d)
+           for vr, vc, vd, gg in zip(v_row, v_col, v_diag, g, strict=True)]
+    new_row, new_col = [n[0] for n in new], [n[1] for n in new]
+    vr2 = jnp.stack(new_row).reshape(L, -1, 3)  # [L, positions of the v_row axis, 3]
+    vc2 = jnp.stack(new_col).reshape(L, -1, 3)
     rcm = jnp.mean(vr2, axis=1, keepdims=True)
     rf = lopt.safe_rsqrt(jnp, vr2 / (rcm + 1e-9))
     cf = lopt.safe_rsqrt(jnp, vc2)
@@ -563,19 +603,23 @@ def _axis_prep(shape: tuple[int, ...], v_row: Any, v_col: Any, v_diag: Any, g: A
 
 
 def _stats_call(kernel: Any, width: int, name: str, shape: tuple[int, ...], pre: dict,
-                g: Any, p: Any, m: Any, rms: Any) -> Any:
-    """A statistics kernel over a group: ``[L · blocks, width]`` per-block sums."""
-    L = p.shape[0]
+                g: list[Any], p: list[Any], m: list[Any], rms: list[Any]) -> Any:
+    """A statistics kernel over a group, one call per tensor: ``[L · blocks, width]``
+    per-block sums, the tensors' blocks in order."""
     n1, n2, row_on_1 = two_d_view(shape)
     _, _, per, elem = _index_maps(n1, n2)
-    whole, blk, blk_m, blk_f1, blk_f2 = _element_specs(elem)
-    return pl.pallas_call(
+    whole, blk, blk_m, group = _element_specs(elem)
+    call = pl.pallas_call(
         functools.partial(kernel, n1=n1, n2=n2, row_on_1=row_on_1),
-        out_shape=jax.ShapeDtypeStruct((L * per, width), jnp.float32), grid=(L * per,),
-        in_specs=[pl.BlockSpec((8,), whole), blk, blk, blk_m, blk, blk_f1, blk_f2],
+        out_shape=jax.ShapeDtypeStruct((per, width), jnp.float32), grid=(per,),
+        in_specs=[pl.BlockSpec((1,), whole), pl.BlockSpec((8,), whole), blk, blk, blk_m, blk,
+                  group, group],
         out_specs=pl.BlockSpec((SQ, width), lambda t: (t, 0)),
         interpret=_on_cpu(), compiler_params=_compiler_params(), name=name,
-    )(pre["decs"], *_element_views(shape, g, p, m, rms), pre["f1"], pre["f2"])
+    )
+    return jnp.concatenate([call(_index(i), pre["decs"], *_element_views(shape, *a),
+                                 pre["f1"], pre["f2"])
+                            for i, a in enumerate(zip(g, p, m, rms, strict=True))])
 
 
 # -- VeLO --------------------------------------------------------------------------------------
@@ -609,10 +653,11 @@ def _velo_elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
     return [g, jnp.clip(g, -0.1, 0.1), p, *ms, rms, *(m * r for m in ms), r, *fg, g * r, *fm]
 
 
-def _velo_stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *, n1, n2,
-                       row_on_1):  # noqa: ANN001
-    _, read = _tile_reader(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1, n2=n2,
-                           row_on_1=row_on_1, features=_velo_elem_features, clip=1000.0)
+def _velo_stats_kernel(idx_ref, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *,
+                       n1, n2, row_on_1):  # noqa: ANN001
+    _, read = _tile_reader(_Place(idx_ref, n1, n2), dec_ref, g_ref, p_ref, m_ref, r_ref,
+                           f1_ref, f2_ref, n1=n1, n2=n2, row_on_1=row_on_1,
+                           features=_velo_elem_features, clip=1000.0)
 
     def sub_tile(s, acc):  # noqa: ANN001, ANN202
         _, _, valid, _, _, feats = read(s)
@@ -626,40 +671,47 @@ def _velo_stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_re
     o_ref[...] = out
 
 
-def _velo_fused_kernel(dec_ref, w_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, t1_ref,
-                       t2_ref, s_ref, mo_ref, ro_ref, *, n1, n2, row_on_1, width, nhid, off,
-                       exp_mult, step_mult):  # noqa: ANN001
-    c_ok, read = _tile_reader(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1,
+def _velo_fused_kernel(idx_ref, dec_ref, sc_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref,
+                       t1_ref, t2_ref, s_ref, mo_ref, ro_ref, *, n1, n2, row_on_1, width, nhid,
+                       off, exp_mult, step_mult):  # noqa: ANN001
+    at = _Place(idx_ref, n1, n2)
+    c_ok, read = _tile_reader(at, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1,
                               n2=n2, row_on_1=row_on_1, features=_velo_elem_features,
                               clip=1000.0)
-    t2 = [_load(t2_ref.at[:, _i(j)], c_ok)[None, :] for j in range(width)]
+    l = at.l
+
+    def w_ref(k):  # noqa: ANN001, ANN202
+        return sc_ref[l, k]  # this tensor's scalar k
+
+    t2 = [_load(t2_ref.at[at.l, at.cols, _i(j)], c_ok)[None, :] for j in range(width)]
     ne = len(VELO_ELEM)
 
     def sub_tile(s, carry):  # noqa: ANN001, ANN202
         rows, r_ok, valid, ms, rms, feats = read(s)
-        h = [_load(t1_ref.at[rows, _i(j)], r_ok)[:, None] + t2[j] for j in range(width)]
+        h = [_load(t1_ref.at[at.l, at.rows(s), _i(j)], r_ok)[:, None] + t2[j]
+             for j in range(width)]
         for k, f in enumerate(feats):  # the first layer, channel by channel (float32 FMAs)
-            x = f * w_ref[k]  # normalized
-            h = [h[j] + x * w_ref[ne + k * width + j] for j in range(width)]
-        h = [jnp.maximum(h[j] + w_ref[off["b0"] + j], 0.0) for j in range(width)]
+            x = f * w_ref(k)  # normalized
+            h = [h[j] + x * w_ref(ne + k * width + j) for j in range(width)]
+        h = [jnp.maximum(h[j] + w_ref(off["b0"] + j), 0.0) for j in range(width)]
         for i in range(nhid):
             w0, b0 = off["wh"] + i * width * width, off["bh"] + i * width
             new = []
             for j in range(width):
-                acc = h[0] * w_ref[w0 + j]
+                acc = h[0] * w_ref(w0 + j)
                 for q in range(1, width):
-                    acc = acc + h[q] * w_ref[w0 + q * width + j]
-                new.append(jnp.maximum(acc + w_ref[b0 + j], 0.0))
+                    acc = acc + h[q] * w_ref(w0 + q * width + j)
+                new.append(jnp.maximum(acc + w_ref(b0 + j), 0.0))
             h = new
         outs = []
         for c in range(2):
-            acc = h[0] * w_ref[off["wl"] + c]
+            acc = h[0] * w_ref(off["wl"] + c)
             for q in range(1, width):
-                acc = acc + h[q] * w_ref[off["wl"] + q * 2 + c]
-            outs.append(acc + w_ref[off["bl"] + c])
+                acc = acc + h[q] * w_ref(off["wl"] + q * 2 + c)
+            outs.append(acc + w_ref(off["bl"] + c))
         direction, magnitude = outs
-        step = direction * (w_ref[off["scale"]] * jnp.exp(magnitude * exp_mult)) * step_mult
-        _store(s_ref.at[rows], w_ref[off["lr"]] * step, valid)
+        step = direction * (w_ref(off["scale"]) * jnp.exp(magnitude * exp_mult)) * step_mult
+        _store(s_ref.at[rows], w_ref(off["lr"]) * step, valid)
         for k in range(3):
             _store(mo_ref.at[rows, :, _i(k)], ms[k], valid)
         _store(ro_ref.at[rows], rms, valid)
@@ -693,15 +745,20 @@ class VeLOKernels:
     def __call__(self, shape: tuple[int, ...], p: Any, g: Any, m: Any, rms: Any, v_row: Any,
                  v_col: Any, v_diag: Any, controls: Any, lr_mult: Any, *,
                  decays: tuple[Any, Any, Any], aux: dict | None = None,
-                 stage: Any = None) -> tuple[Any, ...]:
-        """One shape group: ``(step, m, rms, v_row, v_col, v_diag)`` stacked, as
-        :func:`xopt.specs.velo.update_tensor` per tensor (``aux``, ``stage``: as
-        :meth:`SmallFCKernels.__call__`'s)."""
+                 stage: Any = None) -> tuple[list[Any], ...]:
+        """One shape group, the per-element arguments as :meth:`SmallFCKernels.__call__`'s
+        (each a sequence of the group's tensors or an array stacked on axis 0), ``controls``
+        and ``lr_mult`` stacked: ``(step, m, rms, v_row, v_col, v_diag)``, lists of the
+        tensors', as :func:`xopt.specs.velo.update_tensor` per tensor (``aux``, ``stage``:
+        as :meth:`SmallFCKernels.__call__`'s)."""
         from xopt.specs import velo as vspec
 
         stage = stage or run_stage
+        p, g, m, rms, v_row, v_col, v_diag = (list(x) for x in (p, g, m, rms, v_row, v_col,
+                                                                v_diag))
+
         def prep(v_row, v_col, v_diag, g, *decays):  # noqa: ANN001, ANN202
-            gc = jnp.clip(g, -vspec.GRAD_CLIP, vspec.GRAD_CLIP)
+            gc = [jnp.clip(x, -vspec.GRAD_CLIP, vspec.GRAD_CLIP) for x in g]
             return _axis_prep(shape, v_row, v_col, v_diag, gc, *decays)
 
         pre = stage("prep", prep, v_row, v_col, v_diag, g, *decays)
@@ -713,8 +770,7 @@ class VeLOKernels:
             aux.update(stats=part, feature_sq_mean=norm["feature_sq_mean"])
         step, m_new, rms_new = stage("fused", functools.partial(self.fused, shape), pre, norm,
                                      g, p, m, rms)
-        return (step.reshape(p.shape), m_new.reshape(m.shape), rms_new.reshape(rms.shape),
-                pre["new_row"], pre["new_col"], v_diag)
+        return step, m_new, rms_new, pre["new_row"], pre["new_col"], v_diag
 
     def normalize(self, shape: tuple[int, ...], pre: dict, part: Any, controls: Any,
                   lr_mult: Any) -> dict:
@@ -752,28 +808,28 @@ class VeLOKernels:
         return dict(scal=scal, t1=t1, t2=t2, feature_sq_mean=sq / n)
 
     def fused(self, shape: tuple[int, ...], pre: dict, norm: dict, g: Any, p: Any, m: Any,
-              rms: Any) -> tuple[Any, Any, Any]:
-        """Stage 4 (:func:`_velo_fused_kernel`): ``(step, m, rms)`` as ``[L, N1, N2(, 3)]``."""
-        L = p.shape[0]
+              rms: Any) -> tuple[list[Any], list[Any], list[Any]]:
+        """Stage 4 (:func:`_velo_fused_kernel`, one call per tensor): ``(step, m, rms)``,
+        each a list of the tensors' (their shapes)."""
         n1, n2, row_on_1 = two_d_view(shape)
         _, _, per, elem = _index_maps(n1, n2)
-        whole, blk, blk_m, blk_f1, blk_f2 = _element_specs(elem)
-        width = self.width
+        whole, blk, blk_m, group = _element_specs(elem)
         kern = functools.partial(
-            _velo_fused_kernel, n1=n1, n2=n2, row_on_1=row_on_1, width=width, nhid=self.nhid,
-            off=self.off, exp_mult=float(self.hp.exp_mult), step_mult=float(self.hp.step_mult))
-        return pl.pallas_call(
+            _velo_fused_kernel, n1=n1, n2=n2, row_on_1=row_on_1, width=self.width,
+            nhid=self.nhid, off=self.off, exp_mult=float(self.hp.exp_mult),
+            step_mult=float(self.hp.step_mult))
+        call = pl.pallas_call(
             kern,
-            out_shape=(jax.ShapeDtypeStruct((L, n1, n2), jnp.float32),
-                       jax.ShapeDtypeStruct((L, n1, n2, 3), jnp.float32),
-                       jax.ShapeDtypeStruct((L, n1, n2), jnp.float32)),
-            grid=(L * per,),
-            in_specs=[pl.BlockSpec((8,), whole),
-                      pl.BlockSpec((SQ, VELO_SCAL), lambda t: (elem(t)[0], 0)),
-                      blk, blk, blk_m, blk, blk_f1, blk_f2,
-                      pl.BlockSpec((SQ, RP, width), lambda t: (elem(t)[0], elem(t)[1], 0)),
-                      pl.BlockSpec((SQ, BC, width), lambda t: (elem(t)[0], elem(t)[2], 0))],
+            out_shape=(jax.ShapeDtypeStruct((n1, n2), jnp.float32),
+                       jax.ShapeDtypeStruct((n1, n2, 3), jnp.float32),
+                       jax.ShapeDtypeStruct((n1, n2), jnp.float32)),
+            grid=(per,),
+            in_specs=[pl.BlockSpec((1,), whole), pl.BlockSpec((8,), whole), group,
+                      blk, blk, blk_m, blk, group, group, group, group],
             out_specs=[blk, blk_m, blk],
             interpret=_on_cpu(), compiler_params=_compiler_params(), name="velo_fused",
-        )(pre["decs"], norm["scal"], *_element_views(shape, g, p, m, rms), pre["f1"],
-          pre["f2"], norm["t1"], norm["t2"])
+        )
+        outs = [call(_index(i), pre["decs"], norm["scal"], *_element_views(shape, *a),
+                     pre["f1"], pre["f2"], norm["t1"], norm["t2"])
+                for i, a in enumerate(zip(g, p, m, rms, strict=True))]
+        return _per_tensor_outputs(outs, p, m, rms)
