@@ -77,7 +77,10 @@ def test_breakdown_covers_the_update(run, path):
     prefix = "sfc" if path.startswith("small_fc") else "velo"
     n_in = sum(1 for t in shapes if tuple(t) in kernel_groups)
     want_calls = (n_in, len(kernel_groups))
-    assert calls == {f"{prefix}_stats": want_calls, f"{prefix}_fused": want_calls}
+    want = {f"{prefix}_stats": want_calls, f"{prefix}_fused": want_calls}
+    if prefix == "velo":  # the LSTM inputs' second pass, in the lstm stage
+        want["velo_var"] = want_calls
+    assert calls == want
     assert all(k["ir_bytes"] > 0 and k["grid"] > 0 for k in res["kernels"])
     # the staged update is the update (separate compilations may round a few ulps apart)
     assert res["staged_vs_one_jit"]["step_max_rel"] <= 1e-5

@@ -284,12 +284,17 @@ class PackedVeLO:
         # leaves as they are)
         stacked = stage("pack", lambda *xs: [buckets.stack(x_, keep) for x_ in xs], p_leaves,
                         g_leaves, *accs_in)
+        decays = tuple(jnp.asarray(d) for d in spec.decay_arrays(hp))
+        # the kernels' groups: their statistics pass before the LSTM, whose inputs it gives
+        first = {k: fused.first(shape, *[st[k] for st in stacked], decays=decays,
+                                stage=_in_group(stage, shape))
+                 for k, (shape, _) in enumerate(buckets.groups) if k in keep}
 
-        def lstm(stacked, hidden, cell, frac, lfeat):  # noqa: ANN001, ANN202
+        def lstm(stacked, parts, hidden, cell, frac, lfeat):  # noqa: ANN001, ANN202
             def features(p, m, rms):  # noqa: ANN001, ANN202
                 return spec.lstm_features(jnp, p, m, rms, frac, lfeat)
 
-            rows = [jnp.stack([features(*x) for x in zip(p_, m_, r_, strict=True)])
+            rows = [fused.lstm_inputs(buckets.groups[k][0], parts[k], m_, r_, frac, lfeat)
                     if k in keep else jax.vmap(features)(p_, m_, r_)
                     for k, (p_, m_, r_) in enumerate(zip(stacked[0], stacked[2], stacked[3],
                                                          strict=True))]
@@ -302,9 +307,9 @@ class PackedVeLO:
             return per_group, hidden, cell
 
         per_group, hidden, cell = stage("lstm", lstm, stacked,
+                                        {k: part for k, (_, part) in first.items()},
                                         treedef.flatten_up_to(inner.lstm_hidden),
                                         treedef.flatten_up_to(inner.lstm_cell), frac, lfeat)
-        decays = tuple(jnp.asarray(d) for d in spec.decay_arrays(hp))
 
         def one(p, g, m, rms, v_row, v_col, v_diag, c, s):  # noqa: ANN001, ANN202
             step, accs = spec.update_tensor(jnp, hp, p, g, m, rms, v_row, v_col, v_diag, c, s,
@@ -315,8 +320,9 @@ class PackedVeLO:
         for k, (shape, _) in enumerate(buckets.groups):
             args = [st[k] for st in stacked]
             if k in keep:
-                results.append(fused(shape, *args, *per_group[k], decays=decays,
-                                     stage=_in_group(stage, shape)))
+                p_, g_, m_, rms_, _, _, v_diag = args
+                results.append(fused.second(shape, *first[k], *per_group[k], p_, g_, m_, rms_,
+                                            v_diag, stage=_in_group(stage, shape)))
             else:
                 results.append(_in_group(stage, shape)("xla", jax.vmap(one), *args,
                                                        *per_group[k]))

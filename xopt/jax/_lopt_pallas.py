@@ -251,14 +251,14 @@ def _rows(s: jax.Array) -> Any:
 
 
 def _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows):  # noqa: ANN001, ANN202
-    """The updated momenta and second moment of a sub-tile, and ``rsqrt(rms + 1e-6)``."""
-    ms = []
-    for k in range(3):
-        d = dec_ref[k]
-        ms.append(d * _load(m_ref.at[rows, :, _i(k)], valid) + (1 - d) * g)
+    """The updated momenta and second moment of a sub-tile, ``rsqrt(rms + 1e-6)``, and the
+    old momenta and second moment (0 outside the tensor)."""
+    old = [_load(m_ref.at[rows, :, _i(k)], valid) for k in range(3)]
+    ms = [dec_ref[k] * old[k] + (1 - dec_ref[k]) * g for k in range(3)]
     c = jnp.clip(dec_ref[3], 0.0, 1.0)
-    rms = c * _load(r_ref.at[rows], valid) + (1 - c) * (g * g)
-    return ms, rms, jax.lax.rsqrt(rms + 1e-6)
+    old.append(_load(r_ref.at[rows], valid))
+    rms = c * old[3] + (1 - c) * (g * g)
+    return ms, rms, jax.lax.rsqrt(rms + 1e-6), old
 
 
 def _col_factors(f2_ref, at, c_ok):  # noqa: ANN001, ANN202
@@ -309,9 +309,10 @@ def _elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
 def _tile_reader(at, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, *, n1, n2,
                  row_on_1, features, clip=None):  # noqa: ANN001, ANN202
     """What every kernel reads per sub-tile: ``(c_ok, read)``, ``c_ok`` the program's column
-    mask and ``read(s)`` -> ``(rows, r_ok, valid, ms, rms, feats)`` for sub-tile ``s``: its
-    rows (in the program's block) and masks, the updated accumulators and ``features``
-    (unnormalized) of the gradient (clipped to ±``clip`` when given) and the parameter
+    mask and ``read(s)`` -> ``(rows, r_ok, valid, ms, rms, feats, p, old)`` for sub-tile
+    ``s``: its rows (in the program's block) and masks, the updated accumulators,
+    ``features`` (unnormalized) of the gradient (clipped to ±``clip`` when given), the
+    parameter, and the old accumulators
     (``at``: :class:`_Place`)."""
     c_ok = _col_mask(n1, n2)
     base = at.base
@@ -325,9 +326,9 @@ def _tile_reader(at, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, *, n1,
         if clip is not None:
             g = jnp.clip(g, -clip, clip)
         p = _load(p_ref.at[rows], valid)
-        ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows)
+        ms, rms, r, old = _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows)
         feats = features(g, p, ms, rms, r, _factors(f1_ref, at, col, r_ok, s, row_on_1))
-        return rows, r_ok, valid, ms, rms, feats
+        return rows, r_ok, valid, ms, rms, feats, p, old
 
     return c_ok, read
 
@@ -339,7 +340,7 @@ def _stats_kernel(idx_ref, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, 
                            features=_elem_features)
 
     def sub_tile(s, acc):  # noqa: ANN001, ANN202
-        _, _, valid, _, _, feats = read(s)
+        _, _, valid, _, _, feats, _, _ = read(s)
         return tuple(a + jnp.where(valid, f * f, 0.0) for a, f in zip(acc, feats, strict=True))
 
     acc = _sub_tiles(sub_tile, tuple(jnp.zeros((BR, BC), jnp.float32) for _ in ELEM))
@@ -378,7 +379,7 @@ def _fused_kernel(idx_ref, dec_ref, w16_ref, b0_ref, wh_ref, bh_ref, wl_ref, bl_
     n = BR * BC
 
     def sub_tile(s, carry):  # noqa: ANN001, ANN202
-        rows, r_ok, valid, ms, rms, feats = read(s)
+        rows, r_ok, valid, ms, rms, feats, _, _ = read(s)
         t1 = _load(t1_ref.at[at.l, at.rows(s)], r_ok[:, None])
         # the first layer as the torch kernel's: the 16 raw features as one [n, 16] operand
         # times the normalized rows on the tensor cores, the axis terms and the bias as the
@@ -602,6 +603,22 @@ def _axis_prep(shape: tuple[int, ...], v_row: list[Any], v_col: list[Any],
                 row_sq=row_sq, col_sq=col_sq, decs=decs)
 
 
+def _var_call(shape: tuple[int, ...], mu: Any, m: list[Any], rms: list[Any]) -> Any:
+    """:func:`_velo_var_kernel` over a group, one call per tensor: ``[L · blocks, 8]``."""
+    n1, n2, _ = two_d_view(shape)
+    _, _, per, elem = _index_maps(n1, n2)
+    whole, blk, blk_m, group = _element_specs(elem)
+    call = pl.pallas_call(
+        functools.partial(_velo_var_kernel, n1=n1, n2=n2),
+        out_shape=jax.ShapeDtypeStruct((per, 8), jnp.float32), grid=(per,),
+        in_specs=[pl.BlockSpec((1,), whole), group, blk_m, blk],
+        out_specs=pl.BlockSpec((SQ, 8), lambda t: (t, 0)),
+        interpret=_on_cpu(), compiler_params=_compiler_params(), name="velo_var",
+    )
+    return jnp.concatenate([call(_index(i), mu, mm.reshape(n1, n2, 3), r.reshape(n1, n2))
+                            for i, (mm, r) in enumerate(zip(m, rms, strict=True))])
+
+
 def _stats_call(kernel: Any, width: int, name: str, shape: tuple[int, ...], pre: dict,
                 g: list[Any], p: list[Any], m: list[Any], rms: list[Any]) -> Any:
     """A statistics kernel over a group, one call per tensor: ``[L · blocks, width]``
@@ -660,12 +677,45 @@ def _velo_stats_kernel(idx_ref, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_
                            features=_velo_elem_features, clip=1000.0)
 
     def sub_tile(s, acc):  # noqa: ANN001, ANN202
-        _, _, valid, _, _, feats = read(s)
-        return tuple(a + jnp.where(valid, f * f, 0.0) for a, f in zip(acc, feats, strict=True))
+        _, _, valid, _, _, feats, p, old = read(s)
+        # and the LSTM's first pass: Σ p², Σ of the old momenta and second moment (0 outside)
+        sums = [jnp.where(valid, f * f, 0.0) for f in feats] + [p * p, *old]
+        return tuple(a + x for a, x in zip(acc, sums, strict=True))
 
-    acc = _sub_tiles(sub_tile, tuple(jnp.zeros((BR, BC), jnp.float32) for _ in VELO_ELEM))
+    acc = _sub_tiles(sub_tile, tuple(jnp.zeros((BR, BC), jnp.float32)
+                                     for _ in range(len(VELO_ELEM) + 5)))
     lanes = jax.lax.broadcasted_iota(jnp.int32, (32,), 0)
     out = jnp.zeros((32,), jnp.float32)
+    for k, a in enumerate(acc):
+        out = jnp.where(lanes == k, jnp.sum(a), out)
+    o_ref[...] = out
+
+
+def _velo_var_kernel(idx_ref, mu_ref, m_ref, r_ref, o_ref, *, n1, n2):  # noqa: ANN001
+    """The LSTM features' second pass over a block of one tensor: Σ (m_k − μ_k)² and
+    Σ (rms − μ_k)² over its elements (k < 3, ``μ`` the tensor's old momenta's means from
+    the first pass, :func:`_velo_stats_kernel`), the spec's two-pass variances
+    (:func:`xopt.specs.velo.lstm_features`) before its scaling by ``mean(p²)``."""
+    at = _Place(idx_ref, n1, n2)
+    c_ok = _col_mask(n1, n2)
+    mu = [mu_ref[at.l, k] for k in range(3)]
+
+    def sub_tile(s, acc):  # noqa: ANN001, ANN202
+        rows = _rows(s)
+        valid = _row_mask(at.base, n1, s)[:, None] & c_ok[None, :]
+        r = _load(r_ref.at[rows], valid)
+        out = []
+        for k in range(3):
+            d = _load(m_ref.at[rows, :, _i(k)], valid) - mu[k]
+            out.append(jnp.where(valid, d * d, 0.0))
+        for k in range(3):
+            d = r - mu[k]
+            out.append(jnp.where(valid, d * d, 0.0))
+        return tuple(a + x for a, x in zip(acc, out, strict=True))
+
+    acc = _sub_tiles(sub_tile, tuple(jnp.zeros((BR, BC), jnp.float32) for _ in range(6)))
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (8,), 0)
+    out = jnp.zeros((8,), jnp.float32)
     for k, a in enumerate(acc):
         out = jnp.where(lanes == k, jnp.sum(a), out)
     o_ref[...] = out
@@ -687,7 +737,7 @@ def _velo_fused_kernel(idx_ref, dec_ref, sc_ref, g_ref, p_ref, m_ref, r_ref, f1_
     ne = len(VELO_ELEM)
 
     def sub_tile(s, carry):  # noqa: ANN001, ANN202
-        rows, r_ok, valid, ms, rms, feats = read(s)
+        rows, r_ok, valid, ms, rms, feats, _, _ = read(s)
         h = [_load(t1_ref.at[at.l, at.rows(s), _i(j)], r_ok)[:, None] + t2[j]
              for j in range(width)]
         for k, f in enumerate(feats):  # the first layer, channel by channel (float32 FMAs)
@@ -750,12 +800,25 @@ class VeLOKernels:
         (each a sequence of the group's tensors or an array stacked on axis 0), ``controls``
         and ``lr_mult`` stacked: ``(step, m, rms, v_row, v_col, v_diag)``, lists of the
         tensors', as :func:`xopt.specs.velo.update_tensor` per tensor (``aux``, ``stage``:
-        as :meth:`SmallFCKernels.__call__`'s)."""
+        as :meth:`SmallFCKernels.__call__`'s). The update is :meth:`first` (before the
+        LSTM, whose inputs :meth:`lstm_inputs` takes from its statistics) then
+        :meth:`second`."""
+        p, g, m, rms, v_row, v_col, v_diag = (list(x) for x in (p, g, m, rms, v_row, v_col,
+                                                                v_diag))
+        pre, part = self.first(shape, p, g, m, rms, v_row, v_col, v_diag, decays=decays,
+                               stage=stage)
+        return self.second(shape, pre, part, controls, lr_mult, p, g, m, rms, v_diag, aux=aux,
+                           stage=stage)
+
+    def first(self, shape: tuple[int, ...], p: list[Any], g: list[Any], m: list[Any],
+              rms: list[Any], v_row: list[Any], v_col: list[Any], v_diag: list[Any], *,
+              decays: tuple[Any, Any, Any], stage: Any = None) -> tuple[dict, Any]:
+        """Stages 1-2 of a group (lists of its tensors' arrays): ``(pre, part)``, the axis
+        statistics and the statistics kernel's per-block sums (the normalizers' and the
+        LSTM inputs' first pass)."""
         from xopt.specs import velo as vspec
 
         stage = stage or run_stage
-        p, g, m, rms, v_row, v_col, v_diag = (list(x) for x in (p, g, m, rms, v_row, v_col,
-                                                                v_diag))
 
         def prep(v_row, v_col, v_diag, g, *decays):  # noqa: ANN001, ANN202
             gc = [jnp.clip(x, -vspec.GRAD_CLIP, vspec.GRAD_CLIP) for x in g]
@@ -764,6 +827,15 @@ class VeLOKernels:
         pre = stage("prep", prep, v_row, v_col, v_diag, g, *decays)
         part = stage("stats", functools.partial(_stats_call, _velo_stats_kernel, 32,
                                                 "velo_stats", shape), pre, g, p, m, rms)
+        return pre, part
+
+    def second(self, shape: tuple[int, ...], pre: dict, part: Any, controls: Any,
+               lr_mult: Any, p: list[Any], g: list[Any], m: list[Any], rms: list[Any],
+               v_diag: list[Any], *, aux: dict | None = None,
+               stage: Any = None) -> tuple[list[Any], ...]:
+        """Stages 3-4 of a group, given the LSTM's ``controls`` and ``lr_mult`` (stacked):
+        ``(step, m, rms, v_row, v_col, v_diag)``, lists of the tensors'."""
+        stage = stage or run_stage
         norm = stage("norm", functools.partial(self.normalize, shape), pre, part, controls,
                      lr_mult)
         if aux is not None:
@@ -771,6 +843,34 @@ class VeLOKernels:
         step, m_new, rms_new = stage("fused", functools.partial(self.fused, shape), pre, norm,
                                      g, p, m, rms)
         return step, m_new, rms_new, pre["new_row"], pre["new_col"], v_diag
+
+    def lstm_inputs(self, shape: tuple[int, ...], part: Any, m: list[Any], rms: list[Any],
+                    fraction: Any, loss_feats: Any) -> Any:
+        """The group's LSTM inputs [L, 30], :func:`xopt.specs.velo.lstm_features` per tensor
+        from the statistics kernel's first pass (Σ p², Σ of the old m and rms) and
+        :func:`_velo_var_kernel`'s second (Σ of squared deviations from the means): the
+        spec's two-pass means and variances, the scaling by ``rsqrt(max(1e-9, mean p²))``
+        applied to the means and variances instead of to every element."""
+        from xopt.specs import velo as vspec
+
+        n1, n2, _ = two_d_view(shape)
+        n, L = float(n1 * n2), len(m)
+        sums = jnp.sum(part.reshape(L, -1, 32), axis=1)  # [L, 32]
+        e = len(VELO_ELEM)
+        mu = sums[:, e + 1:e + 4] / n  # the old momenta's means [L, 3]
+        dev = jnp.sum(_var_call(shape, mu, m, rms).reshape(L, -1, 8), axis=1)
+        scale = jax.lax.rsqrt(jnp.maximum(sums[:, e] / n, 1e-9))[:, None]
+        mean_rms = scale * sums[:, e + 4:e + 5] / n
+        var_m = scale * scale * (dev[:, 0:3] / n)
+        var_rms = scale * scale * (dev[:, 3:6] / n)
+        like = jnp.zeros((), jnp.float32)
+        one_hot = np.eye(vspec.NUM_RANKS, dtype=np.float32)[vspec.tensor_rank(shape)]
+        fixed = jnp.concatenate([vspec.fraction_embedding(jnp, fraction, like), loss_feats])
+        return jnp.concatenate([
+            jnp.broadcast_to(fixed, (L, fixed.shape[0])),
+            vspec.clip_log_abs(jnp, mean_rms),
+            jnp.broadcast_to(jnp.asarray(one_hot), (L, vspec.NUM_RANKS)),
+            vspec.clip_log_abs(jnp, var_m), vspec.clip_log_abs(jnp, var_rms)], axis=1)
 
     def normalize(self, shape: tuple[int, ...], pre: dict, part: Any, controls: Any,
                   lr_mult: Any) -> dict:
