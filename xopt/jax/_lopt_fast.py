@@ -15,12 +15,14 @@ the plain path, to float64 and to the golden traces).
 ``impl="pallas"`` adds fused Pallas kernels (:mod:`xopt.jax._lopt_pallas`) for the
 per-element pass of the 2-D factored groups, where nearly all elements are: the features,
 the MLP and the step in registers instead of XLA's materialized feature matrices and
-activations. Pallas rather than jax-triton's ``triton_call`` of
-xopt's own Triton kernels: those kernels address tensors through a table of raw device
-pointers built by torch, which a JAX program cannot hand them without packing every
-tensor into flat buffers first, and jax-triton has no CPU interpreter, so CI could not run
-that path; Pallas kernels run under ``interpret=True`` on the CPU (CI) and lower to
-Triton on the GPU.
+activations. Those groups are not stacked: the kernels read and write each tensor's own
+arrays (a stacked copy of a model's parameters, gradients and state, and the slicing of
+the results back into leaves, would move several times the model's bytes per step).
+Pallas rather than jax-triton's ``triton_call`` of xopt's own Triton kernels: those
+kernels address tensors through a table of raw device pointers built by torch, which a JAX
+program cannot hand them without packing every tensor into flat buffers first, and
+jax-triton has no CPU interpreter, so CI could not run that path; Pallas kernels run
+under ``interpret=True`` on the CPU (CI) and lower to Triton on the GPU.
 
 The state is the plain path's (the same pytrees, shapes and names), so a state written by
 one implementation resumes under the other. The default (``impl=None``) is

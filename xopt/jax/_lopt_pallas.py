@@ -1,17 +1,25 @@
-"""Fused Pallas kernels for small_fc_lopt's per-element pass over a group of 2-D tensors.
+"""Fused Pallas kernels for the learned optimizers' per-element pass over 2-D tensors.
 
-Used by ``xopt.jax.small_fc_lopt(impl="pallas")`` (:class:`xopt.jax._lopt_fast.PackedSmallFC`)
-for each shape group whose tensors are factored matrices: rank 2, or a higher rank whose
-axes other than the two factored ones have length 1 (ViT's ``(1, 197, 768)``), seen as
-``[L, N1, N2]`` (``L`` tensors stacked, ``N2`` the contiguous axis). The other groups
+Used by ``xopt.jax.small_fc_lopt(impl="pallas")`` and ``xopt.jax.velo(impl="pallas")``
+(:mod:`xopt.jax._lopt_fast`) for each shape group whose tensors are factored matrices: rank
+2, or a higher rank whose axes other than the two factored ones have length 1 (ViT's
+``(1, 197, 768)``), each seen as ``[N1, N2]`` (``N2`` the contiguous axis). The other groups
 (vectors, scalars, convolution kernels) keep the packed XLA path.
+
+The kernels are called once per tensor on its own arrays (``g``, ``p``, ``m``, ``rms`` in,
+step, ``m``, ``rms`` out): nothing per element is copied into a stacked group and back.
+What a tensor shares with its group's computation (factors, axis terms, normalized weights,
+VeLO's per-tensor scalars: small) is computed by XLA for the group at once, stacked
+``[L, ...]``, and read by each call at the tensor's index ``idx``, an input rather than a
+constant of the kernel, so that the calls of a group are one kernel, which XLA compiles
+once (its kernel cache is keyed by the call's backend config).
 
 Per group, with the math of :func:`xopt.specs.small_fc_lopt.compute_step`:
 
-1. XLA: the Adafactor statistics ``v_row``, ``v_col`` (the spec's ``factored_update``,
-   batched), their row-column means and factors, and the 12 row/column features' sums of
-   squares (a feature of one axis summed over a tensor is the other axis's length times
-   its sum over positions);
+1. XLA: the Adafactor statistics ``v_row``, ``v_col`` (the spec's ``factored_update``, per
+   tensor on its own gradient), their row-column means and factors, and the 12 row/column
+   features' sums of squares (a feature of one axis summed over a tensor is the other
+   axis's length times its sum over positions);
 2. :func:`_stats_kernel`: per block, Σ feature² of the 16 per-element features
    (g, p, m, rms, m·rsqrt(rms), rsqrt(rms), fac_g, m·row_factor·col_factor), with the
    updated accumulators recomputed in registers; XLA adds the blocks and forms the
@@ -34,7 +42,10 @@ Nothing is materialized per element but the kernels' inputs and outputs: no [n, 
 feature matrix, no [n, hidden] activations. A program owns a block of RP rows of BC
 columns and walks it in NSUB sub-tiles of BR rows (a loop, not unrolled); what depends
 only on its columns or its tensor is loaded once per block. Grids are one-dimensional (a
-tensor's blocks one after another), so no grid axis meets CUDA's 65535 limit. Each stage
+tensor's blocks one after another), so no grid axis meets CUDA's 65535 limit. VeLO's
+kernels (:class:`VeLOKernels`) follow the same stages with its 4-wide MLP as float32 FMAs,
+and take the LSTM's inputs from the statistics pass and a second pass
+(:func:`_velo_var_kernel`). Each stage
 (1-4) runs through a stage runner (``stage=``, :func:`run_stage` by default) so that
 bench/lopt_step_jax.py ``--breakdown`` can time them apart.
 
