@@ -235,6 +235,12 @@ def test_pallas_kernels_lower_to_triton_for_cuda(monkeypatch, method, precision,
     assert text.count("__gpu$xla.gpu.triton") == per * len(in_kernels)
     kernels = set(re.findall(r'ir = "((?:[^"\\]|\\.)*)"', text))
     assert len(kernels) == per * len(groups), len(kernels)
+    # and no per-element array of theirs is stacked or sliced: no concatenation, slice or
+    # gather yields one of (40, 36), a kernels' group of two tensors (their statistics
+    # along an axis, (40, 3) and (36, 3), are)
+    moved = re.findall(r"stablehlo\.(?:concatenate|slice|gather|dynamic_slice)[^\n]*-> "
+                       r"tensor<([0-9x]*)xf32>", text)
+    assert moved and not [t for t in moved if "40x36" in t], sorted(set(moved))
 
 
 def test_impl_and_precision_are_checked():
