@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from xopt import random as xrandom
 from xopt.errors import StateError
 from xopt.registry import register
 from xopt.specs import flora as _spec
@@ -119,16 +120,17 @@ class Flora(LowRankOptimizer):
                  name: str, inject: Mapping[str, Tensor] | None) -> Any:
         return None
 
-    # -- the batched step: factored matrices whose momentum is not compressed (Adafactor,
-    # with or without full momentum) and without weight decay, same-shaped ones stacked:
-    # xopt.specs.flora.update_param's operations on (B, m, n) stacks; every other parameter
-    # (compressed momentum, 1-D, weight decay, injected projections) per parameter
+    # -- the batched step: factored matrices (Adafactor, with full, compressed or no
+    # momentum) without weight decay, same-shaped ones stacked: xopt.specs.flora.update_param's
+    # operations on (B, m, n) stacks, the projections of a stack drawn by one many-seed
+    # normal (each row its parameter's own draw, bit for bit) and applied by one batched
+    # product each way; every other parameter (1-D, weight decay, injected projections)
+    # per parameter
     def _batchable(self, it: Item, hp: _spec.Flora,
                    inject: Mapping[str, Tensor] | None) -> bool:
         shape = tuple(it.param.shape)
         return (not inject and "step" in self.state[it.param] and not is_dtensor(it.param)
-                and _spec.factored(shape, hp) and not _spec.compressed(shape, hp)
-                and hp.weight_decay == 0)
+                and _spec.factored(shape, hp) and hp.weight_decay == 0)
 
     def _prepare_batch(self, items: list[Item], hps: Mapping[int, _spec.Flora]) -> None:
         return None
@@ -169,7 +171,10 @@ class Flora(LowRankOptimizer):
         r = torch.rsqrt(row / row.mean(dim=-1, keepdim=True)).unsqueeze(-1)
         u = (r * torch.rsqrt(col.unsqueeze(-2))) * g
         del g
-        if h.use_momentum:                                                # mix, uncompressed
+        shape = tuple(x.shape[1:])
+        if h.use_momentum and _spec.compressed(shape, h):                 # compressed
+            u = self._compressed_momentum(states, u, h, t, shape)
+        elif h.use_momentum:                                              # mix, uncompressed
             u = u * (1 - h.beta1) + torch.stack([st["exp_avg"] for st in states]) * h.beta1
             torch._foreach_copy_([st["exp_avg"] for st in states], u.unbind(0))
         u_rms = torch.linalg.vector_norm(u, dim=(-2, -1)) / root_n        # clip
@@ -181,6 +186,30 @@ class Flora(LowRankOptimizer):
         torch._foreach_copy_([st["exp_avg_sq_col"] for st in states], col.unbind(0))
         torch._foreach_copy_([st["RMS"] for st in states], rho.unbind(0))
         torch._foreach_copy_(ps, x.unbind(0))
+
+    @staticmethod
+    def _compressed_momentum(states: list[dict[str, Any]], u: Tensor, h: _spec.Flora, t: int,
+                             shape: tuple[int, ...]) -> Tensor:
+        """update_param's compressed momentum on a stack ``u`` (B, m, n): the update
+        ``(1 − β₁) u + β₁ up(P, C)``, returned; ``C`` (moved to a fresh seed's projection
+        at a transfer) and the seeds updated in ``states``."""
+        which, b1 = _spec.side(shape), h.beta1
+        seeds = [int(st["seed"]) for st in states]
+        transfer = t % h.kappa == 0
+        p_before = projections(seeds, shape, h.rank, u.dtype, u.device)
+        after = [_spec.next_seed(s) for s in seeds] if transfer else seeds
+        p_after = projections(after, shape, h.rank, u.dtype, u.device) if transfer \
+            else p_before
+        c = torch.stack([st["exp_avg"] for st in states])
+        c_up = _up(p_before, c, which)
+        mixed = _spec.mix(u, c_up, b1)
+        if transfer:
+            c = _down(p_after, c_up, which)
+        c = _spec.accumulate(c, _down(p_after, u, which), b1)
+        torch._foreach_copy_([st["exp_avg"] for st in states], c.unbind(0))
+        for st, s in zip(states, after, strict=True):
+            st["seed"] = s
+        return mixed
 
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.Flora,
                 name: str, inject: Mapping[str, Tensor] | None, prepared: Any) -> None:
@@ -216,6 +245,26 @@ class Flora(LowRankOptimizer):
             if k in new:
                 state[v].copy_(new[k])
         self.write(p, new_p)
+
+
+def projections(seeds: list[int], shape: tuple[int, ...], rank: int, dtype: torch.dtype,
+                device: torch.device) -> Tensor:
+    """:func:`xopt.specs.flora.projection` of each seed for a parameter of ``shape``,
+    stacked ``(B, *projection_shape)``: one :func:`xopt.random.normal_many` draw, so row
+    ``j`` is ``projection(seeds[j], ...)`` bit for bit."""
+    pshape = _spec.projection_shape(shape, rank)
+    z = xrandom.normal_many(seeds, pshape, dtype="float32", backend="torch", device=device)
+    return z.to(dtype) / math.sqrt(rank)
+
+
+def _up(p: Tensor, c: Tensor, which: str) -> Tensor:
+    """xopt.specs.flora.up on stacks: ``Pᵀ C`` (left) or ``C Pᵀ`` (right), batched."""
+    return torch.matmul(p.mT, c) if which == "left" else torch.matmul(c, p.mT)
+
+
+def _down(p: Tensor, x: Tensor, which: str) -> Tensor:
+    """xopt.specs.flora.down on stacks: ``P X`` (left) or ``X P`` (right), batched."""
+    return torch.matmul(p, x) if which == "left" else torch.matmul(x, p)
 
 
 register("flora", "torch", Flora)
