@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from xopt.kernels import triton_available
 from xopt.registry import register
 from xopt.specs import coap as _spec
 from xopt.torch._lowrank import LowRankOptimizer, chunks, stack_as
@@ -245,6 +246,24 @@ class COAP(LowRankOptimizer):
             torch._foreach_copy_([st[_KEYS[q]] for st in states], codes)
             torch._foreach_copy_([st[_KEYS[a]] for st in states], absmax)
 
+    def _batch_adam_fused(self, states: list[dict[str, Any]], hp: _spec.COAP, r: Tensor | None,
+                          rs: list[Tensor], sdt: torch.dtype) -> Tensor | list[Tensor] | None:
+        """8-bit moments on a GPU: xopt.kernels.quant8's one pass per shape (dequantise,
+        update, direction, requantise: the torch path's bytes) instead of the torch ops."""
+        if hp.state_bits != 8 or sdt != torch.float32:
+            return None
+        kernel = _quant8(rs[0].device)
+        if kernel is None:
+            return None
+        if r is not None:
+            return _adam8(kernel, states, hp, r)
+        out: list[Any] = [None] * len(rs)
+        for _, idx in _by_shape(rs).items():
+            n = _adam8(kernel, [states[i] for i in idx], hp, torch.stack([rs[i] for i in idx]))
+            for j, i in enumerate(idx):
+                out[i] = n[j]
+        return out
+
     @staticmethod
     def _side(p: Tensor, hp: _spec.COAP) -> str | None:
         shape = tuple(p.shape)
@@ -286,6 +305,34 @@ def _by_shape(xs: list[Tensor]) -> dict[tuple[int, ...], list[int]]:
     for i, x in enumerate(xs):
         out.setdefault(tuple(x.shape), []).append(i)
     return out
+
+
+def _quant8(device: torch.device) -> Any:
+    """:mod:`xopt.kernels.quant8` where its fused step runs on ``device`` (its ``BACKEND``:
+    by default CUDA tensors), else None (the torch ops)."""
+    if not triton_available():
+        return None
+    from xopt.kernels import quant8
+
+    return quant8 if quant8.runs_on(device) else None
+
+
+def _adam8(kernel: Any, states: list[dict[str, Any]], hp: _spec.COAP, r: Tensor) -> Tensor:
+    """The fused 8-bit AdamW moment step of the same-shaped moments of ``states`` with the
+    stacked gradients ``r``: the directions, stacked; the codes and absmax written back."""
+    keys = [_KEYS[k] for k in ("m_q", "m_absmax", "v_q", "v_absmax")]
+    if len(states) == 1 and all(states[0][k].is_contiguous() for k in keys):  # in place
+        bufs = [states[0][k].view(1, -1) for k in keys]
+    else:
+        bufs = [torch.stack([st[k].reshape(-1) for st in states]) for k in keys]
+    n = kernel.adam_step(bufs[0], bufs[1], bufs[2], bufs[3], r, hp.b1, hp.b2, hp.eps,
+                         hp.quant_rounding)
+    if len(states) > 1:
+        for k, buf in zip(keys, bufs, strict=True):
+            torch._foreach_copy_([st[k] for st in states],
+                                 [x.view(st[k].shape) for x, st in zip(buf.unbind(0), states,
+                                                                        strict=True)])
+    return n
 
 
 def _dequantize_many(codes: list[Tensor], absmax: list[Tensor]) -> list[Tensor]:
