@@ -144,3 +144,26 @@ def test_bad_buffers_are_named():
                          "cuda")
     with pytest.raises(ValueError, match="rounding"):
         quant8.adam_step(q, a, q.clone(), a.clone(), torch.zeros(2, 10), B1, B2, EPS, "gpu")
+
+
+def test_table_encode_is_the_specs_search_everywhere():
+    """The torch path's code lookup (xopt.torch.coap's table over the thresholds) against
+    the spec's binary search: at every code and every float32 midpoint of two codes, at
+    their float32 neighbours on both sides (between two thresholds the search's
+    comparisons, hence its code, cannot change), at random values in and beyond [-1, 1],
+    random bit patterns, ±0, ±inf and NaN."""
+    from xopt.specs import coap as C
+    from xopt.torch import coap as tc
+
+    code = C.dynamic_code()
+    mids = ((code[:, None] + code[None, :]) * np.float32(0.5)).astype(np.float32).reshape(-1)
+    pts = np.unique(np.concatenate([code, mids]))
+    rng = np.random.default_rng(0)
+    y = np.concatenate([
+        pts, np.nextafter(pts, np.float32(np.inf)), np.nextafter(pts, np.float32(-np.inf)),
+        rng.uniform(-1.1, 1.1, 100_000).astype(np.float32),
+        (rng.standard_normal(20_000) * 10.0 ** rng.integers(-9, 1, 20_000)).astype(np.float32),
+        rng.integers(0, 2**32, 20_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+        np.float32([0.0, -0.0, np.inf, -np.inf, np.nan])])
+    y = torch.from_numpy(y)
+    assert torch.equal(tc._encode(y, "cuda"), C.encode(torch, y, "cuda"))

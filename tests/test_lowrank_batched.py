@@ -368,6 +368,8 @@ _EVERY_EVENT = {  # each schedule puts every kind of update within steps 1-8
     "coap": (xt.COAP, dict(rank=4, update_interval=2, reproject_factor=2)),
     "coap-restore": (xt.COAP, dict(rank=4, update_interval=2, reproject_factor=2,
                                    restore_state=True)),
+    "coap-8bit": (xt.COAP, dict(rank=4, update_interval=2, reproject_factor=2, state_bits=8,
+                                restore_state=True)),
     "plumage": (xt.PLUMAGE, dict(rank=4, update_proj_gap=4, resample_interval=2)),
     # compressed momentum moving to fresh seeds' projections at every second update
     "flora": (xt.Flora, dict(lr=1e-3, rank=4, kappa=2, beta1=0.9)),
