@@ -18,6 +18,8 @@ if has_torch:
     needs_kernel = pytest.mark.skipif(
         not triton_available() or not (interpreting() or torch.cuda.is_available()),
         reason="needs triton (its interpreter on a CPU)")
+    #: the interpreter's tensors on a CPU, the compiled kernel's on a GPU
+    DEVICE = torch.device("cpu" if interpreting() or not torch.cuda.is_available() else "cuda")
 else:  # pragma: no cover
     needs_kernel = pytest.mark.skip(reason="needs torch")
 
@@ -39,8 +41,9 @@ def _moments(shape, rounding, gen):
         r[2].view(-1)[5] = float("nan")  # its block: absmax NaN, codes 0
         r[2].view(-1)[-3] = float("inf")  # its block: absmax inf, the others' codes of 0
     q = [[C.quantize(torch, x[j], rounding) for j in range(3)] for x in (m, v)]
-    return ([torch.stack([c.reshape(-1) for c, _ in qs]) for qs in q]
-            + [torch.stack([a for _, a in qs]) for qs in q] + [r])
+    out = ([torch.stack([c.reshape(-1) for c, _ in qs]) for qs in q]
+           + [torch.stack([a for _, a in qs]) for qs in q] + [r])
+    return [x.to(DEVICE) for x in out]
 
 
 def _torch_path(mq, vq, ma, va, r, rounding):
@@ -48,6 +51,7 @@ def _torch_path(mq, vq, ma, va, r, rounding):
     from xopt.specs import coap as C
 
     out = []
+    mq, vq, ma, va, r = (x.cpu() for x in (mq, vq, ma, va, r))
     for j in range(r.shape[0]):
         m = C.dequantize(torch, mq[j].view(r.shape[1:]), ma[j])
         v = C.dequantize(torch, vq[j].view(r.shape[1:]), va[j])
@@ -84,7 +88,8 @@ def test_fused_step_gives_the_torch_paths_bytes(rounding):
     mq, vq, ma, va, r = _moments(shape, rounding, gen)
     want = _torch_path(mq, vq, ma, va, r, rounding)
     n = quant8.adam_step(mq, ma, vq, va, r, B1, B2, EPS, rounding)
-    got = (n, mq.view(3, *shape), ma, vq.view(3, *shape), va)
+    got = [x.cpu() for x in (n, mq.view(3, *shape), ma, vq.view(3, *shape), va)]
+    mq, vq, ma, va = got[1].view(3, -1), got[3].view(3, -1), got[2], got[4]
     for name, a, b in zip(("n", "m codes", "m absmax", "v codes", "v absmax"), got, want,
                           strict=True):
         assert _same(a, b), name
@@ -101,13 +106,13 @@ def _coap_run(backend, monkeypatch, rounding):
     monkeypatch.setattr(quant8, "BACKEND", backend)
     gen = torch.Generator().manual_seed(1)
     shapes = [(12, 8), (12, 8), (8, 12), (7,)]
-    ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    ps = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in shapes]
     opt = xt.COAP([{"params": ps[:3]}, {"params": ps[3:], "project": False}], lr=0.01,
                   rank=3, update_interval=2, reproject_factor=2, state_bits=8,
                   quant_rounding=rounding)
     for _ in range(3):
         for p in ps:
-            p.grad = torch.randn(p.shape, generator=gen)
+            p.grad = torch.randn(p.shape, generator=gen).to(DEVICE)
         opt.step()
     return ps, opt
 
@@ -137,13 +142,14 @@ def test_coap_8bit_steps_with_the_kernel_keep_the_torch_paths_bytes(rounding, mo
 def test_bad_buffers_are_named():
     from xopt.kernels import quant8
 
-    q = torch.zeros(2, 10, dtype=torch.uint8)
-    a = torch.zeros(2, 1)
+    q = torch.zeros(2, 10, dtype=torch.uint8, device=DEVICE)
+    a = torch.zeros(2, 1, device=DEVICE)
     with pytest.raises(ValueError, match="v_absmax"):
-        quant8.adam_step(q, a, q.clone(), torch.zeros(2, 2), torch.zeros(2, 10), B1, B2, EPS,
-                         "cuda")
+        quant8.adam_step(q, a, q.clone(), torch.zeros(2, 2, device=DEVICE),
+                         torch.zeros(2, 10, device=DEVICE), B1, B2, EPS, "cuda")
     with pytest.raises(ValueError, match="rounding"):
-        quant8.adam_step(q, a, q.clone(), a.clone(), torch.zeros(2, 10), B1, B2, EPS, "gpu")
+        quant8.adam_step(q, a, q.clone(), a.clone(), torch.zeros(2, 10, device=DEVICE), B1,
+                         B2, EPS, "gpu")
 
 
 def test_table_encode_is_the_specs_search_everywhere():
