@@ -36,7 +36,7 @@ from xopt import random as xrandom
 from xopt.errors import StateError
 from xopt.registry import register
 from xopt.specs import flora as _spec
-from xopt.torch._lowrank import LowRankOptimizer, chunks
+from xopt.torch._lowrank import LowRankOptimizer, chunks, stack_as
 from xopt.torch._optim import Item, Layout
 from xopt.torch.distributed import is_dtensor, local, place_as, state_zeros
 
@@ -150,10 +150,8 @@ class Flora(LowRankOptimizer):
     def _adafactor_run(self, its: list[Item], h: _spec.Flora, t: int, sdt: torch.dtype) -> None:
         ps = [it.param for it in its]
         states = [self.state[p] for p in ps]
-        x = torch.stack(ps)
-        x = x if x.dtype == sdt else x.to(sdt)
-        g = torch.stack([it.grad for it in its])
-        g = g if g.dtype == sdt else g.to(sdt)
+        x = stack_as(ps, sdt)  # stacked and widened in one copy each
+        g = stack_as([it.grad for it in its], sdt)
         root_n = math.prod(x.shape[1:]) ** 0.5
         rho = torch.linalg.vector_norm(x, dim=(-2, -1)) / root_n       # rms
         rel = _spec.relative_step_size(h, t)
