@@ -17,14 +17,15 @@ operation each, in its order: ``m·β₁ + r·(1 − β₁)``, ``v·β₂ + (r·
 ``sqrt`` are approximate on GPUs), and the code book search of
 :func:`xopt.specs.coap.encode` (CUDA's 7-step binary search from entry 127 and its
 midpoint rounding, or the CPU lookup table). The kernel launches with
-``enable_fp_fusion=False`` (not :data:`xopt.kernels.FP_FUSION`): a contracted ``a·b + c``
+``enable_fp_fusion=False`` (:data:`xopt.kernels.NO_FP_FUSION`, not ``FP_FUSION``): a contracted ``a·b + c``
 rounds once where the torch path rounds twice, and the codes must be the same bytes. A
 block holding NaN gets absmax NaN and codes 0, as torch's ``amax`` propagates NaN.
 Tested against the torch path under ``TRITON_INTERPRET=1`` (tests/test_coap_quant8.py).
 
-:data:`BACKEND` (environment ``XOPT_QUANT8``, read at import): ``"auto"`` (default: the
-kernel for CUDA tensors, the torch path elsewhere), ``"triton"`` (the kernel everywhere:
-the interpreter on a CPU) or ``"torch"`` (never).
+:data:`BACKEND` (environment ``XOPT_QUANT8``, read at import): ``"torch"`` (the default
+until the kernel has run on a GPU: it has run only under the interpreter), ``"auto"`` (the
+kernel for CUDA tensors, the torch path elsewhere) or ``"triton"`` (the kernel everywhere:
+the interpreter on a CPU).
 """
 
 from __future__ import annotations
@@ -35,13 +36,15 @@ import torch
 import triton
 import triton.language as tl
 
+from xopt.kernels import NO_FP_FUSION
 from xopt.kernels._grid import cdiv
 from xopt.specs import coap as _spec
 
 __all__ = ["BACKEND", "adam_step", "runs_on"]
 
-#: where :func:`adam_step` replaces the torch path: "auto", "triton" or "torch"
-BACKEND = os.environ.get("XOPT_QUANT8", "auto")
+#: where :func:`adam_step` replaces the torch path: "torch" (never), "auto" (CUDA tensors)
+#: or "triton" (every tensor)
+BACKEND = os.environ.get("XOPT_QUANT8", "torch")
 
 _BLOCK = _spec.QUANT_BLOCK
 #: one block of 4096 entries per program: 16 per thread at 8 warps
@@ -165,5 +168,5 @@ def adam_step(m_q: torch.Tensor, m_absmax: torch.Tensor, v_q: torch.Tensor,
     _adam8_kernel[(batch * nb,)](
         m_q, m_absmax, v_q, v_absmax, r, n, _table("code", device), _table("lut", device),
         n_el, nb, float(b1), 1.0 - b1, float(b2), 1.0 - b2, float(eps),
-        CPU=rounding == "cpu", BLOCK=_BLOCK, num_warps=_WARPS, enable_fp_fusion=False)
+        CPU=rounding == "cpu", BLOCK=_BLOCK, num_warps=_WARPS, **NO_FP_FUSION)
     return n

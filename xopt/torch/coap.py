@@ -248,8 +248,9 @@ class COAP(LowRankOptimizer):
 
     def _batch_adam_fused(self, states: list[dict[str, Any]], hp: _spec.COAP, r: Tensor | None,
                           rs: list[Tensor], sdt: torch.dtype) -> Tensor | list[Tensor] | None:
-        """8-bit moments on a GPU: xopt.kernels.quant8's one pass per shape (dequantise,
-        update, direction, requantise: the torch path's bytes) instead of the torch ops."""
+        """8-bit moments where xopt.kernels.quant8 runs (``XOPT_QUANT8=auto``: CUDA tensors):
+        its one pass per shape (dequantise, update, direction, requantise: the torch path's
+        bytes) instead of the torch ops."""
         if hp.state_bits != 8 or sdt != torch.float32:
             return None
         kernel = _quant8(rs[0].device)
@@ -308,8 +309,8 @@ def _by_shape(xs: list[Tensor]) -> dict[tuple[int, ...], list[int]]:
 
 
 def _quant8(device: torch.device) -> Any:
-    """:mod:`xopt.kernels.quant8` where its fused step runs on ``device`` (its ``BACKEND``:
-    by default CUDA tensors), else None (the torch ops)."""
+    """:mod:`xopt.kernels.quant8` where its fused step runs on ``device`` (its ``BACKEND``,
+    ``XOPT_QUANT8``), else None (the torch ops)."""
     if not triton_available():
         return None
     from xopt.kernels import quant8
