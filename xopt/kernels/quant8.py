@@ -17,9 +17,10 @@ operation each, in its order: ``m·β₁ + r·(1 − β₁)``, ``v·β₂ + (r·
 ``sqrt`` are approximate on GPUs), and the code book search of
 :func:`xopt.specs.coap.encode` (CUDA's 7-step binary search from entry 127 and its
 midpoint rounding, or the CPU lookup table). The kernel launches with
-``enable_fp_fusion=False`` (:data:`xopt.kernels.NO_FP_FUSION`, not ``FP_FUSION``): a contracted ``a·b + c``
-rounds once where the torch path rounds twice, and the codes must be the same bytes. A
-block holding NaN gets absmax NaN and codes 0, as torch's ``amax`` propagates NaN.
+``enable_fp_fusion=False`` (:data:`xopt.kernels.NO_FP_FUSION`, not ``FP_FUSION``): a
+contracted ``a·b + c`` rounds once where the torch path rounds twice, and the codes must
+be the same bytes. A block holding NaN gets absmax NaN and codes 0, as torch's ``amax``
+propagates NaN.
 Tested against the torch path under ``TRITON_INTERPRET=1`` (tests/test_coap_quant8.py).
 
 :data:`BACKEND` (environment ``XOPT_QUANT8``, read at import): ``"torch"`` (the default
