@@ -1,5 +1,6 @@
 """Every Triton launch in ``xopt/kernels`` passes ``**FP_FUSION`` (float32 ``a·b + c``
-contracted to FMA, as the kernels were measured; Triton 3.10 turns it off by default).
+contracted to FMA, as the kernels were measured; Triton 3.10 turns it off by default), or
+``**NO_FP_FUSION`` where its bytes must be another path's (xopt.kernels.quant8).
 
 A launch is a call whose callee is a subscript by a grid, ``kernel[grid](...)`` (not by a
 string: ``table["fn"](...)`` calls a stored function); the check reads the modules' syntax
@@ -29,7 +30,8 @@ def test_every_kernel_launch_pins_fp_fusion():
         for call in _launches(ast.parse(path.read_text())):
             found += 1
             if not any(k.arg is None and isinstance(k.value, ast.Name)
-                       and k.value.id == "FP_FUSION" for k in call.keywords):
+                       and k.value.id in ("FP_FUSION", "NO_FP_FUSION")
+                       for k in call.keywords):
                 missing.append(f"{path.name}:{call.lineno}")
     assert found >= 20, found  # the launches exist (the scan is not looking at nothing)
     assert not missing, missing
@@ -39,3 +41,4 @@ def test_fp_fusion_is_the_enabled_option():
     import xopt.kernels as k
 
     assert k.FP_FUSION == {"enable_fp_fusion": True}
+    assert k.NO_FP_FUSION == {"enable_fp_fusion": False}
