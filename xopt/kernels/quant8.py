@@ -75,27 +75,30 @@ def _encode(y, code_ptr, lut_ptr, CPU: tl.constexpr):
     if CPU:  # bitsandbytes' CPU kernel: the bin of a 65536-entry table
         c = tl.minimum(tl.maximum(y, -1.0), 1.0)
         bins = ((c + 1.0) * 0.5) * 65535.0 + 0.5
-        return tl.load(lut_ptr + bins.to(tl.int32))
-    pivot = tl.full(y.shape, 127, tl.int32)
-    lo_p = tl.zeros(y.shape, tl.int32)
-    up_p = lo_p + 255
-    lower = tl.full(y.shape, -1.0, tl.float32)
-    upper = tl.full(y.shape, 1.0, tl.float32)
-    val = tl.load(code_ptr + pivot)
-    for i in tl.static_range(7):  # steps 64, 32, ..., 1
-        gt = y > val
-        lo_p = tl.where(gt, pivot, lo_p)
-        lower = tl.where(gt, val, lower)
-        up_p = tl.where(gt, up_p, pivot)
-        upper = tl.where(gt, upper, val)
-        pivot = tl.where(gt, pivot + (64 >> i), pivot - (64 >> i))
+        q = tl.load(lut_ptr + bins.to(tl.int32))
+    else:  # CUDA's: a 7-step binary search from entry 127, then the nearer neighbour
+        pivot = tl.full(y.shape, 127, tl.int32)
+        lo_p = tl.zeros(y.shape, tl.int32)
+        up_p = lo_p + 255
+        lower = tl.full(y.shape, -1.0, tl.float32)
+        upper = tl.full(y.shape, 1.0, tl.float32)
         val = tl.load(code_ptr + pivot)
-    upper = tl.where(up_p == 255, tl.load(code_ptr + up_p), upper)
-    lower = tl.where(lo_p == 0, tl.load(code_ptr + lo_p), lower)
-    gt = y > val
-    mid_up = (upper + val) * 0.5
-    mid_lo = (lower + val) * 0.5
-    return tl.where(gt, tl.where(y > mid_up, up_p, pivot), tl.where(y < mid_lo, lo_p, pivot))
+        for i in tl.static_range(7):  # steps 64, 32, ..., 1
+            gt = y > val
+            lo_p = tl.where(gt, pivot, lo_p)
+            lower = tl.where(gt, val, lower)
+            up_p = tl.where(gt, up_p, pivot)
+            upper = tl.where(gt, upper, val)
+            pivot = tl.where(gt, pivot + (64 >> i), pivot - (64 >> i))
+            val = tl.load(code_ptr + pivot)
+        upper = tl.where(up_p == 255, tl.load(code_ptr + up_p), upper)
+        lower = tl.where(lo_p == 0, tl.load(code_ptr + lo_p), lower)
+        gt = y > val
+        mid_up = (upper + val) * 0.5
+        mid_lo = (lower + val) * 0.5
+        q = tl.where(gt, tl.where(y > mid_up, up_p, pivot),
+                     tl.where(y < mid_lo, lo_p, pivot))
+    return q
 
 
 @triton.jit
