@@ -12,7 +12,8 @@ nor triton. The modules load them on first use:
 * :mod:`xopt.kernels.velo`: VeLO's, with its per-tensor LSTM batched in torch;
 * :mod:`xopt.kernels.poet_cayley`: POET-X's Cayley–Neumann series and its backward;
 * :mod:`xopt.kernels.poet_perm`: POET-X's permutations as row gathers and scatters;
-* :mod:`xopt.kernels.quant8`: 8-bit COAP's moment step (dequantise, update, requantise).
+* :mod:`xopt.kernels.quant8`: 8-bit COAP's moment step (dequantise, update, requantise);
+* :mod:`xopt.kernels.adafactor`: Flora's Adafactor step on stacked matrices, three passes.
 
 Each kernel module has a pure-PyTorch reference it is tested against (under
 ``TRITON_INTERPRET=1`` on the CPU); the plain path in :mod:`xopt.torch` is the reference
@@ -27,6 +28,7 @@ the CUDA graphs, when an optimizer's first Triton step builds its recorder):
 | ``XOPT_VELO_COMPILE_GLUE`` | ``1`` | ``0``: VeLO's LSTM glue runs eagerly, not compiled |
 | ``XOPT_POET_CNP`` | ``bmm`` | ``fused``, ``triton``: POET-X's Cayley–Neumann backends |
 | ``XOPT_QUANT8`` | ``torch`` | ``auto``, ``triton``: 8-bit COAP's fused moment step |
+| ``XOPT_ADAFACTOR`` | ``torch`` | ``auto``, ``triton``: Flora's fused Adafactor passes |
 
 ``XOPT_LOPT_CUDA_GRAPHS=0`` is for profilers and debugging: every launch is then an
 ordinary one, with the same bits. ``XOPT_VELO_COMPILE_GLUE=0`` skips ``torch.compile`` of

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from xopt import random as xrandom
 from xopt.errors import StateError
+from xopt.kernels import triton_available
 from xopt.registry import register
 from xopt.specs import flora as _spec
 from xopt.torch._lowrank import LowRankOptimizer, chunks, stack_as
@@ -152,32 +153,52 @@ class Flora(LowRankOptimizer):
         states = [self.state[p] for p in ps]
         x = stack_as(ps, sdt)  # stacked and widened in one copy each
         g = stack_as([it.grad for it in its], sdt)
-        root_n = math.prod(x.shape[1:]) ** 0.5
-        rho = torch.linalg.vector_norm(x, dim=(-2, -1)) / root_n       # rms
+        bsz, m, n = x.shape
+        root_n = (m * n) ** 0.5
+        # without momentum, on a GPU (XOPT_ADAFACTOR): three fused passes over the stack
+        kernel = None if h.use_momentum or sdt != torch.float32 else _adafactor(x.device)
+        if kernel is not None:
+            a_rows, a_cols, x_sq = kernel.stats(x, g, float(h.eps[0]))
+            rho = torch.sqrt(x_sq) / root_n
+        else:
+            rho = torch.linalg.vector_norm(x, dim=(-2, -1)) / root_n   # rms
         rel = _spec.relative_step_size(h, t)
         lr = rel                                                          # learning_rate
         if h.scale_parameter:
             eps1 = float(h.eps[1])
             lr = torch.where(rho > eps1, rho * rel, eps1 * rel)[:, None, None]
         b2, omb2 = _spec.beta2(t, h.decay_rate)
-        a = g * g + float(h.eps[0])                                       # second_moment_factored
-        row = torch.add(torch.stack([st["exp_avg_sq_row"] for st in states]) * b2,
-                        a.mean(dim=-1), alpha=omb2)
-        col = torch.add(torch.stack([st["exp_avg_sq_col"] for st in states]) * b2,
-                        a.mean(dim=-2), alpha=omb2)
-        del a
-        r = torch.rsqrt(row / row.mean(dim=-1, keepdim=True)).unsqueeze(-1)
-        u = (r * torch.rsqrt(col.unsqueeze(-2))) * g
-        del g
-        shape = tuple(x.shape[1:])
-        if h.use_momentum and _spec.compressed(shape, h):                 # compressed
-            u = self._compressed_momentum(states, u, h, t, shape)
-        elif h.use_momentum:                                              # mix, uncompressed
-            u = u * (1 - h.beta1) + torch.stack([st["exp_avg"] for st in states]) * h.beta1
-            torch._foreach_copy_([st["exp_avg"] for st in states], u.unbind(0))
-        u_rms = torch.linalg.vector_norm(u, dim=(-2, -1)) / root_n        # clip
-        u = u / (u_rms / h.clip_threshold).clamp(min=1.0)[:, None, None]
-        x = x - u * lr                                                    # apply (λ = 0)
+        if kernel is not None:
+            mean_rows, mean_cols = a_rows / n, a_cols / m
+        else:
+            a = g * g + float(h.eps[0])                                   # second_moment_factored
+            mean_rows, mean_cols = a.mean(dim=-1), a.mean(dim=-2)
+            del a
+        row = torch.add(torch.stack([st["exp_avg_sq_row"] for st in states]) * b2, mean_rows,
+                        alpha=omb2)
+        col = torch.add(torch.stack([st["exp_avg_sq_col"] for st in states]) * b2, mean_cols,
+                        alpha=omb2)
+        r = torch.rsqrt(row / row.mean(dim=-1, keepdim=True))
+        if kernel is not None:                                            # clip and apply
+            c = torch.rsqrt(col)
+            u_rms = torch.sqrt(kernel.update_sumsq(g, r, c)) / root_n
+            s = (u_rms / h.clip_threshold).clamp(min=1.0)
+            lr = (lr.reshape(bsz) if isinstance(lr, torch.Tensor)
+                  else torch.full((bsz,), lr, dtype=torch.float32, device=x.device))
+            x = kernel.apply(x, g, r, c, s, lr)
+            del g
+        else:
+            u = (r.unsqueeze(-1) * torch.rsqrt(col.unsqueeze(-2))) * g
+            del g
+            shape = tuple(x.shape[1:])
+            if h.use_momentum and _spec.compressed(shape, h):             # compressed
+                u = self._compressed_momentum(states, u, h, t, shape)
+            elif h.use_momentum:                                          # mix, uncompressed
+                u = u * (1 - h.beta1) + torch.stack([st["exp_avg"] for st in states]) * h.beta1
+                torch._foreach_copy_([st["exp_avg"] for st in states], u.unbind(0))
+            u_rms = torch.linalg.vector_norm(u, dim=(-2, -1)) / root_n    # clip
+            u = u / (u_rms / h.clip_threshold).clamp(min=1.0)[:, None, None]
+            x = x - u * lr                                                # apply (λ = 0)
         for st in states:
             st["step"] = t
         torch._foreach_copy_([st["exp_avg_sq_row"] for st in states], row.unbind(0))
@@ -243,6 +264,16 @@ class Flora(LowRankOptimizer):
             if k in new:
                 state[v].copy_(new[k])
         self.write(p, new_p)
+
+
+def _adafactor(device: torch.device) -> Any:
+    """:mod:`xopt.kernels.adafactor` where its passes run on ``device`` (its ``BACKEND``,
+    ``XOPT_ADAFACTOR``), else None (the torch ops)."""
+    if not triton_available():
+        return None
+    from xopt.kernels import adafactor
+
+    return adafactor if adafactor.runs_on(device) else None
 
 
 def projections(seeds: list[int], shape: tuple[int, ...], rank: int, dtype: torch.dtype,
