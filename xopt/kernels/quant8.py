@@ -13,8 +13,9 @@ then the code of each entry) over the codes it read.
 Bytes: every float operation is the torch path's (``LowRankOptimizer._hf_adam_run`` with
 :func:`xopt.specs.coap.quantize` and :func:`~xopt.specs.coap.dequantize`), one IEEE
 operation each, in its order: ``m·β₁ + r·(1 − β₁)``, ``v·β₂ + (r·r)·(1 − β₂)``,
-``m / (√v + ε)`` with correctly rounded ``sqrt_rn``/``div_rn`` (Triton's default ``/`` and
-``sqrt`` are approximate on GPUs), and the code book search of
+``m / (√v + ε)`` and ``1 / absmax`` with correctly rounded ``sqrt_rn``/``div_rn`` (as
+:func:`xopt.specs.arrays.divide`; Triton's default ``/`` and ``sqrt`` are approximate on
+GPUs), and the code book search of
 :func:`xopt.specs.coap.encode` (CUDA's 7-step binary search from entry 127 and its
 midpoint rounding, or the CPU lookup table). The kernel launches with
 ``enable_fp_fusion=False`` (:data:`xopt.kernels.NO_FP_FUSION`, not ``FP_FUSION``): a

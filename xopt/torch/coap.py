@@ -37,6 +37,7 @@ from torch import Tensor
 
 from xopt.kernels import triton_available
 from xopt.registry import register
+from xopt.specs import arrays
 from xopt.specs import coap as _spec
 from xopt.torch._lowrank import LowRankOptimizer, chunks, stack_as
 from xopt.torch._optim import Item
@@ -365,7 +366,7 @@ def _quantize_many(xs: list[Tensor], rounding: str) -> tuple[list[Tensor], list[
             -1, _spec.QUANT_BLOCK)
         a = blocks.abs().amax(dim=1)
         nonzero = a > 0
-        inv = 1.0 / torch.where(nonzero, a, torch.ones_like(a))
+        inv = arrays.divide(torch, 1.0, torch.where(nonzero, a, torch.ones_like(a)))
         q = _encode(blocks * inv[:, None], rounding)
         q = torch.where(nonzero[:, None], q, torch.zeros_like(q)).to(torch.uint8)
         q, a = q.view(len(idx), -1)[:, :n], a.view(len(idx), nb)
@@ -455,7 +456,7 @@ def _sharded_quantize(x: Tensor, rounding: str) -> tuple[Tensor, Tensor]:
     for i in sorted({i for dims in lay.sharded.values() for i in dims}):
         dist.all_reduce(absmax, op=dist.ReduceOp.MAX, group=lay.mesh.get_group(i))
     nonzero = absmax > 0
-    inv = 1.0 / torch.where(nonzero, absmax, torch.ones_like(absmax))
+    inv = arrays.divide(torch, 1.0, torch.where(nonzero, absmax, torch.ones_like(absmax)))
     q = _spec.encode(torch, xl * inv[block], rounding)
     q = torch.where(nonzero[block], q, torch.zeros_like(q))
     return lay.wrap(q.to(torch.uint8)), _replicated_like(lay, absmax)
