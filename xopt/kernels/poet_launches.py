@@ -7,8 +7,9 @@ eager time. :func:`count_launches` runs a callable and counts
 * ``aten``: ATen calls that launch a device kernel (every call seen by a
   ``TorchDispatchMode`` except views and bare allocations),
 * ``host``: the other ATen calls (views, ``empty``: host work, no kernel),
-* ``triton``: Triton launches (compiled, or under ``TRITON_INTERPRET=1`` interpreted),
-  whose own ATen traffic (the interpreter's copies) is not counted.
+* ``triton``: Triton launches (compiled, or under ``TRITON_INTERPRET=1`` interpreted; those
+  :mod:`xopt.kernels.poet_jit` makes through the compiled kernel too), whose own ATen
+  traffic (the interpreter's copies) is not counted.
 
 It counts the same on the CPU and on a GPU: the test bounding the layer's launches
 (tests/test_poet_launches.py) and ``bench/poet_layer.py`` both use it.
@@ -89,9 +90,22 @@ def _triton_hooks(count: LaunchCount, inside: list):
 
         cls.run = run
         patched.append((cls, orig))
+    from xopt.kernels import poet_jit
+
+    def observe(name, go):  # the launches poet_jit makes through the compiled kernel
+        count.triton[name] += 1
+        inside[0] += 1
+        try:
+            go()
+        finally:
+            inside[0] -= 1
+
+    before = poet_jit.OBSERVER
+    poet_jit.OBSERVER = observe
     try:
         yield
     finally:
+        poet_jit.OBSERVER = before
         for cls, orig in patched:
             cls.run = orig
 
