@@ -124,16 +124,12 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     stream = drv.get_current_stream(device)
     grid = (*grid, 1, 1)
     rt = _state["knobs"].runtime
-
-    def go():
-        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,
-                     compiled.packed_metadata, None, rt.launch_enter_hook,
-                     rt.launch_exit_hook, *bound)
-
+    args = (grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
+            None, rt.launch_enter_hook, rt.launch_exit_hook, *bound)
     if OBSERVER is None:
-        go()
+        compiled.run(*args)
     else:
-        OBSERVER(kernel.__name__, go)
+        OBSERVER(kernel.__name__, lambda: compiled.run(*args))
 
 
 def _direct_ok(kernel) -> bool:

@@ -64,11 +64,15 @@ def _triton_ok(device: torch.device) -> bool:
 # -- the chain: gathers and block products --------------------------------------------------
 
 
-def _gather(x: Tensor, idx: Tensor, triton_path: bool) -> Tensor:
-    if triton_path:
-        from xopt.kernels import poet_perm
+_perm = None  # xopt.kernels.poet_perm once the triton path has run (imported on first use)
 
-        return poet_perm.gather(x, idx)
+
+def _gather(x: Tensor, idx: Tensor, triton_path: bool) -> Tensor:
+    global _perm
+    if triton_path:
+        if _perm is None:
+            from xopt.kernels import poet_perm as _perm
+        return _perm.gather(x, idx)
     return x.index_select(-1, idx)
 
 
@@ -84,19 +88,28 @@ def _rows(x2d: Tensor, nb: int, b: int, transpose: bool = False) -> Tensor:
     return x2d.as_strided((nb, n, b), (b, s0, 1))
 
 
-def _rotate(x2d: Tensor, r: Tensor, transpose: bool = False) -> Tensor:
-    """``x[:, block j] · r[j]`` (or ``· r[j]ᵀ``) for ``x`` of shape ``(N, nb·b)``.
+def _rotate(x2d: Tensor, r: Tensor, transpose: bool = False, lo: int = 0,
+            nb: int | None = None) -> Tensor:
+    """``x[:, block j] · r[j]`` (or ``· r[j]ᵀ``) for ``x`` of shape ``(N, nb·b)``, with the
+    blocks ``r[lo:lo + nb]`` (default: all of ``r``).
 
     A strided batched matmul over the ``nb`` blocks: the ``(nb, N, b)`` views of input and
     output have row stride ``nb·b``, which cuBLAS takes as the leading dimension, so
     nothing is transposed in memory. Returns a contiguous ``(N, nb·b)`` tensor."""
     n, width = x2d.shape
-    nb, b, _ = r.shape
-    rr = r.transpose(1, 2) if transpose else r
-    if torch.is_grad_enabled() and (x2d.requires_grad or rr.requires_grad):
+    b = r.shape[1]
+    nb = r.shape[0] - lo if nb is None else nb
+    if torch.is_grad_enabled() and (x2d.requires_grad or r.requires_grad):
         # autograd (the plain fast path) cannot record out=; the result is the same
+        rr = r[lo:lo + nb]
+        rr = rr.transpose(1, 2) if transpose else rr
         xv = x2d.view(n, nb, b).transpose(0, 1)
         return torch.bmm(xv, rr).transpose(0, 1).reshape(n, nb * b)
+    if not r.is_contiguous():
+        r = r.contiguous()
+    # the blocks (transposed) as one view: no slice, no transpose
+    rr = r.as_strided((nb, b, b), (b * b, 1, b) if transpose else (b * b, b, 1),
+                      r.storage_offset() + lo * b * b)
     out = torch.empty_strided((nb, n, b), (b, width, 1), dtype=x2d.dtype, device=x2d.device)
     torch.bmm(_rows(x2d, nb, b), rr, out=out)
     return out.as_strided((n, width), (width, 1))
@@ -136,7 +149,7 @@ class _Chain(torch.autograd.Function):
         # (xopt.kernels.poet_qmm), the plain path into a temporary float W0 per product
         tf32 = bool(cnp is not None and cnp[2])
         ctx.wq = (*wq, triton_path, tf32) if wq is not None else None
-        x2d = x.reshape(-1, shape[-1])
+        x2d = x.reshape(-1, shape[-1]) if x.dim() != 2 else x
         cnp_saved = ()
         if cnp is not None:
             from xopt.kernels import poet_cayley
@@ -149,14 +162,14 @@ class _Chain(torch.autograd.Function):
             ctx.cnp = (b, formula, tf32, backend, oft_dtype)
         else:
             ctx.cnp = None
-        r_out, r_in = r[:n_out], r[n_out:]
+        r = r.contiguous()
         x1 = _gather(x2d, perm_in_inv, triton_path)
-        x2 = _rotate(x1, r_in)
+        x2 = _rotate(x1, r, lo=n_out)  # (the blocks r[n_out:] = R_in)
         y1 = _mm_wt(x2, weight, ctx.wq)  # x2 · W0ᵀ (mm; one host call)
         del x2
         if bias is not None:
             y1 += bias
-        y = _gather(_rotate(y1, r_out), perm_out, triton_path)
+        y = _gather(_rotate(y1, r, nb=n_out), perm_out, triton_path)  # (r[:n_out] = R_out)
         if keep_y1:  # fast: the backward needs x1 and y1, keep them (no re-gather)
             ctx.save_for_backward(x1, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, y1,
                                   *cnp_saved)
@@ -165,7 +178,7 @@ class _Chain(torch.autograd.Function):
             ctx.save_for_backward(x2d, r, weight, bias, perm_in, perm_in_inv, perm_out_inv,
                                   None, *cnp_saved)
         ctx.flags = (keep_y1, triton_path, shape, n_out)
-        return y.reshape(*shape[:-1], y.shape[-1])
+        return y if len(shape) == 2 else y.reshape(*shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, g):
@@ -176,13 +189,12 @@ class _Chain(torch.autograd.Function):
             weight, wq = _dequantize(weight, ctx.wq[:3], g.dtype), None
         else:
             wq = ctx.wq
-        r_out, r_in = r[:n_out], r[n_out:]
-        g2d = g.reshape(-1, g.shape[-1])
+        g2d = g.reshape(-1, g.shape[-1]) if g.dim() != 2 else g
         if keep_y1:
             x1 = xs
         else:  # mem: re-gather x1, recompute y1, holding at most two activations at once
             x1 = _gather(xs, perm_in_inv, triton_path)
-            x2 = _rotate(x1, r_in)
+            x2 = _rotate(x1, r, lo=n_out)
             y1 = _mm_wt(x2, weight, wq)  # x2 · W0ᵀ (mm; one host call)
             del x2
             if bias is not None:
@@ -192,7 +204,7 @@ class _Chain(torch.autograd.Function):
         if grad_r is not None:
             _outer(y1, g2, n_out, out=grad_r[:n_out])
         del y1
-        gy1 = _rotate(g2, r_out, transpose=True)
+        gy1 = _rotate(g2, r, transpose=True, nb=n_out)
         del g2
         grad_bias = gy1.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
         gx2 = _mm_w(gy1, weight, wq)
@@ -202,9 +214,11 @@ class _Chain(torch.autograd.Function):
         del x1
         gx = None
         if ctx.needs_input_grad[0]:
-            gx1 = _rotate(gx2, r_in, transpose=True)
+            gx1 = _rotate(gx2, r, transpose=True, lo=n_out)
             del gx2
-            gx = _gather(gx1, perm_in, triton_path).reshape(shape)
+            gx = _gather(gx1, perm_in, triton_path)
+            if len(shape) != 2:
+                gx = gx.reshape(shape)
         if grad_r is not None and ctx.cnp is not None:
             from xopt.kernels import poet_cayley
 
