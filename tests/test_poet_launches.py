@@ -105,6 +105,34 @@ def test_launch_count_sees_every_launch(monkeypatch):
     assert _count(*_layer("fast", False)).launches == base + 5
 
 
+#: host-only ATen calls (views, allocations) of a 2-d forward+backward on the default
+#: (batched-matmul) CNP backend, from the design. Forward: the CNP's skew blocks and
+#: identities (2 allocations), each gather's output (1), each rotation's blocks view,
+#: input-rows view, output and its 2-d view (4), ``W0ᵀ`` (1): 2 + 1 + 4 + 1 + 4 + 1 = 13.
+#: Backward: the gathers (1 each), ``grad_r`` and its two halves (3), each outer product's
+#: two row views (2), the rotations back (4 each), the CNP backward's ``Aᵀ`` view,
+#: symmetrised buffer and triangles' gradient (3), and autograd's two ``detach`` of the
+#: leaves' gradients: 1 + 3 + 2 + 4 + 2 + 4 + 1 + 3 + 2 = 22. ``mem`` adds the backward's
+#: re-gather (1), rotation (4) and ``W0ᵀ`` (1).
+HOST_ONLY = {"fast": 13 + 22, "mem": 13 + 22 + 6}
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["fast", "mem"])
+def test_forward_backward_host_calls_stay_within_the_design(variant, monkeypatch):
+    """The host's share of an eager forward+backward, counted: on the default CNP backend
+    the design's launches (21 fast, 24 mem: the fused backend's budget plus the bmm
+    backend's 5) and no more host-only ATen calls than the design needs (HOST_ONLY), the
+    rotations' blocks taken as views of the stacked blocks (no slices, no transposes)."""
+    from xopt.kernels import poet_cayley as K
+
+    monkeypatch.setattr(K, "BACKEND", "bmm")
+    c = _count(*_layer(variant, False))
+    assert c.launches == _budget(variant, False) + 5, str(c)
+    assert sum(c.host.values()) <= HOST_ONLY[variant], str(c)
+    assert c.host["slice"] == 2 and c.host["transpose"] == 1, str(c)  # grad_r's halves, Aᵀ
+
+
 def _stack(seed=0):
     from xopt.torch.poet import POETLinear
 
