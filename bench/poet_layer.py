@@ -256,6 +256,21 @@ def check(dev) -> dict:
     p = torch.randperm(4096, device=dev).to(torch.int32)
     out["gather_maxabs"] = (PP.gather(xg, p) - PP.gather_reference(xg, p)).abs().max().item()
     out["scatter_maxabs"] = (PP.scatter(xg, p) - PP.scatter_reference(xg, p)).abs().max().item()
+    # POETAdamW's one-pass update against the foreach update it replaces on CUDA (the same
+    # operations in the same order: expected equal), bf16 and float32 parameters
+    from xopt.kernels import poet_adam
+    from xopt.torch.poet import _foreach_update
+
+    for pdt in (torch.bfloat16, torch.float32):
+        p0 = torch.randn(1 << 20, device=dev).to(pdt)
+        ref = [p0.clone(), torch.rand(1 << 20, device=dev), torch.rand(1 << 20, device=dev)]
+        got = [t.clone() for t in ref]
+        gr = torch.randn(1 << 20, device=dev).to(pdt)
+        _foreach_update([ref[0]], [gr], [ref[1]], [ref[2]], 0.9, 0.999, 1e-8, 3e-3, -1e-4,
+                        pdt != torch.float32)
+        poet_adam.adam_update(got[0], gr, got[1], got[2], 0.9, 0.999, 1e-8, 3e-3, -1e-4)
+        out[f"adam_{str(pdt)[6:]}_maxabs"] = max((u.float() - v.float()).abs().max().item()
+                                                  for u, v in zip(got, ref, strict=True))
     # whole layer, triton vs plain, float32 (TF32 off), both variants
     torch.backends.cuda.matmul.allow_tf32 = False
     for var in ("fast", "mem"):
