@@ -475,9 +475,9 @@ def main(argv=None) -> int:
         print("note: the authors' poet_torch is not importable here; its rows are skipped")
     result["authors_importable"] = has_orig
     lw = 28 + 8 * (len(cnps) > 1) + 13 * (len(directs) > 1)  # the label column
-    header = (f"{'layer':{lw}s} {'in':>5s} {'out':>5s} {'b':>4s} | {'eager ms':>8s} {'x Lin':>5s} | "
-              f"{'piped ms':>8s} {'x Lin':>5s} | {'graph ms':>8s} {'x Lin':>5s} | {'peak MiB':>8s}"
-              f" | {'launches':>8s} | {'host us':>7s}")
+    header = (f"{'layer':{lw}s} {'in':>5s} {'out':>5s} {'b':>4s} | {'eager ms':>8s} "
+              f"{'x Lin':>5s} | {'piped ms':>8s} {'x Lin':>5s} | {'graph ms':>8s} {'x Lin':>5s} | "
+              f"{'peak MiB':>8s} | {'launches':>8s} | {'host us':>7s}")
     print("eager: one call, synchronized (host launch time included); piped: calls back to "
           "back, one sync; graph: one CUDA-graph replay per call (GPU time alone); host us: "
           "the host's time per piped call")
