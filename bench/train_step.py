@@ -15,6 +15,8 @@ timed apart from the others (the window holds two: COAP's Eqn-6 and Eqn-7 update
 refresh their mean, its total against fused AdamW's at the same K.
 ``--tf32`` lets float32 matmuls (the optimizers' projections) use TF32; ``--svd-driver``
 picks how GaLore, COAP and PLUMAGE decompose (``svd_driver=``, e.g. ``gram``).
+``bitsandbytes AdamW8bit`` (the 8-bit baseline of COAP 8-bit and POET-XQ) runs only when
+named in ``--methods``, where bitsandbytes is importable.
 
     python3 bench/train_step.py --size 350m --out-dir OUT [--compile] [--deadline-s 500]
     python3 bench/train_step.py --size 1b --methods GaLore,COAP,PLUMAGE,Flora \
@@ -163,6 +165,18 @@ METHODS: dict[str, Callable[[nn.Module, int], Any]] = {
 }
 
 
+def _adamw8bit(model: nn.Module, steps: int) -> Any:
+    import bitsandbytes as bnb  # not an xopt dependency: carried onto the GPU machine
+
+    return bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
+
+
+#: baselines run only when named in ``--methods`` (their packages are not dependencies)
+OPTIONAL: dict[str, Callable[[nn.Module, int], Any]] = {
+    "bitsandbytes AdamW8bit": _adamw8bit,
+}
+
+
 def _state_bytes(opt: Any) -> int:
     seen: set[int] = set()
 
@@ -207,7 +221,7 @@ def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
     with torch.device(device):  # built where it trains: an 8B float32 copy on the host is slow
         model = Llama(d, layers, heads, ff, vocab, seq).to(dtype=dtype)
     steps = WARMUP + TIMED
-    opt = METHODS[name](model, steps)
+    opt = {**METHODS, **OPTIONAL}[name](model, steps)
     fwd = torch.compile(model) if compile_model else model
     takes_loss = isinstance(opt, (xt.SmallFCLOpt, xt.VeLO))
     gen = torch.Generator(device=device).manual_seed(1)
@@ -302,9 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     names = [n.strip() for n in args.methods.split(",") if n.strip()] or list(METHODS)
-    unknown = sorted(set(names) - set(METHODS))
+    unknown = sorted(set(names) - set(METHODS) - set(OPTIONAL))
     if unknown:
-        ap.error(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+        ap.error(f"unknown methods {unknown}; known: {', '.join([*METHODS, *OPTIONAL])}")
     # the reference every ratio divides by runs first
     names = ["torch.optim.AdamW(fused)", *[n for n in names if n != "torch.optim.AdamW(fused)"]]
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"

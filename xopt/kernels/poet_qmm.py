@@ -46,7 +46,7 @@ def _rounded(x, DT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _qmm_kernel(a_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, M, K, IN, GS, s_a, s_o,
+def _qmm_kernel(a_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, M, K, IN, s_a, s_o, GS: tl.constexpr,
                 TRANS_W: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     # out[n, m] = Σ_k a[n, k] · B[k, m], B = W0ᵀ (TRANS_W: W0 is m × k) or W0 (k × m)
@@ -101,15 +101,21 @@ def _launch(a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: t
     scales = scales.reshape(-1).contiguous()
     zeros = zeros.reshape(-1).contiguous()
     out = torch.empty(n, m, device=a.device, dtype=a.dtype)
-    bn, bm, bk = 32, 32, 32
+    # GPU tiles of Triton's matmul tutorial (the dequantisation rides in the K loop), K halved
+    # for float32 to stay inside the shared memory; small tiles keep the interpreter quick
+    if interpreting():
+        bn, bm, bk, warps, stages = 32, 32, 32, 4, 1
+    else:
+        bn, bm, bk, warps, stages = 128, 128, 64 if a.element_size() <= 2 else 32, 8, 3
     if interpreting() and a.dtype != torch.float32:
         prec = "upcast"
     else:
         prec = "tf32" if tf32 and a.dtype == torch.float32 else "ieee"
     grid = (cdiv(n, bn), cdiv(m, bm))
-    launch(_qmm_kernel, grid, a, codes, scales, zeros, out, n, m, k, in_f, group_size,
-           a.stride(0), out.stride(0), TRANS_W=trans_w, DT=_TL_DTYPE[a.dtype], PREC=prec,
-           BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, **FP_FUSION)
+    launch(_qmm_kernel, grid, a, codes, scales, zeros, out, n, m, k, in_f, a.stride(0),
+           out.stride(0), GS=group_size, TRANS_W=trans_w, DT=_TL_DTYPE[a.dtype], PREC=prec,
+           BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+           **FP_FUSION)
     return out
 
 
