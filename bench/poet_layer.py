@@ -16,7 +16,8 @@ workspaces). ``--rounds N`` adds, per shape, nn.Linear and the fast layers timed
 side: N interleaved rounds of CUDA-graph replays, each after 50 ms of idle GPU
 (:func:`side_by_side`); the ratio of medians is the figure for a speed target.
 Each row also gives its device-kernel launches per forward+backward, counted on the host
-(:func:`xopt.kernels.poet_launches.count_launches`; not for the authors' compiled layer),
+(:func:`xopt.kernels.poet_launches.count_launches`; not for the authors' compiled layer;
+``21/7d``: 7 of the 21 through :mod:`xopt.kernels.poet_jit`'s direct path),
 and the run ends with a summary of the fast layers: eager back to back ("piped") and
 graph time, each against nn.Linear's, the launches and the host's time per call (the
 piped loop's wall time before its sync). ``--direct off,on`` times the triton rows with
@@ -108,7 +109,10 @@ def measure(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int, warm
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     graph = graph_ms(layer, x, g, iters) if dev.type == "cuda" else None
-    launches = count_launches(once).launches if count else None
+    launches = None
+    if count:
+        c = count_launches(once)
+        launches = (c.launches, c.direct)
     return statistics.median(times), peak, pipelined, graph, launches, host_us
 
 
@@ -532,14 +536,15 @@ def main(argv=None) -> int:
             print(f"{label:{lw}s} {n_in:5d} {n_out:5d} {b or '-':>4} | {fmt(t, ref[0])} | "
                   f"{fmt(pl, ref[2])} | {fmt(gr, ref[3])} | "
                   f"{m if m is not None else float('nan'):8.1f} | "
-                  f"{nl if nl is not None else 'n/a':>8} | "
+                  f"{_launches_text(nl):>8} | "
                   f"{f'{hu:7.0f}' if hu is not None else 'n/a':>7}", flush=True)
             result["rows"].append({
                 "layer": label, "in": n_in, "out": n_out, "block_size": b, "ms": t,
                 "ratio_to_linear": t / ref[0], "peak_mib": m, "pipelined_ms": pl,
                 "pipelined_ratio": pl / ref[2] if pl is not None else None, "graph_ms": gr,
                 "graph_ratio": gr / ref[3] if gr is not None and ref[3] else None,
-                "launches": nl, "host_us": hu})
+                "launches": nl[0] if nl else None, "direct_launches": nl[1] if nl else None,
+                "host_us": hu})
         if args.rounds and dev.type == "cuda":
             result.setdefault("side_by_side", []).extend(
                 rounds_table(n_in, n_out, blocks, x, g, args.rounds, args.iters, dtype, dev))
@@ -550,6 +555,13 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def _launches_text(nl) -> str:
+    """``21/7d``: 21 launches, 7 of them through poet_jit's direct path."""
+    if nl is None:
+        return "n/a"
+    return f"{nl[0]}/{nl[1]}d" if nl[1] else str(nl[0])
 
 
 def summary(rows: list) -> None:
@@ -569,7 +581,8 @@ def summary(rows: list) -> None:
         host = (f"; host {r['host_us']:.0f} us per call (nn.Linear {ref['host_us']:.0f})"
                 if r.get("host_us") is not None and ref.get("host_us") is not None else "")
         print(f"  {r['layer']} {r['in']}x{r['out']} b={r['block_size']}: eager piped {piped}; "
-              f"graph {graph}; launches {r['launches']} (nn.Linear {ref['launches']}){host}",
+              f"graph {graph}; launches {_launches_text((r['launches'], r['direct_launches']))}"
+              f" (nn.Linear {ref['launches']}){host}",
               flush=True)
 
 

@@ -348,7 +348,7 @@ def test_direct_launch_is_counted_and_off_under_the_interpreter(direct, monkeypa
     for _ in range(2):
         poet_jit.launch(k, (1,), x, x, 64, 0.5, FLAG=False, BLOCK=16)
     c = count_launches(poet_jit.launch, k, (1,), x, x, 64, 0.5, FLAG=False, BLOCK=16)
-    assert c.triton == {"stand_in_kernel": 1} and len(k.compiled.launches) == 2
+    assert c.triton == {"stand_in_kernel": 1} and c.direct == 1 and len(k.compiled.launches) == 2
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     poet_jit.launch(k, (1,), x, x, 64, 0.5, FLAG=False, BLOCK=16)
     assert len(k.ordinary) == 2 and len(k.compiled.launches) == 2

@@ -37,6 +37,8 @@ class LaunchCount:
     aten: collections.Counter
     host: collections.Counter
     triton: collections.Counter
+    #: how many of the Triton launches went through poet_jit's direct path
+    direct: int = 0
 
     @property
     def launches(self) -> int:
@@ -48,7 +50,8 @@ class LaunchCount:
             return ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
 
         return (f"{self.launches} launches (aten {sum(self.aten.values())}: {fmt(self.aten)}; "
-                f"triton {sum(self.triton.values())}: {fmt(self.triton)}); "
+                f"triton {sum(self.triton.values())}: {fmt(self.triton)}; {self.direct} "
+                f"direct); "
                 f"{sum(self.host.values())} host-only aten calls ({fmt(self.host)})")
 
 
@@ -94,6 +97,7 @@ def _triton_hooks(count: LaunchCount, inside: list):
 
     def observe(name, go):  # the launches poet_jit makes through the compiled kernel
         count.triton[name] += 1
+        count.direct += 1
         inside[0] += 1
         try:
             go()
