@@ -3,6 +3,7 @@
     python bench/poet_layer.py [--out RESULTS.json] [--dtype bf16|fp32] [--check] [--tiny]
                                [--rounds N] [--shapes 4096x4096] [--blocks 256,512]
                                [--cnp fused,bmm] [--direct off,on]
+                               [--fused-tiles 128x32x8,64x32x4]
 
 At LLaMA-8B-like shapes (4096×4096 and 4096→14336, block sizes 256 and 512, 4096 tokens)
 it times, in one run: ``nn.Linear`` (the weight trained, as in AdamW pre-training), xopt's
@@ -426,6 +427,10 @@ def main(argv=None) -> int:
     ap.add_argument("--direct", default="",
                     help="xopt.kernels.poet_jit direct launches for the triton rows, "
                          "comma-separated off/on (default: as XOPT_POET_DIRECT_LAUNCH says)")
+    ap.add_argument("--fused-tiles", default="",
+                    help="tiles of the fused CNP kernels for bf16/fp16 blocks, comma-separated "
+                         "BMxBKxWARPS (e.g. 128x32x8,64x32x4): a row per choice for the "
+                         "cnp=fused rows (default: poet_cayley.FUSED_TILES)")
     ap.add_argument("--cnp", default="",
                     help="CNP backends for the triton rows, comma-separated (default: "
                          "xopt.kernels.poet_cayley.BACKEND alone)")
@@ -471,14 +476,17 @@ def main(argv=None) -> int:
 
     cnps = args.cnp.split(",") if args.cnp else [K.BACKEND]
     directs = [d == "on" for d in args.direct.split(",")] if args.direct else [poet_jit.ENABLED]
-    variants = [(impl, cnp, direct) for impl in impls
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.fused_tiles.split(",")
+             ] if args.fused_tiles else [None]
+    variants = [(impl, cnp, direct, tile) for impl in impls
                 for cnp in (cnps if impl == "triton" else [None])
-                for direct in (directs if impl == "triton" else [None])]
+                for direct in (directs if impl == "triton" else [None])
+                for tile in (tiles if cnp == "fused" else [None])]
     has_orig = importlib.util.find_spec("poet_torch") is not None
     if not has_orig:
         print("note: the authors' poet_torch is not importable here; its rows are skipped")
     result["authors_importable"] = has_orig
-    lw = 28 + 8 * (len(cnps) > 1) + 13 * (len(directs) > 1)  # the label column
+    lw = 28 + 8 * (len(cnps) > 1) + 13 * (len(directs) > 1) + 9 * (len(tiles) > 1)
     header = (f"{'layer':{lw}s} {'in':>5s} {'out':>5s} {'b':>4s} | {'eager ms':>8s} "
               f"{'x Lin':>5s} | {'piped ms':>8s} {'x Lin':>5s} | {'graph ms':>8s} {'x Lin':>5s} | "
               f"{'peak MiB':>8s} | {'launches':>8s} | {'host us':>7s}")
@@ -500,18 +508,23 @@ def main(argv=None) -> int:
         rows = [("nn.Linear", None, ref)]
         del lin
         for b in blocks:
-            for impl, cnp, direct in variants:
+            for impl, cnp, direct, tile in variants:
                 tag = impl if cnp is None or len(cnps) == 1 else f"{impl}, cnp={cnp}"
                 if direct is not None and len(directs) > 1:
                     tag += f", direct={'on' if direct else 'off'}"
+                if tile is not None:
+                    tag += f", {'x'.join(map(str, tile))}"
                 for var in ("fast", "mem"):
                     layer = POETLinear(n_in, n_out, b, variant=var, impl=impl, device=dev,
                                        dtype=dtype)
                     with torch.no_grad():
                         layer.oft_R.normal_(0, 1e-3)
                     default, default_direct = K.BACKEND, poet_jit.ENABLED
+                    default_tiles = dict(K.FUSED_TILES)
                     K.BACKEND = cnp or default
                     poet_jit.ENABLED = default_direct if direct is None else direct
+                    if tile is not None:
+                        K.FUSED_TILES["lowp"] = tile
                     try:
                         res = measure(layer, x, g, args.iters, args.warmup)
                     except Exception as e:  # keep the other rows
@@ -519,6 +532,7 @@ def main(argv=None) -> int:
                         continue
                     finally:
                         K.BACKEND, poet_jit.ENABLED = default, default_direct
+                        K.FUSED_TILES.update(default_tiles)
                     rows.append((f"xopt {var} ({tag})", b, res))
                     del layer
             for mem in (False, True):

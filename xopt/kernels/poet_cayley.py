@@ -393,8 +393,14 @@ def _cnp_skew_grad_kernel(px_ptr, q_ptr, out_ptr, B, M, NBB, BM: tl.constexpr,
 CNP_TILES = {"f32": (64, 32, 4), "lowp": (128, 32, 8)}
 
 
-def _tiles(b: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    bm, bk, warps = CNP_TILES["f32" if dtype == torch.float32 else "lowp"]
+#: the fused backend's tiles (its kernels read the triangles with per-element index
+#: arithmetic, unlike the series kernels the sweep above timed; the same until a GPU run of
+#: ``bench/poet_layer.py --fused-tiles`` picks its own)
+FUSED_TILES = dict(CNP_TILES)
+
+
+def _tiles(b: int, dtype: torch.dtype, table: dict | None = None) -> tuple[int, int, int]:
+    bm, bk, warps = (table or CNP_TILES)["f32" if dtype == torch.float32 else "lowp"]
     bm = max(16, min(bm, next_pow2(b)))
     return bm, max(16, min(bm, bk)), warps
 
@@ -641,7 +647,7 @@ def cnp_forward_fused(x: torch.Tensor, b: int, tf32: bool = False,
     x = _check(x, "x", _FLOATS)
     dtype = dtype or x.dtype
     n = x.shape[0]
-    bm, bk, warps = _tiles(b, dtype)
+    bm, bk, warps = _tiles(b, dtype, FUSED_TILES)
     qab = torch.empty((3, n, b, b), dtype=dtype, device=x.device)
     launch(_cnp_ab_kernel, (n, cdiv(b, bm) ** 2), x, qab, b, x.shape[1], n * b * b, BM=bm,
            BK=bk, PREC=_prec(dtype, tf32), num_warps=warps, **FP_FUSION)
@@ -663,7 +669,7 @@ def cnp_backward_fused(saved: tuple[torch.Tensor, ...], g: torch.Tensor,
     (qab,) = saved
     _, n, b, _ = qab.shape
     g = _check(g, "grad", _FLOATS).to(qab.dtype)
-    bm, bk, warps = _tiles(b, qab.dtype)
+    bm, bk, warps = _tiles(b, qab.dtype, FUSED_TILES)
     prec = _prec(qab.dtype, tf32)
     nbb = n * b * b
     px = torch.empty((2, n, b, b), dtype=torch.float32, device=qab.device)
