@@ -338,8 +338,9 @@ def test_direct_launch_replays_the_ordinary_launch_of_the_same_specialisation(di
 
 @pytest.mark.skipif(not has_torch, reason="needs torch")
 def test_direct_launch_is_counted_and_off_under_the_interpreter(direct, monkeypatch):
-    """count_launches sees the direct launches; under TRITON_INTERPRET=1 every launch is
-    the ordinary one (the interpreter has no compiled kernel)."""
+    """count_launches sees the direct launches; under TRITON_INTERPRET=1 (no compiled
+    kernel) and while torch.compile traces (it takes ``kernel[grid](...)`` as a
+    user-defined Triton kernel) every launch is the ordinary one."""
     from xopt.kernels.poet_launches import count_launches
 
     poet_jit, _ = direct
@@ -349,9 +350,12 @@ def test_direct_launch_is_counted_and_off_under_the_interpreter(direct, monkeypa
         poet_jit.launch(k, (1,), x, x, 64, 0.5, FLAG=False, BLOCK=16)
     c = count_launches(poet_jit.launch, k, (1,), x, x, 64, 0.5, FLAG=False, BLOCK=16)
     assert c.triton == {"stand_in_kernel": 1} and c.direct == 1 and len(k.compiled.launches) == 2
+    with monkeypatch.context() as m:  # while torch.compile traces
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        poet_jit.launch(k, (1,), x, x, 64, 0.5, FLAG=False, BLOCK=16)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     poet_jit.launch(k, (1,), x, x, 64, 0.5, FLAG=False, BLOCK=16)
-    assert len(k.ordinary) == 2 and len(k.compiled.launches) == 2
+    assert len(k.ordinary) == 3 and len(k.compiled.launches) == 2
 
 
 @needs_triton

@@ -15,7 +15,8 @@ grid_z, stream, compiled.function, compiled.packed_metadata, launch_metadata, en
 exit_hook, *bound_args)`` with every parameter's value bound in signature order (Triton
 3.4 to 3.9; older releases passed the non-constexpr arguments only). It is used only where
 the installed ``JITFunction.run`` makes exactly that call (read from its source once) and
-never under the interpreter, with launch hooks installed (profilers) or pre-run hooks;
+never under the interpreter or while torch.compile traces, with launch hooks installed
+(profilers) or pre-run hooks;
 everywhere else, and for any argument that is not a tensor, an int, a bool or a float,
 :func:`launch` is ``kernel[grid](...)``. :data:`ENABLED` (``XOPT_POET_DIRECT_LAUNCH=0``
 turns it off) switches it at run time.
@@ -95,7 +96,8 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     """``kernel[grid](*args, **meta)``, launched directly where it can be (module docstring).
     ``args``: the kernel's leading parameters, positional; ``meta``: its constexprs (by
     name, after ``args`` in its signature) and launch options (``num_warps``, ...)."""
-    if not (ENABLED and _direct_ok(kernel)):
+    if not ENABLED or torch.compiler.is_compiling() or not _direct_ok(kernel):
+        # (torch.compile traces kernel[grid](...) as a user-defined Triton kernel)
         kernel[grid](*args, **meta)
         return
     drv = _state["driver"].active
