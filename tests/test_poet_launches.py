@@ -383,3 +383,25 @@ def test_direct_launch_recognises_the_launch_convention():
         from triton.runtime import jit
 
         assert poet_jit.matches(inspect.getsource(jit.JITFunction.run))
+
+
+@needs_triton
+@pytest.mark.skipif(DEV != "cuda", reason="compiled kernels need a GPU (run on the device)")
+def test_direct_launches_engage_and_change_nothing_on_a_gpu(monkeypatch):
+    """On a GPU every Triton launch of a warm forward+backward goes through the compiled
+    kernel's launcher (where the installed Triton's convention is the known one), with the
+    ordinary launches' results, bit for bit."""
+    from xopt.kernels import poet_cayley as K
+    from xopt.kernels import poet_jit
+
+    monkeypatch.setattr(K, "BACKEND", "bmm")
+    layer, x, g = _layer("fast", False)
+    results = []
+    for enabled in (False, True):
+        monkeypatch.setattr(poet_jit, "ENABLED", enabled)
+        c = _count(layer, x, g)
+        results.append([x.grad.clone(), layer.oft_R.grad.clone()])
+        if enabled and poet_jit._convention_ok():
+            assert c.direct == sum(c.triton.values()) == 7, str(c)
+    for u, v in zip(*results, strict=True):
+        assert torch.equal(u, v)
