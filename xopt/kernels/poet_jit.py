@@ -12,11 +12,11 @@ through the compiled kernel's launcher directly: the call ``JITFunction.run`` it
 
 The direct call depends on Triton's launcher convention, ``compiled.run(grid_x, grid_y,
 grid_z, stream, compiled.function, compiled.packed_metadata, launch_metadata, enter_hook,
-exit_hook, *bound_args)`` with every parameter's value bound in signature order (Triton
-3.4 to 3.9; older releases passed the non-constexpr arguments only). It is used only where
-the installed ``JITFunction.run`` makes exactly that call (read from its source once) and
-never under the interpreter or while torch.compile traces, with launch hooks installed
-(profilers) or pre-run hooks;
+exit_hook, *bound_args)`` with every parameter's value bound in signature order (so
+``JITFunction.run`` reads in 3.9 and in a 3.4-era source; older releases passed the
+non-constexpr arguments only). It is used only where the installed ``JITFunction.run``
+makes exactly that call (read from its source once), never under the interpreter or while
+torch.compile traces, and not with launch hooks (profilers) or pre-run hooks installed;
 everywhere else, and for any argument that is not a tensor, an int, a bool or a float,
 :func:`launch` is ``kernel[grid](...)``. :data:`ENABLED` (``XOPT_POET_DIRECT_LAUNCH=0``
 turns it off) switches it at run time.
