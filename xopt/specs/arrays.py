@@ -13,6 +13,7 @@ No framework is imported here: the namespace is recognised from the array's type
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Any
 
@@ -278,3 +279,121 @@ def matmul(xp: ModuleType, a: Any, b: Any) -> Any:
 
         return xp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
     return xp.matmul(a, b)
+
+
+# -- division rounded once, whatever the compiler makes of a float division -----------------
+
+
+def divide(xp: ModuleType, a: Any, b: Any) -> Any:
+    """``a / b`` correctly rounded (IEEE 754 round to nearest, ties to even) in every
+    namespace, on every device, so that quantisers built on it write the same bytes.
+
+    NumPy: ``a / b``. torch: ``a / b`` with both operands tensors, since torch rounds twice
+    when one is a Python number (``x / t`` is ``t.reciprocal() * x``; on CUDA ``t / x`` is
+    ``t * (1/x)``); the number is cast to the other operand's dtype first, as NumPy and JAX
+    cast a Python scalar. jax.numpy: float32 (and float16/bfloat16, computed in float32)
+    by :func:`_divide_f32`, integer arithmetic on the bit patterns, since XLA's float32
+    division is not IEEE on GPUs (PTX ``div.full.f32``, up to 2 ulp) and on CPUs a division
+    by a broadcast operand becomes a multiplication by its reciprocal. float64 (x64 on) and
+    complex under JAX divide as XLA does (``div.rn.f64`` on GPUs). NaN payloads are not
+    specified: a NaN operand's payload is kept (quieted), an invalid operation gives
+    ``0x7fc00000``.
+    """
+    if is_torch(xp):
+        if not isinstance(a, xp.Tensor):
+            a = xp.full((), a, dtype=b.dtype, device=b.device)
+        if not isinstance(b, xp.Tensor):
+            b = xp.full((), b, dtype=a.dtype, device=a.device)
+        return a / b
+    if not xp.__name__.startswith("jax"):
+        return a / b
+    dt = xp.result_type(a, b)
+    if not xp.issubdtype(dt, xp.floating):
+        if xp.issubdtype(dt, xp.complexfloating):
+            return a / b
+        dt = xp.result_type(float)
+    if dt not in (xp.float32, xp.float16, xp.bfloat16):
+        return xp.asarray(a, dt) / xp.asarray(b, dt)
+    a, b = xp.broadcast_arrays(xp.asarray(a, dt), xp.asarray(b, dt))
+    # float16/bfloat16: the float32 quotient rounded to the narrow format is the correctly
+    # rounded narrow quotient, because 24 ≥ 2·11 + 2 bits (no double-rounding error)
+    q = _divide_f32_jit()(a.astype(xp.float32), b.astype(xp.float32))
+    return q.astype(dt)
+
+
+@functools.cache
+def _divide_f32_jit() -> Any:
+    # jitted so that eager callers compile one fused kernel per shape, not ~150 ops one by
+    # one; inside an outer jit it is inlined
+    import jax
+
+    return jax.jit(_divide_f32)
+
+
+def _divide_f32(a: Any, b: Any) -> Any:
+    """float32 ``a / b`` (same shapes, jax arrays) correctly rounded, from uint32/int32
+    operations on the bit patterns only: integer results are exact on every XLA backend,
+    so no compiler choice of float division or contraction can change the quotient.
+
+    Both significands are normalised to 24 bits (subnormals by their leading zeros), the
+    dividend doubled when smaller than the divisor, and 26 quotient bits produced by
+    restoring long division (one compare-subtract per bit, unrolled: one fused elementwise
+    kernel); the remainder gives the sticky bit. The rounding position moves right for a
+    subnormal quotient, so gradual underflow is rounded once, ties to even.
+    """
+    import jax.numpy as jnp
+    from jax import lax
+
+    u32, i32 = jnp.uint32, jnp.int32
+
+    def c(v: int) -> Any:
+        return np.uint32(v)
+
+    ua = lax.bitcast_convert_type(a, u32)
+    ub = lax.bitcast_convert_type(b, u32)
+    sign = (ua ^ ub) & c(0x80000000)
+    abs_a, abs_b = ua & c(0x7FFFFFFF), ub & c(0x7FFFFFFF)
+
+    def significand(u: Any) -> tuple[Any, Any]:
+        """(24-bit significand with bit 23 set, biased exponent, below 1 for subnormals)."""
+        e = lax.convert_element_type(u >> c(23), i32)  # the sign bit was masked off
+        m = u & c(0x7FFFFF)
+        sub = e == 0
+        shift = lax.convert_element_type(lax.clz(m), i32) - 8  # zero: 24, harmlessly
+        m = jnp.where(sub, m << lax.convert_element_type(jnp.maximum(shift, 0), u32),
+                      m | c(0x800000))
+        return m, jnp.where(sub, 1 - shift, e)
+
+    ma, ea = significand(abs_a)
+    mb, eb = significand(abs_b)
+    small = ma < mb
+    ma = jnp.where(small, ma << c(1), ma)  # now mb ≤ ma < 2·mb: the quotient is in [1, 2)
+    e = ea - eb + 127 - small.astype(i32)  # biased exponent of the quotient
+    q = jnp.ones_like(ma)
+    r = ma - mb
+    for _ in range(25):  # r < mb < 2**24 throughout: no bit is lost to a shift
+        r = r << c(1)
+        ge = r >= mb
+        r = jnp.where(ge, r - mb, r)
+        q = (q << c(1)) | ge.astype(u32)
+    # q = ⌊2²⁵·quotient⌋ ∈ [2²⁵, 2²⁶); keep 24 bits (fewer below the normal range)
+    s = lax.convert_element_type(jnp.clip(1 - e, 0, 25) + 2, u32)
+    m = q >> s
+    rest = q & ((c(1) << s) - c(1))
+    half = c(1) << (s - c(1))
+    up = (rest > half) | ((rest == half) & ((r != 0) | ((m & c(1)) == 1)))
+    m = m + up.astype(u32)
+    # a significand rounded up to 2²⁴ carries into the exponent, 2²³ into the first normal
+    body = (lax.convert_element_type(jnp.clip(e, 1, 254) - 1, u32) << c(23)) + m
+    body = jnp.where(e > 254, c(0x7F800000), body)
+
+    inf = c(0x7F800000)
+    a_nan, b_nan = abs_a > inf, abs_b > inf
+    a_inf, b_inf = abs_a == inf, abs_b == inf
+    a_zero, b_zero = abs_a == 0, abs_b == 0
+    nan = jnp.where(a_nan, ua | c(0x400000),
+                    jnp.where(b_nan, ub | c(0x400000), c(0x7FC00000)))
+    invalid = a_nan | b_nan | (a_inf & b_inf) | (a_zero & b_zero)
+    out = jnp.where(a_inf | b_zero, sign | inf, jnp.where(a_zero | b_inf, sign, sign | body))
+    out = jnp.where(invalid, nan, out)
+    return lax.bitcast_convert_type(out, jnp.float32)

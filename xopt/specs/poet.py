@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from xopt.errors import HyperparameterError
+from xopt.specs import arrays
 from xopt.specs._hyperparams import NONNEGATIVE, UNIT_HALF_OPEN, Hyperparams, Interval, hp
 from xopt.specs._method import MethodSpec
 from xopt.specs._state import Naming, StateSchema, StateVar, same_as_param, scalar
@@ -470,17 +471,6 @@ def _clip(xp, x, lo, hi):
     return x.clamp(lo, hi) if xp.__name__ == "torch" else xp.clip(x, lo, hi)
 
 
-def _div(xp, a, b):
-    """``a / b`` rounded once (IEEE). XLA rewrites a division by a broadcast operand into a
-    multiplication by its reciprocal (one ulp off in most elements), so under jax.numpy
-    the divisor is broadcast to ``a``'s shape behind an optimisation barrier."""
-    if xp.__name__.startswith("jax"):
-        import jax
-
-        b = jax.lax.optimization_barrier(xp.broadcast_to(xp.asarray(b, dtype=a.dtype), a.shape))
-    return a / b
-
-
 def _as_uint8(xp, x):
     return x.to(xp.uint8) if xp.__name__ == "torch" else x.astype(xp.uint8)
 
@@ -495,9 +485,9 @@ def quantize_weight(w: Any, group_size: int = 256, *, xp=None) -> tuple[Any, Any
     hi, lo = _amax_amin(xp, g)
     spread = hi - lo
     spread = spread.clamp(min=1e-5) if xp.__name__ == "torch" else xp.maximum(spread, 1e-5)
-    scales = _div(xp, spread, QUANT_MAX)
-    zeros = _clip(xp, -xp.round(_div(xp, lo, scales)), 0, QUANT_MAX)
-    codes = _clip(xp, xp.round(_div(xp, g, scales)) + zeros, 0, QUANT_MAX)
+    scales = arrays.divide(xp, spread, QUANT_MAX)
+    zeros = _clip(xp, -xp.round(arrays.divide(xp, lo, scales)), 0, QUANT_MAX)
+    codes = _clip(xp, xp.round(arrays.divide(xp, g, scales)) + zeros, 0, QUANT_MAX)
     return _as_uint8(xp, codes.reshape(shape)), scales, zeros
 
 

@@ -735,9 +735,9 @@ def merge_and_reset(model: nn.Module, ranks: Any = "auto") -> int:
     mesh; None merges on every rank)."""
     from xopt.torch.distributed import merge_by_owner
 
-    layers = poet_layers(model)
-    merge_by_owner(layers, ranks)
-    return len(layers)
+    named = [(n, m) for n, m in model.named_modules() if isinstance(m, POETLinear)]
+    merge_by_owner([m for _, m in named], ranks, names=[n or "(the model)" for n, _ in named])
+    return len(named)
 
 
 class MergeEvery:
