@@ -11,7 +11,9 @@ nor triton. The modules load them on first use:
 * :mod:`xopt.kernels.small_fc_lopt`: small_fc_lopt's feature-statistics and fused update;
 * :mod:`xopt.kernels.velo`: VeLO's, with its per-tensor LSTM batched in torch;
 * :mod:`xopt.kernels.poet_cayley`: POET-X's Cayley–Neumann series and its backward;
-* :mod:`xopt.kernels.poet_perm`: POET-X's permutations as row gathers and scatters.
+* :mod:`xopt.kernels.poet_perm`: POET-X's permutations as row gathers and scatters;
+* :mod:`xopt.kernels.poet_adam`: POETAdamW's update of a parameter in one pass;
+* :mod:`xopt.kernels.poet_jit`: POET-X's launches through the compiled kernel's launcher.
 
 Each kernel module has a pure-PyTorch reference it is tested against (under
 ``TRITON_INTERPRET=1`` on the CPU); the plain path in :mod:`xopt.torch` is the reference
@@ -25,6 +27,8 @@ the CUDA graphs, when an optimizer's first Triton step builds its recorder):
 | ``XOPT_LOPT_CUDA_GRAPHS`` | ``1`` | ``0``: the learned optimizers' Triton step runs eagerly |
 | ``XOPT_VELO_COMPILE_GLUE`` | ``1`` | ``0``: VeLO's LSTM glue runs eagerly, not compiled |
 | ``XOPT_POET_CNP`` | ``bmm`` | ``fused``, ``triton``: POET-X's Cayley–Neumann backends |
+| ``XOPT_POET_DIRECT_LAUNCH`` | ``1`` | ``0``: POET-X kernels always via ``JITFunction.run`` |
+| ``XOPT_POET_FUSED_STEP`` | ``1`` | ``0``: POETAdamW's CUDA step as foreach calls |
 
 ``XOPT_LOPT_CUDA_GRAPHS=0`` is for profilers and debugging: every launch is then an
 ordinary one, with the same bits. ``XOPT_VELO_COMPILE_GLUE=0`` skips ``torch.compile`` of
