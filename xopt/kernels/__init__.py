@@ -13,7 +13,9 @@ nor triton. The modules load them on first use:
 * :mod:`xopt.kernels.poet_cayley`: POET-X's Cayley–Neumann series and its backward;
 * :mod:`xopt.kernels.poet_perm`: POET-X's permutations as row gathers and scatters;
 * :mod:`xopt.kernels.quant8`: 8-bit COAP's moment step (dequantise, update, requantise);
-* :mod:`xopt.kernels.adafactor`: Flora's Adafactor step on stacked matrices, three passes.
+* :mod:`xopt.kernels.adafactor`: Flora's Adafactor step on stacked matrices, three passes;
+* :mod:`xopt.kernels.poet_adam`: POETAdamW's update of a parameter in one pass;
+* :mod:`xopt.kernels.poet_jit`: POET-X's launches through the compiled kernel's launcher.
 
 Each kernel module has a pure-PyTorch reference it is tested against (under
 ``TRITON_INTERPRET=1`` on the CPU); the plain path in :mod:`xopt.torch` is the reference
@@ -29,6 +31,8 @@ the CUDA graphs, when an optimizer's first Triton step builds its recorder):
 | ``XOPT_POET_CNP`` | ``bmm`` | ``fused``, ``triton``: POET-X's Cayley–Neumann backends |
 | ``XOPT_QUANT8`` | ``torch`` | ``auto``, ``triton``: 8-bit COAP's fused moment step |
 | ``XOPT_ADAFACTOR`` | ``torch`` | ``auto``, ``triton``: Flora's fused Adafactor passes |
+| ``XOPT_POET_DIRECT_LAUNCH`` | ``1`` | ``0``: POET-X kernels always via ``JITFunction.run`` |
+| ``XOPT_POET_FUSED_STEP`` | ``1`` | ``0``: POETAdamW's CUDA step as foreach calls |
 
 ``XOPT_LOPT_CUDA_GRAPHS=0`` is for profilers and debugging: every launch is then an
 ordinary one, with the same bits. ``XOPT_VELO_COMPILE_GLUE=0`` skips ``torch.compile`` of
