@@ -13,8 +13,9 @@ from torch import nn
 
 #: (in, out, bias) of the layers: uneven shards on 2 ranks (oft_R of 5 and 3 rows)
 SHAPES = ((8, 8, True), (8, 12, False), (12, 4, True))
-#: the c10d ops behind dist.all_to_all_single and dist.broadcast, as CommCounter names them
-A2A, BCAST = "alltoall_base_", "broadcast_"
+#: the c10d ops behind dist.all_to_all_single, dist.broadcast and dist.all_reduce, as
+#: CommCounter names them
+A2A, BCAST, ALLREDUCE = "alltoall_base_", "broadcast_", "allreduce_"
 
 
 def make_model(quantized: bool) -> nn.Module:
@@ -67,7 +68,8 @@ def merge(mode: str, quantized: bool) -> dict[str, Any]:
     group named as POETAdamW names it) against one process: which tensors differ (bit
     for bit), how many merges each rank computed, and the bytes each collective was handed
     against what the owner rule needs (every input shard once to its owner, every owned
-    result's blocks once to their ranks, replicated results broadcast from their owner)."""
+    result's blocks once to their ranks, replicated results broadcast from their owner,
+    and the owners' status)."""
     import xopt.torch.distributed as xd
     from xopt.torch.poet import merge_and_reset, poet_layers
 
@@ -102,6 +104,7 @@ def merge(mode: str, quantized: bool) -> dict[str, Any]:
                         _nbytes(t)
             else:  # broadcast whole (counted on every rank)
                 expect[BCAST] = expect.get(BCAST, 0) + _nbytes(t)
+    expect[ALLREDUCE] = 8 * world  # the owners' status (an int64 per rank), before results
     ranks = xd.Ranks([dist.group.WORLD]) if mode == "ddp" else "auto"
     with xd.CommCounter() as c:
         assert merge_and_reset(base, ranks) == len(SHAPES)
@@ -111,3 +114,36 @@ def merge(mode: str, quantized: bool) -> dict[str, Any]:
                    and np.array_equal(want[k], _whole(make_model(quantized))[k]))
     return {"differ": differ, "unmoved": moved, "computed": computed[0],
             "bytes": dict(c.bytes_by_op), "expect": expect}
+
+
+def failed_merge(mode: str) -> dict[str, Any]:
+    """The second layer's rotations made NaN on every rank, and its merge made to raise on
+    a NaN (a merge that checks its input): the error each rank raised and whether any
+    parameter, buffer or permutation changed on this rank."""
+    import xopt.torch.distributed as xd
+    from xopt.torch.poet import merge_and_reset, poet_layers
+
+    model = wrap(mode, make_model(False))
+    base = getattr(model, "module", model)
+    layers = poet_layers(base)
+    for layer in layers:
+        def checked(oft_r: torch.Tensor, *args: Any, _f: Any = layer.merged) -> Any:
+            if not bool(torch.isfinite(oft_r).all()):
+                raise FloatingPointError("oft_R is not finite")
+            return _f(oft_r, *args)
+        layer.merged = checked
+    with torch.no_grad():
+        xd.local(layers[1].oft_R).fill_(float("nan"))
+    before = _whole(base)
+    ranks = xd.Ranks([dist.group.WORLD]) if mode == "ddp" else "auto"
+    try:
+        merge_and_reset(base, ranks)
+        error = None
+    except xd.OwnerError as e:
+        error = str(e)
+    after = _whole(base)
+    changed = sorted(k for k in before if not np.array_equal(before[k], after[k],
+                                                             equal_nan=True))
+    owners = xd.assign_owners([float(layer.weight.numel()) for layer in layers],
+                              dist.get_world_size())
+    return {"error": error, "changed": changed, "owner": owners[1]}

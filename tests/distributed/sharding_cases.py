@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 #: the methods whose transformations test_jax_sharding.py places (docs/distributed.md's JAX
-#: column; CompAct's and POET's take their layers' inputs)
+#: column; CompAct's and POET's take their layers' inputs: test_jax_layers.py)
 JAX_SHARDED = ("adamw", "galore", "flora", "coap", "plumage", "small_fc_lopt", "velo", "mulo")
 
 _CONTRACT = Path(__file__).resolve().parents[1] / "contract" / "jax_cases.py"
@@ -100,12 +100,18 @@ def hlo_collectives(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def compiled_collectives(case_id: str, owner_rule: bool = True, steps: int = 5
+#: how compiled_collectives traces the update: the parameters and gradients placed with
+#: NamedSharding and nothing else ("placed": the owner rule finds the mesh on the arrays),
+#: inside ``jax.set_mesh`` ("set_mesh"), or placed with the rule turned off ("off")
+TRACINGS = ("placed", "set_mesh", "off")
+
+
+def compiled_collectives(case_id: str, tracing: str = "placed", steps: int = 5
                          ) -> dict[str, Any]:
     """One contract case's transformation on :data:`HLO_SHAPES` (matrices split by rows
     over the 4 devices), jitted with its state from ``xopt.jax.sharding.init``: the
-    collectives of its compiled update (:func:`hlo_collectives`; ``owner_rule``: traced
-    under ``jax.set_mesh``, so that decompositions run on one device each), and
+    collectives of its compiled update (:func:`hlo_collectives`; ``tracing``, one of
+    :data:`TRACINGS`: how the update is traced), and
     ``teacher``: per update (refreshes among them), the worst relative error of the sharded
     update and new state against the unsharded update from the same state and gradient."""
     import contextlib
@@ -131,7 +137,9 @@ def compiled_collectives(case_id: str, owner_rule: bool = True, steps: int = 5
     out: dict[str, Any] = {"devices": len(jax.devices()), "teacher": [],
                            "matrix_bytes": [4 * int(np.prod(s)) for s in HLO_SHAPES.values()
                                             if len(s) == 2]}
-    with jax.set_mesh(mesh) if owner_rule else contextlib.nullcontext():
+    context = {"placed": contextlib.nullcontext, "set_mesh": lambda: jax.set_mesh(mesh),
+               "off": lambda: sharding.owner_rule(False)}[tracing]
+    with context():
         state = sharding.init(tx, placed)
         update = jax.jit(tx.update)
         out["ops"] = hlo_collectives(update.lower(placed, state, placed,
@@ -149,3 +157,32 @@ def compiled_collectives(case_id: str, owner_rule: bool = True, steps: int = 5
                                                  optax.apply_updates(params, u0)),
                                       jc.max_rel(state, state0)))
     return out
+
+
+def inside_shard_map(case_id: str) -> float:
+    """One contract case's update called inside a user's ``shard_map`` over the 4 devices
+    (every array replicated into it, so each device updates the whole tensors): the
+    owner rule stands aside there (the mesh's axes are manual). The worst relative error
+    against the update on one device."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from xopt.jax import sharding
+
+    jc = _contract_cases()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    c = jc.case(case_id)
+    params = jc.tiny_params()
+    placed = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    tx = c.build(params)
+    grads, kw = jc.grads_like(params, 0), jc.update_kwargs(c, 0)
+    state = sharding.init(tx, placed)
+
+    def body(g, st, p):
+        return tx.update(g, st, p, **kw)[0]
+
+    spec = PartitionSpec()
+    u = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec))(
+        jax.device_put(grads, NamedSharding(mesh, spec)), state, placed)
+    return jc.max_rel(u, jax.jit(tx.update)(grads, tx.init(params), params, **kw)[0])

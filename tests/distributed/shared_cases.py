@@ -201,3 +201,30 @@ def sharded_step(method: str, steps: int = 3) -> dict[str, Any]:
     stateful = [i for i, p in enumerate(params) if opt.state.get(p)]
     return {"identical": same, "owners": owners, "stateful": stateful,
             "rank": dist.get_rank()}
+
+
+def failed_decomposition() -> dict[str, Any]:
+    """GaLore on a matrix sharded over the ranks whose gradient holds a NaN in rank 1's
+    shard only: its first step's SVD (a refresh), on the matrix's owner, fails. The error
+    each rank raised, and whether the parameters or the state changed."""
+    from xopt.errors import DecompositionError
+    from xopt.torch.galore import GaLore
+
+    mesh = _mesh()
+    w = torch.nn.Parameter(_placed(_full((6, 4), 3).float(), mesh, Shard(0)))
+    b = torch.nn.Parameter(_placed(_full((4,), 4).float(), mesh, Replicate()))
+    g = _full((6, 4), 5).float()
+    if dist.get_rank() == 1:
+        g[4, 1] = float("nan")  # in rank 1's rows (3 to 5): rank 0 sees a finite shard
+    w.grad = _placed(g, mesh, Shard(0))
+    b.grad = _placed(torch.ones(4), mesh, Replicate())
+    opt = GaLore([{"params": [w], "rank": 2, "update_proj_gap": 2}, {"params": [b]}], lr=1e-2)
+    before = [p.to_local().clone() for p in (w, b)]
+    try:
+        opt.step()
+        error = None
+    except DecompositionError as e:
+        error = str(e)
+    return {"error": error, "state": sum(len(s) for s in opt.state.values()),
+            "unchanged": all(torch.equal(p.to_local(), q) for p, q in zip((w, b), before,
+                                                                           strict=True))}

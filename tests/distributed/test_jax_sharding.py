@@ -42,19 +42,30 @@ RANK = 2  # the contract cases' rank
 def compiled(jax_worker):
     memo: dict[tuple[str, bool], dict] = {}
 
-    def get(case_id: str, owner_rule: bool = True) -> dict:
-        if (case_id, owner_rule) not in memo:
-            memo[case_id, owner_rule] = jax_worker.run(cases.compiled_collectives, case_id,
-                                                       owner_rule)[0]
-        return memo[case_id, owner_rule]
+    def get(case_id: str, tracing: str = "placed") -> dict:
+        if (case_id, tracing) not in memo:
+            memo[case_id, tracing] = jax_worker.run(cases.compiled_collectives, case_id,
+                                                    tracing)[0]
+        return memo[case_id, tracing]
 
     return get
 
 
-@pytest.mark.parametrize("case_id", JAX_SHARDED)
-def test_the_compiled_update_communicates_within_its_methods_bound(compiled, case_id):
+def _bounded():
+    # the owner rule is the same code whichever way it finds the mesh: the methods it
+    # concerns are also traced inside jax.set_mesh; the others are traced once
+    return [pytest.param(c, t, id=f"{c}-{t}") for c in JAX_SHARDED
+            for t in (("placed", "set_mesh") if c in OWNED else ("placed",))]
+
+
+@pytest.mark.parametrize("case_id, tracing", _bounded())
+def test_the_compiled_update_communicates_within_its_methods_bound(compiled, case_id,
+                                                                     tracing):
     """The compiled (SPMD-partitioned) HLO of a jitted update on 4 devices, matrices split
-    by rows, traced under ``jax.set_mesh``: the collectives it holds and their bytes.
+    by rows: the collectives it holds and their bytes. Traced with the parameters and
+    gradients placed with ``NamedSharding`` and no context (``placed``: the owner rule
+    takes the mesh from the arrays' shardings), and for the methods with decompositions
+    also inside ``jax.set_mesh`` (``set_mesh``).
 
     AdamW, the learned optimizers and Flora (statistics only): all-reduces only, each
     smaller than one device's shard of the smallest matrix. GaLore and PLUMAGE (an SVD per
@@ -66,7 +77,7 @@ def test_the_compiled_update_communicates_within_its_methods_bound(compiled, cas
     parameters and state within 1e-6 of the unsharded update from the same state
     (parameters, not updates: an update computed as new − old, as Flora's and COAP's,
     carries the old parameter's rounding, 1e-5 of the update for one ulp of the new)."""
-    r = compiled(case_id)
+    r = compiled(case_id, tracing)
     assert r["devices"] == 4, r
     d, matrices = r["devices"], r["matrix_bytes"]
     by_op: dict[str, list[int]] = {}
@@ -92,10 +103,18 @@ def test_the_compiled_update_communicates_within_its_methods_bound(compiled, cas
 
 @pytest.mark.parametrize("case_id", OWNED)
 def test_without_the_owner_rule_xla_gathers_every_matrix_on_every_device(compiled, case_id):
-    """What the owner rule replaces (and what the bound above would catch): traced without
-    a mesh set, XLA all-gathers each matrix GaLore and PLUMAGE decompose, whole, on every
-    device (and every device decomposes it); the results are the same."""
-    r = compiled(case_id, False)
+    """What the owner rule replaces (and what the bound above would catch): traced under
+    ``xopt.jax.sharding.owner_rule(False)``, XLA all-gathers each matrix GaLore and PLUMAGE
+    decompose, whole, on every device (and every device decomposes it); the results are
+    the same."""
+    r = compiled(case_id, "off")
     gathered = sorted(n for op, n in r["ops"] if op == "all-gather")
     assert gathered[-len(r["matrix_bytes"]):] == sorted(r["matrix_bytes"]), r["ops"]
     assert max(r["teacher"]) <= 1e-6, r
+
+
+def test_the_owner_rule_stands_aside_inside_a_users_shard_map(jax_worker):
+    """Inside ``shard_map`` the arrays' mesh has manual axes: each device holds its own
+    blocks, and a decomposition runs on them as the caller asked (no owner exchange,
+    which would mistake the blocks for the matrix)."""
+    assert jax_worker.run(cases.inside_shard_map, "galore")[0] <= 1e-6

@@ -17,6 +17,8 @@ import pytest
 from known import KNOWN, expect, marks
 from sharding_cases import JAX_SHARDED
 
+from xopt.parity.distributed_layers import LAYER_METHODS
+
 TEACHER, CLOSED = 1e-6, 1e-5
 
 
@@ -141,7 +143,8 @@ def test_the_docs_table_is_this_matrix():
         if len(cells) == 6 and cells[0] in cases.METHODS:
             rows[cells[0]] = cells[1:]
     assert sorted(rows) == sorted(cases.METHODS)
-    jax_cells = {m: "✓" for m in JAX_SHARDED}
+    # the JAX column: test_jax_sharding.py's transformations, test_jax_layers.py's layers
+    jax_cells = {m: "✓" for m in (*JAX_SHARDED, *LAYER_METHODS)}
     for method, cells in rows.items():
         for cell, mark in zip(("ddp", "fsdp2", "dcp_ddp", "dcp_fsdp2"), cells, strict=False):
             assert mark == ("✗" if (cell, method) in KNOWN else "✓"), (method, cell, mark)

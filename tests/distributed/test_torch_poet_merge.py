@@ -2,7 +2,9 @@
 on one rank (layers assigned by ``W0`` size) and its result sent to the others, bit for bit
 the one-process merge, under FSDP2 (shards gathered to the owner, blocks scattered back)
 and DDP (results broadcast), for POET-X and POET-XQ; the bytes each rank hands to the
-collectives (``CommCounter``) are exactly what that exchange needs."""
+collectives (``CommCounter``) are exactly what that exchange needs. A merge that raises
+on its owner raises the same error on every rank, naming the layer, with nothing
+changed."""
 
 from __future__ import annotations
 
@@ -22,3 +24,17 @@ def test_each_layer_is_merged_once_and_every_rank_gets_the_one_process_result(
     # each layer's merge computed on exactly one rank, and not all on the same one
     assert sum(r["computed"] for r in results) == len(cases.SHAPES), results
     assert all(r["computed"] > 0 for r in results), results
+
+
+@pytest.mark.parametrize("mode", ["fsdp2", "ddp"])
+def test_a_merge_that_fails_on_its_owner_raises_on_every_rank_and_changes_nothing(gang,
+                                                                                  mode):
+    """The owner's merge raises; the other rank, which would wait for its result in the
+    following collective, gets the same error from the status exchange before it (the
+    gang's ranks return, so none hung)."""
+    results = gang.run(cases.failed_merge, mode)
+    assert results[0]["error"] is not None and results[0]["error"] == results[1]["error"]
+    owner = results[0]["owner"]
+    assert results[0]["error"].startswith("1: FloatingPointError: oft_R is not finite "
+                                          f"[computed on rank {owner} of 2, its owner")
+    assert all(r["changed"] == [] for r in results), results

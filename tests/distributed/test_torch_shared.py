@@ -105,3 +105,15 @@ def test_pylo_distributed_step_is_the_replicated_step(gang, method):
         assert r["identical"], r
         assert r["stateful"] == [i for i, o in enumerate(r["owners"]) if o == r["rank"]]
         assert set(r["owners"]) == {0, 1}
+
+
+def test_a_decomposition_that_fails_on_its_owner_raises_on_every_rank(gang):
+    """A NaN in one rank's shard of a gradient: the SVD fails on the matrix's owner, and
+    the other rank, which would wait for the factors, raises the same error (naming the
+    parameter and the owner) from the status exchange before it; nothing changed."""
+    results = gang.run(cases.failed_decomposition)
+    assert results[0]["error"] is not None and results[0]["error"] == results[1]["error"]
+    msg = results[0]["error"]
+    assert "param_groups[0]['params'][0]" in msg and "of 2, its owner" in msg, msg
+    assert "raised on every rank" in msg, msg
+    assert all(r["unchanged"] and r["state"] == 0 for r in results), results

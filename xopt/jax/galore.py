@@ -226,8 +226,8 @@ def _refresh(h: _spec.GaLore, name: str, g: jax.Array, old: jax.Array, old_r: An
              ) -> tuple[jax.Array, Any]:
     """The projection after this update's refresh rule: the SVD's (or the injected) at a
     refresh, ``old`` otherwise; a refresh whose SVD is not finite keeps ``old``. The SVD
-    runs on one device of a mesh set with ``jax.set_mesh`` (:func:`xopt.jax.sharding.
-    on_owner`, the ``index``-th matrix)."""
+    runs on one device of the gradient's mesh (:func:`xopt.jax.sharding.on_owner`, the
+    ``index``-th matrix)."""
     which = _spec.side(tuple(g.shape), h.proj_type)
     due = _spec.refresh_due(count, h)
     full = which == "full"

@@ -249,7 +249,7 @@ def _maybe_refresh(h: _spec.PLUMAGE, name: str, index: int, g: jax.Array, side: 
         old = dict(zip(keys, operands, strict=True))
 
         def from_svd() -> tuple[jax.Array, jax.Array, jax.Array]:
-            # on one device of a mesh set with jax.set_mesh (the owner rule)
+            # on one device of the gradient's mesh (the owner rule)
             basis, probs, sigma = on_owner(
                 lambda a: _spec.basis_and_probs(jnp, h, a, side, inject), g, index=index)
             ok = jnp.all(jnp.isfinite(sigma)) & jnp.all(jnp.isfinite(basis))

@@ -13,25 +13,32 @@ optimizer's global state) is replicated over the parameters' mesh. The values ar
 **The owner rule.** Under ``jit``, XLA partitions a whole-matrix decomposition (an SVD, a
 QR) of a sharded matrix by gathering the matrix on every device and decomposing it
 everywhere. GaLore's and PLUMAGE's SVDs call :func:`on_owner` instead (COAP decomposes
-its rank-r sketch, which is all XLA gathers). When a mesh is set (``with
-jax.set_mesh(mesh):`` around the ``jit``'s first call, which traces it), each matrix goes
-to one device, its owner (owners rotate over the devices with the leaves), in ``D − 1``
-collective permutes of its row blocks (one matrix's worth, once); the owner alone
-decomposes it (the other devices skip the branch); the factors reach every device in one
-all-reduce of their bits (exact). The results are bit for bit the unsharded ones. Without
-a mesh set the call is ``fn`` itself.
+its rank-r sketch, which is all XLA gathers). Each matrix goes to one device, its owner
+(owners rotate over the devices with the leaves), in ``D − 1`` collective permutes of its
+row blocks (one matrix's worth, once); the owner alone decomposes it (the other devices
+skip the branch); the factors reach every device in one all-reduce of their bits (exact).
+The results are bit for bit the unsharded ones. The mesh is found when the update is
+traced (:func:`owner_mesh`): the one set with ``jax.set_mesh``, else the mesh of the
+matrix's own sharding, which a gradient or parameter placed with ``NamedSharding`` carries
+through ``jit`` (on its ``jax.typeof(x).sharding``); so parameters and gradients placed on a
+mesh need no context. A matrix with no mesh (arrays on one device, uncommitted, or placed
+with another kind of sharding) is decomposed by ``fn`` itself, as XLA partitions it.
+``with xopt.jax.sharding.owner_rule(False):`` around the first call turns the rule off
+(every device then gathers and decomposes every matrix).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["init", "on_owner", "owner_mesh", "state_shardings"]
+__all__ = ["init", "on_owner", "owner_mesh", "owner_rule", "state_shardings"]
 
 
 def state_shardings(tx: Any, params: Any) -> Any:
@@ -69,12 +76,42 @@ def init(tx: Any, params: Any) -> Any:
     return jax.jit(tx.init, out_shardings=state_shardings(tx, params))(params)
 
 
-def owner_mesh() -> Any:
-    """The mesh :func:`on_owner` distributes over: the one set with ``jax.set_mesh`` when
-    it spans more than one device, else None."""
+_OWNER_RULE = contextvars.ContextVar("xopt_jax_owner_rule", default=True)
+
+
+@contextlib.contextmanager
+def owner_rule(enabled: bool = True) -> Iterator[None]:
+    """Turn the owner rule on or off for the updates traced inside the block (default:
+    on); off, :func:`on_owner` is ``fn`` itself and XLA gathers each matrix on every
+    device. Read when ``jit`` traces, so it applies to the first call of a jitted update
+    (a compiled one keeps what it was traced with)."""
+    token = _OWNER_RULE.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _OWNER_RULE.reset(token)
+
+
+def owner_mesh(like: Any = None) -> Any:
+    """The mesh :func:`on_owner` distributes over, when it spans more than one device: the
+    one set with ``jax.set_mesh``; else that of ``like``'s sharding (an array or a traced
+    value whose inputs were placed with ``NamedSharding``: its abstract mesh, which ``jit``
+    carries through the trace); else None. None too under ``owner_rule(False)`` and
+    inside ``shard_map`` (a mesh with manual axes: ``fn`` then runs on what each device
+    holds, as the caller's ``shard_map`` asks)."""
+    if not _OWNER_RULE.get():
+        return None
     mesh = jax.sharding.get_abstract_mesh()
+    if (mesh is None or getattr(mesh, "empty", True)) and like is not None:
+        try:
+            sharding = getattr(jax.typeof(like), "sharding", None)
+        except TypeError:  # not an array (a Python scalar): no mesh of its own
+            sharding = None
+        mesh = getattr(sharding, "mesh", None)
     if mesh is None or getattr(mesh, "empty", True) or mesh.size <= 1:
         return None
+    if jax.sharding.AxisType.Manual in tuple(getattr(mesh, "axis_types", ())):
+        return None  # inside shard_map: each device holds its own blocks, fn runs on them
     return mesh
 
 
@@ -94,8 +131,9 @@ def _broadcast_bits(x: jax.Array, mine: jax.Array, axes: tuple[str, ...]) -> jax
 
 
 def on_owner(fn: Callable[..., Any], a: jax.Array, *replicated: Any, index: int = 0) -> Any:
-    """``fn(a, *replicated)`` computed on one device of the mesh set by ``jax.set_mesh``
-    (:func:`owner_mesh`), device ``index mod D``, and broadcast; ``fn`` itself without one.
+    """``fn(a, *replicated)`` computed on one device of ``a``'s mesh (:func:`owner_mesh`:
+    the one set with ``jax.set_mesh``, else the mesh ``a``'s sharding carries), device
+    ``index mod D``, and broadcast; ``fn`` itself without one.
 
     ``a`` (a matrix, sharded or not) reaches the owner in row blocks, as FSDP shards it
     (``D − 1`` collective permutes, each of one block; rows padded to a multiple of ``D``
@@ -104,7 +142,7 @@ def on_owner(fn: Callable[..., Any], a: jax.Array, *replicated: Any, index: int 
     results (a pytree of arrays) are sent to every device bit for bit. Call it under
     ``jit``, one call per matrix with ``index`` counting the matrices, so that owners
     rotate over the devices."""
-    mesh = owner_mesh()
+    mesh = owner_mesh(a)
     if mesh is None:
         return fn(a, *replicated)
     axes = tuple(mesh.axis_names)

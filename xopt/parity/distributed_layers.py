@@ -21,8 +21,14 @@ bit for bit. Teacher-forced: before step ``t`` both are set to the trace's param
 state after step ``t - 1`` (the distributed side through DCP's full state dicts); closed
 loop: both run from the trace's start on their own outputs. The bounds are
 :data:`xopt.parity.distributed.TOLERANCES`. POET's stateless Cayley–Neumann cases have
-no batch and no optimizer and are not replayed; JAX's layers are not replayed on N
-devices (a note says so).
+no batch and no optimizer and are not replayed.
+
+In JAX (:func:`jax_layer_outputs`) the method's Flax layers and optax transformation run
+as data-parallel JAX training: one jitted forward and backward of the whole batch with its
+rows split over ``N`` devices of a one-axis mesh (``NamedSharding``), the parameters and
+POET's ``W0`` split along their first dimension that divides by ``N``, the state placed by
+:mod:`xopt.jax.sharding`; XLA reduces the devices' gradients. The one-device run is the
+same jitted functions on the whole batch, uncommitted; they are compared alike.
 """
 
 from __future__ import annotations
@@ -36,8 +42,8 @@ import numpy as np
 from xopt.parity.harness import BadRequest
 from xopt.parity.trace import Trace, load_trace, step_prefix
 
-__all__ = ["LAYER_METHODS", "LayerCase", "LayerStep", "layer_sources", "load_layer_case",
-           "torch_layer_outputs"]
+__all__ = ["LAYER_METHODS", "LayerCase", "LayerStep", "jax_layer_outputs", "layer_sources",
+           "load_layer_case", "torch_layer_outputs"]
 
 #: methods whose traces are layer traces, replayed here
 LAYER_METHODS = ("compact", "poet")
@@ -522,4 +528,343 @@ def torch_layer_outputs(method: str, source: str, sharding: str, modes: Sequence
         out["digests"][mode] = [_digest(s) for s in got]
         if rank == 0:
             out[mode] = (ref, got)
+    return out
+
+
+# -- JAX: the layers on N devices -----------------------------------------------------------------
+
+
+class _JaxLayer:
+    """A layer trace's JAX layers (Flax modules where the method has them) and optax
+    transformation, as pure functions of flat dicts: ``params`` (trainable, keyed by the
+    trace's names, CompAct's carriers ``<layer>/compact_grad`` among them), ``buffers``
+    (POET's frozen ``poet`` collection) and the transformation's state."""
+
+    def __init__(self, case: LayerCase) -> None:
+        self.case, self.trace = case, case.trace
+
+    def start(self, t: int) -> tuple[dict[str, Any], dict[str, Any], Any]:
+        """``(params, buffers, state)`` before step ``t`` (the trace's), as NumPy and
+        Python values (state None: the transformation's init)."""
+        raise NotImplementedError
+
+    def forward(self, params: dict[str, Any], buffers: dict[str, Any],
+                batch: dict[str, Any], step: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The step's forward and backward on the whole ``batch`` (traced): the layer's
+        outputs (``y``, ``grad_input``, ``loss``) and the gradients of ``params``."""
+        raise NotImplementedError
+
+    def after_step(self, params: dict[str, Any], buffers: dict[str, Any], t: int
+                   ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """What follows the update of step ``t`` (eager: POET's merges): the new
+        ``(params, buffers)``, or None when nothing does."""
+        return None
+
+    def report(self, grads: dict[str, Any]) -> dict[str, Any]:
+        """The gradients compared (keyed as the torch layers' are)."""
+        return {f"grad/{k}": v for k, v in grads.items()}
+
+
+class _JaxCompAct(_JaxLayer):
+    def __init__(self, case: _CompAct) -> None:
+        super().__init__(case)
+        import jax
+        import jax.numpy as jnp
+
+        from xopt.jax.compact import CompActDense, compact_adamw
+
+        self.spec, self.projections = case.case, case.projections
+        self.carriers = {(w[: -len("weight")] + "compact_grad"): w for w in self.projections}
+        hp = self.spec.hp
+        if self.spec.kind == "linear":
+            proj = self.projections["weight"]
+            self.module = CompActDense(self.spec.out_features, use_bias=self.spec.bias,
+                                       rank=hp.rank, scale=proj.scale, seed=proj.seed,
+                                       gap=proj.gap)
+            x0 = jnp.zeros((1, self.spec.in_features), jnp.float32)
+            self.collection = self.module.init(jax.random.PRNGKey(0), x0)["compact"]
+        self.tx = compact_adamw(spec=hp, projections=self.projections)
+
+    def start(self, t: int) -> tuple[dict[str, Any], dict[str, Any], Any]:
+        import jax.numpy as jnp
+
+        from xopt.jax.compact import CompActAdamState
+
+        params = dict(self.spec.params(t - 1))
+        for c, w in self.carriers.items():
+            params[c] = np.zeros((params[w].shape[0], self.projections[w].rank), np.float32)
+        st = self.spec.state(t - 1)
+        if st is None:
+            return params, {}, None
+        names = list(self.trace.params)
+        state = CompActAdamState(count=jnp.asarray(int(st["step"]), jnp.int32),
+                                 mu={k: np.asarray(st[f"m/{k}"]) for k in names},
+                                 nu={k: np.asarray(st[f"v/{k}"]) for k in names})
+        return params, {}, state
+
+    def forward(self, params, buffers, batch, step):
+        import jax
+
+        if self.spec.kind == "linear":
+            def apply(p, x):
+                return self.module.apply({"params": p, "compact": self.collection}, x,
+                                         step=step)
+
+            y, vjp = jax.vjp(apply, params, batch["x"])
+            grads, gx = vjp(batch["grad_output"])
+            return {"y": y, "grad_input": gx}, grads
+        from xopt.parity.layers.compact import jax_llama_loss
+
+        cfg = self.spec.config
+
+        def loss_fn(p):
+            return jax_llama_loss(p, batch["x"], cfg, self.projections, step, {})
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return {"loss": loss}, grads
+
+    def report(self, grads):
+        out = {}
+        for k, v in grads.items():
+            if k in self.carriers:  # what the update reads for a CompAct weight
+                out[f"compact_grad/{self.carriers[k]}"] = v
+            elif k not in self.projections:  # (a CompAct weight's own cotangent is zeros)
+                out[f"grad/{k}"] = v
+        return out
+
+
+class _JaxPOET(_JaxLayer):
+    def __init__(self, case: _POET) -> None:
+        super().__init__(case)
+        import jax
+        import jax.numpy as jnp
+
+        from xopt.jax.poet import POETDense, poet_adamw
+
+        self.hp = case.hp
+        self.module = POETDense(features=case.n_out, spec=self.hp, seed=0)
+        made = self.module.init(jax.random.PRNGKey(0), jnp.zeros((1, case.n_in), jnp.float32))
+        self.template = {k: np.asarray(v) for k, v in made["poet"].items()}
+        self.tx = poet_adamw(spec=self.hp)
+
+    def start(self, t: int) -> tuple[dict[str, Any], dict[str, Any], Any]:
+        from xopt.jax.poet import POETAdamWState
+        from xopt.specs import poet as P
+
+        trace = self.trace
+        p = trace.init_params() if t == 0 else trace.params_after(t - 1)
+        aux = trace.aux(t)
+        buffers = dict(self.template, weight=np.asarray(p["weight"]))
+        for name in ("perm_in", "perm_out"):
+            buffers[name] = np.asarray(aux[name], np.int32)
+            buffers[name + "_inv"] = np.asarray(P.inverse(aux[name]), np.int32)
+        state = None
+        if t > 0:
+            s = trace.state_after(t - 1)
+            state = POETAdamWState(count=np.int32(s["global_step_counter"]),
+                                   step={"oft_R": np.int32(s["oft_R/step"])},
+                                   mu={"oft_R": np.asarray(s["oft_R/exp_avg"])},
+                                   nu={"oft_R": np.asarray(s["oft_R/exp_avg_sq"])})
+        return {"oft_R": np.asarray(p["oft_R"])}, buffers, state
+
+    def forward(self, params, buffers, batch, step):
+        import jax
+        import jax.numpy as jnp
+
+        def apply(p, x):
+            return self.module.apply({"params": p, "poet": buffers}, x)
+
+        if "target" in batch:  # the trace's MSE loss, of each side's own y
+            def loss_fn(p, x):
+                y = apply(p, x)
+                return jnp.mean((y - batch["target"]) ** 2), y
+
+            (loss, y), (grads, gx) = jax.value_and_grad(loss_fn, (0, 1), has_aux=True)(
+                params, batch["x"])
+            return {"loss": loss, "y": y, "grad_input": gx}, grads
+        y, vjp = jax.vjp(apply, params, batch["x"])
+        grads, gx = vjp(batch["grad_output"])
+        return {"y": y, "grad_input": gx}, grads
+
+    def after_step(self, params, buffers, t):
+        from xopt.jax.poet import merge_layer
+
+        aux = self.trace.aux(t)
+        if "merged" not in aux or not int(aux["merged"]):
+            return None
+        return merge_layer(params, buffers, self.hp, aux["new_perm_in"], aux["new_perm_out"])
+
+
+def _jax_layer(case: LayerCase) -> _JaxLayer:
+    return _JaxCompAct(case) if isinstance(case, _CompAct) else _JaxPOET(case)
+
+
+class _JaxSide:
+    """A :class:`_JaxLayer` on one device (``n`` None: the arrays uncommitted on the
+    default device) or on the first ``n`` devices: a one-axis mesh, the batch's rows split
+    over it, each parameter and floating buffer split along its first dimension that
+    divides by ``n`` (else replicated), the state placed by
+    :func:`xopt.jax.sharding.state_shardings` (:func:`xopt.jax.sharding.init` at a start
+    without state). The forward, backward and update are jitted once each; under ``jit``
+    XLA reduces the per-device gradients itself."""
+
+    def __init__(self, layer: _JaxLayer, n: int | None) -> None:
+        import jax
+
+        self.layer, self.case, self.n = layer, layer.case, n
+        if n is not None:
+            from jax.sharding import Mesh
+
+            devices = jax.devices()
+            if len(devices) < n:
+                raise BadRequest(f"--world-size {n}: jax sees {len(devices)} device(s)")
+            self.mesh = Mesh(np.array(devices[:n]), ("ranks",))
+        self._forward = jax.jit(layer.forward)
+        self._update = None
+
+    def _sharding(self, a: Any, rows: bool = False) -> Any:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from xopt.parity.distributed import _shard_dim
+
+        shape = np.shape(a)
+        axes: list[Any] = [None] * len(shape)
+        d = 0 if rows else (_shard_dim(shape, self.n) if np.issubdtype(
+            np.asarray(a).dtype, np.floating) else None)
+        if d is not None and len(shape):
+            axes[d] = "ranks"
+        return NamedSharding(self.mesh, PartitionSpec(*axes))
+
+    def _place(self, tree: dict[str, Any], rows: bool = False) -> dict[str, Any]:
+        import jax
+        import jax.numpy as jnp
+
+        if self.n is None:
+            return {k: jnp.asarray(v) for k, v in tree.items()}
+        return {k: jax.device_put(np.asarray(v), self._sharding(v, rows))
+                for k, v in tree.items()}
+
+    def reset(self, t: int) -> None:
+        import jax
+        import jax.numpy as jnp
+        import optax
+
+        params, buffers, state = self.layer.start(t)
+        self.params, self.buffers = self._place(params), self._place(buffers)
+        if self._update is None:
+            tx = self.layer.tx
+
+            def update(grads, st, p):
+                u, st = tx.update(grads, st, p)
+                return optax.apply_updates(p, u), st
+
+            if self.n is None:
+                self._update = jax.jit(update)
+            else:
+                from xopt.jax.sharding import state_shardings
+
+                self.p_shard = {k: v.sharding for k, v in self.params.items()}
+                self.s_shard = state_shardings(tx, self.params)
+                self._update = jax.jit(update, out_shardings=(self.p_shard, self.s_shard))
+        if state is None:
+            if self.n is None:
+                state = self.layer.tx.init(self.params)
+            else:
+                from xopt.jax.sharding import init
+
+                state = init(self.layer.tx, self.params)
+        elif self.n is None:
+            state = jax.tree.map(jnp.asarray, state)
+        else:
+            state = jax.device_put(state, self.s_shard)
+        self.state = state
+
+    def backward(self, t: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Step ``t``'s forward and backward: what is compared (outputs and gradients, as
+        NumPy) and the gradients."""
+        import jax.numpy as jnp
+
+        batch = self.case.batch(t)
+        if self.n is not None:
+            for k, v in batch.items():
+                if v.shape[0] % self.n:
+                    raise BadRequest(f"{self.case.name}: step {t}'s {k} has {v.shape[0]} "
+                                     f"rows, which do not split over {self.n} devices")
+        placed = self._place(batch, rows=True)
+        #: the devices holding the batch's first array and each parameter
+        self.devices = {k: len(v.sharding.device_set)
+                        for k, v in {"batch": next(iter(placed.values())),
+                                     **self.params}.items()}
+        out, grads = self._forward(self.params, self.buffers, placed,
+                                   jnp.asarray(t, jnp.int32))
+        shown = {k: np.asarray(v) for k, v in {**out, **self.layer.report(grads)}.items()}
+        return shown, grads
+
+    def update(self, t: int, grads: dict[str, Any]) -> None:
+        """The update of step ``t`` from ``grads`` (any placement: placed as the
+        parameters), then what follows it."""
+        self.params, self.state = self._update(self._place(
+            {k: np.asarray(v) for k, v in grads.items()}), self.state, self.params)
+        after = self.layer.after_step(self.params, self.buffers, t)
+        if after is not None:  # a merge: its results placed as before
+            self.params, self.buffers = (self._place({k: np.asarray(v) for k, v in d.items()})
+                                         for d in after)
+
+    def read(self) -> dict[str, np.ndarray]:
+        import jax
+
+        out = {f"param/{k}": np.asarray(v) for k, v in self.params.items()
+               if k in self.case.trace.params}
+        for k, v in self.buffers.items():
+            key = "param/weight" if k == "weight" else f"buffer/{k}"
+            out[key] = np.asarray(v)
+        for path, v in jax.tree_util.tree_flatten_with_path(self.state)[0]:
+            name = "/".join(str(getattr(p, "name", getattr(p, "key", p))) for p in path)
+            out[f"state/{name}"] = np.asarray(v)
+        return out
+
+
+def _jax_drive(dist_side: _JaxSide, one: _JaxSide, mode: str, steps: int, fed: bool = False
+               ) -> tuple[list[LayerStep], list[LayerStep]]:
+    """``(one device, n devices)`` steps in ``mode``; teacher-forced (or ``fed``), the
+    one-device update consumes the n-device gradients (its own are compared first), as
+    :func:`_drive` does for torch."""
+    got, ref = [], []
+    for t in range(steps):
+        if mode == "teacher_forced" or t == 0:
+            dist_side.reset(t)
+            one.reset(t)
+        d, dg = dist_side.backward(t)
+        dist_side.update(t, dg)
+        got.append(LayerStep(d, **dist_side.read()))
+        r, rg = one.backward(t)
+        one.update(t, dg if mode == "teacher_forced" or fed else rg)
+        ref.append(LayerStep(r, **one.read()))
+    return ref, got
+
+
+def jax_layer_outputs(method: str, source: str, n: int, modes: Sequence[str],
+                      max_steps: int | None = None, fed: bool = False) -> dict[str, Any]:
+    """In a process whose JAX sees at least ``n`` devices: the layer trace ``source``
+    replayed by the method's JAX layers on ``n`` devices (the batch's rows split over
+    them) and on one. Returns ``{mode: (one device, n devices)}`` (lists of
+    :class:`LayerStep`), and ``"devices"``: how many devices held the batch and each
+    parameter on the ``n``-device side. ``fed``: also ``"fed"``, a closed loop whose
+    one-device update consumes the n-device gradients (each side's forward and backward on
+    its own parameters), which leaves the two gradients' float32 evaluations out of what
+    separates the sides."""
+    from xopt.parity.layers import float32_matmuls
+
+    case = load_layer_case(method, source, max_steps, "cpu")
+    layer = _jax_layer(case)
+    sharded, one = _JaxSide(layer, n), _JaxSide(layer, None)  # each jits its steps once
+
+    @float32_matmuls
+    def run(mode: str) -> tuple[list[LayerStep], list[LayerStep]]:
+        if mode == "fed":
+            return _jax_drive(sharded, one, "closed_loop", case.steps, True)
+        return _jax_drive(sharded, one, mode, case.steps)
+
+    out: dict[str, Any] = {mode: run(mode) for mode in [*modes, *(["fed"] if fed else [])]}
+    out["devices"] = sharded.devices
     return out

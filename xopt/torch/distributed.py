@@ -57,8 +57,8 @@ from xopt.errors import XoptError
 
 __all__ = ["assign_owners", "AUTO", "check_consistent", "CommCounter",
            "data_parallel_ranks", "decompose_once", "is_dtensor", "Layout", "local",
-           "mean_loss", "merge_by_owner", "owner_apply", "owner_compute", "place_as",
-           "plain_as_replicated", "prepare", "RankMismatchError", "Ranks",
+           "mean_loss", "merge_by_owner", "owner_apply", "owner_compute", "OwnerError",
+           "place_as", "plain_as_replicated", "prepare", "RankMismatchError", "Ranks",
            "set_process_group", "settle", "ShardedStep", "state_zeros", "validated"]
 
 #: the default of ``optimizer.process_group``: the parameters' mesh, else the default group
@@ -69,6 +69,12 @@ class RankMismatchError(XoptError, ValueError):
     """The ranks of a process group hold different optimizers (parameter lists, shapes,
     placements, hyperparameters or meta-parameters); raised on every rank with the same
     message, which names the first difference."""
+
+
+class OwnerError(XoptError, RuntimeError):
+    """An owner rank's computation (a decomposition, a merge) raised: raised on every rank
+    of the group with the same message, which names the item (parameter or layer), the
+    owner's exception and its rank; no result was sent or installed on any rank."""
 
 
 def _dtensor_module() -> Any:
@@ -632,7 +638,8 @@ def _split_dim(layout: Layout) -> tuple[int | None, Any]:
 def owner_compute(items: Sequence[tuple[Tensor, Layout]], owners: Sequence[int],
                   fn: Callable[[int, Tensor], Sequence[Tensor]],
                   out_meta: Callable[[int], Sequence[tuple[tuple[int, ...], torch.dtype]]],
-                  group: Any = None) -> list[list[Tensor]]:
+                  group: Any = None, names: Sequence[str] | None = None
+                  ) -> list[list[Tensor]]:
     """``fn(i, whole_i)`` computed once, on rank ``owners[i]``, for every item ``i``; every
     rank receives every result.
 
@@ -643,6 +650,11 @@ def owner_compute(items: Sequence[tuple[Tensor, Layout]], owners: Sequence[int],
     every rank, are broadcast from each owner, one flat buffer per owner and dtype.
     ``group``: the process group of items that are not distributed (default: the mesh's,
     else the default group). Returns ``results[i]``, a list of tensors, on every rank.
+
+    Before any result travels the ranks exchange a status (one all-reduce of one integer
+    per rank): when ``fn`` raised on an owner, every rank raises the same
+    :class:`OwnerError`, naming the item (``names[i]``, default ``item i``) and the owner's
+    exception, and nothing is returned anywhere (no rank waits in a collective).
     """
     if not items:
         return []
@@ -676,7 +688,7 @@ def owner_compute(items: Sequence[tuple[Tensor, Layout]], owners: Sequence[int],
         for i in sharded:
             if owners[i] == me:
                 whole[i] = _reassemble(flat_out, pos, items[i][1], splits[i][0], world)
-    mine = {i: list(fn(i, whole[i])) for i in range(len(items)) if owners[i] == me}
+    mine = _run_owned(fn, whole, names, pg, me, world, device)
     results: list[list[Any]] = [[None] * len(out_meta(i)) for i in range(len(items))]
     for src in range(world):
         owned = [i for i in range(len(items)) if owners[i] == src]
@@ -684,6 +696,48 @@ def owner_compute(items: Sequence[tuple[Tensor, Layout]], owners: Sequence[int],
                           for j, (shape, dt) in enumerate(out_meta(i))],
                          mine, results, src, me, world, device, pg)
     return results
+
+
+def _run_owned(fn: Callable[[int, Any], Sequence[Tensor]], whole: Mapping[int, Any],
+               names: Sequence[str] | None, pg: Any, me: int, world: int, device: Any
+               ) -> dict[int, list[Tensor]]:
+    """``{i: fn(i, whole[i])}`` for the items this rank owns, then the ranks' status in one
+    all-reduce (an int64 per rank: 0, or 1 + the item whose ``fn`` raised there). When any
+    owner failed, every rank gathers the failures' messages and raises the same
+    :class:`OwnerError` (for the lowest failing rank's item), so that no rank goes on into
+    an exchange of results that a failed owner would never join."""
+    mine: dict[int, list[Tensor]] = {}
+    failed: tuple[int, BaseException] | None = None
+    for i in sorted(whole):
+        try:
+            mine[i] = list(fn(i, whole[i]))
+        except Exception as e:  # noqa: BLE001 - decided with the other ranks, then raised
+            failed = (i, e)
+            break
+    status = torch.zeros(world, dtype=torch.int64, device=device)
+    if failed is not None:
+        status[me] = failed[0] + 1
+    if world > 1:
+        dist.all_reduce(status, group=pg)
+    if not bool(status.any()):
+        return mine
+    what = None if failed is None else (type(failed[1]).__name__, str(failed[1]))
+    said: list[Any] = [what]
+    if world > 1:
+        said = [None] * world
+        dist.all_gather_object(said, what, group=pg)
+    bad = [r for r in range(world) if int(status[r])]
+    r, also = bad[0], bad[1:]
+    i = int(status[r]) - 1
+    cls, msg = said[r]
+    err = OwnerError(
+        f"{names[i] if names is not None else f'item {i}'}: {cls}: {msg} [computed on "
+        f"rank {r} of {world}, its owner"
+        + (f"; failed on rank{'s' if len(also) > 1 else ''} {', '.join(map(str, also))} too"
+           if also else "") + "; raised on every rank, nothing changed]")
+    if failed is not None and r == me:
+        raise err from failed[1]
+    raise err
 
 
 def _broadcast_owned(metas: Sequence[tuple[int, int, tuple[int, ...], torch.dtype]],
@@ -712,29 +766,24 @@ def decompose_once(optimizer: Any, a: Tensor, fn: Callable[[Tensor], Sequence[Te
     """``fn(whole a)`` for a DTensor matrix ``a`` (a sharded gradient at a refresh step),
     computed once, on one owner rank, and broadcast: the shards reach the owner in one
     ``all_to_all_single`` (:func:`owner_compute`); owners rotate over the ranks with each
-    call, in the same order on every rank. A failure on the owner reaches every rank as
-    NaN results (the caller's finiteness check then raises everywhere; no rank waits)."""
+    call, in the same order on every rank. A failure on the owner raises the same
+    :class:`OwnerError` (a RuntimeError) on every rank (no rank waits)."""
     a = settle(a)  # a product with a sharded factor (COAP's sketch): summed first
     lay = Layout.of(a)
     n = optimizer.__dict__.get("_xopt_owner_next", 0)
     optimizer.__dict__["_xopt_owner_next"] = n + 1
     world = lay.mesh.size()
 
-    def run(_: int, whole: Tensor) -> Sequence[Tensor]:
-        try:
-            return fn(whole)
-        except RuntimeError:
-            return [torch.full(shape, math.nan, dtype=dt, device=whole.device)
-                    for shape, dt in out_meta]
-
-    return owner_compute([(a.to_local(), lay)], [n % world], run, lambda _: out_meta)[0]
+    return owner_compute([(a.to_local(), lay)], [n % world], lambda _, w: fn(w),
+                         lambda _: out_meta, names=[f"a matrix of shape {tuple(a.shape)}"])[0]
 
 
 def owner_apply(jobs: Sequence[Sequence[tuple[Tensor, Layout] | None]],
                 owners: Sequence[int],
                 fn: Callable[[int, list[Tensor | None]], Sequence[Tensor]],
                 outs: Callable[[int], Sequence[tuple[Layout, torch.dtype]]],
-                group: Any = None) -> list[list[Tensor]]:
+                group: Any = None, names: Sequence[str] | None = None
+                ) -> list[list[Tensor]]:
     """``fn(i, wholes_i)`` computed once, on rank ``owners[i]``, for every job ``i`` of
     several inputs and results; each rank receives its part of every result.
 
@@ -746,7 +795,9 @@ def owner_apply(jobs: Sequence[Sequence[tuple[Tensor, Layout] | None]],
     receiving its block (one ``all_to_all_single`` per dtype for all owners); any other is
     broadcast whole from its owner (one buffer per owner and dtype). ``group``: the process
     group when no input is distributed (DDP). Returns ``results[i]`` on every rank: its
-    block of each distributed result, the others whole."""
+    block of each distributed result, the others whole. A failure of ``fn`` on an owner
+    raises the same :class:`OwnerError` on every rank before any result travels, as in
+    :func:`owner_compute` (``names[i]`` names job ``i``)."""
     splits = [[(None, None) if item is None else _split_dim(item[1]) for item in job]
               for job in jobs]
     outs_ = [list(outs(i)) for i in range(len(jobs))]
@@ -782,8 +833,9 @@ def owner_apply(jobs: Sequence[Sequence[tuple[Tensor, Layout] | None]],
         for i, k in chosen:  # per source rank, its shards of my jobs' inputs in order
             if owners[i] == me:
                 whole[i][k] = _reassemble(flat_out, pos, jobs[i][k][1], splits[i][k][0], world)
-    mine = {i: [r.to(dt) for r, (_, dt) in zip(fn(i, whole[i]), outs_[i], strict=True)]
-            for i in whole}
+    mine = _run_owned(lambda i, w: [r.to(dt) for r, (_, dt) in zip(fn(i, w), outs_[i],
+                                                                    strict=True)],
+                      whole, names, pg, me, world, device)
     results: list[list[Any]] = [[None] * len(o) for o in outs_]
     scattered = [(i, j) for i, o in enumerate(outs_) for j, (lay, _) in enumerate(o)
                  if _split_dim(lay)[0] is not None]
@@ -847,7 +899,8 @@ _MERGE_OUTPUTS = ("weight", "weight_scales", "weight_zeros", "bias")
 
 @torch.no_grad()
 def merge_by_owner(layers: Sequence[Any], ranks: Any = AUTO,
-                   perms: Sequence[tuple[Any, Any]] | None = None) -> None:
+                   perms: Sequence[tuple[Any, Any]] | None = None,
+                   names: Sequence[str] | None = None) -> None:
     """Merge each of ``layers`` (``POETLinear`` s) once, on one owner rank, and send the
     result to the others: the owner rule of the decompositions, for POET-X's merges.
 
@@ -861,7 +914,10 @@ def merge_by_owner(layers: Sequence[Any], ranks: Any = AUTO,
     POET-XQ's codes, scales and zero points, which FSDP2 leaves as buffers) are broadcast
     from their owner. Every rank draws (or is given, ``perms[i]``) the same new
     permutations and installs them itself. The owner's merge is the one-process merge of
-    the same tensors, so the result is that of one process, bit for bit."""
+    the same tensors, so the result is that of one process, bit for bit. A merge that
+    raises on its owner raises :class:`OwnerError` on every rank, naming the layer
+    (``names[i]``, e.g. its module path; default its index and shape), before any layer
+    is changed."""
     if perms is None:
         perms = [(None, None)] * len(layers)
     perms = [layer.next_permutations(*pp) for layer, pp in zip(layers, perms, strict=True)]
@@ -874,19 +930,22 @@ def merge_by_owner(layers: Sequence[Any], ranks: Any = AUTO,
     jobs = [[None if getattr(layer, n) is None else (local(getattr(layer, n)),
                                                      Layout.of(getattr(layer, n)))
              for n in _MERGE_INPUTS] for layer in layers]
-    names = [[n for n in _MERGE_OUTPUTS if getattr(layer, n, None) is not None]
-             for layer in layers]
+    written = [[n for n in _MERGE_OUTPUTS if getattr(layer, n, None) is not None]
+               for layer in layers]
 
     def fn(i: int, wholes: list[Tensor | None]) -> list[Tensor]:
         new = layers[i].merged(*wholes, *perms[i])
-        return [new[n] for n in names[i]]
+        return [new[n] for n in written[i]]
 
     def outs(i: int) -> list[tuple[Layout, torch.dtype]]:
         return [(Layout.of(getattr(layers[i], n)), getattr(layers[i], n).dtype)
-                for n in names[i]]
+                for n in written[i]]
 
-    results = owner_apply(jobs, owners, fn, outs, group)
-    for layer, ns, res, (pi, po) in zip(layers, names, results, perms, strict=True):
+    if names is None:
+        names = [f"POET layer {i} ({layer.in_features} → {layer.out_features})"
+                 for i, layer in enumerate(layers)]
+    results = owner_apply(jobs, owners, fn, outs, group, names=list(names))
+    for layer, ns, res, (pi, po) in zip(layers, written, results, perms, strict=True):
         layer.install_merge(dict(zip(ns, res, strict=True)), pi, po)
 
 
