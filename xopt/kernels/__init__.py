@@ -29,7 +29,7 @@ the CUDA graphs, when an optimizer's first Triton step builds its recorder):
 | ``XOPT_LOPT_CUDA_GRAPHS`` | ``1`` | ``0``: the learned optimizers' Triton step runs eagerly |
 | ``XOPT_VELO_COMPILE_GLUE`` | ``1`` | ``0``: VeLO's LSTM glue runs eagerly, not compiled |
 | ``XOPT_POET_CNP`` | ``bmm`` | ``fused``, ``triton``: POET-X's Cayley–Neumann backends |
-| ``XOPT_QUANT8`` | ``torch`` | ``auto``, ``triton``: 8-bit COAP's fused moment step |
+| ``XOPT_QUANT8`` | ``auto`` | ``torch``, ``triton``: 8-bit COAP's fused moment step |
 | ``XOPT_ADAFACTOR`` | ``auto`` | ``torch``, ``triton``: Flora's fused Adafactor passes |
 | ``XOPT_POET_DIRECT_LAUNCH`` | ``1`` | ``0``: POET-X kernels always via ``JITFunction.run`` |
 | ``XOPT_POET_FUSED_STEP`` | ``1`` | ``0``: POETAdamW's CUDA step as foreach calls |

@@ -43,7 +43,8 @@ are rounded to their dtype and multiplied in float32: the same products.
 
 Backends (:data:`BACKEND`): ``"bmm"`` is the default, the backend validated on a GPU
 (``bench/poet_layer.py --check``); ``"fused"`` (4 launches per forward+backward against
-``"bmm"``'s 9 and ``"triton"``'s 5) is opt-in until that check has run it on one.
+``"bmm"``'s 9 and ``"triton"``'s 5) passes that check on an H200 but takes more GPU time
+there than ``"bmm"`` (bench/RESULTS.md), so it stays opt-in.
 ``"bmm"`` (cuBLAS batched products with the Triton skew, triangle and symmetrization
 kernels) tied inside the layer with the
 ``"triton"`` series at b = 256 and was faster at b = 512 on GPU time; every backend
@@ -394,8 +395,8 @@ CNP_TILES = {"f32": (64, 32, 4), "lowp": (128, 32, 8)}
 
 
 #: the fused backend's tiles (its kernels read the triangles with per-element index
-#: arithmetic, unlike the series kernels the sweep above timed; the same until a GPU run of
-#: ``bench/poet_layer.py --fused-tiles`` picks its own)
+#: arithmetic, unlike the series kernels the sweep above timed; of the two tiles timed with
+#: ``bench/poet_layer.py --fused-tiles`` on an H200, these were the faster at b = 256)
 FUSED_TILES = dict(CNP_TILES)
 
 

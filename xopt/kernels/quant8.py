@@ -24,10 +24,10 @@ be the same bytes. A block holding NaN gets absmax NaN and codes 0, as torch's `
 propagates NaN.
 Tested against the torch path under ``TRITON_INTERPRET=1`` (tests/test_coap_quant8.py).
 
-:data:`BACKEND` (environment ``XOPT_QUANT8``, read at import): ``"torch"`` (the default
-until the kernel has run on a GPU: it has run only under the interpreter), ``"auto"`` (the
-kernel for CUDA tensors, the torch path elsewhere) or ``"triton"`` (the kernel everywhere:
-the interpreter on a CPU).
+:data:`BACKEND` (environment ``XOPT_QUANT8``, read at import): ``"auto"`` (the default:
+the kernel for CUDA tensors, the torch path elsewhere; tests/test_coap_quant8.py checks its
+bytes on an H200), ``"torch"`` (never) or ``"triton"`` (the kernel everywhere: the
+interpreter on a CPU).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ __all__ = ["BACKEND", "adam_step", "runs_on"]
 
 #: where :func:`adam_step` replaces the torch path: "torch" (never), "auto" (CUDA tensors)
 #: or "triton" (every tensor)
-BACKEND = os.environ.get("XOPT_QUANT8", "torch")
+BACKEND = os.environ.get("XOPT_QUANT8", "auto")
 
 _BLOCK = _spec.QUANT_BLOCK
 #: one block of 4096 entries per program: 16 per thread at 8 warps
