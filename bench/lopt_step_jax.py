@@ -790,7 +790,8 @@ def diagnose_kernels(report: dict, args, dl: Deadline) -> None:
             def fast(shape, *a, kern=kern, tf=tf, decays=decays):
                 aux: dict = {}
                 res = kern(shape, *a, tf=tf, decays=decays, aux=aux)
-                return res[0], res[1], res[2], aux["feature_sq_mean"], aux["stats"]
+                return (*(jnp.stack(r) for r in res[:3]), aux["feature_sq_mean"],
+                        aux["stats"])
         else:
             hp = sv.VeLO(**VELO)
             meta = {k: jnp.asarray(v) for k, v in _diag_theta(method).items()}
@@ -809,7 +810,8 @@ def diagnose_kernels(report: dict, args, dl: Deadline) -> None:
             def fast(shape, *a, kern=kern, decays=decays):
                 aux: dict = {}
                 res = kern(shape, *a, decays=decays, aux=aux)
-                return res[0], res[1], res[2], aux["feature_sq_mean"], aux["stats"]
+                return (*(jnp.stack(r) for r in res[:3]), aux["feature_sq_mean"],
+                        aux["stats"])
         for shape in DIAG_SHAPES:
             label = f"{method}/{prec} {shape}"
             if dl.left() < 15:
@@ -982,8 +984,9 @@ class _Capture:
 
 def pallas_kernels(tx, params, state) -> list[dict]:
     """The Pallas kernels of ``tx``'s update as the GPU compiles them (lowered for CUDA from
-    any backend): per kernel name, the calls, their grid sizes summed and the size of one
-    call's Triton IR (bytes), what bounds the kernels' compile time."""
+    any backend): per kernel name, the calls, their grid sizes summed, the distinct kernels
+    among the calls (``compiled``: XLA compiles one per distinct backend config) and the
+    size of one call's Triton IR (bytes), what bounds the kernels' compile time."""
     from unittest import mock
 
     from xopt.jax import _lopt_pallas
@@ -999,11 +1002,13 @@ def pallas_kernels(tx, params, state) -> list[dict]:
         grid = re.search(r"grid_x = (\d+)", cfg)
         ir = re.search(r'ir = "((?:[^"\\]|\\.)*)"', cfg)
         row = out.setdefault(name.group(1) if name else "?", {"calls": 0, "grid": 0,
-                                                             "ir_bytes": 0})
+                                                             "ir_bytes": 0, "irs": set()})
         row["calls"] += 1
+        row["irs"].add(ir.group(1) if ir else "")
         row["grid"] += int(grid.group(1)) if grid else 0
         row["ir_bytes"] = max(row["ir_bytes"], len(ir.group(1)) if ir else 0)
-    return [{"kernel": k, **v} for k, v in out.items()]
+    return [{"kernel": k, "calls": v["calls"], "compiled": len(v["irs"]), "grid": v["grid"],
+             "ir_bytes": v["ir_bytes"]} for k, v in out.items()]
 
 
 def torch_kernels(method: str, shapes, steps: int = 5) -> list[dict]:
@@ -1109,8 +1114,8 @@ def breakdown_table(label: str, res: dict) -> None:
     c = res["staged_vs_one_jit"]
     print(f"  staged vs one jit: step {c['step_max_rel']:.1e}, state {c['state_max_rel']:.1e}")
     for k in res["kernels"]:
-        print(f"  pallas_call {k['kernel']:11s} x{k['calls']:3d}  grid {k['grid']:9d}  "
-              f"Triton IR {k['ir_bytes'] / 1e3:7.1f} kB")
+        print(f"  pallas_call {k['kernel']:11s} x{k['calls']:3d} ({k['compiled']} compiled)  "
+              f"grid {k['grid']:9d}  Triton IR {k['ir_bytes'] / 1e3:7.1f} kB")
     for k in res.get("torch", []):
         print(f"  torch {k['kernel']:48s} {k['launches']:6.1f}/step {k['ms']:9.3f} ms")
 

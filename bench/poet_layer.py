@@ -2,7 +2,8 @@
 
     python bench/poet_layer.py [--out RESULTS.json] [--dtype bf16|fp32] [--check] [--tiny]
                                [--rounds N] [--shapes 4096x4096] [--blocks 256,512]
-                               [--cnp fused,bmm]
+                               [--cnp fused,bmm] [--direct off,on]
+                               [--fused-tiles 128x32x8,64x32x4]
 
 At LLaMA-8B-like shapes (4096×4096 and 4096→14336, block sizes 256 and 512, 4096 tokens)
 it times, in one run: ``nn.Linear`` (the weight trained, as in AdamW pre-training), xopt's
@@ -16,9 +17,12 @@ workspaces). ``--rounds N`` adds, per shape, nn.Linear and the fast layers timed
 side: N interleaved rounds of CUDA-graph replays, each after 50 ms of idle GPU
 (:func:`side_by_side`); the ratio of medians is the figure for a speed target.
 Each row also gives its device-kernel launches per forward+backward, counted on the host
-(:func:`xopt.kernels.poet_launches.count_launches`; not for the authors' compiled layer),
+(:func:`xopt.kernels.poet_launches.count_launches`; not for the authors' compiled layer;
+``21/7d``: 7 of the 21 through :mod:`xopt.kernels.poet_jit`'s direct path),
 and the run ends with a summary of the fast layers: eager back to back ("piped") and
-graph time, each against nn.Linear's, and the launches.
+graph time, each against nn.Linear's, the launches and the host's time per call (the
+piped loop's wall time before its sync). ``--direct off,on`` times the triton rows with
+and without :mod:`xopt.kernels.poet_jit`'s direct launches.
 
 ``--check`` first validates the kernels on the device against their PyTorch references
 (float32) and runs the parity harness on the bundled POET traces with ``impl="triton"``.
@@ -54,7 +58,9 @@ def _sync(dev):
 
 def measure(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int, warmup: int,
             count: bool = True):
-    """``(ms, peak MiB, piped ms, graph ms, launches)`` of ``layer``'s forward+backward."""
+    """``(ms, peak MiB, piped ms, graph ms, launches, host us)`` of ``layer``'s
+    forward+backward; host us: the host's time per call in the piped loop (the loop's wall
+    time before its one sync; the launch queue does not fill in ``iters`` calls)."""
     dev = x.device
 
     def once():
@@ -80,12 +86,14 @@ def measure(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int, warm
             t0 = time.perf_counter()
             once()
             times.append((time.perf_counter() - t0) * 1e3)
-    pipelined = None
+    pipelined = host_us = None
     if dev.type == "cuda":  # back to back, one sync: the host may run ahead of the GPU
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
+        t0 = time.perf_counter()
         for _ in range(iters):
             once()
+        host_us = (time.perf_counter() - t0) * 1e6 / iters
         b.record()
         torch.cuda.synchronize()
         pipelined = a.elapsed_time(b) / iters
@@ -102,8 +110,11 @@ def measure(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int, warm
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     graph = graph_ms(layer, x, g, iters) if dev.type == "cuda" else None
-    launches = count_launches(once).launches if count else None
-    return statistics.median(times), peak, pipelined, graph, launches
+    launches = None
+    if count:
+        c = count_launches(once)
+        launches = (c.launches, c.direct)
+    return statistics.median(times), peak, pipelined, graph, launches, host_us
 
 
 def _grad_reset(layer: nn.Module, x: torch.Tensor):
@@ -250,6 +261,21 @@ def check(dev) -> dict:
     p = torch.randperm(4096, device=dev).to(torch.int32)
     out["gather_maxabs"] = (PP.gather(xg, p) - PP.gather_reference(xg, p)).abs().max().item()
     out["scatter_maxabs"] = (PP.scatter(xg, p) - PP.scatter_reference(xg, p)).abs().max().item()
+    # POETAdamW's one-pass update against the foreach update it replaces on CUDA (the same
+    # operations in the same order: expected equal), bf16 and float32 parameters
+    from xopt.kernels import poet_adam
+    from xopt.torch.poet import _foreach_update
+
+    for pdt in (torch.bfloat16, torch.float32):
+        p0 = torch.randn(1 << 20, device=dev).to(pdt)
+        ref = [p0.clone(), torch.rand(1 << 20, device=dev), torch.rand(1 << 20, device=dev)]
+        got = [t.clone() for t in ref]
+        gr = torch.randn(1 << 20, device=dev).to(pdt)
+        _foreach_update([ref[0]], [gr], [ref[1]], [ref[2]], 0.9, 0.999, 1e-8, 3e-3, -1e-4,
+                        pdt != torch.float32)
+        poet_adam.adam_update(got[0], gr, got[1], got[2], 0.9, 0.999, 1e-8, 3e-3, -1e-4)
+        out[f"adam_{str(pdt)[6:]}_maxabs"] = max((u.float() - v.float()).abs().max().item()
+                                                  for u, v in zip(got, ref, strict=True))
     # whole layer, triton vs plain, float32 (TF32 off), both variants
     torch.backends.cuda.matmul.allow_tf32 = False
     for var in ("fast", "mem"):
@@ -398,6 +424,13 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", default="256,512", help="block sizes on a GPU")
     ap.add_argument("--impls", default="triton,plain",
                     help="xopt implementations in the table (on a GPU)")
+    ap.add_argument("--direct", default="",
+                    help="xopt.kernels.poet_jit direct launches for the triton rows, "
+                         "comma-separated off/on (default: as XOPT_POET_DIRECT_LAUNCH says)")
+    ap.add_argument("--fused-tiles", default="",
+                    help="tiles of the fused CNP kernels for bf16/fp16 blocks, comma-separated "
+                         "BMxBKxWARPS (e.g. 128x32x8,64x32x4): a row per choice for the "
+                         "cnp=fused rows (default: poet_cayley.FUSED_TILES)")
     ap.add_argument("--cnp", default="",
                     help="CNP backends for the triton rows, comma-separated (default: "
                          "xopt.kernels.poet_cayley.BACKEND alone)")
@@ -439,18 +472,27 @@ def main(argv=None) -> int:
         blocks, tokens = [int(v) for v in args.blocks.split(",")], args.tokens
         impls = args.impls.split(",") if dev.type == "cuda" else ["plain"]
     from xopt.kernels import poet_cayley as K
+    from xopt.kernels import poet_jit
 
     cnps = args.cnp.split(",") if args.cnp else [K.BACKEND]
-    variants = [(impl, cnp) for impl in impls for cnp in (cnps if impl == "triton" else [None])]
+    directs = [d == "on" for d in args.direct.split(",")] if args.direct else [poet_jit.ENABLED]
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.fused_tiles.split(",")
+             ] if args.fused_tiles else [None]
+    variants = [(impl, cnp, direct, tile) for impl in impls
+                for cnp in (cnps if impl == "triton" else [None])
+                for direct in (directs if impl == "triton" else [None])
+                for tile in (tiles if cnp == "fused" else [None])]
     has_orig = importlib.util.find_spec("poet_torch") is not None
     if not has_orig:
         print("note: the authors' poet_torch is not importable here; its rows are skipped")
     result["authors_importable"] = has_orig
-    header = (f"{'layer':28s} {'in':>5s} {'out':>5s} {'b':>4s} | {'eager ms':>8s} {'x Lin':>5s} | "
-              f"{'piped ms':>8s} {'x Lin':>5s} | {'graph ms':>8s} {'x Lin':>5s} | {'peak MiB':>8s}"
-              f" | {'launches':>8s}")
+    lw = 28 + 8 * (len(cnps) > 1) + 13 * (len(directs) > 1) + 9 * (len(tiles) > 1)
+    header = (f"{'layer':{lw}s} {'in':>5s} {'out':>5s} {'b':>4s} | {'eager ms':>8s} "
+              f"{'x Lin':>5s} | {'piped ms':>8s} {'x Lin':>5s} | {'graph ms':>8s} {'x Lin':>5s} | "
+              f"{'peak MiB':>8s} | {'launches':>8s} | {'host us':>7s}")
     print("eager: one call, synchronized (host launch time included); piped: calls back to "
-          "back, one sync; graph: one CUDA-graph replay per call (GPU time alone)")
+          "back, one sync; graph: one CUDA-graph replay per call (GPU time alone); host us: "
+          "the host's time per piped call")
     print(header)
     print("-" * len(header))
 
@@ -466,22 +508,31 @@ def main(argv=None) -> int:
         rows = [("nn.Linear", None, ref)]
         del lin
         for b in blocks:
-            for impl, cnp in variants:
+            for impl, cnp, direct, tile in variants:
                 tag = impl if cnp is None or len(cnps) == 1 else f"{impl}, cnp={cnp}"
+                if direct is not None and len(directs) > 1:
+                    tag += f", direct={'on' if direct else 'off'}"
+                if tile is not None:
+                    tag += f", {'x'.join(map(str, tile))}"
                 for var in ("fast", "mem"):
                     layer = POETLinear(n_in, n_out, b, variant=var, impl=impl, device=dev,
                                        dtype=dtype)
                     with torch.no_grad():
                         layer.oft_R.normal_(0, 1e-3)
-                    default = K.BACKEND
+                    default, default_direct = K.BACKEND, poet_jit.ENABLED
+                    default_tiles = dict(K.FUSED_TILES)
                     K.BACKEND = cnp or default
+                    poet_jit.ENABLED = default_direct if direct is None else direct
+                    if tile is not None:
+                        K.FUSED_TILES["lowp"] = tile
                     try:
                         res = measure(layer, x, g, args.iters, args.warmup)
                     except Exception as e:  # keep the other rows
                         print(f"xopt {var} ({tag}) b={b}: {e!r}")
                         continue
                     finally:
-                        K.BACKEND = default
+                        K.BACKEND, poet_jit.ENABLED = default, default_direct
+                        K.FUSED_TILES.update(default_tiles)
                     rows.append((f"xopt {var} ({tag})", b, res))
                     del layer
             for mem in (False, True):
@@ -495,17 +546,19 @@ def main(argv=None) -> int:
                         del orig
                 except Exception as e:  # keep the other rows
                     print(f"authors POET-X {'mem' if mem else 'fast'} b={b}: {e!r}"[:400])
-        for label, b, (t, m, pl, gr, nl) in rows:
-            print(f"{label:28s} {n_in:5d} {n_out:5d} {b or '-':>4} | {fmt(t, ref[0])} | "
+        for label, b, (t, m, pl, gr, nl, hu) in rows:
+            print(f"{label:{lw}s} {n_in:5d} {n_out:5d} {b or '-':>4} | {fmt(t, ref[0])} | "
                   f"{fmt(pl, ref[2])} | {fmt(gr, ref[3])} | "
                   f"{m if m is not None else float('nan'):8.1f} | "
-                  f"{nl if nl is not None else 'n/a':>8}", flush=True)
+                  f"{_launches_text(nl):>8} | "
+                  f"{f'{hu:7.0f}' if hu is not None else 'n/a':>7}", flush=True)
             result["rows"].append({
                 "layer": label, "in": n_in, "out": n_out, "block_size": b, "ms": t,
                 "ratio_to_linear": t / ref[0], "peak_mib": m, "pipelined_ms": pl,
                 "pipelined_ratio": pl / ref[2] if pl is not None else None, "graph_ms": gr,
                 "graph_ratio": gr / ref[3] if gr is not None and ref[3] else None,
-                "launches": nl})
+                "launches": nl[0] if nl else None, "direct_launches": nl[1] if nl else None,
+                "host_us": hu})
         if args.rounds and dev.type == "cuda":
             result.setdefault("side_by_side", []).extend(
                 rounds_table(n_in, n_out, blocks, x, g, args.rounds, args.iters, dtype, dev))
@@ -516,6 +569,13 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def _launches_text(nl) -> str:
+    """``21/7d``: 21 launches, 7 of them through poet_jit's direct path."""
+    if nl is None:
+        return "n/a"
+    return f"{nl[0]}/{nl[1]}d" if nl[1] else str(nl[0])
 
 
 def summary(rows: list) -> None:
@@ -532,8 +592,11 @@ def summary(rows: list) -> None:
                  f"{r['pipelined_ratio']:.2f}x" if r["pipelined_ratio"] else "n/a")
         graph = (f"{r['graph_ms']:.3f} / {ref['graph_ms']:.3f} ms = {r['graph_ratio']:.2f}x"
                  if r["graph_ratio"] else "n/a")
+        host = (f"; host {r['host_us']:.0f} us per call (nn.Linear {ref['host_us']:.0f})"
+                if r.get("host_us") is not None and ref.get("host_us") is not None else "")
         print(f"  {r['layer']} {r['in']}x{r['out']} b={r['block_size']}: eager piped {piped}; "
-              f"graph {graph}; launches {r['launches']} (nn.Linear {ref['launches']})",
+              f"graph {graph}; launches {_launches_text((r['launches'], r['direct_launches']))}"
+              f" (nn.Linear {ref['launches']}){host}",
               flush=True)
 
 

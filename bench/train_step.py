@@ -151,7 +151,8 @@ METHODS: dict[str, Callable[[nn.Module, int], Any]] = {
         m.parameters(), lr=1e-3, fused=next(m.parameters()).is_cuda or None),
     "xopt AdamW": lambda m, s: xt.AdamW(m.parameters(), lr=1e-3),
     "GaLore": _lowrank(xt.GaLore, update_proj_gap=GAP, scale=0.25),
-    "Flora": _lowrank(xt.Flora, kappa=GAP),
+    "Flora": _lowrank(xt.Flora, kappa=GAP),  # Adafactor (no first moment), as Flora's default
+    "Flora momentum": _lowrank(xt.Flora, kappa=GAP, beta1=0.9),  # the compressed momentum
     "COAP": _lowrank(xt.COAP, update_interval=GAP, reproject_factor=2),
     "COAP 8-bit": _lowrank(xt.COAP, update_interval=GAP, reproject_factor=2, state_bits=8),
     "PLUMAGE": _lowrank(xt.PLUMAGE, update_proj_gap=GAP),

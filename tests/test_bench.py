@@ -102,7 +102,8 @@ def test_train_step_tiny(tmp_path):
     out = _run("train_step.py", "--tiny", "--out-dir", str(tmp_path), "--dtype", "fp32")
     rows = json.loads((tmp_path / "train_step_tiny.json").read_text())["rows"]
     assert list(rows) == [
-        "torch.optim.AdamW(fused)", "xopt AdamW", "GaLore", "Flora", "COAP", "COAP 8-bit",
+        "torch.optim.AdamW(fused)", "xopt AdamW", "GaLore", "Flora", "Flora momentum", "COAP",
+        "COAP 8-bit",
         "PLUMAGE",
         "small_fc_lopt", "VeLO", "CompAct", "POET-X fast", "POET-X mem", "POET-XQ"], out
     for name, r in rows.items():

@@ -9,7 +9,7 @@ float32 rounding of the inputs moves it by more than 1e-6 on these shapes).
 
 Not the torch Triton path's bits: the Pallas kernels are written anew for JAX, so they add
 the statistics in another order (XLA's reductions over per-block sums instead of
-float64 per tile) and run the MLP's first layer as float32 rank-1 updates instead of
+float64 per tile), and under the interpreter multiply in float32 where the GPU runs
 split-precision TF32 products; both paths are held to the plain path and to float64
 instead (bench/lopt_step_jax.py also compares them on the GPU, from the same inputs).
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import re
 
 import numpy as np
 import pytest
@@ -222,9 +223,24 @@ def test_pallas_kernels_lower_to_triton_for_cuda(monkeypatch, method, precision,
     tx = _tx(method, "pallas", velo_theta, precision=precision)
     low = jax.jit(lambda g, s, p: tx.update(g, s, p, value=jnp.float32(1.0))).trace(
         params, tx.init(params), params).lower(lowering_platforms=("cuda",))
-    groups = {s for s in SHAPES if _lopt_pallas.two_d_view(s) is not None}
+    in_kernels = [s for s in SHAPES if _lopt_pallas.two_d_view(s) is not None]
+    groups = set(in_kernels)
     assert groups == {(7, 3), (3, 9), (6, 6), (40, 36), (1, 5, 8)}
-    assert low.as_text().count("__gpu$xla.gpu.triton") == 2 * len(groups)
+    # a statistics and a fused call per tensor (VeLO: and the LSTM inputs' second pass),
+    # reading and writing its own arrays; the calls of a group are one kernel (the tensor's
+    # index is an input), which XLA compiles once (its kernel cache is keyed by the call's
+    # backend config, the kernel's IR)
+    per = 2 if method == "small_fc_lopt" else 3
+    text = low.as_text()
+    assert text.count("__gpu$xla.gpu.triton") == per * len(in_kernels)
+    kernels = set(re.findall(r'ir = "((?:[^"\\]|\\.)*)"', text))
+    assert len(kernels) == per * len(groups), len(kernels)
+    # and no per-element array of theirs is stacked or sliced: no concatenation, slice or
+    # gather yields one of (40, 36), a kernels' group of two tensors (their statistics
+    # along an axis, (40, 3) and (36, 3), are)
+    moved = re.findall(r"stablehlo\.(?:concatenate|slice|gather|dynamic_slice)[^\n]*-> "
+                       r"tensor<([0-9x]*)xf32>", text)
+    assert moved and not [t for t in moved if "40x36" in t], sorted(set(moved))
 
 
 def test_impl_and_precision_are_checked():
@@ -382,6 +398,7 @@ def test_pallas_boundary_blocks_are_masked(method, velo_theta):
     closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p, value=jnp.float32(1.0)))(
         params, tx.init(params), params)
     n_calls = str(closed).count("pallas_call[")
-    assert n_calls == 4, n_calls  # statistics and fused pass of both shapes
+    # statistics and fused pass of each tensor (VeLO: and the LSTM inputs' second pass)
+    assert n_calls == (6 if method == "small_fc_lopt" else 9), n_calls
     assert _unmasked_boundary_accesses(closed) == []
     assert _lopt_pallas.BR == 2 and _lopt_pallas.BC == 64  # (what makes the shapes ragged)

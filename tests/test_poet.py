@@ -689,3 +689,40 @@ def test_triton_layer_is_cuda_graph_capturable(variant):
     torch.cuda.synchronize()
     for got, want in zip((y_static, x.grad, layer.oft_R.grad), eager, strict=True):
         assert torch.equal(got, want)
+
+
+@needs_triton
+@pytest.mark.parametrize("decay", [None, -0.01])
+def test_fused_step_kernel_matches_the_foreach_update(decay):
+    """xopt.kernels.poet_adam (POETAdamW's one-pass CUDA update) against the foreach update
+    it replaces, on a float32 parameter (two steps) and a bf16 one (one step), float32
+    moments. The interpreter rounds ``a + α·b`` twice where ATen's CPU kernels may fuse it
+    (the CPU model decides): the comparison allows a few float32 ulps of each term's scale;
+    and its float32 -> bf16 conversion truncates where a GPU rounds to nearest: one bf16
+    ulp. A wrong operation or order moves the float32 parameter's change by orders of
+    magnitude more."""
+    from xopt.kernels import poet_adam
+    from xopt.torch.poet import _foreach_update
+
+    torch.manual_seed(3)
+    for pdt, steps in ((torch.float32, 2), (torch.bfloat16, 1)):
+        p0 = torch.randn(3000).to(pdt)
+        ref = [p0.clone(), torch.zeros(3000), torch.zeros(3000)]
+        got = [p0.clone(), torch.zeros(3000), torch.zeros(3000)]
+        for k in range(1, steps + 1):
+            g = torch.randn(3000).to(pdt)
+            step = 1e-2 * math.sqrt(1 - 0.999 ** k) / (1 - 0.9 ** k)
+            _foreach_update([ref[0]], [g], [ref[1]], [ref[2]], 0.9, 0.999, 1e-3, step, decay,
+                            pdt != torch.float32)
+            assert poet_adam.supported(got[0], g, got[1], got[2])
+            poet_adam.adam_update(got[0], g, got[1], got[2], 0.9, 0.999, 1e-3, step, decay)
+        # (m: near-cancellations of β₁m and (1 − β₁)g make relative errors large where m is
+        # near 0; a few ulps of the terms' scale, ~0.1, absolutely)
+        torch.testing.assert_close(got[1], ref[1], rtol=5e-7, atol=2e-8)
+        torch.testing.assert_close(got[2], ref[2], rtol=5e-7, atol=0)
+        if pdt == torch.float32:  # the change against the reference's, to a few ulps of p
+            torch.testing.assert_close(got[0] - p0, ref[0] - p0, rtol=1e-4, atol=5e-7)
+        else:
+            r = ref[0].float()
+            ulp = torch.exp2(torch.floor(torch.log2(r.abs())) - 7)
+            assert ((got[0].float() - r).abs() <= ulp).all()

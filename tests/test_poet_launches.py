@@ -105,6 +105,34 @@ def test_launch_count_sees_every_launch(monkeypatch):
     assert _count(*_layer("fast", False)).launches == base + 5
 
 
+#: host-only ATen calls (views, allocations) of a 2-d forward+backward on the default
+#: (batched-matmul) CNP backend, from the design. Forward: the CNP's skew blocks and
+#: identities (2 allocations), each gather's output (1), each rotation's blocks view,
+#: input-rows view, output and its 2-d view (4), ``W0ᵀ`` (1): 2 + 1 + 4 + 1 + 4 + 1 = 13.
+#: Backward: the gathers (1 each), ``grad_r`` and its two halves (3), each outer product's
+#: two row views (2), the rotations back (4 each), the CNP backward's ``Aᵀ`` view,
+#: symmetrised buffer and triangles' gradient (3), and autograd's two ``detach`` of the
+#: leaves' gradients: 1 + 3 + 2 + 4 + 2 + 4 + 1 + 3 + 2 = 22. ``mem`` adds the backward's
+#: re-gather (1), rotation (4) and ``W0ᵀ`` (1).
+HOST_ONLY = {"fast": 13 + 22, "mem": 13 + 22 + 6}
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["fast", "mem"])
+def test_forward_backward_host_calls_stay_within_the_design(variant, monkeypatch):
+    """The host's share of an eager forward+backward, counted: on the default CNP backend
+    the design's launches (21 fast, 24 mem: the fused backend's budget plus the bmm
+    backend's 5) and no more host-only ATen calls than the design needs (HOST_ONLY), the
+    rotations' blocks taken as views of the stacked blocks (no slices, no transposes)."""
+    from xopt.kernels import poet_cayley as K
+
+    monkeypatch.setattr(K, "BACKEND", "bmm")
+    c = _count(*_layer(variant, False))
+    assert c.launches == _budget(variant, False) + 5, str(c)
+    assert sum(c.host.values()) <= HOST_ONLY[variant], str(c)
+    assert c.host["slice"] == 2 and c.host["transpose"] == 1, str(c)  # grad_r's halves, Aᵀ
+
+
 def _stack(seed=0):
     from xopt.torch.poet import POETLinear
 
@@ -213,3 +241,167 @@ def test_batched_rotations_are_cuda_graph_capturable():
     torch.cuda.synchronize()
     for got, want in zip([y_static, x.grad, *(p.grad for p in params)], eager, strict=True):
         assert torch.equal(got, want)
+
+
+# -- the direct launch (xopt.kernels.poet_jit) ------------------------------------------------
+
+
+class _Compiled:
+    """A compiled kernel's face as JITFunction.run uses it: ``run``, ``function``,
+    ``packed_metadata``; records the launches made through it."""
+
+    function, packed_metadata = "function", "packed"
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+class JITFunction:
+    """A stand-in for Triton's class (poet_jit launches only JITFunctions directly):
+    ``kernel[grid](...)`` records the ordinary launch and returns the compiled kernel."""
+
+    __name__ = "stand_in_kernel"
+    arg_names = ["x_ptr", "out_ptr", "N", "alpha", "FLAG", "BLOCK"]
+    pre_run_hooks: list = []
+
+    def __init__(self):
+        self.compiled, self.ordinary = _Compiled(), []
+
+    def __getitem__(self, grid):
+        def call(*args, **meta):
+            self.ordinary.append((grid, args, meta))
+            return self.compiled
+        return call
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    """poet_jit with a stand-in driver and knobs, the convention accepted, compiled mode."""
+    import types
+
+    from xopt.kernels import poet_jit
+
+    runtime = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    active = types.SimpleNamespace(get_current_device=lambda: 0,
+                                   get_current_stream=lambda device: 1234)
+    monkeypatch.setattr(poet_jit, "_state", {"ok": True, "knobs": types.SimpleNamespace(
+        runtime=runtime), "driver": types.SimpleNamespace(active=active)})
+    monkeypatch.setattr(poet_jit, "_CACHES", {})
+    monkeypatch.setattr(poet_jit, "ENABLED", True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return poet_jit, runtime
+
+
+@pytest.mark.skipif(not has_torch, reason="needs torch")
+def test_direct_launch_replays_the_ordinary_launch_of_the_same_specialisation(direct):
+    """The first call of a specialisation is the ordinary ``kernel[grid](...)`` (it compiles);
+    later calls with the same key go to the compiled kernel's launcher with what
+    JITFunction.run passes it (grid, stream, function, metadata, no launch metadata, the
+    hooks, every parameter in signature order: the constexprs after the arguments). What
+    Triton specialises on (dtype, 16-byte alignment, each int's value) or another
+    constexpr or option makes a new key: an ordinary launch again."""
+    poet_jit, runtime = direct
+    k = JITFunction()
+    x = torch.zeros(64)
+    out = torch.zeros(64)
+    meta = dict(FLAG=True, BLOCK=16, num_warps=4)
+    poet_jit.launch(k, (3,), x, out, 64, 0.5, **meta)
+    assert len(k.ordinary) == 1 and k.compiled.launches == []
+    poet_jit.launch(k, (5, 2), x, out, 64, 0.25, **meta)  # (grid and float values: same key)
+    assert len(k.ordinary) == 1
+    assert k.compiled.launches == [(5, 2, 1, 1234, "function", "packed", None, None, None,
+                                    x, out, 64, 0.25, True, 16)]
+    for args, kw in [((x, out, 65, 0.5), meta),  # another int value
+                     ((x.double(), out, 64, 0.5), meta),  # another dtype
+                     ((x[1:], out, 64, 0.5), meta),  # misaligned
+                     ((x, out, 64, 0.5), {**meta, "BLOCK": 32}),  # another constexpr
+                     ((x, out, 64, 0.5), {**meta, "num_warps": 8})]:  # another option
+        n = len(k.ordinary)
+        poet_jit.launch(k, (1,), *args, **kw)
+        assert len(k.ordinary) == n + 1
+    # an argument of another kind, a launch hook (a profiler) or the switch off: ordinary
+    n, m = len(k.ordinary), len(k.compiled.launches)
+    poet_jit.launch(k, (1,), x, out, None, 0.5, **meta)
+    runtime.launch_enter_hook = print
+    poet_jit.launch(k, (1,), x, out, 64, 0.5, **meta)
+    runtime.launch_enter_hook = None
+    poet_jit.ENABLED = False
+    poet_jit.launch(k, (1,), x, out, 64, 0.5, **meta)
+    assert len(k.ordinary) == n + 3 and len(k.compiled.launches) == m
+    poet_jit.ENABLED = True
+    poet_jit.launch(k, (1,), x, out, 64, 0.5, **meta)
+    assert len(k.compiled.launches) == m + 1
+
+
+@pytest.mark.skipif(not has_torch, reason="needs torch")
+def test_direct_launch_is_counted_and_off_under_the_interpreter(direct, monkeypatch):
+    """count_launches sees the direct launches; under TRITON_INTERPRET=1 (no compiled
+    kernel) and while torch.compile traces (it takes ``kernel[grid](...)`` as a
+    user-defined Triton kernel) every launch is the ordinary one."""
+    from xopt.kernels.poet_launches import count_launches
+
+    poet_jit, _ = direct
+    k = JITFunction()
+    x = torch.zeros(64)
+    for _ in range(2):
+        poet_jit.launch(k, (1,), x, x, 64, 0.5, FLAG=False, BLOCK=16)
+    c = count_launches(poet_jit.launch, k, (1,), x, x, 64, 0.5, FLAG=False, BLOCK=16)
+    assert c.triton == {"stand_in_kernel": 1} and c.direct == 1 and len(k.compiled.launches) == 2
+    with monkeypatch.context() as m:  # while torch.compile traces
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        poet_jit.launch(k, (1,), x, x, 64, 0.5, FLAG=False, BLOCK=16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    poet_jit.launch(k, (1,), x, x, 64, 0.5, FLAG=False, BLOCK=16)
+    assert len(k.ordinary) == 3 and len(k.compiled.launches) == 2
+
+
+@needs_triton
+def test_direct_launch_recognises_the_launch_convention():
+    """:func:`poet_jit.matches` accepts the call JITFunction.run makes (3.9; 3.4-era)
+    and refuses older conventions (non-constexpr arguments only; ``kernel.metadata``); the
+    installed Triton's run is read where it is 3.9 (the release read here)."""
+    import triton
+
+    from xopt.kernels import poet_jit
+
+    known = """
+            launch_metadata = kernel.launch_metadata(grid, stream, *bound_args.values())
+            kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata,
+                       launch_metadata, knobs.runtime.launch_enter_hook,
+                       knobs.runtime.launch_exit_hook, *bound_args.values())"""
+    assert poet_jit.matches(known)
+    older = known.replace("*bound_args.values())", "*non_constexpr_vals)")
+    assert not poet_jit.matches(older)
+    assert not poet_jit.matches(known.replace("kernel.packed_metadata", "kernel.metadata"))
+    version = tuple(int(v) for v in triton.__version__.split(".")[:2])
+    if version == (3, 9):
+        import inspect
+
+        from triton.runtime import jit
+
+        assert poet_jit.matches(inspect.getsource(jit.JITFunction.run))
+
+
+@needs_triton
+@pytest.mark.skipif(DEV != "cuda", reason="compiled kernels need a GPU (run on the device)")
+def test_direct_launches_engage_and_change_nothing_on_a_gpu(monkeypatch):
+    """On a GPU every Triton launch of a warm forward+backward goes through the compiled
+    kernel's launcher (where the installed Triton's convention is the known one), with the
+    ordinary launches' results, bit for bit."""
+    from xopt.kernels import poet_cayley as K
+    from xopt.kernels import poet_jit
+
+    monkeypatch.setattr(K, "BACKEND", "bmm")
+    layer, x, g = _layer("fast", False)
+    results = []
+    for enabled in (False, True):
+        monkeypatch.setattr(poet_jit, "ENABLED", enabled)
+        c = _count(layer, x, g)
+        results.append([x.grad.clone(), layer.oft_R.grad.clone()])
+        if enabled and poet_jit._convention_ok():
+            assert c.direct == sum(c.triton.values()) == 7, str(c)
+    for u, v in zip(*results, strict=True):
+        assert torch.equal(u, v)

@@ -400,6 +400,32 @@ def test_large_draw_bit_identical():
         _assert_same_bits(ref, fn(2024, (n,), counter=2**33, backend="jax"))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_normal_many_rows_are_each_seeds_draw(dtype):
+    """normal_many's row j is normal(seeds[j], ...) bit for bit, in every backend (odd and
+    even counts, a counter crossing the low word, 64-bit seeds)."""
+    torch = _torch()
+    seeds = [0, 7, 2**63 + 5, 2**64 - 1]
+    for shape, counter in (((3, 5), 0), ((4,), 2**32 - 1)):
+        got = R.normal_many(seeds, shape, counter=counter, dtype=dtype)
+        tor = R.normal_many(seeds, shape, counter=counter, dtype=dtype, backend="torch")
+        assert got.shape == tor.shape == (len(seeds), *shape)
+        for j, s in enumerate(seeds):
+            ref = R.normal(s, shape, counter=counter, dtype=dtype)
+            _assert_same_bits(ref, got[j])
+            _assert_same_bits(ref, tor[j])
+    assert tor.dtype == getattr(torch, dtype)
+    if dtype == "float32":
+        _jax()
+        jx = R.normal_many(seeds, (3, 5), backend="jax")
+        for j, s in enumerate(seeds):
+            _assert_same_bits(R.normal(s, (3, 5)), jx[j])
+    with pytest.raises(ValueError, match=r"seeds\[1\]"):
+        R.normal_many([1, -2], (3,), dtype=dtype)
+    with pytest.raises(ValueError, match="seeds is empty"):
+        R.normal_many([], (3,), dtype=dtype)
+
+
 def test_torch_compile_keeps_bits():
     """Under torch.compile the generator still runs eagerly and gives the same bits."""
     torch = _torch()

@@ -109,6 +109,7 @@ __all__ = [
     "fold_in",
     "key_from_seed",
     "normal",
+    "normal_many",
     "threefry2x32",
     "uniform",
 ]
@@ -740,29 +741,42 @@ def _uniform53(ops, wa, wb, fmt):
     return (ops.int_to_float(wa >> 5, fmt) * 2.0**26 + ops.int_to_float(wb >> 6, fmt)) * (2.0**-53)
 
 
-def _generate(ops, k0, k1, c_hi, c_lo, *, kind: str, n: int, dtype):
-    """The flat (1-d) output of a draw of ``n`` values; see the module docstring."""
+def _generate(ops, k0, k1, c_hi, c_lo, *, kind: str, n: int, dtype, rows=None):
+    """The flat (1-d) output of a draw of ``n`` values; see the module docstring.
+
+    ``rows``: the keys are ``(rows, 1)`` arrays (one stream per row) and the output is
+    ``(rows, n)``: the blocks of every row are computed at once, laid end to end and passed
+    through the same elementwise operations as a single draw's, so row ``j`` is the draw
+    of key ``j`` alone, bit for bit."""
     pairs = (n + 1) // 2
+
+    def blocks(count):
+        y0, y1 = _blocks(ops, k0, k1, c_hi, c_lo, count)
+        return (y0, y1) if rows is None else (y0.reshape(-1), y1.reshape(-1))
+
+    def first(flat, width):  # the first n of each row's ``width`` values
+        return flat[:n] if rows is None else flat.reshape(rows, width)[:, :n]
+
     if kind == "bits":
-        y0, y1 = _blocks(ops, k0, k1, c_hi, c_lo, pairs)
-        return ops.interleave(y0, y1)[:n]
+        y0, y1 = blocks(pairs)
+        return first(ops.interleave(y0, y1), 2 * pairs)
     fmt = _FORMATS[dtype]
     if kind == "uniform":
         if dtype == "float32":
-            y0, y1 = _blocks(ops, k0, k1, c_hi, c_lo, pairs)
-            return _uniform24(ops, ops.interleave(y0, y1)[:n], fmt)
-        y0, y1 = _blocks(ops, k0, k1, c_hi, c_lo, n)
-        return _uniform53(ops, y0, y1, fmt)
+            y0, y1 = blocks(pairs)
+            return first(_uniform24(ops, ops.interleave(y0, y1), fmt), 2 * pairs)
+        y0, y1 = blocks(n)
+        return first(_uniform53(ops, y0, y1, fmt), n)
     # normal
     if dtype == "float32":
-        y0, y1 = _blocks(ops, k0, k1, c_hi, c_lo, pairs)
+        y0, y1 = blocks(pairs)
         u_even, u_odd = _uniform24(ops, y0, fmt), _uniform24(ops, y1, fmt)
     else:
-        y0, y1 = _blocks(ops, k0, k1, c_hi, c_lo, 2 * pairs)
+        y0, y1 = blocks(2 * pairs)  # each row's 2·pairs values: even and odd alternate
         u = _uniform53(ops, y0, y1, fmt)
         u_even, u_odd = u[0::2], u[1::2]
     z_cos, z_sin = _box_muller(ops, 1.0 - u_even, u_odd, fmt)
-    return ops.interleave(z_cos, z_sin)[:n]
+    return first(ops.interleave(z_cos, z_sin), 2 * pairs)
 
 
 _EAGER_TORCH: dict = {}
@@ -858,6 +872,67 @@ def _draw(fn: str, kind: str, seed, shape, counter, dtype, backend, device):
     ops = _TorchOps(device)
     flat = _eager_torch(_generate)(ops, k0, k1, c_hi, c_lo, kind=kind, n=n, dtype=dtype)
     return flat.reshape(dims)
+
+
+def normal_many(seeds, shape, *, counter=0, dtype="float32", backend: str = "numpy",
+                device=None):
+    """:func:`normal` of every seed of ``seeds``, stacked: ``(len(seeds), *shape)``, row
+    ``j`` bit for bit ``normal(seeds[j], shape, counter=counter, ...)``.
+
+    One computation for all seeds (each elementwise operation once over every row's
+    values, the Threefry keys broadcast per row) instead of one per seed: the draws of
+    many same-shaped tensors (Flora's projections) in a fixed number of operations.
+
+    Args:
+        seeds: a non-empty sequence of ints in ``[0, 2**64)`` (checked, each named by its
+            index).
+        shape, counter, dtype, backend, device: as in :func:`normal` (``counter`` a Python
+            int, shared by every seed).
+    """
+    fn = "normal_many"
+    _check_backend(backend, fn)
+    _check_device(device, backend, fn)
+    dims = _check_shape(shape, fn)
+    dtype = _check_dtype(dtype, fn)
+    try:
+        seeds = list(seeds)
+    except TypeError:
+        raise ValueError(f"xopt.random.{fn}: seeds must be a sequence of ints, got "
+                         f"{seeds!r}") from None
+    if not seeds:
+        raise ValueError(f"xopt.random.{fn}: seeds is empty")
+    words = [_split64(s, f"seeds[{j}]", fn) for j, s in enumerate(seeds)]
+    c_hi, c_lo = _split64(counter, "counter", fn)
+    reserved = blocks_used(dims, dtype)
+    if reserved > 2**32:
+        raise ValueError(f"xopt.random.{fn}: shape={dims} is too large for one draw")
+    if counter + reserved > 2**64:
+        raise ValueError(f"xopt.random.{fn}: counter={counter} + {reserved} blocks runs past 2**64")
+    if backend == "jax" and dtype == "float64" and not _jax_x64_enabled():
+        raise ValueError(
+            f"xopt.random.{fn}: dtype='float64' with backend='jax' needs 64-bit "
+            "types; enable them with jax.config.update('jax_enable_x64', True)"
+        )
+    rows, n = len(seeds), _num_elements(dims)
+    hi = np.array([[w[0]] for w in words], dtype=np.uint32)
+    lo = np.array([[w[1]] for w in words], dtype=np.uint32)
+    if backend == "numpy":
+        flat = _generate(_NumpyOps, hi, lo, c_hi, c_lo, kind="normal", n=n, dtype=dtype,
+                         rows=rows)
+    elif backend == "torch":
+        import torch
+
+        k0 = torch.as_tensor(hi.astype(np.int64), device=device)
+        k1 = torch.as_tensor(lo.astype(np.int64), device=device)
+        flat = _eager_torch(_generate)(_TorchOps(device), k0, k1, c_hi, c_lo, kind="normal",
+                                       n=n, dtype=dtype, rows=rows)
+    else:
+        import jax.numpy as jnp
+
+        flat = _generate(_JaxOps(), jnp.asarray(hi), jnp.asarray(lo),
+                         jnp.asarray(c_hi, dtype=jnp.uint32), jnp.asarray(c_lo, dtype=jnp.uint32),
+                         kind="normal", n=n, dtype=dtype, rows=rows)
+    return flat.reshape((rows, *dims))
 
 
 def bits(seed, shape, *, counter=0, backend: str = "numpy", device=None):

@@ -15,12 +15,14 @@ the plain path, to float64 and to the golden traces).
 ``impl="pallas"`` adds fused Pallas kernels (:mod:`xopt.jax._lopt_pallas`) for the
 per-element pass of the 2-D factored groups, where nearly all elements are: the features,
 the MLP and the step in registers instead of XLA's materialized feature matrices and
-activations. Pallas rather than jax-triton's ``triton_call`` of
-xopt's own Triton kernels: those kernels address tensors through a table of raw device
-pointers built by torch, which a JAX program cannot hand them without packing every
-tensor into flat buffers first, and jax-triton has no CPU interpreter, so CI could not run
-that path; Pallas kernels run under ``interpret=True`` on the CPU (CI) and lower to
-Triton on the GPU.
+activations. Those groups are not stacked: the kernels read and write each tensor's own
+arrays (a stacked copy of a model's parameters, gradients and state, and the slicing of
+the results back into leaves, would move several times the model's bytes per step).
+Pallas rather than jax-triton's ``triton_call`` of xopt's own Triton kernels: those
+kernels address tensors through a table of raw device pointers built by torch, which a JAX
+program cannot hand them without packing every tensor into flat buffers first, and
+jax-triton has no CPU interpreter, so CI could not run that path; Pallas kernels run
+under ``interpret=True`` on the CPU (CI) and lower to Triton on the GPU.
 
 The state is the plain path's (the same pytrees, shapes and names), so a state written by
 one implementation resumes under the other. The default (``impl=None``) is
@@ -29,7 +31,7 @@ one implementation resumes under the other. The default (``impl=None``) is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Any
 
 import jax
@@ -122,11 +124,14 @@ class Buckets:
         #: the row of each leaf in the groups concatenated (``x[rows]``: the leaves' order)
         self.rows = np.argsort(np.asarray(grouped, np.int64)) if grouped else np.zeros(0, int)
 
-    def stack(self, leaves: Sequence[Any]) -> list[Any]:
+    def stack(self, leaves: Sequence[Any], keep: Container[int] = ()) -> list[Any]:
         """One array per group; a group of one leaf is that leaf with a leading axis of 1
-        (a reshape, no copy)."""
-        return [leaves[idx[0]][None] if len(idx) == 1 else jnp.stack([leaves[i] for i in idx])
-                for _, idx in self.groups]
+        (a reshape, no copy). The groups numbered in ``keep`` stay lists of their leaves
+        (no copy: the Pallas kernels read each tensor's own arrays)."""
+        return [[leaves[i] for i in idx] if k in keep
+                else leaves[idx[0]][None] if len(idx) == 1
+                else jnp.stack([leaves[i] for i in idx])
+                for k, (_, idx) in enumerate(self.groups)]
 
     def unstack(self, stacked: Sequence[Any]) -> list[Any]:
         out: list[Any] = [None] * self.n
@@ -136,8 +141,9 @@ class Buckets:
         return out
 
     def unstack_results(self, results: Sequence[Sequence[Any]]) -> list[list[Any]]:
-        """Per group a tuple of stacked outputs → per output the leaves' list (each leaf
-        its row of its group's array)."""
+        """Per group a tuple of outputs, each stacked or a list of the group's leaves →
+        per output the leaves' list (each leaf its row of its group's array, or its
+        entry)."""
         outs: list[list[Any]] = [[None] * self.n for _ in results[0]] if results else []
         for (_, idx), res in zip(self.groups, results, strict=True):
             for out, arr in zip(outs, res, strict=True):
@@ -148,6 +154,13 @@ class Buckets:
     def order(self) -> list[int]:
         """The leaf index of each row of the groups concatenated."""
         return [i for _, idx in self.groups for i in idx]
+
+
+def _kernel_groups(buckets: Buckets, fused: Any) -> frozenset[int]:
+    """The groups (numbers) the Pallas kernels ``fused`` (None: none) take."""
+    if fused is None:
+        return frozenset()
+    return frozenset(k for k, (shape, _) in enumerate(buckets.groups) if fused.handles(shape))
 
 
 # -- small_fc_lopt --------------------------------------------------------------------------
@@ -198,12 +211,13 @@ class PackedSmallFC:
             from xopt.jax import _lopt_pallas
 
             fused = _lopt_pallas.SmallFCKernels(hp, meta, self.precision)
-        stacked = stage("pack", lambda *xs: [buckets.stack(x) for x in xs], p_leaves,
+        keep = _kernel_groups(buckets, fused)
+        stacked = stage("pack", lambda *xs: [buckets.stack(x, keep) for x in xs], p_leaves,
                         g_leaves, *accs_in)
         results = []
         for k, (shape, _) in enumerate(buckets.groups):
             args = [st[k] for st in stacked]
-            if fused is not None and fused.handles(shape):
+            if k in keep:
                 results.append(fused(shape, *args, tf=tf, decays=decays,
                                      stage=_in_group(stage, shape)))
             else:
@@ -262,16 +276,30 @@ class PackedVeLO:
             inner.loss_decays, inner.loss_iteration)
         buckets = Buckets([jnp.shape(p) for p in p_leaves])
         n = len(p_leaves)
-        # every input stacked once per group, read by both passes
-        stacked = stage("pack", lambda *xs: [buckets.stack(x_) for x_ in xs], p_leaves,
-                        g_leaves, *accs_in)
+        fused = None
+        if self.impl == "pallas":
+            from xopt.jax import _lopt_pallas
 
-        def lstm(stacked, hidden, cell, frac, lfeat):  # noqa: ANN001, ANN202
+            fused = _lopt_pallas.VeLOKernels(hp, meta)
+        keep = _kernel_groups(buckets, fused)
+        # every input stacked once per group, read by both passes (the kernels' groups: their
+        # leaves as they are)
+        stacked = stage("pack", lambda *xs: [buckets.stack(x_, keep) for x_ in xs], p_leaves,
+                        g_leaves, *accs_in)
+        decays = tuple(jnp.asarray(d) for d in spec.decay_arrays(hp))
+        # the kernels' groups: their statistics pass before the LSTM, whose inputs it gives
+        first = {k: fused.first(shape, *[st[k] for st in stacked], decays=decays,
+                                stage=_in_group(stage, shape))
+                 for k, (shape, _) in enumerate(buckets.groups) if k in keep}
+
+        def lstm(stacked, parts, hidden, cell, frac, lfeat):  # noqa: ANN001, ANN202
             def features(p, m, rms):  # noqa: ANN001, ANN202
                 return spec.lstm_features(jnp, p, m, rms, frac, lfeat)
 
-            rows = [jax.vmap(features)(p_, m_, r_)
-                    for p_, m_, r_ in zip(stacked[0], stacked[2], stacked[3], strict=True)]
+            rows = [fused.lstm_inputs(buckets.groups[k][0], parts[k], m_, r_, frac, lfeat)
+                    if k in keep else jax.vmap(features)(p_, m_, r_)
+                    for k, (p_, m_, r_) in enumerate(zip(stacked[0], stacked[2], stacked[3],
+                                                         strict=True))]
             # the parameters' order, as the plain path (one gather, not a slice per tensor)
             x = jnp.concatenate(rows)[buckets.rows]
             controls, lr_mult, hidden, cell = spec.lstm_step(jnp, x, jnp.stack(hidden),
@@ -281,26 +309,22 @@ class PackedVeLO:
             return per_group, hidden, cell
 
         per_group, hidden, cell = stage("lstm", lstm, stacked,
+                                        {k: part for k, (_, part) in first.items()},
                                         treedef.flatten_up_to(inner.lstm_hidden),
                                         treedef.flatten_up_to(inner.lstm_cell), frac, lfeat)
-        decays = tuple(jnp.asarray(d) for d in spec.decay_arrays(hp))
 
         def one(p, g, m, rms, v_row, v_col, v_diag, c, s):  # noqa: ANN001, ANN202
             step, accs = spec.update_tensor(jnp, hp, p, g, m, rms, v_row, v_col, v_diag, c, s,
                                             meta, decays)
             return (step, *accs)
 
-        fused = None
-        if self.impl == "pallas":
-            from xopt.jax import _lopt_pallas
-
-            fused = _lopt_pallas.VeLOKernels(hp, meta)
         results = []
         for k, (shape, _) in enumerate(buckets.groups):
             args = [st[k] for st in stacked]
-            if fused is not None and fused.handles(shape):
-                results.append(fused(shape, *args, *per_group[k], decays=decays,
-                                     stage=_in_group(stage, shape)))
+            if k in keep:
+                p_, g_, m_, rms_, _, _, v_diag = args
+                results.append(fused.second(shape, *first[k], *per_group[k], p_, g_, m_, rms_,
+                                            v_diag, stage=_in_group(stage, shape)))
             else:
                 results.append(_in_group(stage, shape)("xla", jax.vmap(one), *args,
                                                        *per_group[k]))

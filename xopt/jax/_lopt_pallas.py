@@ -1,17 +1,25 @@
-"""Fused Pallas kernels for small_fc_lopt's per-element pass over a group of 2-D tensors.
+"""Fused Pallas kernels for the learned optimizers' per-element pass over 2-D tensors.
 
-Used by ``xopt.jax.small_fc_lopt(impl="pallas")`` (:class:`xopt.jax._lopt_fast.PackedSmallFC`)
-for each shape group whose tensors are factored matrices: rank 2, or a higher rank whose
-axes other than the two factored ones have length 1 (ViT's ``(1, 197, 768)``), seen as
-``[L, N1, N2]`` (``L`` tensors stacked, ``N2`` the contiguous axis). The other groups
+Used by ``xopt.jax.small_fc_lopt(impl="pallas")`` and ``xopt.jax.velo(impl="pallas")``
+(:mod:`xopt.jax._lopt_fast`) for each shape group whose tensors are factored matrices: rank
+2, or a higher rank whose axes other than the two factored ones have length 1 (ViT's
+``(1, 197, 768)``), each seen as ``[N1, N2]`` (``N2`` the contiguous axis). The other groups
 (vectors, scalars, convolution kernels) keep the packed XLA path.
+
+The kernels are called once per tensor on its own arrays (``g``, ``p``, ``m``, ``rms`` in,
+step, ``m``, ``rms`` out): nothing per element is copied into a stacked group and back.
+What a tensor shares with its group's computation (factors, axis terms, normalized weights,
+VeLO's per-tensor scalars: small) is computed by XLA for the group at once, stacked
+``[L, ...]``, and read by each call at the tensor's index ``idx``, an input rather than a
+constant of the kernel, so that the calls of a group are one kernel, which XLA compiles
+once (its kernel cache is keyed by the call's backend config).
 
 Per group, with the math of :func:`xopt.specs.small_fc_lopt.compute_step`:
 
-1. XLA: the Adafactor statistics ``v_row``, ``v_col`` (the spec's ``factored_update``,
-   batched), their row-column means and factors, and the 12 row/column features' sums of
-   squares (a feature of one axis summed over a tensor is the other axis's length times
-   its sum over positions);
+1. XLA: the Adafactor statistics ``v_row``, ``v_col`` (the spec's ``factored_update``, per
+   tensor on its own gradient), their row-column means and factors, and the 12 row/column
+   features' sums of squares (a feature of one axis summed over a tensor is the other
+   axis's length times its sum over positions);
 2. :func:`_stats_kernel`: per block, Σ feature² of the 16 per-element features
    (g, p, m, rms, m·rsqrt(rms), rsqrt(rms), fac_g, m·row_factor·col_factor), with the
    updated accumulators recomputed in registers; XLA adds the blocks and forms the
@@ -19,17 +27,25 @@ Per group, with the math of :func:`xopt.specs.small_fc_lopt.compute_step`:
 3. XLA: the first layer's row/column terms, ``Σ (f·inv)·W0[f]`` over the 6 features of each
    axis, one row of ``hidden`` numbers per position, and the time features folded into
    the first bias;
-4. :func:`_fused_kernel`: per block, the accumulators, the 16 per-element features
-   normalized, the first layer as float32 rank-1 updates on top of the axis terms, the
-   hidden layers on the tensor cores (``precision``: "exact" three TF32 products, "fast"
-   one; full float32 under the CPU interpreter), the output layer as float32 sums, the
-   step; writes the step, ``m`` and ``rms``.
+4. :func:`_fused_kernel`: per block, the accumulators, the 16 per-element features, and
+   the MLP as torch's folded kernel (xopt.kernels.small_fc_lopt) evaluates it: the first
+   layer one [n, 16] × [16, HP] product of the raw features and the first-layer rows with
+   the tensor's normalizers folded in (XLA, stage 3), accumulated onto the axis terms and
+   bias; the hidden layers' inputs relabeled so that a product's accumulator is the next
+   one's operand (:func:`_mma_to_operand`); every product on the tensor cores
+   (``precision``: "exact" three TF32 products of operands split into TF32 halves, the
+   weights' halves split once by XLA, "fast" one; full float32 under the CPU
+   interpreter, :func:`_dot3`); the output layer as float32 sums, the step; writes the
+   step, ``m`` and ``rms``.
 
 Nothing is materialized per element but the kernels' inputs and outputs: no [n, 39]
 feature matrix, no [n, hidden] activations. A program owns a block of RP rows of BC
 columns and walks it in NSUB sub-tiles of BR rows (a loop, not unrolled); what depends
 only on its columns or its tensor is loaded once per block. Grids are one-dimensional (a
-tensor's blocks one after another), so no grid axis meets CUDA's 65535 limit. Each stage
+tensor's blocks one after another), so no grid axis meets CUDA's 65535 limit. VeLO's
+kernels (:class:`VeLOKernels`) follow the same stages with its 4-wide MLP as float32 FMAs,
+and take the LSTM's inputs from the statistics pass and a second pass
+(:func:`_velo_var_kernel`). Each stage
 (1-4) runs through a stage runner (``stage=``, :func:`run_stage` by default) so that
 bench/lopt_step_jax.py ``--breakdown`` can time them apart.
 
@@ -106,12 +122,64 @@ def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def _dot_precision(precision: str) -> Any:
-    if _on_cpu():  # the interpreter: XLA's CPU dot, full float32
-        return jax.lax.Precision.HIGHEST
-    if precision == "exact":
-        return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    return jax.lax.Precision.DEFAULT
+def _dot_mode(precision: str) -> str:
+    """How the fused kernel multiplies on the tensor cores: "f32" (the interpreter: XLA's
+    CPU dot, full float32), "tf32x3" (exact: three TF32 products, :func:`_dot3`) or "tf32"
+    (fast: one)."""
+    if _on_cpu():
+        return "f32"
+    return "tf32x3" if precision == "exact" else "tf32"
+
+
+def _round_tf32(x: Any) -> Any:
+    """``x`` rounded to the nearest TF32 number (10 mantissa bits, ties away from zero), so
+    that a TF32 product reads it unchanged (xopt.kernels.lopt_common.round_tf32's bits)."""
+    b = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jax.lax.bitcast_convert_type((b + 4096) & -8192, jnp.float32)
+
+
+def split_tf32(w: Any) -> Any:
+    """``w`` as its TF32 halves stacked on a new axis -3: ``(hi, lo)`` with ``hi =
+    round_tf32(w)``, ``lo = round_tf32(w − hi)`` (the weights' side of :func:`_dot3`)."""
+    hi = _round_tf32(w)
+    return jnp.stack([hi, _round_tf32(w - hi)], axis=-3)
+
+
+def _dot3(x: Any, w: tuple[Any, Any], acc: Any, mode: str) -> Any:
+    """``acc + x @ w`` [n, K] × [K, N], ``w`` a pair [K, N] (:func:`split_tf32`'s halves in
+    "tf32x3" mode; else the weights and zeros). "tf32x3": the exact mode of the torch
+    kernels (xopt.kernels.lopt_common.dot3_acc, ``LO_RN=False``): ``x_hi = round_tf32(x)``,
+    ``x_lo = x − x_hi`` read by the tensor cores as its TF32 truncation, and ``x_lo·w_hi``,
+    ``x_hi·w_lo``, ``x_hi·w_hi`` added to ``acc`` in that order, small first. Split here
+    rather than by Triton's own TF32x3, which splits the weights again in every sub-tile
+    and guards each product's NaNs with a compare and a select per element."""
+    if mode == "f32":
+        return acc + jnp.dot(x, w[0], precision=jax.lax.Precision.HIGHEST)
+    tf32 = jax.lax.Precision.DEFAULT
+    if mode == "tf32":
+        return acc + jnp.dot(x, w[0], precision=tf32)
+    x_hi = _round_tf32(x)
+    x_lo = x - x_hi
+    acc = acc + jnp.dot(x_lo, w[0], precision=tf32)
+    acc = acc + jnp.dot(x_hi, w[1], precision=tf32)
+    return acc + jnp.dot(x_hi, w[0], precision=tf32)
+
+
+def _mma_to_operand(h: Any, hp: int) -> Any:
+    """Columns of ``h`` [n, HP] permuted, ``c = 8j + 2q + r → 8j + 4r + q`` (q < 4, r < 2),
+    as xopt.kernels.small_fc_lopt's: on Hopper a thread holds columns 8j + 2q + {0, 1} of a
+    matmul's accumulator and 8j + q + {0, 4} of the next matmul's TF32 operand, so after
+    this relabeling the one already is the other (no shuffle between threads). The next
+    layer's rows are stored permuted alike (:func:`_operand_perm`): the product is the
+    same."""
+    n = h.shape[0]
+    return jnp.swapaxes(h.reshape(n, hp // 8, 4, 2), 2, 3).reshape(n, hp)
+
+
+def _operand_perm(hp: int) -> np.ndarray:
+    """Row ``k`` of a hidden layer as the kernel stores it is row ``perm[k]`` of the layer
+    (:func:`_mma_to_operand`'s relabeling: k = 8j + 4r + q holds c = 8j + 2q + r)."""
+    return np.array([8 * (k // 8) + 2 * (k % 4) + (k % 8) // 4 for k in range(hp)])
 
 
 def _compiler_params() -> Any:
@@ -127,27 +195,26 @@ def _blocks(n1: int, n2: int) -> tuple[int, int]:
 
 
 def _index_maps(n1: int, n2: int):  # noqa: ANN202
+    """``(nb1, nb2, per, elem)``: a tensor's row and column blocks, its programs and the
+    (row block, column block) of program ``t``."""
     nb1, nb2 = _blocks(n1, n2)
     per = nb1 * nb2
 
     def elem(t):  # noqa: ANN001, ANN202
-        return t // per, (t % per) // nb2, t % nb2
+        return t // nb2, t % nb2
 
     return nb1, nb2, per, elem
 
 
 def _element_specs(elem):  # noqa: ANN001, ANN202
-    """The block specs both methods' kernels share: the whole of a small vector, a
-    (tensor, row block, column block) tile of an element array, of the momenta (with their 3
-    decays) and of the row and column factors (3 decays each)."""
+    """The block specs both methods' kernels share: the whole of a small vector, a (row
+    block, column block) tile of one tensor's element array and of its momenta (with their
+    3 decays), and the whole of a group's per-tensor array (read at the tensor's index)."""
     def whole(t):  # noqa: ANN001, ANN202
         return (0,)
 
-    return (whole,
-            pl.BlockSpec((SQ, RP, BC), lambda t: elem(t)),
-            pl.BlockSpec((SQ, RP, BC, 3), lambda t: (*elem(t), 0)),
-            pl.BlockSpec((SQ, 3, RP), lambda t: (elem(t)[0], 0, elem(t)[1])),
-            pl.BlockSpec((SQ, 3, BC), lambda t: (elem(t)[0], 0, elem(t)[2])))
+    return (whole, pl.BlockSpec((RP, BC), lambda t: elem(t)),
+            pl.BlockSpec((RP, BC, 3), lambda t: (*elem(t), 0)), pl.no_block_spec)
 
 
 def _load(ref, mask):  # noqa: ANN001, ANN202
@@ -175,9 +242,12 @@ def _col_mask(n1: int, n2: int) -> jax.Array:
 def _row_base(n1: int, n2: int) -> jax.Array:
     """This program's first row (read outside the sub-tile loop: the interpreter gives
     ``program_id`` only there)."""
-    t = pl.program_id(0)
-    _, nb2, per, _ = _index_maps(n1, n2)
-    return ((t % per) // nb2) * RP
+    return (pl.program_id(0) // _blocks(n1, n2)[1]) * RP
+
+
+def _col_base(n1: int, n2: int) -> jax.Array:
+    """This program's first column."""
+    return (pl.program_id(0) % _blocks(n1, n2)[1]) * BC
 
 
 def _row_mask(base: jax.Array, n1: int, s: jax.Array) -> jax.Array:
@@ -192,31 +262,46 @@ def _rows(s: jax.Array) -> Any:
 
 
 def _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows):  # noqa: ANN001, ANN202
-    """The updated momenta and second moment of a sub-tile, and ``rsqrt(rms + 1e-6)``."""
-    ms = []
-    for k in range(3):
-        d = dec_ref[k]
-        ms.append(d * _load(m_ref.at[rows, :, _i(k)], valid) + (1 - d) * g)
+    """The updated momenta and second moment of a sub-tile, ``rsqrt(rms + 1e-6)``, and the
+    old momenta and second moment (0 outside the tensor)."""
+    old = [_load(m_ref.at[rows, :, _i(k)], valid) for k in range(3)]
+    ms = [dec_ref[k] * old[k] + (1 - dec_ref[k]) * g for k in range(3)]
     c = jnp.clip(dec_ref[3], 0.0, 1.0)
-    rms = c * _load(r_ref.at[rows], valid) + (1 - c) * (g * g)
-    return ms, rms, jax.lax.rsqrt(rms + 1e-6)
+    old.append(_load(r_ref.at[rows], valid))
+    rms = c * old[3] + (1 - c) * (g * g)
+    return ms, rms, jax.lax.rsqrt(rms + 1e-6), old
 
 
-def _col_factors(f2_ref, c_ok):  # noqa: ANN001, ANN202
+def _col_factors(f2_ref, at, c_ok):  # noqa: ANN001, ANN202
     """Per decay k, the factor along axis 2 of this program's columns ``[1, BC]`` (loaded
-    once per program)."""
-    return [_load(f2_ref.at[_i(k), :], c_ok)[None, :] for k in range(3)]
+    once per program; ``at``: :func:`_place`)."""
+    return [_load(f2_ref.at[at.l, _i(k), at.cols], c_ok)[None, :] for k in range(3)]
 
 
-def _factors(f1_ref, col, r_ok, rows, row_on_1):  # noqa: ANN001, ANN202
-    """Per decay k, the row factor and the column factor of a sub-tile, broadcastable to it
-    (``col``: :func:`_col_factors`)."""
+def _factors(f1_ref, at, col, r_ok, s, row_on_1):  # noqa: ANN001, ANN202
+    """Per decay k, the row factor and the column factor of sub-tile ``s``, broadcastable
+    to it (``col``: :func:`_col_factors`)."""
     out = []
     for k in range(3):
-        a = _load(f1_ref.at[_i(k), rows], r_ok)[:, None]  # factor of decay k along axis 1
+        # factor of decay k along axis 1
+        a = _load(f1_ref.at[at.l, _i(k), at.rows(s)], r_ok)[:, None]
         b = col[k]  # along axis 2
         out.append((a, b) if row_on_1 else (b, a))
     return out
+
+
+class _Place:
+    """Where a program is in the group's per-tensor arrays: its tensor's index ``l`` in the
+    group (read from the kernel's ``idx`` input), the slice of its columns ``cols`` and
+    ``rows(s)``, the rows of its sub-tile ``s``, both in the tensor's coordinates."""
+
+    def __init__(self, idx_ref, n1: int, n2: int) -> None:  # noqa: ANN001
+        self.l = idx_ref[0]
+        self.base = _row_base(n1, n2)
+        self.cols = pl.ds(pl.multiple_of(_col_base(n1, n2), BC), BC)
+
+    def rows(self, s: jax.Array) -> Any:
+        return pl.ds(pl.multiple_of(self.base + s * BR, BR), BR)
 
 
 def _sub_tiles(body: Any, init: Any) -> Any:
@@ -232,15 +317,17 @@ def _elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
     return feats + fg + fm
 
 
-def _tile_reader(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, *, n1, n2, row_on_1,
-                 features, clip=None):  # noqa: ANN001, ANN202
+def _tile_reader(at, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, *, n1, n2,
+                 row_on_1, features, clip=None):  # noqa: ANN001, ANN202
     """What every kernel reads per sub-tile: ``(c_ok, read)``, ``c_ok`` the program's column
-    mask and ``read(s)`` -> ``(rows, r_ok, valid, ms, rms, feats)`` for sub-tile ``s``: its
-    rows and masks, the updated accumulators and ``features`` (unnormalized) of the gradient
-    (clipped to ±``clip`` when given) and the parameter."""
+    mask and ``read(s)`` -> ``(rows, r_ok, valid, ms, rms, feats, p, old)`` for sub-tile
+    ``s``: its rows (in the program's block) and masks, the updated accumulators,
+    ``features`` (unnormalized) of the gradient (clipped to ±``clip`` when given), the
+    parameter, and the old accumulators
+    (``at``: :class:`_Place`)."""
     c_ok = _col_mask(n1, n2)
-    base = _row_base(n1, n2)
-    col = _col_factors(f2_ref, c_ok)
+    base = at.base
+    col = _col_factors(f2_ref, at, c_ok)
 
     def read(s):  # noqa: ANN001, ANN202
         rows = _rows(s)
@@ -250,20 +337,21 @@ def _tile_reader(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, *, n1, n2,
         if clip is not None:
             g = jnp.clip(g, -clip, clip)
         p = _load(p_ref.at[rows], valid)
-        ms, rms, r = _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows)
-        feats = features(g, p, ms, rms, r, _factors(f1_ref, col, r_ok, rows, row_on_1))
-        return rows, r_ok, valid, ms, rms, feats
+        ms, rms, r, old = _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows)
+        feats = features(g, p, ms, rms, r, _factors(f1_ref, at, col, r_ok, s, row_on_1))
+        return rows, r_ok, valid, ms, rms, feats, p, old
 
     return c_ok, read
 
 
-def _stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *, n1, n2,
-                  row_on_1):  # noqa: ANN001
-    _, read = _tile_reader(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1, n2=n2,
-                           row_on_1=row_on_1, features=_elem_features)
+def _stats_kernel(idx_ref, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *, n1,
+                  n2, row_on_1):  # noqa: ANN001
+    _, read = _tile_reader(_Place(idx_ref, n1, n2), dec_ref, g_ref, p_ref, m_ref, r_ref,
+                           f1_ref, f2_ref, n1=n1, n2=n2, row_on_1=row_on_1,
+                           features=_elem_features)
 
     def sub_tile(s, acc):  # noqa: ANN001, ANN202
-        _, _, valid, _, _, feats = read(s)
+        _, _, valid, _, _, feats, _, _ = read(s)
         return tuple(a + jnp.where(valid, f * f, 0.0) for a, f in zip(acc, feats, strict=True))
 
     acc = _sub_tiles(sub_tile, tuple(jnp.zeros((BR, BC), jnp.float32) for _ in ELEM))
@@ -274,27 +362,47 @@ def _stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *,
     o_ref[...] = out
 
 
-def _fused_kernel(dec_ref, inv_ref, w0_ref, b0_ref, wh_ref, bh_ref, wl_ref, bl_ref, g_ref,
+def _cat(fs):  # noqa: ANN001, ANN202
+    """A power-of-two number of equal-shape arrays ``[..]`` → ``[.., 2, .., 2]`` whose last
+    axes flattened hold ``fs[i]`` at ``i``: pairs ``len/2`` apart joined on a new last axis
+    (Triton's ``join``, the one concatenation its Pallas lowering has), then pairs of those."""
+    while len(fs) > 1:
+        half = len(fs) // 2
+        fs = [jnp.stack([fs[i], fs[i + half]], axis=-1) for i in range(half)]
+    return fs[0]
+
+
+def _fused_kernel(idx_ref, dec_ref, w16_ref, b0_ref, wh_ref, bh_ref, wl_ref, bl_ref, g_ref,
                   p_ref, m_ref, r_ref, f1_ref, f2_ref, t1_ref, t2_ref, s_ref, mo_ref, ro_ref,
-                  *, n1, n2, row_on_1, nhid, hp, exp_mult, step_mult, prec):  # noqa: ANN001
-    c_ok, read = _tile_reader(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1,
+                  *, n1, n2, row_on_1, nhid, hp, exp_mult, step_mult, mode):  # noqa: ANN001
+    at = _Place(idx_ref, n1, n2)
+    c_ok, read = _tile_reader(at, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1,
                               n2=n2, row_on_1=row_on_1, features=_elem_features)
-    t2 = _load(t2_ref, c_ok[:, None])  # this program's columns' first-layer terms [BC, HP]
+    # loaded once per program: this program's columns' first-layer terms plus the bias
+    # [BC, HP], the tensor's per-element first-layer rows with its normalizers folded in
+    # [2, 16, HP] and the hidden and output layers
+    t2 = _load(t2_ref.at[at.l, at.cols], c_ok[:, None]) + b0_ref[...]
+    w16 = (w16_ref[at.l, 0], w16_ref[at.l, 1])
+    wh = [(wh_ref[i, 0], wh_ref[i, 1]) for i in range(nhid)]
+    bh = [bh_ref[i, :][None, :] for i in range(nhid)]
+    wl0, wl1 = wl_ref[0, :][None, :], wl_ref[1, :][None, :]
+    bl0, bl1 = bl_ref[0], bl_ref[1]
     n = BR * BC
 
     def sub_tile(s, carry):  # noqa: ANN001, ANN202
-        rows, r_ok, valid, ms, rms, feats = read(s)
-        t1 = _load(t1_ref.at[rows], r_ok[:, None])
-        h = (t1[:, None, :] + t2[None, :, :]).reshape(n, hp) + b0_ref[...]
-        for k, f in enumerate(feats):  # the first layer, feature by feature (float32 FMAs)
-            x = (f * inv_ref[k]).reshape(n)
-            h = h + x[:, None] * w0_ref[k, :][None, :]
-        h = jnp.maximum(h, 0.0)
+        rows, r_ok, valid, ms, rms, feats, _, _ = read(s)
+        t1 = _load(t1_ref.at[at.l, at.rows(s)], r_ok[:, None])
+        # the first layer as the torch kernel's: the 16 raw features as one [n, 16] operand
+        # times the normalized rows on the tensor cores, the axis terms and the bias as the
+        # accumulator they are added to
+        x = _cat(feats).reshape(n, len(ELEM))
+        ab = (t1[:, None, :] + t2[None, :, :]).reshape(n, hp)
+        h = jnp.maximum(_dot3(x, w16, ab, mode), 0.0)
         for i in range(nhid):
-            h = jnp.dot(h, wh_ref[i], precision=prec) + bh_ref[i, :][None, :]
+            h = _dot3(_mma_to_operand(h, hp), wh[i], bh[i], mode)
             h = jnp.maximum(h, 0.0)
-        direction = jnp.sum(h * wl_ref[0, :][None, :], axis=1) + bl_ref[0]
-        magnitude = jnp.sum(h * wl_ref[1, :][None, :], axis=1) + bl_ref[1]
+        direction = jnp.sum(h * wl0, axis=1) + bl0
+        magnitude = jnp.sum(h * wl1, axis=1) + bl1
         step = direction * jnp.exp(magnitude * exp_mult) * step_mult
         _store(s_ref.at[rows], step.reshape(BR, BC), valid)
         for k in range(3):
@@ -321,6 +429,13 @@ class SmallFCKernels:
     def handles(self, shape: tuple[int, ...]) -> bool:
         return two_d_view(shape) is not None
 
+    def _pair(self, w: Any) -> Any:
+        """``w`` as :func:`_dot3` reads it: its TF32 halves in exact mode on a GPU, else
+        ``w`` and zeros (stacked on axis -3)."""
+        if _dot_mode(self.precision) == "tf32x3":
+            return split_tf32(w)
+        return jnp.stack([w, jnp.zeros_like(w)], axis=-3)
+
     def _weights(self, tf: Any) -> dict[str, Any]:
         meta, hp_, nl = self.meta, self.hp_, self.nl
         nf = spec.num_param_features(self.hp)
@@ -337,20 +452,28 @@ class SmallFCKernels:
         wl = jnp.pad(wl, [(0, hp_ - wl.shape[0]), (0, 0)]).T  # [2, HP]
         return dict(
             w0=_pad_cols(w0[:nf], hp_), b0=_pad_cols(b0t, hp_)[None, :],
-            wh=jnp.stack(wh) if wh else jnp.zeros((1, hp_, hp_), jnp.float32),
+            # rows relabeled as the kernel's activations (_mma_to_operand)
+            wh=self._pair(jnp.stack(wh)[:, _operand_perm(hp_)]) if wh
+            else jnp.zeros((1, 2, hp_, hp_), jnp.float32),
             bh=jnp.stack(bh) if bh else jnp.zeros((1, hp_), jnp.float32),
             wl=wl, bl=jnp.asarray(meta[f"mlp/b{nl}"], jnp.float32)[:2])
 
     def __call__(self, shape: tuple[int, ...], p: Any, g: Any, m: Any, rms: Any, v_row: Any,
                  v_col: Any, v_diag: Any, *, tf: Any, decays: tuple[Any, Any, Any],
-                 aux: dict | None = None, stage: Any = None) -> tuple[Any, ...]:
-        """One shape group (stacked on axis 0): ``(step, m, rms, v_row, v_col, v_diag)``
-        stacked, as :func:`xopt.specs.small_fc_lopt.compute_step` per tensor. ``aux``, if
-        given, receives the statistics kernel's output as it came (``"stats"``: per block)
-        and the normalizers' statistic (``"feature_sq_mean"`` [L, F], the spec's order).
-        ``stage(name, fn, *args)`` runs each of the four stages (module docstring; default:
-        ``fn(*args)``), so that a benchmark can time them apart on their real inputs."""
+                 aux: dict | None = None, stage: Any = None) -> tuple[list[Any], ...]:
+        """One shape group, each argument the group's tensors (a sequence, or an array
+        stacked on axis 0): ``(step, m, rms, v_row, v_col, v_diag)``, each a list of the
+        tensors', as :func:`xopt.specs.small_fc_lopt.compute_step` per tensor. The kernels
+        read and write each tensor's own arrays (no copy into a stacked group and back);
+        the per-tensor statistics, normalizers and axis terms are computed for the group at
+        once. ``aux``, if given, receives the statistics kernels' output as it came
+        (``"stats"``: per block, the tensors' in order) and the normalizers' statistic
+        (``"feature_sq_mean"`` [L, F], the spec's order). ``stage(name, fn, *args)`` runs
+        each of the four stages (module docstring; default: ``fn(*args)``), so that a
+        benchmark can time them apart on their real inputs."""
         stage = stage or run_stage
+        p, g, m, rms, v_row, v_col, v_diag = (list(x) for x in (p, g, m, rms, v_row, v_col,
+                                                                v_diag))
         pre = stage("prep", functools.partial(self.prep, shape), v_row, v_col, v_diag, g,
                     *decays)
         part = stage("stats", functools.partial(self.stats, shape), pre, g, p, m, rms)
@@ -359,8 +482,7 @@ class SmallFCKernels:
             aux.update(stats=part, feature_sq_mean=norm["feature_sq_mean"])
         step, m_new, rms_new = stage("fused", functools.partial(self.fused, shape), pre, norm,
                                      g, p, m, rms)
-        return (step.reshape(p.shape), m_new.reshape(m.shape), rms_new.reshape(rms.shape),
-                pre["new_row"], pre["new_col"], v_diag)
+        return step, m_new, rms_new, pre["new_row"], pre["new_col"], v_diag
 
     def prep(self, shape: tuple[int, ...], v_row: Any, v_col: Any, v_diag: Any, g: Any,
              mom_d: Any, rms_d: Any, fac_d: Any) -> dict[str, Any]:
@@ -370,8 +492,8 @@ class SmallFCKernels:
 
     def stats(self, shape: tuple[int, ...], pre: dict, g: Any, p: Any, m: Any,
               rms: Any) -> Any:
-        """Stage 2 (:func:`_stats_kernel`): Σ feature² of the per-element features, per
-        block ``[L · blocks, 16]``."""
+        """Stage 2 (:func:`_stats_kernel`, one call per tensor): Σ feature² of the
+        per-element features, per block ``[L · blocks, 16]``."""
         return _stats_call(_stats_kernel, 16, "sfc_stats", shape, pre, g, p, m, rms)
 
     def normalize(self, shape: tuple[int, ...], pre: dict, part: Any, tf: Any) -> dict:
@@ -394,41 +516,44 @@ class SmallFCKernels:
         t_col = jnp.einsum("lnk,kh->lnh", pre["col_feats"] * inv[:, None, col_rows],
                            w0[col_rows], precision=hi)
         t1, t2 = (t_row, t_col) if row_on_1 else (t_col, t_row)
-        return dict(inv16=inv[:, np.array(ELEM)], w16=w0[np.array(ELEM)], b0=w["b0"],
+        # the per-element features' first-layer rows times the tensor's normalizers [L, 16,
+        # HP], as torch's sfc_norm_kernel folds them
+        w16 = self._pair(inv[:, np.array(ELEM), None] * w0[np.array(ELEM)][None])
+        return dict(w16=w16, b0=w["b0"],
                     wh=w["wh"], bh=w["bh"], wl=w["wl"], bl=w["bl"], t1=t1, t2=t2,
                     feature_sq_mean=sq / float(n1 * n2))
 
     def fused(self, shape: tuple[int, ...], pre: dict, norm: dict, g: Any, p: Any, m: Any,
-              rms: Any) -> tuple[Any, Any, Any]:
-        """Stage 4 (:func:`_fused_kernel`): ``(step, m, rms)`` as ``[L, N1, N2(, 3)]``."""
-        L = p.shape[0]
+              rms: Any) -> tuple[list[Any], list[Any], list[Any]]:
+        """Stage 4 (:func:`_fused_kernel`, one call per tensor): ``(step, m, rms)``, each a
+        list of the tensors' (their shapes)."""
         n1, n2, row_on_1 = two_d_view(shape)
         hp_ = self.hp_
         _, _, per, elem = _index_maps(n1, n2)
-        whole, blk, blk_m, blk_f1, blk_f2 = _element_specs(elem)
+        whole, blk, blk_m, group = _element_specs(elem)
         kern = functools.partial(
             _fused_kernel, n1=n1, n2=n2, row_on_1=row_on_1, nhid=self.nl - 1, hp=hp_,
             exp_mult=float(self.hp.exp_mult), step_mult=float(self.hp.step_mult),
-            prec=_dot_precision(self.precision))
+            mode=_dot_mode(self.precision))
         full = lambda *shape: pl.BlockSpec(shape, lambda t: (0,) * len(shape))  # noqa: E731
-        return pl.pallas_call(
+        call = pl.pallas_call(
             kern,
-            out_shape=(jax.ShapeDtypeStruct((L, n1, n2), jnp.float32),
-                       jax.ShapeDtypeStruct((L, n1, n2, 3), jnp.float32),
-                       jax.ShapeDtypeStruct((L, n1, n2), jnp.float32)),
-            grid=(L * per,),
-            in_specs=[pl.BlockSpec((8,), whole),
-                      pl.BlockSpec((SQ, 16), lambda t: (elem(t)[0], 0)),
-                      full(16, hp_), full(1, hp_), full(*norm["wh"].shape),
-                      full(*norm["bh"].shape), full(2, hp_), pl.BlockSpec((2,), whole),
-                      blk, blk, blk_m, blk, blk_f1, blk_f2,
-                      pl.BlockSpec((SQ, RP, hp_), lambda t: (elem(t)[0], elem(t)[1], 0)),
-                      pl.BlockSpec((SQ, BC, hp_), lambda t: (elem(t)[0], elem(t)[2], 0))],
+            out_shape=(jax.ShapeDtypeStruct((n1, n2), jnp.float32),
+                       jax.ShapeDtypeStruct((n1, n2, 3), jnp.float32),
+                       jax.ShapeDtypeStruct((n1, n2), jnp.float32)),
+            grid=(per,),
+            in_specs=[pl.BlockSpec((1,), whole), pl.BlockSpec((8,), whole), group,
+                      full(1, hp_), full(*norm["wh"].shape), full(*norm["bh"].shape),
+                      full(2, hp_), pl.BlockSpec((2,), whole),
+                      blk, blk, blk_m, blk, group, group, group, group],
             out_specs=[blk, blk_m, blk],
             interpret=_on_cpu(), compiler_params=_compiler_params(), name="sfc_fused",
-        )(pre["decs"], norm["inv16"], norm["w16"], norm["b0"], norm["wh"], norm["bh"],
-          norm["wl"], norm["bl"], *_element_views(shape, g, p, m, rms), pre["f1"], pre["f2"],
-          norm["t1"], norm["t2"])
+        )
+        outs = [call(_index(i), pre["decs"], norm["w16"], norm["b0"], norm["wh"], norm["bh"],
+                     norm["wl"], norm["bl"], *_element_views(shape, *a), pre["f1"],
+                     pre["f2"], norm["t1"], norm["t2"])
+                for i, a in enumerate(zip(g, p, m, rms, strict=True))]
+        return _per_tensor_outputs(outs, p, m, rms)
 
 
 def run_stage(name: str, fn: Any, *args: Any) -> Any:
@@ -437,27 +562,42 @@ def run_stage(name: str, fn: Any, *args: Any) -> Any:
     return fn(*args)
 
 
+def _index(i: int) -> Any:
+    """A tensor's index in its group, the kernels' ``idx`` input (data, not a constant of
+    the kernel, so that a group's calls are one kernel, compiled once)."""
+    return jnp.full((1,), i, jnp.int32)
+
+
 def _element_views(shape: tuple[int, ...], g: Any, p: Any, m: Any, rms: Any) -> list[Any]:
-    """A stacked group's ``g``, ``p``, ``m``, ``rms`` as ``[L, N1, N2(, 3)]`` (reshapes)."""
-    L = p.shape[0]
+    """One tensor's ``g``, ``p``, ``m``, ``rms`` as ``[N1, N2(, 3)]`` (reshapes)."""
     n1, n2, _ = two_d_view(shape)
-    return [g.reshape(L, n1, n2), p.reshape(L, n1, n2), m.reshape(L, n1, n2, 3),
-            rms.reshape(L, n1, n2)]
+    return [g.reshape(n1, n2), p.reshape(n1, n2), m.reshape(n1, n2, 3), rms.reshape(n1, n2)]
 
 
-def _axis_prep(shape: tuple[int, ...], v_row: Any, v_col: Any, v_diag: Any, g: Any,
-               mom_d: Any, rms_d: Any, fac_d: Any) -> dict[str, Any]:
+def _per_tensor_outputs(outs: list[Any], p: list[Any], m: list[Any],
+                        rms: list[Any]) -> tuple[list[Any], list[Any], list[Any]]:
+    """The fused kernels' ``(step, m, rms)`` per tensor → three lists, each array in its
+    tensor's shape (reshapes)."""
+    return ([o[0].reshape(x.shape) for o, x in zip(outs, p, strict=True)],
+            [o[1].reshape(x.shape) for o, x in zip(outs, m, strict=True)],
+            [o[2].reshape(x.shape) for o, x in zip(outs, rms, strict=True)])
+
+
+def _axis_prep(shape: tuple[int, ...], v_row: list[Any], v_col: list[Any],
+               v_diag: list[Any], g: list[Any], mom_d: Any, rms_d: Any,
+               fac_d: Any) -> dict[str, Any]:
     """Both methods' first stage: the new ``v_row``/``v_col`` (the spec's
-    ``factored_update``, batched; ``g`` as the method feeds it), their factors per axis
-    ``f1`` [L, 3, N1], ``f2`` [L, 3, N2], the row and column features [L, n, 6] and their
-    sums of squares over the tensor [L, 6], and the kernels' decays [8]."""
-    L = g.shape[0]
+    ``factored_update`` per tensor, on its own gradient, as the method feeds it: lists),
+    their factors per axis ``f1`` [L, 3, N1], ``f2`` [L, 3, N2], the row and column features
+    [L, n, 6] and their sums of squares over the tensor [L, 6], and the kernels' decays
+    [8]."""
+    L = len(g)
     _, _, row_on_1 = two_d_view(shape)
-    new_row, new_col, _, _ = jax.vmap(
-        lambda vr, vc, vd, gg: lopt.factored_update(jnp, vr, vc, vd, gg, fac_d)
-    )(v_row, v_col, v_diag, g)
-    vr2 = new_row.reshape(L, -1, 3)  # [L, positions of the v_row axis, 3]
-    vc2 = new_col.reshape(L, -1, 3)
+    new = [lopt.factored_update(jnp, vr, vc, vd, gg, fac_d)
+           for vr, vc, vd, gg in zip(v_row, v_col, v_diag, g, strict=True)]
+    new_row, new_col = [n[0] for n in new], [n[1] for n in new]
+    vr2 = jnp.stack(new_row).reshape(L, -1, 3)  # [L, positions of the v_row axis, 3]
+    vc2 = jnp.stack(new_col).reshape(L, -1, 3)
     rcm = jnp.mean(vr2, axis=1, keepdims=True)
     rf = lopt.safe_rsqrt(jnp, vr2 / (rcm + 1e-9))
     cf = lopt.safe_rsqrt(jnp, vc2)
@@ -474,20 +614,40 @@ def _axis_prep(shape: tuple[int, ...], v_row: Any, v_col: Any, v_diag: Any, g: A
                 row_sq=row_sq, col_sq=col_sq, decs=decs)
 
 
+def _var_call(shape: tuple[int, ...], mu: Any, m: list[Any], rms: list[Any]) -> Any:
+    """:func:`_velo_var_kernel` over a group, one call per tensor: ``[L · blocks, 8]``."""
+    n1, n2, _ = two_d_view(shape)
+    _, _, per, elem = _index_maps(n1, n2)
+    whole, blk, blk_m, group = _element_specs(elem)
+    call = pl.pallas_call(
+        functools.partial(_velo_var_kernel, n1=n1, n2=n2),
+        out_shape=jax.ShapeDtypeStruct((per, 8), jnp.float32), grid=(per,),
+        in_specs=[pl.BlockSpec((1,), whole), group, blk_m, blk],
+        out_specs=pl.BlockSpec((SQ, 8), lambda t: (t, 0)),
+        interpret=_on_cpu(), compiler_params=_compiler_params(), name="velo_var",
+    )
+    return jnp.concatenate([call(_index(i), mu, mm.reshape(n1, n2, 3), r.reshape(n1, n2))
+                            for i, (mm, r) in enumerate(zip(m, rms, strict=True))])
+
+
 def _stats_call(kernel: Any, width: int, name: str, shape: tuple[int, ...], pre: dict,
-                g: Any, p: Any, m: Any, rms: Any) -> Any:
-    """A statistics kernel over a group: ``[L · blocks, width]`` per-block sums."""
-    L = p.shape[0]
+                g: list[Any], p: list[Any], m: list[Any], rms: list[Any]) -> Any:
+    """A statistics kernel over a group, one call per tensor: ``[L · blocks, width]``
+    per-block sums, the tensors' blocks in order."""
     n1, n2, row_on_1 = two_d_view(shape)
     _, _, per, elem = _index_maps(n1, n2)
-    whole, blk, blk_m, blk_f1, blk_f2 = _element_specs(elem)
-    return pl.pallas_call(
+    whole, blk, blk_m, group = _element_specs(elem)
+    call = pl.pallas_call(
         functools.partial(kernel, n1=n1, n2=n2, row_on_1=row_on_1),
-        out_shape=jax.ShapeDtypeStruct((L * per, width), jnp.float32), grid=(L * per,),
-        in_specs=[pl.BlockSpec((8,), whole), blk, blk, blk_m, blk, blk_f1, blk_f2],
+        out_shape=jax.ShapeDtypeStruct((per, width), jnp.float32), grid=(per,),
+        in_specs=[pl.BlockSpec((1,), whole), pl.BlockSpec((8,), whole), blk, blk, blk_m, blk,
+                  group, group],
         out_specs=pl.BlockSpec((SQ, width), lambda t: (t, 0)),
         interpret=_on_cpu(), compiler_params=_compiler_params(), name=name,
-    )(pre["decs"], *_element_views(shape, g, p, m, rms), pre["f1"], pre["f2"])
+    )
+    return jnp.concatenate([call(_index(i), pre["decs"], *_element_views(shape, *a),
+                                 pre["f1"], pre["f2"])
+                            for i, a in enumerate(zip(g, p, m, rms, strict=True))])
 
 
 # -- VeLO --------------------------------------------------------------------------------------
@@ -521,16 +681,20 @@ def _velo_elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
     return [g, jnp.clip(g, -0.1, 0.1), p, *ms, rms, *(m * r for m in ms), r, *fg, g * r, *fm]
 
 
-def _velo_stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *, n1, n2,
-                       row_on_1):  # noqa: ANN001
-    _, read = _tile_reader(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1, n2=n2,
-                           row_on_1=row_on_1, features=_velo_elem_features, clip=1000.0)
+def _velo_stats_kernel(idx_ref, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *,
+                       n1, n2, row_on_1):  # noqa: ANN001
+    _, read = _tile_reader(_Place(idx_ref, n1, n2), dec_ref, g_ref, p_ref, m_ref, r_ref,
+                           f1_ref, f2_ref, n1=n1, n2=n2, row_on_1=row_on_1,
+                           features=_velo_elem_features, clip=1000.0)
 
     def sub_tile(s, acc):  # noqa: ANN001, ANN202
-        _, _, valid, _, _, feats = read(s)
-        return tuple(a + jnp.where(valid, f * f, 0.0) for a, f in zip(acc, feats, strict=True))
+        _, _, valid, _, _, feats, p, old = read(s)
+        # and the LSTM's first pass: Σ p², Σ of the old momenta and second moment (0 outside)
+        sums = [jnp.where(valid, f * f, 0.0) for f in feats] + [p * p, *old]
+        return tuple(a + x for a, x in zip(acc, sums, strict=True))
 
-    acc = _sub_tiles(sub_tile, tuple(jnp.zeros((BR, BC), jnp.float32) for _ in VELO_ELEM))
+    acc = _sub_tiles(sub_tile, tuple(jnp.zeros((BR, BC), jnp.float32)
+                                     for _ in range(len(VELO_ELEM) + 5)))
     lanes = jax.lax.broadcasted_iota(jnp.int32, (32,), 0)
     out = jnp.zeros((32,), jnp.float32)
     for k, a in enumerate(acc):
@@ -538,40 +702,77 @@ def _velo_stats_kernel(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_re
     o_ref[...] = out
 
 
-def _velo_fused_kernel(dec_ref, w_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, t1_ref,
-                       t2_ref, s_ref, mo_ref, ro_ref, *, n1, n2, row_on_1, width, nhid, off,
-                       exp_mult, step_mult):  # noqa: ANN001
-    c_ok, read = _tile_reader(dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1,
+def _velo_var_kernel(idx_ref, mu_ref, m_ref, r_ref, o_ref, *, n1, n2):  # noqa: ANN001
+    """The LSTM features' second pass over a block of one tensor: Σ (m_k − μ_k)² and
+    Σ (rms − μ_k)² over its elements (k < 3, ``μ`` the tensor's old momenta's means from
+    the first pass, :func:`_velo_stats_kernel`), the spec's two-pass variances
+    (:func:`xopt.specs.velo.lstm_features`) before its scaling by ``mean(p²)``."""
+    at = _Place(idx_ref, n1, n2)
+    c_ok = _col_mask(n1, n2)
+    mu = [mu_ref[at.l, k] for k in range(3)]
+
+    def sub_tile(s, acc):  # noqa: ANN001, ANN202
+        rows = _rows(s)
+        valid = _row_mask(at.base, n1, s)[:, None] & c_ok[None, :]
+        r = _load(r_ref.at[rows], valid)
+        out = []
+        for k in range(3):
+            d = _load(m_ref.at[rows, :, _i(k)], valid) - mu[k]
+            out.append(jnp.where(valid, d * d, 0.0))
+        for k in range(3):
+            d = r - mu[k]
+            out.append(jnp.where(valid, d * d, 0.0))
+        return tuple(a + x for a, x in zip(acc, out, strict=True))
+
+    acc = _sub_tiles(sub_tile, tuple(jnp.zeros((BR, BC), jnp.float32) for _ in range(6)))
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (8,), 0)
+    out = jnp.zeros((8,), jnp.float32)
+    for k, a in enumerate(acc):
+        out = jnp.where(lanes == k, jnp.sum(a), out)
+    o_ref[...] = out
+
+
+def _velo_fused_kernel(idx_ref, dec_ref, sc_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref,
+                       t1_ref, t2_ref, s_ref, mo_ref, ro_ref, *, n1, n2, row_on_1, width, nhid,
+                       off, exp_mult, step_mult):  # noqa: ANN001
+    at = _Place(idx_ref, n1, n2)
+    c_ok, read = _tile_reader(at, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1,
                               n2=n2, row_on_1=row_on_1, features=_velo_elem_features,
                               clip=1000.0)
-    t2 = [_load(t2_ref.at[:, _i(j)], c_ok)[None, :] for j in range(width)]
+    l = at.l
+
+    def w_ref(k):  # noqa: ANN001, ANN202
+        return sc_ref[l, k]  # this tensor's scalar k
+
+    t2 = [_load(t2_ref.at[at.l, at.cols, _i(j)], c_ok)[None, :] for j in range(width)]
     ne = len(VELO_ELEM)
 
     def sub_tile(s, carry):  # noqa: ANN001, ANN202
-        rows, r_ok, valid, ms, rms, feats = read(s)
-        h = [_load(t1_ref.at[rows, _i(j)], r_ok)[:, None] + t2[j] for j in range(width)]
+        rows, r_ok, valid, ms, rms, feats, _, _ = read(s)
+        h = [_load(t1_ref.at[at.l, at.rows(s), _i(j)], r_ok)[:, None] + t2[j]
+             for j in range(width)]
         for k, f in enumerate(feats):  # the first layer, channel by channel (float32 FMAs)
-            x = f * w_ref[k]  # normalized
-            h = [h[j] + x * w_ref[ne + k * width + j] for j in range(width)]
-        h = [jnp.maximum(h[j] + w_ref[off["b0"] + j], 0.0) for j in range(width)]
+            x = f * w_ref(k)  # normalized
+            h = [h[j] + x * w_ref(ne + k * width + j) for j in range(width)]
+        h = [jnp.maximum(h[j] + w_ref(off["b0"] + j), 0.0) for j in range(width)]
         for i in range(nhid):
             w0, b0 = off["wh"] + i * width * width, off["bh"] + i * width
             new = []
             for j in range(width):
-                acc = h[0] * w_ref[w0 + j]
+                acc = h[0] * w_ref(w0 + j)
                 for q in range(1, width):
-                    acc = acc + h[q] * w_ref[w0 + q * width + j]
-                new.append(jnp.maximum(acc + w_ref[b0 + j], 0.0))
+                    acc = acc + h[q] * w_ref(w0 + q * width + j)
+                new.append(jnp.maximum(acc + w_ref(b0 + j), 0.0))
             h = new
         outs = []
         for c in range(2):
-            acc = h[0] * w_ref[off["wl"] + c]
+            acc = h[0] * w_ref(off["wl"] + c)
             for q in range(1, width):
-                acc = acc + h[q] * w_ref[off["wl"] + q * 2 + c]
-            outs.append(acc + w_ref[off["bl"] + c])
+                acc = acc + h[q] * w_ref(off["wl"] + q * 2 + c)
+            outs.append(acc + w_ref(off["bl"] + c))
         direction, magnitude = outs
-        step = direction * (w_ref[off["scale"]] * jnp.exp(magnitude * exp_mult)) * step_mult
-        _store(s_ref.at[rows], w_ref[off["lr"]] * step, valid)
+        step = direction * (w_ref(off["scale"]) * jnp.exp(magnitude * exp_mult)) * step_mult
+        _store(s_ref.at[rows], w_ref(off["lr"]) * step, valid)
         for k in range(3):
             _store(mo_ref.at[rows, :, _i(k)], ms[k], valid)
         _store(ro_ref.at[rows], rms, valid)
@@ -605,28 +806,82 @@ class VeLOKernels:
     def __call__(self, shape: tuple[int, ...], p: Any, g: Any, m: Any, rms: Any, v_row: Any,
                  v_col: Any, v_diag: Any, controls: Any, lr_mult: Any, *,
                  decays: tuple[Any, Any, Any], aux: dict | None = None,
-                 stage: Any = None) -> tuple[Any, ...]:
-        """One shape group: ``(step, m, rms, v_row, v_col, v_diag)`` stacked, as
-        :func:`xopt.specs.velo.update_tensor` per tensor (``aux``, ``stage``: as
-        :meth:`SmallFCKernels.__call__`'s)."""
+                 stage: Any = None) -> tuple[list[Any], ...]:
+        """One shape group, the per-element arguments as :meth:`SmallFCKernels.__call__`'s
+        (each a sequence of the group's tensors or an array stacked on axis 0), ``controls``
+        and ``lr_mult`` stacked: ``(step, m, rms, v_row, v_col, v_diag)``, lists of the
+        tensors', as :func:`xopt.specs.velo.update_tensor` per tensor (``aux``, ``stage``:
+        as :meth:`SmallFCKernels.__call__`'s). The update is :meth:`first` (before the
+        LSTM, whose inputs :meth:`lstm_inputs` takes from its statistics) then
+        :meth:`second`."""
+        p, g, m, rms, v_row, v_col, v_diag = (list(x) for x in (p, g, m, rms, v_row, v_col,
+                                                                v_diag))
+        pre, part = self.first(shape, p, g, m, rms, v_row, v_col, v_diag, decays=decays,
+                               stage=stage)
+        return self.second(shape, pre, part, controls, lr_mult, p, g, m, rms, v_diag, aux=aux,
+                           stage=stage)
+
+    def first(self, shape: tuple[int, ...], p: list[Any], g: list[Any], m: list[Any],
+              rms: list[Any], v_row: list[Any], v_col: list[Any], v_diag: list[Any], *,
+              decays: tuple[Any, Any, Any], stage: Any = None) -> tuple[dict, Any]:
+        """Stages 1-2 of a group (lists of its tensors' arrays): ``(pre, part)``, the axis
+        statistics and the statistics kernel's per-block sums (the normalizers' and the
+        LSTM inputs' first pass)."""
         from xopt.specs import velo as vspec
 
         stage = stage or run_stage
+
         def prep(v_row, v_col, v_diag, g, *decays):  # noqa: ANN001, ANN202
-            gc = jnp.clip(g, -vspec.GRAD_CLIP, vspec.GRAD_CLIP)
+            gc = [jnp.clip(x, -vspec.GRAD_CLIP, vspec.GRAD_CLIP) for x in g]
             return _axis_prep(shape, v_row, v_col, v_diag, gc, *decays)
 
         pre = stage("prep", prep, v_row, v_col, v_diag, g, *decays)
         part = stage("stats", functools.partial(_stats_call, _velo_stats_kernel, 32,
                                                 "velo_stats", shape), pre, g, p, m, rms)
+        return pre, part
+
+    def second(self, shape: tuple[int, ...], pre: dict, part: Any, controls: Any,
+               lr_mult: Any, p: list[Any], g: list[Any], m: list[Any], rms: list[Any],
+               v_diag: list[Any], *, aux: dict | None = None,
+               stage: Any = None) -> tuple[list[Any], ...]:
+        """Stages 3-4 of a group, given the LSTM's ``controls`` and ``lr_mult`` (stacked):
+        ``(step, m, rms, v_row, v_col, v_diag)``, lists of the tensors'."""
+        stage = stage or run_stage
         norm = stage("norm", functools.partial(self.normalize, shape), pre, part, controls,
                      lr_mult)
         if aux is not None:
             aux.update(stats=part, feature_sq_mean=norm["feature_sq_mean"])
         step, m_new, rms_new = stage("fused", functools.partial(self.fused, shape), pre, norm,
                                      g, p, m, rms)
-        return (step.reshape(p.shape), m_new.reshape(m.shape), rms_new.reshape(rms.shape),
-                pre["new_row"], pre["new_col"], v_diag)
+        return step, m_new, rms_new, pre["new_row"], pre["new_col"], v_diag
+
+    def lstm_inputs(self, shape: tuple[int, ...], part: Any, m: list[Any], rms: list[Any],
+                    fraction: Any, loss_feats: Any) -> Any:
+        """The group's LSTM inputs [L, 30], :func:`xopt.specs.velo.lstm_features` per tensor
+        from the statistics kernel's first pass (Σ p², Σ of the old m and rms) and
+        :func:`_velo_var_kernel`'s second (Σ of squared deviations from the means): the
+        spec's two-pass means and variances, the scaling by ``rsqrt(max(1e-9, mean p²))``
+        applied to the means and variances instead of to every element."""
+        from xopt.specs import velo as vspec
+
+        n1, n2, _ = two_d_view(shape)
+        n, L = float(n1 * n2), len(m)
+        sums = jnp.sum(part.reshape(L, -1, 32), axis=1)  # [L, 32]
+        e = len(VELO_ELEM)
+        mu = sums[:, e + 1:e + 4] / n  # the old momenta's means [L, 3]
+        dev = jnp.sum(_var_call(shape, mu, m, rms).reshape(L, -1, 8), axis=1)
+        scale = jax.lax.rsqrt(jnp.maximum(sums[:, e] / n, 1e-9))[:, None]
+        mean_rms = scale * sums[:, e + 4:e + 5] / n
+        var_m = scale * scale * (dev[:, 0:3] / n)
+        var_rms = scale * scale * (dev[:, 3:6] / n)
+        like = jnp.zeros((), jnp.float32)
+        one_hot = np.eye(vspec.NUM_RANKS, dtype=np.float32)[vspec.tensor_rank(shape)]
+        fixed = jnp.concatenate([vspec.fraction_embedding(jnp, fraction, like), loss_feats])
+        return jnp.concatenate([
+            jnp.broadcast_to(fixed, (L, fixed.shape[0])),
+            vspec.clip_log_abs(jnp, mean_rms),
+            jnp.broadcast_to(jnp.asarray(one_hot), (L, vspec.NUM_RANKS)),
+            vspec.clip_log_abs(jnp, var_m), vspec.clip_log_abs(jnp, var_rms)], axis=1)
 
     def normalize(self, shape: tuple[int, ...], pre: dict, part: Any, controls: Any,
                   lr_mult: Any) -> dict:
@@ -664,28 +919,28 @@ class VeLOKernels:
         return dict(scal=scal, t1=t1, t2=t2, feature_sq_mean=sq / n)
 
     def fused(self, shape: tuple[int, ...], pre: dict, norm: dict, g: Any, p: Any, m: Any,
-              rms: Any) -> tuple[Any, Any, Any]:
-        """Stage 4 (:func:`_velo_fused_kernel`): ``(step, m, rms)`` as ``[L, N1, N2(, 3)]``."""
-        L = p.shape[0]
+              rms: Any) -> tuple[list[Any], list[Any], list[Any]]:
+        """Stage 4 (:func:`_velo_fused_kernel`, one call per tensor): ``(step, m, rms)``,
+        each a list of the tensors' (their shapes)."""
         n1, n2, row_on_1 = two_d_view(shape)
         _, _, per, elem = _index_maps(n1, n2)
-        whole, blk, blk_m, blk_f1, blk_f2 = _element_specs(elem)
-        width = self.width
+        whole, blk, blk_m, group = _element_specs(elem)
         kern = functools.partial(
-            _velo_fused_kernel, n1=n1, n2=n2, row_on_1=row_on_1, width=width, nhid=self.nhid,
-            off=self.off, exp_mult=float(self.hp.exp_mult), step_mult=float(self.hp.step_mult))
-        return pl.pallas_call(
+            _velo_fused_kernel, n1=n1, n2=n2, row_on_1=row_on_1, width=self.width,
+            nhid=self.nhid, off=self.off, exp_mult=float(self.hp.exp_mult),
+            step_mult=float(self.hp.step_mult))
+        call = pl.pallas_call(
             kern,
-            out_shape=(jax.ShapeDtypeStruct((L, n1, n2), jnp.float32),
-                       jax.ShapeDtypeStruct((L, n1, n2, 3), jnp.float32),
-                       jax.ShapeDtypeStruct((L, n1, n2), jnp.float32)),
-            grid=(L * per,),
-            in_specs=[pl.BlockSpec((8,), whole),
-                      pl.BlockSpec((SQ, VELO_SCAL), lambda t: (elem(t)[0], 0)),
-                      blk, blk, blk_m, blk, blk_f1, blk_f2,
-                      pl.BlockSpec((SQ, RP, width), lambda t: (elem(t)[0], elem(t)[1], 0)),
-                      pl.BlockSpec((SQ, BC, width), lambda t: (elem(t)[0], elem(t)[2], 0))],
+            out_shape=(jax.ShapeDtypeStruct((n1, n2), jnp.float32),
+                       jax.ShapeDtypeStruct((n1, n2, 3), jnp.float32),
+                       jax.ShapeDtypeStruct((n1, n2), jnp.float32)),
+            grid=(per,),
+            in_specs=[pl.BlockSpec((1,), whole), pl.BlockSpec((8,), whole), group,
+                      blk, blk, blk_m, blk, group, group, group, group],
             out_specs=[blk, blk_m, blk],
             interpret=_on_cpu(), compiler_params=_compiler_params(), name="velo_fused",
-        )(pre["decs"], norm["scal"], *_element_views(shape, g, p, m, rms), pre["f1"],
-          pre["f2"], norm["t1"], norm["t2"])
+        )
+        outs = [call(_index(i), pre["decs"], norm["scal"], *_element_views(shape, *a),
+                     pre["f1"], pre["f2"], norm["t1"], norm["t2"])
+                for i, a in enumerate(zip(g, p, m, rms, strict=True))]
+        return _per_tensor_outputs(outs, p, m, rms)

@@ -11,7 +11,11 @@ nor triton. The modules load them on first use:
 * :mod:`xopt.kernels.small_fc_lopt`: small_fc_lopt's feature-statistics and fused update;
 * :mod:`xopt.kernels.velo`: VeLO's, with its per-tensor LSTM batched in torch;
 * :mod:`xopt.kernels.poet_cayley`: POET-X's Cayley–Neumann series and its backward;
-* :mod:`xopt.kernels.poet_perm`: POET-X's permutations as row gathers and scatters.
+* :mod:`xopt.kernels.poet_perm`: POET-X's permutations as row gathers and scatters;
+* :mod:`xopt.kernels.quant8`: 8-bit COAP's moment step (dequantise, update, requantise);
+* :mod:`xopt.kernels.adafactor`: Flora's Adafactor step on stacked matrices, three passes;
+* :mod:`xopt.kernels.poet_adam`: POETAdamW's update of a parameter in one pass;
+* :mod:`xopt.kernels.poet_jit`: POET-X's launches through the compiled kernel's launcher.
 
 Each kernel module has a pure-PyTorch reference it is tested against (under
 ``TRITON_INTERPRET=1`` on the CPU); the plain path in :mod:`xopt.torch` is the reference
@@ -25,6 +29,10 @@ the CUDA graphs, when an optimizer's first Triton step builds its recorder):
 | ``XOPT_LOPT_CUDA_GRAPHS`` | ``1`` | ``0``: the learned optimizers' Triton step runs eagerly |
 | ``XOPT_VELO_COMPILE_GLUE`` | ``1`` | ``0``: VeLO's LSTM glue runs eagerly, not compiled |
 | ``XOPT_POET_CNP`` | ``bmm`` | ``fused``, ``triton``: POET-X's Cayley–Neumann backends |
+| ``XOPT_QUANT8`` | ``auto`` | ``torch``, ``triton``: 8-bit COAP's fused moment step |
+| ``XOPT_ADAFACTOR`` | ``auto`` | ``torch``, ``triton``: Flora's fused Adafactor passes |
+| ``XOPT_POET_DIRECT_LAUNCH`` | ``1`` | ``0``: POET-X kernels always via ``JITFunction.run`` |
+| ``XOPT_POET_FUSED_STEP`` | ``1`` | ``0``: POETAdamW's CUDA step as foreach calls |
 
 ``XOPT_LOPT_CUDA_GRAPHS=0`` is for profilers and debugging: every launch is then an
 ordinary one, with the same bits. ``XOPT_VELO_COMPILE_GLUE=0`` skips ``torch.compile`` of
@@ -44,12 +52,16 @@ from __future__ import annotations
 import importlib.util
 import os
 
-__all__ = ["FP_FUSION", "interpreting", "triton_available"]
+__all__ = ["FP_FUSION", "NO_FP_FUSION", "interpreting", "triton_available"]
 
 #: launch option of every xopt kernel: float32 ``a·b + c`` contracted to one FMA, as the
 #: kernels were written and tuned. Pinned because Triton 3.10 turns it off by default, which
 #: would change the kernels' rounding and lengthen their loops.
 FP_FUSION = {"enable_fp_fusion": True}
+
+#: launch option of a kernel whose results must be another path's bytes (8-bit COAP's
+#: codes): no contraction, every ``a·b`` and ``+ c`` rounded apart as torch's ops round them
+NO_FP_FUSION = {"enable_fp_fusion": False}
 
 
 def triton_available() -> bool:

@@ -43,7 +43,8 @@ are rounded to their dtype and multiplied in float32: the same products.
 
 Backends (:data:`BACKEND`): ``"bmm"`` is the default, the backend validated on a GPU
 (``bench/poet_layer.py --check``); ``"fused"`` (4 launches per forward+backward against
-``"bmm"``'s 9 and ``"triton"``'s 5) is opt-in until that check has run it on one.
+``"bmm"``'s 9 and ``"triton"``'s 5) passes that check on an H200 but takes more GPU time
+there than ``"bmm"`` (bench/RESULTS.md), so it stays opt-in.
 ``"bmm"`` (cuBLAS batched products with the Triton skew, triangle and symmetrization
 kernels) tied inside the layer with the
 ``"triton"`` series at b = 256 and was faster at b = 512 on GPU time; every backend
@@ -65,6 +66,7 @@ import triton.language as tl
 
 from xopt.kernels import FP_FUSION
 from xopt.kernels._grid import cdiv, next_pow2
+from xopt.kernels.poet_jit import launch
 from xopt.specs import poet as spec
 
 __all__ = ["BACKEND", "BACKENDS", "CayleyNeumann", "blocks_backward", "blocks_forward",
@@ -392,8 +394,14 @@ def _cnp_skew_grad_kernel(px_ptr, q_ptr, out_ptr, B, M, NBB, BM: tl.constexpr,
 CNP_TILES = {"f32": (64, 32, 4), "lowp": (128, 32, 8)}
 
 
-def _tiles(b: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    bm, bk, warps = CNP_TILES["f32" if dtype == torch.float32 else "lowp"]
+#: the fused backend's tiles (its kernels read the triangles with per-element index
+#: arithmetic, unlike the series kernels the sweep above timed; of the two tiles timed with
+#: ``bench/poet_layer.py --fused-tiles`` on an H200, these were the faster at b = 256)
+FUSED_TILES = dict(CNP_TILES)
+
+
+def _tiles(b: int, dtype: torch.dtype, table: dict | None = None) -> tuple[int, int, int]:
+    bm, bk, warps = (table or CNP_TILES)["f32" if dtype == torch.float32 else "lowp"]
     bm = max(16, min(bm, next_pow2(b)))
     return bm, max(16, min(bm, bk)), warps
 
@@ -430,9 +438,8 @@ def _skew(x: torch.Tensor, b: int, dtype: torch.dtype | None, eye: bool
     n, m = x.shape
     q = torch.empty((n, b, b), dtype=dtype or x.dtype, device=x.device)
     i = torch.empty_like(q) if eye else None
-    _skew_kernel[(n, cdiv(b, SKEW_ROWS))](
-        x, q, q if i is None else i, b, m, EYE=eye, ROWS=SKEW_ROWS,
-        BC=max(16, min(128, next_pow2(b))), num_warps=4, **FP_FUSION)
+    launch(_skew_kernel, (n, cdiv(b, SKEW_ROWS)), x, q, q if i is None else i, b, m, EYE=eye,
+           ROWS=SKEW_ROWS, BC=max(16, min(128, next_pow2(b))), num_warps=4, **FP_FUSION)
     return q, i
 
 
@@ -462,8 +469,8 @@ def _triu_combine(e1: torch.Tensor, e2: torch.Tensor | None, b: int, alpha: floa
     m = spec.num_triu(b)
     g = torch.empty((n, m), dtype=dtype or e1.dtype, device=e1.device)
     t = _edge_tile(b)
-    _triu_grad_kernel[(n, cdiv(b, t), cdiv(b, t))](
-        e1, e1 if e2 is None else e2, g, b, m, alpha, beta, TWO=e2 is not None, T=t, **FP_FUSION)
+    launch(_triu_grad_kernel, (n, cdiv(b, t), cdiv(b, t)), e1, e1 if e2 is None else e2, g, b,
+           m, alpha, beta, TWO=e2 is not None, T=t, **FP_FUSION)
     return g
 
 
@@ -472,7 +479,7 @@ def _sym(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     n, b, _ = x.shape
     z = torch.empty_like(x)
     t = _edge_tile(b)
-    _sym_kernel[(n, cdiv(b, t), cdiv(b, t))](x, p, z, b, T=t, **FP_FUSION)
+    launch(_sym_kernel, (n, cdiv(b, t), cdiv(b, t)), x, p, z, b, T=t, **FP_FUSION)
     return z
 
 
@@ -490,11 +497,11 @@ def _cnp_forward(src: torch.Tensor, b: int, from_triu: bool, formula: str, tf32:
     prec = _prec(dtype, tf32)
     q = torch.empty((n, b, b), dtype=dtype, device=src.device) if from_triu else src
     q2 = torch.empty((n, b, b), dtype=dtype, device=src.device)
-    _cnp_square_kernel[grid](src, q, q2, b, spec.num_triu(b), FROM_TRIU=from_triu, BM=bm,
-                             BK=bk, PREC=prec, num_warps=warps, **FP_FUSION)
+    launch(_cnp_square_kernel, grid, src, q, q2, b, spec.num_triu(b), FROM_TRIU=from_triu,
+           BM=bm, BK=bk, PREC=prec, num_warps=warps, **FP_FUSION)
     y = torch.empty_like(q2)
-    _cnp_series_kernel[grid](q, q2, y, b, _c4(formula) / 2, BM=bm, BK=bk, PREC=prec,
-                             num_warps=warps, **FP_FUSION)
+    launch(_cnp_series_kernel, grid, q, q2, y, b, _c4(formula) / 2, BM=bm, BK=bk, PREC=prec,
+           num_warps=warps, **FP_FUSION)
     return y, q, q2
 
 
@@ -505,12 +512,13 @@ def _cnp_backward(q: torch.Tensor, q2: torch.Tensor, g: torch.Tensor, formula: s
     grid = (n, cdiv(b, bm) ** 2)
     prec = _prec(q.dtype, tf32)
     d = torch.empty((n, b, b), dtype=torch.float32, device=q.device)
-    _cnp_d_kernel[grid](q, g, d, b, BM=bm, BK=bk, PREC=prec, num_warps=warps, **FP_FUSION)
+    launch(_cnp_d_kernel, grid, q, g, d, b, BM=bm, BK=bk, PREC=prec, num_warps=warps,
+           **FP_FUSION)
     # ∂Q in float32 when the triangles' gradient follows (one rounding, at the end)
     dq = torch.empty((n, b, b), dtype=torch.float32 if triu_dtype is not None else q.dtype,
                      device=q.device)
-    _cnp_grad_kernel[grid](q, q2, g, d, dq, b, _c4(formula), BM=bm, BK=bk, PREC=prec,
-                           num_warps=warps, **FP_FUSION)
+    launch(_cnp_grad_kernel, grid, q, q2, g, d, dq, b, _c4(formula), BM=bm, BK=bk, PREC=prec,
+           num_warps=warps, **FP_FUSION)
     return dq if triu_dtype is None else triu_grad(dq, b, triu_dtype)
 
 
@@ -544,17 +552,21 @@ BACKENDS = ("fused", "bmm", "triton")
 
 
 class _Precision:
-    """Float32 matmuls at TF32 (``tf32``) or IEEE for the duration of a block."""
+    """Float32 matmuls at TF32 (``tf32``) or IEEE for the duration of a block; nothing for
+    bf16/fp16 operands, which the setting does not concern (two global writes less per
+    call on the layer's host-paced path)."""
 
-    def __init__(self, tf32: bool):
-        self.tf32 = tf32
+    def __init__(self, tf32: bool, dtype: torch.dtype = torch.float32):
+        self.tf32, self.on = tf32, dtype == torch.float32
 
     def __enter__(self):
-        self.old = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = self.tf32
+        if self.on:
+            self.old = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = self.tf32
 
     def __exit__(self, *exc):
-        torch.backends.cuda.matmul.allow_tf32 = self.old
+        if self.on:
+            torch.backends.cuda.matmul.allow_tf32 = self.old
 
 
 def cnp_forward_bmm(q: torch.Tensor, formula: str = "product", tf32: bool = False,
@@ -575,7 +587,7 @@ def cnp_forward_bmm(q: torch.Tensor, formula: str = "product", tf32: bool = Fals
     each result is rounded once to ``q``'s dtype."""
     q = _check(q, "q", _FLOATS)
     c4 = _c4(formula)
-    with _Precision(tf32):
+    with _Precision(tf32, q.dtype):
         if c4 == 1.0:
             if eye is None:
                 eye = torch.zeros_like(q)
@@ -611,7 +623,7 @@ def cnp_backward_bmm(q: torch.Tensor, saved: tuple[torch.Tensor, ...], g: torch.
     q, g = _check(q, "q", _FLOATS), _check(g, "grad", _FLOATS)
     c4 = _c4(formula)
     n, b, _ = q.shape
-    with _Precision(tf32):
+    with _Precision(tf32, q.dtype):
         if c4 == 1.0:
             am, bm = saved
             p = torch.bmm(g, bm)
@@ -636,11 +648,10 @@ def cnp_forward_fused(x: torch.Tensor, b: int, tf32: bool = False,
     x = _check(x, "x", _FLOATS)
     dtype = dtype or x.dtype
     n = x.shape[0]
-    bm, bk, warps = _tiles(b, dtype)
+    bm, bk, warps = _tiles(b, dtype, FUSED_TILES)
     qab = torch.empty((3, n, b, b), dtype=dtype, device=x.device)
-    _cnp_ab_kernel[(n, cdiv(b, bm) ** 2)](x, qab, b, x.shape[1], n * b * b, BM=bm, BK=bk,
-                                          PREC=_prec(dtype, tf32), num_warps=warps,
-                                          **FP_FUSION)
+    launch(_cnp_ab_kernel, (n, cdiv(b, bm) ** 2), x, qab, b, x.shape[1], n * b * b, BM=bm,
+           BK=bk, PREC=_prec(dtype, tf32), num_warps=warps, **FP_FUSION)
     if dtype == torch.float32:
         with _Precision(tf32):
             y = torch.bmm(qab[1], qab[2])
@@ -659,17 +670,17 @@ def cnp_backward_fused(saved: tuple[torch.Tensor, ...], g: torch.Tensor,
     (qab,) = saved
     _, n, b, _ = qab.shape
     g = _check(g, "grad", _FLOATS).to(qab.dtype)
-    bm, bk, warps = _tiles(b, qab.dtype)
+    bm, bk, warps = _tiles(b, qab.dtype, FUSED_TILES)
     prec = _prec(qab.dtype, tf32)
     nbb = n * b * b
     px = torch.empty((2, n, b, b), dtype=torch.float32, device=qab.device)
-    _cnp_px_kernel[(n, cdiv(b, bm) ** 2)](g, qab, px, b, nbb, BM=bm, BK=bk, PREC=prec,
-                                          num_warps=warps, **FP_FUSION)
+    launch(_cnp_px_kernel, (n, cdiv(b, bm) ** 2), g, qab, px, b, nbb, BM=bm, BK=bk, PREC=prec,
+           num_warps=warps, **FP_FUSION)
     m = spec.num_triu(b)
     out = torch.empty((n, m), dtype=dtype or qab.dtype, device=qab.device)
     tiles = cdiv(b, bm)
-    _cnp_skew_grad_kernel[(n, tiles, tiles)](px, qab, out, b, m, nbb, BM=bm, BK=bk,
-                                             PREC=prec, num_warps=warps, **FP_FUSION)
+    launch(_cnp_skew_grad_kernel, (n, tiles, tiles), px, qab, out, b, m, nbb, BM=bm, BK=bk,
+           PREC=prec, num_warps=warps, **FP_FUSION)
     return out
 
 

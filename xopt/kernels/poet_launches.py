@@ -7,8 +7,9 @@ eager time. :func:`count_launches` runs a callable and counts
 * ``aten``: ATen calls that launch a device kernel (every call seen by a
   ``TorchDispatchMode`` except views and bare allocations),
 * ``host``: the other ATen calls (views, ``empty``: host work, no kernel),
-* ``triton``: Triton launches (compiled, or under ``TRITON_INTERPRET=1`` interpreted),
-  whose own ATen traffic (the interpreter's copies) is not counted.
+* ``triton``: Triton launches (compiled, or under ``TRITON_INTERPRET=1`` interpreted; those
+  :mod:`xopt.kernels.poet_jit` makes through the compiled kernel too), whose own ATen
+  traffic (the interpreter's copies) is not counted.
 
 It counts the same on the CPU and on a GPU: the test bounding the layer's launches
 (tests/test_poet_launches.py) and ``bench/poet_layer.py`` both use it.
@@ -36,6 +37,8 @@ class LaunchCount:
     aten: collections.Counter
     host: collections.Counter
     triton: collections.Counter
+    #: how many of the Triton launches went through poet_jit's direct path
+    direct: int = 0
 
     @property
     def launches(self) -> int:
@@ -47,7 +50,8 @@ class LaunchCount:
             return ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
 
         return (f"{self.launches} launches (aten {sum(self.aten.values())}: {fmt(self.aten)}; "
-                f"triton {sum(self.triton.values())}: {fmt(self.triton)}); "
+                f"triton {sum(self.triton.values())}: {fmt(self.triton)}; {self.direct} "
+                f"direct); "
                 f"{sum(self.host.values())} host-only aten calls ({fmt(self.host)})")
 
 
@@ -89,9 +93,23 @@ def _triton_hooks(count: LaunchCount, inside: list):
 
         cls.run = run
         patched.append((cls, orig))
+    from xopt.kernels import poet_jit
+
+    def observe(name, go):  # the launches poet_jit makes through the compiled kernel
+        count.triton[name] += 1
+        count.direct += 1
+        inside[0] += 1
+        try:
+            go()
+        finally:
+            inside[0] -= 1
+
+    before = poet_jit.OBSERVER
+    poet_jit.OBSERVER = observe
     try:
         yield
     finally:
+        poet_jit.OBSERVER = before
         for cls, orig in patched:
             cls.run = orig
 

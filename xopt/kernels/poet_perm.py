@@ -41,6 +41,7 @@ from triton.runtime.errors import OutOfResources
 
 from xopt.kernels import FP_FUSION
 from xopt.kernels._grid import cdiv, next_pow2
+from xopt.kernels.poet_jit import launch
 
 __all__ = ["Permute", "gather", "gather_reference", "permute", "scatter", "scatter_reference"]
 
@@ -134,9 +135,8 @@ def _smem_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> No
     key = (block_d, x2.dtype, warps, x2.device)
     if key not in _SMEM_REFUSED:
         try:
-            _perm_smem_kernel[(cdiv(n, rows),)](x2, index, out, n, d, x2.stride(0),
-                                                out.stride(0), ROWS=rows, BLOCK_D=block_d,
-                                                num_warps=warps, **FP_FUSION)
+            launch(_perm_smem_kernel, (cdiv(n, rows),), x2, index, out, n, d, x2.stride(0),
+                   out.stride(0), ROWS=rows, BLOCK_D=block_d, num_warps=warps, **FP_FUSION)
             return
         except OutOfResources:  # a GPU with less shared memory per block than the row needs
             _SMEM_REFUSED.add(key)
@@ -156,9 +156,8 @@ def _rowloop_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor) ->
     rows = ROWLOOP["rows"] or max(1, min(4, 8192 // row_bytes))
     block_d = ROWLOOP["block_d"] or max(16, min(next_pow2(d), 8192))
     warps = ROWLOOP["warps"] or (4 if block_d <= 4096 else 8)
-    _perm_rowloop_kernel[(cdiv(n, rows),)](x2, index, out, n, d, x2.stride(0),
-                                           out.stride(0), ROWS=rows, BLOCK_D=block_d,
-                                           num_warps=warps, **FP_FUSION)
+    launch(_perm_rowloop_kernel, (cdiv(n, rows),), x2, index, out, n, d, x2.stride(0),
+           out.stride(0), ROWS=rows, BLOCK_D=block_d, num_warps=warps, **FP_FUSION)
 
 
 def _tiled_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
@@ -167,8 +166,8 @@ def _tiled_launch(x2: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
     block_d = min(128, next_pow2(d))
     block_n = 32
     grid = (cdiv(n, block_n), cdiv(d, block_d))
-    _perm_kernel[grid](x2, index, out, n, d, x2.stride(0), out.stride(0), SCATTER=scatter,
-                       BLOCK_N=block_n, BLOCK_D=block_d, **FP_FUSION)
+    launch(_perm_kernel, grid, x2, index, out, n, d, x2.stride(0), out.stride(0),
+           SCATTER=scatter, BLOCK_N=block_n, BLOCK_D=block_d, **FP_FUSION)
 
 
 def _inverse(index: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from xopt.kernels import FP_FUSION, interpreting
 from xopt.kernels._grid import cdiv
+from xopt.kernels.poet_jit import launch
 
 __all__ = ["matmul_w", "matmul_wt", "reference"]
 
@@ -111,10 +112,10 @@ def _launch(a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: t
     else:
         prec = "tf32" if tf32 and a.dtype == torch.float32 else "ieee"
     grid = (cdiv(n, bn), cdiv(m, bm))
-    _qmm_kernel[grid](a, codes, scales, zeros, out, n, m, k, in_f, a.stride(0), out.stride(0),
-                      GS=group_size, TRANS_W=trans_w, DT=_TL_DTYPE[a.dtype], PREC=prec,
-                      BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-                      **FP_FUSION)
+    launch(_qmm_kernel, grid, a, codes, scales, zeros, out, n, m, k, in_f, a.stride(0),
+           out.stride(0), GS=group_size, TRANS_W=trans_w, DT=_TL_DTYPE[a.dtype], PREC=prec,
+           BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+           **FP_FUSION)
     return out
 
 

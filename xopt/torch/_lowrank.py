@@ -240,7 +240,7 @@ class LowRankOptimizer(Optimizer):
                      sdt: torch.dtype, pdt: torch.dtype, which: str | None, m_key: str,
                      v_key: str, proj_key: str) -> None:
         states = [self.state[p] for p in ps]
-        ms, vs = self._batch_moments(states, hp, m_key, v_key, sdt)
+        r = None
         if which is not None:
             g = stack_as(grads, sdt)
             proj = torch.stack([st[proj_key] for st in states])
@@ -249,18 +249,25 @@ class LowRankOptimizer(Optimizer):
             rs = list(r.unbind(0))
         else:
             rs = converted(grads, sdt)
-        # hf_adam_moments: m·β₁ + r·(1 − β₁), v·β₂ + r²·(1 − β₂)
-        torch._foreach_mul_(ms, hp.b1)
-        torch._foreach_add_(ms, torch._foreach_mul(rs, 1.0 - hp.b1))
-        rr = torch._foreach_mul(rs, rs)
-        torch._foreach_mul_(rr, 1.0 - hp.b2)
-        torch._foreach_mul_(vs, hp.b2)
-        torch._foreach_add_(vs, rr)
-        del rr, rs
+        fused = self._batch_adam_fused(states, hp, r, rs, sdt)
+        if fused is None:
+            ms, vs = self._batch_moments(states, hp, m_key, v_key, sdt)
+            # hf_adam_moments: m·β₁ + r·(1 − β₁), v·β₂ + r²·(1 − β₂)
+            torch._foreach_mul_(ms, hp.b1)
+            torch._foreach_add_(ms, torch._foreach_mul(rs, 1.0 - hp.b1))
+            rr = torch._foreach_mul(rs, rs)
+            torch._foreach_mul_(rr, 1.0 - hp.b2)
+            torch._foreach_mul_(vs, hp.b2)
+            torch._foreach_add_(vs, rr)
+            del rr
+        del rs, r
         step_size = lowrank.hf_step_size(hp.lr, hp.b1, hp.b2, count, hp.correct_bias)
         if which is not None:
-            n = self._batch_directions([torch.stack(ms)], [torch.stack(vs)], hp)[0]
-            self._batch_store(states, hp, ms, vs)
+            if fused is None:
+                n = self._batch_directions([torch.stack(ms)], [torch.stack(vs)], hp)[0]
+                self._batch_store(states, hp, ms, vs)
+            else:
+                n = fused
             u = self._batch_back(n, proj, states, which, hp)
             del n
             u.mul_(step_size)
@@ -274,8 +281,11 @@ class LowRankOptimizer(Optimizer):
                 return
             us = list(u.unbind(0))
         else:
-            us = self._batch_directions(ms, vs, hp)
-            self._batch_store(states, hp, ms, vs)
+            if fused is None:
+                us = self._batch_directions(ms, vs, hp)
+                self._batch_store(states, hp, ms, vs)
+            else:
+                us = fused
             torch._foreach_mul_(us, step_size)
         # hf_apply: p − α·u, then p − ηλ·p; rounded once into the parameter
         ws = ps if pdt == sdt else converted(ps, sdt)
@@ -286,6 +296,14 @@ class LowRankOptimizer(Optimizer):
             torch._foreach_copy_(ps, ws)
 
     # the method's pieces of _hf_adam_run (these: GaLore's and COAP's)
+    def _batch_adam_fused(self, states: list[dict[str, Any]], hp: Any, r: Tensor | None,
+                          rs: list[Tensor], sdt: torch.dtype) -> Tensor | list[Tensor] | None:
+        """The moments' update (stored) and the directions ``m / (√v + ε)`` of a run by a
+        method's own fused kernel: stacked like ``r`` (the stacked projected gradients)
+        when it is given, else a list like ``rs``; None (the default): the foreach
+        sequence with :meth:`_batch_moments`, :meth:`_batch_directions`, :meth:`_batch_store`."""
+        return None
+
     @staticmethod
     def _batch_moments(states: list[dict[str, Any]], hp: Any, m_key: str, v_key: str,
                        dtype: torch.dtype) -> tuple[list[Tensor], list[Tensor]]:

@@ -35,7 +35,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from xopt.kernels import triton_available
 from xopt.registry import register
+from xopt.specs import arrays
 from xopt.specs import coap as _spec
 from xopt.torch._lowrank import LowRankOptimizer, chunks, stack_as
 from xopt.torch._optim import Item
@@ -245,6 +247,25 @@ class COAP(LowRankOptimizer):
             torch._foreach_copy_([st[_KEYS[q]] for st in states], codes)
             torch._foreach_copy_([st[_KEYS[a]] for st in states], absmax)
 
+    def _batch_adam_fused(self, states: list[dict[str, Any]], hp: _spec.COAP, r: Tensor | None,
+                          rs: list[Tensor], sdt: torch.dtype) -> Tensor | list[Tensor] | None:
+        """8-bit moments where xopt.kernels.quant8 runs (``XOPT_QUANT8=auto``: CUDA tensors):
+        its one pass per shape (dequantise, update, direction, requantise: the torch path's
+        bytes) instead of the torch ops."""
+        if hp.state_bits != 8 or sdt != torch.float32:
+            return None
+        kernel = _quant8(rs[0].device)
+        if kernel is None:
+            return None
+        if r is not None:
+            return _adam8(kernel, states, hp, r)
+        out: list[Any] = [None] * len(rs)
+        for _, idx in _by_shape(rs).items():
+            n = _adam8(kernel, [states[i] for i in idx], hp, torch.stack([rs[i] for i in idx]))
+            for j, i in enumerate(idx):
+                out[i] = n[j]
+        return out
+
     @staticmethod
     def _side(p: Tensor, hp: _spec.COAP) -> str | None:
         shape = tuple(p.shape)
@@ -288,6 +309,34 @@ def _by_shape(xs: list[Tensor]) -> dict[tuple[int, ...], list[int]]:
     return out
 
 
+def _quant8(device: torch.device) -> Any:
+    """:mod:`xopt.kernels.quant8` where its fused step runs on ``device`` (its ``BACKEND``,
+    ``XOPT_QUANT8``), else None (the torch ops)."""
+    if not triton_available():
+        return None
+    from xopt.kernels import quant8
+
+    return quant8 if quant8.runs_on(device) else None
+
+
+def _adam8(kernel: Any, states: list[dict[str, Any]], hp: _spec.COAP, r: Tensor) -> Tensor:
+    """The fused 8-bit AdamW moment step of the same-shaped moments of ``states`` with the
+    stacked gradients ``r``: the directions, stacked; the codes and absmax written back."""
+    keys = [_KEYS[k] for k in ("m_q", "m_absmax", "v_q", "v_absmax")]
+    if len(states) == 1 and all(states[0][k].is_contiguous() for k in keys):  # in place
+        bufs = [states[0][k].view(1, -1) for k in keys]
+    else:
+        bufs = [torch.stack([st[k].reshape(-1) for st in states]) for k in keys]
+    n = kernel.adam_step(bufs[0], bufs[1], bufs[2], bufs[3], r, hp.b1, hp.b2, hp.eps,
+                         hp.quant_rounding)
+    if len(states) > 1:
+        for k, buf in zip(keys, bufs, strict=True):
+            torch._foreach_copy_([st[k] for st in states],
+                                 [x.view(st[k].shape) for x, st in zip(buf.unbind(0), states,
+                                                                        strict=True)])
+    return n
+
+
 def _dequantize_many(codes: list[Tensor], absmax: list[Tensor]) -> list[Tensor]:
     """:func:`xopt.specs.coap.dequantize` of each tensor: one pass per shape."""
     out: list[Any] = [None] * len(codes)
@@ -306,18 +355,65 @@ def _dequantize_many(codes: list[Tensor], absmax: list[Tensor]) -> list[Tensor]:
 def _quantize_many(xs: list[Tensor], rounding: str) -> tuple[list[Tensor], list[Tensor]]:
     """:func:`xopt.specs.coap.quantize` of each tensor, one pass per shape: each tensor
     zero-padded to whole blocks, the blocks laid end to end, are the blocks quantize makes
-    of it alone (it pads the last one with zeros too), so the bytes are the same."""
+    of it alone (it pads the last one with zeros too), so the bytes are the same. Its
+    steps on the (B·nb, 4096) blocks, the code of each entry by :func:`_encode`."""
     codes: list[Any] = [None] * len(xs)
     absmax: list[Any] = [None] * len(xs)
     for shape, idx in _by_shape(xs).items():
         n, nb = math.prod(shape), _spec.num_blocks(shape)
         flat = torch.stack([xs[i].reshape(-1) for i in idx]).to(torch.float32)
-        flat = torch.nn.functional.pad(flat, (0, nb * _spec.QUANT_BLOCK - n))
-        q, a = _spec.quantize(torch, flat.reshape(-1), rounding)
+        blocks = torch.nn.functional.pad(flat, (0, nb * _spec.QUANT_BLOCK - n)).view(
+            -1, _spec.QUANT_BLOCK)
+        a = blocks.abs().amax(dim=1)
+        nonzero = a > 0
+        inv = arrays.divide(torch, 1.0, torch.where(nonzero, a, torch.ones_like(a)))
+        q = _encode(blocks * inv[:, None], rounding)
+        q = torch.where(nonzero[:, None], q, torch.zeros_like(q)).to(torch.uint8)
         q, a = q.view(len(idx), -1)[:, :n], a.view(len(idx), nb)
         for j, i in enumerate(idx):
             codes[i], absmax[i] = q[j].view(shape), a[j]
     return codes, absmax
+
+
+def _encode(y: Tensor, rounding: str) -> Tensor:
+    """:func:`xopt.specs.coap.encode` of ``y``, by a table instead of the search's ~60
+    operations. The code the spec picks depends only on comparisons of ``y`` with code
+    book entries and with midpoints of pairs of them, so it is constant at each such
+    threshold and between neighbouring thresholds; :func:`_encode_table` holds, for the
+    sorted thresholds ``T``, the spec's code between ``T[i-1]`` and ``T[i]`` at ``2i`` and
+    at ``T[i]`` at ``2i + 1``, read at ``#(T < y) + #(T ≤ y)``. NaN takes the spec's code
+    for NaN."""
+    if rounding != "cuda":  # bitsandbytes' CPU table: a few operations already
+        return _spec.encode(torch, y, rounding)
+    thresholds, table, nan_code = _encode_table(y.device)
+    pos = torch.searchsorted(thresholds, y) + torch.searchsorted(thresholds, y, right=True)
+    q = table.take(pos)
+    return torch.where(y.isnan(), nan_code, q)
+
+
+@functools.cache
+def _encode_table(device: torch.device) -> tuple[Tensor, Tensor, int]:
+    """``(T, table, code of NaN)`` of :func:`_encode` (``rounding="cuda"``), from the spec's
+    encode itself: every code and every float32 midpoint of two codes as candidate
+    thresholds, the spec evaluated at each and just above each, and the thresholds where
+    nothing changes dropped."""
+    import numpy as np
+
+    code = _spec.dynamic_code()
+    mids = ((code[:, None] + code[None, :]) * np.float32(0.5)).astype(np.float32)
+    cand = np.unique(np.concatenate([code, mids.reshape(-1)]))
+    above = np.nextafter(cand, np.float32(np.inf))
+    below = np.nextafter(cand[:1], np.float32(-np.inf))
+    pts = torch.from_numpy(np.concatenate([below, np.stack([cand, above], 1).reshape(-1),
+                                           np.float32([np.nan])]))
+    f = _spec.encode(torch, pts, "cuda").numpy()
+    between = np.concatenate([f[:1], f[2:-1:2]])     # below T[0], then above each T[i]
+    at = f[1:-1:2]
+    keep = (at != between[:-1]) | (at != between[1:])  # a change at T[i]
+    table = np.stack([between[:-1][keep], at[keep]], 1).reshape(-1)
+    table = np.concatenate([table, between[-1:]])
+    return (torch.as_tensor(cand[keep], device=device),
+            torch.as_tensor(table.astype(np.int64), device=device), int(f[-1]))
 
 
 # -- 8-bit moments under FSDP2 --------------------------------------------------------------
@@ -360,7 +456,7 @@ def _sharded_quantize(x: Tensor, rounding: str) -> tuple[Tensor, Tensor]:
     for i in sorted({i for dims in lay.sharded.values() for i in dims}):
         dist.all_reduce(absmax, op=dist.ReduceOp.MAX, group=lay.mesh.get_group(i))
     nonzero = absmax > 0
-    inv = 1.0 / torch.where(nonzero, absmax, torch.ones_like(absmax))
+    inv = arrays.divide(torch, 1.0, torch.where(nonzero, absmax, torch.ones_like(absmax)))
     q = _spec.encode(torch, xl * inv[block], rounding)
     q = torch.where(nonzero[block], q, torch.zeros_like(q))
     return lay.wrap(q.to(torch.uint8)), _replicated_like(lay, absmax)

@@ -32,10 +32,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from xopt import random as xrandom
 from xopt.errors import StateError
+from xopt.kernels import triton_available
 from xopt.registry import register
 from xopt.specs import flora as _spec
-from xopt.torch._lowrank import LowRankOptimizer, chunks
+from xopt.torch._lowrank import LowRankOptimizer, chunks, stack_as
 from xopt.torch._optim import Item, Layout
 from xopt.torch.distributed import is_dtensor, local, place_as, state_zeros
 
@@ -119,16 +121,17 @@ class Flora(LowRankOptimizer):
                  name: str, inject: Mapping[str, Tensor] | None) -> Any:
         return None
 
-    # -- the batched step: factored matrices whose momentum is not compressed (Adafactor,
-    # with or without full momentum) and without weight decay, same-shaped ones stacked:
-    # xopt.specs.flora.update_param's operations on (B, m, n) stacks; every other parameter
-    # (compressed momentum, 1-D, weight decay, injected projections) per parameter
+    # -- the batched step: factored matrices (Adafactor, with full, compressed or no
+    # momentum) without weight decay, same-shaped ones stacked: xopt.specs.flora.update_param's
+    # operations on (B, m, n) stacks, the projections of a stack drawn by one many-seed
+    # normal (each row its parameter's own draw, bit for bit) and applied by one batched
+    # product each way; every other parameter (1-D, weight decay, injected projections)
+    # per parameter
     def _batchable(self, it: Item, hp: _spec.Flora,
                    inject: Mapping[str, Tensor] | None) -> bool:
         shape = tuple(it.param.shape)
         return (not inject and "step" in self.state[it.param] and not is_dtensor(it.param)
-                and _spec.factored(shape, hp) and not _spec.compressed(shape, hp)
-                and hp.weight_decay == 0)
+                and _spec.factored(shape, hp) and hp.weight_decay == 0)
 
     def _prepare_batch(self, items: list[Item], hps: Mapping[int, _spec.Flora]) -> None:
         return None
@@ -148,39 +151,84 @@ class Flora(LowRankOptimizer):
     def _adafactor_run(self, its: list[Item], h: _spec.Flora, t: int, sdt: torch.dtype) -> None:
         ps = [it.param for it in its]
         states = [self.state[p] for p in ps]
-        x = torch.stack(ps)
-        x = x if x.dtype == sdt else x.to(sdt)
-        g = torch.stack([it.grad for it in its])
-        g = g if g.dtype == sdt else g.to(sdt)
-        root_n = math.prod(x.shape[1:]) ** 0.5
-        rho = torch.linalg.vector_norm(x, dim=(-2, -1)) / root_n       # rms
+        x = stack_as(ps, sdt)  # stacked and widened in one copy each
+        g = stack_as([it.grad for it in its], sdt)
+        bsz, m, n = x.shape
+        root_n = (m * n) ** 0.5
+        # without momentum, on a GPU (XOPT_ADAFACTOR): three fused passes over the stack
+        kernel = None if h.use_momentum or sdt != torch.float32 else _adafactor(x.device)
+        if kernel is not None:
+            a_rows, a_cols, x_sq = kernel.stats(x, g, float(h.eps[0]))
+            rho = torch.sqrt(x_sq) / root_n
+        else:
+            rho = torch.linalg.vector_norm(x, dim=(-2, -1)) / root_n   # rms
         rel = _spec.relative_step_size(h, t)
         lr = rel                                                          # learning_rate
         if h.scale_parameter:
             eps1 = float(h.eps[1])
             lr = torch.where(rho > eps1, rho * rel, eps1 * rel)[:, None, None]
         b2, omb2 = _spec.beta2(t, h.decay_rate)
-        a = g * g + float(h.eps[0])                                       # second_moment_factored
-        row = torch.add(torch.stack([st["exp_avg_sq_row"] for st in states]) * b2,
-                        a.mean(dim=-1), alpha=omb2)
-        col = torch.add(torch.stack([st["exp_avg_sq_col"] for st in states]) * b2,
-                        a.mean(dim=-2), alpha=omb2)
-        del a
-        r = torch.rsqrt(row / row.mean(dim=-1, keepdim=True)).unsqueeze(-1)
-        u = (r * torch.rsqrt(col.unsqueeze(-2))) * g
-        del g
-        if h.use_momentum:                                                # mix, uncompressed
-            u = u * (1 - h.beta1) + torch.stack([st["exp_avg"] for st in states]) * h.beta1
-            torch._foreach_copy_([st["exp_avg"] for st in states], u.unbind(0))
-        u_rms = torch.linalg.vector_norm(u, dim=(-2, -1)) / root_n        # clip
-        u = u / (u_rms / h.clip_threshold).clamp(min=1.0)[:, None, None]
-        x = x - u * lr                                                    # apply (λ = 0)
+        if kernel is not None:
+            mean_rows, mean_cols = a_rows / n, a_cols / m
+        else:
+            a = g * g + float(h.eps[0])                                   # second_moment_factored
+            mean_rows, mean_cols = a.mean(dim=-1), a.mean(dim=-2)
+            del a
+        row = torch.add(torch.stack([st["exp_avg_sq_row"] for st in states]) * b2, mean_rows,
+                        alpha=omb2)
+        col = torch.add(torch.stack([st["exp_avg_sq_col"] for st in states]) * b2, mean_cols,
+                        alpha=omb2)
+        r = torch.rsqrt(row / row.mean(dim=-1, keepdim=True))
+        if kernel is not None:                                            # clip and apply
+            c = torch.rsqrt(col)
+            u_rms = torch.sqrt(kernel.update_sumsq(g, r, c)) / root_n
+            s = (u_rms / h.clip_threshold).clamp(min=1.0)
+            lr = (lr.reshape(bsz) if isinstance(lr, torch.Tensor)
+                  else torch.full((bsz,), lr, dtype=torch.float32, device=x.device))
+            x = kernel.apply(x, g, r, c, s, lr)
+            del g
+        else:
+            u = (r.unsqueeze(-1) * torch.rsqrt(col.unsqueeze(-2))) * g
+            del g
+            shape = tuple(x.shape[1:])
+            if h.use_momentum and _spec.compressed(shape, h):             # compressed
+                u = self._compressed_momentum(states, u, h, t, shape)
+            elif h.use_momentum:                                          # mix, uncompressed
+                u = u * (1 - h.beta1) + torch.stack([st["exp_avg"] for st in states]) * h.beta1
+                torch._foreach_copy_([st["exp_avg"] for st in states], u.unbind(0))
+            u_rms = torch.linalg.vector_norm(u, dim=(-2, -1)) / root_n    # clip
+            u = u / (u_rms / h.clip_threshold).clamp(min=1.0)[:, None, None]
+            x = x - u * lr                                                # apply (λ = 0)
         for st in states:
             st["step"] = t
         torch._foreach_copy_([st["exp_avg_sq_row"] for st in states], row.unbind(0))
         torch._foreach_copy_([st["exp_avg_sq_col"] for st in states], col.unbind(0))
         torch._foreach_copy_([st["RMS"] for st in states], rho.unbind(0))
         torch._foreach_copy_(ps, x.unbind(0))
+
+    @staticmethod
+    def _compressed_momentum(states: list[dict[str, Any]], u: Tensor, h: _spec.Flora, t: int,
+                             shape: tuple[int, ...]) -> Tensor:
+        """update_param's compressed momentum on a stack ``u`` (B, m, n): the update
+        ``(1 − β₁) u + β₁ up(P, C)``, returned; ``C`` (moved to a fresh seed's projection
+        at a transfer) and the seeds updated in ``states``."""
+        which, b1 = _spec.side(shape), h.beta1
+        seeds = [int(st["seed"]) for st in states]
+        transfer = t % h.kappa == 0
+        p_before = projections(seeds, shape, h.rank, u.dtype, u.device)
+        after = [_spec.next_seed(s) for s in seeds] if transfer else seeds
+        p_after = projections(after, shape, h.rank, u.dtype, u.device) if transfer \
+            else p_before
+        c = torch.stack([st["exp_avg"] for st in states])
+        c_up = _up(p_before, c, which)
+        mixed = _spec.mix(u, c_up, b1)
+        if transfer:
+            c = _down(p_after, c_up, which)
+        c = _spec.accumulate(c, _down(p_after, u, which), b1)
+        torch._foreach_copy_([st["exp_avg"] for st in states], c.unbind(0))
+        for st, s in zip(states, after, strict=True):
+            st["seed"] = s
+        return mixed
 
     def _update(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: _spec.Flora,
                 name: str, inject: Mapping[str, Tensor] | None, prepared: Any) -> None:
@@ -216,6 +264,36 @@ class Flora(LowRankOptimizer):
             if k in new:
                 state[v].copy_(new[k])
         self.write(p, new_p)
+
+
+def _adafactor(device: torch.device) -> Any:
+    """:mod:`xopt.kernels.adafactor` where its passes run on ``device`` (its ``BACKEND``,
+    ``XOPT_ADAFACTOR``), else None (the torch ops)."""
+    if not triton_available():
+        return None
+    from xopt.kernels import adafactor
+
+    return adafactor if adafactor.runs_on(device) else None
+
+
+def projections(seeds: list[int], shape: tuple[int, ...], rank: int, dtype: torch.dtype,
+                device: torch.device) -> Tensor:
+    """:func:`xopt.specs.flora.projection` of each seed for a parameter of ``shape``,
+    stacked ``(B, *projection_shape)``: one :func:`xopt.random.normal_many` draw, so row
+    ``j`` is ``projection(seeds[j], ...)`` bit for bit."""
+    pshape = _spec.projection_shape(shape, rank)
+    z = xrandom.normal_many(seeds, pshape, dtype="float32", backend="torch", device=device)
+    return z.to(dtype) / math.sqrt(rank)
+
+
+def _up(p: Tensor, c: Tensor, which: str) -> Tensor:
+    """xopt.specs.flora.up on stacks: ``Pᵀ C`` (left) or ``C Pᵀ`` (right), batched."""
+    return torch.matmul(p.mT, c) if which == "left" else torch.matmul(c, p.mT)
+
+
+def _down(p: Tensor, x: Tensor, which: str) -> Tensor:
+    """xopt.specs.flora.down on stacks: ``P X`` (left) or ``X P`` (right), batched."""
+    return torch.matmul(p, x) if which == "left" else torch.matmul(x, p)
 
 
 register("flora", "torch", Flora)

@@ -29,6 +29,7 @@ after each merge boundary, as the authors' optimizer does.
 from __future__ import annotations
 
 import math
+import os
 import weakref
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -64,11 +65,15 @@ def _triton_ok(device: torch.device) -> bool:
 # -- the chain: gathers and block products --------------------------------------------------
 
 
-def _gather(x: Tensor, idx: Tensor, triton_path: bool) -> Tensor:
-    if triton_path:
-        from xopt.kernels import poet_perm
+_perm = None  # xopt.kernels.poet_perm once the triton path has run (imported on first use)
 
-        return poet_perm.gather(x, idx)
+
+def _gather(x: Tensor, idx: Tensor, triton_path: bool) -> Tensor:
+    global _perm
+    if triton_path:
+        if _perm is None:
+            from xopt.kernels import poet_perm as _perm
+        return _perm.gather(x, idx)
     return x.index_select(-1, idx)
 
 
@@ -84,19 +89,28 @@ def _rows(x2d: Tensor, nb: int, b: int, transpose: bool = False) -> Tensor:
     return x2d.as_strided((nb, n, b), (b, s0, 1))
 
 
-def _rotate(x2d: Tensor, r: Tensor, transpose: bool = False) -> Tensor:
-    """``x[:, block j] · r[j]`` (or ``· r[j]ᵀ``) for ``x`` of shape ``(N, nb·b)``.
+def _rotate(x2d: Tensor, r: Tensor, transpose: bool = False, lo: int = 0,
+            nb: int | None = None) -> Tensor:
+    """``x[:, block j] · r[j]`` (or ``· r[j]ᵀ``) for ``x`` of shape ``(N, nb·b)``, with the
+    blocks ``r[lo:lo + nb]`` (default: all of ``r``).
 
     A strided batched matmul over the ``nb`` blocks: the ``(nb, N, b)`` views of input and
     output have row stride ``nb·b``, which cuBLAS takes as the leading dimension, so
     nothing is transposed in memory. Returns a contiguous ``(N, nb·b)`` tensor."""
     n, width = x2d.shape
-    nb, b, _ = r.shape
-    rr = r.transpose(1, 2) if transpose else r
-    if torch.is_grad_enabled() and (x2d.requires_grad or rr.requires_grad):
+    b = r.shape[1]
+    nb = r.shape[0] - lo if nb is None else nb
+    if torch.is_grad_enabled() and (x2d.requires_grad or r.requires_grad):
         # autograd (the plain fast path) cannot record out=; the result is the same
+        rr = r[lo:lo + nb]
+        rr = rr.transpose(1, 2) if transpose else rr
         xv = x2d.view(n, nb, b).transpose(0, 1)
         return torch.bmm(xv, rr).transpose(0, 1).reshape(n, nb * b)
+    if not r.is_contiguous():
+        r = r.contiguous()
+    # the blocks (transposed) as one view: no slice, no transpose
+    rr = r.as_strided((nb, b, b), (b * b, 1, b) if transpose else (b * b, b, 1),
+                      r.storage_offset() + lo * b * b)
     out = torch.empty_strided((nb, n, b), (b, width, 1), dtype=x2d.dtype, device=x2d.device)
     torch.bmm(_rows(x2d, nb, b), rr, out=out)
     return out.as_strided((n, width), (width, 1))
@@ -136,7 +150,7 @@ class _Chain(torch.autograd.Function):
         # (xopt.kernels.poet_qmm), the plain path into a temporary float W0 per product
         tf32 = bool(cnp is not None and cnp[2])
         ctx.wq = (*wq, triton_path, tf32) if wq is not None else None
-        x2d = x.reshape(-1, shape[-1])
+        x2d = x.reshape(-1, shape[-1]) if x.dim() != 2 else x
         cnp_saved = ()
         if cnp is not None:
             from xopt.kernels import poet_cayley
@@ -149,14 +163,14 @@ class _Chain(torch.autograd.Function):
             ctx.cnp = (b, formula, tf32, backend, oft_dtype)
         else:
             ctx.cnp = None
-        r_out, r_in = r[:n_out], r[n_out:]
+        r = r.contiguous()
         x1 = _gather(x2d, perm_in_inv, triton_path)
-        x2 = _rotate(x1, r_in)
+        x2 = _rotate(x1, r, lo=n_out)  # (the blocks r[n_out:] = R_in)
         y1 = _mm_wt(x2, weight, ctx.wq)  # x2 · W0ᵀ (mm; one host call)
         del x2
         if bias is not None:
             y1 += bias
-        y = _gather(_rotate(y1, r_out), perm_out, triton_path)
+        y = _gather(_rotate(y1, r, nb=n_out), perm_out, triton_path)  # (r[:n_out] = R_out)
         if keep_y1:  # fast: the backward needs x1 and y1, keep them (no re-gather)
             ctx.save_for_backward(x1, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, y1,
                                   *cnp_saved)
@@ -165,7 +179,7 @@ class _Chain(torch.autograd.Function):
             ctx.save_for_backward(x2d, r, weight, bias, perm_in, perm_in_inv, perm_out_inv,
                                   None, *cnp_saved)
         ctx.flags = (keep_y1, triton_path, shape, n_out)
-        return y.reshape(*shape[:-1], y.shape[-1])
+        return y if len(shape) == 2 else y.reshape(*shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, g):
@@ -176,13 +190,12 @@ class _Chain(torch.autograd.Function):
             weight, wq = _dequantize(weight, ctx.wq[:3], g.dtype), None
         else:
             wq = ctx.wq
-        r_out, r_in = r[:n_out], r[n_out:]
-        g2d = g.reshape(-1, g.shape[-1])
+        g2d = g.reshape(-1, g.shape[-1]) if g.dim() != 2 else g
         if keep_y1:
             x1 = xs
         else:  # mem: re-gather x1, recompute y1, holding at most two activations at once
             x1 = _gather(xs, perm_in_inv, triton_path)
-            x2 = _rotate(x1, r_in)
+            x2 = _rotate(x1, r, lo=n_out)
             y1 = _mm_wt(x2, weight, wq)  # x2 · W0ᵀ (mm; one host call)
             del x2
             if bias is not None:
@@ -192,7 +205,7 @@ class _Chain(torch.autograd.Function):
         if grad_r is not None:
             _outer(y1, g2, n_out, out=grad_r[:n_out])
         del y1
-        gy1 = _rotate(g2, r_out, transpose=True)
+        gy1 = _rotate(g2, r, transpose=True, nb=n_out)
         del g2
         grad_bias = gy1.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
         gx2 = _mm_w(gy1, weight, wq)
@@ -202,9 +215,11 @@ class _Chain(torch.autograd.Function):
         del x1
         gx = None
         if ctx.needs_input_grad[0]:
-            gx1 = _rotate(gx2, r_in, transpose=True)
+            gx1 = _rotate(gx2, r, transpose=True, lo=n_out)
             del gx2
-            gx = _gather(gx1, perm_in, triton_path).reshape(shape)
+            gx = _gather(gx1, perm_in, triton_path)
+            if len(shape) != 2:
+                gx = gx.reshape(shape)
         if grad_r is not None and ctx.cnp is not None:
             from xopt.kernels import poet_cayley
 
@@ -884,11 +899,17 @@ class POETAdamW(Optimizer):
             if group["correct_bias"]:
                 step_size = step_size * math.sqrt(1.0 - b2 ** k) / (1.0 - b1 ** k)
             decay = -lr * group["weight_decay"] if group["weight_decay"] > 0.0 else None
+            ps, gs = [it.param for it in its], [it.grad for it in its]
+            ms = [self.state[it.param]["exp_avg"] for it in its]
+            vs = [self.state[it.param]["exp_avg_sq"] for it in its]
+            if not dtensor and _fused_step(ps, gs, ms, vs):
+                from xopt.kernels import poet_adam
+
+                for p, g, m, v in zip(ps, gs, ms, vs, strict=True):
+                    poet_adam.adam_update(p, g, m, v, b1, b2, group["eps"], step_size, decay)
+                continue
             (_loop_update if dtensor else _foreach_update)(
-                [it.param for it in its], [it.grad for it in its],
-                [self.state[it.param]["exp_avg"] for it in its],
-                [self.state[it.param]["exp_avg_sq"] for it in its],
-                b1, b2, group["eps"], step_size, decay, pdt != sdt)
+                ps, gs, ms, vs, b1, b2, group["eps"], step_size, decay, pdt != sdt)
         self.global_step_counter += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -924,6 +945,21 @@ class POETAdamW(Optimizer):
                              "must be an int >= 0")
         super().load_state_dict(state_dict)
         self.global_step_counter = counter
+
+
+#: POETAdamW's CUDA updates in one pass per parameter (xopt.kernels.poet_adam: the foreach
+#: path's operations in its order and precision, one read and one write of each tensor
+#: instead of ~10 passes); ``XOPT_POET_FUSED_STEP=0`` keeps the foreach path
+FUSED_STEP = os.environ.get("XOPT_POET_FUSED_STEP", "1") not in ("", "0")
+
+
+def _fused_step(ps, gs, ms, vs) -> bool:
+    if not (FUSED_STEP and ps[0].device.type == "cuda" and _triton_ok(ps[0].device)):
+        return False
+    from xopt.kernels import poet_adam
+
+    return all(poet_adam.supported(p, g, m, v) for p, g, m, v in zip(ps, gs, ms, vs,
+                                                                      strict=True))
 
 
 def _loop_update(ps, gs, ms, vs, b1, b2, eps, step_size, decay, cast) -> None:
