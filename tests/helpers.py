@@ -18,6 +18,23 @@ needs_torch = pytest.mark.skipif(not has_torch, reason="torch is not installed")
 needs_jax = pytest.mark.skipif(not has_jax, reason="jax/optax are not installed")
 
 
+def triton_kernel_target():
+    """``(mark, device)`` for a test of a Triton kernel against its torch path: the
+    interpreter's tensors on a CPU (``TRITON_INTERPRET=1``), the compiled kernel's on a GPU;
+    the mark skips where neither runs."""
+    if not has_torch:
+        return pytest.mark.skip(reason="needs torch"), None
+    import torch
+
+    from xopt.kernels import interpreting, triton_available
+
+    mark = pytest.mark.skipif(
+        not triton_available() or not (interpreting() or torch.cuda.is_available()),
+        reason="needs triton (its interpreter on a CPU)")
+    cpu = interpreting() or not torch.cuda.is_available()
+    return mark, torch.device("cpu" if cpu else "cuda")
+
+
 def explain_disagreements(report) -> str:
     """The runs of a parity report that do not agree, one line each (an assertion's
     message): trace, backend, impl, against, mode, the largest relative error, where, and

@@ -6,22 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import has_torch
+from helpers import has_torch, triton_kernel_target
 
 pytestmark = pytest.mark.skipif(not has_torch, reason="needs torch")
 
 if has_torch:
     import torch
 
-    from xopt.kernels import interpreting, triton_available
-
-    needs_kernel = pytest.mark.skipif(
-        not triton_available() or not (interpreting() or torch.cuda.is_available()),
-        reason="needs triton (its interpreter on a CPU)")
-    #: the interpreter's tensors on a CPU, the compiled kernel's on a GPU
-    DEVICE = torch.device("cpu" if interpreting() or not torch.cuda.is_available() else "cuda")
-else:  # pragma: no cover
-    needs_kernel = pytest.mark.skip(reason="needs torch")
+needs_kernel, DEVICE = triton_kernel_target()
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
 

@@ -5,22 +5,14 @@ per-parameter step) to float32 rounding; only the sums' order differs."""
 from __future__ import annotations
 
 import pytest
-from helpers import has_torch
+from helpers import has_torch, triton_kernel_target
 
 pytestmark = pytest.mark.skipif(not has_torch, reason="needs torch")
 
 if has_torch:
     import torch
 
-    from xopt.kernels import interpreting, triton_available
-
-    needs_kernel = pytest.mark.skipif(
-        not triton_available() or not (interpreting() or torch.cuda.is_available()),
-        reason="needs triton (its interpreter on a CPU)")
-    #: the interpreter's tensors on a CPU, the compiled kernels' on a GPU
-    DEVICE = torch.device("cpu" if interpreting() or not torch.cuda.is_available() else "cuda")
-else:  # pragma: no cover
-    needs_kernel = pytest.mark.skip(reason="needs torch")
+needs_kernel, DEVICE = triton_kernel_target()
 
 #: a tile's rows and columns cut short (40 = 32 + 8 rows, 130 = 128 + 2 columns), and
 #: a matrix of fewer rows than a tile
