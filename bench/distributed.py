@@ -331,13 +331,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     options = {"tiny": args.tiny}
     if "RANK" in os.environ:  # torchrun started this process as one rank
+        import gc
+
         import torch.distributed as dist
 
         report = run_rank(options)
-        if dist.get_rank() != 0:
-            dist.destroy_process_group()
-            return 0
+        rank = dist.get_rank()
+        gc.collect()  # FSDP2's cyclic objects freed before the group and the interpreter go
         dist.destroy_process_group()
+        if rank != 0:
+            return 0
     else:
         import torch
 

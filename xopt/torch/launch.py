@@ -138,8 +138,14 @@ def _worker(rank: int, world_size: int, backend: str | None, store_path: str, co
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             conn.send(("error", traceback.format_exc(), type(e).__name__, str(e)))
     if backend is not None:
+        import gc
+
         import torch.distributed as dist
 
+        # FSDP2 modules and hooks form reference cycles that hold tensors and collective
+        # work: free them while the interpreter is whole, not during its finalization,
+        # where a gloo rank can abort (pytorch/pytorch#179291)
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 
