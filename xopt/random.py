@@ -874,6 +874,29 @@ def _draw(fn: str, kind: str, seed, shape, counter, dtype, backend, device):
     return flat.reshape(dims)
 
 
+def _normal_many_args(seeds, shape, counter, dtype):
+    """:func:`normal_many`'s checks (its messages): ``(dims, [(hi, lo) of each seed],
+    counter hi, counter lo, dtype name)``. Also the checks of xopt.kernels.normal's draw."""
+    fn = "normal_many"
+    dims = _check_shape(shape, fn)
+    dtype = _check_dtype(dtype, fn)
+    try:
+        seeds = list(seeds)
+    except TypeError:
+        raise ValueError(f"xopt.random.{fn}: seeds must be a sequence of ints, got "
+                         f"{seeds!r}") from None
+    if not seeds:
+        raise ValueError(f"xopt.random.{fn}: seeds is empty")
+    words = [_split64(s, f"seeds[{j}]", fn) for j, s in enumerate(seeds)]
+    c_hi, c_lo = _split64(counter, "counter", fn)
+    reserved = blocks_used(dims, dtype)
+    if reserved > 2**32:
+        raise ValueError(f"xopt.random.{fn}: shape={dims} is too large for one draw")
+    if counter + reserved > 2**64:
+        raise ValueError(f"xopt.random.{fn}: counter={counter} + {reserved} blocks runs past 2**64")
+    return dims, words, c_hi, c_lo, dtype
+
+
 def normal_many(seeds, shape, *, counter=0, dtype="float32", backend: str = "numpy",
                 device=None):
     """:func:`normal` of every seed of ``seeds``, stacked: ``(len(seeds), *shape)``, row
@@ -892,22 +915,7 @@ def normal_many(seeds, shape, *, counter=0, dtype="float32", backend: str = "num
     fn = "normal_many"
     _check_backend(backend, fn)
     _check_device(device, backend, fn)
-    dims = _check_shape(shape, fn)
-    dtype = _check_dtype(dtype, fn)
-    try:
-        seeds = list(seeds)
-    except TypeError:
-        raise ValueError(f"xopt.random.{fn}: seeds must be a sequence of ints, got "
-                         f"{seeds!r}") from None
-    if not seeds:
-        raise ValueError(f"xopt.random.{fn}: seeds is empty")
-    words = [_split64(s, f"seeds[{j}]", fn) for j, s in enumerate(seeds)]
-    c_hi, c_lo = _split64(counter, "counter", fn)
-    reserved = blocks_used(dims, dtype)
-    if reserved > 2**32:
-        raise ValueError(f"xopt.random.{fn}: shape={dims} is too large for one draw")
-    if counter + reserved > 2**64:
-        raise ValueError(f"xopt.random.{fn}: counter={counter} + {reserved} blocks runs past 2**64")
+    dims, words, c_hi, c_lo, dtype = _normal_many_args(seeds, shape, counter, dtype)
     if backend == "jax" and dtype == "float64" and not _jax_x64_enabled():
         raise ValueError(
             f"xopt.random.{fn}: dtype='float64' with backend='jax' needs 64-bit "
