@@ -11,7 +11,8 @@ interchange with the original's, and load with ``weights_only=True``.
 What differs from the original (each documented in :mod:`xopt.specs.flora`):
   * projections come from :mod:`xopt.random` keyed by the seed (same matrices in torch,
     JAX and NumPy, on every device), not from ``torch.randn``; the seed sequence itself
-    (``seed + i``, ``next_seed``) is the original's;
+    (``seed + i``, ``next_seed``) is the original's; on CUDA one Triton launch per draw
+    (:mod:`xopt.kernels.normal`, ``XOPT_NORMAL``) gives those bits;
   * ``quantization=True`` is refused; ``project=False`` (per group) keeps the momentum
     full; a matrix whose rank would exceed its smaller side raises, naming it;
   * off the CPU the parameter-scale comparison and the weight-decay factor stay on the
@@ -215,10 +216,12 @@ class Flora(LowRankOptimizer):
         which, b1 = _spec.side(shape), h.beta1
         seeds = [int(st["seed"]) for st in states]
         transfer = t % h.kappa == 0
-        p_before = projections(seeds, shape, h.rank, u.dtype, u.device)
         after = [_spec.next_seed(s) for s in seeds] if transfer else seeds
-        p_after = projections(after, shape, h.rank, u.dtype, u.device) if transfer \
-            else p_before
+        if transfer:  # both seeds' projections in one draw
+            both = projections(seeds + after, shape, h.rank, u.dtype, u.device)
+            p_before, p_after = both[:len(seeds)], both[len(seeds):]
+        else:
+            p_before = p_after = projections(seeds, shape, h.rank, u.dtype, u.device)
         c = torch.stack([st["exp_avg"] for st in states])
         c_up = _up(p_before, c, which)
         mixed = _spec.mix(u, c_up, b1)
@@ -256,6 +259,12 @@ class Flora(LowRankOptimizer):
         inj = None
         if inject:
             inj = {k: v.to(device=p.device, dtype=sdt) for k, v in inject.items()}
+        elif _spec.compressed(shape, hp) and _normal(p.device) is not None:
+            # the spec's own draws, xopt.random's torch ops, are the kernel's bits: drawn by it
+            seed = int(state["seed"])
+            seeds = [seed, _spec.next_seed(seed)] if t % hp.kappa == 0 else [seed]
+            drawn = projections(seeds, shape, hp.rank, sdt, p.device)
+            inj = {"proj_before": drawn[0], "proj_after": drawn[-1]}
         new_p, new = _spec.update_param(torch, hp, p_c, g_c, st, t, inj, device=p.device)
         state["step"] = t
         state["seed"] = int(new["seed"])
@@ -276,13 +285,28 @@ def _adafactor(device: torch.device) -> Any:
     return adafactor if adafactor.runs_on(device) else None
 
 
+def _normal(device: torch.device) -> Any:
+    """:mod:`xopt.kernels.normal` where it draws for ``device`` (its ``BACKEND``,
+    ``XOPT_NORMAL``), else None (xopt.random's torch ops)."""
+    if not triton_available():
+        return None
+    from xopt.kernels import normal
+
+    return normal if normal.runs_on(device) else None
+
+
 def projections(seeds: list[int], shape: tuple[int, ...], rank: int, dtype: torch.dtype,
                 device: torch.device) -> Tensor:
     """:func:`xopt.specs.flora.projection` of each seed for a parameter of ``shape``,
-    stacked ``(B, *projection_shape)``: one :func:`xopt.random.normal_many` draw, so row
-    ``j`` is ``projection(seeds[j], ...)`` bit for bit."""
+    stacked ``(B, *projection_shape)``: one :func:`xopt.random.normal_many` draw (on CUDA
+    one launch of :func:`xopt.kernels.normal.normal_many`, the same bits), so row ``j`` is
+    ``projection(seeds[j], ...)`` bit for bit."""
     pshape = _spec.projection_shape(shape, rank)
-    z = xrandom.normal_many(seeds, pshape, dtype="float32", backend="torch", device=device)
+    kernel = _normal(device)
+    if kernel is not None:
+        z = kernel.normal_many(seeds, pshape, dtype="float32", device=device)
+    else:
+        z = xrandom.normal_many(seeds, pshape, dtype="float32", backend="torch", device=device)
     return z.to(dtype) / math.sqrt(rank)
 
 

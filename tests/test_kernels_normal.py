@@ -1,0 +1,247 @@
+"""xopt.kernels.normal: xopt.random's portable normal in one Triton launch, bit for bit the
+torch backend's draw (under TRITON_INTERPRET=1 on a CPU, compiled on a GPU), and Flora's
+compressed momentum drawing its projections with it along the same trajectory.
+
+The interpreter evaluates the kernel's operations with NumPy, one IEEE operation each; what
+a GPU compile could change (contraction into FMA, approximate division or roots) is checked
+in the sm_90 machine code, compiled here without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO, has_torch, triton_kernel_target
+
+pytestmark = pytest.mark.skipif(not has_torch, reason="needs torch")
+
+if has_torch:
+    import torch
+
+needs_kernel, DEVICE = triton_kernel_target()
+
+SEEDS = [0, 2**63 + 5, 2**64 - 1]
+_VIEW = {"float32": "int32", "float64": "int64"}
+
+
+def _bits(x, dtype):
+    return x.view(getattr(torch, _VIEW[dtype])).cpu()
+
+
+def _cases(dtype):
+    """(seeds, shape, counter): one value; a counter whose low word carries into the high
+    word inside the draw; an odd size ending inside a program's third tile (2·256 numbers
+    each) with the high word already set; an empty draw; the stream's last blocks."""
+    import xopt.random as R
+
+    last = (7,)
+    return [(SEEDS, (), 0), (SEEDS, (3, 5), 2**32 - 3),
+            (SEEDS[1:2], (2 * 512 + 3,), (5 << 32) + 2**32 - 300), (SEEDS, (2, 0), 9),
+            (SEEDS[::2], last, 2**64 - R.blocks_used(last, dtype))]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_draws_are_the_torch_backends_bits(dtype):
+    import xopt.random as R
+    from xopt.kernels import normal
+
+    assert normal._PAIRS == 256  # the tile the cases cut short
+    for seeds, shape, counter in _cases(dtype):
+        got = normal.normal_many(seeds, shape, counter=counter, dtype=dtype, device=DEVICE)
+        ref = R.normal_many(seeds, shape, counter=counter, dtype=dtype, backend="torch",
+                            device=DEVICE)
+        assert got.shape == ref.shape == (len(seeds), *shape)
+        assert got.dtype == ref.dtype == getattr(torch, dtype) and got.device == ref.device
+        assert torch.equal(_bits(got, dtype), _bits(ref, dtype)), (shape, counter)
+
+
+@needs_kernel
+def test_dtype_spellings():
+    """dtypes as torch and numpy spell them, as xopt.random accepts them."""
+    import numpy as np
+
+    import xopt.random as R
+    from xopt.kernels import normal
+
+    ref = R.normal_many([9], (5,), counter=3, backend="torch", device=DEVICE)
+    for dtype in (torch.float32, np.float32):
+        got = normal.normal_many([9], (5,), counter=3, dtype=dtype, device=DEVICE)
+        assert torch.equal(_bits(got, "float32"), _bits(ref, "float32"))
+
+
+@needs_kernel
+def test_bad_arguments_are_named_and_launch_nothing(monkeypatch):
+    """The reference's checks and messages, before any launch."""
+    from xopt.kernels import normal
+
+    monkeypatch.setattr(normal, "_normal_kernel", None)  # a launch would fail differently
+    bad = [(dict(seeds=[1, -2]), r"seeds\[1\]"), (dict(seeds=[]), "seeds is empty"),
+           (dict(seeds=3), "seeds must be a sequence"), (dict(shape=(2, -1)), "shape"),
+           (dict(dtype="bfloat16"), "dtype"), (dict(counter=-1), "counter"),
+           (dict(counter=2**64 - 1), "runs past 2\\*\\*64")]
+    for change, match in bad:
+        kw = dict(seeds=[1, 2], shape=(3,), counter=0, dtype="float32") | change
+        with pytest.raises(ValueError, match=match):
+            normal.normal_many(kw.pop("seeds"), kw.pop("shape"), device=DEVICE, **kw)
+
+
+def test_backend_knob(monkeypatch):
+    pytest.importorskip("triton")
+    from xopt.kernels import normal
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for backend, want in (("auto", (False, True)), ("torch", (False, False)),
+                          ("triton", (True, True))):
+        monkeypatch.setattr(normal, "BACKEND", backend)
+        assert (normal.runs_on(cpu), normal.runs_on(cuda)) == want
+    monkeypatch.setattr(normal, "BACKEND", "cuda")
+    with pytest.raises(ValueError, match="XOPT_NORMAL"):
+        normal.runs_on(cpu)
+
+
+class _Launches:
+    """The kernel, counting its launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+def _flora(backend, monkeypatch, dtype):
+    """Flora with compressed momentum over three steps: two same-shaped matrices (one
+    stack), a right-compressed matrix with weight decay (the per-parameter step) and a
+    vector; a transfer at step 2. Returns the parameters, the optimizer and the kernel's
+    launches per step."""
+    import xopt.random as R
+    import xopt.torch as xt
+    from xopt.kernels import normal
+
+    monkeypatch.setattr(normal, "BACKEND", backend)
+    counter = _Launches(normal._normal_kernel)
+    monkeypatch.setattr(normal, "_normal_kernel", counter)
+    if backend == "triton":  # every draw is the kernel's
+        for name in ("normal", "normal_many"):
+            monkeypatch.setattr(R, name, None)
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(4, 6), (4, 6), (7, 5), (3,)]
+    ps = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype).to(DEVICE))
+          for s in shapes]
+    opt = xt.Flora([{"params": ps[:2] + ps[3:]}, {"params": ps[2:3], "weight_decay": 0.1}],
+                   lr=1e-2, beta1=0.9, rank=2, kappa=2, seed=2**61 + 3)
+    launches = []
+    for _ in range(3):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype).to(DEVICE)
+        before = counter.count
+        opt.step()
+        launches.append(counter.count - before)
+    return ps, opt, launches
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_flora_trajectory_is_the_torch_draws(dtype, monkeypatch):
+    """Three steps (the first per parameter, then stacked; a transfer at step 2):
+    parameters, momenta, second moments, RMS and seeds bit for bit those of the torch
+    draws. One launch per draw: per parameter at the first step, then one for the stack
+    (its seeds before and after the transfer together) and one for the weight-decayed
+    matrix."""
+    dtype = getattr(torch, dtype)
+    pa, oa, launches = _flora("triton", monkeypatch, dtype)
+    monkeypatch.undo()
+    pb, ob, none = _flora("torch", monkeypatch, dtype)
+    assert launches == [3, 2, 2] and none == [0, 0, 0]
+    for p, q in zip(pa, pb, strict=True):
+        sa, sb = oa.state[p], ob.state[q]
+        assert list(sa) == list(sb) and sa["step"] == sb["step"] == 3
+        assert sa["seed"] == sb["seed"]
+        for k, v in sa.items():
+            if isinstance(v, torch.Tensor):
+                assert v.dtype == sb[k].dtype and torch.equal(v, sb[k]), k
+        assert torch.equal(p.detach(), q.detach())
+    # the compressed matrices' seeds moved at the transfer; the right one's momentum is (m, r)
+    assert all(oa.state[p]["seed"] != oa._initial_seed(p) for p in pa[:3])
+    assert oa.state[pa[2]]["exp_avg"].shape == (7, 2)
+
+
+_SASS = r"""
+import json, re, subprocess, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from xopt.kernels import NO_FP_FUSION, normal
+
+nvidia = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+out = {}
+for dtype, ptr in (("float32", "*fp32"), ("float64", "*fp64")):
+    consts = dict(normal._constants(dtype), PAIRS=normal._PAIRS)
+    sig = {"words_ptr": "*i64", "out_ptr": ptr, "n": "i32", "tiles": "i32"}
+    sig.update({k: "constexpr" for k in consts})
+    compiled = triton.compile(ASTSource(fn=normal._normal_kernel, signature=sig,
+                                        constexprs=consts),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": normal._WARPS, **NO_FP_FUSION})
+    cubin = Path(sys.argv[1], dtype + ".cubin")
+    cubin.write_bytes(compiled.asm["cubin"])
+    sass = subprocess.run([str(nvidia / "cuobjdump"), "-sass", str(cubin)],
+                          capture_output=True, text=True, check=True).stdout
+    ops = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_.]+)", sass, re.M)
+    out[dtype] = {"sass": sorted(set(ops)), "ptx": compiled.asm["ptx"]}
+print(json.dumps(out))
+"""
+
+
+def test_compiled_kernel_has_no_contraction_or_approximation(tmp_path):
+    """The kernel compiled for an H100/H200 (sm_90) without a GPU, as a launch compiles it
+    (NO_FP_FUSION): its machine code has no fused multiply-add (FFMA, DFMA) and no
+    approximate float instruction (the only MUFU is the reciprocal of the integer
+    division that finds a program's row); the PTX asks for round-to-nearest products and
+    sums and has no float division, root, log or trigonometry."""
+    triton = pytest.importorskip("triton")
+    from pathlib import Path
+
+    nvidia = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (nvidia / "ptxas").is_file() or not (nvidia / "cuobjdump").is_file():
+        pytest.skip("triton without its NVIDIA tools (ptxas, cuobjdump)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    run = subprocess.run([sys.executable, "-c", _SASS, str(tmp_path)], capture_output=True,
+                         text=True, env=env, cwd=REPO, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for dtype, got in json.loads(run.stdout.splitlines()[-1]).items():
+        sass, ptx = got["sass"], got["ptx"]
+        assert not [op for op in sass if op.split(".")[0] in ("FFMA", "DFMA", "HFMA2")], dtype
+        assert [op for op in sass if op.startswith("MUFU")] == ["MUFU.RCP"], (dtype, sass)
+        assert "div.s32" in ptx  # ... the integer division's reciprocal
+        float_ops = {line.split()[0] for line in ptx.splitlines()
+                     if line.strip() and (".f32" in line or ".f64" in line)}
+        allowed = ("add.rn.", "sub.rn.", "mul.rn.", "neg.", "abs.", "setp.", "selp.",
+                   "mov.", "cvt.rn.f32.", "cvt.rn.f64.", "cvt.rmi.", "ld.", "st.")
+        assert all(op.startswith(allowed) for op in float_ops), (dtype, float_ops)
+        assert any(op.startswith("mul.rn.") for op in float_ops)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (has_torch and torch.cuda.is_available()), reason="needs a CUDA GPU")
+def test_gpu_draw_at_flora_shapes_is_the_torch_backends():
+    """On a GPU, at LLaMA-1B's projection shape (rank 512 of 2048): 2**24 numbers per
+    dtype, the compiled kernel against the torch backend on the same GPU."""
+    import xopt.random as R
+    from xopt.kernels import normal
+
+    seeds = [2**62 + 3 + i for i in range(16)]
+    for dtype in ("float32", "float64"):
+        got = normal.normal_many(seeds, (512, 2048), counter=2**32 - 5, dtype=dtype,
+                                 device="cuda")
+        ref = R.normal_many(seeds, (512, 2048), counter=2**32 - 5, dtype=dtype,
+                            backend="torch", device="cuda")
+        assert torch.equal(_bits(got, dtype), _bits(ref, dtype)), dtype

@@ -1,0 +1,303 @@
+"""xopt's portable normal (:func:`xopt.random.normal_many`) in one Triton launch.
+
+:func:`normal_many` returns the bits of ``xopt.random.normal_many(seeds, shape,
+counter=counter, dtype=dtype, backend="torch", device=device)``: the same Threefry-2x32-20
+blocks, uniforms and Box-Muller transform, computed with the same operations in the same
+order (see :mod:`xopt.random`'s docstring), by one program per tile of pairs of one seed's
+row, every seed of the call in one launch. The torch backend spends about 800 elementwise
+kernels on it; Flora with compressed momentum redraws its projections every step.
+
+Bit identity rests on the reference's own choices, kept here:
+
+* Threefry, the uniforms' bit arithmetic, the carry into the counter's high word, the
+  correctly rounded division and square root (integer long division, digit-by-digit root)
+  and the float/bit reinterpretations are integer operations (``uint32`` words; ``uint32``
+  float32 patterns, ``uint64`` float64 ones), exact on every device.
+* The float steps (``log``'s and the quarter-wave polynomials' products and sums, Box-Muller's
+  products) are single IEEE operations rounded to nearest, each rounded apart: the launch
+  passes ``enable_fp_fusion=False`` (:data:`xopt.kernels.NO_FP_FUSION`), because a GPU
+  compile otherwise contracts ``c + z·a`` into one FMA, which rounds once where the
+  reference rounds twice (the jax backend's ``fence`` exists for the same reason). No
+  Triton ``/``, ``sqrt``, ``log``, ``sin`` or ``cos`` is used: on GPUs these are approximate.
+* Constants are the reference's (:class:`xopt.random`'s per-format tables), each exactly
+  representable in its format; Triton materialises a Python float operand directly in the
+  other operand's type, so float64 constants are not rounded through float32.
+* Subnormals never arise (see :mod:`xopt.random`), so flush-to-zero cannot change a bit.
+
+Tested bit for bit against the torch backend under ``TRITON_INTERPRET=1``
+(tests/test_kernels_normal.py), which also compiles the kernel for an sm_90 GPU and checks
+that its machine code has no fused multiply-add.
+
+:data:`BACKEND` (environment ``XOPT_NORMAL``, read at import): ``"auto"`` (the default:
+CUDA tensors), ``"torch"`` (never: ``xopt.random``'s torch ops) or ``"triton"`` (every
+tensor: the interpreter on a CPU). :func:`runs_on` says which a device gets.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from xopt import random as xrandom
+from xopt.kernels import NO_FP_FUSION
+from xopt.kernels._grid import cdiv
+
+__all__ = ["BACKEND", "normal_many", "runs_on"]
+
+#: where :func:`normal_many` replaces ``xopt.random``'s torch ops in xopt's optimizers:
+#: "torch" (never), "auto" (CUDA tensors) or "triton" (every tensor)
+BACKEND = os.environ.get("XOPT_NORMAL", "auto")
+
+#: pairs of normals per program: 256 over 4 warps, two per thread (the division's and
+#: square root's loops keep a few words live per pair)
+_PAIRS, _WARPS = 256, 4
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether :func:`normal_many` is the draw's path for tensors on ``device``."""
+    if BACKEND not in ("auto", "triton", "torch"):
+        raise ValueError(f"XOPT_NORMAL = {BACKEND!r}; known: 'auto', 'triton', 'torch'")
+    return BACKEND == "triton" or (BACKEND == "auto" and torch.device(device).type == "cuda")
+
+
+# ----------------------------------------------------------------------------------------
+# The reference's steps, one helper each (xopt/random.py: _threefry_core, _div, _sqrt, _log,
+# _sin_cos_quarter, _cos_sin_turns). FT/UT: the float format and its bit-pattern type.
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotl(x, R: tl.constexpr):
+    return (x << R) | (x >> (32 - R))
+
+
+@triton.jit
+def _four_rounds(x0, x1, RA: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr,
+                 RD: tl.constexpr):
+    x0 = x0 + x1
+    x1 = _rotl(x1, RA) ^ x0
+    x0 = x0 + x1
+    x1 = _rotl(x1, RB) ^ x0
+    x0 = x0 + x1
+    x1 = _rotl(x1, RC) ^ x0
+    x0 = x0 + x1
+    x1 = _rotl(x1, RD) ^ x0
+    return x0, x1
+
+
+@triton.jit
+def _threefry(k0, k1, x0, x1):
+    """Threefry-2x32-20 on uint32 words (xopt.random._threefry_core)."""
+    k2 = k0 ^ k1 ^ 0x1BD11BDA
+    x0 = x0 + k0
+    x1 = x1 + k1
+    for s in tl.static_range(1, 6):  # five groups of four rounds, then key injection s
+        if s % 2 == 1:
+            x0, x1 = _four_rounds(x0, x1, 13, 15, 26, 6)
+        else:
+            x0, x1 = _four_rounds(x0, x1, 17, 29, 16, 24)
+        if s % 3 == 0:
+            x0 = x0 + k0
+            x1 = x1 + k1 + s
+        elif s % 3 == 1:
+            x0 = x0 + k1
+            x1 = x1 + k2 + s
+        else:
+            x0 = x0 + k2
+            x1 = x1 + k0 + s
+    return x0, x1
+
+
+@triton.jit
+def _blocks(k0, k1, c_hi, c_lo, b):
+    """Blocks ``counter + b`` (``b`` uint32): the low word wraps, its carry goes high."""
+    lo = b + c_lo
+    hi = c_hi + (lo < c_lo).to(tl.uint32)
+    return _threefry(k0, k1, hi, lo)
+
+
+@triton.jit
+def _horner(z, C: tl.constexpr):
+    """``C[0] + z·(C[1] + z·(C[2] + ...))``, innermost first, each step rounded apart."""
+    acc = z * C[len(C) - 1]
+    for k in tl.static_range(len(C) - 2, 0, -1):
+        acc = z * (C[k] + acc)
+    return C[0] + acc
+
+
+@triton.jit
+def _div(a, b, FT: tl.constexpr, UT: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr):
+    """Correctly rounded ``a / b`` by integer long division (xopt.random._div)."""
+    ua = tl.abs(a).to(UT, bitcast=True)
+    ub = b.to(UT, bitcast=True)
+    mask: tl.constexpr = (1 << MB) - 1
+    ma = (ua & mask) | (1 << MB)
+    mbs = (ub & mask) | (1 << MB)
+    rem = ma
+    q = tl.zeros_like(ma)
+    for _ in tl.static_range(MB + 3):  # p + 2 quotient bits, p = MB + 1
+        ge = rem >= mbs
+        q = (q << 1) | ge.to(UT)
+        rem = tl.where(ge, rem - mbs, rem) << 1
+    big = q >> (MB + 2)
+    wide = big == 1
+    quo = tl.where(wide, q >> 2, q >> 1)
+    guard = tl.where(wide, q >> 1, q) & 1
+    sticky = (big & q) | (rem != 0).to(UT)
+    up = guard & (sticky | (quo & 1))
+    field = (ua >> MB) + (BIAS - 2) + big - (ub >> MB)
+    quotient = ((field << MB) + (quo + up)).to(FT, bitcast=True)
+    quotient = tl.where(a < 0.0, -quotient, quotient)
+    return tl.where(a == 0.0, a, quotient)
+
+
+@triton.jit
+def _sqrt(x, FT: tl.constexpr, UT: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr):
+    """Correctly rounded ``sqrt(x)``, digit by digit on the significand
+    (xopt.random._sqrt)."""
+    P: tl.constexpr = MB + 1
+    u = x.to(UT, bitcast=True)
+    e = u >> MB
+    m = (u & ((1 << MB) - 1)) | (1 << MB)
+    shift = (((e + (BIAS + 1)) & 1) == 0).to(UT)
+    top = m << shift
+    rem = tl.zeros_like(m)
+    root = tl.zeros_like(m)
+    for k in tl.static_range(P):
+        if P - 1 - 2 * k >= 0:  # the radicand's next two bits, lower one at P - 1 - 2k
+            rem = (rem << 2) | ((top >> (P - 1 - 2 * k)) & 3)
+        elif P - 1 - 2 * k == -1:
+            rem = (rem << 2) | ((top << 1) & 3)
+        else:
+            rem = rem << 2
+        trial = (root << 2) | 1
+        ge = rem >= trial
+        rem = tl.where(ge, rem - trial, rem)
+        root = (root << 1) | ge.to(UT)
+    up = (rem > root).to(UT)
+    field = (e + (BIAS - 2) - shift) >> 1
+    result = ((field << MB) + (root + up)).to(FT, bitcast=True)
+    return tl.where(x == 0.0, x, result)
+
+
+@triton.jit
+def _log(x, FT: tl.constexpr, UT: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr,
+         SQRT2: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr,
+         LOG_C: tl.constexpr):
+    """Natural log of positive normal ``x`` (xopt.random._log)."""
+    i = x.to(UT, bitcast=True)
+    m = ((i & ((1 << MB) - 1)) | (BIAS << MB)).to(FT, bitcast=True)
+    ef = (i >> MB).to(FT) - BIAS * 1.0
+    big = m > SQRT2
+    m = tl.where(big, m * 0.5, m)
+    ef = tl.where(big, ef + 1.0, ef)
+    f = m - 1.0
+    s = _div(f, f + 2.0, FT, UT, MB, BIAS)
+    z = s * s
+    r = z * _horner(z, LOG_C)
+    h = (f * f) * 0.5
+    t = s * (h + r) + ef * LN2_LO
+    return ef * LN2_HI + (f - (h - t))
+
+
+@triton.jit
+def _cos_sin_turns(u, SIN_HI: tl.constexpr, SIN_LO: tl.constexpr, SIN_C: tl.constexpr,
+                   COS_C: tl.constexpr):
+    """``(cos(2πu), sin(2πu))`` for ``u`` in [0, 1) (xopt.random._cos_sin_turns)."""
+    t = u * 4.0
+    q = tl.floor(t)
+    f = t - q
+    upper = f > 0.5
+    g = tl.where(upper, 1.0 - f, f)
+    z = g * g
+    ps = SIN_HI + (SIN_LO + z * _horner(z, SIN_C))
+    s = g * ps
+    c = 1.0 + z * _horner(z, COS_C)
+    sin_f = tl.where(upper, c, s)
+    cos_f = tl.where(upper, s, c)
+    cos = tl.where(q == 0.0, cos_f, tl.where(q == 1.0, -sin_f,
+                                             tl.where(q == 2.0, -cos_f, sin_f)))
+    sin = tl.where(q == 0.0, sin_f, tl.where(q == 1.0, cos_f,
+                                             tl.where(q == 2.0, -sin_f, -cos_f)))
+    return cos, sin
+
+
+@triton.jit
+def _normal_kernel(words_ptr, out_ptr, n, tiles,
+                   F64: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr,
+                   SQRT2: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr,
+                   LOG_C: tl.constexpr, SIN_HI: tl.constexpr, SIN_LO: tl.constexpr,
+                   SIN_C: tl.constexpr, COS_C: tl.constexpr, PAIRS: tl.constexpr):
+    """Row ``pid // tiles``, pairs of tile ``pid % tiles``: ``out[row, 2p]`` the cosine,
+    ``out[row, 2p + 1]`` the sine. ``words``: the counter's (hi, lo), then each row's key."""
+    FT: tl.constexpr = tl.float64 if F64 else tl.float32
+    UT: tl.constexpr = tl.uint64 if F64 else tl.uint32
+    pid = tl.program_id(0)
+    row = pid // tiles
+    p = (pid % tiles).to(tl.int64) * PAIRS + tl.arange(0, PAIRS)  # pair index, < 2**32
+    hi = tl.load(words_ptr).to(tl.uint32)
+    lo = tl.load(words_ptr + 1).to(tl.uint32)
+    k0 = tl.load(words_ptr + 2 + 2 * row).to(tl.uint32)
+    k1 = tl.load(words_ptr + 3 + 2 * row).to(tl.uint32)
+    pw = p.to(tl.uint32)
+    if F64:
+        # pair p reads blocks 2p and 2p + 1: each gives one 53-bit uniform
+        a0, a1 = _blocks(k0, k1, hi, lo, pw * 2)
+        b0, b1 = _blocks(k0, k1, hi, lo, pw * 2 + 1)
+        u_even = ((a0 >> 5).to(FT) * 67108864.0 + (a1 >> 6).to(FT)) * (2.0 ** -53)
+        u_odd = ((b0 >> 5).to(FT) * 67108864.0 + (b1 >> 6).to(FT)) * (2.0 ** -53)
+    else:
+        y0, y1 = _blocks(k0, k1, hi, lo, pw)  # pair p reads block p: one 24-bit uniform each
+        u_even = (y0 >> 8).to(FT) * (2.0 ** -24)
+        u_odd = (y1 >> 8).to(FT) * (2.0 ** -24)
+    u1 = 1.0 - u_even
+    lg = _log(u1, FT, UT, MB, BIAS, SQRT2, LN2_HI, LN2_LO, LOG_C)
+    r = _sqrt(tl.abs(lg * -2.0), FT, UT, MB, BIAS)  # abs: -0.0 (u1 == 1) to +0
+    cos, sin = _cos_sin_turns(u_odd, SIN_HI, SIN_LO, SIN_C, COS_C)
+    base = out_ptr + row.to(tl.int64) * n
+    even = 2 * p
+    tl.store(base + even, r * cos, mask=even < n)
+    tl.store(base + even + 1, r * sin, mask=even + 1 < n)
+
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def _constants(dtype: str) -> dict:
+    """The kernel's compile-time constants: the reference's format table for ``dtype``."""
+    fmt = xrandom._FORMATS[dtype]
+    return dict(F64=dtype == "float64", MB=fmt.mant_bits, BIAS=fmt.bias, SQRT2=fmt.sqrt2,
+                LN2_HI=fmt.ln2_hi, LN2_LO=fmt.ln2_lo, LOG_C=tuple(fmt.log_coeffs),
+                SIN_HI=fmt.sin_hi, SIN_LO=fmt.sin_lo, SIN_C=tuple(fmt.sin_tail),
+                COS_C=tuple(fmt.cos_tail))
+
+
+@torch.compiler.disable  # a launch with its own options, not for Inductor to re-generate
+def normal_many(seeds, shape, *, counter: int = 0, dtype="float32",
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """``xopt.random.normal_many(seeds, shape, counter=counter, dtype=dtype,
+    backend="torch", device=device)``, bit for bit, in one launch.
+
+    Args and errors as :func:`xopt.random.normal_many` (the same checks and messages);
+    ``device`` defaults to the CPU (where Triton runs only under its interpreter).
+
+    Returns:
+      ``(len(seeds), *shape)`` tensor of ``dtype`` on ``device``.
+    """
+    dims, keys, c_hi, c_lo, dtype = xrandom._normal_many_args(seeds, shape, counter, dtype)
+    out_dtype = _DTYPES[dtype]
+    device = torch.device("cpu" if device is None else device)
+    rows, n = len(keys), 1
+    for d in dims:
+        n *= d
+    out = torch.empty((rows, *dims), dtype=out_dtype, device=device)
+    if n == 0:
+        return out
+    tiles = cdiv((n + 1) // 2, _PAIRS)
+    words = torch.tensor([c_hi, c_lo, *(w for key in keys for w in key)], dtype=torch.int64)
+    _normal_kernel[(rows * tiles,)](words.to(device), out, n, tiles, PAIRS=_PAIRS,
+                                    num_warps=_WARPS, **_constants(dtype), **NO_FP_FUSION)
+    return out
