@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -222,6 +223,8 @@ def test_compiled_kernel_has_no_contraction_or_approximation(tmp_path):
         assert not [op for op in sass if op.split(".")[0] in ("FFMA", "DFMA", "HFMA2")], dtype
         assert [op for op in sass if op.startswith("MUFU")] == ["MUFU.RCP"], (dtype, sass)
         assert "div.s32" in ptx  # ... the integer division's reciprocal
+        # the words' shifts and comparisons unsigned, as the interpreter's uint32 arithmetic
+        assert not re.search(r"\b(shr\.s32|shr\.s64|setp\.[a-z]+\.s32)\b", ptx), dtype
         float_ops = {line.split()[0] for line in ptx.splitlines()
                      if line.strip() and (".f32" in line or ".f64" in line)}
         allowed = ("add.rn.", "sub.rn.", "mul.rn.", "neg.", "abs.", "setp.", "selp.",
@@ -234,7 +237,8 @@ def test_compiled_kernel_has_no_contraction_or_approximation(tmp_path):
 @pytest.mark.skipif(not (has_torch and torch.cuda.is_available()), reason="needs a CUDA GPU")
 def test_gpu_draw_at_flora_shapes_is_the_torch_backends():
     """On a GPU, at LLaMA-1B's projection shape (rank 512 of 2048): 2**24 numbers per
-    dtype, the compiled kernel against the torch backend on the same GPU."""
+    dtype, the compiled kernel against the torch backend on the same GPU, and its first
+    row against NumPy's draw."""
     import xopt.random as R
     from xopt.kernels import normal
 
@@ -245,3 +249,6 @@ def test_gpu_draw_at_flora_shapes_is_the_torch_backends():
         ref = R.normal_many(seeds, (512, 2048), counter=2**32 - 5, dtype=dtype,
                             backend="torch", device="cuda")
         assert torch.equal(_bits(got, dtype), _bits(ref, dtype)), dtype
+        first = torch.from_numpy(R.normal(seeds[0], (512, 2048), counter=2**32 - 5,
+                                          dtype=dtype))  # NumPy's, the portable reference
+        assert torch.equal(_bits(got[0], dtype), _bits(first, dtype)), dtype
