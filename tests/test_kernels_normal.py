@@ -83,7 +83,8 @@ def test_bad_arguments_are_named_and_launch_nothing(monkeypatch):
     bad = [(dict(seeds=[1, -2]), r"seeds\[1\]"), (dict(seeds=[]), "seeds is empty"),
            (dict(seeds=3), "seeds must be a sequence"), (dict(shape=(2, -1)), "shape"),
            (dict(dtype="bfloat16"), "dtype"), (dict(counter=-1), "counter"),
-           (dict(counter=2**64 - 1), "runs past 2\\*\\*64")]
+           (dict(counter=2**64 - 1), "runs past 2\\*\\*64"),
+           (dict(seeds=range(512), shape=(2**31,)), "too large for one launch")]
     for change, match in bad:
         kw = dict(seeds=[1, 2], shape=(3,), counter=0, dtype="float32") | change
         with pytest.raises(ValueError, match=match):

@@ -35,6 +35,7 @@ tensor: the interpreter on a CPU). :func:`runs_on` says which a device gets.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -266,6 +267,7 @@ def _normal_kernel(words_ptr, out_ptr, n, tiles,
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
+@functools.cache
 def _constants(dtype: str) -> dict:
     """The kernel's compile-time constants: the reference's format table for ``dtype``."""
     fmt = xrandom._FORMATS[dtype]
@@ -293,11 +295,17 @@ def normal_many(seeds, shape, *, counter: int = 0, dtype="float32",
     rows, n = len(keys), 1
     for d in dims:
         n *= d
+    tiles = cdiv((n + 1) // 2, _PAIRS)
+    if rows * tiles >= 2**31:
+        raise ValueError(f"xopt.kernels.normal.normal_many: {rows} seeds x shape={dims} is "
+                         f"too large for one launch ({rows * tiles} programs; at most 2**31 - 1)")
     out = torch.empty((rows, *dims), dtype=out_dtype, device=device)
     if n == 0:
         return out
-    tiles = cdiv((n + 1) // 2, _PAIRS)
     words = torch.tensor([c_hi, c_lo, *(w for key in keys for w in key)], dtype=torch.int64)
-    _normal_kernel[(rows * tiles,)](words.to(device), out, n, tiles, PAIRS=_PAIRS,
+    if device.type == "cuda":  # a copy from pageable memory would wait for the stream
+        words = words.pin_memory()
+    words = words.to(device, non_blocking=True)
+    _normal_kernel[(rows * tiles,)](words, out, n, tiles, PAIRS=_PAIRS,
                                     num_warps=_WARPS, **_constants(dtype), **NO_FP_FUSION)
     return out
