@@ -174,7 +174,7 @@ def test_flora_trajectory_is_the_torch_draws(dtype, monkeypatch):
 
 
 _SASS = r"""
-import json, re, subprocess, sys
+import json, re, struct, subprocess, sys
 from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
@@ -196,7 +196,13 @@ for dtype, ptr in (("float32", "*fp32"), ("float64", "*fp64")):
     sass = subprocess.run([str(nvidia / "cuobjdump"), "-sass", str(cubin)],
                           capture_output=True, text=True, check=True).stdout
     ops = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_.]+)", sass, re.M)
-    out[dtype] = {"sass": sorted(set(ops)), "ptx": compiled.asm["ptx"]}
+    ptx = compiled.asm["ptx"]
+    fmt, tag = (">f", "0f") if dtype == "float32" else (">d", "0d")
+    values = [consts[k] for k in ("SQRT2", "LN2_HI", "LN2_LO", "SIN_HI", "SIN_LO")]
+    values += [*consts["LOG_C"], *consts["SIN_C"], *consts["COS_C"]]
+    missing = [v for v in values  # each as its exact bits (or its negation's: a - z*c)
+               if not any(tag + struct.pack(fmt, w).hex().upper() in ptx for w in (v, -v))]
+    out[dtype] = {"sass": sorted(set(ops)), "ptx": ptx, "missing": missing}
 print(json.dumps(out))
 """
 
@@ -206,7 +212,8 @@ def test_compiled_kernel_has_no_contraction_or_approximation(tmp_path):
     (NO_FP_FUSION): its machine code has no fused multiply-add (FFMA, DFMA) and no
     approximate float instruction (the only MUFU is the reciprocal of the integer
     division that finds a program's row); the PTX asks for round-to-nearest products and
-    sums and has no float division, root, log or trigonometry."""
+    sums, has no float division, root, log or trigonometry, and holds every constant of
+    xopt.random's format tables at its exact bits."""
     triton = pytest.importorskip("triton")
     from pathlib import Path
 
@@ -232,6 +239,7 @@ def test_compiled_kernel_has_no_contraction_or_approximation(tmp_path):
                    "mov.", "cvt.rn.f32.", "cvt.rn.f64.", "cvt.rmi.", "ld.", "st.")
         assert all(op.startswith(allowed) for op in float_ops), (dtype, float_ops)
         assert any(op.startswith("mul.rn.") for op in float_ops)
+        assert got["missing"] == [], dtype  # constants not rounded through another format
 
 
 @pytest.mark.cuda
