@@ -19,14 +19,16 @@ Bit identity rests on the reference's own choices, kept here:
   compile otherwise contracts ``c + z·a`` into one FMA, which rounds once where the
   reference rounds twice (the jax backend's ``fence`` exists for the same reason). No
   Triton ``/``, ``sqrt``, ``log``, ``sin`` or ``cos`` is used: on GPUs these are approximate.
-* Constants are the reference's (:class:`xopt.random`'s per-format tables), each exactly
+* Constants are the reference's (xopt.random's per-format tables), each exactly
   representable in its format; Triton materialises a Python float operand directly in the
   other operand's type, so float64 constants are not rounded through float32.
 * Subnormals never arise (see :mod:`xopt.random`), so flush-to-zero cannot change a bit.
 
 Tested bit for bit against the torch backend under ``TRITON_INTERPRET=1``
-(tests/test_kernels_normal.py), which also compiles the kernel for an sm_90 GPU and checks
-that its machine code has no fused multiply-add.
+(tests/test_kernels_normal.py), which also compiles the kernel for an sm_90 GPU without one
+and checks what the interpreter cannot: no fused multiply-add or approximate instruction in
+the machine code, unsigned shifts and comparisons of the words, every constant at its
+exact bits. On a GPU the same tests run the compiled kernel.
 
 :data:`BACKEND` (environment ``XOPT_NORMAL``, read at import): ``"auto"`` (the default:
 CUDA tensors), ``"torch"`` (never: ``xopt.random``'s torch ops) or ``"triton"`` (every
@@ -53,7 +55,7 @@ __all__ = ["BACKEND", "normal_many", "runs_on"]
 BACKEND = os.environ.get("XOPT_NORMAL", "auto")
 
 #: pairs of normals per program: 256 over 4 warps, two per thread (the division's and
-#: square root's loops keep a few words live per pair)
+#: square root's loops keep only a few words live per pair: few registers, no spills)
 _PAIRS, _WARPS = 256, 4
 
 
