@@ -20,8 +20,9 @@ Bit identity rests on the reference's own choices, kept here:
   reference rounds twice (the jax backend's ``fence`` exists for the same reason). No
   Triton ``/``, ``sqrt``, ``log``, ``sin`` or ``cos`` is used: on GPUs these are approximate.
 * Constants are the reference's (xopt.random's per-format tables), each exactly
-  representable in its format; Triton materialises a Python float operand directly in the
-  other operand's type, so float64 constants are not rounded through float32.
+  representable in its format; Triton materialises a Python float operand of arithmetic
+  directly in the other operand's type, so float64 constants are not rounded through
+  float32 (the one compared with, sqrt 2, is made an FT tensor first).
 * Subnormals never arise (see :mod:`xopt.random`), so flush-to-zero cannot change a bit.
 
 Tested bit for bit against the torch backend under ``TRITON_INTERPRET=1``
@@ -194,7 +195,9 @@ def _log(x, FT: tl.constexpr, UT: tl.constexpr, MB: tl.constexpr, BIAS: tl.const
     i = x.to(UT, bitcast=True)
     m = ((i & ((1 << MB) - 1)) | (BIAS << MB)).to(FT, bitcast=True)
     ef = (i >> MB).to(FT) - BIAS * 1.0
-    big = m > SQRT2
+    # the constant as an FT tensor: Triton before 3.9 types a comparison's Python float as
+    # float32 (sqrt2 would round); arithmetic operands take the tensor's type in every version
+    big = m > tl.full([], SQRT2, FT)
     m = tl.where(big, m * 0.5, m)
     ef = tl.where(big, ef + 1.0, ef)
     f = m - 1.0
