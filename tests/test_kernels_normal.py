@@ -8,6 +8,7 @@ in the sm_90 machine code, compiled here without a GPU."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -89,6 +90,75 @@ def test_bad_arguments_are_named_and_launch_nothing(monkeypatch):
         kw = dict(seeds=[1, 2], shape=(3,), counter=0, dtype="float32") | change
         with pytest.raises(ValueError, match=match):
             normal.normal_many(kw.pop("seeds"), kw.pop("shape"), device=DEVICE, **kw)
+
+
+if has_torch and importlib.util.find_spec("triton") is not None:
+    import triton
+    import triton.language as tl
+
+    from xopt.kernels.normal import _cos_sin_turns, _log, _sqrt
+
+    @triton.jit
+    def _steps(u1_ptr, u2_ptr, out_ptr, n, F64: tl.constexpr, MB: tl.constexpr,
+               BIAS: tl.constexpr, SQRT2: tl.constexpr, LN2_HI: tl.constexpr,
+               LN2_LO: tl.constexpr, LOG_C: tl.constexpr, SIN_HI: tl.constexpr,
+               SIN_LO: tl.constexpr, SIN_C: tl.constexpr, COS_C: tl.constexpr,
+               BLOCK: tl.constexpr):
+        """The kernel's log, root and turn functions on given ``u1``, ``u2``."""
+        FT: tl.constexpr = tl.float64 if F64 else tl.float32
+        UT: tl.constexpr = tl.uint64 if F64 else tl.uint32
+        i = tl.arange(0, BLOCK)
+        mask = i < n
+        u1 = tl.load(u1_ptr + i, mask=mask, other=1.0)
+        u2 = tl.load(u2_ptr + i, mask=mask, other=0.0)
+        lg = _log(u1, FT, UT, MB, BIAS, SQRT2, LN2_HI, LN2_LO, LOG_C)
+        r = _sqrt(tl.abs(lg * -2.0), FT, UT, MB, BIAS)
+        cos, sin = _cos_sin_turns(u2, SIN_HI, SIN_LO, SIN_C, COS_C)
+        tl.store(out_ptr + i, lg, mask=mask)
+        tl.store(out_ptr + n + i, r, mask=mask)
+        tl.store(out_ptr + 2 * n + i, cos, mask=mask)
+        tl.store(out_ptr + 3 * n + i, sin, mask=mask)
+
+
+def _edge_inputs(dtype):
+    """``(u1, u2)``: the Box-Muller inputs at the steps' edges: u1 = 1 (log 0) and the
+    smallest u1; significands on both sides of sqrt 2 (log's halving), exactly at the
+    format's sqrt 2 and, in float64, around float32's sqrt 2; u2 at quadrant boundaries
+    and on both sides of the octant switch (f = 1/2)."""
+    import numpy as np
+
+    f = np.dtype(dtype).type
+    eps = f(2.0 ** (-24 if dtype == "float32" else -53))
+    s2 = f(np.sqrt(2.0, dtype=f))
+    s2_32 = f(np.float32(np.sqrt(np.float32(2.0))))
+    around = [np.nextafter(x, t, dtype=f) for x in (s2, s2_32) for t in (f(0), f(2))]
+    u1 = [f(1.0), eps, f(0.5), s2 / 2, s2_32 / 2, *(a / 2 for a in around), f(0.75), f(0.3)]
+    u2 = [f(0.0), f(0.125), f(0.125) - eps, f(0.125) + eps, f(0.25), f(0.5), f(0.75),
+          f(1.0) - eps, f(0.375), f(0.625) + eps, f(0.9)]
+    n = max(len(u1), len(u2))
+    u1, u2 = (u1 * n)[:n], (u2 * n)[:n]
+    return torch.tensor(np.array(u1, dtype=f)), torch.tensor(np.array(u2, dtype=f))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_steps_at_edge_inputs_are_the_references(dtype):
+    """The kernel's log, square root and turn functions on chosen inputs (not left to the
+    draw's chance) against xopt.random's own steps on the same values."""
+    import xopt.random as R
+    from xopt.kernels import NO_FP_FUSION, normal
+
+    u1, u2 = _edge_inputs(dtype)
+    n = len(u1)
+    out = torch.empty((4, n), dtype=u1.dtype, device=DEVICE)
+    _steps[(1,)](u1.to(DEVICE), u2.to(DEVICE), out, n, BLOCK=32, **normal._constants(dtype),
+                **NO_FP_FUSION)
+    ops, fmt = R._TorchOps("cpu"), R._FORMATS[dtype]
+    lg = R._log(ops, u1, fmt)
+    cos, sin = R._cos_sin_turns(ops, u2, fmt)
+    ref = torch.stack([lg, R._sqrt(ops, (lg * -2.0).abs(), fmt), cos, sin])
+    for k, name in enumerate(("log", "sqrt", "cos", "sin")):
+        assert torch.equal(_bits(out[k], dtype), _bits(ref[k], dtype)), name
 
 
 def test_backend_knob(monkeypatch):

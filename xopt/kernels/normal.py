@@ -74,6 +74,13 @@ def runs_on(device: torch.device) -> bool:
 
 
 @triton.jit
+def _neg(x):
+    """``-x`` with IEEE's sign of zero (``-(+0) = -0``), as the reference negates: Triton
+    before 3.9 lowers unary minus to ``0 - x``, which gives ``+0``."""
+    return x * -1.0
+
+
+@triton.jit
 def _rotl(x, R: tl.constexpr):
     return (x << R) | (x >> (32 - R))
 
@@ -154,7 +161,7 @@ def _div(a, b, FT: tl.constexpr, UT: tl.constexpr, MB: tl.constexpr, BIAS: tl.co
     up = guard & (sticky | (quo & 1))
     field = (ua >> MB) + (BIAS - 2) + big - (ub >> MB)
     quotient = ((field << MB) + (quo + up)).to(FT, bitcast=True)
-    quotient = tl.where(a < 0.0, -quotient, quotient)
+    quotient = tl.where(a < 0.0, _neg(quotient), quotient)
     return tl.where(a == 0.0, a, quotient)
 
 
@@ -224,10 +231,10 @@ def _cos_sin_turns(u, SIN_HI: tl.constexpr, SIN_LO: tl.constexpr, SIN_C: tl.cons
     c = 1.0 + z * _horner(z, COS_C)
     sin_f = tl.where(upper, c, s)
     cos_f = tl.where(upper, s, c)
-    cos = tl.where(q == 0.0, cos_f, tl.where(q == 1.0, -sin_f,
-                                             tl.where(q == 2.0, -cos_f, sin_f)))
+    cos = tl.where(q == 0.0, cos_f, tl.where(q == 1.0, _neg(sin_f),
+                                             tl.where(q == 2.0, _neg(cos_f), sin_f)))
     sin = tl.where(q == 0.0, sin_f, tl.where(q == 1.0, cos_f,
-                                             tl.where(q == 2.0, -sin_f, -cos_f)))
+                                             tl.where(q == 2.0, _neg(sin_f), _neg(cos_f))))
     return cos, sin
 
 
