@@ -362,7 +362,7 @@ class LowRankOptimizer(Optimizer):
         (``N`` rounded to it)."""
         n = n.to(proj.dtype)
         u = torch.bmm(n, proj) if which == "right" else torch.bmm(proj, n)
-        return u.mul_(hp.scale)
+        return u.mul_(hp.scale) if hp.scale != 1.0 else u  # ×1 is exact: a pass saved
 
     def _svd_input(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: Hyperparams,
                    inject: Mapping[str, Tensor] | None) -> Tensor | None:
