@@ -136,7 +136,7 @@ def check_interval(value: int, field: str, where: str) -> None:
 #
 #     P_d = P → d                          (P itself is kept in the state's dtype)
 #     R   = G P_dᵀ  or  P_dᵀ G             in d (the gradient as it comes, d)
-#     m, v ← hf_adam_moments(R → s)        in s (the authors keep them in d: see below)
+#     m, v ← hf_adam_moments(R → s)        in s (the authors keep them in d; see the methods)
 #     N   = m / (√v + ε) → d
 #     U   = (N P_d  or  P_d N) · scale     in d, each product and the scaling rounded to d
 #     p   ← p + (−α)·U                     evaluated in float32, rounded once to d
