@@ -559,3 +559,32 @@ def test_jax_constant_schedule_is_the_constant(preset):
     got, _ = jax.jit(lambda p, s: tx.update(g, s, p))(params, tx.init(params))
     for k in params:
         assert np.array_equal(np.asarray(got[k]), np.asarray(want[k])), k
+
+
+@needs_torch
+@pytest.mark.parametrize("proj_type", ["std", "reverse_std", "full"])
+def test_bf16_refresh_is_the_authors_float32_svd_of_the_gradient(proj_type):
+    """galore_projector.py ``get_orthogonal_matrix``: a bfloat16 gradient is cast to float32
+    for the SVD and the vectors are cast back. xopt keeps them in float32 (both values of
+    proj_dtype) and rounds them for the products under "param": the same bfloat16 matrix,
+    up to the sign of each singular pair (xopt's rule; the authors keep LAPACK's)."""
+    import torch
+
+    import xopt.torch as xt
+
+    rng = _rng(3)
+    for shape in ((12, 7), (7, 12)):
+        w = torch.nn.Parameter(torch.tensor(rng.standard_normal(shape), dtype=torch.bfloat16))
+        opt = xt.GaLore([w], lr=0.01, rank=3, proj_type=proj_type, proj_dtype="param")
+        w.grad = torch.tensor(rng.standard_normal(shape), dtype=torch.bfloat16)
+        u, _, vh = torch.linalg.svd(w.grad.float(), full_matrices=False)
+        opt.step()
+        which = G.side(shape, proj_type)
+        want = {"left": [u[:, :3].T], "right": [vh[:3]], "full": [u[:, :3].T, vh[:3]]}[which]
+        got = [opt.state[w]["ortho_matrix"]] + ([opt.state[w]["ortho_matrix_right"]]
+                                                 if which == "full" else [])
+        for a, b in zip(got, want, strict=True):
+            a = a.T if a.shape[0] == shape[0] and a.shape != b.shape else a
+            assert a.dtype == torch.float32  # kept wide; rounded for the products only
+            sign = torch.sign((a * b).sum(dim=1, keepdim=True))
+            torch.testing.assert_close(a, sign * b, atol=1e-5, rtol=0)

@@ -102,6 +102,21 @@ event reads and restores the dequantised moments (and re-quantises them). bitsan
 CPU kernel rounds through a 65536-entry lookup table instead, which picks a different code
 for many small entries: the authors' 8-bit code gives other bytes on a CPU.
 
+**Precision of bfloat16/float16 matrices** (``proj_dtype``, AdamW variant). The authors'
+``CoapAdamW`` projects ``p.grad`` as it comes: ``P`` is kept in the gradient's dtype (Eqn 7
+runs on the gradient and ``Ω`` cast to float32, its ``Z`` cast back; Eqn 6 runs in that
+dtype under autograd), both products run in it, the moments live in it (``zeros_like``)
+and the update is added to the parameter there. ``proj_dtype="param"`` computes that
+ordinary step (:mod:`xopt.specs.lowrank`, "the precision of the projections") with ``P``
+kept in float32 and rounded for the products, the moments in float32 (a bfloat16 ``v``
+cannot decay: ``v·0.999`` rounds back to ``v``), and the events (Eqn 6, Eqn 7, the
+moments' restoration) in float32 from the widened gradient; at an Eqn-7 event that is the
+authors' arithmetic up to the rounding of ``Ω = P``, at an Eqn-6 event it is more precise
+than theirs. ``"state"`` (default): the whole step in float32, rounded into the parameter
+once. The authors' ``CoapAdafactor`` casts the gradient to float32 before projecting
+(``"state"``; ``"param"`` is refused there); kernels' Tucker products run in the state's
+dtype under both. Float32 and float64 parameters take one path under both.
+
 **Where the authors' code crashes, and what xopt does instead**
 
 * Adafactor with its default ``beta1=None`` has no first moment, and the first Eqn-6 event
@@ -227,6 +242,12 @@ class COAP(Hyperparams):
                                interval=Interval(1, None))
     restore_state: bool = hp(False, doc="carry the moments into the new subspace at events")
     scale: float = hp(1.0, doc="factor on the projected-back update", interval=NONNEGATIVE)
+    # "state": what xopt computed before this field existed (checkpoints and golden traces
+    # keep their meaning); float32 and float64 parameters compute the same under both
+    proj_dtype: str = hp("state", doc="(AdamW) dtype of the projections of bfloat16/float16 "
+                                      "matrices: 'state' (float32) or 'param' (the "
+                                      "parameter's, as the authors' COAPAdamProjector)",
+                         choices=lowrank.PROJ_DTYPES)
     proj_lr: float = hp(0.1, doc="η_P of the Eqn-6 SGD step (update_proj's lr)",
                         interval=NONNEGATIVE)
     proj_max_norm: float = hp(1.0, doc="gradient-norm clipping of the Eqn-6 step",
@@ -261,6 +282,11 @@ class COAP(Hyperparams):
                 f"{name}.state_bits = 8 with optimizer={self.optimizer!r}: 8-bit state is "
                 "offered for the AdamW variant only (the authors' CoapAdafactor8bit keeps no "
                 "moment for unprojected parameters)")
+        if self.proj_dtype == "param" and self.optimizer != "adamw":
+            raise HyperparameterError(
+                f"{name}.proj_dtype = 'param' with optimizer={self.optimizer!r}: the authors' "
+                "CoapAdafactor casts a bfloat16/float16 gradient to float32 and projects "
+                "there, which is proj_dtype='state'")
         if self.b1 is None and self.optimizer == "adamw":
             raise HyperparameterError(f"{name}.b1 = None: only the Adafactor variant runs "
                                       "without a first moment")
@@ -1052,6 +1078,16 @@ def store_moments(xp: ModuleType, hp: COAP, st: dict[str, Any], m: Any, v: Any,
         st["m"], st["v"] = m, v
 
 
+def low_dtype(shape: tuple[int, ...], hp: COAP, param_dtype: Any, state_dtype: Any) -> Any:
+    """The dtype of a parameter's projections when not the state's: the parameter's, for a
+    projected bfloat16/float16 matrix under ``proj_dtype="param"``
+    (:func:`xopt.specs.lowrank.product_dtype`); None otherwise (kernels' Tucker products
+    always run in the state's dtype)."""
+    if not is_projected(shape, hp) or side_of(shape) == "tucker":
+        return None
+    return lowrank.product_dtype(hp.proj_dtype, param_dtype, state_dtype)
+
+
 def param_step(xp: ModuleType, hp: COAP, p: Any, g: Any, st: dict[str, Any], t: int, *,
                inject: Mapping[str, Any] | None = None, aux: dict[str, Any] | None = None,
                omega: Callable[[], Any] | None = None,
@@ -1061,7 +1097,10 @@ def param_step(xp: ModuleType, hp: COAP, p: Any, g: Any, st: dict[str, Any], t: 
     """One COAP update of one parameter, in the authors' order of operations.
 
     Args:
-      p, g: parameter and gradient, one shape, the working float dtype.
+      p, g: parameter and gradient, one shape, the working float dtype; under
+        ``proj_dtype="param"`` a projected matrix's ``p`` in its own narrow dtype
+        (:func:`low_dtype`; the step's products and its update run there, the events and
+        moments in the state's dtype, ``g`` in either).
       st: this parameter's state by canonical variable (``m``, ``v``, ``v_row``, ``v_col``,
         ``rms``, ``P``, ``P_in``, ``m_q``, ``m_absmax``, ``v_q``, ``v_absmax``; those that
         exist for it, see :data:`STATE`).
@@ -1080,6 +1119,10 @@ def param_step(xp: ModuleType, hp: COAP, p: Any, g: Any, st: dict[str, Any], t: 
     st = dict(st)
     eight = hp.state_bits == 8
     projected = is_projected(shape, hp)
+    sdt = projection_of(st, shape).dtype if projected and side_of(shape) != "tucker" else None
+    low = low_dtype(shape, hp, p.dtype, sdt) if sdt is not None else None
+    if low is not None:
+        g = lowrank.astype(g, sdt)  # the events run in the state's dtype (exact)
     m_cur, v_cur = moments_of(xp, hp, st, codec, like=g)
     r = g
     side = side_of(shape) if projected else None
@@ -1120,7 +1163,11 @@ def param_step(xp: ModuleType, hp: COAP, p: Any, g: Any, st: dict[str, Any], t: 
                 if hp.optimizer == "adamw":
                     aux["restored_exp_avg_sq"] = v_cur
         store_projection(st, p_new, shape)
-        r = project(xp, g, p_new, side)
+        if low is None:
+            r = project(xp, g, p_new, side)
+        else:
+            r = lowrank.astype(project(xp, lowrank.astype(g, low),
+                                       lowrank.astype(p_new, low), side), sdt)
         if aux is not None:
             aux["proj_event"] = np.int8(ev)
             aux["low_rank_grad"] = r
@@ -1129,11 +1176,18 @@ def param_step(xp: ModuleType, hp: COAP, p: Any, g: Any, st: dict[str, Any], t: 
         m_cur, v_cur = lowrank.hf_adam_moments(xp, m_cur, v_cur, r, hp.b1, hp.b2)
         n = lowrank.hf_adam_direction(xp, m_cur, v_cur, hp.eps)
         step_size = lowrank.hf_step_size(hp.lr, hp.b1, hp.b2, count, hp.correct_bias)
-        full = project_back(xp, n, projection_of(st, shape), side, hp.scale) if projected \
-            else n
+        if low is not None:
+            n = lowrank.astype(n, low)
+            full = project_back(xp, n, lowrank.astype(projection_of(st, shape), low), side,
+                                hp.scale)
+        else:
+            full = project_back(xp, n, projection_of(st, shape), side, hp.scale) \
+                if projected else n
         store_moments(xp, hp, st, m_cur, v_cur, codec)
         if aux is not None and projected:
             aux["update_full"] = full
+        if low is not None:
+            return lowrank.hf_apply_low(p, full, step_size, hp.lr, hp.weight_decay), st
         return lowrank.hf_apply(p, full, step_size, hp.lr, hp.weight_decay), st
     st["m"], st["v"] = m_cur, v_cur
     st["rms"] = rms(xp, p)

@@ -44,6 +44,17 @@ matmul fails on the first step. xopt decides the side once from the parameter's 
 rules agree, so nothing else changes. (``"std"`` cannot hit this: its low-rank shape always
 names the side it came from.)
 
+**Precision of bfloat16/float16 matrices** (``proj_dtype``). The authors' projector keeps
+``P`` in the gradient's dtype (the SVD runs on the gradient cast to float32, its vectors
+cast back) and multiplies there, both ways; their AdamW then keeps ``m``, ``v`` in that
+dtype too (``zeros_like`` of the low-rank gradient) and adds the update to the parameter
+there. ``proj_dtype="param"`` computes their sequence (:mod:`xopt.specs.lowrank`, "the
+precision of the projections") with the moments in float32: a bfloat16 ``v`` cannot decay
+(``v·0.999`` rounds back to ``v``: bfloat16 keeps 8 significant bits), so it is not
+reproduced. ``"state"`` (the default) widens ``G`` and ``P`` to float32, multiplies there
+and rounds the whole step into the parameter once. Float32 and float64 matrices take one
+path under both.
+
 **Departures, all outside what the authors' code does for float32 matrices:** the SVD runs
 in the state's precision (the authors and optax cast a non-float32 gradient to float32 for
 it and the projection back to the gradient's dtype); ``rank`` larger than the matrix
@@ -102,6 +113,12 @@ class GaLore(Hyperparams):
                               interval=_AT_LEAST_ONE)
     scale: float = hp(1.0, doc="α: multiplies the projected-back update", interval=NONNEGATIVE)
     proj_type: str = hp("std", doc="which side to project", choices=PROJ_TYPES)
+    # "state": what xopt computed before this field existed (checkpoints and golden traces
+    # keep their meaning); float32 and float64 parameters compute the same under both
+    proj_dtype: str = hp("state", doc="dtype of the projections of bfloat16/float16 matrices: "
+                                      "'state' (float32) or 'param' (the parameter's, as "
+                                      "the authors' GaLoreProjector)",
+                         choices=lowrank.PROJ_DTYPES)
     project: bool = hp(True, doc="project this group's matrices (False: the base Adam step "
                                  "for every tensor, the authors' groups without 'rank')")
     convention: str = hp("authors", doc="Adam arithmetic, eps and weight decay: the authors' "
@@ -115,6 +132,10 @@ class GaLore(Hyperparams):
             raise HyperparameterError(
                 f"GaLore.eps_root = {self.eps_root!r}: needs convention='optax' (the authors' "
                 "AdamW has no eps_root)")
+        if self.convention == "optax" and self.proj_dtype == "param":
+            raise HyperparameterError(
+                "GaLore.proj_dtype = 'param': needs convention='authors' (the parameter-dtype "
+                "step is the authors' GaLoreAdamW's)")
         if self.convention == "optax" and not self.correct_bias:
             raise HyperparameterError(
                 "GaLore.correct_bias = False: needs convention='authors' (optax's scale_by_adam "
@@ -272,7 +293,8 @@ def optax_updates(u: Any, p: Any, lr: Any, weight_decay: Any) -> Any:
 
 
 def direction(xp: Any, h: GaLore, g: Any, m: Any, v: Any, ortho: Any, ortho_right: Any,
-              count: Any, *, aux: dict | None = None, name: str = "") -> tuple[Any, Any, Any]:
+              count: Any, *, aux: dict | None = None, name: str = "", low: Any = None
+              ) -> tuple[Any, Any, Any]:
     """Adam's direction of one tensor, projected and brought back: ``(u, m, v)``.
 
     Args:
@@ -282,6 +304,8 @@ def direction(xp: Any, h: GaLore, g: Any, m: Any, v: Any, ortho: Any, ortho_righ
         ``(r, n)`` for ``proj_type="full"`` only), or None when not projected.
       count: t ≥ 1 after this update's increment (a Python int, or an int32 array under
         ``jit``); used by the ``"optax"`` convention's bias correction.
+      low: the dtype both products run in when not the moments' (``proj_dtype="param"``,
+        :func:`xopt.specs.lowrank.product_dtype`); ``u`` is then in it.
     Returns:
       ``u = α · back(N)`` in ``g``'s shape (``N`` itself, unscaled, when not projected) and
       the new moments, where ``N = m / (√v + ε)`` (authors) or
@@ -289,13 +313,19 @@ def direction(xp: Any, h: GaLore, g: Any, m: Any, v: Any, ortho: Any, ortho_righ
     """
     projected = ortho is not None
     which = side(tuple(g.shape), h.proj_type) if projected else None
+    if projected and low is not None:
+        g, ortho, ortho_right = (lowrank.astype(a, low) for a in (g, ortho, ortho_right))
     r = project(xp, g, ortho, ortho_right, which) if projected else g
+    if projected and low is not None:
+        r = lowrank.astype(r, m.dtype)  # exact
     if h.convention == "authors":
         m, v = lowrank.hf_adam_moments(xp, m, v, r, h.b1, h.b2)
         n = lowrank.hf_adam_direction(xp, m, v, h.eps)
     else:
         m, v = optax_moments(xp, m, v, r, h.b1, h.b2)
         n = optax_direction(xp, m, v, count, h.b1, h.b2, h.eps, h.eps_root)
+    if projected and low is not None:
+        n = lowrank.astype(n, low)
     u = project_back(xp, n, ortho, ortho_right, which, h.scale) if projected else n
     if aux is not None and projected:
         aux[f"{name}/low_rank_grad"] = r
@@ -303,14 +333,18 @@ def direction(xp: Any, h: GaLore, g: Any, m: Any, v: Any, ortho: Any, ortho_righ
     return u, m, v
 
 
-def apply_update(h: GaLore, p: Any, u: Any, count: Any, lr: Any) -> Any:
+def apply_update(h: GaLore, p: Any, u: Any, count: Any, lr: Any, *, low: bool = False
+                 ) -> Any:
     """The new parameter from ``u`` (:func:`direction`).
 
     authors: ``p ← p − η√(1 − β₂ᵗ)/(1 − β₁ᵗ) · u``, then ``p ← p − ηλ p``;
-    optax: ``p ← p + (−η (u + λ p))``.
+    optax: ``p ← p + (−η (u + λ p))``. ``low``: ``p`` and ``u`` are in the parameter's
+    narrow dtype, and so is the result (:func:`xopt.specs.lowrank.hf_apply_low`).
     """
     if h.convention == "authors":
         step_size = lowrank.hf_step_size(lr, h.b1, h.b2, count, h.correct_bias)
+        if low:
+            return lowrank.hf_apply_low(p, u, step_size, lr, h.weight_decay)
         if _is_number(h.weight_decay):
             return lowrank.hf_apply(p, u, step_size, lr, h.weight_decay)
         p = p - step_size * u  # a traced λ (optax.inject_hyperparams): decay unconditionally,
@@ -341,9 +375,15 @@ def tensor_update(xp: Any, h: GaLore, p: Any, g: Any, m: Any, v: Any, ortho: Any
                   ortho_right: Any, count: Any, lr: Any, *, aux: dict | None = None,
                   name: str = "") -> tuple[Any, Any, Any]:
     """One GaLore step of one tensor whose projection (if any) is current:
-    :func:`direction` then :func:`apply_update`; returns ``(p, m, v)``."""
-    u, m, v = direction(xp, h, g, m, v, ortho, ortho_right, count, aux=aux, name=name)
-    return apply_update(h, p, u, count, lr), m, v
+    :func:`direction` then :func:`apply_update`; returns ``(p, m, v)``. With
+    ``proj_dtype="param"`` a projected ``p`` narrower than ``m`` is stepped in its own dtype
+    (:func:`xopt.specs.lowrank.product_dtype`); a ``p`` already widened takes the state's
+    path."""
+    low = (lowrank.product_dtype(h.proj_dtype, p.dtype, m.dtype)
+           if ortho is not None else None)
+    u, m, v = direction(xp, h, g, m, v, ortho, ortho_right, count, aux=aux, name=name,
+                        low=low)
+    return apply_update(h, p, u, count, lr, low=low is not None), m, v
 
 
 # -- the whole optimizer as a pure function (the oracle's definition) ----------------------

@@ -126,6 +126,71 @@ def check_interval(value: int, field: str, where: str) -> None:
         raise HyperparameterError(f"{where}: {field} = {value!r} must be a positive int")
 
 
+# -- the precision of the projections (``proj_dtype`` of GaLore, COAP and PLUMAGE) ------------
+#
+# ``"state"``: ``G`` and ``P`` are widened to the state's dtype (float32; float64 for float64
+# parameters) and both products run there. ``"param"``: as the authors' projectors
+# (galore_projector.py, coap_matrix.py), for a parameter narrower than its state (bfloat16,
+# float16) the products run in the parameter's dtype and the projected update is added to
+# the parameter there::
+#
+#     P_d = P → d                          (P itself is kept in the state's dtype)
+#     R   = G P_dᵀ  or  P_dᵀ G             in d (the gradient as it comes, d)
+#     m, v ← hf_adam_moments(R → s)        in s (the authors keep them in d; see the methods)
+#     N   = m / (√v + ε) → d
+#     U   = (N P_d  or  P_d N) · scale     in d, each product and the scaling rounded to d
+#     p   ← p + (−α)·U                     evaluated in float32, rounded once to d
+#     p   ← p + (−ηλ)·p                    likewise, when λ > 0
+#
+# For float32 and float64 parameters the two values are one computation.
+
+#: ``proj_dtype``'s values
+PROJ_DTYPES = ("state", "param")
+
+
+def _itemsize(dtype: Any) -> int:
+    size = getattr(dtype, "itemsize", None)  # torch.dtype and numpy dtypes
+    return int(size) if size is not None else np.dtype(dtype).itemsize
+
+
+def product_dtype(proj_dtype: str, param_dtype: Any, state_dtype: Any) -> Any:
+    """The dtype the projections run in when it is not the state's: ``param_dtype`` under
+    ``proj_dtype="param"`` for a parameter narrower than its state, else None."""
+    if proj_dtype == "param" and _itemsize(param_dtype) < _itemsize(state_dtype):
+        return param_dtype
+    return None
+
+
+def astype(x: Any, dtype: Any) -> Any:
+    """``x`` in ``dtype`` (torch's ``to``, NumPy's and jax's ``astype``); None stays None."""
+    if x is None or x.dtype == dtype:
+        return x
+    return x.to(dtype) if arrays.is_torch(arrays.namespace(x)) else x.astype(dtype)
+
+
+def hf_apply_low(p: Any, update: Any, step_size: Any, lr: Any, weight_decay: Any) -> Any:
+    """:func:`hf_apply` in ``p``'s own (narrow) dtype, as the authors' ``p.add_(U,
+    alpha=−α)`` then ``p.add_(p, alpha=−ηλ)``: each ``p + c·x`` evaluated in float32 and
+    rounded once into ``p``'s dtype. Under torch this is torch's ``add`` with ``alpha``
+    (whose CPU kernels round ``c`` itself to bfloat16 first, in the authors' code as here)."""
+    decay = not _is_real(weight_decay) or weight_decay > 0.0
+    torch_ = arrays.is_torch(arrays.namespace(p))
+    if torch_ and _is_real(step_size) and _is_real(lr) and _is_real(weight_decay):
+        p = p.add(update, alpha=-step_size)
+        return p.add(p, alpha=-(lr * weight_decay)) if decay else p
+    wide = p.new_empty(()).float().dtype if torch_ else np.float32
+
+    def axpy(x: Any, c: Any, y: Any) -> Any:
+        return astype(astype(x, wide) + c * astype(y, wide), x.dtype)
+
+    p = axpy(p, -step_size, update)
+    return axpy(p, -(lr * weight_decay), p) if decay else p
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
 # -- the authors' AdamW (transformers' ``AdamW``, which GaLore and COAP copy) ------------------
 #
 # One update of a tensor ``p`` whose (possibly projected) gradient is ``r``, at 1-based step

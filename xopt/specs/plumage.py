@@ -52,6 +52,14 @@ Conventions chosen where the paper leaves a choice (each stated where it is impl
   happens before the moment update of every step with ``t mod τ = 0`` (so at the first
   step) and a resample at ``t mod κ = 0`` (Algorithm 5). Adam's bias correction uses
   ``t + 1`` (Algorithm 5's ``βᵗ`` at ``t = 0`` would divide by zero).
+* **Precision of bfloat16/float16 matrices** (``proj_dtype``). The paper runs GaLore's
+  training code, whose projector multiplies in the gradient's dtype. ``"param"``: ``R = Pᵀ
+  G`` and ``P (D⁻¹ N)`` in the parameter's dtype (``P`` kept in float32 and rounded for
+  them; ``D⁻¹ N`` computed in float32 and rounded), the update added to the parameter there,
+  the moments, SVD, probabilities and realignment in float32
+  (:mod:`xopt.specs.lowrank`, "the precision of the projections"). ``"state"`` (default):
+  everything in float32, the step rounded into the parameter once. Float32 and float64
+  matrices take one path under both.
 * **Random numbers.** The shuffle and the offset come from :mod:`xopt.random` (same bits in
   NumPy, torch and JAX): the stream of parameter number ``index`` at step ``t`` has seed
   ``fold_in(seed, index, t)``; its words ``[0, 2n)`` are two 32-bit sort keys per index
@@ -126,6 +134,12 @@ class PLUMAGE(Hyperparams):
         "paper's experiments, Section 3.3.2)", interval=Interval(1, None))
     proj_side: str = hp("std", doc="'std': the smaller side (left when m ≤ n, Algorithm 4); "
                         "'left' or 'right'", choices=("std", "left", "right"))
+    # "state": what xopt computed before this field existed (checkpoints keep their
+    # meaning); float32 and float64 parameters compute the same under both
+    proj_dtype: str = hp("state", doc="dtype of the projections of bfloat16/float16 matrices: "
+                                      "'state' (float32) or 'param' (the parameter's, as "
+                                      "GaLore's projector, which PLUMAGE builds on)",
+                         choices=lowrank.PROJ_DTYPES)
     realign_first_moment: bool = hp(True, doc="M ← P₂ᵀP₁ M on a new projection (Eq. 28, 'MP')")
     realign_second_moment: bool = hp(True, doc="V ← (P₂ᵀP₁)^∘2 V on a new projection (Eq. 29, "
                                      "'S')")
@@ -414,6 +428,14 @@ def project_back(xp: ModuleType, n: Any, P: Any, dvec: Any, side: str) -> Any:
     return xp.matmul(n / dvec[None, :], P.T)
 
 
+def project_back_low(xp: ModuleType, n: Any, P: Any, dvec: Any, side: str) -> Any:
+    """:func:`project_back` in ``P``'s (narrow) dtype: ``N D⁻¹`` in ``n``'s dtype, rounded
+    to ``P``'s, then the product there (``proj_dtype="param"``)."""
+    if side == "left":
+        return xp.matmul(P, lowrank.astype(n / dvec[:, None], P.dtype))
+    return xp.matmul(lowrank.astype(n / dvec[None, :], P.dtype), P.T)
+
+
 def estimate(xp: ModuleType, g: Any, P: Any, dvec: Any, side: str) -> Any:
     """The one-sided PLUMAGE estimator ``Ĝ = P D⁻¹ Pᵀ G`` (Eq. 20; right: ``G P D⁻¹ Pᵀ``).
 
@@ -557,20 +579,32 @@ def update_param(xp: ModuleType, hp: PLUMAGE, p: Any, g: Any, st: dict[str, Any]
     """
     lr = hp.lr if lr is None else lr
     st = dict(st)
+    low = None
     if is_projected(tuple(p.shape), hp):
         side = side_of(tuple(p.shape), hp)
         svd, resample = resample_now(hp, t)
+        low = lowrank.product_dtype(hp.proj_dtype, p.dtype, st["m"].dtype)
+        if low is not None:
+            g = lowrank.astype(g, st["m"].dtype)  # the refresh runs in the state's dtype
         if resample:
             st = refresh(xp, hp, g, side, st, t, index, inject, svd=svd,
                          decomposition=decomposition)
-        r = project(xp, g, st["projector"], side)                      # R = Pᵀ G (Eq. 22)
+        if low is None:
+            r = project(xp, g, st["projector"], side)                  # R = Pᵀ G (Eq. 22)
+        else:
+            r = lowrank.astype(project(xp, lowrank.astype(g, low),
+                                       lowrank.astype(st["projector"], low), side),
+                               st["m"].dtype)
     else:
         side, r = None, g
     st["m"], st["v"] = lowrank.hf_adam_moments(xp, st["m"], st["v"], r, hp.b1, hp.b2)
     n = adam_direction(xp, st["m"], st["v"], hp)
+    alpha = lowrank.hf_step_size(lr, hp.b1, hp.b2, t + 1, hp.correct_bias)
+    if side is not None and low is not None:
+        n = project_back_low(xp, n, lowrank.astype(st["projector"], low), st["scale"], side)
+        return lowrank.hf_apply_low(p, n, alpha, lr, hp.weight_decay), st
     if side is not None:
         n = project_back(xp, n, st["projector"], st["scale"], side)   # P D⁻¹ N (Eq. 24)
-    alpha = lowrank.hf_step_size(lr, hp.b1, hp.b2, t + 1, hp.correct_bias)
     return lowrank.hf_apply(p, n, alpha, lr, hp.weight_decay), st
 
 

@@ -94,6 +94,23 @@ class LowRankOptimizer(Optimizer):
             hp = self.spec.make(preset, **given)
         super().__init__(params, hp.to_dict(), nonfinite=nonfinite, check_finite=check_finite)
 
+    #: hyperparameters added after state dicts were saved, with the value the code that
+    #: saved them computed: a saved group without one loads (and unpickles) with it
+    added_fields: dict[str, Any] = {"proj_dtype": "state"}
+
+    def _added(self) -> dict[str, Any]:
+        fields = set(self.hyperparams_cls.field_names())
+        return {k: v for k, v in self.added_fields.items() if k in fields}
+
+    def _saved_groups(self, state_dict: Mapping[str, Any]) -> list[dict[str, Any]]:
+        return [{**self._added(), **g} for g in state_dict["param_groups"]]
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # torch's load_state_dict ends here too
+        for group in self.param_groups:
+            for k, v in self._added().items():
+                group.setdefault(k, v)
+
     # -- groups ------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = dict(param_group)
@@ -241,11 +258,16 @@ class LowRankOptimizer(Optimizer):
                      v_key: str, proj_key: str) -> None:
         states = [self.state[p] for p in ps]
         r = None
+        # proj_dtype="param": both products in the parameter's dtype (the authors')
+        low = (lowrank.product_dtype(getattr(hp, "proj_dtype", "state"), pdt, sdt)
+               if which is not None else None)
         if which is not None:
-            g = stack_as(grads, sdt)
-            proj = torch.stack([st[proj_key] for st in states])
+            g = stack_as(grads, low or sdt)
+            proj = stack_as([st[proj_key] for st in states], low or sdt)
             r = self._batch_project(g, proj, which)
             del g
+            if low is not None:
+                r = r.to(sdt)  # exact; the moments stay in sdt
             rs = list(r.unbind(0))
         else:
             rs = converted(grads, sdt)
@@ -270,6 +292,12 @@ class LowRankOptimizer(Optimizer):
                 n = fused
             u = self._batch_back(n, proj, states, which, hp)
             del n
+            if low is not None:
+                # lowrank.hf_apply_low: p.add_(U, alpha=−α), then p.add_(p, alpha=−ηλ)
+                torch._foreach_add_(ps, list(u.unbind(0)), alpha=-step_size)
+                if hp.weight_decay > 0.0:
+                    torch._foreach_add_(ps, ps, alpha=-(hp.lr * hp.weight_decay))
+                return
             u.mul_(step_size)
             if pdt != sdt:
                 # hf_apply on the stack: p − α·u with p widened exactly (a mixed-dtype
@@ -330,9 +358,11 @@ class LowRankOptimizer(Optimizer):
     @staticmethod
     def _batch_back(n: Tensor, proj: Tensor, states: list[dict[str, Any]], which: str,
                     hp: Any) -> Tensor:
-        """``scale · N Q`` (right) or ``scale · P N`` (left), stacked."""
+        """``scale · N Q`` (right) or ``scale · P N`` (left), stacked, in ``proj``'s dtype
+        (``N`` rounded to it)."""
+        n = n.to(proj.dtype)
         u = torch.bmm(n, proj) if which == "right" else torch.bmm(proj, n)
-        return u.mul_(hp.scale)
+        return u.mul_(hp.scale) if hp.scale != 1.0 else u  # ×1 is exact: a pass saved
 
     def _svd_input(self, p: Tensor, g: Tensor, state: dict[str, Any], hp: Hyperparams,
                    inject: Mapping[str, Tensor] | None) -> Tensor | None:

@@ -74,7 +74,15 @@ class COAP(LowRankOptimizer):
       svd_driver: how refreshes decompose (:data:`xopt.torch._lowrank.SVD_DRIVERS`; None:
         ``torch.linalg.svd``'s default, as the spec).
       **hyperparameters: fields of :class:`xopt.specs.coap.COAP` (``lr``, ``rank``,
-        ``rank_ratio``, ``update_interval``, ``reproject_factor``, ...).
+        ``rank_ratio``, ``update_interval``, ``reproject_factor``, ``proj_dtype``, ...).
+
+    Precision: state is float32 (float64 for float64 parameters). ``proj_dtype="state"``
+    (default) computes the whole step there and rounds it into the parameter once. With
+    ``proj_dtype="param"`` (AdamW only) a bfloat16/float16 matrix's ordinary step is the
+    authors' ``CoapAdamW``'s: ``P`` (kept in float32) rounded to the parameter's dtype, both
+    products there, ``p.add_(U, alpha=-step_size)`` there; the moments and the projection
+    events stay float32 (:mod:`xopt.specs.coap`). Float32 and float64 parameters, kernels
+    and unprojected tensors step alike under both.
 
     ``step(closure=None, *, inject=None)``: ``inject={param: {"ortho_matrix": P}}`` makes
     an update that decomposes (the first, and every Eqn-7 one) use ``P`` instead; the
@@ -292,8 +300,11 @@ class COAP(LowRankOptimizer):
         def no_decomposition(a: Tensor) -> Any:  # every decomposition is _prepare's
             raise AssertionError(f"COAP: {name}: a decomposition outside _prepare")
 
+        # proj_dtype="param": a projected matrix steps in its own dtype (param_step)
+        low = _spec.low_dtype(tuple(p.shape), hp, p.dtype, dtype) is not None
         new_p, st = _spec.param_step(
-            torch, hp, p.detach().to(dtype), g.to(dtype), st, t, inject=prepared,
+            torch, hp, p.detach() if low else p.detach().to(dtype), g.to(dtype), st, t,
+            inject=prepared,
             qr=no_decomposition, svd=no_decomposition,
             codec=_SHARDED_CODEC if is_dtensor(p) else None)
         for var, value in st.items():

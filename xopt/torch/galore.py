@@ -71,6 +71,8 @@ class GaLore(LowRankOptimizer):
         ``"std"``, ``"reverse_std"``, ``"left"``, ``"right"``, ``"full"``).
       project: project this group's matrices (default True); False gives every tensor the
         plain Adam step.
+      proj_dtype: ``"state"`` (default) or ``"param"``: the dtype of the projections of
+        bfloat16/float16 matrices (see below).
       eps_root, convention: see :class:`xopt.specs.galore.GaLore`.
       preset: ``"authors"`` (the default) or ``"optax"``: defaults for every field not given.
       spec: a :class:`xopt.specs.galore.GaLore` giving every field at once.
@@ -83,9 +85,15 @@ class GaLore(LowRankOptimizer):
     Shapes and dtypes: parameters float32/float64/bfloat16/float16, any shape; projected
     ones are matrices ``(m, n)`` with ``rank <= min(m, n)`` (else
     :class:`HyperparameterError` naming the parameter at construction). State is float32
-    (float64 for float64 parameters); the step is computed there and rounded once into
-    the parameter. A refresh whose SVD fails raises
-    :class:`xopt.errors.DecompositionError` naming the parameter, its projection untouched.
+    (float64 for float64 parameters). With ``proj_dtype="state"`` the step is computed
+    there and rounded once into the parameter. With ``proj_dtype="param"`` a bfloat16 or
+    float16 matrix is projected as the authors' code projects it: ``P`` (kept in float32)
+    rounded to the parameter's dtype, both products in that dtype, the projected-back
+    update added to the parameter there (``p.add_(U, alpha=-step_size)``, then the weight
+    decay likewise); only the moments stay float32 (:mod:`xopt.specs.galore`). Float32 and
+    float64 parameters, and tensors that are not projected, step alike under both. A
+    refresh whose SVD fails raises :class:`xopt.errors.DecompositionError` naming the
+    parameter, its projection untouched.
     """
 
     hyperparams_cls = galore_spec.GaLore
@@ -99,14 +107,16 @@ class GaLore(LowRankOptimizer):
                  correct_bias: bool | None = None, *, rank: int | None = None,
                  update_proj_gap: int | None = None, scale: float | None = None,
                  proj_type: str | None = None, project: bool | None = None,
-                 eps_root: float | None = None, convention: str | None = None,
+                 proj_dtype: str | None = None, eps_root: float | None = None,
+                 convention: str | None = None,
                  preset: str | None = None, spec: galore_spec.GaLore | None = None,
                  nonfinite: str | None = None, check_finite: bool | None = None,
                  svd_driver: str | None = None) -> None:
         given = _split_betas(dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, correct_bias=correct_bias,
             rank=rank, update_proj_gap=update_proj_gap, scale=scale, proj_type=proj_type,
-            project=project, eps_root=eps_root, convention=convention), "GaLore")
+            project=project, proj_dtype=proj_dtype, eps_root=eps_root,
+            convention=convention), "GaLore")
         super().__init__(params, spec=spec, preset=preset, nonfinite=nonfinite,
                          check_finite=check_finite, svd_driver=svd_driver,
                          **{k: v for k, v in given.items() if v is not None})
@@ -234,7 +244,10 @@ class GaLore(LowRankOptimizer):
                                                           device=local(p).device))
         count = before + 1
         state["step"] = count
-        p_c = p if p.dtype == sdt else p.to(sdt)
+        if ortho is not None and lowrank.product_dtype(hp.proj_dtype, p.dtype, sdt) is not None:
+            p_c, g = p, g.to(p.dtype)  # exact: g was widened from p's dtype
+        else:
+            p_c = p if p.dtype == sdt else p.to(sdt)
         new_p, m, v = galore_spec.tensor_update(
             torch, hp, p_c, g, state["exp_avg"], state["exp_avg_sq"], ortho, ortho_right,
             count, hp.lr)

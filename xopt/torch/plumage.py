@@ -38,6 +38,7 @@ from torch import Tensor
 from xopt import random as xrandom
 from xopt.errors import HyperparameterError
 from xopt.registry import register
+from xopt.specs import lowrank
 from xopt.specs import plumage as _spec
 from xopt.torch._lowrank import LowRankOptimizer, chunks, stack_as
 from xopt.torch._optim import Item
@@ -79,7 +80,14 @@ class PLUMAGE(LowRankOptimizer):
       **hyperparameters: any other field of the spec (``rank``, ``update_proj_gap``,
         ``resample_interval``, ``proj_side``, ``realign_first_moment``,
         ``realign_second_moment``, ``prob_eps``, ``seed``, ``correct_bias``,
-        ``eps_inside_sqrt``, ``project``).
+        ``eps_inside_sqrt``, ``project``, ``proj_dtype``).
+
+    Precision: state is float32 (float64 for float64 parameters). ``proj_dtype="state"``
+    (default) computes the whole step there and rounds it into the parameter once;
+    ``proj_dtype="param"`` multiplies a bfloat16/float16 matrix's projections in its own
+    dtype (``P`` and ``D⁻¹ N`` rounded to it) and adds the update to it there, as GaLore's
+    code, on which the paper's experiments run (:mod:`xopt.specs.plumage`). Float32 and
+    float64 parameters step alike under both.
     """
 
     hyperparams_cls = _spec.PLUMAGE
@@ -254,11 +262,12 @@ class PLUMAGE(LowRankOptimizer):
     @staticmethod
     def _batch_back(n: Tensor, proj: Tensor, states: list[dict[str, Any]], which: str,
                     hp: Any) -> Tensor:
-        """:func:`xopt.specs.plumage.project_back`: ``P D⁻¹ N`` or ``N D⁻¹ Pᵀ``."""
+        """:func:`xopt.specs.plumage.project_back`: ``P D⁻¹ N`` or ``N D⁻¹ Pᵀ``, in
+        ``proj``'s dtype (``N D⁻¹`` rounded to it)."""
         d = torch.stack([st["scale"] for st in states])
         if which == "left":
-            return torch.bmm(proj, n / d[:, :, None])
-        return torch.bmm(n / d[:, None, :], proj.mT)
+            return torch.bmm(proj, (n / d[:, :, None]).to(proj.dtype))
+        return torch.bmm((n / d[:, None, :]).to(proj.dtype), proj.mT)
 
     def _init_state(self, p: Tensor, state: dict[str, Any], hp: _spec.PLUMAGE) -> None:
         state["step"] = 0
@@ -274,8 +283,12 @@ class PLUMAGE(LowRankOptimizer):
         t = int(state["step"])
         st = {k: state[key] for k, key in _STATE_KEYS.items() if key in state}
         g = g.to(dtype)
-        new_p, st = _spec.update_param(torch, hp, p.to(dtype), g, st, t, self._index[id(p)],
-                                       inject, decomposition=prepared)
+        # proj_dtype="param": the spec steps a projected p in its own dtype (g stays wide for
+        # the refresh; the spec rounds it for the product, exactly)
+        low = _spec.is_projected(tuple(p.shape), hp) and lowrank.product_dtype(
+            hp.proj_dtype, p.dtype, dtype) is not None
+        new_p, st = _spec.update_param(torch, hp, p if low else p.to(dtype), g, st, t,
+                                       self._index[id(p)], inject, decomposition=prepared)
         self.write(p, new_p)
         for k, v in st.items():
             state[_STATE_KEYS[k]] = v
