@@ -34,8 +34,9 @@ Per group, with the math of :func:`xopt.specs.small_fc_lopt.compute_step`:
    bias; the hidden layers' inputs relabeled so that a product's accumulator is the next
    one's operand (:func:`_mma_to_operand`); every product on the tensor cores
    (``precision``: "exact" three TF32 products of operands split into TF32 halves, the
-   weights' halves split once by XLA, "fast" one; full float32 under the CPU
-   interpreter, :func:`_dot3`); the output layer as float32 sums, the step; writes the
+   weights' halves split once by XLA, "fast" one; under the CPU interpreter the same
+   split with float32 products, as torch's interpreted kernels, :func:`_dot3`); the output
+   layer as float32 sums, the step; writes the
    step, ``m`` and ``rms``.
 
 Nothing is materialized per element but the kernels' inputs and outputs: no [n, 39]
@@ -123,11 +124,11 @@ def _on_cpu() -> bool:
 
 
 def _dot_mode(precision: str) -> str:
-    """How the fused kernel multiplies on the tensor cores: "f32" (the interpreter: XLA's
-    CPU dot, full float32), "tf32x3" (exact: three TF32 products, :func:`_dot3`) or "tf32"
-    (fast: one)."""
-    if _on_cpu():
-        return "f32"
+    """How the fused kernel multiplies: "tf32x3" (exact: three TF32 products of split
+    operands, :func:`_dot3`) or "tf32" (fast: one). On the CPU (the interpreter) the same
+    split runs with float32 products, as torch's Triton kernels under ``TRITON_INTERPRET=1``
+    run theirs: the two interpreters then evaluate the same algebra
+    (tests/test_lopt_backend_bits.py)."""
     return "tf32x3" if precision == "exact" else "tf32"
 
 
@@ -153,9 +154,7 @@ def _dot3(x: Any, w: tuple[Any, Any], acc: Any, mode: str) -> Any:
     ``x_hi·w_lo``, ``x_hi·w_hi`` added to ``acc`` in that order, small first. Split here
     rather than by Triton's own TF32x3, which splits the weights again in every sub-tile
     and guards each product's NaNs with a compare and a select per element."""
-    if mode == "f32":
-        return acc + jnp.dot(x, w[0], precision=jax.lax.Precision.HIGHEST)
-    tf32 = jax.lax.Precision.DEFAULT
+    tf32 = jax.lax.Precision.DEFAULT  # (on the CPU: float32 products)
     if mode == "tf32":
         return acc + jnp.dot(x, w[0], precision=tf32)
     x_hi = _round_tf32(x)
@@ -312,8 +311,10 @@ def _sub_tiles(body: Any, init: Any) -> Any:
 def _elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
     """The 16 per-element features (:data:`ELEM`) of a [BR, BC] block, unnormalized."""
     feats = [g, p, *ms, rms, *(m * r for m in ms), r]
-    fg = [(g * rf) * cf for rf, cf in factors]
-    fm = [(m * rf) * cf for m, (rf, cf) in zip(ms, factors, strict=True)]
+    # g·(rf·cf), m·(rf·cf): the factors' product first, as torch's kernels
+    ff = [rf * cf for rf, cf in factors]
+    fg = [g * f for f in ff]
+    fm = [m * f for m, f in zip(ms, ff, strict=True)]
     return feats + fg + fm
 
 
@@ -399,7 +400,10 @@ def _fused_kernel(idx_ref, dec_ref, w16_ref, b0_ref, wh_ref, bh_ref, wl_ref, bl_
         ab = (t1[:, None, :] + t2[None, :, :]).reshape(n, hp)
         h = jnp.maximum(_dot3(x, w16, ab, mode), 0.0)
         for i in range(nhid):
-            h = _dot3(_mma_to_operand(h, hp), wh[i], bh[i], mode)
+            # the products from zero, then the bias (torch's _mlp_tail: not the bias as the
+            # first accumulator, which would add it before the products)
+            h = _dot3(_mma_to_operand(h, hp), wh[i], jnp.zeros((n, hp), jnp.float32), mode) \
+                + bh[i]
             h = jnp.maximum(h, 0.0)
         direction = jnp.sum(h * wl0, axis=1) + bl0
         magnitude = jnp.sum(h * wl1, axis=1) + bl1
@@ -430,8 +434,8 @@ class SmallFCKernels:
         return two_d_view(shape) is not None
 
     def _pair(self, w: Any) -> Any:
-        """``w`` as :func:`_dot3` reads it: its TF32 halves in exact mode on a GPU, else
-        ``w`` and zeros (stacked on axis -3)."""
+        """``w`` as :func:`_dot3` reads it: its TF32 halves in exact mode (on every device, as
+        torch's kernels), else ``w`` and zeros (stacked on axis -3)."""
         if _dot_mode(self.precision) == "tf32x3":
             return split_tf32(w)
         return jnp.stack([w, jnp.zeros_like(w)], axis=-3)
@@ -676,8 +680,9 @@ def unsupported_velo(hp: Any) -> str | None:
 def _velo_elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
     """VeLO's 18 per-element channels (:data:`VELO_ELEM`) of a block, unnormalized; ``g``
     already clipped to ±1000."""
-    fg = [(g * rf) * cf for rf, cf in factors]
-    fm = [(m * rf) * cf for m, (rf, cf) in zip(ms, factors, strict=True)]
+    ff = [rf * cf for rf, cf in factors]  # the factors' product first, as torch's kernel
+    fg = [g * f for f in ff]
+    fm = [m * f for m, f in zip(ms, ff, strict=True)]
     return [g, jnp.clip(g, -0.1, 0.1), p, *ms, rms, *(m * r for m in ms), r, *fg, g * r, *fm]
 
 
