@@ -1,0 +1,433 @@
+"""The JAX Pallas path of the learned optimizers against the torch Triton path, bit for bit,
+from the same inputs (θ bundled with xopt, parameters, gradients, optimizer state, step).
+
+On a CPU both run in their interpreters (Triton under ``TRITON_INTERPRET=1``, Pallas with
+``interpret=True``); on a CUDA device both compiled (the device chosen as
+tests/helpers.py ``triton_kernel_target``). Each output (the step, each state variable) and
+each stage between them is compared; where the bits differ, the test states the op and
+holds the difference to the behaviour that explains it:
+
+* the decays and the weights' TF32 halves: the same bits;
+* the accumulators ``m``, ``rms``, ``v_diag`` (``d·old + (1 − d)·x``): XLA contracts the
+  first product and the sum into one fused multiply-add, on the CPU for both the Pallas
+  interpreter and the packed XLA path; Triton's interpreter evaluates in NumPy, which
+  never contracts. Asserted element by element against both evaluations; from a fresh
+  state (``old = 0``) there is nothing to contract and the bits agree;
+* the Adafactor statistics ``v_row``, ``v_col`` and their row-column mean: a mean over one
+  axis, summed in another order (torch: per tile, then the tiles' partial sums in order;
+  XLA: its own reduction), held to the rounding bound of positive sums;
+* the time features folded into the first bias: an 11-term dot product, summed in
+  another order, held to its rounding bound;
+* the normalizers (``rsqrt(1e-5 + mean feature²)``): sums of squares in another order
+  (torch: float32 per thread, float64 per tile and across tiles; Pallas: float32 per
+  block, the blocks added by XLA), held to the rounding bound of those sums;
+* the fused pass, fed the torch path's own statistics, normalizers, axis terms and bias:
+  on the CPU its step differs where the two interpreters' hosts round differently, and the
+  test asserts which ops those are (``rsqrt``: NumPy's ``1/sqrt``, two roundings, against
+  XLA's; ``exp``: NumPy's against XLA's; a float32 matrix product: NumPy's BLAS against
+  XLA's order), each on the same operands; the step then within twice the exact mode's
+  bound.
+
+Both paths are also held to their own plain path as the torch suite holds the Triton path
+(tests/test_kernels_lopt.py): parameters and state within 1e-6, the fast mode's step within
+2e-2, two runs the same bits.
+
+Shapes: a 2-D tensor whose rows (5) and columns (70) are multiples of neither path's block,
+a vector and a scalar (the Pallas path runs kernels on the 2-D groups, its packed XLA path
+on the others; the torch path runs kernels on all).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from helpers import has_jax, triton_kernel_target
+
+needs_kernel, DEVICE = triton_kernel_target()
+pytestmark = [needs_kernel, pytest.mark.skipif(not has_jax, reason="jax is not installed")]
+
+SHAPES = [(5, 70), (6,), ()]
+ITERATION = 7
+#: unit roundoff of float32
+U = 2.0 ** -24
+EXACT = 1e-6
+FAST_STEP = 2e-2
+
+
+def gamma(n: int) -> float:
+    """Higham's γ_n = n·u / (1 − n·u): the relative error bound of a float32 sum of n
+    terms of one sign in any order (and of a product of n roundings)."""
+    return n * U / (1 - n * U)
+
+
+def ulps(a, b) -> int:
+    """The largest distance in float32 units in the last place between two arrays."""
+    a = np.asarray(a, np.float32).view(np.int32).astype(np.int64)
+    b = np.asarray(b, np.float32).view(np.int32).astype(np.int64)
+    return int(np.abs(a - b).max()) if a.size else 0
+
+
+def max_rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.size == 0:
+        return 0.0
+    d = np.abs(a - b).max()
+    return 0.0 if d == 0 else float(d / max(np.abs(b).max(), 1e-300))
+
+
+def fma32(a, b, c) -> np.ndarray:
+    """``a·b + c`` rounded once to float32 (float32 operands): the product is exact in
+    float64 and the sum's float64 rounding error (TwoSum) decides the one case where
+    rounding float64 to float32 would round twice, a float32 midpoint."""
+    a, b, c = (np.asarray(x, np.float32).astype(np.float64) for x in np.broadcast_arrays(a, b, c))
+    p = a * b
+    s = p + c
+    bp = s - c
+    e = (p - bp) + (c - (s - bp))
+    r = s.astype(np.float32)
+    r64 = r.astype(np.float64)
+    toward = np.nextafter(r, np.where(s > r64, np.float32(np.inf), np.float32(-np.inf)))
+    tie = (r64 != s) & (np.abs(s - r64) == np.abs(toward.astype(np.float64) - s))
+    fix = np.nextafter(r, np.where(e > 0, np.float32(np.inf), np.float32(-np.inf)))
+    return np.where(tie & (e != 0), fix, r).astype(np.float32)
+
+
+def unfused32(a, b, c) -> np.ndarray:
+    """``a·b + c`` with the product rounded to float32 first (no contraction)."""
+    a, b, c = (np.asarray(x, np.float32) for x in (a, b, c))
+    return (a * b).astype(np.float32) + c
+
+
+def _inputs(hp, spec, carried: bool):
+    """Parameters, gradients and per-tensor state (the 2-D tensor's state fresh, zeros;
+    the others' carried, random, positive where it is a second moment)."""
+    rng = np.random.default_rng(0)
+
+    def r(s, pos=False):
+        x = rng.standard_normal(s).astype(np.float32)
+        return np.abs(x) + np.float32(0.1) if pos else x
+
+    params = [r(s) for s in SHAPES]
+    grads = [r(s) for s in SHAPES]
+    states = []
+    for s in SHAPES:
+        shapes = spec.param_state_shapes(hp, s)
+        fresh = len(s) == 2 and not carried
+        states.append({k: np.zeros(v, np.float32) if fresh else r(v, pos=k != "m")
+                       for k, v in shapes.items()})
+    return params, grads, states
+
+
+class _Spy:
+    """A Triton kernel whose launches are recorded (their tensor arguments cloned after
+    the launch)."""
+
+    def __init__(self, log, name, kern):
+        self.log, self.name, self.kern = log, name, kern
+
+    def __getitem__(self, grid):
+        import torch
+
+        def launch(*args, **kw):
+            self.kern[grid](*args, **kw)
+            self.log.setdefault(self.name, []).append(
+                [a.detach().clone().cpu() if isinstance(a, torch.Tensor) else a for a in args])
+        return launch
+
+
+@pytest.fixture(scope="module")
+def sfc():
+    """small_fc_lopt (bundled θ, exact mode), one step through both paths from the same
+    inputs, with the stages' results of each."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from xopt.checkpoints.bundled import bundled_meta_params
+    from xopt.jax import _lopt_fast
+    from xopt.kernels import lopt_common as C
+    from xopt.kernels import small_fc_lopt as ks
+    from xopt.specs import small_fc_lopt as spec
+
+    jmod = importlib.import_module("xopt.jax.small_fc_lopt")
+    theta, hyper = bundled_meta_params("small_fc_lopt")
+    hp = spec.SmallFCLOpt(num_training_steps=100, **hyper)
+    meta = {k: np.asarray(v, np.float32) for k, v in spec.coerce_meta(theta, hp).items()}
+    params, grads, states = _inputs(hp, spec, carried=False)
+
+    # torch Triton
+    log: dict = {}
+    mp = pytest.MonkeyPatch()
+    for mod, name in ((ks, "sfc_norm_kernel"), (ks, "sfc_axis_kernel"), (C, "rcm_kernel"),
+                      (ks, "sfc_fold_fused_kernel")):
+        mp.setattr(mod, name, _Spy(log, name, getattr(mod, name)))
+    try:
+        kern = ks.SmallFCTriton(hp, "exact")
+        dev = DEVICE
+        tp = [torch.from_numpy(p.copy()).to(dev) for p in params]
+        tg = [torch.from_numpy(g.copy()).to(dev) for g in grads]
+        tst = [{k: torch.from_numpy(v.copy()).to(dev) for k, v in st.items()} for st in states]
+        outs = [torch.empty_like(p) for p in tp]
+        tmeta = {k: torch.from_numpy(v.copy()).to(dev) for k, v in meta.items()}
+        n = len(tp)
+        kern.step(tp, tg, tst, outs, [True] * n, [1.0] * n, [0.0] * n, tmeta, ITERATION)
+    finally:
+        mp.undo()
+    torch_res = dict(step=[o.cpu().numpy() for o in outs],
+                     state=[{k: v.cpu().numpy() for k, v in st.items()} for st in tst],
+                     decays=kern._decays[1].cpu().numpy(), log=log,
+                     wh=kern._wcache[1]["wh"].cpu().numpy())
+
+    # JAX Pallas, each stage's result recorded (the stage runner's hook)
+    jmeta = {k: jnp.asarray(v) for k, v in meta.items()}
+    plain = jmod._Method(hp, jmeta)
+    inner = jmod.SmallFCState(*([jnp.asarray(st[v]) for st in states] for v in spec.PARAM_VARS),
+                              mom_t=jnp.zeros((3,), jnp.int32), rms_t=jnp.zeros((1,), jnp.int32))
+    args = ([jnp.asarray(p) for p in params], [jnp.asarray(g) for g in grads], jnp.float32(0),
+            jnp.int32(ITERATION), inner)
+
+    def run(method, record):
+        rec: dict = {}
+
+        def stage(name, fn, *a):
+            out = fn(*a)
+            rec[name] = out
+            return out
+
+        if record:
+            method.stage = stage
+
+        def f(*a):
+            rec.clear()
+            out = method.update(*a)
+            return out, dict(rec)
+
+        (steps, new), stages = jax.jit(f)(*args)
+        return ([np.asarray(s) for s in steps],
+                [{v: np.asarray(getattr(new, v)[i]) for v in spec.PARAM_VARS}
+                 for i in range(len(SHAPES))], stages)
+
+    pallas = _lopt_fast.PackedSmallFC(plain, "pallas", "exact")
+    j_step, j_state, stages = run(pallas, True)
+    p_step, p_state, _ = run(plain, False)
+    return dict(hp=hp, meta=meta, jmeta=jmeta, params=params, grads=grads, states=states,
+                torch=torch_res, jax=dict(step=j_step, state=j_state, stages=stages),
+                plain=dict(step=p_step, state=p_state))
+
+
+def _verdict(name, a, b) -> str:
+    line = f"{name}: " + ("same bits" if ulps(a, b) == 0 else
+                          f"differ, {ulps(a, b)} ulps, max rel {max_rel(a, b):.2e}")
+    print(line)
+    return line
+
+
+def test_decays_and_weight_halves_are_the_same_bits(sfc):
+    # the effective decays (the spec's log/exp on the host of each framework) and the
+    # hidden layer's TF32 halves (torch's split_weights, Pallas's split_tf32): bit ops
+    dec_t = sfc["torch"]["decays"]
+    dec_j = np.concatenate([np.asarray(d) for d in sfc["jax"]["stages"]["setup"][0]])
+    _verdict("decays", dec_j, dec_t)
+    assert ulps(dec_j, dec_t) == 0
+    wh_j = np.asarray(sfc["jax"]["stages"]["norm@5x70"]["wh"])  # [nhid, 2, HP, HP]
+    hp_ = wh_j.shape[-1]
+    wh_t = sfc["torch"]["wh"].reshape(2, -1, hp_, hp_)  # hi halves, then lo halves
+    _verdict("hidden layer hi/lo halves", np.swapaxes(wh_j, 0, 1), wh_t)
+    assert ulps(np.swapaxes(wh_j, 0, 1), wh_t) == 0
+
+
+@pytest.mark.parametrize("var", ["step", "m", "rms", "v_row", "v_col", "v_diag"])
+@pytest.mark.parametrize("k", range(len(SHAPES)), ids=["x".join(map(str, s)) or "scalar"
+                                                       for s in SHAPES])
+def test_per_output_verdicts(sfc, k, var):
+    # every output of the step, tensor by tensor: the verdict printed (pytest -rA), and
+    # the differences held to their explanations (the tests below)
+    t = sfc["torch"]["step"][k] if var == "step" else sfc["torch"]["state"][k][var]
+    j = sfc["jax"]["step"][k] if var == "step" else sfc["jax"]["state"][k][var]
+    assert t.shape == j.shape
+    _verdict(f"{SHAPES[k]} {var}", j, t)
+    if var in ("m", "rms") and len(SHAPES[k]) == 2:  # fresh state: nothing to contract
+        assert ulps(j, t) == 0
+    if var == "v_diag" and len(SHAPES[k]) == 2:  # the placeholder, untouched
+        assert ulps(j, t) == 0
+
+
+@pytest.mark.parametrize("k", [1, 2], ids=["6", "scalar"])
+def test_carried_accumulators_differ_by_fma_contraction(sfc, k):
+    # m = d·m_old + (1 − d)·g, rms = d·rms_old + (1 − d)·g², v_diag = c·v_old + (1 − c)·(g² +
+    # 1e-30): XLA contracts the first product into the sum (fma(d, old, (1 − d)·x));
+    # Triton's interpreter (NumPy) rounds the product first. On a GPU torch's kernels
+    # contract too (FP_FUSION): each side is one of the two, printed.
+    dec = sfc["torch"]["decays"]
+    md, rd, fd = dec[:3], np.clip(dec[3], 0, 1), np.clip(dec[4:], 0, 1)
+    g = sfc["grads"][k]
+    old = sfc["states"][k]
+    one = np.float32(1)
+    cases = {
+        "m": (md, old["m"], ((one - md) * g[..., None]).astype(np.float32)),
+        "rms": (rd, old["rms"], ((one - rd) * (g * g)[..., None]).astype(np.float32)),
+        "v_diag": (fd, old["v_diag"],
+                   ((one - fd) * (g * g + np.float32(1e-30))[..., None]).astype(np.float32)),
+    }
+    for var, (d, o, x) in cases.items():
+        fused, plain = fma32(d, o, x), unfused32(d, o, x)
+        t, j = sfc["torch"]["state"][k][var], sfc["jax"]["state"][k][var]
+        _verdict(f"{SHAPES[k]} {var}", j, t)
+        if DEVICE.type == "cpu":
+            assert np.array_equal(t, plain), var
+            assert np.array_equal(j, fused), var
+        else:
+            assert np.all((t == plain) | (t == fused)), var
+            assert np.all((j == plain) | (j == fused)), var
+            print(f"  torch contracts: {np.array_equal(t, fused)}, "
+                  f"Pallas contracts: {np.array_equal(j, fused)}")
+
+
+def test_adafactor_statistics_differ_by_reduction_order(sfc):
+    # v = c·v_old + (1 − c)·mean(g² + 1e-30) over one axis (v_old = 0 here): a sum of n
+    # positive terms, a division and a product (and the sum with c·v_old): each path within
+    # γ_(n+3) of the exact value, so the two within 2γ_(n+3) of each other. The row-column
+    # mean, a mean over the N1 entries of v_row, adds N1 + 1 roundings.
+    n1, n2 = SHAPES[0]
+    pre = sfc["jax"]["stages"]["prep@5x70"]
+    st_t = sfc["torch"]["state"][0]
+    for var, key, n in (("v_row", "new_row", n2), ("v_col", "new_col", n1)):
+        t, j = st_t[var], np.asarray(pre[key][0])
+        _verdict(f"{SHAPES[0]} {var}", j, t)
+        assert np.all(np.abs(t.astype(np.float64) - j) <= 2 * gamma(n + 3) * np.abs(t)), var
+    rcm_t = sfc["torch"]["log"]["rcm_kernel"][0][3].numpy()[:3]
+    rcm_j = np.asarray(pre["new_row"][0], np.float32).mean(axis=0, dtype=np.float32)
+    bound = 2 * gamma(n2 + 3 + n1 + 1) * np.abs(rcm_t)
+    _verdict("row-column mean", rcm_j, rcm_t)
+    assert np.all(np.abs(rcm_t.astype(np.float64) - rcm_j) <= bound)
+
+
+def test_time_feature_bias_differs_by_reduction_order(sfc):
+    # b0 + Σ_k tf_k·W0[28 + k] over the 11 time features: torch sums the products over k
+    # (torch.sum), Pallas's XLA as a matrix product; each within γ_12 of the exact value
+    # (relative to |b0| + Σ|tf_k·W0|), the two within twice that
+    from xopt.specs import small_fc_lopt as spec
+
+    b0_t = sfc["torch"]["log"]["sfc_fold_fused_kernel"][0][11].numpy()
+    b0_j = np.asarray(sfc["jax"]["stages"]["norm@5x70"]["b0"])[0]
+    _verdict("first bias with the time features", b0_j, b0_t)
+    meta = sfc["meta"]
+    tf = np.tanh(np.float64(ITERATION) / np.asarray(spec.TIMESCALES, np.float64) - 1.0)
+    w = np.abs(meta["mlp/w0"][28:].astype(np.float64))
+    scale = np.abs(meta["mlp/b0"].astype(np.float64)) + np.abs(tf) @ w
+    hp_ = b0_t.shape[0]
+    assert np.all(np.abs(b0_t[:scale.size].astype(np.float64) - b0_j[:scale.size])
+                  <= 2 * gamma(12) * scale + 4 * U * np.abs(b0_t[:scale.size]))
+    assert hp_ == b0_j.shape[0]
+
+
+def test_normalizers_differ_by_reduction_order(sfc):
+    # inv_f = rsqrt(1e-5 + Σ f² / n) per feature f. Σ f²: n = 350 terms of one sign (γ_n
+    # each path, whatever the order); each f² from at most 4 roundings and one rsqrt of the
+    # same inputs, squared (2·(4 + 2)u; NumPy's 1/sqrt and XLA's rsqrt within 2 ulps), the
+    # factors from v_row, v_col that differ by the statistics' bound (squared: 2·2γ_(n+3)
+    # per factor, two factors); then /n, +1e-5 (2u) and the rsqrt (½ of the relative change,
+    # plus 2 ulps). Each path within that of the exact value, the two within twice it.
+    n1, n2 = SHAPES[0]
+    n = n1 * n2
+    norm_t = sfc["torch"]["log"]["sfc_norm_kernel"][0][3][0].numpy()[:28]
+    fsm = sfc["jax"]["stages"]["norm@5x70"]["feature_sq_mean"][0]
+    import jax
+
+    norm_j = np.asarray(jax.lax.rsqrt(1e-5 + fsm))
+    _verdict("normalizers", norm_j, norm_t)
+    term = 2 * 6 * U + 2 * 2 * 2 * gamma(max(n1, n2) + 3)
+    bound = 2 * (0.5 * (gamma(n) + term + 2 * U) + 2 * U)
+    print(f"  bound {bound:.2e}, max rel {np.max(np.abs(norm_t / norm_j - 1)):.2e}")
+    assert np.all(np.abs(norm_t.astype(np.float64) / norm_j - 1) <= bound)
+
+
+def test_interpreters_round_rsqrt_exp_and_products_differently():
+    # the ops of the fused pass whose bits differ between the two interpreters' hosts, on
+    # the same operands: Triton's interpreter evaluates rsqrt as NumPy's 1/sqrt (two
+    # roundings), exp as NumPy's float32 exp and tl.dot as NumPy's matmul plus the
+    # accumulator; Pallas's interpreter runs XLA's rsqrt, exp and dot. (On a GPU both
+    # lower to Triton: see test_fused_pass_from_the_same_inputs.)
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(1)
+    x = (np.abs(rng.standard_normal(4096)) * 10.0 ** rng.uniform(-8, 3, 4096)).astype(np.float32)
+    y = rng.uniform(-20, 20, 4096).astype(np.float32)
+    a = rng.standard_normal((128, 16)).astype(np.float32)
+    b = rng.standard_normal((16, 32)).astype(np.float32)
+    c = rng.standard_normal((128, 32)).astype(np.float32)
+    pairs = {
+        "rsqrt": (1 / np.sqrt(x), jax.jit(jax.lax.rsqrt)(x)),
+        "exp": (np.exp(y), jax.jit(jnp.exp)(y)),
+        "matmul + acc": (np.matmul(a, b, dtype=np.float32) + c,
+                         jax.jit(lambda a, b, c: c + jnp.dot(a, b))(a, b, c)),
+    }
+    for name, (t, j) in pairs.items():
+        j = np.asarray(j)
+        _verdict(name, j, t)
+        assert ulps(j, t) > 0, name  # they differ ...
+        # ... by a few roundings: rsqrt and exp within 2 ulps each side; a K-term product
+        # sum within γ_(K+1) Σ|a·b| + |c| each side
+        if name == "matmul + acc":
+            scale = np.abs(a) @ np.abs(b) + np.abs(c)
+            assert np.all(np.abs(t.astype(np.float64) - j) <= 2 * gamma(17) * scale)
+        else:
+            assert np.all(np.abs(t.astype(np.float64) - j) <= 4 * U * np.abs(t)), name
+
+
+def test_fused_pass_from_the_same_inputs(sfc):
+    # the Pallas fused kernel fed the torch path's statistics (v_row, v_col, their
+    # row-column mean), normalized first-layer rows (w16n), axis terms and first bias:
+    # what is left is the kernel itself. m and rms: the same bits (fresh state). The step:
+    # on the CPU the interpreters' rsqrt, exp and products (the test above); each path's
+    # step within EXACT of the float64 step on these inputs (tests/test_kernels_lopt.py,
+    # tests/test_kernels_lopt_jax.py), so the two within 2·EXACT.
+    import jax
+    import jax.numpy as jnp
+
+    from xopt.jax import _lopt_pallas as P
+    from xopt.specs import lopt
+
+    shape = SHAPES[0]
+    n1, n2, row_on_1 = P.two_d_view(shape)
+    log = sfc["torch"]["log"]
+    st_t = sfc["torch"]["state"][0]
+    stages = sfc["jax"]["stages"]
+    vr = jnp.asarray(st_t["v_row"]).reshape(1, -1, 3)
+    vc = jnp.asarray(st_t["v_col"]).reshape(1, -1, 3)
+    rcm = jnp.asarray(log["rcm_kernel"][0][3].numpy()[:3]).reshape(1, 1, 3)
+    rf = lopt.safe_rsqrt(jnp, vr / (rcm + 1e-9))
+    cf = lopt.safe_rsqrt(jnp, vc)
+    f1, f2 = (rf, cf) if row_on_1 else (cf, rf)
+    pre = dict(stages["prep@5x70"], f1=jnp.swapaxes(f1, 1, 2), f2=jnp.swapaxes(f2, 1, 2))
+    terms = log["sfc_axis_kernel"][0][4].numpy()
+    nr = vr.shape[1]
+    t_row, t_col = terms[None, :nr], terms[None, nr:nr + vc.shape[1]]
+    t1, t2 = (t_row, t_col) if row_on_1 else (t_col, t_row)
+    fz = log["sfc_fold_fused_kernel"][0]
+    norm = dict(stages["norm@5x70"], w16=jnp.asarray(log["sfc_norm_kernel"][0][4][:1].numpy()),
+                t1=jnp.asarray(t1), t2=jnp.asarray(t2), b0=jnp.asarray(fz[11].numpy())[None])
+    fused = jax.jit(lambda pr, no, *a: P.SmallFCKernels(sfc["hp"], sfc["jmeta"], "exact").fused(
+        shape, pr, no, *a))
+    step, m, rms = fused(pre, norm, [jnp.asarray(sfc["grads"][0])],
+                         [jnp.asarray(sfc["params"][0])],
+                         [jnp.asarray(sfc["states"][0]["m"])],
+                         [jnp.asarray(sfc["states"][0]["rms"])])
+    for name, j, t in (("m", m[0], st_t["m"]), ("rms", rms[0], st_t["rms"])):
+        _verdict(f"fused pass {name}", j, t)
+        assert ulps(j, t) == 0
+    _verdict("fused pass step", step[0], sfc["torch"]["step"][0])
+    assert max_rel(step[0], sfc["torch"]["step"][0]) <= 2 * EXACT
+
+
+def test_both_paths_match_their_plain_path(sfc):
+    # the Pallas path against xopt.jax's plain path as the torch suite holds the Triton
+    # path against the plain torch path: state within EXACT; the step (lr 1, the update)
+    # within EXACT of plain's on these inputs
+    for k in range(len(SHAPES)):
+        for v in ("m", "rms", "v_row", "v_col", "v_diag"):
+            assert max_rel(sfc["jax"]["state"][k][v], sfc["plain"]["state"][k][v]) <= EXACT
+        assert max_rel(sfc["jax"]["step"][k], sfc["plain"]["step"][k]) <= EXACT
