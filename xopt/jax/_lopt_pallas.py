@@ -446,7 +446,7 @@ class SmallFCKernels:
         w0 = jnp.asarray(meta["mlp/w0"], jnp.float32)
         b0 = jnp.asarray(meta["mlp/b0"], jnp.float32)
         # the time features are the same for every element: folded into the first bias
-        b0t = b0 + jnp.matmul(tf, w0[nf:], precision=jax.lax.Precision.HIGHEST)
+        b0t = b0 + jnp.sum(tf[:, None] * w0[nf:], axis=0)  # (torch's SmallFCTriton._body)
         wh = [_pad_cols(jnp.pad(jnp.asarray(meta[f"mlp/w{i}"], jnp.float32),
                                 [(0, hp_ - int(meta[f"mlp/w{i}"].shape[0])), (0, 0)]), hp_)
               for i in range(1, nl)]
@@ -514,11 +514,8 @@ class SmallFCKernels:
         w0 = w["w0"]
         row_rows = np.array([13, 14, 15, 19, 20, 21])
         col_rows = np.array([16, 17, 18, 22, 23, 24])
-        hi = jax.lax.Precision.HIGHEST
-        t_row = jnp.einsum("lnk,kh->lnh", pre["row_feats"] * inv[:, None, row_rows],
-                           w0[row_rows], precision=hi)
-        t_col = jnp.einsum("lnk,kh->lnh", pre["col_feats"] * inv[:, None, col_rows],
-                           w0[col_rows], precision=hi)
+        t_row = _axis_terms(pre["row_feats"], inv[:, row_rows, None] * w0[row_rows][None])
+        t_col = _axis_terms(pre["col_feats"], inv[:, col_rows, None] * w0[col_rows][None])
         t1, t2 = (t_row, t_col) if row_on_1 else (t_col, t_row)
         # the per-element features' first-layer rows times the tensor's normalizers [L, 16,
         # HP], as torch's sfc_norm_kernel folds them
@@ -618,6 +615,17 @@ def _axis_prep(shape: tuple[int, ...], v_row: list[Any], v_col: list[Any],
                 row_sq=row_sq, col_sq=col_sq, decs=decs)
 
 
+def _axis_terms(feats: Any, wn: Any) -> Any:
+    """The first-layer terms of one axis's 6 features, ``Σ_k f_k · wn_k`` [L, n, HP] from
+    ``feats`` [L, n, 6] and ``wn`` [L, 6, HP] (each feature's first-layer row times the
+    tensor's normalizer), added from zero in the features' order, as torch's kernels
+    (xopt.kernels.small_fc_lopt.sfc_axis_kernel, xopt.kernels.velo._axis_terms)."""
+    h = jnp.zeros(feats.shape[:2] + wn.shape[-1:], jnp.float32)
+    for k in range(feats.shape[-1]):
+        h = h + feats[:, :, k, None] * wn[:, None, k, :]
+    return h
+
+
 def _var_call(shape: tuple[int, ...], mu: Any, m: list[Any], rms: list[Any]) -> Any:
     """:func:`_velo_var_kernel` over a group, one call per tensor: ``[L · blocks, 8]``."""
     n1, n2, _ = two_d_view(shape)
@@ -662,8 +670,8 @@ def _stats_call(kernel: Any, width: int, name: str, shape: tuple[int, ...], pre:
 VELO_ELEM = tuple(range(15)) + (27, 28, 29)
 VELO_ROW = (15, 16, 17, 21, 22, 23)
 VELO_COL = (18, 19, 20, 24, 25, 26)
-#: per-tensor scalars: normalizers (18), first layer's element rows (18 × 4), then the
-#: biases, hidden and output layers (offsets in :class:`VeLOKernels`), lr_mult, param_scale
+#: per-tensor scalars: the first layer's element rows times their normalizers (18 × 4), then
+#: the biases, hidden and output layers (offsets in :class:`VeLOKernels`), lr_mult, param_scale
 VELO_SCAL = 256
 
 
@@ -754,27 +762,31 @@ def _velo_fused_kernel(idx_ref, dec_ref, sc_ref, g_ref, p_ref, m_ref, r_ref, f1_
 
     def sub_tile(s, carry):  # noqa: ANN001, ANN202
         rows, r_ok, valid, ms, rms, feats, _, _ = read(s)
-        h = [_load(t1_ref.at[at.l, at.rows(s), _i(j)], r_ok)[:, None] + t2[j]
-             for j in range(width)]
-        for k, f in enumerate(feats):  # the first layer, channel by channel (float32 FMAs)
-            x = f * w_ref(k)  # normalized
-            h = [h[j] + x * w_ref(ne + k * width + j) for j in range(width)]
+        # the first layer in torch's order (xopt.kernels.velo): channel by channel times
+        # its row with the normalizer folded in, the axis terms after the channels before
+        # them in the spec's order (0-14), then the last three (27-29); float32 FMAs
+        h = [feats[0] * w_ref(j) for j in range(width)]
+        for k in range(1, ne):
+            if k == ne - 3:
+                h = [h[j] + (_load(t1_ref.at[at.l, at.rows(s), _i(j)], r_ok)[:, None] + t2[j])
+                     for j in range(width)]
+            h = [h[j] + feats[k] * w_ref(k * width + j) for j in range(width)]
         h = [jnp.maximum(h[j] + w_ref(off["b0"] + j), 0.0) for j in range(width)]
-        for i in range(nhid):
+        for i in range(nhid):  # the bias first, then the products (torch's _dense4)
             w0, b0 = off["wh"] + i * width * width, off["bh"] + i * width
             new = []
             for j in range(width):
-                acc = h[0] * w_ref(w0 + j)
+                acc = w_ref(b0 + j) + h[0] * w_ref(w0 + j)
                 for q in range(1, width):
                     acc = acc + h[q] * w_ref(w0 + q * width + j)
-                new.append(jnp.maximum(acc + w_ref(b0 + j), 0.0))
+                new.append(jnp.maximum(acc, 0.0))
             h = new
         outs = []
         for c in range(2):
-            acc = h[0] * w_ref(off["wl"] + c)
+            acc = w_ref(off["bl"] + c) + h[0] * w_ref(off["wl"] + c)
             for q in range(1, width):
                 acc = acc + h[q] * w_ref(off["wl"] + q * 2 + c)
-            outs.append(acc + w_ref(off["bl"] + c))
+            outs.append(acc)
         direction, magnitude = outs
         step = direction * (w_ref(off["scale"]) * jnp.exp(magnitude * exp_mult)) * step_mult
         _store(s_ref.at[rows], w_ref(off["lr"]) * step, valid)
@@ -795,7 +807,7 @@ class VeLOKernels:
         self.width = int(hp.ff_hidden_size)
         self.nhid = int(hp.ff_hidden_layers) - 1
         ne, w = len(VELO_ELEM), self.width
-        off = {"b0": ne + ne * w}
+        off = {"b0": ne * w}
         off["wh"] = off["b0"] + w
         off["bh"] = off["wh"] + self.nhid * w * w
         off["wl"] = off["bh"] + self.nhid * w
@@ -906,15 +918,14 @@ class VeLOKernels:
         param_scale = jnp.sqrt(sq[:, 2] / n + 1e-9)
         weights = jax.vmap(lambda c: vspec.mix_mlp_weights(jnp, c, self.meta, self.hp))(controls)
         w0 = weights["w0"]  # [L, 30, F]
-        hi = jax.lax.Precision.HIGHEST
-        t_row = jnp.einsum("lnk,lkh->lnh", pre["row_feats"] * inv[:, None, np.array(VELO_ROW)],
-                           w0[:, np.array(VELO_ROW)], precision=hi)
-        t_col = jnp.einsum("lnk,lkh->lnh", pre["col_feats"] * inv[:, None, np.array(VELO_COL)],
-                           w0[:, np.array(VELO_COL)], precision=hi)
+        rows, cols = np.array(VELO_ROW), np.array(VELO_COL)
+        t_row = _axis_terms(pre["row_feats"], inv[:, rows, None] * w0[:, rows])
+        t_col = _axis_terms(pre["col_feats"], inv[:, cols, None] * w0[:, cols])
         t1, t2 = (t_row, t_col) if row_on_1 else (t_col, t_row)
         nl = self.nhid + 1
-        pieces = [inv[:, np.array(VELO_ELEM)], w0[:, np.array(VELO_ELEM)].reshape(L, -1),
-                  weights["b0"]]
+        # the first layer's rows times the normalizers (torch's NORM_W)
+        elem = np.array(VELO_ELEM)
+        pieces = [(inv[:, elem, None] * w0[:, elem]).reshape(L, -1), weights["b0"]]
         pieces += [weights[f"w{i}"].reshape(L, -1) for i in range(1, nl)]
         pieces += [weights[f"b{i}"] for i in range(1, nl)]
         pieces += [weights[f"w{nl}"][:, :, :2].reshape(L, -1), weights[f"b{nl}"][:, :2],
