@@ -137,10 +137,11 @@ class _Spy:
         return launch
 
 
-@pytest.fixture(scope="module")
-def sfc():
-    """small_fc_lopt (bundled θ, exact mode), one step through both paths from the same
-    inputs, with the stages' results of each."""
+def _sfc_run(precision: str, with_plain: bool) -> dict:
+    """small_fc_lopt (bundled θ), one step through both paths from the same inputs in
+    ``precision``, with the stages' results of each (the torch kernels' launches recorded,
+    the Pallas path's stage runner's results), the Pallas step run twice (its bits compared),
+    and with ``with_plain`` the plain JAX path and the float64 step (the spec in NumPy)."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -164,7 +165,7 @@ def sfc():
                       (ks, "sfc_fold_fused_kernel")):
         mp.setattr(mod, name, _Spy(log, name, getattr(mod, name)))
     try:
-        kern = ks.SmallFCTriton(hp, "exact")
+        kern = ks.SmallFCTriton(hp, precision)
         dev = DEVICE
         tp = [torch.from_numpy(p.copy()).to(dev) for p in params]
         tg = [torch.from_numpy(g.copy()).to(dev) for g in grads]
@@ -188,7 +189,7 @@ def sfc():
     args = ([jnp.asarray(p) for p in params], [jnp.asarray(g) for g in grads], jnp.float32(0),
             jnp.int32(ITERATION), inner)
 
-    def run(method, record):
+    def run(method, record, times=1):
         rec: dict = {}
 
         def stage(name, fn, *a):
@@ -204,17 +205,44 @@ def sfc():
             out = method.update(*a)
             return out, dict(rec)
 
-        (steps, new), stages = jax.jit(f)(*args)
-        return ([np.asarray(s) for s in steps],
-                [{v: np.asarray(getattr(new, v)[i]) for v in spec.PARAM_VARS}
-                 for i in range(len(SHAPES))], stages)
+        f = jax.jit(f)
+        runs = []
+        for _ in range(times):
+            (steps, new), stages = f(*args)
+            runs.append(([np.asarray(s) for s in steps],
+                         [{v: np.asarray(getattr(new, v)[i]) for v in spec.PARAM_VARS}
+                          for i in range(len(SHAPES))]))
+        return runs[0][0], runs[0][1], stages, runs
 
-    pallas = _lopt_fast.PackedSmallFC(plain, "pallas", "exact")
-    j_step, j_state, stages = run(pallas, True)
-    p_step, p_state, _ = run(plain, False)
-    return dict(hp=hp, meta=meta, jmeta=jmeta, params=params, grads=grads, states=states,
-                torch=torch_res, jax=dict(step=j_step, state=j_state, stages=stages),
-                plain=dict(step=p_step, state=p_state))
+    pallas = _lopt_fast.PackedSmallFC(plain, "pallas", precision)
+    j_step, j_state, stages, runs = run(pallas, True, times=2)
+    out = dict(hp=hp, meta=meta, jmeta=jmeta, params=params, grads=grads, states=states,
+               precision=precision, torch=torch_res, jax=dict(step=j_step, state=j_state,
+                                                              stages=stages, runs=runs))
+    if with_plain:
+        p_step, p_state, _, _ = run(plain, False)
+        out["plain"] = dict(step=p_step, state=p_state)
+        m64 = {k: v.astype(np.float64) for k, v in meta.items()}
+        decays = spec.decays(hp, m64, xp=np)
+        tf = spec.time_features(np, np.int32(ITERATION), m64["mlp/b0"])
+        out["f64"] = [spec.compute_step(hp, np.float64(p) if np.ndim(p) == 0 else
+                                        p.astype(np.float64), g.astype(np.float64),
+                                        *(st[v].astype(np.float64) for v in spec.PARAM_VARS),
+                                        tf, m64, decays, xp=np)[0]
+                      for p, g, st in zip(params, grads, states, strict=True)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def sfc():
+    """small_fc_lopt, exact mode (:func:`_sfc_run`)."""
+    return _sfc_run("exact", with_plain=True)
+
+
+@pytest.fixture(scope="module")
+def sfc_fast():
+    """small_fc_lopt, fast mode (:func:`_sfc_run`)."""
+    return _sfc_run("fast", with_plain=False)
 
 
 def _verdict(name, a, b) -> str:
@@ -241,13 +269,15 @@ def test_decays_and_weight_halves_are_the_same_bits(sfc):
 @pytest.mark.parametrize("var", ["step", "m", "rms", "v_row", "v_col", "v_diag"])
 @pytest.mark.parametrize("k", range(len(SHAPES)), ids=["x".join(map(str, s)) or "scalar"
                                                        for s in SHAPES])
-def test_per_output_verdicts(sfc, k, var):
-    # every output of the step, tensor by tensor: the verdict printed (pytest -rA), and
-    # the differences held to their explanations (the tests below)
+@pytest.mark.parametrize("mode", ["sfc", "sfc_fast"])
+def test_per_output_verdicts(request, mode, k, var):
+    # every output of the step, tensor by tensor, in both precisions: the verdict printed
+    # (pytest -rA), and the differences held to their explanations (the tests below)
+    sfc = request.getfixturevalue(mode)
     t = sfc["torch"]["step"][k] if var == "step" else sfc["torch"]["state"][k][var]
     j = sfc["jax"]["step"][k] if var == "step" else sfc["jax"]["state"][k][var]
     assert t.shape == j.shape
-    _verdict(f"{SHAPES[k]} {var}", j, t)
+    _verdict(f"{sfc['precision']} {SHAPES[k]} {var}", j, t)
     if var in ("m", "rms") and len(SHAPES[k]) == 2:  # fresh state: nothing to contract
         assert ulps(j, t) == 0
     if var == "v_diag" and len(SHAPES[k]) == 2:  # the placeholder, untouched
@@ -378,19 +408,25 @@ def test_interpreters_round_rsqrt_exp_and_products_differently():
             assert np.all(np.abs(t.astype(np.float64) - j) <= 4 * U * np.abs(t)), name
 
 
-def test_fused_pass_from_the_same_inputs(sfc):
+@pytest.mark.parametrize("mode", ["sfc", "sfc_fast"])
+def test_fused_pass_from_the_same_inputs(request, mode):
     # the Pallas fused kernel fed the torch path's statistics (v_row, v_col, their
     # row-column mean), normalized first-layer rows (w16n), axis terms and first bias:
     # what is left is the kernel itself. m and rms: the same bits (fresh state). The step:
     # on the CPU the interpreters' rsqrt, exp and products (the test above); each path's
     # step within EXACT of the float64 step on these inputs (tests/test_kernels_lopt.py,
-    # tests/test_kernels_lopt_jax.py), so the two within 2·EXACT.
+    # tests/test_kernels_lopt_jax.py), so the two within 2·EXACT; in fast mode on a GPU
+    # (TF32 products) each within FAST_STEP of the plain step, the two within twice that.
+    # Fast mode under the interpreters: one float32 product each (no split), as exact mode's
+    # algebra with the low halves zero.
     import jax
     import jax.numpy as jnp
 
     from xopt.jax import _lopt_pallas as P
     from xopt.specs import lopt
 
+    sfc = request.getfixturevalue(mode)
+    prec = sfc["precision"]
     shape = SHAPES[0]
     n1, n2, row_on_1 = P.two_d_view(shape)
     log = sfc["torch"]["log"]
@@ -410,17 +446,51 @@ def test_fused_pass_from_the_same_inputs(sfc):
     fz = log["sfc_fold_fused_kernel"][0]
     norm = dict(stages["norm@5x70"], w16=jnp.asarray(log["sfc_norm_kernel"][0][4][:1].numpy()),
                 t1=jnp.asarray(t1), t2=jnp.asarray(t2), b0=jnp.asarray(fz[11].numpy())[None])
-    fused = jax.jit(lambda pr, no, *a: P.SmallFCKernels(sfc["hp"], sfc["jmeta"], "exact").fused(
+    fused = jax.jit(lambda pr, no, *a: P.SmallFCKernels(sfc["hp"], sfc["jmeta"], prec).fused(
         shape, pr, no, *a))
     step, m, rms = fused(pre, norm, [jnp.asarray(sfc["grads"][0])],
                          [jnp.asarray(sfc["params"][0])],
                          [jnp.asarray(sfc["states"][0]["m"])],
                          [jnp.asarray(sfc["states"][0]["rms"])])
     for name, j, t in (("m", m[0], st_t["m"]), ("rms", rms[0], st_t["rms"])):
-        _verdict(f"fused pass {name}", j, t)
+        _verdict(f"{prec} fused pass {name}", j, t)
         assert ulps(j, t) == 0
-    _verdict("fused pass step", step[0], sfc["torch"]["step"][0])
-    assert max_rel(step[0], sfc["torch"]["step"][0]) <= 2 * EXACT
+    _verdict(f"{prec} fused pass step", step[0], sfc["torch"]["step"][0])
+    tf32 = prec == "fast" and DEVICE.type != "cpu"
+    assert max_rel(step[0], sfc["torch"]["step"][0]) <= 2 * (FAST_STEP if tf32 else EXACT)
+
+
+@pytest.mark.parametrize("mode", ["sfc", "sfc_fast"])
+def test_pallas_runs_give_the_same_bits(request, mode):
+    # determinism, as tests/test_kernels_lopt.py asks of the torch kernels: the compiled
+    # Pallas update run twice on the same inputs
+    (s0, st0), (s1, st1) = request.getfixturevalue(mode)["jax"]["runs"]
+    for k in range(len(SHAPES)):
+        assert ulps(s0[k], s1[k]) == 0
+        assert all(ulps(st0[k][v], st1[k][v]) == 0 for v in st0[k])
+
+
+def test_fast_mode_is_bounded_against_plain(sfc, sfc_fast):
+    # as the torch suite's test_fast_mode_is_bounded: the fast mode's step within FAST_STEP
+    # of the plain path's, its state within EXACT (TF32 products move the MLP's outputs, not
+    # the accumulators)
+    for k in range(len(SHAPES)):
+        assert max_rel(sfc_fast["jax"]["step"][k], sfc["plain"]["step"][k]) <= FAST_STEP
+        for v in ("m", "rms", "v_row", "v_col", "v_diag"):
+            assert max_rel(sfc_fast["jax"]["state"][k][v], sfc["plain"]["state"][k][v]) <= EXACT
+
+
+def test_steps_held_to_float64_as_their_suites_hold_them(sfc):
+    # each path's step against the float64 step from these inputs, as the two suites hold
+    # them: within EXACT, or twice the plain path's distance where the step is that
+    # ill-conditioned; the paths' difference within the sum
+    for k, ref in enumerate(sfc["f64"]):
+        plain = max_rel(sfc["plain"]["step"][k], ref)
+        errs = {"torch": max_rel(sfc["torch"]["step"][k], ref),
+                "pallas": max_rel(sfc["jax"]["step"][k], ref)}
+        print(f"{SHAPES[k]} step vs float64: plain {plain:.2e}, "
+              + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+        assert all(e <= max(EXACT, 2 * plain) for e in errs.values()), (k, errs)
 
 
 def test_both_paths_match_their_plain_path(sfc):
@@ -562,3 +632,115 @@ def test_velo_per_output_verdicts(velo, k, var):
     if var in ("m", "rms", "v_diag"):
         assert ulps(j, t) == 0
 
+
+
+def test_velo_adafactor_statistics_differ_by_reduction_order(velo):
+    # as small_fc_lopt's (test_adafactor_statistics_differ_by_reduction_order): a mean over
+    # one axis of g² + 1e-30 in another order; each within γ_(n+3), the two within twice
+    n1, n2 = SHAPES[0]
+    for var, n in (("v_row", n2), ("v_col", n1)):
+        t, j = velo["torch"]["state"][0][var], velo["jax"]["state"][0][var].reshape(-1)
+        t = t.reshape(-1)
+        _verdict(f"VeLO {SHAPES[0]} {var}", j, t)
+        assert np.all(np.abs(t.astype(np.float64) - j) <= 2 * gamma(n + 3) * np.abs(t)), var
+
+
+def test_velo_lstm_inputs_are_the_same_bits(velo):
+    # the LSTM's 30 inputs per tensor (time fraction, loss features, the old accumulators'
+    # mean and variances: 0 from a fresh state) and its state: the same bits
+    x_t, h_t, c_t = (a.astype(np.float32) for a in velo["torch"]["lstm"][:3])
+    x_j, h_j, c_j = velo["jax"]["lstm"][:3]
+    for name, t, j in (("LSTM inputs", x_t, x_j), ("LSTM hidden in", h_t, h_j),
+                       ("LSTM cell in", c_t, c_j)):
+        _verdict(name, j, t)
+        assert ulps(j, t) == 0, name
+    # (the torch path hands them to the LSTM in float64: exactly the float32 numbers)
+    assert np.array_equal(velo["torch"]["lstm"][0], x_t.astype(np.float64))
+
+
+#: relative accuracy assumed of a float32 tanh and logistic (XLA's, torch's: a few ulps)
+E_T = 8 * U
+
+
+def _lstm_bound(x, hidden, cell, meta):
+    """A first-order bound, per entry of the new ``(hidden, cell)``, of a float32 evaluation
+    of :func:`xopt.specs.velo.lstm_step` from exact float32 inputs: each linear layer of K
+    inputs within γ_(K+1)·(|x|·|W| + |b|) plus its inputs' error times |W|; max-pooling and
+    ReLU 1-Lipschitz; the logistic ¼-Lipschitz and tanh 1-Lipschitz, each within E_T of its
+    value; a product or sum one rounding more. Returns ``(ref, bound)`` for hidden and cell,
+    the float64 values."""
+    def lin(v, ev, w, b):
+        y = v @ w + b
+        return y, ev @ np.abs(w) + gamma(v.shape[-1] + 1) * (np.abs(v) @ np.abs(w) + np.abs(b))
+
+    def sig(z):
+        return 1 / (1 + np.exp(-z))
+
+    zero = np.zeros_like(x)
+    mix, e_mix = lin(x, zero, meta["lstm/mix1/w"], meta["lstm/mix1/b"])
+    mix, e_mix = np.maximum(mix, 0), e_mix
+    pooled, e_pool = mix.max(0, keepdims=True), e_mix.max(0, keepdims=True)
+    inp, e_inp = lin(x, zero, meta["lstm/input/w"], meta["lstm/input/b"])
+    inp = inp + pooled
+    e_inp = e_inp + e_pool + U * np.abs(inp)
+    z, e_z = lin(np.concatenate([inp, hidden], -1),
+                 np.concatenate([e_inp, np.zeros_like(hidden)], -1),
+                 meta["lstm/gates/w"], meta["lstm/gates/b"])
+    h = hidden.shape[-1]
+    (zi, zg, zf, zo), (ei, eg, ef, eo) = ([a[..., k * h:(k + 1) * h] for k in range(4)]
+                                          for a in (z, e_z))
+    f, si, tg, so = sig(zf + 1), sig(zi), np.tanh(zg), sig(zo)
+    e_f = 0.25 * (ef + U * np.abs(zf + 1)) + E_T * f
+    e_si = 0.25 * ei + E_T * si
+    e_tg = eg + E_T * np.abs(tg)
+    e_so = 0.25 * eo + E_T * so
+    c = f * cell + si * tg
+    e_c = e_f * np.abs(cell) + e_si * np.abs(tg) + si * e_tg + 3 * U * (np.abs(f * cell)
+                                                                         + np.abs(si * tg))
+    tc = np.tanh(c)
+    new_h = so * tc
+    e_h = e_so * np.abs(tc) + so * (e_c + E_T * np.abs(tc)) + U * np.abs(new_h)
+    return (new_h, e_h), (c, e_c)
+
+
+def test_velo_lstm_state_float64_on_torch_float32_on_jax(velo):
+    # torch's Triton path runs the LSTM in float64 and rounds its results once
+    # (xopt.kernels.velo.LSTM_F64); xopt.jax's paths run the spec's float32 LSTM, as the
+    # plain paths. From the same inputs (test above): torch's new state is the float64
+    # LSTM's (NumPy's, the same function) rounded once; JAX's within the float32
+    # evaluation's first-order rounding bound of it (_lstm_bound, with 1% for the
+    # second-order terms).
+    from xopt.specs import velo as vspec
+
+    meta = {k: v for k, v in velo["meta"].items() if k.startswith("lstm/")}
+    x, hid, cel = (np.asarray(a, np.float64) for a in velo["torch"]["lstm"][:3])
+    _, _, _, ref_h, ref_c = *velo["torch"]["lstm"][:3], *vspec.lstm_step(np, x, hid, cel,
+                                                                         meta)[2:]
+    bounds = _lstm_bound(x, hid, cel, meta)
+    for i, name in enumerate(("lstm_hidden", "lstm_cell")):
+        t64 = velo["torch"]["lstm"][3 + i]
+        ref = (ref_h, ref_c)[i]
+        assert np.all(np.abs(t64 - ref) <= 1e-12 * np.abs(ref).max())  # float64 both
+        t = np.stack([velo["torch"]["state"][k][name] for k in range(len(SHAPES))])
+        j = np.stack([velo["jax"]["state"][k][name] for k in range(len(SHAPES))])
+        assert np.array_equal(t, t64.astype(np.float32)), name  # rounded once
+        _verdict(f"VeLO {name}", j, t)
+        b = bounds[i][1] * 1.01
+        print(f"  JAX vs float64: {np.max(np.abs(j - ref) / b):.2f} of the bound")
+        assert np.all(np.abs(j.astype(np.float64) - ref) <= b), name
+
+
+def test_velo_steps_held_to_float64_as_their_suites_hold_them(velo):
+    # the steps differ through the LSTM (above) and the statistics' order; each path is held
+    # to the float64 step from these inputs as tests/test_kernels_lopt.py and
+    # tests/test_kernels_lopt_jax.py hold it: within EXACT, or twice the plain path's own
+    # distance where the step is that ill-conditioned; the two within the sum
+    for k, ref in enumerate(velo["f64"]):
+        plain = max_rel(velo["plain"]["step"][k], ref)
+        bound = max(EXACT, 2 * plain)
+        errs = {"pallas": max_rel(velo["jax"]["step"][k], ref)}
+        if k in velo["torch"]["step"]:
+            errs["torch"] = max_rel(velo["torch"]["step"][k], ref)
+        print(f"VeLO {SHAPES[k]} step vs float64: plain {plain:.2e}, "
+              + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+        assert all(e <= bound for e in errs.values()), (k, errs, bound)
