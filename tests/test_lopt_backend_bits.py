@@ -527,15 +527,16 @@ def test_both_paths_match_their_plain_path(sfc):
 
 
 def _noncontiguous(x: np.ndarray):
-    """``x`` as a torch tensor that is not contiguous (every other column of a wider one), so
-    that the Triton path writes the step into a buffer (applied after, and recorded here)
-    instead of updating the parameter in place; a 0-d array as it is."""
+    """``x`` as a torch tensor on DEVICE that is not contiguous (every other column of a
+    wider one, made there: ``.to`` would make it contiguous), so that the Triton path writes
+    the step into a buffer (applied after, and recorded here) instead of updating the
+    parameter in place; a 0-d array as it is."""
     import torch
 
     if x.ndim == 0:
-        return torch.from_numpy(x.copy())
-    buf = torch.zeros(x.shape[:-1] + (2 * x.shape[-1],))
-    buf[..., ::2] = torch.from_numpy(x)
+        return torch.from_numpy(x.copy()).to(DEVICE)
+    buf = torch.zeros(x.shape[:-1] + (2 * x.shape[-1],), device=DEVICE)
+    buf[..., ::2] = torch.from_numpy(x).to(DEVICE)
     return buf[..., ::2]
 
 
@@ -575,7 +576,7 @@ def velo():
     mp.setenv("XOPT_LOPT_CUDA_GRAPHS", "0")
     mp.setattr(kv, "COMPILE_GLUE", False)
     try:
-        tp = [torch.nn.Parameter(_noncontiguous(p).to(DEVICE)) for p in params]
+        tp = [torch.nn.Parameter(_noncontiguous(p)) for p in params]
         opt = xt.VeLO(tp, theta, num_training_steps=100, impl="triton", **hyper)
         steps: dict = {}
         apply = opt._apply_step
@@ -586,8 +587,11 @@ def velo():
 
         mp.setattr(opt, "_apply_step", record)
         for p, g in zip(tp, grads, strict=True):
-            p.grad = _noncontiguous(g).to(DEVICE)
+            p.grad = _noncontiguous(g)
         opt.step(loss=torch.tensor(loss, device=DEVICE))
+        # (every non-contiguous parameter's step went through the buffer, recorded)
+        assert {k for k, p in enumerate(tp) if id(p) in steps} == {
+            k for k, shape in enumerate(SHAPES) if shape}
         t_calls = [a.detach().cpu().numpy() for a in calls.pop("torch")]
         torch_res = dict(step={k: steps[id(p)] for k, p in enumerate(tp) if id(p) in steps},
                          param=[p.detach().cpu().numpy() for p in tp],
@@ -751,7 +755,7 @@ def test_velo_lstm_state_float64_on_torch_float32_on_jax(velo):
         assert np.array_equal(t, t64.astype(np.float32)), name  # rounded once
         _verdict(f"VeLO {name}", j, t)
         b = bounds[i][1] * 1.01
-        print(f"  JAX vs float64: {np.max(np.abs(j - ref) / b):.2f} of the bound")
+        print(f"  JAX vs float64: {np.max(np.abs(j - ref) / b):.1e} of the bound")
         assert np.all(np.abs(j.astype(np.float64) - ref) <= b), name
 
 
