@@ -443,7 +443,7 @@ def test_fused_pass_from_the_same_inputs(request, mode):
     import jax.numpy as jnp
 
     from xopt.jax import _lopt_pallas as P
-    from xopt.specs import lopt
+    from xopt.specs import arrays, lopt
 
     sfc = request.getfixturevalue(mode)
     prec = sfc["precision"]
@@ -455,7 +455,7 @@ def test_fused_pass_from_the_same_inputs(request, mode):
     vr = jnp.asarray(st_t["v_row"]).reshape(1, -1, 3)
     vc = jnp.asarray(st_t["v_col"]).reshape(1, -1, 3)
     rcm = jnp.asarray(log["rcm_kernel"][0][3].numpy()[:3]).reshape(1, 1, 3)
-    rf = lopt.safe_rsqrt(jnp, vr / (rcm + 1e-9))
+    rf = lopt.safe_rsqrt(jnp, arrays.divide(jnp, vr, rcm + 1e-9))  # (as _axis_prep)
     cf = lopt.safe_rsqrt(jnp, vc)
     f1, f2 = (rf, cf) if row_on_1 else (cf, rf)
     pre = dict(stages["prep@5x70"], f1=jnp.swapaxes(f1, 1, 2), f2=jnp.swapaxes(f2, 1, 2))

@@ -71,7 +71,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from xopt.specs import lopt
+from xopt.specs import arrays, lopt
 from xopt.specs import small_fc_lopt as spec
 
 __all__ = ["SmallFCKernels", "two_d_view", "unsupported_small_fc"]
@@ -600,7 +600,9 @@ def _axis_prep(shape: tuple[int, ...], v_row: list[Any], v_col: list[Any],
     vr2 = jnp.stack(new_row).reshape(L, -1, 3)  # [L, positions of the v_row axis, 3]
     vc2 = jnp.stack(new_col).reshape(L, -1, 3)
     rcm = jnp.mean(vr2, axis=1, keepdims=True)
-    rf = lopt.safe_rsqrt(jnp, vr2 / (rcm + 1e-9))
+    # v_row / (rcm + 1e-9) correctly rounded, as torch's kernels divide (XLA multiplies by
+    # the reciprocal of a broadcast divisor on the CPU, and its GPU division is not IEEE)
+    rf = lopt.safe_rsqrt(jnp, arrays.divide(jnp, vr2, rcm + 1e-9))
     cf = lopt.safe_rsqrt(jnp, vc2)
     f1, f2 = (rf, cf) if row_on_1 else (cf, rf)
     # the row/column features: v_row, v_col, rsqrt(v + 1e-8) of each
