@@ -24,7 +24,7 @@ Per group, with the math of :func:`xopt.specs.small_fc_lopt.compute_step`:
    (g, p, m, rms, m·rsqrt(rms), rsqrt(rms), fac_g, m·row_factor·col_factor), with the
    updated accumulators recomputed in registers; XLA adds the blocks and forms the
    normalizers ``rsqrt(1e-5 + mean feature²)``;
-3. XLA: the first layer's row/column terms, ``Σ (f·inv)·W0[f]`` over the 6 features of each
+3. XLA: the first layer's row/column terms, ``Σ f·(inv·W0[f])`` over the 6 features of each
    axis, one row of ``hidden`` numbers per position, and the time features folded into
    the first bias;
 4. :func:`_fused_kernel`: per block, the accumulators, the 16 per-element features, and
@@ -36,8 +36,14 @@ Per group, with the math of :func:`xopt.specs.small_fc_lopt.compute_step`:
    (``precision``: "exact" three TF32 products of operands split into TF32 halves, the
    weights' halves split once by XLA, "fast" one; under the CPU interpreter the same
    split with float32 products, as torch's interpreted kernels, :func:`_dot3`); the output
-   layer as float32 sums, the step; writes the
-   step, ``m`` and ``rms``.
+   layer as float32 sums, the step; writes the step, ``m`` and ``rms``.
+
+The fused pass's expressions are torch's folded kernels' (the same operands, order and
+association; tests/test_lopt_backend_bits.py compares the two paths stage by stage). What
+differs: the statistics (float32 per block and XLA's reductions here, float64 per tile
+there), the axis factors and features computed by XLA rather than inside the kernel, and on
+the CPU the hosts of the two interpreters (XLA contracts products into sums and has its own
+rsqrt, exp and matrix products; NumPy has its own).
 
 Nothing is materialized per element but the kernels' inputs and outputs: no [n, 39]
 feature matrix, no [n, hidden] activations. A program owns a block of RP rows of BC
