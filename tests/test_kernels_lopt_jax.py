@@ -7,11 +7,11 @@ plain path, and the step held to the float64 step: within 1e-6 of it, or within 
 plain path's own distance to it where the step function is that ill-conditioned (one
 float32 rounding of the inputs moves it by more than 1e-6 on these shapes).
 
-Not the torch Triton path's bits: the Pallas kernels are written anew for JAX, so they add
-the statistics in another order (XLA's reductions over per-block sums instead of
-float64 per tile), and under the interpreter multiply in float32 where the GPU runs
-split-precision TF32 products; both paths are held to the plain path and to float64
-instead (bench/lopt_step_jax.py also compares them on the GPU, from the same inputs).
+Not the torch Triton path's bits: the Pallas kernels add the statistics in another order
+(XLA's reductions over per-block sums instead of float64 per tile) and XLA contracts
+products into sums where NumPy (Triton's interpreter) does not; both paths are held to the
+plain path and to float64 here, and to each other op by op in
+tests/test_lopt_backend_bits.py.
 
 Shapes are tiny: the interpreter runs each kernel program through XLA on the CPU.
 """

@@ -24,7 +24,7 @@ Per group, with the math of :func:`xopt.specs.small_fc_lopt.compute_step`:
    (g, p, m, rms, m·rsqrt(rms), rsqrt(rms), fac_g, m·row_factor·col_factor), with the
    updated accumulators recomputed in registers; XLA adds the blocks and forms the
    normalizers ``rsqrt(1e-5 + mean feature²)``;
-3. XLA: the first layer's row/column terms, ``Σ (f·inv)·W0[f]`` over the 6 features of each
+3. XLA: the first layer's row/column terms, ``Σ f·(inv·W0[f])`` over the 6 features of each
    axis, one row of ``hidden`` numbers per position, and the time features folded into
    the first bias;
 4. :func:`_fused_kernel`: per block, the accumulators, the 16 per-element features, and
@@ -34,9 +34,16 @@ Per group, with the math of :func:`xopt.specs.small_fc_lopt.compute_step`:
    bias; the hidden layers' inputs relabeled so that a product's accumulator is the next
    one's operand (:func:`_mma_to_operand`); every product on the tensor cores
    (``precision``: "exact" three TF32 products of operands split into TF32 halves, the
-   weights' halves split once by XLA, "fast" one; full float32 under the CPU
-   interpreter, :func:`_dot3`); the output layer as float32 sums, the step; writes the
-   step, ``m`` and ``rms``.
+   weights' halves split once by XLA, "fast" one; under the CPU interpreter the same
+   split with float32 products, as torch's interpreted kernels, :func:`_dot3`); the output
+   layer as float32 sums, the step; writes the step, ``m`` and ``rms``.
+
+The fused pass's expressions are torch's folded kernels' (the same operands, order and
+association; tests/test_lopt_backend_bits.py compares the two paths stage by stage). What
+differs: the statistics (float32 per block and XLA's reductions here, float64 per tile
+there), the axis factors and features computed by XLA rather than inside the kernel, and on
+the CPU the hosts of the two interpreters (XLA contracts products into sums and has its own
+rsqrt, exp and matrix products; NumPy has its own).
 
 Nothing is materialized per element but the kernels' inputs and outputs: no [n, 39]
 feature matrix, no [n, hidden] activations. A program owns a block of RP rows of BC
@@ -70,7 +77,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from xopt.specs import lopt
+from xopt.specs import arrays, lopt
 from xopt.specs import small_fc_lopt as spec
 
 __all__ = ["SmallFCKernels", "two_d_view", "unsupported_small_fc"]
@@ -123,11 +130,11 @@ def _on_cpu() -> bool:
 
 
 def _dot_mode(precision: str) -> str:
-    """How the fused kernel multiplies on the tensor cores: "f32" (the interpreter: XLA's
-    CPU dot, full float32), "tf32x3" (exact: three TF32 products, :func:`_dot3`) or "tf32"
-    (fast: one)."""
-    if _on_cpu():
-        return "f32"
+    """How the fused kernel multiplies: "tf32x3" (exact: three TF32 products of split
+    operands, :func:`_dot3`) or "tf32" (fast: one). On the CPU (the interpreter) the same
+    split runs with float32 products, as torch's Triton kernels under ``TRITON_INTERPRET=1``
+    run theirs: the two interpreters then evaluate the same algebra
+    (tests/test_lopt_backend_bits.py)."""
     return "tf32x3" if precision == "exact" else "tf32"
 
 
@@ -153,9 +160,7 @@ def _dot3(x: Any, w: tuple[Any, Any], acc: Any, mode: str) -> Any:
     ``x_hi·w_lo``, ``x_hi·w_hi`` added to ``acc`` in that order, small first. Split here
     rather than by Triton's own TF32x3, which splits the weights again in every sub-tile
     and guards each product's NaNs with a compare and a select per element."""
-    if mode == "f32":
-        return acc + jnp.dot(x, w[0], precision=jax.lax.Precision.HIGHEST)
-    tf32 = jax.lax.Precision.DEFAULT
+    tf32 = jax.lax.Precision.DEFAULT  # (on the CPU: float32 products)
     if mode == "tf32":
         return acc + jnp.dot(x, w[0], precision=tf32)
     x_hi = _round_tf32(x)
@@ -312,8 +317,10 @@ def _sub_tiles(body: Any, init: Any) -> Any:
 def _elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
     """The 16 per-element features (:data:`ELEM`) of a [BR, BC] block, unnormalized."""
     feats = [g, p, *ms, rms, *(m * r for m in ms), r]
-    fg = [(g * rf) * cf for rf, cf in factors]
-    fm = [(m * rf) * cf for m, (rf, cf) in zip(ms, factors, strict=True)]
+    # g·(rf·cf), m·(rf·cf): the factors' product first, as torch's kernels
+    ff = [rf * cf for rf, cf in factors]
+    fg = [g * f for f in ff]
+    fm = [m * f for m, f in zip(ms, ff, strict=True)]
     return feats + fg + fm
 
 
@@ -399,7 +406,10 @@ def _fused_kernel(idx_ref, dec_ref, w16_ref, b0_ref, wh_ref, bh_ref, wl_ref, bl_
         ab = (t1[:, None, :] + t2[None, :, :]).reshape(n, hp)
         h = jnp.maximum(_dot3(x, w16, ab, mode), 0.0)
         for i in range(nhid):
-            h = _dot3(_mma_to_operand(h, hp), wh[i], bh[i], mode)
+            # the products from zero, then the bias (torch's _mlp_tail: not the bias as the
+            # first accumulator, which would add it before the products)
+            h = _dot3(_mma_to_operand(h, hp), wh[i], jnp.zeros((n, hp), jnp.float32), mode) \
+                + bh[i]
             h = jnp.maximum(h, 0.0)
         direction = jnp.sum(h * wl0, axis=1) + bl0
         magnitude = jnp.sum(h * wl1, axis=1) + bl1
@@ -430,8 +440,8 @@ class SmallFCKernels:
         return two_d_view(shape) is not None
 
     def _pair(self, w: Any) -> Any:
-        """``w`` as :func:`_dot3` reads it: its TF32 halves in exact mode on a GPU, else
-        ``w`` and zeros (stacked on axis -3)."""
+        """``w`` as :func:`_dot3` reads it: its TF32 halves in exact mode (on every device, as
+        torch's kernels), else ``w`` and zeros (stacked on axis -3)."""
         if _dot_mode(self.precision) == "tf32x3":
             return split_tf32(w)
         return jnp.stack([w, jnp.zeros_like(w)], axis=-3)
@@ -442,7 +452,7 @@ class SmallFCKernels:
         w0 = jnp.asarray(meta["mlp/w0"], jnp.float32)
         b0 = jnp.asarray(meta["mlp/b0"], jnp.float32)
         # the time features are the same for every element: folded into the first bias
-        b0t = b0 + jnp.matmul(tf, w0[nf:], precision=jax.lax.Precision.HIGHEST)
+        b0t = b0 + jnp.sum(tf[:, None] * w0[nf:], axis=0)  # (torch's SmallFCTriton._body)
         wh = [_pad_cols(jnp.pad(jnp.asarray(meta[f"mlp/w{i}"], jnp.float32),
                                 [(0, hp_ - int(meta[f"mlp/w{i}"].shape[0])), (0, 0)]), hp_)
               for i in range(1, nl)]
@@ -510,11 +520,8 @@ class SmallFCKernels:
         w0 = w["w0"]
         row_rows = np.array([13, 14, 15, 19, 20, 21])
         col_rows = np.array([16, 17, 18, 22, 23, 24])
-        hi = jax.lax.Precision.HIGHEST
-        t_row = jnp.einsum("lnk,kh->lnh", pre["row_feats"] * inv[:, None, row_rows],
-                           w0[row_rows], precision=hi)
-        t_col = jnp.einsum("lnk,kh->lnh", pre["col_feats"] * inv[:, None, col_rows],
-                           w0[col_rows], precision=hi)
+        t_row = _axis_terms(pre["row_feats"], inv[:, row_rows, None] * w0[row_rows][None])
+        t_col = _axis_terms(pre["col_feats"], inv[:, col_rows, None] * w0[col_rows][None])
         t1, t2 = (t_row, t_col) if row_on_1 else (t_col, t_row)
         # the per-element features' first-layer rows times the tensor's normalizers [L, 16,
         # HP], as torch's sfc_norm_kernel folds them
@@ -599,7 +606,9 @@ def _axis_prep(shape: tuple[int, ...], v_row: list[Any], v_col: list[Any],
     vr2 = jnp.stack(new_row).reshape(L, -1, 3)  # [L, positions of the v_row axis, 3]
     vc2 = jnp.stack(new_col).reshape(L, -1, 3)
     rcm = jnp.mean(vr2, axis=1, keepdims=True)
-    rf = lopt.safe_rsqrt(jnp, vr2 / (rcm + 1e-9))
+    # v_row / (rcm + 1e-9) correctly rounded, as torch's kernels divide (XLA multiplies by
+    # the reciprocal of a broadcast divisor on the CPU, and its GPU division is not IEEE)
+    rf = lopt.safe_rsqrt(jnp, arrays.divide(jnp, vr2, rcm + 1e-9))
     cf = lopt.safe_rsqrt(jnp, vc2)
     f1, f2 = (rf, cf) if row_on_1 else (cf, rf)
     # the row/column features: v_row, v_col, rsqrt(v + 1e-8) of each
@@ -612,6 +621,17 @@ def _axis_prep(shape: tuple[int, ...], v_row: list[Any], v_col: list[Any],
     return dict(new_row=new_row, new_col=new_col, f1=jnp.swapaxes(f1, 1, 2),
                 f2=jnp.swapaxes(f2, 1, 2), row_feats=row_feats, col_feats=col_feats,
                 row_sq=row_sq, col_sq=col_sq, decs=decs)
+
+
+def _axis_terms(feats: Any, wn: Any) -> Any:
+    """The first-layer terms of one axis's 6 features, ``Σ_k f_k · wn_k`` [L, n, HP] from
+    ``feats`` [L, n, 6] and ``wn`` [L, 6, HP] (each feature's first-layer row times the
+    tensor's normalizer), added from zero in the features' order, as torch's kernels
+    (xopt.kernels.small_fc_lopt.sfc_axis_kernel, xopt.kernels.velo._axis_terms)."""
+    h = jnp.zeros(feats.shape[:2] + wn.shape[-1:], jnp.float32)
+    for k in range(feats.shape[-1]):
+        h = h + feats[:, :, k, None] * wn[:, None, k, :]
+    return h
 
 
 def _var_call(shape: tuple[int, ...], mu: Any, m: list[Any], rms: list[Any]) -> Any:
@@ -658,8 +678,8 @@ def _stats_call(kernel: Any, width: int, name: str, shape: tuple[int, ...], pre:
 VELO_ELEM = tuple(range(15)) + (27, 28, 29)
 VELO_ROW = (15, 16, 17, 21, 22, 23)
 VELO_COL = (18, 19, 20, 24, 25, 26)
-#: per-tensor scalars: normalizers (18), first layer's element rows (18 × 4), then the
-#: biases, hidden and output layers (offsets in :class:`VeLOKernels`), lr_mult, param_scale
+#: per-tensor scalars: the first layer's element rows times their normalizers (18 × 4), then
+#: the biases, hidden and output layers (offsets in :class:`VeLOKernels`), lr_mult, param_scale
 VELO_SCAL = 256
 
 
@@ -676,8 +696,9 @@ def unsupported_velo(hp: Any) -> str | None:
 def _velo_elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
     """VeLO's 18 per-element channels (:data:`VELO_ELEM`) of a block, unnormalized; ``g``
     already clipped to ±1000."""
-    fg = [(g * rf) * cf for rf, cf in factors]
-    fm = [(m * rf) * cf for m, (rf, cf) in zip(ms, factors, strict=True)]
+    ff = [rf * cf for rf, cf in factors]  # the factors' product first, as torch's kernel
+    fg = [g * f for f in ff]
+    fm = [m * f for m, f in zip(ms, ff, strict=True)]
     return [g, jnp.clip(g, -0.1, 0.1), p, *ms, rms, *(m * r for m in ms), r, *fg, g * r, *fm]
 
 
@@ -749,27 +770,31 @@ def _velo_fused_kernel(idx_ref, dec_ref, sc_ref, g_ref, p_ref, m_ref, r_ref, f1_
 
     def sub_tile(s, carry):  # noqa: ANN001, ANN202
         rows, r_ok, valid, ms, rms, feats, _, _ = read(s)
-        h = [_load(t1_ref.at[at.l, at.rows(s), _i(j)], r_ok)[:, None] + t2[j]
-             for j in range(width)]
-        for k, f in enumerate(feats):  # the first layer, channel by channel (float32 FMAs)
-            x = f * w_ref(k)  # normalized
-            h = [h[j] + x * w_ref(ne + k * width + j) for j in range(width)]
+        # the first layer in torch's order (xopt.kernels.velo): channel by channel times
+        # its row with the normalizer folded in, the axis terms after the channels before
+        # them in the spec's order (0-14), then the last three (27-29); float32 FMAs
+        h = [feats[0] * w_ref(j) for j in range(width)]
+        for k in range(1, ne):
+            if k == ne - 3:
+                h = [h[j] + (_load(t1_ref.at[at.l, at.rows(s), _i(j)], r_ok)[:, None] + t2[j])
+                     for j in range(width)]
+            h = [h[j] + feats[k] * w_ref(k * width + j) for j in range(width)]
         h = [jnp.maximum(h[j] + w_ref(off["b0"] + j), 0.0) for j in range(width)]
-        for i in range(nhid):
+        for i in range(nhid):  # the bias first, then the products (torch's _dense4)
             w0, b0 = off["wh"] + i * width * width, off["bh"] + i * width
             new = []
             for j in range(width):
-                acc = h[0] * w_ref(w0 + j)
+                acc = w_ref(b0 + j) + h[0] * w_ref(w0 + j)
                 for q in range(1, width):
                     acc = acc + h[q] * w_ref(w0 + q * width + j)
-                new.append(jnp.maximum(acc + w_ref(b0 + j), 0.0))
+                new.append(jnp.maximum(acc, 0.0))
             h = new
         outs = []
         for c in range(2):
-            acc = h[0] * w_ref(off["wl"] + c)
+            acc = w_ref(off["bl"] + c) + h[0] * w_ref(off["wl"] + c)
             for q in range(1, width):
                 acc = acc + h[q] * w_ref(off["wl"] + q * 2 + c)
-            outs.append(acc + w_ref(off["bl"] + c))
+            outs.append(acc)
         direction, magnitude = outs
         step = direction * (w_ref(off["scale"]) * jnp.exp(magnitude * exp_mult)) * step_mult
         _store(s_ref.at[rows], w_ref(off["lr"]) * step, valid)
@@ -790,7 +815,7 @@ class VeLOKernels:
         self.width = int(hp.ff_hidden_size)
         self.nhid = int(hp.ff_hidden_layers) - 1
         ne, w = len(VELO_ELEM), self.width
-        off = {"b0": ne + ne * w}
+        off = {"b0": ne * w}
         off["wh"] = off["b0"] + w
         off["bh"] = off["wh"] + self.nhid * w * w
         off["wl"] = off["bh"] + self.nhid * w
@@ -901,15 +926,14 @@ class VeLOKernels:
         param_scale = jnp.sqrt(sq[:, 2] / n + 1e-9)
         weights = jax.vmap(lambda c: vspec.mix_mlp_weights(jnp, c, self.meta, self.hp))(controls)
         w0 = weights["w0"]  # [L, 30, F]
-        hi = jax.lax.Precision.HIGHEST
-        t_row = jnp.einsum("lnk,lkh->lnh", pre["row_feats"] * inv[:, None, np.array(VELO_ROW)],
-                           w0[:, np.array(VELO_ROW)], precision=hi)
-        t_col = jnp.einsum("lnk,lkh->lnh", pre["col_feats"] * inv[:, None, np.array(VELO_COL)],
-                           w0[:, np.array(VELO_COL)], precision=hi)
+        rows, cols = np.array(VELO_ROW), np.array(VELO_COL)
+        t_row = _axis_terms(pre["row_feats"], inv[:, rows, None] * w0[:, rows])
+        t_col = _axis_terms(pre["col_feats"], inv[:, cols, None] * w0[:, cols])
         t1, t2 = (t_row, t_col) if row_on_1 else (t_col, t_row)
         nl = self.nhid + 1
-        pieces = [inv[:, np.array(VELO_ELEM)], w0[:, np.array(VELO_ELEM)].reshape(L, -1),
-                  weights["b0"]]
+        # the first layer's rows times the normalizers (torch's NORM_W)
+        elem = np.array(VELO_ELEM)
+        pieces = [(inv[:, elem, None] * w0[:, elem]).reshape(L, -1), weights["b0"]]
         pieces += [weights[f"w{i}"].reshape(L, -1) for i in range(1, nl)]
         pieces += [weights[f"b{i}"] for i in range(1, nl)]
         pieces += [weights[f"w{nl}"][:, :, :2].reshape(L, -1), weights[f"b{nl}"][:, :2],
