@@ -116,8 +116,9 @@ def _rank(model: nn.Module) -> int:
     return model.embed.embedding_dim // 4
 
 
-#: the low-rank methods' ``svd_driver`` (``--svd-driver``; Flora decomposes nothing)
-SVD_DRIVER: dict[str, str | None] = {"driver": None}
+#: the low-rank methods' ``svd_driver`` (``--svd-driver``; Flora decomposes nothing) and
+#: GaLore's, COAP's and PLUMAGE's ``proj_dtype`` (``--proj-dtype``)
+SVD_DRIVER: dict[str, str | None] = {"driver": None, "proj_dtype": "state"}
 
 
 def _lowrank(cls: type, **kw: Any) -> Callable[[nn.Module, int], Any]:
@@ -125,6 +126,7 @@ def _lowrank(cls: type, **kw: Any) -> Callable[[nn.Module, int], Any]:
         mats, rest = _split(model)
         if cls is not xt.Flora:
             kw["svd_driver"] = SVD_DRIVER["driver"]
+            kw["proj_dtype"] = SVD_DRIVER["proj_dtype"]
         return cls([{"params": mats}, {"params": rest, "project": False}], lr=1e-3,
                    rank=_rank(model), **kw)
     return make
@@ -303,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--svd-driver", default=None,
                     choices=("gesvd", "gesvdj", "gesvda", "gram"),
                     help="the low-rank methods' svd_driver (default: torch.linalg.svd's)")
+    ap.add_argument("--proj-dtype", default="state", choices=("state", "param"),
+                    help="GaLore's, COAP's and PLUMAGE's proj_dtype ('param': the projections "
+                    "in the parameters' dtype, as the authors' code)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default: the "
                     "size's)")
     ap.add_argument("--deadline-s", type=float, default=None,
@@ -312,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--refresh-interval {args.refresh_interval}: must be at least 1")
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     SVD_DRIVER["driver"] = args.svd_driver
+    SVD_DRIVER["proj_dtype"] = args.proj_dtype
     start = time.monotonic()
     size = "tiny" if args.tiny else args.size
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -326,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{dev_name}; {time.strftime('%Y-%m-%d')}; torch {torch.__version__}; size {size} "
           f"{SIZES[size]}; batch {args.batch or SIZES[size][-1]}; {args.dtype}; "
           f"{'compiled' if args.compile else 'eager'}{'; tf32' if args.tf32 else ''}"
-          f"{f'; svd_driver {args.svd_driver}' if args.svd_driver else ''}", flush=True)
+          f"{f'; svd_driver {args.svd_driver}' if args.svd_driver else ''}"
+          f"{f'; proj_dtype {args.proj_dtype}' if args.proj_dtype != 'state' else ''}",
+          flush=True)
     rows: dict[str, Any] = {}
     for name in names:
         if args.deadline_s is not None and time.monotonic() - start > args.deadline_s:
@@ -366,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             "shape": SIZES[size], "batch": args.batch or SIZES[size][-1], "dtype": args.dtype,
             "compile": args.compile, "argv": sys.argv, "warmup": WARMUP, "timed": TIMED,
             "refresh_interval": GAP, "amortised_over": k, "tf32": args.tf32,
-            "svd_driver": args.svd_driver}
+            "svd_driver": args.svd_driver, "proj_dtype": args.proj_dtype}
     name = f"train_step_{size}{'_compiled' if args.compile else ''}.json"
     (out / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0 if all("total_ms_mean" in r or "skipped" in r for r in rows.values()) else 1
