@@ -11,13 +11,14 @@
 * **inject.** ``update(..., inject={path name: {key: array}})`` (an extra argument, as
   ``value=`` is for the learned optimizers): values an update uses instead of its own
   draws or decompositions; the parity harness feeds an original's recorded projections.
-* **One trace per group.** :func:`map_grouped` runs per-leaf work once per group of
-  leaves that share shape, dtype and hyperparameters (``jax.vmap`` over the stacked
-  leaves), so that its traced size does not grow with the number of same-shaped tensors;
-  the state stays per leaf. The methods group their refreshes (GaLore, PLUMAGE) or
-  projected steps (COAP), whose per-leaf conditionals, decompositions and draws made the
-  compile slow; plain per-leaf arithmetic stays per leaf, since XLA compiles the identical
-  kernels of same-shaped leaves once while each unstacked result is a kernel of its own.
+* **One conditional per group.** :func:`switch_grouped` puts the refresh branches of a
+  group of leaves that share shape, dtype and hyperparameters (so their refresh schedule)
+  in one ``lax.switch``, each branch computing every leaf of the group one by one with its
+  event known at trace time. XLA compiles the identical kernels of same-shaped leaves once,
+  so what grows with the number of tensors is a few instructions per leaf, not a
+  conditional per leaf (each with its branch computations) nor a kernel per leaf: stacking
+  a group under ``vmap`` would need its results sliced back out per leaf, and a slice at
+  its own offset is a kernel of its own. The state stays per leaf.
 * **Decompositions.** Under ``nonfinite="raise"`` (outside ``jit``; see
   :mod:`xopt.jax._contract`, which also checks the gradients) a refresh whose
   decomposition is not finite raises :class:`~xopt.errors.DecompositionError` naming the
@@ -28,6 +29,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -177,7 +179,7 @@ def _on_several_devices(x: Any) -> bool:
 
 
 def group_key(spec: Any, args: Any, *, batchable: bool = True) -> Hashable | None:
-    """The :func:`map_grouped` key of one leaf: its hyperparameters (:func:`spec_key`) and
+    """The :func:`switch_grouped` key of one leaf: its hyperparameters (:func:`spec_key`) and
     the structure, shapes and dtypes of its arrays ``args``; None (a group of its own) when
     not ``batchable`` or when an array is on a mesh of several devices (stacking would
     move sharded matrices, and the owner rule of :mod:`xopt.jax.sharding` works per
@@ -193,33 +195,51 @@ def group_key(spec: Any, args: Any, *, batchable: bool = True) -> Hashable | Non
     return (spec_key(spec), treedef, tuple(shapes))
 
 
-def map_grouped(keys: Sequence[Hashable | None], fn: Callable[[int, Any], Any],
-                args: Sequence[Any]) -> list[Any]:
-    """``[fn(i, args[i]) for i]``, tracing ``fn`` once per group of equal ``keys``.
+def switch_grouped(keys: Sequence[Hashable | None], branch_of: Callable[[int], Any],
+                   branches: int | Callable[[int], int], fn: Callable[[int, Any, int], Any],
+                   args: Sequence[Any], *, vmapped: Callable[[int], bool] | None = None
+                   ) -> list[Any]:
+    """``[fn(i, args[i], e_i)]``, ``e_i`` the branch ``branch_of(i)`` picks, as one
+    ``lax.switch`` per group of equal ``keys``.
 
-    Leaves whose key is shared by another leaf run together: their ``args`` (pytrees of
-    arrays and None, of one structure) are stacked on a new leading axis, ``fn`` runs once
-    under ``jax.vmap`` (with the group's first index ``i``: ``fn`` must not make ``i``
-    change the math; pass what differs per leaf, such as a seed, in ``args``) and the
-    results are unstacked. A key of None, or a key of one leaf, calls ``fn`` directly.
-    ``fn`` must close over only what every leaf of a group shares (the count, the schedule's
-    learning rate): a ``lax.cond`` on such a value stays a branch under ``vmap``.
+    ``branch_of(i)`` is a traced int32 in ``range(branches)`` (``branches``: an int or a
+    function of ``i``), or a Python int (then no switch is traced). Every leaf of a group
+    shares it: it may read only what the key fixes (the hyperparameters) and the count.
+    Each branch calls ``fn(i, args[i], e)`` for every leaf ``i`` of the group with ``e`` a
+    Python int, so that ``fn`` resolves its decisions at trace time; every branch returns
+    one structure. ``args[i]`` are the switch's operands (pytrees of arrays and None): a
+    per-leaf constant passed there (a draw key) is a branch parameter, not part of a
+    kernel. A key of None is a group of its own (its leaf's own switch).
+
+    With ``vmapped(e)`` true, branch ``e`` stacks the group's operands and runs ``fn`` once
+    under ``jax.vmap`` (``fn`` must then not let ``i`` change the math): traced once, its
+    operations do not grow with the group. Its results are taken back out per leaf by a
+    dynamic index that is itself an operand of the switch, so that the slices of every
+    leaf are one kernel (a slice at a fixed offset would be a kernel of its own).
     """
     groups: dict[Hashable, list[int]] = {}
     for i, k in enumerate(keys):
-        if k is not None:
-            groups.setdefault(k, []).append(i)
+        groups.setdefault(("leaf", i) if k is None else ("group", k), []).append(i)
     out: list[Any] = [None] * len(args)
-    done = set()
     for idx in groups.values():
-        if len(idx) < 2:
-            continue
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(args[i] for i in idx))
-        res = jax.vmap(lambda a, i0=idx[0]: fn(i0, a))(stacked)
-        for j, i in enumerate(idx):
-            out[i] = jax.tree.map(lambda x, j=j: x[j], res)
-            done.add(i)
-    for i, a in enumerate(args):
-        if i not in done:
-            out[i] = fn(i, a)
+        def branch(e: int, ops: tuple[list[Any], list[jax.Array]],
+                   idx: list[int] = idx) -> list[Any]:
+            leaf_args, pos = ops
+            if len(idx) < 2 or vmapped is None or not vmapped(e):
+                return [fn(i, a, e) for i, a in zip(idx, leaf_args, strict=True)]
+            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *leaf_args)
+            res = jax.vmap(lambda a: fn(idx[0], a, e))(stacked)
+            return [jax.tree.map(lambda x, p=p: jax.lax.dynamic_index_in_dim(
+                x, p[0], keepdims=False), res) for p in pos]
+
+        which = branch_of(idx[0])
+        ops = ([args[i] for i in idx], [np.full((1,), j, np.int32) for j in range(len(idx))])
+        if isinstance(which, (bool, int, np.integer)):
+            res = branch(int(which), ops)
+        else:
+            n = branches(idx[0]) if callable(branches) else branches
+            res = jax.lax.switch(jnp.asarray(which, jnp.int32),
+                                 [functools.partial(branch, e) for e in range(n)], ops)
+        for i, r in zip(idx, res, strict=True):
+            out[i] = r
     return out
