@@ -56,6 +56,17 @@ def check_float_leaf(leaf: Any, where: str, dtypes: tuple | None = FLOATING) -> 
         raise HyperparameterError(f"{where}: dtype {dt} is not supported ({allowed})")
 
 
+def check_proj_dtype(h: Hyperparams, where: str) -> None:
+    """Raise :class:`HyperparameterError` naming ``where`` and ``proj_dtype`` unless the
+    projections run in the state dtype (``proj_dtype="state"``, the default): the JAX
+    transformations do not compute the parameter-dtype products yet, and must not ignore
+    the setting."""
+    value = getattr(h, "proj_dtype", "state")
+    if value != "state":
+        raise HyperparameterError(f"{where}: proj_dtype={value!r} is not supported by the JAX "
+                                  "backend yet (only 'state')")
+
+
 def leaf_specs(params: Any, spec: Hyperparams, param_specs: Any, cls: type[Hyperparams],
                label: str) -> list[Hyperparams]:
     """The hyperparameters of every leaf of ``params`` (flattening order)."""

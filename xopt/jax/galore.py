@@ -31,6 +31,7 @@ from xopt.errors import HyperparameterError
 from xopt.jax import _contract
 from xopt.jax._lowrank import (
     check_float_leaf,
+    check_proj_dtype,
     decomposition_guard,
     group_key,
     inject_for,
@@ -154,6 +155,7 @@ def galore(
         names, specs = path_names(tree), specs_of(tree)
         for n, leaf, h in zip(names, jax.tree.leaves(tree), specs, strict=True):
             check_float_leaf(leaf, f"{_LABEL}: {n}")
+            check_proj_dtype(h, f"{_LABEL}: {n}")
             if _spec.is_projected(tuple(leaf.shape), h):
                 lowrank.check_rank(h.rank, tuple(leaf.shape), f"{_LABEL}: {n}")
         return names, specs

@@ -37,6 +37,7 @@ from xopt import random as xrandom
 from xopt.jax import _contract
 from xopt.jax._lowrank import (
     check_float_leaf,
+    check_proj_dtype,
     decomposition_guard,
     group_key,
     inject_for,
@@ -162,6 +163,7 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
         specs = leaf_specs(tree, hp, param_specs, _spec.PLUMAGE, _LABEL)
         for name, h, x in zip(names, specs, jax.tree.leaves(tree), strict=True):
             check_float_leaf(x, f"{_LABEL}: {name}", None)
+            check_proj_dtype(h, f"{_LABEL}: {name}")
             _spec.check_param(tuple(x.shape), h, f"{_LABEL}: {name}")
         return names, specs
 
