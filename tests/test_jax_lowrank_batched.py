@@ -1,7 +1,8 @@
 """The JAX low-rank transformations put a group's refreshes in one conditional.
 
-GaLore's and PLUMAGE's refreshes and COAP's projection updates sit in one ``lax.switch``
-per group of leaves with one shape, dtype and setting (``switch_grouped``). Checked here:
+GaLore's and PLUMAGE's refreshes sit in one ``lax.switch`` per group of leaves with one
+shape, dtype and setting (``switch_grouped``); COAP's projected steps run once per group
+under ``jax.vmap`` (``map_grouped``). Checked here:
 the grouped updates and states are the per-leaf path's bit for bit, and the traced
 program's conditionals do not grow with the number of same-shaped leaves.
 """

@@ -13,12 +13,15 @@
   draws or decompositions; the parity harness feeds an original's recorded projections.
 * **One conditional per group.** :func:`switch_grouped` puts the refresh branches of a
   group of leaves that share shape, dtype and hyperparameters (so their refresh schedule)
-  in one ``lax.switch``, each branch computing every leaf of the group one by one with its
-  event known at trace time. XLA compiles the identical kernels of same-shaped leaves once,
+  in one ``lax.switch``, each branch computing every leaf of the group with its event known
+  at trace time, one by one (GaLore) or once under ``vmap`` (PLUMAGE, whose refresh is
+  long to trace per leaf). XLA compiles the identical kernels of same-shaped leaves once,
   so what grows with the number of tensors is a few instructions per leaf, not a
   conditional per leaf (each with its branch computations) nor a kernel per leaf: stacking
   a group under ``vmap`` would need its results sliced back out per leaf, and a slice at
-  its own offset is a kernel of its own. The state stays per leaf.
+  its own offset is a kernel of its own. The state stays per leaf. COAP runs its whole
+  projected step once per group under ``vmap`` instead (:func:`map_grouped`): four
+  event branches per leaf compile slower than its stacking and slicing.
 * **Decompositions.** Under ``nonfinite="raise"`` (outside ``jit``; see
   :mod:`xopt.jax._contract`, which also checks the gradients) a refresh whose
   decomposition is not finite raises :class:`~xopt.errors.DecompositionError` naming the
@@ -190,11 +193,11 @@ def _on_several_devices(x: Any) -> bool:
 
 
 def group_key(spec: Any, args: Any, *, batchable: bool = True) -> Hashable | None:
-    """The :func:`switch_grouped` key of one leaf: its hyperparameters (:func:`spec_key`) and
-    the structure, shapes and dtypes of its arrays ``args``; None (a group of its own) when
-    not ``batchable`` or when an array is on a mesh of several devices (stacking would
-    move sharded matrices, and the owner rule of :mod:`xopt.jax.sharding` works per
-    matrix)."""
+    """The :func:`switch_grouped` and :func:`map_grouped` key of one leaf: its
+    hyperparameters (:func:`spec_key`) and the structure, shapes and dtypes of its arrays
+    ``args``; None (a group of its own) when not ``batchable`` or when an array is on a
+    mesh of several devices (stacking would move sharded matrices, and the owner rule of
+    :mod:`xopt.jax.sharding` works per matrix)."""
     if not batchable:
         return None
     leaves, treedef = jax.tree.flatten(args)
@@ -253,4 +256,36 @@ def switch_grouped(keys: Sequence[Hashable | None], branch_of: Callable[[int], A
                                  [functools.partial(branch, e) for e in range(n)], ops)
         for i, r in zip(idx, res, strict=True):
             out[i] = r
+    return out
+
+
+def map_grouped(keys: Sequence[Hashable | None], fn: Callable[[int, Any], Any],
+                args: Sequence[Any]) -> list[Any]:
+    """``[fn(i, args[i]) for i]``, tracing ``fn`` once per group of equal ``keys``.
+
+    Leaves whose key is shared by another leaf run together: their ``args`` (pytrees of
+    arrays and None, of one structure) are stacked on a new leading axis, ``fn`` runs once
+    under ``jax.vmap`` (with the group's first index ``i``: ``fn`` must not make ``i``
+    change the math; pass what differs per leaf, such as a seed, in ``args``) and the
+    results are unstacked. A key of None, or a key of one leaf, calls ``fn`` directly.
+    ``fn`` must close over only what every leaf of a group shares (the count, the schedule's
+    learning rate): a ``lax.cond`` on such a value stays a branch under ``vmap``.
+    """
+    groups: dict[Hashable, list[int]] = {}
+    for i, k in enumerate(keys):
+        if k is not None:
+            groups.setdefault(k, []).append(i)
+    out: list[Any] = [None] * len(args)
+    done = set()
+    for idx in groups.values():
+        if len(idx) < 2:
+            continue
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(args[i] for i in idx))
+        res = jax.vmap(lambda a, i0=idx[0]: fn(i0, a))(stacked)
+        for j, i in enumerate(idx):
+            out[i] = jax.tree.map(lambda x, j=j: x[j], res)
+            done.add(i)
+    for i, a in enumerate(args):
+        if i not in done:
+            out[i] = fn(i, a)
     return out

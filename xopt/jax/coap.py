@@ -42,9 +42,9 @@ from xopt.jax._lowrank import (
     group_key,
     inject_for,
     leaf_specs,
+    map_grouped,
     path_names,
     resolve_spec,
-    switch_grouped,
 )
 from xopt.jax._precision import full_precision
 from xopt.registry import register
@@ -268,40 +268,29 @@ def coap(
                                  "multiplies W)")
             hs.append(h if lr_arr is None else h.replace(lr=lr_arr))
 
+        def leaf(i: int, a: tuple) -> tuple:
+            g, p, st, inj = a
+            dt = jnp.promote_types(g.dtype, jnp.float32)
+            g32 = to_spec_layout(g.astype(dt))
+            p32 = jnp.zeros(g32.shape, dt) if p is None else to_spec_layout(p.astype(dt))
+            new_p, st = _leaf_step(hs[i], names[i], p32, g32, dict(st), t, count_inc, inj,
+                                   check_decomposition)
+            return from_spec_layout(new_p - p32).astype(g.dtype), st
+
+        args = [(g_leaves[i], p_leaves[i],
+                 {var: old[var][i] for var in old if old[var][i] is not None}, injected[i])
+                for i in range(len(names))]
+        # projected leaves step once per group under vmap; the others stay per leaf, where
+        # XLA compiles the identical kernels of same-shaped leaves once (a group's results
+        # are unstacked by slices, each a kernel of its own). nonfinite="raise" names the
+        # leaf whose decomposition failed: one leaf at a time.
+        keys = [group_key(hs[i], args[i], batchable=not check_decomposition
+                          and _spec.is_projected(spec_shape(g_leaves[i]), hs[i]))
+                for i in range(len(names))]
         out_u: list[Any] = []
         new: dict[str, list[Any]] = {var: [] for var in old}
-        g32s, p32s, states = [], [], []
-        for i, g in enumerate(g_leaves):
-            dt = jnp.promote_types(g.dtype, jnp.float32)
-            g32s.append(to_spec_layout(g.astype(dt)))
-            p = p_leaves[i]
-            p32s.append(jnp.zeros(g32s[i].shape, dt) if p is None
-                        else to_spec_layout(p.astype(dt)))
-            states.append({var: old[var][i] for var in old if old[var][i] is not None})
-        # a projected leaf's projection update (the event's branch: a decomposition, an
-        # Eqn-6 step, the moments' restoring) sits in one lax.switch per group of leaves with
-        # one shape and setting, computing each leaf of the group in turn (switch_grouped);
-        # the optimizer's step is per leaf. nonfinite="raise" names the leaf whose
-        # decomposition failed: one leaf at a time.
-        projected = [i for i in range(len(names))
-                     if _spec.is_projected(tuple(g32s[i].shape), hs[i])]
-        args = [(g32s[i], states[i], injected[i]) for i in projected]
-        keys = [group_key(hs[i], a, batchable=not check_decomposition)
-                for i, a in zip(projected, args, strict=True)]
-        done = switch_grouped(
-            keys, lambda j: _event(t, hs[projected[j]]), 4,
-            lambda j, a, ev: _projection_step(hs[projected[j]], *a, ev), args)
-        is_projected = set(projected)
-        moments: list[tuple[Any, Any]] = [
-            (None, None) if i in is_projected else _spec.moments_of(jnp, hs[i], states[i])
-            for i in range(len(names))]
-        for i, (st, m_cur, v_cur, ok) in zip(projected, done, strict=True):
-            decomposition_guard(_LABEL, names[i], ok, check_decomposition)
-            states[i], moments[i] = st, (m_cur, v_cur)
-        for i, g in enumerate(g_leaves):
-            new_p, st = _base_step(hs[i], p32s[i], g32s[i], dict(states[i]), *moments[i],
-                                   count_inc, i in is_projected)
-            out_u.append(from_spec_layout(new_p - p32s[i]).astype(g.dtype))
+        for u_i, st in map_grouped(keys, leaf, args):
+            out_u.append(u_i)
             for var in old:
                 new[var].append(st.get(var))
         u = treedef.unflatten(out_u)
@@ -322,75 +311,81 @@ def _event(t: jax.Array, h: _spec.COAP) -> jax.Array:
     return jnp.where(t == 0, _spec.INITIAL, ev).astype(jnp.int32)
 
 
-def _projection_step(h: _spec.COAP, g: jax.Array, st: dict[str, Any],
-                     inj: Mapping[str, Any] | None, ev: int
-                     ) -> tuple[dict[str, Any], Any, Any, jax.Array]:
-    """A projected leaf's projection update at event ``ev`` (known at trace time; the
-    spec's :func:`~xopt.specs.coap.param_step` up to the optimizer's step): ``(state with
-    the new projection, first moment, second moment, ok)``; an update that is not finite
-    keeps the previous projection (``ok`` false)."""
-    st = dict(st)
-    shape = tuple(g.shape)
-    m_cur, v_cur = _spec.moments_of(jnp, h, st)
-    side = _spec.side_of(shape)
-    p_old = _spec.projection_of(st, shape)
-    carried = _spec.carried_of(st, shape, h)
-    given = _spec.injected_projection(inj, side)
-    if given is not None:
-        given = jax.tree.map(lambda a, o: jnp.asarray(a, o.dtype), given, p_old)
-
-    def eqn6() -> tuple[Any, Any]:
-        m6 = _spec.eqn6_moment(jnp, h, m_cur, g, p_old, side)
-        if side == "tucker":
-            f, clipped = _spec.tucker_eqn6_step(jnp, p_old, m6, g, h.proj_lr,
-                                                h.proj_max_norm, carried)
-            return f, (clipped if carried is not None else None)
-        return _spec.eqn6_step(jnp, p_old, m6, g, side, h.proj_lr, h.proj_max_norm), None
-
-    def eqn7() -> Any:
-        if side == "tucker":  # afresh at events 1 and 3
-            return _spec.new_projection(jnp, h, shape, g, p_old, _spec.INITIAL,
-                                        while_loop=jax.lax.while_loop)
-        # events 1 and 3 share the decomposition; Ω is the seeded draw at the first
-        # update, the old P after
-        omega = (_spec.initial_omega(h, shape, backend="jax").astype(g.dtype)
-                 if ev == _spec.INITIAL else _spec.warm_omega(p_old, side))
-        return _spec.decompose(jnp, g, omega, side)
-
-    def not_eqn6() -> tuple[Any, Any]:
-        f = lowrank.refresh(ev != _spec.KEEP, p_old, eqn7, given)
-        if carried is None:
-            return f, None
-        # fresh factors carry no gradient
-        return f, tuple(c if ev == _spec.KEEP else jnp.zeros_like(c) for c in carried)
-
-    cand, carry_new = eqn6() if ev == _spec.EQN6 else not_eqn6()
-    ok = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(c)) for c in jax.tree.leaves(cand)]))
-    p_new = jax.tree.map(lambda c, o: jnp.where(ok, c, o), cand, p_old)
-    if carried is not None:
-        _spec.store_carried(st, tuple(jnp.where(ok, c, o)
-                                      for c, o in zip(carry_new, carried, strict=True)))
-    if h.restore_state and m_cur is not None and ev >= _spec.EQN6:
-        m, v = _spec.restore_moments(jnp, h, m_cur, v_cur, p_old, p_new, side)
-        v = v_cur if h.optimizer != "adamw" else v
-        if h.state_bits == 8:  # stored quantised, read back
-            q: dict[str, Any] = {}
-            _spec.store_moments(jnp, h, q, m, v)
-            m, v = _spec.moments_of(jnp, h, q)
-        m_cur, v_cur = m, v
-    _spec.store_projection(st, p_new, shape)
-    return st, m_cur, v_cur, ok
-
-
-def _base_step(h: _spec.COAP, p: jax.Array, g: jax.Array, st: dict[str, Any], m_cur: Any,
-               v_cur: Any, count_inc: jax.Array, projected: bool
-               ) -> tuple[jax.Array, dict[str, Any]]:
-    """The optimizer's step after the projection update (:func:`_projection_step`; the
-    moments ``m_cur``, ``v_cur`` as it left them): ``(new parameter, state)``."""
+def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[str, Any],
+               t: jax.Array, count_inc: jax.Array, inj: Mapping[str, Any] | None,
+               check: bool) -> tuple[jax.Array, dict[str, Any]]:
+    """:func:`xopt.specs.coap.param_step` with the projection event chosen under ``jit``."""
     shape = tuple(p.shape)
-    side = _spec.side_of(shape) if projected else None
+    projected = _spec.is_projected(shape, h)
+    m_cur, v_cur = _spec.moments_of(jnp, h, st)
+    r = g
+    side = None
+    if projected:
+        side = _spec.side_of(shape)
+        p_old = _spec.projection_of(st, shape)
+        carried = _spec.carried_of(st, shape, h)
+        ev = _event(t, h)
+        given = _spec.injected_projection(inj, side)
+        if given is not None:
+            given = jax.tree.map(lambda a, o: jnp.asarray(a, o.dtype), given, p_old)
+
+        def eqn6() -> tuple[Any, Any]:
+            m6 = _spec.eqn6_moment(jnp, h, m_cur, g, p_old, side)
+            if side == "tucker":
+                f, clipped = _spec.tucker_eqn6_step(jnp, p_old, m6, g, h.proj_lr,
+                                                    h.proj_max_norm, carried)
+                return f, (clipped if carried is not None else None)
+            return _spec.eqn6_step(jnp, p_old, m6, g, side, h.proj_lr, h.proj_max_norm), None
+
+        def eqn7() -> Any:
+            if side == "tucker":  # afresh at events 1 and 3
+                return _spec.new_projection(jnp, h, shape, g, p_old, _spec.INITIAL,
+                                            while_loop=jax.lax.while_loop)
+
+            # events 1 and 3 share one decomposition (one QR + SVD to compile per leaf);
+            # only Ω differs: the seeded draw at the first update, the old P after
+            def drawn() -> jax.Array:
+                return _spec.initial_omega(h, shape, backend="jax").astype(g.dtype)
+
+            def warm() -> jax.Array:
+                return _spec.warm_omega(p_old, side)
+
+            omega = jax.lax.cond(ev == _spec.INITIAL, drawn, warm)
+            return _spec.decompose(jnp, g, omega, side)
+
+        def not_eqn6() -> tuple[Any, Any]:
+            f = lowrank.refresh(ev != _spec.KEEP, p_old, eqn7, given, cond=jax.lax.cond)
+            if carried is None:
+                return f, None
+            # fresh factors carry no gradient
+            return f, tuple(jnp.where(ev == _spec.KEEP, c, jnp.zeros_like(c)) for c in carried)
+
+        cand, carry_new = jax.lax.cond(ev == _spec.EQN6, eqn6, not_eqn6)
+        ok = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(c)) for c in jax.tree.leaves(cand)]))
+        p_new = jax.tree.map(lambda c, o: jnp.where(ok, c, o), cand, p_old)
+        if carried is not None:
+            _spec.store_carried(st, tuple(jnp.where(ok, c, o)
+                                          for c, o in zip(carry_new, carried, strict=True)))
+        decomposition_guard(_LABEL, name, ok, check)
+        if h.restore_state and m_cur is not None:
+            m_old, v_old = m_cur, v_cur
+
+            def carried() -> tuple[Any, Any]:
+                m, v = _spec.restore_moments(jnp, h, m_old, v_old, p_old, p_new, side)
+                v = v_old if h.optimizer != "adamw" else v
+                if h.state_bits == 8:  # stored quantised, read back
+                    q: dict[str, Any] = {}
+                    _spec.store_moments(jnp, h, q, m, v)
+                    m, v = _spec.moments_of(jnp, h, q)
+                return m, v
+
+            def kept() -> tuple[Any, Any]:
+                return m_old, v_old
+
+            m_cur, v_cur = jax.lax.cond(ev >= _spec.EQN6, carried, kept)
+        _spec.store_projection(st, p_new, shape)
+        r = _spec.project(jnp, g, p_new, side)
     proj = _spec.projection_of(st, shape) if projected else None
-    r = _spec.project(jnp, g, proj, side) if projected else g
     if h.optimizer == "adamw":
         m_cur, v_cur = lowrank.hf_adam_moments(jnp, m_cur, v_cur, r, h.b1, h.b2)
         n = lowrank.hf_adam_direction(jnp, m_cur, v_cur, h.eps)
