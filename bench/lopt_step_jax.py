@@ -564,6 +564,9 @@ def survey_transforms(with_plain: bool, rank: int) -> list[tuple[str, object]]:
         m = label.split("/")[1]
         out.append((f"xopt.jax.{m}/{impl}/{prec}",
                     lambda m=m, impl=impl, prec=prec: make_tx(m, impl, prec)))
+    # μLO: small_fc_lopt's network on the plain path, every leaf a hidden layer (μP's
+    # multipliers change values, not the program)
+    out.append(("xopt.jax.mulo", lambda: xj.mulo(**SMALL_FC)))
     for method in ("galore", "flora", "coap", "plumage"):
         extra = {"beta1": 0.9} if method == "flora" else {}
 
@@ -599,7 +602,7 @@ def compile_survey(model: str, report: dict, dl: Deadline, args) -> None:
         try:
             tx = build()
             state = jax.eval_shape(tx.init, params)
-            lopt = "small_fc_lopt" in label or "velo" in label
+            lopt = any(m in label for m in ("small_fc_lopt", "velo", "mulo"))
             fn = step_fn(tx, "lopt" if lopt else "adamw", donate=False)
             t0 = time.perf_counter()
             lowered = fn.lower(params, state, params, loss)
@@ -626,6 +629,9 @@ OP_COUNT_SHAPES = [(16, 12), (12,), (12, 16), (8, 16)]  # a block, repeated
 def op_count_transforms() -> list[tuple[str, object]]:
     out: list = [("optax.adamw", lambda: optax.adamw(1e-3)),
                  ("xopt.jax.adamw", lambda: xj.adamw(1e-3))]
+    # μLO: small_fc_lopt's network on the plain path, every leaf a hidden layer (μP's
+    # multipliers change values, not the program)
+    out.append(("xopt.jax.mulo", lambda: xj.mulo(**SMALL_FC)))
     for method in ("galore", "flora", "coap", "plumage"):
         extra = {"beta1": 0.9} if method == "flora" else {}
         out.append((f"xopt.jax.{method}",

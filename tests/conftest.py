@@ -34,3 +34,16 @@ if importlib.util.find_spec("torch") is not None and "triton" not in sys.modules
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test may run once more after a native crash of one of its processes, and only
+    then (helpers.NATIVE_CRASH says why); without pytest-rerunfailures, never."""
+    if not config.pluginmanager.hasplugin("rerunfailures"):
+        return
+    import pytest
+    from helpers import NATIVE_CRASH
+
+    mark = pytest.mark.flaky(reruns=1, only_rerun=list(NATIVE_CRASH))
+    for item in items:
+        item.add_marker(mark)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, has_jax, has_torch, has_triton
+from helpers import REPO, check_exit, has_jax, has_torch, has_triton
 
 pytestmark = pytest.mark.skipif(not has_torch, reason="needs torch")
 
@@ -29,7 +29,7 @@ def _run(script: str, *args: str, interpret: bool = False) -> str:
     env["CUDA_VISIBLE_DEVICES"] = ""  # --tiny is the CPU mode, even on a GPU machine
     proc = subprocess.run([sys.executable, str(REPO / "bench" / script), *args],
                           capture_output=True, text=True, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check_exit(proc)
     return proc.stdout
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,14 @@ def die_on(rank: int) -> None:
     """Rank ``rank``'s process exits without a word; the others wait in a collective."""
     if dist.get_rank() == rank:
         os._exit(3)
+    dist.barrier()
+
+
+def crash_on(rank: int) -> None:
+    """Rank ``rank``'s process is killed by SIGSEGV, as by a crash in native code."""
+    if dist.get_rank() == rank:
+        faulthandler.disable()  # no stack dump: the signal is the test's own
+        os.kill(os.getpid(), signal.SIGSEGV)
     dist.barrier()
 
 

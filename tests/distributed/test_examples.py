@@ -9,11 +9,9 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
+from helpers import REPO, check_exit
 
 
 def _run(args: list[str]) -> str:
@@ -22,7 +20,7 @@ def _run(args: list[str]) -> str:
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
                           text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check_exit(proc)
     return proc.stdout
 
 

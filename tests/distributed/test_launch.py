@@ -3,8 +3,13 @@ rank fails the call with that rank's traceback instead of leaving the others wai
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import launch_cases as cases
 import pytest
+from helpers import NATIVE_CRASH, NativeCrash, check_exit
 
 from xopt.torch.launch import Gang, RankError
 
@@ -40,6 +45,41 @@ def test_a_rank_that_dies_fails_the_call(gang):
     assert info.value.rank == 1 and info.value.exc_type is None
     after = gang.run(cases.pid)
     assert not set(before) & set(after)
+
+
+def _reruns(exc: BaseException) -> bool:
+    """Whether pytest-rerunfailures' ``only_rerun`` (tests/conftest.py) reruns after
+    ``exc``: it searches these patterns in ``"<type name>: <message>"``."""
+    return any(re.search(p, f"{type(exc).__name__}: {exc}") for p in NATIVE_CRASH)
+
+
+def test_only_a_rank_killed_by_a_signal_counts_as_a_native_crash(gang):
+    with pytest.raises(RankError, match="rank 0 of 2 died .*exit code -11") as crashed:
+        gang.run(cases.crash_on, 0)
+    with pytest.raises(RankError) as exited:
+        gang.run(cases.die_on, 0)
+    with pytest.raises(RankError) as raised:
+        gang.run(cases.raise_on, 0, "a failed check")
+    assert _reruns(crashed.value)
+    assert not _reruns(exited.value) and not _reruns(raised.value)
+
+
+def test_a_child_killed_by_a_signal_is_a_native_crash_and_a_failing_one_is_not():
+    def run(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+    check_exit(run("pass"))
+    with pytest.raises(NativeCrash, match="SIGABRT") as aborted:
+        check_exit(run("import os; os.abort()"))
+    with pytest.raises(AssertionError, match="exit code 1") as failed:
+        check_exit(run("raise SystemExit('a failed check')"))
+    # torchrun: exit code 1, and the rank it lost to a signal in its summary
+    lost = run("import sys; sys.stderr.write('traceback : Signal 6 (SIGABRT) received by "
+               "PID 42'); sys.exit(1)")
+    with pytest.raises(NativeCrash, match="SIGABRT") as torchrun:
+        check_exit(lost)
+    assert _reruns(aborted.value) and _reruns(torchrun.value)
+    assert type(failed.value) is AssertionError and not _reruns(failed.value)
 
 
 def test_arguments_checked_before_anything_runs(gang):

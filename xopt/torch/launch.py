@@ -40,6 +40,7 @@ import importlib.util
 import inspect
 import multiprocessing as mp
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -151,6 +152,13 @@ def _worker(rank: int, world_size: int, backend: str | None, store_path: str, co
 
 
 # -- the parent side ----------------------------------------------------------------------------
+
+#: how a rank's collective fails when a peer's process went away
+_PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Socket closed")
+#: how long a peer's lost connection waits for the process behind it to end (bounded only
+#: so that a peer that closed its end and lives on cannot stall the caller; the wait is
+#: over as soon as that process ends)
+_DEATH_GRACE_S = 60.0
 
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor",
             "torch.distributed.fsdp", "torch.distributed.checkpoint", "numpy"]
@@ -264,6 +272,15 @@ class Gang:
             conn.send((*msg, args, kwargs))
         return self._collect(fn.__qualname__)
 
+    def _await_death(self, pending: set[int]) -> set[int]:
+        """The ranks of ``pending`` whose processes end within :data:`_DEATH_GRACE_S`: a
+        peer reports a lost connection a moment before the process that closed it is
+        reaped (it closes its sockets and pipe one by one as it exits, and a dying process
+        may first write a core dump), and that process, not the peer, is the cause."""
+        sentinels = {self._procs[r].sentinel: r for r in pending}
+        ended = wait(list(sentinels), timeout=_DEATH_GRACE_S)
+        return {sentinels[s] for s in ended}
+
     def _collect(self, what: str) -> list[Any]:
         results: dict[int, Any] = {}
         by_conn = {c: r for r, c in enumerate(self._conns)}
@@ -278,8 +295,8 @@ class Gang:
             if ranks:
                 # A rank that died is the cause of its peers' errors (their collectives then
                 # fail with a connection error): by the time a peer has reported one, the
-                # dead rank's end of its pipe is closed (its process has exited), so every
-                # pending pipe is read now, without waiting, not only those ready above.
+                # dead rank's end of its pipe is usually closed, so every pending pipe is
+                # read now, not only those ready above (and _await_death covers the rest).
                 ranks = set(pending)
             for rank in sorted(ranks):
                 conn = self._conns[rank]
@@ -299,6 +316,8 @@ class Gang:
                 pending.discard(rank)
             if not dead and not errors:
                 continue
+            if errors and not dead and any(_PEER_LOST.search(m[3]) for _, m in errors):
+                dead = self._await_death(pending)
             dead = sorted(dead)
             for r in dead:
                 self._procs[r].join()
