@@ -11,13 +11,17 @@
 * **inject.** ``update(..., inject={path name: {key: array}})`` (an extra argument, as
   ``value=`` is for the learned optimizers): values an update uses instead of its own
   draws or decompositions; the parity harness feeds an original's recorded projections.
-* **One trace per group.** :func:`map_grouped` runs per-leaf work once per group of
-  leaves that share shape, dtype and hyperparameters (``jax.vmap`` over the stacked
-  leaves), so that its traced size does not grow with the number of same-shaped tensors;
-  the state stays per leaf. The methods group their refreshes (GaLore, PLUMAGE) or
-  projected steps (COAP), whose per-leaf conditionals, decompositions and draws made the
-  compile slow; plain per-leaf arithmetic stays per leaf, since XLA compiles the identical
-  kernels of same-shaped leaves once while each unstacked result is a kernel of its own.
+* **One conditional per group.** :func:`switch_grouped` puts the refresh branches of a
+  group of leaves that share shape, dtype and hyperparameters (so their refresh schedule)
+  in one ``lax.switch``, each branch computing every leaf of the group with its event known
+  at trace time, one by one (GaLore) or once under ``vmap`` (PLUMAGE, whose refresh is
+  long to trace per leaf). XLA compiles the identical kernels of same-shaped leaves once,
+  so what grows with the number of tensors is a few instructions per leaf, not a
+  conditional per leaf (each with its branch computations) nor a kernel per leaf: stacking
+  a group under ``vmap`` would need its results sliced back out per leaf, and a slice at
+  its own offset is a kernel of its own. The state stays per leaf. COAP runs its whole
+  projected step once per group under ``vmap`` instead (:func:`map_grouped`): four
+  event branches per leaf compile slower than its stacking and slicing.
 * **Decompositions.** Under ``nonfinite="raise"`` (outside ``jit``; see
   :mod:`xopt.jax._contract`, which also checks the gradients) a refresh whose
   decomposition is not finite raises :class:`~xopt.errors.DecompositionError` naming the
@@ -28,6 +32,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -52,6 +57,17 @@ def check_float_leaf(leaf: Any, where: str, dtypes: tuple | None = FLOATING) -> 
         allowed = ("floating dtypes only" if dtypes is None
                    else ", ".join(jnp.dtype(d).name for d in dtypes))
         raise HyperparameterError(f"{where}: dtype {dt} is not supported ({allowed})")
+
+
+def check_proj_dtype(h: Hyperparams, where: str) -> None:
+    """Raise :class:`HyperparameterError` naming ``where`` and ``proj_dtype`` unless the
+    projections run in the state dtype (``proj_dtype="state"``, the default): the JAX
+    transformations do not compute the parameter-dtype products yet, and must not ignore
+    the setting."""
+    value = getattr(h, "proj_dtype", "state")
+    if value != "state":
+        raise HyperparameterError(f"{where}: proj_dtype={value!r} is not supported by the JAX "
+                                  "backend yet (only 'state')")
 
 
 def leaf_specs(params: Any, spec: Hyperparams, param_specs: Any, cls: type[Hyperparams],
@@ -177,11 +193,11 @@ def _on_several_devices(x: Any) -> bool:
 
 
 def group_key(spec: Any, args: Any, *, batchable: bool = True) -> Hashable | None:
-    """The :func:`map_grouped` key of one leaf: its hyperparameters (:func:`spec_key`) and
-    the structure, shapes and dtypes of its arrays ``args``; None (a group of its own) when
-    not ``batchable`` or when an array is on a mesh of several devices (stacking would
-    move sharded matrices, and the owner rule of :mod:`xopt.jax.sharding` works per
-    matrix)."""
+    """The :func:`switch_grouped` and :func:`map_grouped` key of one leaf: its
+    hyperparameters (:func:`spec_key`) and the structure, shapes and dtypes of its arrays
+    ``args``; None (a group of its own) when not ``batchable`` or when an array is on a
+    mesh of several devices (stacking would move sharded matrices, and the owner rule of
+    :mod:`xopt.jax.sharding` works per matrix)."""
     if not batchable:
         return None
     leaves, treedef = jax.tree.flatten(args)
@@ -191,6 +207,56 @@ def group_key(spec: Any, args: Any, *, batchable: bool = True) -> Hashable | Non
             return None
         shapes.append((tuple(np.shape(x)), str(jnp.result_type(x))))
     return (spec_key(spec), treedef, tuple(shapes))
+
+
+def switch_grouped(keys: Sequence[Hashable | None], branch_of: Callable[[int], Any],
+                   branches: int | Callable[[int], int], fn: Callable[[int, Any, int], Any],
+                   args: Sequence[Any], *, vmapped: Callable[[int], bool] | None = None
+                   ) -> list[Any]:
+    """``[fn(i, args[i], e_i)]``, ``e_i`` the branch ``branch_of(i)`` picks, as one
+    ``lax.switch`` per group of equal ``keys``.
+
+    ``branch_of(i)`` is a traced int32 in ``range(branches)`` (``branches``: an int or a
+    function of ``i``), or a Python int (then no switch is traced). Every leaf of a group
+    shares it: it may read only what the key fixes (the hyperparameters) and the count.
+    Each branch calls ``fn(i, args[i], e)`` for every leaf ``i`` of the group with ``e`` a
+    Python int, so that ``fn`` resolves its decisions at trace time; every branch returns
+    one structure. ``args[i]`` are the switch's operands (pytrees of arrays and None): a
+    per-leaf constant passed there (a draw key) is a branch parameter, not part of a
+    kernel. A key of None is a group of its own (its leaf's own switch).
+
+    With ``vmapped(e)`` true, branch ``e`` stacks the group's operands and runs ``fn`` once
+    under ``jax.vmap`` (``fn`` must then not let ``i`` change the math): traced once, its
+    operations do not grow with the group. Its results are taken back out per leaf by a
+    dynamic index that is itself an operand of the switch, so that the slices of every
+    leaf are one kernel (a slice at a fixed offset would be a kernel of its own).
+    """
+    groups: dict[Hashable, list[int]] = {}
+    for i, k in enumerate(keys):
+        groups.setdefault(("leaf", i) if k is None else ("group", k), []).append(i)
+    out: list[Any] = [None] * len(args)
+    for idx in groups.values():
+        def branch(e: int, ops: tuple[list[Any], list[jax.Array]],
+                   idx: list[int] = idx) -> list[Any]:
+            leaf_args, pos = ops
+            if len(idx) < 2 or vmapped is None or not vmapped(e):
+                return [fn(i, a, e) for i, a in zip(idx, leaf_args, strict=True)]
+            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *leaf_args)
+            res = jax.vmap(lambda a: fn(idx[0], a, e))(stacked)
+            return [jax.tree.map(lambda x, p=p: jax.lax.dynamic_index_in_dim(
+                x, p[0], keepdims=False), res) for p in pos]
+
+        which = branch_of(idx[0])
+        ops = ([args[i] for i in idx], [np.full((1,), j, np.int32) for j in range(len(idx))])
+        if isinstance(which, (bool, int, np.integer)):
+            res = branch(int(which), ops)
+        else:
+            n = branches(idx[0]) if callable(branches) else branches
+            res = jax.lax.switch(jnp.asarray(which, jnp.int32),
+                                 [functools.partial(branch, e) for e in range(n)], ops)
+        for i, r in zip(idx, res, strict=True):
+            out[i] = r
+    return out
 
 
 def map_grouped(keys: Sequence[Hashable | None], fn: Callable[[int, Any], Any],

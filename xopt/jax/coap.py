@@ -37,6 +37,7 @@ from xopt.errors import HyperparameterError
 from xopt.jax import _contract
 from xopt.jax._lowrank import (
     check_float_leaf,
+    check_proj_dtype,
     decomposition_guard,
     group_key,
     inject_for,
@@ -224,6 +225,7 @@ def coap(
         specs = leaf_specs(tree, base, param_specs, _spec.COAP, _LABEL)
         for n, leaf, h in zip(names, jax.tree.leaves(tree), specs, strict=True):
             check_float_leaf(leaf, f"{_LABEL}: {n}")
+            check_proj_dtype(h, f"{_LABEL}: {n}")
             _spec.check_param(spec_shape(leaf), h, f"{_LABEL}: {n}")
         return names, specs
 

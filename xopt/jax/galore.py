@@ -31,13 +31,14 @@ from xopt.errors import HyperparameterError
 from xopt.jax import _contract
 from xopt.jax._lowrank import (
     check_float_leaf,
+    check_proj_dtype,
     decomposition_guard,
     group_key,
     inject_for,
     leaf_specs,
-    map_grouped,
     path_names,
     resolve_spec,
+    switch_grouped,
 )
 from xopt.jax._precision import full_precision
 from xopt.jax.sharding import on_owner
@@ -154,6 +155,7 @@ def galore(
         names, specs = path_names(tree), specs_of(tree)
         for n, leaf, h in zip(names, jax.tree.leaves(tree), specs, strict=True):
             check_float_leaf(leaf, f"{_LABEL}: {n}")
+            check_proj_dtype(h, f"{_LABEL}: {n}")
             if _spec.is_projected(tuple(leaf.shape), h):
                 lowrank.check_rank(h.rank, tuple(leaf.shape), f"{_LABEL}: {n}")
         return names, specs
@@ -202,23 +204,22 @@ def galore(
                                  f"weight_decay = {h.weight_decay!r} multiplies {name}")
             hs.append(h)
 
-        # the refresh (a lax.cond holding the SVD) is traced once per group of same-shaped
-        # leaves; the Adam step stays per leaf, where XLA compiles identical kernels once
-        projected = [_spec.is_projected(tuple(g.shape), h) for g, h in zip(g_leaves, hs,
-                                                                          strict=True)]
-
-        def refresh(i: int, a: tuple | None) -> tuple:
-            if a is None:
-                return None, None
-            g, o, o_r, inj = a
-            return _refresh(hs[i], names[i], g, o, o_r, state.count, inj, check, i)
-
-        args = [(g_leaves[i], o_leaves[i], or_leaves[i], injected[i]) if projected[i]
-                else None for i in range(len(names))]
+        # the refresh (the SVD) sits in one lax.switch per group of leaves with one shape
+        # and setting, computing each leaf of the group in turn (switch_grouped)
+        projected = [i for i, (g, h) in enumerate(zip(g_leaves, hs, strict=True))
+                     if _spec.is_projected(tuple(g.shape), h)]
+        args = [(g_leaves[i], o_leaves[i], or_leaves[i], injected[i]) for i in projected]
         # nonfinite="raise" names the leaf whose SVD failed: one leaf at a time
-        keys = [group_key(hs[i], args[i], batchable=not check) if projected[i] else None
-                for i in range(len(names))]
-        refreshed = map_grouped(keys, refresh, args)
+        keys = [group_key(hs[i], a, batchable=not check)
+                for i, a in zip(projected, args, strict=True)]
+        done = switch_grouped(
+            keys, lambda j: _spec.refresh_due(state.count, hs[projected[j]]).astype(jnp.int32),
+            2, lambda j, a, due: _refresh(hs[projected[j]], *a, bool(due), projected[j]),
+            args)
+        refreshed: list[tuple[Any, Any]] = [(None, None)] * len(names)
+        for i, (ortho, ortho_r, ok) in zip(projected, done, strict=True):
+            decomposition_guard(_LABEL, names[i], ok, check)
+            refreshed[i] = (ortho, ortho_r)
 
         out_u, out_m, out_v, out_o, out_or = [], [], [], [], []
         for i, h in enumerate(hs):
@@ -241,20 +242,21 @@ def galore(
     return _contract.transformation(_LABEL, init_fn, full_precision(update_fn), nonfinite=mode)
 
 
-def _refresh(h: _spec.GaLore, name: str, g: jax.Array, old: jax.Array, old_r: Any,
-             count: jax.Array, inj: Mapping[str, Any] | None, check: bool, index: int
-             ) -> tuple[jax.Array, Any]:
-    """The projection after this update's refresh rule: the SVD's (or the injected) at a
-    refresh, ``old`` otherwise; a refresh whose SVD is not finite keeps ``old``. The SVD
-    runs on one device of the gradient's mesh (:func:`xopt.jax.sharding.on_owner`, the
-    ``index``-th matrix)."""
+def _refresh(h: _spec.GaLore, g: jax.Array, old: jax.Array, old_r: Any,
+             inj: Mapping[str, Any] | None, due: bool, index: int
+             ) -> tuple[jax.Array, Any, jax.Array]:
+    """``(projection, right projection, ok)`` after this update's refresh rule (``due``
+    known at trace time): the SVD's (or the injected) at a refresh, ``old`` otherwise; a
+    refresh whose SVD is not finite keeps ``old`` (``ok`` false). The SVD runs on one
+    device of the gradient's mesh (:func:`xopt.jax.sharding.on_owner`, the ``index``-th
+    matrix)."""
     which = _spec.side(tuple(g.shape), h.proj_type)
-    due = _spec.refresh_due(count, h)
     full = which == "full"
     injected = _spec.injected_projection(inj, old_r, which,
                                          cast=lambda a: jnp.asarray(a, old.dtype))
-    if injected is not None:
-        return lowrank.refresh(due, (old, old_r), None, injected, cond=jax.lax.cond)
+    if not due or injected is not None:
+        o, o_r = lowrank.refresh(due, (old, old_r), None, injected)
+        return o, o_r, jnp.array(True)
 
     def fresh() -> tuple[jax.Array, jax.Array, jax.Array]:
         o, o_r, sv = on_owner(lambda a: _spec.fresh_projection(jnp, h, a),
@@ -263,12 +265,10 @@ def _refresh(h: _spec.GaLore, name: str, g: jax.Array, old: jax.Array, old_r: An
         ok = jnp.all(jnp.isfinite(sv)) & jnp.all(jnp.isfinite(o)) & jnp.all(jnp.isfinite(o_r))
         return o.astype(old.dtype), o_r.astype(old.dtype) if full else old, ok
 
-    cand, cand_r, ok = lowrank.refresh(due, (old, old_r if full else old, jnp.array(True)),
-                                       fresh, cond=jax.lax.cond)
+    cand, cand_r, ok = lowrank.refresh(due, None, fresh)
     new = jnp.where(ok, cand, old)
     new_r = jnp.where(ok, cand_r, old_r) if full else None
-    decomposition_guard(_LABEL, name, ok, check)
-    return new, new_r
+    return new, new_r, ok
 
 
 _contract.public_signature(galore)

@@ -37,13 +37,14 @@ from xopt import random as xrandom
 from xopt.jax import _contract
 from xopt.jax._lowrank import (
     check_float_leaf,
+    check_proj_dtype,
     decomposition_guard,
     group_key,
     inject_for,
     leaf_specs,
-    map_grouped,
     path_names,
     resolve_spec,
+    switch_grouped,
 )
 from xopt.jax._precision import full_precision
 from xopt.jax.sharding import on_owner
@@ -162,6 +163,7 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
         specs = leaf_specs(tree, hp, param_specs, _spec.PLUMAGE, _LABEL)
         for name, h, x in zip(names, specs, jax.tree.leaves(tree), strict=True):
             check_float_leaf(x, f"{_LABEL}: {name}", None)
+            check_proj_dtype(h, f"{_LABEL}: {name}")
             _spec.check_param(tuple(x.shape), h, f"{_LABEL}: {name}")
         return names, specs
 
@@ -196,30 +198,36 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
         extra = {k: dict(getattr(state, k)) for k in ("projector", "scale", "basis", "probs")}
         lr = schedule(t) if schedule is not None else None
 
-        # the refresh (lax.cond: SVD, draws, realignment) is traced once per group of
-        # same-shaped leaves; the Adam step stays per leaf, where XLA compiles identical
-        # kernels once
-        def refresh(index: int, a: tuple | None) -> dict[str, jax.Array] | None:
-            if a is None:
-                return None
-            g, st, inj, key = a
-            h = specs[index]
-            g = g.astype(st["m"].dtype)
-            return _maybe_refresh(h, names[index], index, g, _spec.side_of(tuple(g.shape), h),
-                                  dict(st), t, inj, check_decomposition, key)
-
-        states, args = [], []
+        # the refresh (SVD, draws, realignment) sits in one lax.switch per group of leaves
+        # with one shape and setting, computing each leaf of the group in turn
+        # (switch_grouped); the Adam step is per leaf
+        states, projected, args = [], [], []
         for index, (name, h, g, m, v, inj) in enumerate(zip(
                 names, specs, g_leaves, mu_leaves, nu_leaves, injects, strict=True)):
             st = {"m": m, "v": v}
             st.update({k: extra[k][name] for k in extra if name in extra[k]})
             states.append(st)
-            args.append((g, st, inj, _leaf_key(h.seed, index))
-                        if _spec.is_projected(tuple(g.shape), h) else None)
+            if _spec.is_projected(tuple(g.shape), h):
+                projected.append(index)
+                args.append((g, st, inj, _leaf_key(h.seed, index)))
+
+        def refresh(j: int, a: tuple, event: int) -> tuple[dict[str, jax.Array], jax.Array]:
+            index = projected[j]
+            g, st, inj, key = a
+            g = g.astype(st["m"].dtype)
+            return _refresh(specs[index], index, g, _spec.side_of(tuple(g.shape), specs[index]),
+                            dict(st), t, inj, key, event)
+
         # nonfinite="raise" names the leaf whose SVD failed: one leaf at a time
-        keys = [None if a is None else group_key(specs[i], a, batchable=not check_decomposition)
-                for i, a in enumerate(args)]
-        refreshed = map_grouped(keys, refresh, args)
+        keys = [group_key(specs[i], a, batchable=not check_decomposition)
+                for i, a in zip(projected, args, strict=True)]
+        done = switch_grouped(keys, lambda j: _event(specs[projected[j]], t),
+                              lambda j: _branches(specs[projected[j]]), refresh, args,
+                              vmapped=lambda event: event > 0)
+        refreshed: list[dict[str, jax.Array] | None] = [None] * len(names)
+        for i, (st_r, ok) in zip(projected, done, strict=True):
+            decomposition_guard(_LABEL, names[i], ok, check_decomposition)
+            refreshed[i] = st_r
         new_u, new_mu, new_nu = [], [], []
         for name, h, g, p, st, st_r in zip(names, specs, g_leaves, p_leaves, states, refreshed,
                                            strict=True):
@@ -269,49 +277,53 @@ def _leaf_update(h: _spec.PLUMAGE, g: jax.Array, p: jax.Array | None,
     return u, st
 
 
-def _maybe_refresh(h: _spec.PLUMAGE, name: str, index: int, g: jax.Array, side: str,
-                   st: dict[str, jax.Array], t: jax.Array,
-                   inject: Mapping[str, Any] | None, check_finite: bool,
-                   leaf_key: jax.Array) -> dict[str, jax.Array]:
-    """Algorithm 5's refresh block under ``jit``: an SVD when ``t mod τ = 0``, a resample
-    when also (or only) ``t mod κ = 0``; a refresh whose SVD is not finite keeps the state."""
-    keys = sorted(st)
+def _event(h: _spec.PLUMAGE, t: jax.Array) -> jax.Array:
+    """This update's refresh (int32): 0 none; with a stored basis (:func:`_branches` 3),
+    1 a resample from it and 2 an SVD and a resample (``t mod τ = 0``); without one
+    (every resample is an SVD step), 1 an SVD and a resample."""
     svd_now = t % h.update_proj_gap == 0
     resample = svd_now | (t % h.kappa == 0)
+    if not _spec.needs_basis(h):
+        return resample.astype(jnp.int32)
+    return jnp.where(svd_now, 2, jnp.where(resample, 1, 0)).astype(jnp.int32)
+
+
+def _branches(h: _spec.PLUMAGE) -> int:
+    return 3 if _spec.needs_basis(h) else 2
+
+
+def _refresh(h: _spec.PLUMAGE, index: int, g: jax.Array, side: str,
+             st: dict[str, jax.Array], t: jax.Array, inject: Mapping[str, Any] | None,
+             leaf_key: jax.Array, event: int) -> tuple[dict[str, jax.Array], jax.Array]:
+    """Algorithm 5's refresh block for the ``event`` (:func:`_event`, known at trace time):
+    ``(state, ok)``; a refresh whose SVD is not finite keeps the state (``ok`` false)."""
+    if event == 0:
+        return st, jnp.array(True)
+    old = st
     indices = None if inject is None else inject.get("indices")
 
-    def refresh(operands: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        old = dict(zip(keys, operands, strict=True))
+    def from_svd() -> tuple[jax.Array, jax.Array, jax.Array]:
+        # on one device of the gradient's mesh (the owner rule)
+        basis, probs, sigma = on_owner(
+            lambda a: _spec.basis_and_probs(jnp, h, a, side, inject), g, index=index)
+        ok = jnp.all(jnp.isfinite(sigma)) & jnp.all(jnp.isfinite(basis))
+        return basis, probs, ok
 
-        def from_svd() -> tuple[jax.Array, jax.Array, jax.Array]:
-            # on one device of the gradient's mesh (the owner rule)
-            basis, probs, sigma = on_owner(
-                lambda a: _spec.basis_and_probs(jnp, h, a, side, inject), g, index=index)
-            ok = jnp.all(jnp.isfinite(sigma)) & jnp.all(jnp.isfinite(basis))
-            return basis, probs, ok
-
-        # without a stored basis every resample is an SVD step
-        stored = _spec.needs_basis(h)
-        basis, probs, ok = lowrank.refresh(
-            svd_now if stored else True,
-            (old.get("basis"), old.get("probs"), jnp.asarray(True)), from_svd,
-            cond=jax.lax.cond if stored else None)
-        decomposition_guard(_LABEL, name, ok, check_finite)
-        if indices is not None:
-            idx = jnp.asarray(indices).astype(jnp.int32)
-        else:
-            perm, u = _draws_of_key(leaf_key, t, probs.shape[0])
-            idx = _spec.sample_indices(jnp, probs, h.rank, perm, u)
-        P, dvec = _spec.sample_projection(jnp, basis, probs, idx)
-        m, v = _spec.realign(jnp, old["m"], old["v"], P, old["projector"], side,
-                             first=h.realign_first_moment, second=h.realign_second_moment)
-        new = dict(old, m=m, v=v, projector=P, scale=dvec)
-        if _spec.needs_basis(h):
-            new.update(basis=basis, probs=probs)
-        return tuple(jnp.where(ok, new[k], old[k]).astype(old[k].dtype) for k in keys)
-
-    out = jax.lax.cond(resample, refresh, lambda ops: ops, tuple(st[k] for k in keys))
-    return dict(zip(keys, out, strict=True))
+    basis, probs, ok = lowrank.refresh(event == 2 or not _spec.needs_basis(h),
+                                       (old.get("basis"), old.get("probs"),
+                                        jnp.asarray(True)), from_svd)
+    if indices is not None:
+        idx = jnp.asarray(indices).astype(jnp.int32)
+    else:
+        perm, u = _draws_of_key(leaf_key, t, probs.shape[0])
+        idx = _spec.sample_indices(jnp, probs, h.rank, perm, u)
+    P, dvec = _spec.sample_projection(jnp, basis, probs, idx)
+    m, v = _spec.realign(jnp, old["m"], old["v"], P, old["projector"], side,
+                         first=h.realign_first_moment, second=h.realign_second_moment)
+    new = dict(old, m=m, v=v, projector=P, scale=dvec)
+    if _spec.needs_basis(h):
+        new.update(basis=basis, probs=probs)
+    return {k: jnp.where(ok, new[k], old[k]).astype(old[k].dtype) for k in old}, ok
 
 
 register("plumage", "jax", plumage)
