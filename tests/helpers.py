@@ -129,6 +129,18 @@ def max_rel(a, b) -> float:
     return 0.0 if d == 0 else d / max(b.double().abs().max().item(), 1e-300)
 
 
+def max_rel_array(a, b) -> float:
+    """:func:`max_rel` of two arrays (anything ``np.asarray`` takes), in float64, as the
+    parity harness measures it."""
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.size == 0:
+        return 0.0
+    d = np.abs(a - b).max()
+    return 0.0 if d == 0 else float(d / max(np.abs(b).max(), 1e-300))
+
+
 def rounding_sensitivity(ref, p64, g64, states, want, lr, rounds: int = 3, *,
                          weights: dict | None = None, weight_bits: int = 24,
                          per_tensor: bool = False):

@@ -25,6 +25,7 @@ import re
 import numpy as np
 import pytest
 from helpers import has_jax
+from helpers import max_rel_array as max_rel
 
 pytestmark = pytest.mark.skipif(not has_jax, reason="jax/optax are not installed")
 
@@ -34,15 +35,6 @@ EXACT = 1e-6
 SHAPES = [(), (5,), (7, 3), (3, 9), (6, 6), (40, 36), (1, 5, 8), (2, 3, 5), (7, 3), (40, 36),
           (5,)]
 SMALL_FC = dict(num_training_steps=100, hidden_size=32, step_mult=0.01)
-
-
-def max_rel(a, b) -> float:
-    """``max|a − b| / max|b|`` in float64 (0 for empty or equal arrays), as the harness."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if a.size == 0:
-        return 0.0
-    d = np.abs(a - b).max()
-    return 0.0 if d == 0 else float(d / max(np.abs(b).max(), 1e-300))
 
 
 @pytest.fixture(scope="module")
