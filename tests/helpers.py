@@ -141,6 +141,26 @@ def max_rel_array(a, b) -> float:
     return 0.0 if d == 0 else float(d / max(np.abs(b).max(), 1e-300))
 
 
+def velo_spec_state(state, keys, names=None) -> dict:
+    """An ``xopt.jax.velo`` state as the float64 state dict of
+    :func:`xopt.specs.velo.hyperv2_steps`: each tensor's variables read at ``keys`` (the
+    inner state's indices or names) and stored under ``names`` (default: ``keys``)."""
+    import numpy as np
+
+    inner = state.inner
+    names = keys if names is None else names
+    st = {f"{v}/{n}": np.asarray(getattr(inner, v)[k], np.float64)
+          for v in ("m", "rms", "v_row", "v_col", "v_diag", "lstm_hidden", "lstm_cell")
+          for k, n in zip(keys, names, strict=True)}
+    st.update(iteration=np.int32(state.iteration), num_steps=np.int32(state.num_steps),
+              mom_t=np.asarray(inner.mom_t), rms_t=np.asarray(inner.rms_t),
+              loss_means=np.asarray(inner.loss_means, np.float64),
+              loss_running_min=np.asarray(inner.loss_running_min, np.float64),
+              loss_decays=np.asarray(inner.loss_decays, np.float64),
+              loss_iteration=np.int32(inner.loss_iteration))
+    return st
+
+
 def rounding_sensitivity(ref, p64, g64, states, want, lr, rounds: int = 3, *,
                          weights: dict | None = None, weight_bits: int = 24,
                          per_tensor: bool = False):

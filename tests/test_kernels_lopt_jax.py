@@ -24,7 +24,7 @@ import re
 
 import numpy as np
 import pytest
-from helpers import has_jax
+from helpers import has_jax, velo_spec_state
 from helpers import max_rel_array as max_rel
 
 pytestmark = pytest.mark.skipif(not has_jax, reason="jax/optax are not installed")
@@ -106,15 +106,7 @@ def _oracle_steps(method: str, params, state, grads, loss, theta):
 
     hp = spec.VeLO(num_training_steps=100)
     meta = {k: np.asarray(v, np.float64) for k, v in spec.coerce_meta(theta, hp).items()}
-    st = {f"{v}/{k}": np.asarray(getattr(inner, v)[k], np.float64)
-          for v in ("m", "rms", "v_row", "v_col", "v_diag", "lstm_hidden", "lstm_cell")
-          for k in names}
-    st.update(iteration=np.int32(state.iteration), num_steps=np.int32(state.num_steps),
-              mom_t=np.asarray(inner.mom_t), rms_t=np.asarray(inner.rms_t),
-              loss_means=np.asarray(inner.loss_means, np.float64),
-              loss_running_min=np.asarray(inner.loss_running_min, np.float64),
-              loss_decays=np.asarray(inner.loss_decays, np.float64),
-              loss_iteration=np.int32(inner.loss_iteration))
+    st = velo_spec_state(state, names)
     steps, _ = spec.hyperv2_steps(hp, f64, st, g64, np.float64(loss), meta, xp=np)
     return steps
 

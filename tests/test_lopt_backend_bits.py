@@ -46,7 +46,7 @@ import importlib
 
 import numpy as np
 import pytest
-from helpers import has_jax, triton_kernel_target
+from helpers import has_jax, triton_kernel_target, velo_spec_state
 from helpers import max_rel_array as max_rel
 
 needs_kernel, DEVICE = triton_kernel_target()
@@ -616,17 +616,8 @@ def velo():
     hp = vspec.VeLO(num_training_steps=100, **hyper)
     meta = {k: np.asarray(v, np.float64) for k, v in vspec.coerce_meta(theta, hp).items()}
     s0 = pallas["state0"]
-    inner = s0.inner
     names = [f"p{k}" for k in range(len(SHAPES))]
-    st = {f"{v}/{n}": np.asarray(getattr(inner, v)[k], np.float64)
-          for v in ("m", "rms", "v_row", "v_col", "v_diag", "lstm_hidden", "lstm_cell")
-          for k, n in enumerate(names)}
-    st.update(iteration=np.int32(s0.iteration), num_steps=np.int32(s0.num_steps),
-              mom_t=np.asarray(inner.mom_t), rms_t=np.asarray(inner.rms_t),
-              loss_means=np.asarray(inner.loss_means, np.float64),
-              loss_running_min=np.asarray(inner.loss_running_min, np.float64),
-              loss_decays=np.asarray(inner.loss_decays, np.float64),
-              loss_iteration=np.int32(inner.loss_iteration))
+    st = velo_spec_state(s0, range(len(names)), names)
     f64, _ = vspec.hyperv2_steps(hp, {n: np.asarray(p, np.float64) for n, p in zip(
         names, params, strict=True)}, st, {n: np.asarray(g, np.float64) for n, g in zip(
             names, grads, strict=True)}, np.float64(loss), meta, xp=np)

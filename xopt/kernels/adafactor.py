@@ -55,12 +55,19 @@ def runs_on(device: torch.device) -> bool:
 
 
 @triton.jit
-def _stats_kernel(x_ptr, g_ptr, rows_ptr, cols_ptr, xsq_ptr, M, N, T, eps0,
-                  BM: tl.constexpr, BN: tl.constexpr):
+def _row_tile(M, BM: tl.constexpr):
+    """This program's matrix ``b`` (grid axis 0), row tile ``t`` (axis 1), its rows and
+    their mask."""
     b = tl.program_id(0)
     t = tl.program_id(1)
     rows = t * BM + tl.arange(0, BM)
-    rmask = rows < M
+    return b, t, rows, rows < M
+
+
+@triton.jit
+def _stats_kernel(x_ptr, g_ptr, rows_ptr, cols_ptr, xsq_ptr, M, N, T, eps0,
+                  BM: tl.constexpr, BN: tl.constexpr):
+    b, t, rows, rmask = _row_tile(M, BM)
     base = b.to(tl.int64) * M * N
     row_acc = tl.zeros((BM,), tl.float32)
     x_acc = tl.zeros((BM,), tl.float32)
@@ -92,10 +99,7 @@ def _update(g_ptr, r_ptr, c_ptr, b, rows, rmask, cols, M, N):
 
 @triton.jit
 def _sumsq_kernel(g_ptr, r_ptr, c_ptr, out_ptr, M, N, T, BM: tl.constexpr, BN: tl.constexpr):
-    b = tl.program_id(0)
-    t = tl.program_id(1)
-    rows = t * BM + tl.arange(0, BM)
-    rmask = rows < M
+    b, t, rows, rmask = _row_tile(M, BM)
     acc = tl.zeros((BM,), tl.float32)
     for j0 in range(0, N, BN):
         u, off, mask = _update(g_ptr, r_ptr, c_ptr, b, rows, rmask, j0 + tl.arange(0, BN),
@@ -107,10 +111,7 @@ def _sumsq_kernel(g_ptr, r_ptr, c_ptr, out_ptr, M, N, T, BM: tl.constexpr, BN: t
 @triton.jit
 def _apply_kernel(x_ptr, g_ptr, r_ptr, c_ptr, s_ptr, lr_ptr, out_ptr, M, N,
                   BM: tl.constexpr, BN: tl.constexpr):
-    b = tl.program_id(0)
-    t = tl.program_id(1)
-    rows = t * BM + tl.arange(0, BM)
-    rmask = rows < M
+    b, t, rows, rmask = _row_tile(M, BM)
     s = tl.load(s_ptr + b)
     lr = tl.load(lr_ptr + b)
     for j0 in range(0, N, BN):
