@@ -278,7 +278,12 @@ def matmul(xp: ModuleType, a: Any, b: Any) -> Any:
         import jax
 
         return xp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
-    return xp.matmul(a, b)
+    out = xp.matmul(a, b)
+    if xp is np and out.dtype != np.result_type(a, b):
+        # ml_dtypes' bfloat16 matmul returns its float32 sum: rounded once here, as a
+        # bfloat16 product is in torch and XLA
+        out = out.astype(np.result_type(a, b))
+    return out
 
 
 # -- division rounded once, whatever the compiler makes of a float division -----------------

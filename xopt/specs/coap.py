@@ -459,7 +459,8 @@ def restore(xp: ModuleType, n: Any, p: Any, side: str) -> Any:
 
 def project_back(xp: ModuleType, n: Any, p: Any, side: str, scale: float) -> Any:
     """``scale · restore(N)`` (``MatrixCOAP.project_back``)."""
-    return restore(xp, n, p, side) * scale
+    full = restore(xp, n, p, side)
+    return lowrank.astype(full * scale, full.dtype)  # NumPy: bfloat16 · float is float32
 
 
 # -- Tucker-2 of convolution kernels (TuckerCOAP) ------------------------------------------------

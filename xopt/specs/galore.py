@@ -265,7 +265,7 @@ def project_back(xp: Any, n: Any, ortho: Any, ortho_right: Any, which: str, scal
         full = arrays.matmul(xp, n, ortho)
     else:
         full = arrays.matmul(xp, arrays.matmul(xp, ortho, n), ortho_right)
-    return full * scale
+    return lowrank.astype(full * scale, full.dtype)  # NumPy: bfloat16 · float is float32
 
 
 def optax_moments(xp: Any, m: Any, v: Any, r: Any, b1: Any, b2: Any) -> tuple[Any, Any]:

@@ -417,7 +417,7 @@ def sample_projection(xp: ModuleType, basis: Any, p: Any, idx: Any) -> tuple[Any
 
 def project(xp: ModuleType, g: Any, P: Any, side: str) -> Any:
     """``R = Pᵀ G`` (left, ``(k, n)``) or ``R = G P`` (right, ``(m, k)``) (Eq. 22)."""
-    return xp.matmul(P.T, g) if side == "left" else xp.matmul(g, P)
+    return arrays.matmul(xp, P.T, g) if side == "left" else arrays.matmul(xp, g, P)
 
 
 def project_back(xp: ModuleType, n: Any, P: Any, dvec: Any, side: str) -> Any:
@@ -432,8 +432,8 @@ def project_back_low(xp: ModuleType, n: Any, P: Any, dvec: Any, side: str) -> An
     """:func:`project_back` in ``P``'s (narrow) dtype: ``N D⁻¹`` in ``n``'s dtype, rounded
     to ``P``'s, then the product there (``proj_dtype="param"``)."""
     if side == "left":
-        return xp.matmul(P, lowrank.astype(n / dvec[:, None], P.dtype))
-    return xp.matmul(lowrank.astype(n / dvec[None, :], P.dtype), P.T)
+        return arrays.matmul(xp, P, lowrank.astype(n / dvec[:, None], P.dtype))
+    return arrays.matmul(xp, lowrank.astype(n / dvec[None, :], P.dtype), P.T)
 
 
 def estimate(xp: ModuleType, g: Any, P: Any, dvec: Any, side: str) -> Any:
