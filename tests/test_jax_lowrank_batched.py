@@ -150,22 +150,3 @@ def test_grouped_updates_and_states_are_the_per_leaf_paths_bit_for_bit() -> None
     assert set(report) >= set(METHODS)
     for case, r in report.items():
         assert r["leaves"] > 0 and r["differing"] == 0, (case, r)
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_proj_dtype_param_is_refused_by_name(method: str) -> None:
-    """The parameter-dtype projections (``proj_dtype="param"``) are not computed by the JAX
-    transformations yet: a spec asking for them is an error naming the field, not a
-    silently different computation."""
-    import dataclasses
-
-    from xopt import specs
-    from xopt.errors import HyperparameterError
-
-    h = specs.get(method).make(None, **SETTINGS[method])
-    if "proj_dtype" not in {f.name for f in dataclasses.fields(h)}:
-        pytest.skip("the specs have no proj_dtype field in this checkout")
-    tx = getattr(importlib.import_module(f"xopt.jax.{method}"), method)(
-        spec=h.replace(proj_dtype="param"))
-    with pytest.raises(HyperparameterError, match="proj_dtype"):
-        tx.init(_model(1))

@@ -42,7 +42,7 @@ import numpy as np
 
 from xopt.errors import DecompositionError, HyperparameterError
 from xopt.jax._contract import path_names
-from xopt.specs import Hyperparams
+from xopt.specs import Hyperparams, arrays, lowrank
 
 #: the leaf dtypes GaLore and COAP take (an SVD/QR needs at least float32 state)
 FLOATING = (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
@@ -59,15 +59,58 @@ def check_float_leaf(leaf: Any, where: str, dtypes: tuple | None = FLOATING) -> 
         raise HyperparameterError(f"{where}: dtype {dt} is not supported ({allowed})")
 
 
-def check_proj_dtype(h: Hyperparams, where: str) -> None:
-    """Raise :class:`HyperparameterError` naming ``where`` and ``proj_dtype`` unless the
-    projections run in the state dtype (``proj_dtype="state"``, the default): the JAX
-    transformations do not compute the parameter-dtype products yet, and must not ignore
-    the setting."""
-    value = getattr(h, "proj_dtype", "state")
-    if value != "state":
-        raise HyperparameterError(f"{where}: proj_dtype={value!r} is not supported by the JAX "
-                                  "backend yet (only 'state')")
+def narrow_dtype(h: Hyperparams, param_dtype: Any, state_dtype: Any = jnp.float32) -> Any:
+    """The dtype a projected leaf's products run in when it is not the state's: the
+    parameter's under ``proj_dtype="param"`` for a bfloat16/float16 leaf
+    (:func:`xopt.specs.lowrank.product_dtype`), else None."""
+    low = lowrank.product_dtype(getattr(h, "proj_dtype", "state"), jnp.dtype(param_dtype),
+                                jnp.dtype(jnp.promote_types(param_dtype, state_dtype)))
+    return None if low is None else jnp.dtype(low)
+
+
+def _narrow_matmul(a: Any, b: Any, precision: Any = None) -> jax.Array:
+    """``a @ b`` of bfloat16/float16 operands as the spec defines it: the exact products
+    summed in float32, the sum rounded once to the operands' dtype (what torch's CPU and
+    CUDA kernels and ml_dtypes' NumPy ``dot`` compute). Asked for explicitly because a plain
+    bfloat16 ``jnp.matmul`` is left to the backend: XLA:CPU may sum in bfloat16 (a
+    matrix-vector product eagerly) or in float32 (the same product under ``jit``)."""
+    dt = jnp.result_type(a, b)
+    if jnp.dtype(dt).itemsize >= 4:
+        return jnp.matmul(a, b, precision=precision)
+    return jnp.matmul(a, b, precision=precision,
+                      preferred_element_type=jnp.float32).astype(dt)
+
+
+class _NarrowProducts:
+    """``jax.numpy`` whose ``matmul`` is :func:`_narrow_matmul`: the namespace the spec's
+    projections are called with under ``proj_dtype="param"`` (the spec's own code, with the
+    rounding of a narrow product pinned down on every backend)."""
+
+    __name__ = "jax.numpy"  # the spec's helpers take jax's branches (arrays.matmul etc.)
+    matmul = staticmethod(_narrow_matmul)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(jnp, name)
+
+
+#: the array namespace of the narrow (``proj_dtype="param"``) projections
+NARROW = _NarrowProducts()
+
+
+def narrow_update(p: jax.Array | None, u: jax.Array, step_size: Any, lr: Any,
+                  weight_decay: Any) -> jax.Array:
+    """The additive update (float32) whose ``optax.apply_updates`` is the spec's
+    parameter-dtype step :func:`xopt.specs.lowrank.hf_apply_low` of ``u`` (in the
+    parameter's dtype). Without weight decay ``Δ = −α·U`` in float32: ``p + Δ`` evaluated in
+    float32 and rounded once is exactly the spec's step. With it the spec rounds twice, and
+    ``Δ = new p − p`` in float32 (exact, so ``p + Δ`` rounds back to the new ``p``, unless
+    the step leaves less than 2⁻¹⁶ of ``p``). Kept in float32: rounded to the parameter's
+    dtype, ``Δ`` would round once more."""
+    wide = jnp.float32
+    if arrays.is_static_zero(weight_decay):
+        return (-step_size) * u.astype(wide)
+    new_p = lowrank.hf_apply_low(p, u, step_size, lr, weight_decay)
+    return new_p.astype(wide) - p.astype(wide)
 
 
 def leaf_specs(params: Any, spec: Hyperparams, param_specs: Any, cls: type[Hyperparams],

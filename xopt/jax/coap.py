@@ -21,7 +21,9 @@ layouts of one kernel take the same update; the state keeps the spec's shapes);
 
 State (:class:`COAPState`, the spec's ``"xopt.jax"`` naming) is held in the parameter's
 dtype promoted to at least float32 (bfloat16/float16 leaves keep float32 state; the update
-is computed in float32 and rounded once into the leaf's dtype).
+is computed in float32 and rounded once into the leaf's dtype). Under ``proj_dtype="param"``
+a projected bfloat16/float16 matrix's two products run in its dtype and its update is
+float32 (``optax.apply_updates`` rounds it into the leaf as the spec's step does).
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ import optax
 from xopt.errors import HyperparameterError
 from xopt.jax import _contract
 from xopt.jax._lowrank import (
+    NARROW,
     check_float_leaf,
-    check_proj_dtype,
     decomposition_guard,
     group_key,
     inject_for,
     leaf_specs,
     map_grouped,
+    narrow_update,
     path_names,
     resolve_spec,
 )
@@ -124,6 +127,7 @@ def coap(
     project: str | bool | None = None,
     restore_state: bool | None = None,
     scale: float | None = None,
+    proj_dtype: str | None = None,
     b1: float | None = None,
     b2: float | None = None,
     eps: float | None = None,
@@ -211,7 +215,8 @@ def coap(
                   min_conv_size=min_conv_size, carry_factor_grad=carry_factor_grad,
                   state_bits=state_bits,
                   quant_rounding=quant_rounding, project=project,
-                  restore_state=restore_state, scale=scale, b1=b1, b2=b2, eps=eps,
+                  restore_state=restore_state, scale=scale, proj_dtype=proj_dtype,
+                  b1=b1, b2=b2, eps=eps,
                   weight_decay=weight_decay, correct_bias=correct_bias, eps_sq=eps_sq,
                   eps_scale=eps_scale, clip_threshold=clip_threshold, decay_rate=decay_rate,
                   scale_parameter=scale_parameter, relative_step=relative_step,
@@ -225,7 +230,6 @@ def coap(
         specs = leaf_specs(tree, base, param_specs, _spec.COAP, _LABEL)
         for n, leaf, h in zip(names, jax.tree.leaves(tree), specs, strict=True):
             check_float_leaf(leaf, f"{_LABEL}: {n}")
-            check_proj_dtype(h, f"{_LABEL}: {n}")
             _spec.check_param(spec_shape(leaf), h, f"{_LABEL}: {n}")
         return names, specs
 
@@ -273,8 +277,11 @@ def coap(
             dt = jnp.promote_types(g.dtype, jnp.float32)
             g32 = to_spec_layout(g.astype(dt))
             p32 = jnp.zeros(g32.shape, dt) if p is None else to_spec_layout(p.astype(dt))
+            low = _spec.low_dtype(tuple(g32.shape), hs[i], g.dtype, dt)
             new_p, st = _leaf_step(hs[i], names[i], p32, g32, dict(st), t, count_inc, inj,
-                                   check_decomposition)
+                                   check_decomposition, low=low, p_low=p)
+            if low is not None:  # already the additive update (a matrix: no layout)
+                return new_p, st
             return from_spec_layout(new_p - p32).astype(g.dtype), st
 
         args = [(g_leaves[i], p_leaves[i],
@@ -313,8 +320,12 @@ def _event(t: jax.Array, h: _spec.COAP) -> jax.Array:
 
 def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[str, Any],
                t: jax.Array, count_inc: jax.Array, inj: Mapping[str, Any] | None,
-               check: bool) -> tuple[jax.Array, dict[str, Any]]:
-    """:func:`xopt.specs.coap.param_step` with the projection event chosen under ``jit``."""
+               check: bool, *, low: Any = None, p_low: jax.Array | None = None
+               ) -> tuple[jax.Array, dict[str, Any]]:
+    """:func:`xopt.specs.coap.param_step` with the projection event chosen under ``jit``:
+    the new ``p``, or with ``low`` (``proj_dtype="param"``, :func:`xopt.specs.coap.low_dtype`;
+    ``p_low`` the parameter in that dtype) the float32 additive update of the spec's
+    parameter-dtype step."""
     shape = tuple(p.shape)
     projected = _spec.is_projected(shape, h)
     m_cur, v_cur = _spec.moments_of(jnp, h, st)
@@ -384,12 +395,19 @@ def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[st
 
             m_cur, v_cur = jax.lax.cond(ev >= _spec.EQN6, carried, kept)
         _spec.store_projection(st, p_new, shape)
-        r = _spec.project(jnp, g, p_new, side)
+        if low is None:
+            r = _spec.project(jnp, g, p_new, side)
+        else:  # g (float32 here) is the parameter-dtype gradient widened: exact
+            r = _spec.project(NARROW, g.astype(low), p_new.astype(low), side).astype(g.dtype)
     proj = _spec.projection_of(st, shape) if projected else None
     if h.optimizer == "adamw":
         m_cur, v_cur = lowrank.hf_adam_moments(jnp, m_cur, v_cur, r, h.b1, h.b2)
         n = lowrank.hf_adam_direction(jnp, m_cur, v_cur, h.eps)
         step_size = lowrank.hf_step_size(h.lr, h.b1, h.b2, count_inc, h.correct_bias)
+        if low is not None:
+            full = _spec.project_back(NARROW, n.astype(low), proj.astype(low), side, h.scale)
+            _spec.store_moments(jnp, h, st, m_cur, v_cur)
+            return narrow_update(p_low, full, step_size, h.lr, h.weight_decay), st
         full = _spec.project_back(jnp, n, proj, side, h.scale) if projected else n
         _spec.store_moments(jnp, h, st, m_cur, v_cur)
         if isinstance(h.weight_decay, (int, float)):

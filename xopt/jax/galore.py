@@ -30,12 +30,14 @@ import optax
 from xopt.errors import HyperparameterError
 from xopt.jax import _contract
 from xopt.jax._lowrank import (
+    NARROW,
     check_float_leaf,
-    check_proj_dtype,
     decomposition_guard,
     group_key,
     inject_for,
     leaf_specs,
+    narrow_dtype,
+    narrow_update,
     path_names,
     resolve_spec,
     switch_grouped,
@@ -58,9 +60,11 @@ class GaLoreState(NamedTuple):
       count: int32 scalar: updates taken, t (``optax.safe_increment``).
       mu, nu: Adam's moments, uncorrected; the params' structure, each leaf of
         :func:`xopt.specs.galore.low_rank_shape` (``(r, n)``, ``(m, r)`` or ``(r, r)`` for
-        projected matrices, the parameter's shape otherwise) in the parameter's dtype.
+        projected matrices, the parameter's shape otherwise) in the parameter's dtype
+        (float32 for a projected bfloat16/float16 leaf under ``proj_dtype="param"``, as
+        the spec's state).
       ortho: the params' structure with the projection of each projected leaf
-        (:func:`xopt.specs.galore.ortho_shape`) and None elsewhere.
+        (:func:`xopt.specs.galore.ortho_shape`) and None elsewhere, in the moments' dtype.
       ortho_right: ``Vᵀ[:r, :]`` (``r × n``) of ``proj_type="full"`` leaves, None elsewhere.
       nonfinite_skips: int32 ``()`` under ``nonfinite="skip"``, else None.
     """
@@ -86,6 +90,7 @@ def galore(
     weight_decay: float | None = None,
     correct_bias: bool | None = None,
     proj_type: str | None = None,
+    proj_dtype: str | None = None,
     project: bool | None = None,
     convention: str | None = None,
     preset: str | None = None,
@@ -106,7 +111,11 @@ def galore(
         update's increment, as ``scale_by_learning_rate``; a schedule sets η for every
         leaf, overriding the per-leaf specs' ``lr``).
       rank, update_proj_gap, scale, b1, b2, eps, eps_root, weight_decay, correct_bias,
-        proj_type, project, convention: fields of :class:`xopt.specs.galore.GaLore`.
+        proj_type, proj_dtype, project, convention: fields of
+        :class:`xopt.specs.galore.GaLore`. ``proj_dtype="param"``: a projected
+        bfloat16/float16 leaf's products run in its dtype, its moments and projection
+        in float32, and its updates are float32 (``optax.apply_updates`` then rounds
+        the step into the parameter once, as the spec's step).
         The floats may be 0-d arrays (``optax.inject_hyperparams`` injects each);
         ``rank`` and ``update_proj_gap`` fix shapes and control flow: Python ints (name
         them in ``static_args`` under ``optax.inject_hyperparams``).
@@ -136,7 +145,8 @@ def galore(
     check = mode == "raise"
     fields = dict(rank=rank, update_proj_gap=update_proj_gap, scale=scale, b1=b1, b2=b2,
                   eps=eps, eps_root=eps_root, weight_decay=weight_decay,
-                  correct_bias=correct_bias, proj_type=proj_type, project=project,
+                  correct_bias=correct_bias, proj_type=proj_type, proj_dtype=proj_dtype,
+                  project=project,
                   convention=convention)
     base, schedule = resolve_spec(_LABEL, _spec.SPEC, spec, preset, fields,
                                   learning_rate)
@@ -155,7 +165,6 @@ def galore(
         names, specs = path_names(tree), specs_of(tree)
         for n, leaf, h in zip(names, jax.tree.leaves(tree), specs, strict=True):
             check_float_leaf(leaf, f"{_LABEL}: {n}")
-            check_proj_dtype(h, f"{_LABEL}: {n}")
             if _spec.is_projected(tuple(leaf.shape), h):
                 lowrank.check_rank(h.rank, tuple(leaf.shape), f"{_LABEL}: {n}")
         return names, specs
@@ -166,10 +175,13 @@ def galore(
         mu, ortho, ortho_r = [], [], []
         for p, h in zip(leaves, specs, strict=True):
             shape = tuple(p.shape)
-            mu.append(jnp.zeros(_spec.low_rank_shape(shape, h), p.dtype))
             projected = _spec.is_projected(shape, h)
-            ortho.append(jnp.zeros(_spec.ortho_shape(shape, h), p.dtype) if projected else None)
-            ortho_r.append(jnp.zeros((h.rank, shape[1]), p.dtype)
+            # proj_dtype="param": the spec's float32 state, the products in p's dtype
+            dt = jnp.float32 if projected and narrow_dtype(h, p.dtype) is not None \
+                else p.dtype
+            mu.append(jnp.zeros(_spec.low_rank_shape(shape, h), dt))
+            ortho.append(jnp.zeros(_spec.ortho_shape(shape, h), dt) if projected else None)
+            ortho_r.append(jnp.zeros((h.rank, shape[1]), dt)
                            if projected and h.proj_type == "full" else None)
         return GaLoreState(count=jnp.zeros([], jnp.int32), mu=treedef.unflatten(mu),
                            nu=treedef.unflatten([jnp.zeros_like(m) for m in mu]),
@@ -225,11 +237,19 @@ def galore(
         for i, h in enumerate(hs):
             g, p = g_leaves[i], p_leaves[i]
             ortho, ortho_r = refreshed[i]
-            lr = h.lr if lr_now is None else jnp.asarray(lr_now, g.dtype)
-            u, m, v = _spec.direction(jnp, h, g, m_leaves[i], v_leaves[i], ortho, ortho_r,
-                                      count_inc)
-            u = _spec.additive_update(h, p, u, count_inc, lr)
-            out_u.append(u.astype(g.dtype))
+            low = narrow_dtype(h, g.dtype, m_leaves[i].dtype) if ortho is not None else None
+            if low is None:
+                lr = h.lr if lr_now is None else jnp.asarray(lr_now, g.dtype)
+                u, m, v = _spec.direction(jnp, h, g, m_leaves[i], v_leaves[i], ortho, ortho_r,
+                                          count_inc)
+                u = _spec.additive_update(h, p, u, count_inc, lr)
+                out_u.append(u.astype(g.dtype))
+            else:  # the spec's tensor_update with p in its own dtype, as optax updates
+                lr = h.lr if lr_now is None else jnp.asarray(lr_now, jnp.float32)
+                u, m, v = _spec.direction(NARROW, h, g, m_leaves[i], v_leaves[i], ortho,
+                                          ortho_r, count_inc, low=low)
+                step = lowrank.hf_step_size(lr, h.b1, h.b2, count_inc, h.correct_bias)
+                out_u.append(narrow_update(p, u, step, lr, h.weight_decay))
             out_m.append(m.astype(m_leaves[i].dtype))
             out_v.append(v.astype(v_leaves[i].dtype))
             out_o.append(ortho)

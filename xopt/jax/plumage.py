@@ -12,7 +12,9 @@ the leaf's shape when not projected), and dicts keyed by leaf path name (``"mlp/
 holding, for projected leaves only, ``projector`` (P), ``scale`` (diag D) and, when
 ``resample_interval`` is not a multiple of ``update_proj_gap``, ``basis`` and ``probs``.
 Moments and projections are float32 for float32/bfloat16/float16 leaves (an SVD needs at
-least float32), float64 for float64 leaves.
+least float32), float64 for float64 leaves. Under ``proj_dtype="param"`` a projected
+bfloat16/float16 leaf's two products run in its dtype and its update is float32
+(``optax.apply_updates`` rounds it into the leaf as the spec's step does).
 
 Random stream: leaf number ``i`` (flattening order) draws at step ``t`` from ``xopt.random``
 with seed ``fold_in(seed, i, t)``: the same numbers as ``xopt.torch.PLUMAGE``'s
@@ -36,12 +38,14 @@ import optax
 from xopt import random as xrandom
 from xopt.jax import _contract
 from xopt.jax._lowrank import (
+    NARROW,
     check_float_leaf,
-    check_proj_dtype,
     decomposition_guard,
     group_key,
     inject_for,
     leaf_specs,
+    narrow_dtype,
+    narrow_update,
     path_names,
     resolve_spec,
     switch_grouped,
@@ -103,7 +107,8 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
             b2: float | None = None, eps: float | None = None,
             weight_decay: float | None = None, *, rank: int | None = None,
             update_proj_gap: int | None = None, resample_interval: int | None = None,
-            proj_side: str | None = None, realign_first_moment: bool | None = None,
+            proj_side: str | None = None, proj_dtype: str | None = None,
+            realign_first_moment: bool | None = None,
             realign_second_moment: bool | None = None, prob_eps: float | None = None,
             seed: int | None = None, correct_bias: bool | None = None,
             eps_inside_sqrt: bool | None = None, project: bool | None = None,
@@ -129,7 +134,7 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
         not finite; otherwise such a refresh keeps the previous projection, probabilities
         and moments instead of writing NaN into them.
       check_finite: ``True`` is the older spelling of ``nonfinite="raise"``.
-      rank, update_proj_gap, resample_interval, proj_side, realign_first_moment,
+      rank, update_proj_gap, resample_interval, proj_side, proj_dtype, realign_first_moment,
       realign_second_moment, prob_eps, seed, correct_bias, eps_inside_sqrt, project: the
         spec's fields (:class:`xopt.specs.plumage.PLUMAGE`); None takes the preset's or the
         default. The floats may be 0-d arrays (``optax.inject_hyperparams`` injects each);
@@ -151,6 +156,7 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
     check_decomposition = mode == "raise"
     fields = dict(rank=rank, update_proj_gap=update_proj_gap,
                   resample_interval=resample_interval, proj_side=proj_side,
+                  proj_dtype=proj_dtype,
                   realign_first_moment=realign_first_moment,
                   realign_second_moment=realign_second_moment, prob_eps=prob_eps, seed=seed,
                   correct_bias=correct_bias, eps_inside_sqrt=eps_inside_sqrt, project=project)
@@ -163,7 +169,6 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
         specs = leaf_specs(tree, hp, param_specs, _spec.PLUMAGE, _LABEL)
         for name, h, x in zip(names, specs, jax.tree.leaves(tree), strict=True):
             check_float_leaf(x, f"{_LABEL}: {name}", None)
-            check_proj_dtype(h, f"{_LABEL}: {name}")
             _spec.check_param(tuple(x.shape), h, f"{_LABEL}: {name}")
         return names, specs
 
@@ -233,7 +238,7 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
                                            strict=True):
             u, st = _leaf_update(h, g, p, dict(st) if st_r is None else st_r, t,
                                  h.lr if lr is None else lr)
-            new_u.append(u.astype(g.dtype))
+            new_u.append(u)
             new_mu.append(st.pop("m"))
             new_nu.append(st.pop("v"))
             for k, val in st.items():
@@ -257,24 +262,34 @@ def _leaf_update(h: _spec.PLUMAGE, g: jax.Array, p: jax.Array | None,
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One leaf's Adam step (the spec's :func:`~xopt.specs.plumage.update_param`) on the
     state after this update's refresh (:func:`_maybe_refresh`); returns the additive update
+    (in ``g``'s dtype; float32 for a ``proj_dtype="param"`` leaf, :func:`narrow_update`)
     and the new state."""
     dtype = st["m"].dtype
-    g = g.astype(dtype)
     shape = tuple(g.shape)
+    g_in, g = g, g.astype(dtype)
+    low = None
     if _spec.is_projected(shape, h):
         side = _spec.side_of(shape, h)
-        r = _spec.project(jnp, g, st["projector"], side)
+        low = narrow_dtype(h, g_in.dtype, dtype)
+        if low is None:
+            r = _spec.project(jnp, g, st["projector"], side)
+        else:
+            r = _spec.project(NARROW, g_in.astype(low), st["projector"].astype(low),
+                              side).astype(dtype)
     else:
         side, r = None, g
     st["m"], st["v"] = lowrank.hf_adam_moments(jnp, st["m"], st["v"], r, h.b1, h.b2)
     n = _spec.adam_direction(jnp, st["m"], st["v"], h)
+    alpha = lowrank.hf_step_size(lr, h.b1, h.b2, t + 1, h.correct_bias)
+    if low is not None:
+        n = _spec.project_back_low(NARROW, n, st["projector"].astype(low), st["scale"], side)
+        return narrow_update(p, n, alpha, lr, h.weight_decay), st
     if side is not None:
         n = _spec.project_back(jnp, n, st["projector"], st["scale"], side)
-    alpha = lowrank.hf_step_size(lr, h.b1, h.b2, t + 1, h.correct_bias)
     u = -alpha * n
     if not _is_zero(h.weight_decay):  # hf_apply: p ← p − αN, then p ← p − ηλ p
         u = u - (lr * h.weight_decay) * (p.astype(dtype) + u)
-    return u, st
+    return u.astype(g_in.dtype), st
 
 
 def _event(h: _spec.PLUMAGE, t: jax.Array) -> jax.Array:
