@@ -74,9 +74,11 @@ def _count(method: str, k: int, per_leaf: bool, monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.parametrize("method", METHODS)
 def test_traced_conds_do_not_grow_with_same_shaped_leaves(
         method: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    one, four = _count(method, 1, False, monkeypatch), _count(method, 4, False, monkeypatch)
-    assert one > 0
-    assert four == one, f"{method}: {one} conditionals for 1 block, {four} for 4"
+    # (from 2 blocks on: a model with a group of several leaves also traces the one cond
+    # that gives the unstacking its runtime positions, _lowrank.runtime_positions)
+    two, four = _count(method, 2, False, monkeypatch), _count(method, 4, False, monkeypatch)
+    assert two > 0
+    assert four == two, f"{method}: {two} conditionals for 2 blocks, {four} for 4"
     # the per-leaf path (what the grouping replaces) grows: the count can tell them apart
     assert _count(method, 4, True, monkeypatch) > four
 

@@ -252,10 +252,33 @@ def group_key(spec: Any, args: Any, *, batchable: bool = True) -> Hashable | Non
     return (spec_key(spec), treedef, tuple(shapes))
 
 
+def runtime_positions(n: int, count: jax.Array | None) -> tuple[jax.Array, ...]:
+    """The int32 scalars ``0, ..., n-1`` as values XLA cannot fold into constants: the
+    outputs of one ``lax.cond`` on ``count >= 0`` (``count`` a traced step count, never
+    negative: the other branch never runs). Taking entry ``j`` of a stacked array at such
+    a position makes the slice of every entry one kernel, compiled once, where a slice at a
+    constant offset is a kernel of its own per entry (XLA:CPU and GPU compile each distinct
+    kernel; an ``optimization_barrier`` does not survive their pipelines). With ``count``
+    None: plain Python ints."""
+    if count is None or n < 2:
+        return tuple(range(n))
+    return jax.lax.cond(jnp.asarray(count) >= 0,
+                        lambda: tuple(jnp.int32(j) for j in range(n)),
+                        lambda: tuple(jnp.int32(n - 1 - j) for j in range(n)))
+
+
+def _group_sizes(keys: Sequence[Hashable | None]) -> int:
+    sizes: dict[Hashable, int] = {}
+    for k in keys:
+        if k is not None:
+            sizes[k] = sizes.get(k, 0) + 1
+    return max(sizes.values(), default=0)
+
+
 def switch_grouped(keys: Sequence[Hashable | None], branch_of: Callable[[int], Any],
                    branches: int | Callable[[int], int], fn: Callable[[int, Any, int], Any],
-                   args: Sequence[Any], *, vmapped: Callable[[int], bool] | None = None
-                   ) -> list[Any]:
+                   args: Sequence[Any], *, vmapped: Callable[[int], bool] | None = None,
+                   count: jax.Array | None = None) -> list[Any]:
     """``[fn(i, args[i], e_i)]``, ``e_i`` the branch ``branch_of(i)`` picks, as one
     ``lax.switch`` per group of equal ``keys``.
 
@@ -264,20 +287,20 @@ def switch_grouped(keys: Sequence[Hashable | None], branch_of: Callable[[int], A
     shares it: it may read only what the key fixes (the hyperparameters) and the count.
     Each branch calls ``fn(i, args[i], e)`` for every leaf ``i`` of the group with ``e`` a
     Python int, so that ``fn`` resolves its decisions at trace time; every branch returns
-    one structure. ``args[i]`` are the switch's operands (pytrees of arrays and None): a
-    per-leaf constant passed there (a draw key) is a branch parameter, not part of a
-    kernel. A key of None is a group of its own (its leaf's own switch).
+    one structure. ``args[i]`` are the switch's operands (pytrees of arrays and None). A
+    key of None is a group of its own (its leaf's own switch).
 
     With ``vmapped(e)`` true, branch ``e`` stacks the group's operands and runs ``fn`` once
     under ``jax.vmap`` (``fn`` must then not let ``i`` change the math): traced once, its
-    operations do not grow with the group. Its results are taken back out per leaf by a
-    dynamic index that is itself an operand of the switch, so that the slices of every
-    leaf are one kernel (a slice at a fixed offset would be a kernel of its own).
+    operations do not grow with the group. Its results are taken back out per leaf at
+    :func:`runtime_positions` of ``count`` (operands of the switch), so that the slices of
+    every leaf are one kernel.
     """
     groups: dict[Hashable, list[int]] = {}
     for i, k in enumerate(keys):
         groups.setdefault(("leaf", i) if k is None else ("group", k), []).append(i)
     out: list[Any] = [None] * len(args)
+    positions = runtime_positions(_group_sizes(keys) if vmapped is not None else 0, count)
     for idx in groups.values():
         def branch(e: int, ops: tuple[list[Any], list[jax.Array]],
                    idx: list[int] = idx) -> list[Any]:
@@ -287,10 +310,10 @@ def switch_grouped(keys: Sequence[Hashable | None], branch_of: Callable[[int], A
             stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *leaf_args)
             res = jax.vmap(lambda a: fn(idx[0], a, e))(stacked)
             return [jax.tree.map(lambda x, p=p: jax.lax.dynamic_index_in_dim(
-                x, p[0], keepdims=False), res) for p in pos]
+                x, p, keepdims=False), res) for p in pos]
 
         which = branch_of(idx[0])
-        ops = ([args[i] for i in idx], [np.full((1,), j, np.int32) for j in range(len(idx))])
+        ops = ([args[i] for i in idx], list(positions[:len(idx)]) if len(idx) > 1 else [])
         if isinstance(which, (bool, int, np.integer)):
             res = branch(int(which), ops)
         else:
@@ -303,14 +326,15 @@ def switch_grouped(keys: Sequence[Hashable | None], branch_of: Callable[[int], A
 
 
 def map_grouped(keys: Sequence[Hashable | None], fn: Callable[[int, Any], Any],
-                args: Sequence[Any]) -> list[Any]:
+                args: Sequence[Any], *, count: jax.Array | None = None) -> list[Any]:
     """``[fn(i, args[i]) for i]``, tracing ``fn`` once per group of equal ``keys``.
 
     Leaves whose key is shared by another leaf run together: their ``args`` (pytrees of
     arrays and None, of one structure) are stacked on a new leading axis, ``fn`` runs once
     under ``jax.vmap`` (with the group's first index ``i``: ``fn`` must not make ``i``
     change the math; pass what differs per leaf, such as a seed, in ``args``) and the
-    results are unstacked. A key of None, or a key of one leaf, calls ``fn`` directly.
+    results are unstacked at :func:`runtime_positions` of ``count`` (one kernel for the
+    slices of every leaf). A key of None, or a key of one leaf, calls ``fn`` directly.
     ``fn`` must close over only what every leaf of a group shares (the count, the schedule's
     learning rate): a ``lax.cond`` on such a value stays a branch under ``vmap``.
     """
@@ -320,13 +344,15 @@ def map_grouped(keys: Sequence[Hashable | None], fn: Callable[[int, Any], Any],
             groups.setdefault(k, []).append(i)
     out: list[Any] = [None] * len(args)
     done = set()
+    positions = runtime_positions(_group_sizes(keys), count)
     for idx in groups.values():
         if len(idx) < 2:
             continue
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(args[i] for i in idx))
         res = jax.vmap(lambda a, i0=idx[0]: fn(i0, a))(stacked)
         for j, i in enumerate(idx):
-            out[i] = jax.tree.map(lambda x, j=j: x[j], res)
+            out[i] = jax.tree.map(lambda x, p=positions[j]: jax.lax.dynamic_index_in_dim(
+                x, p, keepdims=False), res)
             done.add(i)
     for i, a in enumerate(args):
         if i not in done:

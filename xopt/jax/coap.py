@@ -28,11 +28,13 @@ float32 (``optax.apply_updates`` rounds it into the leaf as the spec's step does
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from xopt.errors import HyperparameterError
@@ -272,32 +274,44 @@ def coap(
                                  "multiplies W)")
             hs.append(h if lr_arr is None else h.replace(lr=lr_arr))
 
-        def leaf(i: int, a: tuple) -> tuple:
-            g, p, st, inj = a
+        def widen(i: int) -> tuple[jax.Array, Any]:
+            g = g_leaves[i]
             dt = jnp.promote_types(g.dtype, jnp.float32)
-            g32 = to_spec_layout(g.astype(dt))
-            p32 = jnp.zeros(g32.shape, dt) if p is None else to_spec_layout(p.astype(dt))
-            low = _spec.low_dtype(tuple(g32.shape), hs[i], g.dtype, dt)
-            new_p, st = _leaf_step(hs[i], names[i], p32, g32, dict(st), t, count_inc, inj,
-                                   check_decomposition, low=low, p_low=p)
-            if low is not None:  # already the additive update (a matrix: no layout)
-                return new_p, st
-            return from_spec_layout(new_p - p32).astype(g.dtype), st
+            return to_spec_layout(g.astype(dt)), dt
 
-        args = [(g_leaves[i], p_leaves[i],
-                 {var: old[var][i] for var in old if old[var][i] is not None}, injected[i])
-                for i in range(len(names))]
-        # projected leaves step once per group under vmap; the others stay per leaf, where
-        # XLA compiles the identical kernels of same-shaped leaves once (a group's results
-        # are unstacked by slices, each a kernel of its own). nonfinite="raise" names the
-        # leaf whose decomposition failed: one leaf at a time.
-        keys = [group_key(hs[i], args[i], batchable=not check_decomposition
-                          and _spec.is_projected(spec_shape(g_leaves[i]), hs[i]))
-                for i in range(len(names))]
+        states = [{var: old[var][i] for var in old if old[var][i] is not None}
+                  for i in range(len(names))]
+        # the projection events (Eqn 6/7, the decompositions, the moments' restoration) run
+        # once per group of projected leaves of one shape and setting, under vmap, and
+        # return only the new projections (and restored moments); the step itself is per
+        # leaf, where XLA compiles the identical kernels of same-shaped leaves once (a
+        # group's stacked results are unstacked by slices, each a kernel of its own).
+        # nonfinite="raise" names the leaf whose decomposition failed: one leaf at a time.
+        projected = [i for i in range(len(names))
+                     if _spec.is_projected(spec_shape(g_leaves[i]), hs[i])]
+        ev_args = [(widen(i)[0], _event_inputs(hs[i], states[i]), injected[i])
+                   for i in projected]
+        keys = [group_key(hs[i], a, batchable=not check_decomposition)
+                for i, a in zip(projected, ev_args, strict=True)]
+        events = map_grouped(keys, lambda j, a: _refresh(hs[projected[j]], *a, t), ev_args,
+                             count=t)
+        refreshed: list[Any] = [None] * len(names)
+        for i, (upd, ok) in zip(projected, events, strict=True):
+            decomposition_guard(_LABEL, names[i], ok, check_decomposition)
+            refreshed[i] = upd
+
         out_u: list[Any] = []
         new: dict[str, list[Any]] = {var: [] for var in old}
-        for u_i, st in map_grouped(keys, leaf, args):
-            out_u.append(u_i)
+        for i in range(len(names)):
+            g, p = g_leaves[i], p_leaves[i]
+            g32, dt = widen(i)
+            p32 = jnp.zeros(g32.shape, dt) if p is None else to_spec_layout(p.astype(dt))
+            low = _spec.low_dtype(tuple(g32.shape), hs[i], g.dtype, dt)
+            new_p, st = _leaf_step(hs[i], p32, g32, dict(states[i]), refreshed[i], count_inc,
+                                   low=low, p_low=p)
+            # with low: already the additive update (a matrix: no layout)
+            out_u.append(new_p if low is not None
+                         else from_spec_layout(new_p - p32).astype(g.dtype))
             for var in old:
                 new[var].append(st.get(var))
         u = treedef.unflatten(out_u)
@@ -318,83 +332,123 @@ def _event(t: jax.Array, h: _spec.COAP) -> jax.Array:
     return jnp.where(t == 0, _spec.INITIAL, ev).astype(jnp.int32)
 
 
-def _leaf_step(h: _spec.COAP, name: str, p: jax.Array, g: jax.Array, st: dict[str, Any],
-               t: jax.Array, count_inc: jax.Array, inj: Mapping[str, Any] | None,
-               check: bool, *, low: Any = None, p_low: jax.Array | None = None
-               ) -> tuple[jax.Array, dict[str, Any]]:
-    """:func:`xopt.specs.coap.param_step` with the projection event chosen under ``jit``:
-    the new ``p``, or with ``low`` (``proj_dtype="param"``, :func:`xopt.specs.coap.low_dtype`;
-    ``p_low`` the parameter in that dtype) the float32 additive update of the spec's
-    parameter-dtype step."""
+def _event_inputs(h: _spec.COAP, st: Mapping[str, Any]) -> dict[str, Any]:
+    """What a projection event reads of a leaf's state: the projection (and a kernel's
+    carried gradients), Eqn 6's ``M`` and, to restore them, both moments (every array the
+    group's events stack is a copy at every update)."""
+    moments = {"m_q", "m_absmax", "v_q", "v_absmax"} if h.state_bits == 8 else \
+        ({"m", "v"} if h.restore_state else {"m"})
+    return {k: v for k, v in st.items() if k in moments or k.startswith("P")}
+
+
+@functools.lru_cache(maxsize=32)
+def _omega_of(seed: int, shape: tuple[int, int], rank: int) -> np.ndarray:
+    omega = np.asarray(_spec.initial_omega(_spec.SPEC.hyperparams(rank=rank, seed=seed),
+                                           shape))
+    omega.flags.writeable = False
+    return omega
+
+
+def _initial_omega(h: _spec.COAP, shape: tuple[int, ...]) -> np.ndarray:
+    """:func:`xopt.specs.coap.initial_omega` drawn once per seed and shape, in NumPy (the
+    same bits as the JAX draw, :mod:`xopt.random`): a constant of the program rather than a
+    draw compiled into every group's event branch."""
+    o_shape = _spec.omega_shape(shape, h)
+    return _omega_of(int(h.seed), (shape[0], shape[1]), o_shape[1])
+
+
+def _refresh(h: _spec.COAP, g: jax.Array, st: dict[str, Any], inj: Mapping[str, Any] | None,
+             t: jax.Array) -> tuple[dict[str, Any], jax.Array]:
+    """This update's projection event (:func:`xopt.specs.coap.param_step`'s first half, the
+    event chosen under ``jit``): ``(new, ok)`` with ``new`` the projection (``P``,
+    ``P_in``), a kernel's carried gradients and, under ``restore_state``, the moments
+    (``"m"``, ``"v"``, dequantised); an event whose result is not finite keeps the old
+    projection (``ok`` false)."""
+    shape = tuple(g.shape)
+    m_cur, v_cur = _spec.moments_of(jnp, h, st)
+    side = _spec.side_of(shape)
+    p_old = _spec.projection_of(st, shape)
+    carried = _spec.carried_of(st, shape, h)
+    ev = _event(t, h)
+    given = _spec.injected_projection(inj, side)
+    if given is not None:
+        given = jax.tree.map(lambda a, o: jnp.asarray(a, o.dtype), given, p_old)
+
+    def eqn6() -> tuple[Any, Any]:
+        m6 = _spec.eqn6_moment(jnp, h, m_cur, g, p_old, side)
+        if side == "tucker":
+            f, clipped = _spec.tucker_eqn6_step(jnp, p_old, m6, g, h.proj_lr,
+                                                h.proj_max_norm, carried)
+            return f, (clipped if carried is not None else None)
+        return _spec.eqn6_step(jnp, p_old, m6, g, side, h.proj_lr, h.proj_max_norm), None
+
+    def eqn7() -> tuple[Any, Any]:
+        # fresh factors carry no gradient
+        zeros = None if carried is None else tuple(jnp.zeros_like(c) for c in carried)
+        if given is not None:
+            return given, zeros
+        if side == "tucker":  # afresh at events 1 and 3
+            return _spec.new_projection(jnp, h, shape, g, p_old, _spec.INITIAL,
+                                        while_loop=jax.lax.while_loop), zeros
+        # events 1 and 3 share one decomposition; only Ω differs: the seeded draw at the
+        # first update (a constant: a function of the seed and shape), the old P after
+        omega = jnp.where(ev == _spec.INITIAL, _initial_omega(h, shape).astype(g.dtype),
+                          _spec.warm_omega(p_old, side))
+        return _spec.decompose(jnp, g, omega, side), zeros
+
+    def keep() -> tuple[Any, Any]:
+        return p_old, carried
+
+    # one switch over the events: keep, Eqn 6, Eqn 7 (or the first decomposition)
+    branch = jnp.where(ev == _spec.KEEP, 0, jnp.where(ev == _spec.EQN6, 1, 2))
+    cand, carry_new = jax.lax.switch(branch, [keep, eqn6, eqn7])
+    ok = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(c)) for c in jax.tree.leaves(cand)]))
+    p_new = jax.tree.map(lambda c, o: jnp.where(ok, c, o), cand, p_old)
+    new: dict[str, Any] = {}
+    if carried is not None:
+        _spec.store_carried(new, tuple(jnp.where(ok, c, o)
+                                       for c, o in zip(carry_new, carried, strict=True)))
+    if h.restore_state and m_cur is not None:
+        m_old, v_old = m_cur, v_cur
+
+        def restored() -> tuple[Any, Any]:
+            m, v = _spec.restore_moments(jnp, h, m_old, v_old, p_old, p_new, side)
+            v = v_old if h.optimizer != "adamw" else v
+            if h.state_bits == 8:  # stored quantised, read back
+                q: dict[str, Any] = {}
+                _spec.store_moments(jnp, h, q, m, v)
+                m, v = _spec.moments_of(jnp, h, q)
+            return m, v
+
+        def kept() -> tuple[Any, Any]:
+            return m_old, v_old
+
+        new["m"], new["v"] = jax.lax.cond(ev >= _spec.EQN6, restored, kept)
+        if new["v"] is None:
+            del new["v"]
+    _spec.store_projection(new, p_new, shape)
+    return new, ok
+
+
+def _leaf_step(h: _spec.COAP, p: jax.Array, g: jax.Array, st: dict[str, Any],
+               refreshed: dict[str, Any] | None, count_inc: jax.Array, *, low: Any = None,
+               p_low: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
+    """:func:`xopt.specs.coap.param_step`'s step after this update's event (``refreshed``,
+    :func:`_refresh`; None for a leaf not projected): the new ``p``, or with ``low``
+    (``proj_dtype="param"``, :func:`xopt.specs.coap.low_dtype`; ``p_low`` the parameter in
+    that dtype) the float32 additive update of the spec's parameter-dtype step."""
     shape = tuple(p.shape)
-    projected = _spec.is_projected(shape, h)
+    projected = refreshed is not None
     m_cur, v_cur = _spec.moments_of(jnp, h, st)
     r = g
     side = None
     if projected:
         side = _spec.side_of(shape)
-        p_old = _spec.projection_of(st, shape)
-        carried = _spec.carried_of(st, shape, h)
-        ev = _event(t, h)
-        given = _spec.injected_projection(inj, side)
-        if given is not None:
-            given = jax.tree.map(lambda a, o: jnp.asarray(a, o.dtype), given, p_old)
-
-        def eqn6() -> tuple[Any, Any]:
-            m6 = _spec.eqn6_moment(jnp, h, m_cur, g, p_old, side)
-            if side == "tucker":
-                f, clipped = _spec.tucker_eqn6_step(jnp, p_old, m6, g, h.proj_lr,
-                                                    h.proj_max_norm, carried)
-                return f, (clipped if carried is not None else None)
-            return _spec.eqn6_step(jnp, p_old, m6, g, side, h.proj_lr, h.proj_max_norm), None
-
-        def eqn7() -> Any:
-            if side == "tucker":  # afresh at events 1 and 3
-                return _spec.new_projection(jnp, h, shape, g, p_old, _spec.INITIAL,
-                                            while_loop=jax.lax.while_loop)
-
-            # events 1 and 3 share one decomposition (one QR + SVD to compile per leaf);
-            # only Ω differs: the seeded draw at the first update, the old P after
-            def drawn() -> jax.Array:
-                return _spec.initial_omega(h, shape, backend="jax").astype(g.dtype)
-
-            def warm() -> jax.Array:
-                return _spec.warm_omega(p_old, side)
-
-            omega = jax.lax.cond(ev == _spec.INITIAL, drawn, warm)
-            return _spec.decompose(jnp, g, omega, side)
-
-        def not_eqn6() -> tuple[Any, Any]:
-            f = lowrank.refresh(ev != _spec.KEEP, p_old, eqn7, given, cond=jax.lax.cond)
-            if carried is None:
-                return f, None
-            # fresh factors carry no gradient
-            return f, tuple(jnp.where(ev == _spec.KEEP, c, jnp.zeros_like(c)) for c in carried)
-
-        cand, carry_new = jax.lax.cond(ev == _spec.EQN6, eqn6, not_eqn6)
-        ok = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(c)) for c in jax.tree.leaves(cand)]))
-        p_new = jax.tree.map(lambda c, o: jnp.where(ok, c, o), cand, p_old)
-        if carried is not None:
-            _spec.store_carried(st, tuple(jnp.where(ok, c, o)
-                                          for c, o in zip(carry_new, carried, strict=True)))
-        decomposition_guard(_LABEL, name, ok, check)
-        if h.restore_state and m_cur is not None:
-            m_old, v_old = m_cur, v_cur
-
-            def carried() -> tuple[Any, Any]:
-                m, v = _spec.restore_moments(jnp, h, m_old, v_old, p_old, p_new, side)
-                v = v_old if h.optimizer != "adamw" else v
-                if h.state_bits == 8:  # stored quantised, read back
-                    q: dict[str, Any] = {}
-                    _spec.store_moments(jnp, h, q, m, v)
-                    m, v = _spec.moments_of(jnp, h, q)
-                return m, v
-
-            def kept() -> tuple[Any, Any]:
-                return m_old, v_old
-
-            m_cur, v_cur = jax.lax.cond(ev >= _spec.EQN6, carried, kept)
-        _spec.store_projection(st, p_new, shape)
+        refreshed = dict(refreshed)
+        if "m" in refreshed:  # restore_state: the moments carried into the new subspace
+            m_cur, v_cur = refreshed.pop("m"), refreshed.pop("v", v_cur)
+        st.update(refreshed)
+        p_new = _spec.projection_of(st, shape)
         if low is None:
             r = _spec.project(jnp, g, p_new, side)
         else:  # g (float32 here) is the parameter-dtype gradient widened: exact

@@ -228,7 +228,7 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
                 for i, a in zip(projected, args, strict=True)]
         done = switch_grouped(keys, lambda j: _event(specs[projected[j]], t),
                               lambda j: _branches(specs[projected[j]]), refresh, args,
-                              vmapped=lambda event: event > 0)
+                              vmapped=lambda event: event > 0, count=t)
         refreshed: list[dict[str, jax.Array] | None] = [None] * len(names)
         for i, (st_r, ok) in zip(projected, done, strict=True):
             decomposition_guard(_LABEL, names[i], ok, check_decomposition)
