@@ -79,7 +79,7 @@ _CHILD = textwrap.dedent("""
 
     rank, kappa = 4, 2
     tx = xj.flora(1e-3, rank=rank, kappa=kappa, beta1=0.9)
-    params = _model(3)
+    params = _model(1)
     names = ["/".join(str(getattr(k, "key", k)) for k in path)
              for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     flat = jax.tree.leaves(params)
