@@ -198,6 +198,7 @@ sig = {k: "*i64" for k in ("m_tab", "v_tab", "r_tab", "n_tab", "sizes")}
 sig.update({"block_tensor": "*i32", "block_index": "*i32"})
 sig.update({k: "fp32" for k in ("b1", "omb1", "b2", "omb2", "eps")})
 sig.update({k: "constexpr" for k in ("EPS_INSIDE", "R_BF16", "ALIGNED", "BLOCK")})
+FLOAT = r"\b((?:fma|mul|add|sub|div|sqrt|rcp|rsqrt)\.[a-z0-9.]*f32)\b"
 out = {}
 for inside in (False, True):
     for aligned in (False, True):
@@ -206,7 +207,7 @@ for inside in (False, True):
                              target=GPUTarget("cuda", 90, 32),
                              options={"num_warps": la._WARPS, **NO_FP_FUSION}).asm["ptx"]
         out[f"{inside} {aligned}"] = {
-            "float": sorted(set(re.findall(r"\b((?:fma|mul|add|sub|div|sqrt|rcp|rsqrt)\.[a-z0-9.]*f32)\b", ptx))),
+            "float": sorted(set(re.findall(FLOAT, ptx))),
             "access": sorted(set(re.findall(r"\b((?:ld|st)\.global\.v4[.a-z0-9]*)", ptx)))}
 print(json.dumps(out))
 """
