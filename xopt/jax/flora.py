@@ -280,16 +280,13 @@ def _draw_projections(leaves: list, specs: list, seeds: list, t: jax.Array,
             groups.setdefault((size, h.rank, str(_state_dtype(p)), h.kappa), []).append(i)
     out: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
     for (_, rank, sdt, kappa), idx in groups.items():
-        def draw(s: jax.Array, shape: tuple = tuple(leaves[idx[0]].shape), rank: int = rank,
-                 sdt: str = sdt) -> jax.Array:
-            return _spec.projection(s, shape, rank, xp=jnp, dtype=jnp.dtype(sdt)).reshape(-1)
-
+        draw = _group_draw(tuple(leaves[idx[0]].shape), rank, sdt)
         seed = jnp.stack([seeds[i] for i in idx])
         transfer = (t % kappa) == 0
         seed_after = jax.lax.cond(transfer, jax.vmap(next_seed_words), lambda w: w, seed)
-        p_before = jax.vmap(draw)(seed)
-        p_after = lowrank.refresh(transfer, p_before, lambda d=draw, s=seed_after:
-                                  jax.vmap(d)(s), cond=jax.lax.cond)
+        p_before = draw(seed)
+        p_after = lowrank.refresh(transfer, p_before, lambda d=draw, s=seed_after: d(s),
+                                  cond=jax.lax.cond)
         for i in idx:
             # The leaf's row is found from its seed at run time, not from its position: XLA
             # compiles a slice kernel per constant offset, and one for a runtime index that
@@ -301,6 +298,16 @@ def _draw_projections(leaves: list, specs: list, seeds: list, t: jax.Array,
             out[i] = (pick(seed_after), pick(p_before).reshape(pshape),
                       pick(p_after).reshape(pshape))
     return out
+
+
+@functools.cache
+def _group_draw(shape: tuple[int, ...], rank: int, sdt: str) -> Any:
+    """The projections of a leaf of ``shape`` for a stack of seeds, flattened: ``(k, size)``
+    (jitted, so that the draw before and the one after a transfer are traced once)."""
+    def draw(s: jax.Array) -> jax.Array:
+        return _spec.projection(s, shape, rank, xp=jnp, dtype=jnp.dtype(sdt)).reshape(-1)
+
+    return jax.jit(jax.vmap(draw))
 
 
 def _update_leaf(h: _spec.Flora, p: jax.Array, g: jax.Array, st: dict[str, Any],
