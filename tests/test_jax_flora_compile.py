@@ -59,6 +59,7 @@ def _distinct_kernels(k: int) -> int:
 
 def test_compiled_kernels_do_not_grow_with_same_shaped_leaves() -> None:
     two, four = _distinct_kernels(2), _distinct_kernels(4)
+    assert two > 0, "no fused computations found in the compiled program's text"
     # two more blocks add four compressed leaves: a kernel per leaf would add at least
     # four (the path of a row offset per leaf added ten); XLA's operand order may split
     # a kernel or two
