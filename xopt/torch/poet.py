@@ -68,12 +68,14 @@ def _triton_ok(device: torch.device) -> bool:
 _perm = None  # xopt.kernels.poet_perm once the triton path has run (imported on first use)
 
 
-def _gather(x: Tensor, idx: Tensor, triton_path: bool) -> Tensor:
+def _gather(x: Tensor, idx: Tensor, triton_path: bool, out: Tensor | None = None) -> Tensor:
     global _perm
     if triton_path:
         if _perm is None:
             from xopt.kernels import poet_perm as _perm
-        return _perm.gather(x, idx)
+        return _perm.gather(x, idx, out)
+    if out is not None:
+        return torch.index_select(x, -1, idx, out=out)
     return x.index_select(-1, idx)
 
 
@@ -90,13 +92,14 @@ def _rows(x2d: Tensor, nb: int, b: int, transpose: bool = False) -> Tensor:
 
 
 def _rotate(x2d: Tensor, r: Tensor, transpose: bool = False, lo: int = 0,
-            nb: int | None = None) -> Tensor:
+            nb: int | None = None, out: Tensor | None = None) -> Tensor:
     """``x[:, block j] · r[j]`` (or ``· r[j]ᵀ``) for ``x`` of shape ``(N, nb·b)``, with the
     blocks ``r[lo:lo + nb]`` (default: all of ``r``).
 
     A strided batched matmul over the ``nb`` blocks: the ``(nb, N, b)`` views of input and
     output have row stride ``nb·b``, which cuBLAS takes as the leading dimension, so
-    nothing is transposed in memory. Returns a contiguous ``(N, nb·b)`` tensor."""
+    nothing is transposed in memory. Returns a contiguous ``(N, nb·b)`` tensor (``out``,
+    a contiguous one to write into, outside autograd)."""
     n, width = x2d.shape
     b = r.shape[1]
     nb = r.shape[0] - lo if nb is None else nb
@@ -111,6 +114,9 @@ def _rotate(x2d: Tensor, r: Tensor, transpose: bool = False, lo: int = 0,
     # the blocks (transposed) as one view: no slice, no transpose
     rr = r.as_strided((nb, b, b), (b * b, 1, b) if transpose else (b * b, b, 1),
                       r.storage_offset() + lo * b * b)
+    if out is not None:
+        torch.bmm(_rows(x2d, nb, b), rr, out=out.as_strided((nb, n, b), (b, width, 1)))
+        return out
     out = torch.empty_strided((nb, n, b), (b, width, 1), dtype=x2d.dtype, device=x2d.device)
     torch.bmm(_rows(x2d, nb, b), rr, out=out)
     return out.as_strided((n, width), (width, 1))
@@ -151,26 +157,11 @@ class _Chain(torch.autograd.Function):
         tf32 = bool(cnp is not None and cnp[2])
         ctx.wq = (*wq, triton_path, tf32) if wq is not None else None
         x2d = x.reshape(-1, shape[-1]) if x.dim() != 2 else x
-        cnp_saved = ()
-        if cnp is not None:
-            from xopt.kernels import poet_cayley
-
-            b, formula, tf32, cd, backend = cnp
-            oft_dtype = r.dtype
-            r, cnp_saved = poet_cayley.blocks_forward(r, b, formula, tf32, backend, cd)
-            if r.dtype != x.dtype:
-                r = r.to(x.dtype)
-            ctx.cnp = (b, formula, tf32, backend, oft_dtype)
-        else:
-            ctx.cnp = None
-        r = r.contiguous()
         x1 = _gather(x2d, perm_in_inv, triton_path)
-        x2 = _rotate(x1, r, lo=n_out)  # (the blocks r[n_out:] = R_in)
-        y1 = _mm_wt(x2, weight, ctx.wq)  # x2 · W0ᵀ (mm; one host call)
-        del x2
-        if bias is not None:
-            y1 += bias
-        y = _gather(_rotate(y1, r, nb=n_out), perm_out, triton_path)  # (r[:n_out] = R_out)
+        yr, r, y1, cnp_saved, ctx.cnp = _core_forward(x1, r, bias, n_out, weight, ctx.wq, cnp,
+                                                      x.dtype, keep_y1)
+        y = _gather(yr, perm_out, triton_path)
+        del yr
         if keep_y1:  # fast: the backward needs x1 and y1, keep them (no re-gather)
             ctx.save_for_backward(x1, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, y1,
                                   *cnp_saved)
@@ -191,42 +182,88 @@ class _Chain(torch.autograd.Function):
         else:
             wq = ctx.wq
         g2d = g.reshape(-1, g.shape[-1]) if g.dim() != 2 else g
-        if keep_y1:
-            x1 = xs
-        else:  # mem: re-gather x1, recompute y1, holding at most two activations at once
-            x1 = _gather(xs, perm_in_inv, triton_path)
-            x2 = _rotate(x1, r, lo=n_out)
-            y1 = _mm_wt(x2, weight, wq)  # x2 · W0ᵀ (mm; one host call)
-            del x2
-            if bias is not None:
-                y1 += bias
-        g2 = _gather(g2d, perm_out_inv, triton_path)
-        grad_r = torch.empty_like(r) if ctx.needs_input_grad[1] else None
-        if grad_r is not None:
-            _outer(y1, g2, n_out, out=grad_r[:n_out])
-        del y1
-        gy1 = _rotate(g2, r, transpose=True, nb=n_out)
-        del g2
-        grad_bias = gy1.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
-        gx2 = _mm_w(gy1, weight, wq)
-        del gy1
-        if grad_r is not None:
-            _outer(x1, gx2, r.shape[0] - n_out, out=grad_r[n_out:])
-        del x1
+        # mem: re-gather x1 (the core recomputes y1); the gathered tensors passed inline,
+        # so that the core frees them as soon as it is done with them
+        gx1, grad_r, grad_bias = _core_backward(
+            _gather(g2d, perm_out_inv, triton_path),
+            xs if keep_y1 else _gather(xs, perm_in_inv, triton_path), y1, r, weight, bias,
+            wq, n_out, ctx.needs_input_grad, ctx.cnp, cnp_saved)
         gx = None
-        if ctx.needs_input_grad[0]:
-            gx1 = _rotate(gx2, r, transpose=True, lo=n_out)
-            del gx2
+        if gx1 is not None:
             gx = _gather(gx1, perm_in, triton_path)
             if len(shape) != 2:
                 gx = gx.reshape(shape)
-        if grad_r is not None and ctx.cnp is not None:
-            from xopt.kernels import poet_cayley
-
-            b, formula, tf32, backend, oft_dtype = ctx.cnp
-            grad_r = poet_cayley.blocks_backward(tuple(cnp_saved), grad_r, b, formula, tf32,
-                                                 backend, oft_dtype)
         return gx, grad_r, grad_bias, None
+
+
+def _core_forward(x1: Tensor, r: Tensor, bias: Tensor | None, n_out: int, weight: Tensor,
+                  wq: tuple | None, cnp: tuple | None, dtype: torch.dtype, keep_y1: bool,
+                  bufs: dict | None = None) -> tuple:
+    """The layer's forward between its two gathers (no autograd): from the gathered input
+    ``x1`` to the rotated output ``yr`` (before ``π_out``). Returns ``(yr, r, y1, cnp_saved,
+    cnp_ctx)``: ``r`` the blocks in ``dtype`` (``cnp``: made here from ``oft_R``), ``y1``
+    (fast) or None (mem), what :func:`_core_backward` needs of the series. ``bufs``
+    (the CUDA-graph path, :mod:`xopt.torch.poet_graphs`): ``"x2"`` and ``"yr"`` tensors to
+    write the transients into."""
+    bufs = bufs or {}
+    cnp_saved, cnp_ctx = (), None
+    if cnp is not None:
+        from xopt.kernels import poet_cayley
+
+        b, formula, tf32, cd, backend = cnp
+        oft_dtype = r.dtype
+        r, cnp_saved = poet_cayley.blocks_forward(r, b, formula, tf32, backend, cd)
+        if r.dtype != dtype:
+            r = r.to(dtype)
+        cnp_ctx = (b, formula, tf32, backend, oft_dtype)
+    r = r.contiguous()
+    x2 = _rotate(x1, r, lo=n_out, out=bufs.get("x2"))  # (the blocks r[n_out:] = R_in)
+    y1 = _mm_wt(x2, weight, wq)  # x2 · W0ᵀ (mm; one host call)
+    del x2
+    if bias is not None:
+        y1 += bias
+    yr = _rotate(y1, r, nb=n_out, out=bufs.get("yr"))  # (r[:n_out] = R_out)
+    return yr, r, (y1 if keep_y1 else None), cnp_saved, cnp_ctx
+
+
+def _core_backward(g2: Tensor, x1: Tensor, y1: Tensor | None, r: Tensor, weight: Tensor,
+                   bias: Tensor | None, wq: tuple | None, n_out: int, needs: Sequence[bool],
+                   cnp_ctx: tuple | None, cnp_saved: Sequence[Tensor],
+                   bufs: dict | None = None) -> tuple:
+    """The layer's backward between its two gathers: ``(gx1, grad_r, grad_bias)`` from the
+    gathered cotangent ``g2`` (``needs``: which of x, r, bias need a gradient; ``y1`` None:
+    recomputed from ``x1``, the mem variant). ``bufs``: ``"x2"``, ``"gy1"``, ``"gx2"``,
+    ``"gx1"`` tensors to write the transients into (as :func:`_core_forward`)."""
+    bufs = bufs or {}
+    if y1 is None:  # mem: recompute y1, holding at most two activations at once
+        x2 = _rotate(x1, r, lo=n_out, out=bufs.get("x2"))
+        y1 = _mm_wt(x2, weight, wq)  # x2 · W0ᵀ (mm; one host call)
+        del x2
+        if bias is not None:
+            y1 += bias
+    grad_r = torch.empty_like(r) if needs[1] else None
+    if grad_r is not None:
+        _outer(y1, g2, n_out, out=grad_r[:n_out])
+    del y1
+    gy1 = _rotate(g2, r, transpose=True, nb=n_out, out=bufs.get("gy1"))
+    del g2
+    grad_bias = gy1.sum(0) if bias is not None and needs[2] else None
+    gx2 = _mm_w(gy1, weight, wq, out=bufs.get("gx2"))
+    del gy1
+    if grad_r is not None:
+        _outer(x1, gx2, r.shape[0] - n_out, out=grad_r[n_out:])
+    del x1
+    gx1 = None
+    if needs[0]:
+        gx1 = _rotate(gx2, r, transpose=True, lo=n_out, out=bufs.get("gx1"))
+    del gx2
+    if grad_r is not None and cnp_ctx is not None:
+        from xopt.kernels import poet_cayley
+
+        b, formula, tf32, backend, oft_dtype = cnp_ctx
+        grad_r = poet_cayley.blocks_backward(tuple(cnp_saved), grad_r, b, formula, tf32,
+                                             backend, oft_dtype)
+    return gx1, grad_r, grad_bias
 
 
 def _dequantize(codes: Tensor, wq: tuple, dtype: torch.dtype) -> Tensor:
@@ -245,10 +282,11 @@ def _mm_wt(x2: Tensor, weight: Tensor, wq: tuple | None) -> Tensor:
     return nn.functional.linear(x2, _dequantize(weight, wq, x2.dtype))
 
 
-def _mm_w(gy1: Tensor, weight: Tensor, wq: tuple | None) -> Tensor:
-    """``gy1 · W0`` (as :func:`_mm_wt`)."""
+def _mm_w(gy1: Tensor, weight: Tensor, wq: tuple | None, out: Tensor | None = None,
+          ) -> Tensor:
+    """``gy1 · W0`` (as :func:`_mm_wt`; ``out``: write into it, float ``W0`` only)."""
     if wq is None:
-        return torch.mm(gy1, weight)
+        return torch.mm(gy1, weight) if out is None else torch.mm(gy1, weight, out=out)
     if wq[3]:
         from xopt.kernels import poet_qmm
 
