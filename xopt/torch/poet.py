@@ -316,6 +316,14 @@ class POETLinear(nn.Module):
         format), dequantised into a temporary inside each product of the forward and
         backward; merges quantise the merged ``W0`` afresh.
       spec: an :class:`xopt.specs.poet.POET` giving the defaults of all of the above.
+      cuda_graphs: replay the triton path's forward and backward from CUDA graphs captured
+        per input signature (:mod:`xopt.torch.poet_graphs`): the eager results, bit for bit,
+        without the host's ~20 launches per call. Off by default: it keeps the gathered
+        input (and, fast, ``y1``) of each captured signature between calls, its graphs'
+        pools and transient buffers shared per shape (memory the eager layer frees after
+        each backward), captures at the second call of each signature, and serves a call
+        only under the conditions listed in that module (else the call runs eagerly).
+        Settable on the layer (``layer.cuda_graphs = True``); :func:`convert` passes it on.
 
     Parameters and buffers (the authors' names, so state dicts interchange):
     ``weight`` (``W0``, ``out × in``, frozen), ``bias``, ``oft_R`` (``(r_out + r_in,
@@ -331,7 +339,7 @@ class POETLinear(nn.Module):
                  cayley_formula: str | None = None, permutation: str | None = None,
                  seed: int = 0, impl: str = "auto", weight_bits: int | None = None,
                  weight_group_size: int | None = None, spec: spec.POET | None = None,
-                 device=None, dtype=None):
+                 cuda_graphs: bool = False, device=None, dtype=None):
         super().__init__()
         hp = spec or _spec_module.POET()
         overrides = {k: v for k, v in dict(block_size=block_size, variant=variant,
@@ -351,6 +359,10 @@ class POETLinear(nn.Module):
             raise HyperparameterError(
                 f"POETLinear: impl='triton' fuses the 3-term series only (neumann_terms="
                 f"{hp.neumann_terms}); use impl='plain'")
+        if not isinstance(cuda_graphs, bool):
+            raise HyperparameterError(f"POETLinear.cuda_graphs = {cuda_graphs!r}: must be a "
+                                      "bool")
+        self.cuda_graphs = cuda_graphs
         self.hp = hp
         self.in_features, self.out_features = in_features, out_features
         self.block_size = b = hp.block_size
@@ -504,6 +516,12 @@ class POETLinear(nn.Module):
             # with no casts; otherwise float32 (TF32 products for a bf16/fp16 input).
             cd = x.dtype if tf32 and self.oft_R.dtype == x.dtype else torch.float32
             cnp = (self.block_size, self.hp.cayley_formula, tf32, cd, poet_cayley.BACKEND)
+            if self.cuda_graphs:
+                from xopt.torch import poet_graphs
+
+                y = poet_graphs.forward(self, x, cnp)
+                if y is not None:
+                    return y
             blocks = _stashed_blocks(self, cnp)
             if blocks is not None and blocks.dtype != x.dtype:
                 blocks = blocks.to(x.dtype)  # (float32 series for a bf16/fp16 input)
@@ -604,7 +622,8 @@ class POETLinear(nn.Module):
                 f"block_size={self.block_size}, bias={self.bias is not None}, "
                 f"variant={self.variant!r}, impl={self.impl!r}"
                 + (f", weight_bits={self.weight_bits}, weight_group_size="
-                   f"{self.weight_group_size}" if self.quantized else ""))
+                   f"{self.weight_group_size}" if self.quantized else "")
+                + (", cuda_graphs=True" if self.cuda_graphs else ""))
 
 
 _spec_module = spec  # the constructor's ``spec=`` argument shadows the module name
@@ -676,7 +695,8 @@ def batch_rotations(model: nn.Module):
     same per-block arithmetic), and each layer's forward takes its blocks from there.
 
     Layers on the triton path only (CUDA; ``impl="plain"`` layers evaluate their own), not
-    POET-XQ layers, not DTensor (FSDP2) parameters, and only while the blocks are current:
+    POET-XQ layers, not ``cuda_graphs`` layers (their graphs evaluate the series), not
+    DTensor (FSDP2) parameters, and only while the blocks are current:
     a layer whose ``oft_R`` changed since (an optimizer step, a merge) or that is called
     outside the model's forward with another dtype or grad mode evaluates its own. The
     input of each layer is assumed in the layer's dtype (else it evaluates its own).
@@ -691,7 +711,8 @@ def batch_rotations(model: nn.Module):
         for layer in every:
             _STASH.pop(layer, None)
             oft = layer.oft_R
-            if (layer.quantized or is_dtensor(oft) or not layer._use_triton(oft.device)):
+            if (layer.quantized or is_dtensor(oft) or not layer._use_triton(oft.device)
+                    or layer.cuda_graphs):  # (a graphed layer's graphs make its blocks)
                 continue
             dt = layer.weight.dtype
             tf32 = dt in (torch.bfloat16, torch.float16)
@@ -722,7 +743,9 @@ def convert(model: nn.Module, block_size: int | None = None, *, spec: spec.POET 
     As the authors' ``replace_linear_with_poet``: names containing an ``exclude_modules``
     entry (case-insensitive) are skipped, ``target_modules`` (if given) must match, and a
     layer whose widths ``block_size`` does not divide is left as it is (listed in the
-    returned count's complement; ask :func:`poet_layers`). Returns ``(model, replaced)``.
+    returned count's complement; ask :func:`poet_layers`). ``kwargs`` go to each
+    :class:`POETLinear` (``variant=``, ``impl=``, ``cuda_graphs=``, ...). Returns
+    ``(model, replaced)``.
     """
     hp = spec or _spec_module.POET()
     if block_size is not None:
