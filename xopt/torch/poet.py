@@ -494,17 +494,20 @@ class POETLinear(nn.Module):
         return _spec_module.rotations(x, self.block_size, self.num_out_blocks,
                                       self.hp.neumann_terms, self.hp.cayley_formula, xp=torch)
 
+    def _chain_weight(self, dtype: torch.dtype) -> tuple[Tensor, tuple | None]:
+        """``(W0 for a product in dtype, POET-XQ's tuple)``: POET-XQ's codes as they are
+        (dequantised inside each product), else ``weight`` cast to ``dtype`` if needed."""
+        wq = self._wq()
+        if wq is not None:
+            return self.weight, wq
+        return (self.weight if self.weight.dtype == dtype else self.weight.to(dtype)), None
+
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"POETLinear: input has {x.shape[-1]} features, expected "
                              f"{self.in_features}")
         triton_path = self._use_triton(x.device)
         tf32 = x.dtype in (torch.bfloat16, torch.float16)
-        wq = self._wq()
-        if wq is not None:
-            w = self.weight  # codes: _Chain dequantises them inside each product
-        else:
-            w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
         bias = self.bias
         if triton_path:
             from xopt.kernels import poet_cayley
@@ -522,6 +525,7 @@ class POETLinear(nn.Module):
                 y = poet_graphs.forward(self, x, cnp)
                 if y is not None:
                     return y
+            w, wq = self._chain_weight(x.dtype)
             blocks = _stashed_blocks(self, cnp)
             if blocks is not None and blocks.dtype != x.dtype:
                 blocks = blocks.to(x.dtype)  # (float32 series for a bf16/fp16 input)
@@ -529,6 +533,7 @@ class POETLinear(nn.Module):
                                 (self.num_out_blocks, w, self.perm_in, self.perm_in_inv,
                                  self.perm_out, self.perm_out_inv, self.variant == "fast",
                                  True, cnp if blocks is None else None, wq))
+        w, wq = self._chain_weight(x.dtype)
         r_out, r_in = self.rotations(False)
         r_out, r_in = r_out.to(x.dtype), r_in.to(x.dtype)
         pin, pin_inv = self.perm_in.long(), self.perm_in_inv.long()
@@ -966,6 +971,10 @@ class POETAdamW(Optimizer):
             if not dtensor and _fused_step(ps, gs, ms, vs):
                 from xopt.kernels import poet_adam
 
+                if all(g.dtype == gs[0].dtype for g in gs):  # the bucket in one launch
+                    poet_adam.adam_update_many(ps, gs, ms, vs, b1, b2, group["eps"],
+                                               step_size, decay)
+                    continue
                 for p, g, m, v in zip(ps, gs, ms, vs, strict=True):
                     poet_adam.adam_update(p, g, m, v, b1, b2, group["eps"], step_size, decay)
                 continue
@@ -1008,9 +1017,9 @@ class POETAdamW(Optimizer):
         self.global_step_counter = counter
 
 
-#: POETAdamW's CUDA updates in one pass per parameter (xopt.kernels.poet_adam: the foreach
-#: path's operations in its order and precision, one read and one write of each tensor
-#: instead of ~10 passes); ``XOPT_POET_FUSED_STEP=0`` keeps the foreach path
+#: POETAdamW's CUDA updates in one pass, one launch per bucket (xopt.kernels.poet_adam:
+#: the foreach path's operations in its order and precision, one read and one write of
+#: each tensor instead of ~10 passes); ``XOPT_POET_FUSED_STEP=0`` keeps the foreach path
 FUSED_STEP = os.environ.get("XOPT_POET_FUSED_STEP", "1") not in ("", "0")
 
 

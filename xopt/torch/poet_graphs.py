@@ -68,7 +68,11 @@ MAX_SIGNATURES = 4
 
 
 class CudaGraphs:
-    """Capture and replay through ``torch.cuda.CUDAGraph``."""
+    """Capture and replay through ``torch.cuda.CUDAGraph``: warm-up and capture on one
+    side stream per device (one cuBLAS workspace for all the captures)."""
+
+    def __init__(self):
+        self.streams: dict = {}
 
     def available(self, device: torch.device) -> bool:
         """Whether a call on ``device`` may capture or replay now."""
@@ -80,7 +84,10 @@ class CudaGraphs:
         compiles, picks cuBLAS's algorithms and sets up the stream's workspace), and the
         replay. ``reads``: the tensors the graph reads by address (unused here; a test's
         backend checks that they are unchanged at each replay)."""
-        side = torch.cuda.Stream()
+        dev = torch.cuda.current_device()
+        side = self.streams.get(dev)
+        if side is None:
+            side = self.streams[dev] = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn()
