@@ -49,7 +49,8 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, b1, omb1, b2, omb2, eps, neg_ste
 
 @triton.jit
 def _adam_many_kernel(table_ptr, tile_ptr, n_tensors, p0_ptr, g0_ptr, b1, omb1, b2, omb2, eps,
-                      neg_step, decay, DECAY: tl.constexpr, BLOCK: tl.constexpr):
+                      neg_step, decay, DECAY: tl.constexpr, ALIGNED: tl.constexpr,
+                      BLOCK: tl.constexpr):
     # table: rows p, g, m, v (addresses) and numel, n_tensors columns each; tiles: two
     # int32 rows, each program's tensor and its tile within that tensor
     pid = tl.program_id(0)
@@ -59,6 +60,11 @@ def _adam_many_kernel(table_ptr, tile_ptr, n_tensors, p0_ptr, g0_ptr, b1, omb1, 
     g_ptr = tl.load(table_ptr + n_tensors + t).to(g0_ptr.dtype)
     m_ptr = tl.load(table_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
+    if ALIGNED:  # (every address a multiple of 16 bytes, checked on the host: wide accesses)
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
     n = tl.load(table_ptr + 4 * n_tensors + t)
     offs = j * BLOCK + tl.arange(0, BLOCK)
     _adam_tile(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < n, b1, omb1, b2, omb2, eps, neg_step,
@@ -116,7 +122,7 @@ _TABLES: dict = {}
 _TABLES_MAX = 64
 
 
-def _tables(ps, gs, ms, vs) -> tuple[torch.Tensor, torch.Tensor]:
+def _tables(ps, gs, ms, vs) -> tuple[torch.Tensor, torch.Tensor, bool]:
     key = (ps[0].device, ps[0].dtype, gs[0].dtype,
            *(t.data_ptr() for ts in (ps, gs, ms, vs) for t in ts),
            *(p.numel() for p in ps))
@@ -134,7 +140,8 @@ def _tables(ps, gs, ms, vs) -> tuple[torch.Tensor, torch.Tensor]:
     within = (torch.arange(which.numel(), dtype=torch.int64)
               - starts.repeat_interleave(torch.tensor(tiles, dtype=torch.int64))).to(torch.int32)
     dev = ps[0].device
-    hit = (table.to(dev), torch.cat((which, within)).to(dev))
+    aligned = all(a % 16 == 0 for row in rows for a in row)
+    hit = (table.to(dev), torch.cat((which, within)).to(dev), aligned)
     if len(_TABLES) >= _TABLES_MAX:
         _TABLES.clear()
     _TABLES[key] = hit
@@ -151,7 +158,7 @@ def adam_update_many(ps, gs, ms, vs, b1: float, b2: float, eps: float, step_size
         ps, gs, ms, vs = ([ts[i] for i in keep] for ts in (ps, gs, ms, vs))
     if not ps:
         return
-    table, tiles = _tables(ps, gs, ms, vs)
+    table, tiles, aligned = _tables(ps, gs, ms, vs)
     launch(_adam_many_kernel, (tiles.numel() // 2,), table, tiles, len(ps), ps[0], gs[0], b1,
            1.0 - b1, b2, 1.0 - b2, eps, -step_size, 0.0 if decay is None else decay,
-           DECAY=decay is not None, BLOCK=BLOCK, num_warps=4, **FP_FUSION)
+           DECAY=decay is not None, ALIGNED=aligned, BLOCK=BLOCK, num_warps=4, **FP_FUSION)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 import weakref
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -519,7 +520,7 @@ class POETLinear(nn.Module):
             # with no casts; otherwise float32 (TF32 products for a bf16/fp16 input).
             cd = x.dtype if tf32 and self.oft_R.dtype == x.dtype else torch.float32
             cnp = (self.block_size, self.hp.cayley_formula, tf32, cd, poet_cayley.BACKEND)
-            if self.cuda_graphs:
+            if self.cuda_graphs and not torch.compiler.is_compiling():
                 from xopt.torch import poet_graphs
 
                 y = poet_graphs.forward(self, x, cnp)
@@ -971,10 +972,15 @@ class POETAdamW(Optimizer):
             if not dtensor and _fused_step(ps, gs, ms, vs):
                 from xopt.kernels import poet_adam
 
-                if all(g.dtype == gs[0].dtype for g in gs):  # the bucket in one launch
-                    poet_adam.adam_update_many(ps, gs, ms, vs, b1, b2, group["eps"],
-                                               step_size, decay)
-                    continue
+                if _MANY[0] and all(g.dtype == gs[0].dtype for g in gs):
+                    try:  # the bucket in one launch
+                        poet_adam.adam_update_many(ps, gs, ms, vs, b1, b2, group["eps"],
+                                                   step_size, decay)
+                        continue
+                    except Exception as e:  # (fails before its launch: nothing changed)
+                        _MANY[0] = False
+                        warnings.warn(f"POETAdamW: the one-launch step failed ({e!r}); "
+                                      "one launch per parameter from now on", stacklevel=2)
                 for p, g, m, v in zip(ps, gs, ms, vs, strict=True):
                     poet_adam.adam_update(p, g, m, v, b1, b2, group["eps"], step_size, decay)
                 continue
@@ -1021,6 +1027,9 @@ class POETAdamW(Optimizer):
 #: the foreach path's operations in its order and precision, one read and one write of
 #: each tensor instead of ~10 passes); ``XOPT_POET_FUSED_STEP=0`` keeps the foreach path
 FUSED_STEP = os.environ.get("XOPT_POET_FUSED_STEP", "1") not in ("", "0")
+#: whether the bucket's one-launch update (poet_adam.adam_update_many) is in use: turned off
+#: for the process if its kernel cannot be built here (a Triton without int-to-pointer casts)
+_MANY = [True]
 
 
 def _fused_step(ps, gs, ms, vs) -> bool:
