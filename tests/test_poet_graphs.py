@@ -26,7 +26,7 @@ class ReplayOnHost:
     def available(self, device):
         return True
 
-    def capture(self, fn, reads):
+    def capture(self, fn, reads, device):
         fn()  # the warm-up, as the CUDA backend does
         outs = fn()
         refs = list(reads)
@@ -225,7 +225,7 @@ def test_a_graphed_call_launches_only_its_gathers(monkeypatch):
     replays = []
 
     class Counting(ReplayOnHost):
-        def capture(self, fn, reads):
+        def capture(self, fn, reads, device):
             return fn(), lambda: replays.append(1)
 
     monkeypatch.setattr(poet_graphs, "BACKEND", Counting())

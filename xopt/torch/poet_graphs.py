@@ -75,26 +75,28 @@ class CudaGraphs:
         self.streams: dict = {}
 
     def available(self, device: torch.device) -> bool:
-        """Whether a call on ``device`` may capture or replay now."""
-        return device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+        """Whether a call on ``device`` may capture or replay now: a CUDA device, the
+        current one (a replay runs on the current device's stream), not capturing."""
+        return (device.type == "cuda" and device.index == torch.cuda.current_device()
+                and not torch.cuda.is_current_stream_capturing())
 
-    def capture(self, fn: Callable[[], tuple], reads: Sequence[Tensor]
-                ) -> tuple[tuple, Callable[[], None]]:
-        """``fn``'s outputs, captured once after one warm-up call on a side stream (which
-        compiles, picks cuBLAS's algorithms and sets up the stream's workspace), and the
-        replay. ``reads``: the tensors the graph reads by address (unused here; a test's
-        backend checks that they are unchanged at each replay)."""
-        dev = torch.cuda.current_device()
-        side = self.streams.get(dev)
-        if side is None:
-            side = self.streams[dev] = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            outputs = fn()
+    def capture(self, fn: Callable[[], tuple], reads: Sequence[Tensor],
+                device: torch.device) -> tuple[tuple, Callable[[], None]]:
+        """``fn``'s outputs, captured on ``device`` once after one warm-up call on a side
+        stream (which compiles, picks cuBLAS's algorithms and sets up the stream's
+        workspace), and the replay. ``reads``: the tensors the graph reads by address
+        (unused here; a test's backend checks that they are unchanged at each replay)."""
+        with torch.cuda.device(device):
+            side = self.streams.get(device)
+            if side is None:
+                side = self.streams[device] = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                outputs = fn()
         return outputs, graph.replay
 
 
@@ -318,7 +320,7 @@ def _capture_forward(layer, x: Tensor, cnp: tuple, reads: list[Tensor]) -> _Entr
             return _core_forward(entry.x1, oft, bias, nb_out, w, wq, cnp, dt, keep_y1,
                                  {"x2": entry.bufs["x2"], "yr": entry.bufs["yr"]})
 
-    entry.fwd_out, entry.fwd = BACKEND.capture(fn, reads)
+    entry.fwd_out, entry.fwd = BACKEND.capture(fn, reads, dev)
     return entry
 
 
@@ -341,4 +343,4 @@ def _capture_backward(layer, entry: _Entry, needs: tuple, reads: list[Tensor]) -
             return _core_backward(entry.bufs["g2"], entry.x1, y1, r, w, bias, wq, nb_out,
                                   needs, cnp_ctx, cnp_saved, bufs)
 
-    return BACKEND.capture(fn, reads)
+    return BACKEND.capture(fn, reads, entry.x1.device)
