@@ -189,7 +189,17 @@ def test_backward_after_a_later_call_replaced_the_activations_raises(host_graphs
     y.backward(g, retain_graph=True)  # nothing ran in between: the buffers are its own
     graphed(x).sum().backward()
     with pytest.raises(RuntimeError, match="saved activations were replaced"):
+        y.backward(g, retain_graph=True)
+    # a call whose graph was dropped unused frees the buffers: a no_grad call replays, and
+    # so does the next call with grad, whose backward is then its own
+    z = graphed(x)
+    del z
+    with torch.no_grad():
+        graphed(x)
+    _same(_call(eager, x, g), _call(graphed, x, g))
+    with pytest.raises(RuntimeError, match="saved activations were replaced"):
         y.backward(g)
+    assert host_graphs.stats(graphed)["eager"] == 1  # (the first call only)
 
 
 @needs_triton

@@ -30,14 +30,18 @@ compiles the kernels), after one warm-up on a side stream; at most
 :data:`MAX_SIGNATURES` per layer, further ones run eagerly.
 
 A call runs eagerly (the ordinary path, the same results) where a graph cannot honour it:
-not on CUDA or not on the triton path, under autocast, while ``torch.compile`` traces or a
-CUDA graph is being captured (the layer inside a graph of the caller's), DTensor (FSDP2)
-parameters, an empty input, a signature's first call, and while the layer's previous
-graphed call still awaits its backward (its saved activations live in the graph's
-buffers: a second call of the same layer in one forward, activation checkpointing's
-recomputation, a no_grad call in between). A backward through a graphed call after a
-later graphed call of the same layer replaced its saved activations (``retain_graph=True``
-and a second backward after another forward) raises.
+not on CUDA, on a device other than the current one, or not on the triton path, under
+autocast, while ``torch.compile`` traces or a CUDA graph is being captured (the layer
+inside a graph of the caller's), DTensor (FSDP2) parameters, an empty input, a
+signature's first call, and while the layer's previous graphed call still awaits its
+backward (its saved activations live in the graph's buffers: a second call of the same
+layer in one forward, activation checkpointing's recomputation, a no_grad call in
+between). Grad mode and no_grad share a signature (a no_grad call replays the forward
+graph alone); the input's strides do not matter (the first gather reads any). A backward
+through a graphed call after a later call of the same layer replayed over its saved
+activations (``retain_graph=True`` and another backward after another forward) raises;
+the gradients are not differentiable further (``create_graph=True``), as the eager
+layer's are not.
 
 Memory: each signature keeps the gathered input ``x1`` and, for ``variant="fast"``, ``y1``
 (what the eager layer keeps until its backward) between calls, the graphs' private pools
@@ -223,8 +227,8 @@ def forward(layer, x: Tensor, cnp: tuple) -> Tensor | None:
             return None
         entry = st.entries[key] = _capture_forward(layer, x, cnp, reads)
         st.stats["captures"] += 1
-    if entry.pending and entry.owner() is not None:  # the last call awaits its backward
-        st.stats["eager"] += 1
+    if entry.pending and entry.owner is not None and entry.owner() is not None:
+        st.stats["eager"] += 1  # (the last graphed call awaits its backward)
         return None
     needs = (x.requires_grad, layer.oft_R.requires_grad,
              bias is not None and bias.requires_grad) if grad else None
@@ -232,7 +236,8 @@ def forward(layer, x: Tensor, cnp: tuple) -> Tensor | None:
         entry.bwd[needs] = _capture_backward(layer, entry, needs, reads)
     st.stats["replays"] += 1
     if not grad:
-        entry.owner = None  # (x1/y1 no longer hold an earlier call's activations)
+        # x1/y1 no longer hold an earlier call's activations
+        entry.owner, entry.pending = None, False
         return _run_forward(layer, entry, x)
     return _Graphed.apply(x, layer.oft_R, bias, (layer, entry, needs, st))
 
