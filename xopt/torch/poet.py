@@ -184,9 +184,10 @@ class _Chain(torch.autograd.Function):
             wq = ctx.wq
         g2d = g.reshape(-1, g.shape[-1]) if g.dim() != 2 else g
         # mem: re-gather x1 (the core recomputes y1); the gathered tensors passed inline,
-        # so that the core frees them as soon as it is done with them
+        # so that the core frees them as soon as it is done with them, and the cotangent's
+        # gather made after the recomputation (at most two activations at once)
         gx1, grad_r, grad_bias = _core_backward(
-            _gather(g2d, perm_out_inv, triton_path),
+            lambda: _gather(g2d, perm_out_inv, triton_path),
             xs if keep_y1 else _gather(xs, perm_in_inv, triton_path), y1, r, weight, bias,
             wq, n_out, ctx.needs_input_grad, ctx.cnp, cnp_saved)
         gx = None
@@ -227,14 +228,15 @@ def _core_forward(x1: Tensor, r: Tensor, bias: Tensor | None, n_out: int, weight
     return yr, r, (y1 if keep_y1 else None), cnp_saved, cnp_ctx
 
 
-def _core_backward(g2: Tensor, x1: Tensor, y1: Tensor | None, r: Tensor, weight: Tensor,
-                   bias: Tensor | None, wq: tuple | None, n_out: int, needs: Sequence[bool],
-                   cnp_ctx: tuple | None, cnp_saved: Sequence[Tensor],
-                   bufs: dict | None = None) -> tuple:
+def _core_backward(g2: Tensor | Callable[[], Tensor], x1: Tensor, y1: Tensor | None,
+                   r: Tensor, weight: Tensor, bias: Tensor | None, wq: tuple | None,
+                   n_out: int, needs: Sequence[bool], cnp_ctx: tuple | None,
+                   cnp_saved: Sequence[Tensor], bufs: dict | None = None) -> tuple:
     """The layer's backward between its two gathers: ``(gx1, grad_r, grad_bias)`` from the
-    gathered cotangent ``g2`` (``needs``: which of x, r, bias need a gradient; ``y1`` None:
-    recomputed from ``x1``, the mem variant). ``bufs``: ``"x2"``, ``"gy1"``, ``"gx2"``,
-    ``"gx1"`` tensors to write the transients into (as :func:`_core_forward`)."""
+    gathered cotangent ``g2`` (or a function making it, called after the mem variant's
+    recomputation; ``needs``: which of x, r, bias need a gradient; ``y1`` None: recomputed
+    from ``x1``, the mem variant). ``bufs``: ``"x2"``, ``"gy1"``, ``"gx2"``, ``"gx1"``
+    tensors to write the transients into (as :func:`_core_forward`)."""
     bufs = bufs or {}
     if y1 is None:  # mem: recompute y1, holding at most two activations at once
         x2 = _rotate(x1, r, lo=n_out, out=bufs.get("x2"))
@@ -242,6 +244,8 @@ def _core_backward(g2: Tensor, x1: Tensor, y1: Tensor | None, r: Tensor, weight:
         del x2
         if bias is not None:
             y1 += bias
+    if callable(g2):
+        g2 = g2()
     grad_r = torch.empty_like(r) if needs[1] else None
     if grad_r is not None:
         _outer(y1, g2, n_out, out=grad_r[:n_out])
