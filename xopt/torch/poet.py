@@ -205,8 +205,8 @@ def _core_forward(x1: Tensor, r: Tensor, bias: Tensor | None, n_out: int, weight
     ``x1`` to the rotated output ``yr`` (before ``π_out``). Returns ``(yr, r, y1, cnp_saved,
     cnp_ctx)``: ``r`` the blocks in ``dtype`` (``cnp``: made here from ``oft_R``), ``y1``
     (fast) or None (mem), what :func:`_core_backward` needs of the series. ``bufs``
-    (the CUDA-graph path, :mod:`xopt.torch.poet_graphs`): ``"x2"`` and ``"yr"`` tensors to
-    write the transients into."""
+    (the CUDA-graph path, :mod:`xopt.torch.poet_graphs`): ``"x2"``, ``"yr"`` and (mem)
+    ``"y1"`` tensors to write the transients into."""
     bufs = bufs or {}
     cnp_saved, cnp_ctx = (), None
     if cnp is not None:
@@ -220,7 +220,8 @@ def _core_forward(x1: Tensor, r: Tensor, bias: Tensor | None, n_out: int, weight
         cnp_ctx = (b, formula, tf32, backend, oft_dtype)
     r = r.contiguous()
     x2 = _rotate(x1, r, lo=n_out, out=bufs.get("x2"))  # (the blocks r[n_out:] = R_in)
-    y1 = _mm_wt(x2, weight, wq)  # x2 · W0ᵀ (mm; one host call)
+    # x2 · W0ᵀ (mm; one host call); mem's y1 is a transient
+    y1 = _mm_wt(x2, weight, wq, None if keep_y1 or wq is not None else bufs.get("y1"))
     del x2
     if bias is not None:
         y1 += bias
@@ -235,12 +236,12 @@ def _core_backward(g2: Tensor | Callable[[], Tensor], x1: Tensor, y1: Tensor | N
     """The layer's backward between its two gathers: ``(gx1, grad_r, grad_bias)`` from the
     gathered cotangent ``g2`` (or a function making it, called after the mem variant's
     recomputation; ``needs``: which of x, r, bias need a gradient; ``y1`` None: recomputed
-    from ``x1``, the mem variant). ``bufs``: ``"x2"``, ``"gy1"``, ``"gx2"``, ``"gx1"``
-    tensors to write the transients into (as :func:`_core_forward`)."""
+    from ``x1``, the mem variant). ``bufs``: ``"x2"``, ``"y1"`` (mem), ``"gy1"``, ``"gx2"``,
+    ``"gx1"`` tensors to write the transients into (as :func:`_core_forward`)."""
     bufs = bufs or {}
     if y1 is None:  # mem: recompute y1, holding at most two activations at once
         x2 = _rotate(x1, r, lo=n_out, out=bufs.get("x2"))
-        y1 = _mm_wt(x2, weight, wq)  # x2 · W0ᵀ (mm; one host call)
+        y1 = _mm_wt(x2, weight, wq, None if wq is not None else bufs.get("y1"))
         del x2
         if bias is not None:
             y1 += bias
@@ -276,9 +277,13 @@ def _dequantize(codes: Tensor, wq: tuple, dtype: torch.dtype) -> Tensor:
     return _spec_module.dequantize_weight(codes, scales, zeros, group_size, dtype, xp=torch)
 
 
-def _mm_wt(x2: Tensor, weight: Tensor, wq: tuple | None) -> Tensor:
-    """``x2 · W0ᵀ``; ``wq = (scales, zeros, group_size, triton, tf32)`` for POET-XQ codes."""
+def _mm_wt(x2: Tensor, weight: Tensor, wq: tuple | None, out: Tensor | None = None,
+           ) -> Tensor:
+    """``x2 · W0ᵀ``; ``wq = (scales, zeros, group_size, triton, tf32)`` for POET-XQ codes;
+    ``out``: write into it (float ``W0`` only; ``linear`` without a bias is this ``mm``)."""
     if wq is None:
+        if out is not None:
+            return torch.mm(x2, weight.t(), out=out)
         return nn.functional.linear(x2, weight)
     if wq[3]:
         from xopt.kernels import poet_qmm

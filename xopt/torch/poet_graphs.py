@@ -44,11 +44,14 @@ the gradients are not differentiable further (``create_graph=True``), as the eag
 layer's are not.
 
 Memory: each signature keeps the gathered input ``x1`` and, for ``variant="fast"``, ``y1``
-(what the eager layer keeps until its backward) between calls, the graphs' private pools
-(the series' blocks, the gradients of ``oft_R`` and the bias; the mem variant's
-recomputed ``y1``), and shares the transient ``N × width`` buffers (rotated activations
-and cotangents) with every graphed layer of the same shape and dtype on the device. The
-calls of graphed layers that share those buffers must run on one stream at a time.
+(what the eager layer keeps until its backward) between calls, and the graphs' private
+pools (the series' blocks and temporaries, the gradients of ``oft_R`` and the bias); the
+transient ``N × width`` buffers (rotated activations, cotangents, the mem variant's
+``y1``) are shared by every graphed layer of the same shape and dtype on the device, so
+that the calls of graphed layers must run on one stream at a time. The layers do not
+share one graph pool: a tensor one graph keeps (``y1``) could then lie in memory another
+graph uses for its temporaries, and replays in another order than the captures would
+overwrite it.
 :func:`clear` frees a layer's graphs; :func:`stats` counts captures, replays and eager
 calls.
 
@@ -310,7 +313,8 @@ def _capture_forward(layer, x: Tensor, cnp: tuple, reads: list[Tensor]) -> _Entr
     entry.x1 = torch.zeros((rows, n_in), dtype=dt, device=dev)
     entry.bufs = {role: _scratch(dev, dt, rows, width, role)
                   for role, width in (("x2", n_in), ("yr", n_out), ("g2", n_out),
-                                      ("gy1", n_out), ("gx2", n_in), ("gx1", n_in))}
+                                      ("gy1", n_out), ("gx2", n_in), ("gx1", n_in),
+                                      ("y1", n_out))}
     # the tensors as they are now: the graph reads these storages (a later replacement of
     # a parameter's data leaves them alive, so that their addresses are not reused)
     oft, bias = layer.oft_R.detach(), None if layer.bias is None else layer.bias.detach()
@@ -323,7 +327,7 @@ def _capture_forward(layer, x: Tensor, cnp: tuple, reads: list[Tensor]) -> _Entr
         with torch.no_grad():
             w = weight if wq is not None or weight.dtype == dt else weight.to(dt)
             return _core_forward(entry.x1, oft, bias, nb_out, w, wq, cnp, dt, keep_y1,
-                                 {"x2": entry.bufs["x2"], "yr": entry.bufs["yr"]})
+                                 {k: entry.bufs[k] for k in ("x2", "yr", "y1")})
 
     entry.fwd_out, entry.fwd = BACKEND.capture(fn, reads, dev)
     return entry
@@ -338,7 +342,7 @@ def _capture_backward(layer, entry: _Entry, needs: tuple, reads: list[Tensor]) -
     weight, wq = _chain_args(layer, dt)
     weight = weight.detach()
     nb_out = layer.num_out_blocks
-    bufs = {k: entry.bufs[k] for k in ("x2", "gy1", "gx2", "gx1")}
+    bufs = {k: entry.bufs[k] for k in ("x2", "y1", "gy1", "gx2", "gx1")}
     if wq is not None:
         bufs.pop("gx2")  # (the quantised product writes its own result)
 
