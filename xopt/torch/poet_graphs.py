@@ -110,9 +110,6 @@ class CudaGraphs:
 #: the capture backend (a test substitutes its own)
 BACKEND: Any = CudaGraphs()
 
-_Stats = dict  # {"captures": int, "replays": int, "eager": int}
-
-
 class _Token:
     """Owned by one graphed call's autograd context: alive while its backward may run."""
 
@@ -137,7 +134,7 @@ class _LayerGraphs:
         self.entries: dict[tuple, _Entry] = {}
         self.seen: dict[tuple, int] = {}
         self.ids: tuple | None = None
-        self.stats: _Stats = {"captures": 0, "replays": 0, "eager": 0}
+        self.stats: dict[str, int] = {"captures": 0, "replays": 0, "eager": 0}
 
 
 #: layer -> its graphs (weak keys: a deleted layer frees them; a copied or pickled layer
