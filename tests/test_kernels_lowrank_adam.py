@@ -5,9 +5,15 @@ with the kernel as with the foreach ops."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
-from helpers import has_torch, triton_kernel_target
+from helpers import REPO, has_torch, triton_kernel_target
 
 pytestmark = pytest.mark.skipif(not has_torch, reason="needs torch")
 
@@ -179,3 +185,53 @@ def test_an_unknown_backend_is_named(monkeypatch):
     monkeypatch.setattr(lowrank_adam, "BACKEND", "cuda")
     with pytest.raises(ValueError, match="XOPT_LOWRANK_ADAM"):
         lowrank_adam.runs_on(torch.device("cpu"))
+
+
+_PTX = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from xopt.kernels import NO_FP_FUSION, lowrank_adam as la
+
+sig = {k: "*i64" for k in ("m_tab", "v_tab", "r_tab", "n_tab", "sizes")}
+sig.update({"block_tensor": "*i32", "block_index": "*i32"})
+sig.update({k: "fp32" for k in ("b1", "omb1", "b2", "omb2", "eps")})
+sig.update({k: "constexpr" for k in ("EPS_INSIDE", "R_BF16", "ALIGNED", "BLOCK")})
+FLOAT = r"\b((?:fma|mul|add|sub|div|sqrt|rcp|rsqrt)\.[a-z0-9.]*f32)\b"
+out = {}
+for inside in (False, True):
+    for aligned in (False, True):
+        consts = {"EPS_INSIDE": inside, "R_BF16": False, "ALIGNED": aligned, "BLOCK": la._BLOCK}
+        ptx = triton.compile(ASTSource(fn=la._adam_kernel, signature=sig, constexprs=consts),
+                             target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": la._WARPS, **NO_FP_FUSION}).asm["ptx"]
+        out[f"{inside} {aligned}"] = {
+            "float": sorted(set(re.findall(FLOAT, ptx))),
+            "access": sorted(set(re.findall(r"\b((?:ld|st)\.global\.v4[.a-z0-9]*)", ptx)))}
+print(json.dumps(out))
+"""
+
+
+def test_compiled_kernel_rounds_each_operation_and_vectorises_aligned_blocks(tmp_path):
+    """The kernel compiled for an H100/H200 (sm_90) without a GPU, as a launch compiles it
+    (NO_FP_FUSION): its float operations are round-to-nearest products and sums, the
+    correctly rounded square root and division, and no fused multiply-add (the foreach
+    path rounds each operation); with the addresses known 16-byte aligned, whole blocks
+    are read and written 16 bytes at a time."""
+    triton = pytest.importorskip("triton")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file():
+        pytest.skip("triton without its NVIDIA tools (ptxas)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    run = subprocess.run([sys.executable, "-c", _PTX], capture_output=True, text=True,
+                         env=env, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    for key, ops in got.items():
+        assert ops["float"] == ["add.rn.f32", "div.rn.f32", "mul.rn.f32", "sqrt.rn.f32"], key
+        aligned = key.endswith("True")
+        assert bool(ops["access"]) == aligned, key
+        if aligned:
+            assert {"ld.global.v4.b32", "st.global.v4.b32"} <= set(ops["access"]), key

@@ -7,7 +7,8 @@ GaLore, COAP and PLUMAGE take the authors' AdamW step on their projected gradien
 over the moments, two stacking copies and a cast; :func:`adam_moments` is one pass: each
 program reads one block of one tensor's ``r``, ``m`` and ``v``, writes ``m`` and ``v`` back
 in place and ``n`` out. The tensors are reached through a table of their addresses (one
-launch per call whatever their number and sizes; the state's own tensors, never stacked).
+launch per call whatever their number and sizes; the state's own tensors, never stacked),
+the programs through a cached map of every tensor's blocks.
 
 Bits: each float operation is the foreach path's, one IEEE float32 operation each, in its
 order; the scalars are rounded to float32 as torch's foreach kernels round them; the square
@@ -43,7 +44,7 @@ BACKEND = os.environ.get("XOPT_LOWRANK_ADAM", "auto")
 #: entries per program: 8 per thread at 4 warps (a memory-bound pass)
 _BLOCK = 1024
 _WARPS = 4
-#: CUDA's limit on a grid's second dimension (the tensor index)
+#: tensors per launch (address tables of at most this many entries)
 _MAX_TENSORS = 65535
 #: address tables of the state's moments, which keep their storage from step to step
 _TABLES: dict[tuple[object, ...], torch.Tensor] = {}
@@ -58,31 +59,73 @@ def runs_on(device: torch.device) -> bool:
 
 
 @triton.jit
-def _adam_kernel(m_tab, v_tab, r_tab, n_tab, sizes, b1, omb1, b2, omb2, eps,
-                 EPS_INSIDE: tl.constexpr, R_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(1)
-    size = tl.load(sizes + t)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < size
-    m_ptr = tl.load(m_tab + t).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(v_tab + t).to(tl.pointer_type(tl.float32))
-    n_ptr = tl.load(n_tab + t).to(tl.pointer_type(tl.float32))
-    if R_BF16:
-        r = tl.load(tl.load(r_tab + t).to(tl.pointer_type(tl.bfloat16)) + offs, mask=mask)
-        r = r.to(tl.float32)  # exact
+def _at(ptr, offs, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """``ptr + offs`` (a block of ``BLOCK`` consecutive entries); ``ALIGNED``: said to start
+    16-byte aligned, so that the accesses are vectorised (an address read from a table is
+    not known to be)."""
+    p = ptr + offs
+    if ALIGNED:
+        p = tl.max_contiguous(tl.multiple_of(p, [16]), [BLOCK])
+    return p
+
+
+@triton.jit
+def _adam_block(m_ptr, v_ptr, r_ptr, n_ptr, offs, size, b1, omb1, b2, omb2, eps,
+                EPS_INSIDE: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
+                BLOCK: tl.constexpr):
+    mp = _at(m_ptr, offs, ALIGNED, BLOCK)
+    vp = _at(v_ptr, offs, ALIGNED, BLOCK)
+    rp = _at(r_ptr, offs, ALIGNED, BLOCK)
+    np_ = _at(n_ptr, offs, ALIGNED, BLOCK)
+    if MASKED:
+        mask = offs < size
+        r = tl.load(rp, mask=mask).to(tl.float32)  # bf16: widened exactly
+        m = tl.load(mp, mask=mask)
+        v = tl.load(vp, mask=mask)
     else:
-        r = tl.load(tl.load(r_tab + t).to(tl.pointer_type(tl.float32)) + offs, mask=mask)
-    m = tl.load(m_ptr + offs, mask=mask)
-    v = tl.load(v_ptr + offs, mask=mask)
+        r = tl.load(rp).to(tl.float32)
+        m = tl.load(mp)
+        v = tl.load(vp)
     m = m * b1 + r * omb1
     v = v * b2 + (r * r) * omb2
     if EPS_INSIDE:
         n = tl.div_rn(m, tl.sqrt_rn(v + eps))
     else:
         n = tl.div_rn(m, tl.sqrt_rn(v) + eps)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
-    tl.store(n_ptr + offs, n, mask=mask)
+    if MASKED:
+        tl.store(mp, m, mask=mask)
+        tl.store(vp, v, mask=mask)
+        tl.store(np_, n, mask=mask)
+    else:
+        tl.store(mp, m)
+        tl.store(vp, v)
+        tl.store(np_, n)
+
+
+@triton.jit
+def _adam_kernel(m_tab, v_tab, r_tab, n_tab, sizes, block_tensor, block_index, b1, omb1, b2,
+                 omb2, eps, EPS_INSIDE: tl.constexpr, R_BF16: tl.constexpr,
+                 ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per block of one tensor (the cached block map: no idle programs when the
+    # tensors' sizes differ); a whole block unmasked, a tensor's last partial one masked
+    pid = tl.program_id(0)
+    t = tl.load(block_tensor + pid)
+    size = tl.load(sizes + t)
+    start = tl.load(block_index + pid).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    m_ptr = tl.load(m_tab + t).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(v_tab + t).to(tl.pointer_type(tl.float32))
+    n_ptr = tl.load(n_tab + t).to(tl.pointer_type(tl.float32))
+    if R_BF16:
+        r_ptr = tl.load(r_tab + t).to(tl.pointer_type(tl.bfloat16))
+    else:
+        r_ptr = tl.load(r_tab + t).to(tl.pointer_type(tl.float32))
+    if start + BLOCK <= size:
+        _adam_block(m_ptr, v_ptr, r_ptr, n_ptr, offs, size, b1, omb1, b2, omb2, eps,
+                    EPS_INSIDE, False, ALIGNED, BLOCK)
+    else:
+        _adam_block(m_ptr, v_ptr, r_ptr, n_ptr, offs, size, b1, omb1, b2, omb2, eps,
+                    EPS_INSIDE, True, ALIGNED, BLOCK)
 
 
 def _addresses(xs: list[torch.Tensor], device: torch.device, cache: bool) -> torch.Tensor:
@@ -150,30 +193,43 @@ def adam_moments(ms: list[torch.Tensor], vs: list[torch.Tensor],
         ns = [torch.empty(x.shape, dtype=torch.float32, device=device) for x in rs]
         out = ns
     sizes = [m.numel() for m in ms]
+    aligned = all(x.data_ptr() % 16 == 0 for xs in (ms, vs, rs, ns) for x in xs)
     for lo in range(0, len(ms), _MAX_TENSORS):
         hi = lo + _MAX_TENSORS
-        part = sizes[lo:hi]
+        blocks = _block_map(sizes[lo:hi], device)
+        if blocks is None:
+            continue
         tables = [_addresses(ms[lo:hi], device, True), _addresses(vs[lo:hi], device, True),
                   _addresses(rs[lo:hi], device, False), _addresses(ns[lo:hi], device, False)]
-        if max(part) == 0:
-            continue
-        size_t = _sizes_table(part, device)
-        grid = (cdiv(max(part), _BLOCK), len(part))
-        _adam_kernel[grid](*tables, size_t, float(b1), 1.0 - b1, float(b2), 1.0 - b2,
-                           float(eps), EPS_INSIDE=bool(eps_inside),
-                           R_BF16=r_dtype == torch.bfloat16, BLOCK=_BLOCK,
-                           num_warps=_WARPS, **NO_FP_FUSION)
+        size_t, block_tensor, block_index = blocks
+        _adam_kernel[(block_tensor.numel(),)](
+            *tables, size_t, block_tensor, block_index, float(b1), 1.0 - b1, float(b2),
+            1.0 - b2, float(eps), EPS_INSIDE=bool(eps_inside),
+            R_BF16=r_dtype == torch.bfloat16, ALIGNED=aligned, BLOCK=_BLOCK,
+            num_warps=_WARPS, **NO_FP_FUSION)
     return out
 
 
-_SIZES: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+_BLOCKS: dict[tuple[tuple[int, ...], str], tuple[torch.Tensor, ...] | None] = {}
 
 
-def _sizes_table(sizes: list[int], device: torch.device) -> torch.Tensor:
-    """The int64 table of the tensors' sizes on ``device`` (cached by the sizes)."""
-    key = (tuple(sizes), device)
-    if key not in _SIZES:
-        if len(_SIZES) >= _TABLES_MAX:
-            _SIZES.clear()
-        _SIZES[key] = torch.tensor(sizes, dtype=torch.int64, device=device)
-    return _SIZES[key]
+def _block_map(sizes: list[int], device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    """``(sizes, block_tensor, block_index)`` on ``device``: each tensor's size, and for
+    each program the tensor and the block of it that it steps (cached by the sizes: a
+    model's are the same at every step); None when there is nothing to step."""
+    key = (tuple(sizes), str(device))
+    if key not in _BLOCKS:
+        if len(_BLOCKS) >= _TABLES_MAX:
+            _BLOCKS.clear()
+        counts = torch.tensor([cdiv(n, _BLOCK) for n in sizes], dtype=torch.int64)
+        total = int(counts.sum())
+        if total == 0:
+            _BLOCKS[key] = None
+        else:
+            tensor = torch.repeat_interleave(torch.arange(len(sizes)), counts)
+            start = torch.cumsum(counts, 0) - counts
+            index = torch.arange(total) - start[tensor]
+            _BLOCKS[key] = tuple(x.to(device) for x in (
+                torch.tensor(sizes, dtype=torch.int64), tensor.to(torch.int32),
+                index.to(torch.int32)))
+    return _BLOCKS[key]
