@@ -43,8 +43,8 @@ BLOCK = 1024
 def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, b1, omb1, b2, omb2, eps, neg_step, decay,
                  DECAY: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    _adam_tile(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < n, b1, omb1, b2, omb2, eps, neg_step,
-               decay, DECAY)
+    _adam_tile(p_ptr + offs, g_ptr + offs, m_ptr + offs, v_ptr + offs, offs < n, b1, omb1,
+               b2, omb2, eps, neg_step, decay, DECAY)
 
 
 @triton.jit
@@ -56,39 +56,47 @@ def _adam_many_kernel(table_ptr, tile_ptr, n_tensors, p0_ptr, g0_ptr, b1, omb1, 
     pid = tl.program_id(0)
     t = tl.load(tile_ptr + pid).to(tl.int64)
     j = tl.load(tile_ptr + tl.num_programs(0) + pid).to(tl.int64)
-    p_ptr = tl.load(table_ptr + t).to(p0_ptr.dtype)
-    g_ptr = tl.load(table_ptr + n_tensors + t).to(g0_ptr.dtype)
-    m_ptr = tl.load(table_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
-    if ALIGNED:  # (every address a multiple of 16 bytes, checked on the host: wide accesses)
-        p_ptr = tl.multiple_of(p_ptr, 16)
-        g_ptr = tl.multiple_of(g_ptr, 16)
-        m_ptr = tl.multiple_of(m_ptr, 16)
-        v_ptr = tl.multiple_of(v_ptr, 16)
     n = tl.load(table_ptr + 4 * n_tensors + t)
     offs = j * BLOCK + tl.arange(0, BLOCK)
-    _adam_tile(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < n, b1, omb1, b2, omb2, eps, neg_step,
-               decay, DECAY)
+    pp = _at(tl.load(table_ptr + t).to(p0_ptr.dtype), offs, ALIGNED, BLOCK)
+    gp = _at(tl.load(table_ptr + n_tensors + t).to(g0_ptr.dtype), offs, ALIGNED, BLOCK)
+    mp = _at(tl.load(table_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.float32)), offs,
+             ALIGNED, BLOCK)
+    vp = _at(tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.float32)), offs,
+             ALIGNED, BLOCK)
+    _adam_tile(pp, gp, mp, vp, offs < n, b1, omb1, b2, omb2, eps, neg_step, decay, DECAY)
 
 
 @triton.jit
-def _adam_tile(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, b1, omb1, b2, omb2, eps, neg_step,
-               decay, DECAY: tl.constexpr):
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+def _at(ptr, offs, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """``ptr + offs``; ``ALIGNED``: every address of the table a multiple of 16 bytes
+    (checked on the host), said so, so that the accesses can be wide (an address read
+    from a table is not known aligned)."""
+    p = ptr + offs
+    if ALIGNED:
+        p = tl.max_contiguous(tl.multiple_of(p, [16]), [BLOCK])
+    return p
+
+
+@triton.jit
+def _adam_tile(pp, gp, mp, vp, mask, b1, omb1, b2, omb2, eps, neg_step, decay,
+               DECAY: tl.constexpr):
+    # one tile: pp, gp, mp, vp the pointers of its elements
+    g = tl.load(gp, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(mp, mask=mask, other=0.0)
+    v = tl.load(vp, mask=mask, other=0.0)
     m = m * b1
     m = m + omb1 * g
     v = v * b2
     v = v + (omb2 * g) * g
     d = tl.sqrt_rn(v) + eps
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p = tl.load(pp, mask=mask, other=0.0).to(tl.float32)
     p = p + neg_step * tl.div_rn(m, d)
     if DECAY:
         p = p + decay * p
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
-    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+    tl.store(mp, m, mask=mask)
+    tl.store(vp, v, mask=mask)
+    tl.store(pp, p.to(pp.dtype.element_ty), mask=mask)
 
 
 def supported(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> bool:
