@@ -706,11 +706,11 @@ def test_fused_step_kernel_matches_the_foreach_update(decay):
 
     torch.manual_seed(3)
     for pdt, steps in ((torch.float32, 2), (torch.bfloat16, 1)):
-        p0 = torch.randn(3000).to(pdt)
-        ref = [p0.clone(), torch.zeros(3000), torch.zeros(3000)]
-        got = [p0.clone(), torch.zeros(3000), torch.zeros(3000)]
+        p0 = torch.randn(3000).to(DEV, pdt)
+        ref = [p0.clone(), torch.zeros(3000, device=DEV), torch.zeros(3000, device=DEV)]
+        got = [p0.clone(), torch.zeros(3000, device=DEV), torch.zeros(3000, device=DEV)]
         for k in range(1, steps + 1):
-            g = torch.randn(3000).to(pdt)
+            g = torch.randn(3000).to(DEV, pdt)
             step = 1e-2 * math.sqrt(1 - 0.999 ** k) / (1 - 0.9 ** k)
             _foreach_update([ref[0]], [g], [ref[1]], [ref[2]], 0.9, 0.999, 1e-3, step, decay,
                             pdt != torch.float32)

@@ -67,7 +67,8 @@ def _pair(variant="fast", bias=True, dtype=torch.float32, device=None, n_in=16, 
     torch.manual_seed(3)
     eager = POETLinear(n_in, n_out, b, bias=bias, bias_requires_grad=bias, variant=variant,
                        impl="triton", device=device, dtype=dtype, **kw)
-    with torch.no_grad():
+    with torch.no_grad():  # (a layer's W0 is uninitialised memory until set)
+        eager.set_w0(torch.randn(n_out, n_in, device=device).to(dtype) * 0.1)
         eager.oft_R.normal_(0, 0.05)
         if bias:
             eager.bias.normal_()

@@ -9,8 +9,10 @@ precision, on one tile at a time: ``m = m·β₁``, ``m = m + (1 − β₁)·g``
 ``v = v + ((1 − β₂)·g)·g``, ``d = √v + ε`` (correctly rounded), ``p = p + (−step)·(m / d)``
 (correctly rounded division), then ``p = p + decay·p`` where the group decays; the
 parameter rounded to its dtype once, at the end, as the foreach path's copy back does.
-Each float32 operation is rounded as ATen's CUDA kernels round it (a fused multiply-add
-where they compute ``a + α·b`` in one expression).
+Each float32 operation is rounded as ATen's CUDA kernels round it: a fused multiply-add
+where they compute ``a + α·b`` in one expression, written as ``tl.fma``, every other
+operation rounded apart (launched with ``NO_FP_FUSION``, so that no kernel's compilation
+contracts differently from another's).
 
 :func:`adam_update_many` updates a list of parameters (one dtype, one set of scalars) in
 one launch: a table of their addresses on the device (made once per set of addresses and
@@ -29,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xopt.kernels import FP_FUSION
+from xopt.kernels import NO_FP_FUSION
 from xopt.kernels._grid import cdiv
 from xopt.kernels.poet_jit import launch
 
@@ -85,15 +87,18 @@ def _adam_tile(pp, gp, mp, vp, mask, b1, omb1, b2, omb2, eps, neg_step, decay,
     g = tl.load(gp, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(mp, mask=mask, other=0.0)
     v = tl.load(vp, mask=mask, other=0.0)
+    # ATen's CUDA kernels compute a + α·b (add with alpha, addcmul, addcdiv) as one fused
+    # multiply-add: written out as fma here, every other operation rounded apart
+    # (NO_FP_FUSION: a contraction left to the compiler can differ from kernel to kernel)
     m = m * b1
-    m = m + omb1 * g
+    m = tl.fma(omb1, g, m)
     v = v * b2
-    v = v + (omb2 * g) * g
+    v = tl.fma(omb2 * g, g, v)
     d = tl.sqrt_rn(v) + eps
     p = tl.load(pp, mask=mask, other=0.0).to(tl.float32)
-    p = p + neg_step * tl.div_rn(m, d)
+    p = tl.fma(neg_step, tl.div_rn(m, d), p)
     if DECAY:
-        p = p + decay * p
+        p = tl.fma(decay, p, p)
     tl.store(mp, m, mask=mask)
     tl.store(vp, v, mask=mask)
     tl.store(pp, p.to(pp.dtype.element_ty), mask=mask)
@@ -120,7 +125,7 @@ def adam_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
         return
     launch(_adam_kernel, (cdiv(n, BLOCK),), p, g, m, v, n, b1, 1.0 - b1, b2, 1.0 - b2, eps,
            -step_size, 0.0 if decay is None else decay, DECAY=decay is not None, BLOCK=BLOCK,
-           num_warps=4, **FP_FUSION)
+           num_warps=4, **NO_FP_FUSION)
 
 
 #: (device, dtypes, the tensors' addresses and sizes) -> (table, tiles): the launch's
@@ -169,4 +174,4 @@ def adam_update_many(ps, gs, ms, vs, b1: float, b2: float, eps: float, step_size
     table, tiles, aligned = _tables(ps, gs, ms, vs)
     launch(_adam_many_kernel, (tiles.numel() // 2,), table, tiles, len(ps), ps[0], gs[0], b1,
            1.0 - b1, b2, 1.0 - b2, eps, -step_size, 0.0 if decay is None else decay,
-           DECAY=decay is not None, ALIGNED=aligned, BLOCK=BLOCK, num_warps=4, **FP_FUSION)
+           DECAY=decay is not None, ALIGNED=aligned, BLOCK=BLOCK, num_warps=4, **NO_FP_FUSION)
