@@ -105,9 +105,9 @@ def test_bad_buffers_are_named_and_change_nothing():
         lowrank_adam.adam_moments(m, m, r[:1], B1, B2, EPS)
 
 
-def _run(cls, backend, monkeypatch, **kw):
+def _run(cls, backend, monkeypatch, dtype="float32", **kw):
     """Four steps of ``cls`` on two shapes of projected matrices and an unprojected vector
-    and matrix, with the moments' pass on ``backend``."""
+    and matrix of ``dtype``, with the moments' pass on ``backend``."""
     import xopt.torch as xt
     from xopt.kernels import lowrank_adam
 
@@ -119,12 +119,13 @@ def _run(cls, backend, monkeypatch, **kw):
                             lambda xs: [x.double().sqrt().float() for x in xs])
     gen = torch.Generator().manual_seed(2)
     shapes = [(12, 8), (12, 8), (8, 12), (7,), (6, 5)]
-    ps = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in shapes]
+    ps = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE, getattr(torch, dtype)))
+          for s in shapes]
     opt = getattr(xt, cls)([{"params": ps[:3]}, {"params": ps[3:], "project": False}],
                            lr=0.01, rank=3, **kw)
     for _ in range(4):
         for p in ps:
-            p.grad = torch.randn(p.shape, generator=gen).to(DEVICE)
+            p.grad = torch.randn(p.shape, generator=gen).to(DEVICE, p.dtype)
         opt.step()
     return ps, opt
 
@@ -135,20 +136,25 @@ def _run(cls, backend, monkeypatch, **kw):
     ("COAP", {"update_interval": 2, "reproject_factor": 2}),
     ("PLUMAGE", {"update_proj_gap": 2}),
     ("PLUMAGE", {"update_proj_gap": 2, "eps_inside_sqrt": True}),
-], ids=["galore", "coap", "plumage", "plumage-eps-inside"])
+    ("GaLore", {"update_proj_gap": 2, "proj_dtype": "param", "dtype": "bfloat16"}),
+    ("COAP", {"update_interval": 2, "reproject_factor": 2, "proj_dtype": "param",
+              "dtype": "bfloat16"}),
+], ids=["galore", "coap", "plumage", "plumage-eps-inside", "galore-bf16", "coap-bf16"])
 def test_optimizer_steps_with_the_kernel_are_the_foreach_paths_bits(cls, kw, monkeypatch):
     """Refreshes and ordinary steps, both products' paths (projected, stacked; unprojected,
-    listed): every parameter and state tensor the same bits either way."""
+    listed), float32 parameters and bfloat16 ones with bfloat16 products (the kernel
+    widens the gradients itself): every parameter and state tensor the same bits either
+    way."""
     pa, oa = _run(cls, "triton", monkeypatch, **kw)
     monkeypatch.undo()
     pb, ob = _run(cls, "torch", monkeypatch, **kw)
     for p, q in zip(pa, pb, strict=True):
-        assert _same(p.detach(), q.detach())
+        assert _same(p.detach().float(), q.detach().float())
         sa, sb = oa.state[p], ob.state[q]
         assert list(sa) == list(sb)
         for k, x in sa.items():
             if isinstance(x, torch.Tensor) and x.is_floating_point():
-                assert _same(x, sb[k]), k
+                assert _same(x.float(), sb[k].float()), k
 
 
 @needs_kernel

@@ -39,7 +39,7 @@ from xopt.kernels import triton_available
 from xopt.registry import register
 from xopt.specs import arrays
 from xopt.specs import coap as _spec
-from xopt.torch._lowrank import LowRankOptimizer, chunks, stack_as
+from xopt.torch._lowrank import LowRankOptimizer, chunks, converted, stack_as
 from xopt.torch._optim import Item
 from xopt.torch.distributed import Layout, is_dtensor, local, place_as
 
@@ -268,6 +268,11 @@ class COAP(LowRankOptimizer):
         kernel = _quant8(rs[0].device)
         if kernel is None:
             return None
+        if r is not None:
+            r = r.to(sdt)  # exact
+            rs = list(r.unbind(0))
+        else:
+            rs = converted(rs, sdt)
         if r is not None:
             return _adam8(kernel, states, hp, r)
         out: list[Any] = [None] * len(rs)
