@@ -51,10 +51,10 @@ columns and walks it in NSUB sub-tiles of BR rows (a loop, not unrolled); what d
 only on its columns or its tensor is loaded once per block. Grids are one-dimensional (a
 tensor's blocks one after another), so no grid axis meets CUDA's 65535 limit. VeLO's
 kernels (:class:`VeLOKernels`) follow the same stages with its 4-wide MLP as float32 FMAs,
-and take the LSTM's inputs from the statistics pass and a second pass
-(:func:`_velo_var_kernel`). Each stage
-(1-4) runs through a stage runner (``stage=``, :func:`run_stage` by default) so that
-bench/lopt_step_jax.py ``--breakdown`` can time them apart.
+and take the LSTM's inputs from the statistics pass (its momenta's variances by Welford's
+and Chan's updates, no second pass over the momenta). Each stage (1-4) runs through a
+stage runner (``stage=``, :func:`run_stage` by default) so that bench/lopt_step_jax.py
+``--breakdown`` can time them apart.
 
 Boundary blocks (a tensor's last rows or columns when RP or BC does not divide them): every
 load of a block that can reach past its array is masked with ``other=0`` and every such
@@ -634,22 +634,6 @@ def _axis_terms(feats: Any, wn: Any) -> Any:
     return h
 
 
-def _var_call(shape: tuple[int, ...], mu: Any, m: list[Any], rms: list[Any]) -> Any:
-    """:func:`_velo_var_kernel` over a group, one call per tensor: ``[L · blocks, 8]``."""
-    n1, n2, _ = two_d_view(shape)
-    _, _, per, elem = _index_maps(n1, n2)
-    whole, blk, blk_m, group = _element_specs(elem)
-    call = pl.pallas_call(
-        functools.partial(_velo_var_kernel, n1=n1, n2=n2),
-        out_shape=jax.ShapeDtypeStruct((per, 8), jnp.float32), grid=(per,),
-        in_specs=[pl.BlockSpec((1,), whole), group, blk_m, blk],
-        out_specs=pl.BlockSpec((SQ, 8), lambda t: (t, 0)),
-        interpret=_on_cpu(), compiler_params=_compiler_params(), name="velo_var",
-    )
-    return jnp.concatenate([call(_index(i), mu, mm.reshape(n1, n2, 3), r.reshape(n1, n2))
-                            for i, (mm, r) in enumerate(zip(m, rms, strict=True))])
-
-
 def _stats_call(kernel: Any, width: int, name: str, shape: tuple[int, ...], pre: dict,
                 g: list[Any], p: list[Any], m: list[Any], rms: list[Any]) -> Any:
     """A statistics kernel over a group, one call per tensor: ``[L · blocks, width]``
@@ -681,6 +665,10 @@ VELO_COL = (18, 19, 20, 24, 25, 26)
 #: per-tensor scalars: the first layer's element rows times their normalizers (18 × 4), then
 #: the biases, hidden and output layers (offsets in :class:`VeLOKernels`), lr_mult, param_scale
 VELO_SCAL = 256
+#: the statistics kernel's per-block columns after the 18 channels' Σ feature² (VELO_ELEM):
+#: Σ p², Σ of the old m (3) and rms, their sums of squared deviations from the block's means
+#: (m (3), rms) and the block's element count
+VELO_P2, VELO_OLD, VELO_DEV, VELO_N = 18, slice(19, 23), slice(23, 27), 27
 
 
 def unsupported_velo(hp: Any) -> str | None:
@@ -704,52 +692,46 @@ def _velo_elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
 
 def _velo_stats_kernel(idx_ref, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *,
                        n1, n2, row_on_1):  # noqa: ANN001
+    """Per block: Σ feature² of the 18 channels (:data:`VELO_ELEM`), Σ p², Σ of the old
+    momenta and second moment, and for the LSTM's variances the old momenta's and second
+    moment's sums of squared deviations from the block's own means (:data:`VELO_DEV`) and
+    the block's element count: each lane's deviations by Welford's update over its
+    sub-tiles, the lanes' combined by Chan's (the sum of theirs plus each lane's count times
+    its mean's squared distance to the block's), so that the variances need no second pass
+    over the momenta (:meth:`VeLOKernels.lstm_inputs` combines the blocks the same way)."""
     _, read = _tile_reader(_Place(idx_ref, n1, n2), dec_ref, g_ref, p_ref, m_ref, r_ref,
                            f1_ref, f2_ref, n1=n1, n2=n2, row_on_1=row_on_1,
                            features=_velo_elem_features, clip=1000.0)
+    z = jnp.zeros((BR, BC), jnp.float32)
 
-    def sub_tile(s, acc):  # noqa: ANN001, ANN202
+    def sub_tile(s, carry):  # noqa: ANN001, ANN202
+        acc, cnt, mean, dev = carry
         _, _, valid, _, _, feats, p, old = read(s)
         # and the LSTM's first pass: Σ p², Σ of the old momenta and second moment (0 outside)
         sums = [jnp.where(valid, f * f, 0.0) for f in feats] + [p * p, *old]
-        return tuple(a + x for a, x in zip(acc, sums, strict=True))
+        cnt = cnt + jnp.where(valid, 1.0, 0.0)
+        inv = jnp.where(valid, 1.0 / jnp.maximum(cnt, 1.0), 0.0)
+        mean_new, dev_new = [], []
+        for x, mu, q in zip(old, mean, dev, strict=True):
+            d = x - mu
+            mu = mu + d * inv  # (unchanged outside the tensor: inv = 0)
+            mean_new.append(mu)
+            dev_new.append(q + jnp.where(valid, d * (x - mu), 0.0))
+        return (tuple(a + x for a, x in zip(acc, sums, strict=True)), cnt, tuple(mean_new),
+                tuple(dev_new))
 
-    acc = _sub_tiles(sub_tile, tuple(jnp.zeros((BR, BC), jnp.float32)
-                                     for _ in range(len(VELO_ELEM) + 5)))
+    init = (tuple(z for _ in range(len(VELO_ELEM) + 5)), z, (z,) * 4, (z,) * 4)
+    acc, cnt, mean, dev = _sub_tiles(sub_tile, init)
+    n_b = jnp.sum(cnt)
+    cols = list(acc)
+    for mu, q in zip(mean, dev, strict=True):
+        mean_b = jnp.sum(cnt * mu) / jnp.maximum(n_b, 1.0)
+        cols.append(jnp.sum(q) + jnp.sum(cnt * (mu - mean_b) * (mu - mean_b)))
+    cols.append(n_b)
     lanes = jax.lax.broadcasted_iota(jnp.int32, (32,), 0)
     out = jnp.zeros((32,), jnp.float32)
-    for k, a in enumerate(acc):
-        out = jnp.where(lanes == k, jnp.sum(a), out)
-    o_ref[...] = out
-
-
-def _velo_var_kernel(idx_ref, mu_ref, m_ref, r_ref, o_ref, *, n1, n2):  # noqa: ANN001
-    """The LSTM features' second pass over a block of one tensor: Σ (m_k − μ_k)² and
-    Σ (rms − μ_k)² over its elements (k < 3, ``μ`` the tensor's old momenta's means from
-    the first pass, :func:`_velo_stats_kernel`), the spec's two-pass variances
-    (:func:`xopt.specs.velo.lstm_features`) before its scaling by ``mean(p²)``."""
-    at = _Place(idx_ref, n1, n2)
-    c_ok = _col_mask(n1, n2)
-    mu = [mu_ref[at.l, k] for k in range(3)]
-
-    def sub_tile(s, acc):  # noqa: ANN001, ANN202
-        rows = _rows(s)
-        valid = _row_mask(at.base, n1, s)[:, None] & c_ok[None, :]
-        r = _load(r_ref.at[rows], valid)
-        out = []
-        for k in range(3):
-            d = _load(m_ref.at[rows, :, _i(k)], valid) - mu[k]
-            out.append(jnp.where(valid, d * d, 0.0))
-        for k in range(3):
-            d = r - mu[k]
-            out.append(jnp.where(valid, d * d, 0.0))
-        return tuple(a + x for a, x in zip(acc, out, strict=True))
-
-    acc = _sub_tiles(sub_tile, tuple(jnp.zeros((BR, BC), jnp.float32) for _ in range(6)))
-    lanes = jax.lax.broadcasted_iota(jnp.int32, (8,), 0)
-    out = jnp.zeros((8,), jnp.float32)
-    for k, a in enumerate(acc):
-        out = jnp.where(lanes == k, jnp.sum(a), out)
+    for k, a in enumerate(cols):
+        out = jnp.where(lanes == k, a if k >= len(acc) else jnp.sum(a), out)
     o_ref[...] = out
 
 
@@ -883,22 +865,32 @@ class VeLOKernels:
     def lstm_inputs(self, shape: tuple[int, ...], part: Any, m: list[Any], rms: list[Any],
                     fraction: Any, loss_feats: Any) -> Any:
         """The group's LSTM inputs [L, 30], :func:`xopt.specs.velo.lstm_features` per tensor
-        from the statistics kernel's first pass (Σ p², Σ of the old m and rms) and
-        :func:`_velo_var_kernel`'s second (Σ of squared deviations from the means): the
-        spec's two-pass means and variances, the scaling by ``rsqrt(max(1e-9, mean p²))``
-        applied to the means and variances instead of to every element."""
+        from the statistics kernel's per-block sums (Σ p², Σ of the old m and rms, their
+        sums of squared deviations from each block's means, :func:`_velo_stats_kernel`):
+        the spec's means and variances (its two-pass variances as Chan's combination of the
+        blocks', as accurate), the scaling by ``rsqrt(max(1e-9, mean p²))`` applied to the
+        means and variances instead of to every element."""
         from xopt.specs import velo as vspec
 
         n1, n2, _ = two_d_view(shape)
         n, L = float(n1 * n2), len(m)
-        sums = jnp.sum(part.reshape(L, -1, 32), axis=1)  # [L, 32]
-        e = len(VELO_ELEM)
-        mu = sums[:, e + 1:e + 4] / n  # the old momenta's means [L, 3]
-        dev = jnp.sum(_var_call(shape, mu, m, rms).reshape(L, -1, 8), axis=1)
-        scale = jax.lax.rsqrt(jnp.maximum(sums[:, e] / n, 1e-9))[:, None]
-        mean_rms = scale * sums[:, e + 4:e + 5] / n
+        blocks = part.reshape(L, -1, 32)
+        sums = jnp.sum(blocks, axis=1)  # [L, 32]
+        mean4 = sums[:, VELO_OLD] / n  # the old momenta's and rms's means [L, 4]
+        mu = mean4[:, :3]
+        # Chan's combination of the blocks: Σ of their deviations from their own means plus
+        # each block's count times its mean's squared distance to the tensor's
+        nb = blocks[:, :, VELO_N]
+        gap = blocks[:, :, VELO_OLD] / jnp.maximum(nb, 1.0)[..., None] - mean4[:, None, :]
+        dev = jnp.sum(blocks[:, :, VELO_DEV], axis=1) + jnp.sum(nb[..., None] * gap * gap,
+                                                                axis=1)
+        # Σ (rms − μ_k)² = Σ (rms − mean rms)² + n·(mean rms − μ_k)² (the spec's var_rms)
+        d_rms = mean4[:, 3:4] - mu
+        dev_rms = dev[:, 3:4] + n * d_rms * d_rms
+        scale = jax.lax.rsqrt(jnp.maximum(sums[:, VELO_P2] / n, 1e-9))[:, None]
+        mean_rms = scale * sums[:, VELO_OLD][:, 3:4] / n
         var_m = scale * scale * (dev[:, 0:3] / n)
-        var_rms = scale * scale * (dev[:, 3:6] / n)
+        var_rms = scale * scale * (dev_rms / n)
         like = jnp.zeros((), jnp.float32)
         one_hot = np.eye(vspec.NUM_RANKS, dtype=np.float32)[vspec.tensor_rank(shape)]
         fixed = jnp.concatenate([vspec.fraction_embedding(jnp, fraction, like), loss_feats])
