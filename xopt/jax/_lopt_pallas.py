@@ -255,15 +255,15 @@ def _col_base(n1: int, n2: int) -> jax.Array:
     return (pl.program_id(0) % _blocks(n1, n2)[1]) * BC
 
 
-def _row_mask(base: jax.Array, n1: int, s: jax.Array) -> jax.Array:
-    """Which of the BR rows of sub-tile ``s`` of the block from row ``base`` are inside the
-    tensor."""
-    return base + s * BR + jax.lax.broadcasted_iota(jnp.int32, (BR,), 0) < n1
+def _row_mask(base: jax.Array, n1: int, s: jax.Array, br: int = BR) -> jax.Array:
+    """Which of the ``br`` rows of sub-tile ``s`` of the block from row ``base`` are inside
+    the tensor."""
+    return base + s * br + jax.lax.broadcasted_iota(jnp.int32, (br,), 0) < n1
 
 
-def _rows(s: jax.Array) -> Any:
-    """The rows of sub-tile ``s`` in a program's block (a dynamic slice of BR)."""
-    return pl.ds(pl.multiple_of(s * BR, BR), BR)
+def _rows(s: jax.Array, br: int = BR) -> Any:
+    """The rows of sub-tile ``s`` in a program's block (a dynamic slice of ``br``)."""
+    return pl.ds(pl.multiple_of(s * br, br), br)
 
 
 def _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows):  # noqa: ANN001, ANN202
@@ -298,20 +298,23 @@ def _factors(f1_ref, at, col, r_ok, s, row_on_1):  # noqa: ANN001, ANN202
 class _Place:
     """Where a program is in the group's per-tensor arrays: its tensor's index ``l`` in the
     group (read from the kernel's ``idx`` input), the slice of its columns ``cols`` and
-    ``rows(s)``, the rows of its sub-tile ``s``, both in the tensor's coordinates."""
+    ``rows(s)``, the rows of its sub-tile ``s``, both in the tensor's coordinates; ``br``
+    the rows of a sub-tile (RP // br sub-tiles per block)."""
 
-    def __init__(self, idx_ref, n1: int, n2: int) -> None:  # noqa: ANN001
-        self.l = idx_ref[0]
+    def __init__(self, idx_ref, n1: int, n2: int, br: int = BR) -> None:  # noqa: ANN001
+        assert RP % br == 0
+        self.l, self.br = idx_ref[0], br
         self.base = _row_base(n1, n2)
         self.cols = pl.ds(pl.multiple_of(_col_base(n1, n2), BC), BC)
 
     def rows(self, s: jax.Array) -> Any:
-        return pl.ds(pl.multiple_of(self.base + s * BR, BR), BR)
+        return pl.ds(pl.multiple_of(self.base + s * self.br, self.br), self.br)
 
 
-def _sub_tiles(body: Any, init: Any) -> Any:
-    """``body(s, carry)`` over the program's NSUB sub-tiles (a loop, not unrolled)."""
-    return jax.lax.fori_loop(0, NSUB, body, init)
+def _sub_tiles(body: Any, init: Any, br: int = BR) -> Any:
+    """``body(s, carry)`` over the program's RP // ``br`` sub-tiles (a loop, not
+    unrolled)."""
+    return jax.lax.fori_loop(0, RP // br, body, init)
 
 
 def _elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
@@ -337,8 +340,8 @@ def _tile_reader(at, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, *, n1,
     col = _col_factors(f2_ref, at, c_ok)
 
     def read(s):  # noqa: ANN001, ANN202
-        rows = _rows(s)
-        r_ok = _row_mask(base, n1, s)
+        rows = _rows(s, at.br)
+        r_ok = _row_mask(base, n1, s, at.br)
         valid = r_ok[:, None] & c_ok[None, :]
         g = _load(g_ref.at[rows], valid)
         if clip is not None:
@@ -669,6 +672,10 @@ VELO_SCAL = 256
 #: Σ p², Σ of the old m (3) and rms, their sums of squared deviations from the block's means
 #: (m (3), rms) and the block's element count
 VELO_P2, VELO_OLD, VELO_DEV, VELO_N = 18, slice(19, 23), slice(23, 27), 27
+#: rows of the VeLO fused kernel's sub-tile: 4 (two elements per thread, loaded as pairs)
+#: rather than BR's 2, since its registers allow it (sm_90: 72 per thread against 56, all
+#: 128-thread programs; small_fc_lopt's tensor-core MLP would spill at 4)
+VELO_FUSED_BR = 4
 
 
 def unsupported_velo(hp: Any) -> str | None:
@@ -694,51 +701,57 @@ def _velo_stats_kernel(idx_ref, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_
                        n1, n2, row_on_1):  # noqa: ANN001
     """Per block: Σ feature² of the 18 channels (:data:`VELO_ELEM`), Σ p², Σ of the old
     momenta and second moment, and for the LSTM's variances the old momenta's and second
-    moment's sums of squared deviations from the block's own means (:data:`VELO_DEV`) and
-    the block's element count: each lane's deviations by Welford's update over its
-    sub-tiles, the lanes' combined by Chan's (the sum of theirs plus each lane's count times
-    its mean's squared distance to the block's), so that the variances need no second pass
-    over the momenta (:meth:`VeLOKernels.lstm_inputs` combines the blocks the same way)."""
-    _, read = _tile_reader(_Place(idx_ref, n1, n2), dec_ref, g_ref, p_ref, m_ref, r_ref,
-                           f1_ref, f2_ref, n1=n1, n2=n2, row_on_1=row_on_1,
-                           features=_velo_elem_features, clip=1000.0)
+    moment's sums of squared deviations from the block's means (:data:`VELO_DEV`) and the
+    block's element count: each lane's by Welford's update over its sub-tiles (a lane's
+    elements inside the tensor are its first ones, so its count at sub-tile ``s`` is
+    ``s + 1``), the lanes' combined by Chan's (Σ of theirs plus each lane's count times its
+    mean's squared distance to the block's), so that the variances need no second pass over
+    the momenta (:meth:`VeLOKernels.lstm_inputs` combines the blocks the same way)."""
+    at = _Place(idx_ref, n1, n2)
+    c_ok, read = _tile_reader(at, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1,
+                              n2=n2, row_on_1=row_on_1, features=_velo_elem_features,
+                              clip=1000.0)
     z = jnp.zeros((BR, BC), jnp.float32)
 
     def sub_tile(s, carry):  # noqa: ANN001, ANN202
-        acc, cnt, mean, dev = carry
+        acc, mean, dev = carry
         _, _, valid, _, _, feats, p, old = read(s)
         # and the LSTM's first pass: Σ p², Σ of the old momenta and second moment (0 outside)
         sums = [jnp.where(valid, f * f, 0.0) for f in feats] + [p * p, *old]
-        cnt = cnt + jnp.where(valid, 1.0, 0.0)
-        inv = jnp.where(valid, 1.0 / jnp.maximum(cnt, 1.0), 0.0)
+        inv = 1.0 / (s + 1).astype(jnp.float32)
         mean_new, dev_new = [], []
         for x, mu, q in zip(old, mean, dev, strict=True):
             d = x - mu
-            mu = mu + d * inv  # (unchanged outside the tensor: inv = 0)
+            mu = jnp.where(valid, mu + d * inv, mu)
             mean_new.append(mu)
             dev_new.append(q + jnp.where(valid, d * (x - mu), 0.0))
-        return (tuple(a + x for a, x in zip(acc, sums, strict=True)), cnt, tuple(mean_new),
+        return (tuple(a + x for a, x in zip(acc, sums, strict=True)), tuple(mean_new),
                 tuple(dev_new))
 
-    init = (tuple(z for _ in range(len(VELO_ELEM) + 5)), z, (z,) * 4, (z,) * 4)
-    acc, cnt, mean, dev = _sub_tiles(sub_tile, init)
-    n_b = jnp.sum(cnt)
-    cols = list(acc)
-    for mu, q in zip(mean, dev, strict=True):
-        mean_b = jnp.sum(cnt * mu) / jnp.maximum(n_b, 1.0)
-        cols.append(jnp.sum(q) + jnp.sum(cnt * (mu - mean_b) * (mu - mean_b)))
+    acc, mean, dev = _sub_tiles(sub_tile, (tuple(z for _ in range(len(VELO_ELEM) + 5)),
+                                           (z,) * 4, (z,) * 4))
+    # each lane's count: its rows inside the tensor (of RP // BR), 0 in a column outside
+    lane = at.base + jax.lax.broadcasted_iota(jnp.int32, (BR, 1), 0)
+    rows_in = jnp.clip((jnp.maximum(n1 - lane, 0) + BR - 1) // BR, 0, RP // BR)
+    cnt = jnp.where(c_ok[None, :], rows_in.astype(jnp.float32), 0.0)
+    n_b = (jnp.clip(n1 - at.base, 0, RP) * jnp.clip(n2 - _col_base(n1, n2), 0, BC)).astype(
+        jnp.float32)
+    cols = [jnp.sum(a) for a in acc]
+    for k, (mu, q) in enumerate(zip(mean, dev, strict=True)):
+        mean_b = cols[VELO_OLD.start + k] / n_b
+        cols.append(jnp.sum(q + cnt * (mu - mean_b) * (mu - mean_b)))
     cols.append(n_b)
     lanes = jax.lax.broadcasted_iota(jnp.int32, (32,), 0)
     out = jnp.zeros((32,), jnp.float32)
     for k, a in enumerate(cols):
-        out = jnp.where(lanes == k, a if k >= len(acc) else jnp.sum(a), out)
+        out = jnp.where(lanes == k, a, out)
     o_ref[...] = out
 
 
 def _velo_fused_kernel(idx_ref, dec_ref, sc_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref,
                        t1_ref, t2_ref, s_ref, mo_ref, ro_ref, *, n1, n2, row_on_1, width, nhid,
                        off, exp_mult, step_mult):  # noqa: ANN001
-    at = _Place(idx_ref, n1, n2)
+    at = _Place(idx_ref, n1, n2, VELO_FUSED_BR)
     c_ok, read = _tile_reader(at, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1,
                               n2=n2, row_on_1=row_on_1, features=_velo_elem_features,
                               clip=1000.0)
@@ -785,7 +798,7 @@ def _velo_fused_kernel(idx_ref, dec_ref, sc_ref, g_ref, p_ref, m_ref, r_ref, f1_
         _store(ro_ref.at[rows], rms, valid)
         return carry
 
-    _sub_tiles(sub_tile, jnp.int32(0))
+    _sub_tiles(sub_tile, jnp.int32(0), at.br)
 
 
 class VeLOKernels:
