@@ -382,7 +382,7 @@ def test_pallas_boundary_blocks_are_masked(method, velo_theta):
     closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p, value=jnp.float32(1.0)))(
         params, tx.init(params), params)
     n_calls = str(closed).count("pallas_call[")
-    # statistics and fused pass of each tensor (VeLO: and the LSTM inputs' second pass)
-    assert n_calls == (6 if method == "small_fc_lopt" else 9), n_calls
+    # statistics and fused pass of each tensor
+    assert n_calls == 6, n_calls
     assert _unmasked_boundary_accesses(closed) == []
     assert _lopt_pallas.BR == 2 and _lopt_pallas.BC == 64  # (what makes the shapes ragged)
