@@ -260,6 +260,10 @@ class PLUMAGE(LowRankOptimizer):
         return torch._foreach_div(ms, torch._foreach_sqrt(torch._foreach_add(vs, hp.eps)))
 
     @staticmethod
+    def _eps_inside_sqrt(hp: Any) -> bool:
+        return bool(hp.eps_inside_sqrt)
+
+    @staticmethod
     def _batch_back(n: Tensor, proj: Tensor, states: list[dict[str, Any]], which: str,
                     hp: Any) -> Tensor:
         """:func:`xopt.specs.plumage.project_back`: ``P D⁻¹ N`` or ``N D⁻¹ Pᵀ``, in
