@@ -15,13 +15,14 @@
   group of leaves that share shape, dtype and hyperparameters (so their refresh schedule)
   in one ``lax.switch``, each branch computing every leaf of the group with its event known
   at trace time, one by one (GaLore) or once under ``vmap`` (PLUMAGE, whose refresh is
-  long to trace per leaf). XLA compiles the identical kernels of same-shaped leaves once,
-  so what grows with the number of tensors is a few instructions per leaf, not a
-  conditional per leaf (each with its branch computations) nor a kernel per leaf: stacking
-  a group under ``vmap`` would need its results sliced back out per leaf, and a slice at
-  its own offset is a kernel of its own. The state stays per leaf. COAP runs its whole
-  projected step once per group under ``vmap`` instead (:func:`map_grouped`): four
-  event branches per leaf compile slower than its stacking and slicing.
+  long to trace per leaf); COAP runs its projection events once per group under ``vmap``
+  (:func:`map_grouped`, one ``lax.switch`` inside). XLA compiles the identical kernels of
+  same-shaped leaves once, so what grows with the number of tensors is a few instructions
+  per leaf, not a conditional per leaf (each with its branch computations) nor a kernel per
+  leaf. Results stacked under ``vmap`` are taken back out per leaf at
+  :func:`runtime_positions` (a slice at a constant offset would be a kernel per leaf), and
+  only what the refresh changes is stacked: the per-step math (projection, Adam, the
+  update) stays per leaf. The state stays per leaf.
 * **Decompositions.** Under ``nonfinite="raise"`` (outside ``jit``; see
   :mod:`xopt.jax._contract`, which also checks the gradients) a refresh whose
   decomposition is not finite raises :class:`~xopt.errors.DecompositionError` naming the
