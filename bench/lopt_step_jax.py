@@ -943,10 +943,11 @@ def _nbytes(tree) -> int:
 class StageTimer:
     """The fast paths' stage runner (``method.stage``): each stage compiled alone and run on
     its real inputs, ``reps`` timed calls after a warm one (median ms), with the bytes it
-    must read and write (its array arguments and results) and its launches."""
+    must read and write (its array arguments and results) and its launches; each row
+    printed as it is timed (a run cut short still shows the stages it reached)."""
 
-    def __init__(self, reps: int) -> None:
-        self.reps, self.rows = reps, []
+    def __init__(self, reps: int, label: str = "") -> None:
+        self.reps, self.rows, self.label = reps, [], label
 
     def __call__(self, name: str, fn, *args):
         stage, _, group = name.partition("@")
@@ -962,9 +963,12 @@ class StageTimer:
         nbytes = _nbytes(args) + _nbytes(out)
         kind = ("kernel" if stage in KERNEL_STAGES else "glue" if stage in GLUE_STAGES
                 else "xla group" if stage == "xla" else stage)
-        self.rows.append({"stage": stage, "group": group, "kind": kind, "ms": ms,
-                          "bytes": nbytes, "gb_s": nbytes / ms / 1e6,
-                          "launches": entry_launches(compiled.as_text())})
+        row = {"stage": stage, "group": group, "kind": kind, "ms": ms, "bytes": nbytes,
+               "gb_s": nbytes / ms / 1e6, "launches": entry_launches(compiled.as_text())}
+        self.rows.append(row)
+        print(f"  [{self.label}] {kind:10s} {stage}@{group or '-'}: {ms:.3f} ms, "
+              f"{nbytes / 1e6:.1f} MB, {row['gb_s']:.0f} GB/s, {row['launches']} launches",
+              flush=True)
         return out
 
 
@@ -1050,8 +1054,12 @@ def _tree_rel(a, b) -> float:
                default=0.0)
 
 
-def breakdown_one(model: str, method: str, precision: str, args) -> dict:
-    """One method's Pallas update on ``model``'s shapes, stage by stage (module docstring)."""
+def breakdown_one(model: str, method: str, precision: str, args, dl: Deadline | None = None,
+                  label: str = "") -> dict:
+    """One method's Pallas update on ``model``'s shapes, stage by stage (module docstring):
+    the stages first (what the breakdown is for), then the whole step and optax.adamw's,
+    then the inner update as one jit and the staged result against it, each of the last
+    two only while ``dl`` leaves time (each compiles the whole update)."""
     shapes = MODELS[model]()
     params = device_params(shapes, 0, 0.02)
     grads = device_params(shapes, 7, 1e-3)
@@ -1073,22 +1081,28 @@ def breakdown_one(model: str, method: str, precision: str, args) -> dict:
             times.append((time.perf_counter() - t0) * 1e3)
         return res, statistics.median(times), entry_launches(compiled.as_text())
 
-    _, out["step_ms"], out["step_launches"] = timed(_step_body(tx, method), params, state,
-                                                    grads, loss)
-    whole, out["inner_ms"], out["inner_launches"] = timed(
-        inner_method.update, params, grads, loss, state.iteration, state.inner)
-    timer = StageTimer(args.reps)
+    def room(seconds: float) -> bool:
+        return dl is None or dl.left() > seconds
+
+    timer = StageTimer(args.reps, label)
     inner_method.stage = timer
     try:
         staged = inner_method.update(params, grads, loss, state.iteration, state.inner)
     finally:
         inner_method.stage = None
     out["stages"] = timer.rows
-    out["staged_vs_one_jit"] = {"step_max_rel": _tree_rel(staged[0], whole[0]),
-                                "state_max_rel": _tree_rel(staged[1], whole[1])}
-    _, out["adamw_ms"], out["adamw_launches"] = timed(
-        _step_body(optax.adamw(1e-3), "adamw"), params, optax.adamw(1e-3).init(params), grads,
-        loss)
+    if room(20):
+        _, out["adamw_ms"], out["adamw_launches"] = timed(
+            _step_body(optax.adamw(1e-3), "adamw"), params, optax.adamw(1e-3).init(params),
+            grads, loss)
+    if room(40):
+        _, out["step_ms"], out["step_launches"] = timed(_step_body(tx, method), params,
+                                                        state, grads, loss)
+    if room(40):
+        whole, out["inner_ms"], out["inner_launches"] = timed(
+            inner_method.update, params, grads, loss, state.iteration, state.inner)
+        out["staged_vs_one_jit"] = {"step_max_rel": _tree_rel(staged[0], whole[0]),
+                                    "state_max_rel": _tree_rel(staged[1], whole[1])}
     return out
 
 
@@ -1109,16 +1123,20 @@ def breakdown_table(label: str, res: dict) -> None:
               f"{a['bytes'] / max(a['ms'], 1e-9) / 1e6:8.1f} {a['launches']:6d}")
     total = sum(r["ms"] for r in rows)
     print(f"  {'sum of stages':30s}{total:10.3f}   launches {sum(r['launches'] for r in rows)}")
-    print(f"  {'inner update, one jit':30s}{res['inner_ms']:10.3f}   launches "
-          f"{res['inner_launches']}")
-    print(f"  {'whole step (update+apply)':30s}{res['step_ms']:10.3f}   launches "
-          f"{res['step_launches']}   ({res['step_ms'] / res['adamw_ms']:.2f}x optax.adamw "
-          f"{res['adamw_ms']:.3f} ms, {res['adamw_launches']} launches)")
+    if "inner_ms" in res:
+        print(f"  {'inner update, one jit':30s}{res['inner_ms']:10.3f}   launches "
+              f"{res['inner_launches']}")
+    if "step_ms" in res and "adamw_ms" in res:
+        print(f"  {'whole step (update+apply)':30s}{res['step_ms']:10.3f}   launches "
+              f"{res['step_launches']}   ({res['step_ms'] / res['adamw_ms']:.2f}x optax.adamw "
+              f"{res['adamw_ms']:.3f} ms, {res['adamw_launches']} launches)")
     top = sorted(rows, key=lambda r: -r["ms"])[:8]
     print("  slowest stages: " + "; ".join(f"{r['stage']}@{r['group']} {r['ms']:.3f} ms "
                                           f"{r['gb_s']:.0f} GB/s" for r in top))
-    c = res["staged_vs_one_jit"]
-    print(f"  staged vs one jit: step {c['step_max_rel']:.1e}, state {c['state_max_rel']:.1e}")
+    if "staged_vs_one_jit" in res:
+        c = res["staged_vs_one_jit"]
+        print(f"  staged vs one jit: step {c['step_max_rel']:.1e}, state "
+              f"{c['state_max_rel']:.1e}")
     for k in res["kernels"]:
         print(f"  pallas_call {k['kernel']:11s} x{k['calls']:3d} ({k['compiled']} compiled)  "
               f"grid {k['grid']:9d}  Triton IR {k['ir_bytes'] / 1e3:7.1f} kB")
@@ -1136,12 +1154,12 @@ def breakdown(report: dict, args, dl: Deadline) -> None:
             note(report, f"breakdown {label} skipped (deadline)")
             continue
         try:
-            res = breakdown_one(model, method, precision, args)
+            res = breakdown_one(model, method, precision, args, dl, label)
         except Exception as e:  # noqa: BLE001
             note(report, f"breakdown {label} failed: {err(e)}")
             traceback.print_exc(limit=4)
             continue
-        if why_torch is None and precision == "exact":
+        if why_torch is None and precision == "exact" and dl.left() > 20:
             try:
                 res["torch"] = torch_kernels(method, MODELS[model]())
             except Exception as e:  # noqa: BLE001

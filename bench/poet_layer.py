@@ -3,7 +3,7 @@
     python bench/poet_layer.py [--out RESULTS.json] [--dtype bf16|fp32] [--check] [--tiny]
                                [--rounds N] [--shapes 4096x4096] [--blocks 256,512]
                                [--cnp fused,bmm] [--direct off,on]
-                               [--fused-tiles 128x32x8,64x32x4]
+                               [--fused-tiles 128x32x8,64x32x4] [--graphs off,on]
 
 At LLaMA-8B-like shapes (4096×4096 and 4096→14336, block sizes 256 and 512, 4096 tokens)
 it times, in one run: ``nn.Linear`` (the weight trained, as in AdamW pre-training), xopt's
@@ -22,7 +22,12 @@ Each row also gives its device-kernel launches per forward+backward, counted on 
 and the run ends with a summary of the fast layers: eager back to back ("piped") and
 graph time, each against nn.Linear's, the launches and the host's time per call (the
 piped loop's wall time before its sync). ``--direct off,on`` times the triton rows with
-and without :mod:`xopt.kernels.poet_jit`'s direct launches.
+and without :mod:`xopt.kernels.poet_jit`'s direct launches. ``--graphs off,on`` adds, for
+each triton row, the layer with ``cuda_graphs=True`` (its eager calls replayed from CUDA
+graphs, :mod:`xopt.torch.poet_graphs`): its eager and piped columns are the graphed eager
+calls (its graph column captures the whole call, in which the layer runs its eager path),
+"held MiB" the memory its graphs and buffers keep between calls; its launches exclude
+the two graph replays per forward+backward (printed with its capture counts).
 
 ``--check`` first validates the kernels on the device against their PyTorch references
 (float32) and runs the parity harness on the bundled POET traces with ``impl="triton"``.
@@ -58,10 +63,13 @@ def _sync(dev):
 
 def measure(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int, warmup: int,
             count: bool = True):
-    """``(ms, peak MiB, piped ms, graph ms, launches, host us)`` of ``layer``'s
+    """``(ms, peak MiB, piped ms, graph ms, launches, host us, held MiB)`` of ``layer``'s
     forward+backward; host us: the host's time per call in the piped loop (the loop's wall
-    time before its one sync; the launch queue does not fill in ``iters`` calls)."""
+    time before its one sync; the launch queue does not fill in ``iters`` calls); held
+    MiB: what the layer's warm-up left allocated (a graphed layer's graphs and buffers)."""
     dev = x.device
+    held0 = torch.cuda.memory_allocated() if dev.type == "cuda" else None
+    held = None
 
     def once():
         if x.grad is not None:
@@ -73,6 +81,11 @@ def measure(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int, warm
     for _ in range(warmup):
         once()
     _sync(dev)
+    if held0 is not None:  # what the layer keeps between calls (graphs, their buffers)
+        for p in layer.parameters():
+            p.grad = None
+        x.grad = None
+        held = (torch.cuda.memory_allocated() - held0) / 2**20
     times = []
     for _ in range(iters):
         if dev.type == "cuda":
@@ -114,7 +127,7 @@ def measure(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, iters: int, warm
     if count:
         c = count_launches(once)
         launches = (c.launches, c.direct)
-    return statistics.median(times), peak, pipelined, graph, launches, host_us
+    return statistics.median(times), peak, pipelined, graph, launches, host_us, held
 
 
 def _grad_reset(layer: nn.Module, x: torch.Tensor):
@@ -431,6 +444,8 @@ def main(argv=None) -> int:
                     help="tiles of the fused CNP kernels for bf16/fp16 blocks, comma-separated "
                          "BMxBKxWARPS (e.g. 128x32x8,64x32x4): a row per choice for the "
                          "cnp=fused rows (default: poet_cayley.FUSED_TILES)")
+    ap.add_argument("--graphs", default="off",
+                    help="triton rows without/with cuda_graphs=True, comma-separated off/on")
     ap.add_argument("--cnp", default="",
                     help="CNP backends for the triton rows, comma-separated (default: "
                          "xopt.kernels.poet_cayley.BACKEND alone)")
@@ -478,18 +493,21 @@ def main(argv=None) -> int:
     directs = [d == "on" for d in args.direct.split(",")] if args.direct else [poet_jit.ENABLED]
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.fused_tiles.split(",")
              ] if args.fused_tiles else [None]
-    variants = [(impl, cnp, direct, tile) for impl in impls
+    graphs = [v == "on" for v in args.graphs.split(",")]
+    variants = [(impl, cnp, direct, tile, graph) for impl in impls
                 for cnp in (cnps if impl == "triton" else [None])
                 for direct in (directs if impl == "triton" else [None])
-                for tile in (tiles if cnp == "fused" else [None])]
+                for tile in (tiles if cnp == "fused" else [None])
+                for graph in (graphs if impl == "triton" else [False])]
     has_orig = importlib.util.find_spec("poet_torch") is not None
     if not has_orig:
         print("note: the authors' poet_torch is not importable here; its rows are skipped")
     result["authors_importable"] = has_orig
-    lw = 28 + 8 * (len(cnps) > 1) + 13 * (len(directs) > 1) + 9 * (len(tiles) > 1)
+    lw = (28 + 8 * (len(cnps) > 1) + 13 * (len(directs) > 1) + 9 * (len(tiles) > 1)
+          + 8 * any(graphs))
     header = (f"{'layer':{lw}s} {'in':>5s} {'out':>5s} {'b':>4s} | {'eager ms':>8s} "
               f"{'x Lin':>5s} | {'piped ms':>8s} {'x Lin':>5s} | {'graph ms':>8s} {'x Lin':>5s} | "
-              f"{'peak MiB':>8s} | {'launches':>8s} | {'host us':>7s}")
+              f"{'peak MiB':>8s} | {'launches':>8s} | {'host us':>7s} | {'held MiB':>8s}")
     print("eager: one call, synchronized (host launch time included); piped: calls back to "
           "back, one sync; graph: one CUDA-graph replay per call (GPU time alone); host us: "
           "the host's time per piped call")
@@ -508,15 +526,17 @@ def main(argv=None) -> int:
         rows = [("nn.Linear", None, ref)]
         del lin
         for b in blocks:
-            for impl, cnp, direct, tile in variants:
+            for impl, cnp, direct, tile, graph in variants:
                 tag = impl if cnp is None or len(cnps) == 1 else f"{impl}, cnp={cnp}"
+                if graph:
+                    tag += ", graphs"
                 if direct is not None and len(directs) > 1:
                     tag += f", direct={'on' if direct else 'off'}"
                 if tile is not None:
                     tag += f", {'x'.join(map(str, tile))}"
                 for var in ("fast", "mem"):
                     layer = POETLinear(n_in, n_out, b, variant=var, impl=impl, device=dev,
-                                       dtype=dtype)
+                                       dtype=dtype, cuda_graphs=graph)
                     with torch.no_grad():
                         layer.oft_R.normal_(0, 1e-3)
                     default, default_direct = K.BACKEND, poet_jit.ENABLED
@@ -527,6 +547,11 @@ def main(argv=None) -> int:
                         K.FUSED_TILES["lowp"] = tile
                     try:
                         res = measure(layer, x, g, args.iters, args.warmup)
+                        if graph:
+                            from xopt.torch import poet_graphs
+
+                            print(f"xopt {var} ({tag}) b={b}: {poet_graphs.stats(layer)}")
+                            poet_graphs.clear(layer)
                     except Exception as e:  # keep the other rows
                         print(f"xopt {var} ({tag}) b={b}: {e!r}")
                         continue
@@ -546,19 +571,20 @@ def main(argv=None) -> int:
                         del orig
                 except Exception as e:  # keep the other rows
                     print(f"authors POET-X {'mem' if mem else 'fast'} b={b}: {e!r}"[:400])
-        for label, b, (t, m, pl, gr, nl, hu) in rows:
+        for label, b, (t, m, pl, gr, nl, hu, held) in rows:
             print(f"{label:{lw}s} {n_in:5d} {n_out:5d} {b or '-':>4} | {fmt(t, ref[0])} | "
                   f"{fmt(pl, ref[2])} | {fmt(gr, ref[3])} | "
                   f"{m if m is not None else float('nan'):8.1f} | "
                   f"{_launches_text(nl):>8} | "
-                  f"{f'{hu:7.0f}' if hu is not None else 'n/a':>7}", flush=True)
+                  f"{f'{hu:7.0f}' if hu is not None else 'n/a':>7} | "
+                  f"{f'{held:8.1f}' if held is not None else '':>8}", flush=True)
             result["rows"].append({
                 "layer": label, "in": n_in, "out": n_out, "block_size": b, "ms": t,
                 "ratio_to_linear": t / ref[0], "peak_mib": m, "pipelined_ms": pl,
                 "pipelined_ratio": pl / ref[2] if pl is not None else None, "graph_ms": gr,
                 "graph_ratio": gr / ref[3] if gr is not None and ref[3] else None,
                 "launches": nl[0] if nl else None, "direct_launches": nl[1] if nl else None,
-                "host_us": hu})
+                "host_us": hu, "held_mib": held})
         if args.rounds and dev.type == "cuda":
             result.setdefault("side_by_side", []).extend(
                 rounds_table(n_in, n_out, blocks, x, g, args.rounds, args.iters, dtype, dev))

@@ -174,9 +174,13 @@ def _adamw8bit(model: nn.Module, steps: int) -> Any:
     return bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
 
 
-#: baselines run only when named in ``--methods`` (their packages are not dependencies)
+#: run only when named in ``--methods``: baselines whose packages are not dependencies, and
+#: variants of the methods above
 OPTIONAL: dict[str, Callable[[nn.Module, int], Any]] = {
     "bitsandbytes AdamW8bit": _adamw8bit,
+    # POET-X's layers with their eager calls replayed from CUDA graphs (xopt.torch.poet_graphs)
+    "POET-X fast graphs": _poet("fast", cuda_graphs=True),
+    "POET-X mem graphs": _poet("mem", cuda_graphs=True),
 }
 
 

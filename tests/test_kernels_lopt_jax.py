@@ -210,11 +210,11 @@ def test_pallas_kernels_lower_to_triton_for_cuda(monkeypatch, method, precision,
     in_kernels = [s for s in SHAPES if _lopt_pallas.two_d_view(s) is not None]
     groups = set(in_kernels)
     assert groups == {(7, 3), (3, 9), (6, 6), (40, 36), (1, 5, 8)}
-    # a statistics and a fused call per tensor (VeLO: and the LSTM inputs' second pass),
+    # a statistics and a fused call per tensor (VeLO's LSTM inputs from its statistics),
     # reading and writing its own arrays; the calls of a group are one kernel (the tensor's
     # index is an input), which XLA compiles once (its kernel cache is keyed by the call's
     # backend config, the kernel's IR)
-    per = 2 if method == "small_fc_lopt" else 3
+    per = 2
     text = low.as_text()
     assert text.count("__gpu$xla.gpu.triton") == per * len(in_kernels)
     kernels = set(re.findall(r'ir = "((?:[^"\\]|\\.)*)"', text))
@@ -382,7 +382,7 @@ def test_pallas_boundary_blocks_are_masked(method, velo_theta):
     closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p, value=jnp.float32(1.0)))(
         params, tx.init(params), params)
     n_calls = str(closed).count("pallas_call[")
-    # statistics and fused pass of each tensor (VeLO: and the LSTM inputs' second pass)
-    assert n_calls == (6 if method == "small_fc_lopt" else 9), n_calls
+    # statistics and fused pass of each tensor
+    assert n_calls == 6, n_calls
     assert _unmasked_boundary_accesses(closed) == []
     assert _lopt_pallas.BR == 2 and _lopt_pallas.BC == 64  # (what makes the shapes ragged)

@@ -35,30 +35,78 @@ def _bits(x, dtype):
 
 def _cases(dtype):
     """(seeds, shape, counter): one value; a counter whose low word carries into the high
-    word inside the draw; an odd size ending inside a program's third tile (2·256 numbers
-    each) with the high word already set; an empty draw; the stream's last blocks."""
-    import xopt.random as R
-
-    last = (7,)
-    return [(SEEDS, (), 0), (SEEDS, (3, 5), 2**32 - 3),
-            (SEEDS[1:2], (2 * 512 + 3,), (5 << 32) + 2**32 - 300), (SEEDS, (2, 0), 9),
-            (SEEDS[::2], last, 2**64 - R.blocks_used(last, dtype))]
-
-
-@needs_kernel
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_draws_are_the_torch_backends_bits(dtype):
+    word inside the draw; an odd size ending inside a program's third tile with the high
+    word already set; an empty draw; the stream's last blocks."""
     import xopt.random as R
     from xopt.kernels import normal
 
-    assert normal._PAIRS == 256  # the tile the cases cut short
-    for seeds, shape, counter in _cases(dtype):
+    last = (7,)
+    return [(SEEDS, (), 0), (SEEDS, (3, 5), 2**32 - 3),
+            (SEEDS[1:2], (2 * 2 * normal._PAIRS + 3,), (5 << 32) + 2**32 - 300),
+            (SEEDS, (2, 0), 9), (SEEDS[::2], last, 2**64 - R.blocks_used(last, dtype))]
+
+
+def _check_draws(dtype, cases):
+    import xopt.random as R
+    from xopt.kernels import normal
+
+    for seeds, shape, counter in cases:
         got = normal.normal_many(seeds, shape, counter=counter, dtype=dtype, device=DEVICE)
         ref = R.normal_many(seeds, shape, counter=counter, dtype=dtype, backend="torch",
                             device=DEVICE)
         assert got.shape == ref.shape == (len(seeds), *shape)
         assert got.dtype == ref.dtype == getattr(torch, dtype) and got.device == ref.device
         assert torch.equal(_bits(got, dtype), _bits(ref, dtype)), (shape, counter)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_draws_are_the_torch_backends_bits(dtype):
+    _check_draws(dtype, _cases(dtype))
+
+
+@needs_kernel
+def test_rows_over_launches_and_wide_offsets(monkeypatch):
+    """Seeds beyond a launch's rows go to the next launch, from their own row; the 64-bit
+    offsets of rows of 2**31 numbers or more (here forced on a small draw) give the same
+    bits."""
+    from xopt.kernels import normal
+
+    launches = _Launches(normal._normal_kernel)
+    monkeypatch.setattr(normal, "_normal_kernel", launches)
+    monkeypatch.setattr(normal, "_GRID_Y", 2)
+    monkeypatch.setattr(normal, "_WIDE_FROM", 0)
+    seeds = [2**64 - 1 - 7 * i for i in range(5)]
+    _check_draws("float32", [(seeds, (3, 2 * normal._PAIRS + 1), 2**32 - 100)])
+    assert launches.count == 3
+
+
+def test_reference_division_and_root_are_ieee():
+    """The premise of the kernel's div_rn and sqrt_rn: xopt.random's integer long division
+    and digit-by-digit root are IEEE's correctly rounded results (NumPy's, one IEEE
+    operation each) on the draws' own operands, ``f / (f + 2)`` in log and the root of
+    ``|-2 log u1|``, over a strided sample of every ``u1`` a draw can give (and its ends)."""
+    import numpy as np
+
+    import xopt.random as R
+
+    for dtype, bits in (("float32", 24), ("float64", 53)):
+        fmt, ops = R._FORMATS[dtype], R._NumpyOps
+        ftype = fmt.np_dtype.type
+        j = np.concatenate([np.arange(0, 2**bits, 2**bits // 2**14 + 1, dtype=np.uint64),
+                            np.arange(2**10, dtype=np.uint64),
+                            2**bits - 1 - np.arange(2**10, dtype=np.uint64)])
+        u1 = ftype(1.0) - j.astype(fmt.np_dtype) * ftype(2.0**-bits)  # exact
+        i = u1.view(fmt.np_uint)
+        m = ((i & fmt.mant_mask) | fmt.one_bits).view(fmt.np_dtype)  # log's own steps
+        f = np.where(m > ftype(fmt.sqrt2), m * ftype(0.5), m) - ftype(1.0)
+        quotient = R._div(ops, f, f + ftype(2.0), fmt)
+        assert np.array_equal(quotient.view(fmt.np_uint), (f / (f + ftype(2.0))).view(fmt.np_uint))
+        x = np.abs(R._log(ops, u1, fmt) * ftype(-2.0))
+        assert np.array_equal(R._sqrt(ops, x, fmt).view(fmt.np_uint), np.sqrt(x).view(fmt.np_uint))
+        tiny = np.finfo(fmt.np_dtype).tiny  # normal operands and results: no subnormal to flush
+        for v in (f, quotient, x):
+            assert np.all((v == 0) | (np.abs(v) >= tiny))
 
 
 @needs_kernel
@@ -85,7 +133,7 @@ def test_bad_arguments_are_named_and_launch_nothing(monkeypatch):
            (dict(seeds=3), "seeds must be a sequence"), (dict(shape=(2, -1)), "shape"),
            (dict(dtype="bfloat16"), "dtype"), (dict(counter=-1), "counter"),
            (dict(counter=2**64 - 1), "runs past 2\\*\\*64"),
-           (dict(seeds=range(512), shape=(2**31,)), "too large for one launch")]
+           (dict(shape=(2**33 + 1,)), "too large for one draw")]
     for change, match in bad:
         kw = dict(seeds=[1, 2], shape=(3,), counter=0, dtype="float32") | change
         with pytest.raises(ValueError, match=match):
@@ -96,7 +144,7 @@ if has_torch and importlib.util.find_spec("triton") is not None:
     import triton
     import triton.language as tl
 
-    from xopt.kernels.normal import _cos_sin_turns, _log, _sqrt
+    from xopt.kernels.normal import _cos_sin_turns, _log, _sqrt_rn
 
     @triton.jit
     def _steps(u1_ptr, u2_ptr, out_ptr, n, F64: tl.constexpr, MB: tl.constexpr,
@@ -112,7 +160,7 @@ if has_torch and importlib.util.find_spec("triton") is not None:
         u1 = tl.load(u1_ptr + i, mask=mask, other=1.0)
         u2 = tl.load(u2_ptr + i, mask=mask, other=0.0)
         lg = _log(u1, FT, UT, MB, BIAS, SQRT2, LN2_HI, LN2_LO, LOG_C)
-        r = _sqrt(tl.abs(lg * -2.0), FT, UT, MB, BIAS)
+        r = _sqrt_rn(tl.abs(lg * -2.0))
         cos, sin = _cos_sin_turns(u2, SIN_HI, SIN_LO, SIN_C, COS_C)
         tl.store(out_ptr + i, lg, mask=mask)
         tl.store(out_ptr + n + i, r, mask=mask)
@@ -244,46 +292,80 @@ def test_flora_trajectory_is_the_torch_draws(dtype, monkeypatch):
 
 
 _SASS = r"""
-import json, re, struct, subprocess, sys
+import collections, json, re, struct, subprocess, sys
 from pathlib import Path
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from xopt.kernels import NO_FP_FUSION, normal
 
+
+@triton.jit
+def rn_only(x_ptr, out_ptr, PAIRS: tl.constexpr):
+    # the kernel's correctly rounded division and root alone, laid out as its pairs
+    i = tl.arange(0, PAIRS)
+    x = tl.load(x_ptr + i)
+    tl.store(out_ptr + i, normal._div_rn(x, tl.load(x_ptr + PAIRS + i)))
+    tl.store(out_ptr + PAIRS + i, normal._sqrt_rn(x))
+
+
 nvidia = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-out = {}
-for dtype, ptr in (("float32", "*fp32"), ("float64", "*fp64")):
-    consts = dict(normal._constants(dtype), PAIRS=normal._PAIRS)
-    sig = {"words_ptr": "*i64", "out_ptr": ptr, "n": "i32", "tiles": "i32"}
-    sig.update({k: "constexpr" for k in consts})
-    compiled = triton.compile(ASTSource(fn=normal._normal_kernel, signature=sig,
-                                        constexprs=consts),
+LINE = re.compile(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_.]+)", re.M)
+
+
+def build(fn, sig, consts, name):
+    sig = dict(sig, **{k: "constexpr" for k in consts})
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": normal._WARPS, **NO_FP_FUSION})
-    cubin = Path(sys.argv[1], dtype + ".cubin")
+    cubin = Path(sys.argv[1], name + ".cubin")
     cubin.write_bytes(compiled.asm["cubin"])
     sass = subprocess.run([str(nvidia / "cuobjdump"), "-sass", str(cubin)],
                           capture_output=True, text=True, check=True).stdout
-    ops = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_.]+)", sass, re.M)
-    ptx = compiled.asm["ptx"]
+    return compiled.asm["ptx"], LINE.findall(sass)
+
+
+out = {}
+for dtype, ptr in (("float32", "*fp32"), ("float64", "*fp64")):
+    consts = dict(normal._constants(dtype), PAIRS=normal._PAIRS, WIDE=False)
+    ptx, ops = build(normal._normal_kernel,
+                     {"words_ptr": "*i64", "out_ptr": ptr, "n": "i32", "row0": "i32"},
+                     consts, dtype)
+    _, rn_ops = build(rn_only, {"x_ptr": ptr, "out_ptr": ptr}, {"PAIRS": normal._PAIRS},
+                      dtype + "_rn")
     fmt, tag = (">f", "0f") if dtype == "float32" else (">d", "0d")
     values = [consts[k] for k in ("SQRT2", "LN2_HI", "LN2_LO", "SIN_HI", "SIN_LO")]
     values += [*consts["LOG_C"], *consts["SIN_C"], *consts["COS_C"]]
     missing = [v for v in values  # each as its exact bits (or its negation's: a - z*c)
                if not any(tag + struct.pack(fmt, w).hex().upper() in ptx for w in (v, -v))]
-    out[dtype] = {"sass": sorted(set(ops)), "ptx": ptx, "missing": missing}
+    out[dtype] = {"sass": sorted(set(ops)), "ptx": ptx, "missing": missing,
+                  "counts": collections.Counter(ops), "rn_counts": collections.Counter(rn_ops),
+                  "per_thread": normal._PAIRS // (32 * normal._WARPS)}
 print(json.dumps(out))
 """
+
+#: machine-code instructions that only ptxas's correctly rounded division and root may hold:
+#: their Newton steps are fused multiply-adds from hardware approximations (MUFU), corrected
+#: to IEEE's result (PTX guarantees div.rn/sqrt.rn are), and their fast paths flush to zero
+_DIV_SQRT_OWN = ("FFMA", "DFMA", "MUFU")
+
+
+def _own(counts):
+    return {op: k for op, k in counts.items()
+            if op.split(".")[0] in _DIV_SQRT_OWN or (".FTZ" in op and not op.startswith("FRND"))}
 
 
 def test_compiled_kernel_has_no_contraction_or_approximation(tmp_path):
     """The kernel compiled for an H100/H200 (sm_90) without a GPU, as a launch compiles it
-    (NO_FP_FUSION): its machine code has no fused multiply-add (FFMA, DFMA) and no
-    approximate float instruction (the only MUFU is the reciprocal of the integer
-    division that finds a program's row); the PTX asks for round-to-nearest products and
-    sums, has no float division, root, log or trigonometry, and holds every constant of
-    xopt.random's format tables at its exact bits."""
+    (NO_FP_FUSION). Its PTX asks for round-to-nearest products and sums (which ptxas never
+    contracts), one ``div.rn`` and one ``sqrt.rn`` per pair (correctly rounded by PTX's
+    definition) and no other float division, root, reciprocal, log, trigonometry or fused
+    multiply-add, approximate or not, and holds every constant of xopt.random's format
+    tables at its exact bits. Its machine code has exactly the fused multiply-adds, MUFU
+    approximations and flush-to-zero instructions of those divisions and roots compiled
+    alone (so none of the kernel's own products and sums was fused), and the words' shifts
+    and comparisons are unsigned."""
     triton = pytest.importorskip("triton")
     from pathlib import Path
 
@@ -293,23 +375,38 @@ def test_compiled_kernel_has_no_contraction_or_approximation(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    run = subprocess.run([sys.executable, "-c", _SASS, str(tmp_path)], capture_output=True,
+    script = tmp_path / "compile_normal.py"  # a file: triton.jit reads its source
+    script.write_text(_SASS)
+    run = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
                          text=True, env=env, cwd=REPO, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     for dtype, got in json.loads(run.stdout.splitlines()[-1]).items():
-        sass, ptx = got["sass"], got["ptx"]
-        assert not [op for op in sass if op.split(".")[0] in ("FFMA", "DFMA", "HFMA2")], dtype
-        mufu = {op for op in sass if op.startswith("MUFU")}
-        assert mufu <= {"MUFU.RCP"}, (dtype, sass)  # ... the integer division's reciprocal:
-        assert not mufu or re.search(r"\bdiv\.[su]32\b", ptx), dtype  # (no float one below)
-        # the words' shifts and comparisons unsigned, as the interpreter's uint32 arithmetic
-        assert not re.search(r"\b(shr\.s32|shr\.s64|setp\.[a-z]+\.s32)\b", ptx), dtype
-        float_ops = {line.split()[0] for line in ptx.splitlines()
-                     if line.strip() and (".f32" in line or ".f64" in line)}
+        ptx, width = got["ptx"], dtype[-2:]
+        assert _own(got["counts"]) == _own(got["rn_counts"]), dtype
+        assert _own(got["counts"]), dtype  # (the comparison has something to compare)
+        # no half-precision FMA (HFMA2.MMA with zero operands is ptxas's way to move a constant)
+        assert not [op for op in got["counts"] if op.startswith("HFMA2") and op != "HFMA2.MMA"]
+        # the words' shifts and comparisons unsigned, as the interpreter's uint32 arithmetic:
+        # the only signed comparisons are the stores' bounds (int32 offsets), one per store
+        assert not re.search(r"\bshr\.s(32|64)\b", ptx), dtype
+        signed = re.findall(r"setp\.[a-z]+\.s32\s+(%p\d+),", ptx)
+        assert sorted(signed) == sorted(re.findall(r"@(%p\d+)\s+st\.global", ptx)), dtype
+        float_ops = [line.split()[0] for line in ptx.splitlines()
+                     if line.strip() and (".f32" in line or ".f64" in line)]
+        # flush-to-zero (as some Triton versions lower floor, div_rn or sqrt_rn) only where
+        # no operand or result is subnormal: floor's 4·u2 (0 or >= 2**-22), the division's
+        # and root's (test_reference_division_and_root_are_ieee)
+        flushing = {op.split(".")[0] for op in float_ops if ".ftz" in op}
+        assert flushing <= {"cvt", "div", "sqrt"}, (dtype, flushing)
+        float_ops = [op.replace(".ftz", "") for op in float_ops]
         allowed = ("add.rn.", "sub.rn.", "mul.rn.", "neg.", "abs.", "setp.", "selp.",
-                   "mov.", "cvt.rn.f32.", "cvt.rn.f64.", "cvt.rmi.", "ld.", "st.")
-        assert all(op.startswith(allowed) for op in float_ops), (dtype, float_ops)
+                   "mov.", "cvt.rn.f32.", "cvt.rn.f64.", "cvt.rmi.", "ld.", "st.",
+                   f"div.rn.f{width}", f"sqrt.rn.f{width}")
+        assert all(op.startswith(allowed) for op in float_ops), (dtype, set(float_ops))
         assert any(op.startswith("mul.rn.") for op in float_ops)
+        per_pair = got["per_thread"]  # the reference's one division (in log) and one root
+        assert float_ops.count(f"div.rn.f{width}") == per_pair, dtype
+        assert float_ops.count(f"sqrt.rn.f{width}") == per_pair, dtype
         assert got["missing"] == [], dtype  # constants not rounded through another format
 
 

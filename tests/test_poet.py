@@ -706,11 +706,11 @@ def test_fused_step_kernel_matches_the_foreach_update(decay):
 
     torch.manual_seed(3)
     for pdt, steps in ((torch.float32, 2), (torch.bfloat16, 1)):
-        p0 = torch.randn(3000).to(pdt)
-        ref = [p0.clone(), torch.zeros(3000), torch.zeros(3000)]
-        got = [p0.clone(), torch.zeros(3000), torch.zeros(3000)]
+        p0 = torch.randn(3000).to(DEV, pdt)
+        ref = [p0.clone(), torch.zeros(3000, device=DEV), torch.zeros(3000, device=DEV)]
+        got = [p0.clone(), torch.zeros(3000, device=DEV), torch.zeros(3000, device=DEV)]
         for k in range(1, steps + 1):
-            g = torch.randn(3000).to(pdt)
+            g = torch.randn(3000).to(DEV, pdt)
             step = 1e-2 * math.sqrt(1 - 0.999 ** k) / (1 - 0.9 ** k)
             _foreach_update([ref[0]], [g], [ref[1]], [ref[2]], 0.9, 0.999, 1e-3, step, decay,
                             pdt != torch.float32)
@@ -726,3 +726,30 @@ def test_fused_step_kernel_matches_the_foreach_update(decay):
             r = ref[0].float()
             ulp = torch.exp2(torch.floor(torch.log2(r.abs())) - 7)
             assert ((got[0].float() - r).abs() <= ulp).all()
+
+
+@needs_triton
+def test_fused_step_of_many_parameters_is_one_update_each():
+    """poet_adam.adam_update_many (one launch for a list of parameters, their addresses in a
+    table on the device) gives the bits of one adam_update per parameter: sizes that do and
+    do not fill the last tile, an empty one, bf16 and float32 parameters; the table made
+    once is reused while the addresses stay, and made afresh when one moves."""
+    from xopt.kernels import poet_adam
+
+    torch.manual_seed(4)
+    for pdt, decay in ((torch.float32, None), (torch.bfloat16, -0.01)):
+        sizes = (3000, 1024, 0, 17)
+        ref = [[torch.randn(n, device=DEV).to(pdt), torch.rand(n, device=DEV),
+                torch.rand(n, device=DEV)] for n in sizes]
+        got = [[t.clone() for t in r] for r in ref]
+        for k in range(2):
+            gs = [torch.randn(n, device=DEV).to(pdt) for n in sizes]
+            for (p, m, v), g in zip(ref, gs, strict=True):
+                poet_adam.adam_update(p, g, m, v, 0.9, 0.999, 1e-3, 1e-2 * (k + 1), decay)
+            poet_adam.adam_update_many([r[0] for r in got], gs, [r[1] for r in got],
+                                       [r[2] for r in got], 0.9, 0.999, 1e-3, 1e-2 * (k + 1),
+                                       decay)
+            for r, u in zip(ref, got, strict=True):
+                for a, b in zip(r, u, strict=True):
+                    assert torch.equal(a, b)
+    assert len(poet_adam._TABLES) >= 3  # (each step's fresh gradients moved the table)

@@ -51,10 +51,10 @@ columns and walks it in NSUB sub-tiles of BR rows (a loop, not unrolled); what d
 only on its columns or its tensor is loaded once per block. Grids are one-dimensional (a
 tensor's blocks one after another), so no grid axis meets CUDA's 65535 limit. VeLO's
 kernels (:class:`VeLOKernels`) follow the same stages with its 4-wide MLP as float32 FMAs,
-and take the LSTM's inputs from the statistics pass and a second pass
-(:func:`_velo_var_kernel`). Each stage
-(1-4) runs through a stage runner (``stage=``, :func:`run_stage` by default) so that
-bench/lopt_step_jax.py ``--breakdown`` can time them apart.
+and take the LSTM's inputs from the statistics pass (its momenta's variances by Welford's
+and Chan's updates, no second pass over the momenta). Each stage (1-4) runs through a
+stage runner (``stage=``, :func:`run_stage` by default) so that bench/lopt_step_jax.py
+``--breakdown`` can time them apart.
 
 Boundary blocks (a tensor's last rows or columns when RP or BC does not divide them): every
 load of a block that can reach past its array is masked with ``other=0`` and every such
@@ -255,15 +255,15 @@ def _col_base(n1: int, n2: int) -> jax.Array:
     return (pl.program_id(0) % _blocks(n1, n2)[1]) * BC
 
 
-def _row_mask(base: jax.Array, n1: int, s: jax.Array) -> jax.Array:
-    """Which of the BR rows of sub-tile ``s`` of the block from row ``base`` are inside the
-    tensor."""
-    return base + s * BR + jax.lax.broadcasted_iota(jnp.int32, (BR,), 0) < n1
+def _row_mask(base: jax.Array, n1: int, s: jax.Array, br: int = BR) -> jax.Array:
+    """Which of the ``br`` rows of sub-tile ``s`` of the block from row ``base`` are inside
+    the tensor."""
+    return base + s * br + jax.lax.broadcasted_iota(jnp.int32, (br,), 0) < n1
 
 
-def _rows(s: jax.Array) -> Any:
-    """The rows of sub-tile ``s`` in a program's block (a dynamic slice of BR)."""
-    return pl.ds(pl.multiple_of(s * BR, BR), BR)
+def _rows(s: jax.Array, br: int = BR) -> Any:
+    """The rows of sub-tile ``s`` in a program's block (a dynamic slice of ``br``)."""
+    return pl.ds(pl.multiple_of(s * br, br), br)
 
 
 def _accumulate(g, p, m_ref, r_ref, dec_ref, valid, rows):  # noqa: ANN001, ANN202
@@ -298,20 +298,23 @@ def _factors(f1_ref, at, col, r_ok, s, row_on_1):  # noqa: ANN001, ANN202
 class _Place:
     """Where a program is in the group's per-tensor arrays: its tensor's index ``l`` in the
     group (read from the kernel's ``idx`` input), the slice of its columns ``cols`` and
-    ``rows(s)``, the rows of its sub-tile ``s``, both in the tensor's coordinates."""
+    ``rows(s)``, the rows of its sub-tile ``s``, both in the tensor's coordinates; ``br``
+    the rows of a sub-tile (RP // br sub-tiles per block)."""
 
-    def __init__(self, idx_ref, n1: int, n2: int) -> None:  # noqa: ANN001
-        self.l = idx_ref[0]
+    def __init__(self, idx_ref, n1: int, n2: int, br: int = BR) -> None:  # noqa: ANN001
+        assert RP % br == 0
+        self.l, self.br = idx_ref[0], br
         self.base = _row_base(n1, n2)
         self.cols = pl.ds(pl.multiple_of(_col_base(n1, n2), BC), BC)
 
     def rows(self, s: jax.Array) -> Any:
-        return pl.ds(pl.multiple_of(self.base + s * BR, BR), BR)
+        return pl.ds(pl.multiple_of(self.base + s * self.br, self.br), self.br)
 
 
-def _sub_tiles(body: Any, init: Any) -> Any:
-    """``body(s, carry)`` over the program's NSUB sub-tiles (a loop, not unrolled)."""
-    return jax.lax.fori_loop(0, NSUB, body, init)
+def _sub_tiles(body: Any, init: Any, br: int = BR) -> Any:
+    """``body(s, carry)`` over the program's RP // ``br`` sub-tiles (a loop, not
+    unrolled)."""
+    return jax.lax.fori_loop(0, RP // br, body, init)
 
 
 def _elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
@@ -337,8 +340,8 @@ def _tile_reader(at, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, *, n1,
     col = _col_factors(f2_ref, at, c_ok)
 
     def read(s):  # noqa: ANN001, ANN202
-        rows = _rows(s)
-        r_ok = _row_mask(base, n1, s)
+        rows = _rows(s, at.br)
+        r_ok = _row_mask(base, n1, s, at.br)
         valid = r_ok[:, None] & c_ok[None, :]
         g = _load(g_ref.at[rows], valid)
         if clip is not None:
@@ -634,22 +637,6 @@ def _axis_terms(feats: Any, wn: Any) -> Any:
     return h
 
 
-def _var_call(shape: tuple[int, ...], mu: Any, m: list[Any], rms: list[Any]) -> Any:
-    """:func:`_velo_var_kernel` over a group, one call per tensor: ``[L · blocks, 8]``."""
-    n1, n2, _ = two_d_view(shape)
-    _, _, per, elem = _index_maps(n1, n2)
-    whole, blk, blk_m, group = _element_specs(elem)
-    call = pl.pallas_call(
-        functools.partial(_velo_var_kernel, n1=n1, n2=n2),
-        out_shape=jax.ShapeDtypeStruct((per, 8), jnp.float32), grid=(per,),
-        in_specs=[pl.BlockSpec((1,), whole), group, blk_m, blk],
-        out_specs=pl.BlockSpec((SQ, 8), lambda t: (t, 0)),
-        interpret=_on_cpu(), compiler_params=_compiler_params(), name="velo_var",
-    )
-    return jnp.concatenate([call(_index(i), mu, mm.reshape(n1, n2, 3), r.reshape(n1, n2))
-                            for i, (mm, r) in enumerate(zip(m, rms, strict=True))])
-
-
 def _stats_call(kernel: Any, width: int, name: str, shape: tuple[int, ...], pre: dict,
                 g: list[Any], p: list[Any], m: list[Any], rms: list[Any]) -> Any:
     """A statistics kernel over a group, one call per tensor: ``[L · blocks, width]``
@@ -681,6 +668,14 @@ VELO_COL = (18, 19, 20, 24, 25, 26)
 #: per-tensor scalars: the first layer's element rows times their normalizers (18 × 4), then
 #: the biases, hidden and output layers (offsets in :class:`VeLOKernels`), lr_mult, param_scale
 VELO_SCAL = 256
+#: the statistics kernel's per-block columns after the 18 channels' Σ feature² (VELO_ELEM):
+#: Σ p², Σ of the old m (3) and rms, their sums of squared deviations from the block's means
+#: (m (3), rms) and the block's element count
+VELO_P2, VELO_OLD, VELO_DEV, VELO_N = 18, slice(19, 23), slice(23, 27), 27
+#: rows of the VeLO fused kernel's sub-tile: 4 (two elements per thread, loaded as pairs)
+#: rather than BR's 2, since its registers allow it (sm_90: 72 per thread against 56, all
+#: 128-thread programs; small_fc_lopt's tensor-core MLP would spill at 4)
+VELO_FUSED_BR = 4
 
 
 def unsupported_velo(hp: Any) -> str | None:
@@ -704,59 +699,59 @@ def _velo_elem_features(g, p, ms, rms, r, factors):  # noqa: ANN001, ANN202
 
 def _velo_stats_kernel(idx_ref, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, o_ref, *,
                        n1, n2, row_on_1):  # noqa: ANN001
-    _, read = _tile_reader(_Place(idx_ref, n1, n2), dec_ref, g_ref, p_ref, m_ref, r_ref,
-                           f1_ref, f2_ref, n1=n1, n2=n2, row_on_1=row_on_1,
-                           features=_velo_elem_features, clip=1000.0)
+    """Per block: Σ feature² of the 18 channels (:data:`VELO_ELEM`), Σ p², Σ of the old
+    momenta and second moment, and for the LSTM's variances the old momenta's and second
+    moment's sums of squared deviations from the block's means (:data:`VELO_DEV`) and the
+    block's element count: each lane's by Welford's update over its sub-tiles (a lane's
+    elements inside the tensor are its first ones, so its count at sub-tile ``s`` is
+    ``s + 1``), the lanes' combined by Chan's (Σ of theirs plus each lane's count times its
+    mean's squared distance to the block's), so that the variances need no second pass over
+    the momenta (:meth:`VeLOKernels.lstm_inputs` combines the blocks the same way)."""
+    at = _Place(idx_ref, n1, n2)
+    c_ok, read = _tile_reader(at, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1,
+                              n2=n2, row_on_1=row_on_1, features=_velo_elem_features,
+                              clip=1000.0)
+    z = jnp.zeros((BR, BC), jnp.float32)
 
-    def sub_tile(s, acc):  # noqa: ANN001, ANN202
+    def sub_tile(s, carry):  # noqa: ANN001, ANN202
+        acc, mean, dev = carry
         _, _, valid, _, _, feats, p, old = read(s)
         # and the LSTM's first pass: Σ p², Σ of the old momenta and second moment (0 outside)
         sums = [jnp.where(valid, f * f, 0.0) for f in feats] + [p * p, *old]
-        return tuple(a + x for a, x in zip(acc, sums, strict=True))
+        inv = 1.0 / (s + 1).astype(jnp.float32)
+        mean_new, dev_new = [], []
+        for x, mu, q in zip(old, mean, dev, strict=True):
+            d = x - mu
+            mu = jnp.where(valid, mu + d * inv, mu)
+            mean_new.append(mu)
+            dev_new.append(q + jnp.where(valid, d * (x - mu), 0.0))
+        return (tuple(a + x for a, x in zip(acc, sums, strict=True)), tuple(mean_new),
+                tuple(dev_new))
 
-    acc = _sub_tiles(sub_tile, tuple(jnp.zeros((BR, BC), jnp.float32)
-                                     for _ in range(len(VELO_ELEM) + 5)))
+    acc, mean, dev = _sub_tiles(sub_tile, (tuple(z for _ in range(len(VELO_ELEM) + 5)),
+                                           (z,) * 4, (z,) * 4))
+    # each lane's count: its rows inside the tensor (of RP // BR), 0 in a column outside
+    lane = at.base + jax.lax.broadcasted_iota(jnp.int32, (BR, 1), 0)
+    rows_in = jnp.clip((jnp.maximum(n1 - lane, 0) + BR - 1) // BR, 0, RP // BR)
+    cnt = jnp.where(c_ok[None, :], rows_in.astype(jnp.float32), 0.0)
+    n_b = (jnp.clip(n1 - at.base, 0, RP) * jnp.clip(n2 - _col_base(n1, n2), 0, BC)).astype(
+        jnp.float32)
+    cols = [jnp.sum(a) for a in acc]
+    for k, (mu, q) in enumerate(zip(mean, dev, strict=True)):
+        mean_b = cols[VELO_OLD.start + k] / n_b
+        cols.append(jnp.sum(q + cnt * (mu - mean_b) * (mu - mean_b)))
+    cols.append(n_b)
     lanes = jax.lax.broadcasted_iota(jnp.int32, (32,), 0)
     out = jnp.zeros((32,), jnp.float32)
-    for k, a in enumerate(acc):
-        out = jnp.where(lanes == k, jnp.sum(a), out)
-    o_ref[...] = out
-
-
-def _velo_var_kernel(idx_ref, mu_ref, m_ref, r_ref, o_ref, *, n1, n2):  # noqa: ANN001
-    """The LSTM features' second pass over a block of one tensor: Σ (m_k − μ_k)² and
-    Σ (rms − μ_k)² over its elements (k < 3, ``μ`` the tensor's old momenta's means from
-    the first pass, :func:`_velo_stats_kernel`), the spec's two-pass variances
-    (:func:`xopt.specs.velo.lstm_features`) before its scaling by ``mean(p²)``."""
-    at = _Place(idx_ref, n1, n2)
-    c_ok = _col_mask(n1, n2)
-    mu = [mu_ref[at.l, k] for k in range(3)]
-
-    def sub_tile(s, acc):  # noqa: ANN001, ANN202
-        rows = _rows(s)
-        valid = _row_mask(at.base, n1, s)[:, None] & c_ok[None, :]
-        r = _load(r_ref.at[rows], valid)
-        out = []
-        for k in range(3):
-            d = _load(m_ref.at[rows, :, _i(k)], valid) - mu[k]
-            out.append(jnp.where(valid, d * d, 0.0))
-        for k in range(3):
-            d = r - mu[k]
-            out.append(jnp.where(valid, d * d, 0.0))
-        return tuple(a + x for a, x in zip(acc, out, strict=True))
-
-    acc = _sub_tiles(sub_tile, tuple(jnp.zeros((BR, BC), jnp.float32) for _ in range(6)))
-    lanes = jax.lax.broadcasted_iota(jnp.int32, (8,), 0)
-    out = jnp.zeros((8,), jnp.float32)
-    for k, a in enumerate(acc):
-        out = jnp.where(lanes == k, jnp.sum(a), out)
+    for k, a in enumerate(cols):
+        out = jnp.where(lanes == k, a, out)
     o_ref[...] = out
 
 
 def _velo_fused_kernel(idx_ref, dec_ref, sc_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref,
                        t1_ref, t2_ref, s_ref, mo_ref, ro_ref, *, n1, n2, row_on_1, width, nhid,
                        off, exp_mult, step_mult):  # noqa: ANN001
-    at = _Place(idx_ref, n1, n2)
+    at = _Place(idx_ref, n1, n2, VELO_FUSED_BR)
     c_ok, read = _tile_reader(at, dec_ref, g_ref, p_ref, m_ref, r_ref, f1_ref, f2_ref, n1=n1,
                               n2=n2, row_on_1=row_on_1, features=_velo_elem_features,
                               clip=1000.0)
@@ -803,7 +798,7 @@ def _velo_fused_kernel(idx_ref, dec_ref, sc_ref, g_ref, p_ref, m_ref, r_ref, f1_
         _store(ro_ref.at[rows], rms, valid)
         return carry
 
-    _sub_tiles(sub_tile, jnp.int32(0))
+    _sub_tiles(sub_tile, jnp.int32(0), at.br)
 
 
 class VeLOKernels:
@@ -883,22 +878,32 @@ class VeLOKernels:
     def lstm_inputs(self, shape: tuple[int, ...], part: Any, m: list[Any], rms: list[Any],
                     fraction: Any, loss_feats: Any) -> Any:
         """The group's LSTM inputs [L, 30], :func:`xopt.specs.velo.lstm_features` per tensor
-        from the statistics kernel's first pass (Σ p², Σ of the old m and rms) and
-        :func:`_velo_var_kernel`'s second (Σ of squared deviations from the means): the
-        spec's two-pass means and variances, the scaling by ``rsqrt(max(1e-9, mean p²))``
-        applied to the means and variances instead of to every element."""
+        from the statistics kernel's per-block sums (Σ p², Σ of the old m and rms, their
+        sums of squared deviations from each block's means, :func:`_velo_stats_kernel`):
+        the spec's means and variances (its two-pass variances as Chan's combination of the
+        blocks', as accurate), the scaling by ``rsqrt(max(1e-9, mean p²))`` applied to the
+        means and variances instead of to every element."""
         from xopt.specs import velo as vspec
 
         n1, n2, _ = two_d_view(shape)
         n, L = float(n1 * n2), len(m)
-        sums = jnp.sum(part.reshape(L, -1, 32), axis=1)  # [L, 32]
-        e = len(VELO_ELEM)
-        mu = sums[:, e + 1:e + 4] / n  # the old momenta's means [L, 3]
-        dev = jnp.sum(_var_call(shape, mu, m, rms).reshape(L, -1, 8), axis=1)
-        scale = jax.lax.rsqrt(jnp.maximum(sums[:, e] / n, 1e-9))[:, None]
-        mean_rms = scale * sums[:, e + 4:e + 5] / n
+        blocks = part.reshape(L, -1, 32)
+        sums = jnp.sum(blocks, axis=1)  # [L, 32]
+        mean4 = sums[:, VELO_OLD] / n  # the old momenta's and rms's means [L, 4]
+        mu = mean4[:, :3]
+        # Chan's combination of the blocks: Σ of their deviations from their own means plus
+        # each block's count times its mean's squared distance to the tensor's
+        nb = blocks[:, :, VELO_N]
+        gap = blocks[:, :, VELO_OLD] / jnp.maximum(nb, 1.0)[..., None] - mean4[:, None, :]
+        dev = jnp.sum(blocks[:, :, VELO_DEV], axis=1) + jnp.sum(nb[..., None] * gap * gap,
+                                                                axis=1)
+        # Σ (rms − μ_k)² = Σ (rms − mean rms)² + n·(mean rms − μ_k)² (the spec's var_rms)
+        d_rms = mean4[:, 3:4] - mu
+        dev_rms = dev[:, 3:4] + n * d_rms * d_rms
+        scale = jax.lax.rsqrt(jnp.maximum(sums[:, VELO_P2] / n, 1e-9))[:, None]
+        mean_rms = scale * sums[:, VELO_OLD][:, 3:4] / n
         var_m = scale * scale * (dev[:, 0:3] / n)
-        var_rms = scale * scale * (dev[:, 3:6] / n)
+        var_rms = scale * scale * (dev_rms / n)
         like = jnp.zeros((), jnp.float32)
         one_hot = np.eye(vspec.NUM_RANKS, dtype=np.float32)[vspec.tensor_rank(shape)]
         fixed = jnp.concatenate([vspec.fraction_embedding(jnp, fraction, like), loss_feats])

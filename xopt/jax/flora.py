@@ -20,6 +20,8 @@ ones). Per-leaf settings (``param_specs``) as in :mod:`xopt.jax._lowrank`.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -245,7 +247,8 @@ def flora(learning_rate: float | None = None, rank: int | None = None,
         outs = []
         for i, (g, p, h) in enumerate(zip(grads, leaves_p, specs, strict=True)):
             st = {f: old[f][i] for f in _PER_LEAF}
-            out, upd = _update_leaf(h, p, g, st, count, injected[i], drawn.get(i))
+            step = _update_leaf_shared if injected[i] is None and _hashable(h) else _update_leaf
+            out, upd = step(h, p, g, st, count, injected[i], drawn.get(i))
             outs.append(out)
             for f, v in upd.items():
                 new[f][i] = v
@@ -262,32 +265,49 @@ _contract.public_signature(flora)
 def _draw_projections(leaves: list, specs: list, seeds: list, t: jax.Array,
                       injected: list) -> dict[int, tuple[jax.Array, jax.Array, jax.Array]]:
     """``{leaf index: (seed after, P before, P after)}`` of every compressed leaf that draws
-    its projections, drawn once per group of leaves of one shape and setting under
-    ``jax.vmap`` (the same integer and float32 operations per leaf; the program holds one
-    seed advance and one draw per group instead of one per leaf)."""
+    its projections, drawn once per group of leaves whose projections have one size, rank,
+    dtype and transfer interval (one seed advance and one draw per group, under
+    ``jax.vmap``; the same integer and float32 operations per leaf). A draw of ``k`` values
+    reshaped is the draw of any shape of ``k`` values, so ``(r, m)`` and ``(n, r)``
+    projections share a group."""
     groups: dict[tuple, list[int]] = {}
     for i, (p, h) in enumerate(zip(leaves, specs, strict=True)):
         hs = _structure(h)
         shape = tuple(p.shape)
         if (hs.use_momentum and _spec.compressed(shape, hs)
                 and not (injected[i] is not None and "proj_before" in injected[i])):
-            key = (shape, str(_state_dtype(p)), h.rank, h.kappa)
-            groups.setdefault(key, []).append(i)
+            size = math.prod(_spec.projection_shape(shape, h.rank))
+            groups.setdefault((size, h.rank, str(_state_dtype(p)), h.kappa), []).append(i)
     out: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}
-    for (shape, sdt, rank, kappa), idx in groups.items():
-        def draw(s: jax.Array, shape: tuple = shape, rank: int = rank, sdt: str = sdt
-                 ) -> jax.Array:
-            return _spec.projection(s, shape, rank, xp=jnp, dtype=jnp.dtype(sdt))
-
+    for (_, rank, sdt, kappa), idx in groups.items():
+        draw = _group_draw(tuple(leaves[idx[0]].shape), rank, sdt)
         seed = jnp.stack([seeds[i] for i in idx])
         transfer = (t % kappa) == 0
         seed_after = jax.lax.cond(transfer, jax.vmap(next_seed_words), lambda w: w, seed)
-        p_before = jax.vmap(draw)(seed)
-        p_after = lowrank.refresh(transfer, p_before, lambda d=draw, s=seed_after:
-                                  jax.vmap(d)(s), cond=jax.lax.cond)
-        for j, i in enumerate(idx):
-            out[i] = (seed_after[j], p_before[j], p_after[j])
+        p_before = draw(seed)
+        p_after = lowrank.refresh(transfer, p_before, lambda d=draw, s=seed_after: d(s),
+                                  cond=jax.lax.cond)
+        for i in idx:
+            # The leaf's row is found from its seed at run time, not from its position: XLA
+            # compiles a slice kernel per constant offset, and one for a runtime index that
+            # every leaf of the group shares. Equal seeds draw equal rows, so the first
+            # match is always right.
+            row = jnp.argmax(jnp.all(seed == seeds[i], axis=1))
+            pshape = _spec.projection_shape(tuple(leaves[i].shape), rank)
+            pick = functools.partial(jax.lax.dynamic_index_in_dim, index=row, keepdims=False)
+            out[i] = (pick(seed_after), pick(p_before).reshape(pshape),
+                      pick(p_after).reshape(pshape))
     return out
+
+
+@functools.cache
+def _group_draw(shape: tuple[int, ...], rank: int, sdt: str) -> Any:
+    """The projections of a leaf of ``shape`` for a stack of seeds, flattened: ``(k, size)``
+    (jitted, so that the draw before and the one after a transfer are traced once)."""
+    def draw(s: jax.Array) -> jax.Array:
+        return _spec.projection(s, shape, rank, xp=jnp, dtype=jnp.dtype(sdt)).reshape(-1)
+
+    return jax.jit(jax.vmap(draw))
 
 
 def _update_leaf(h: _spec.Flora, p: jax.Array, g: jax.Array, st: dict[str, Any],
@@ -339,6 +359,21 @@ def _update_leaf(h: _spec.Flora, p: jax.Array, g: jax.Array, st: dict[str, Any],
     else:  # an array λ: _spec.apply's operations, the decay unconditional (p + p·(−0) = p)
         p_new = (p_c + p_c * (-h.weight_decay * lr)) - u * lr
     return (p_new - p_c).astype(p.dtype), new
+
+
+#: :func:`_update_leaf` traced once per setting, shape and dtype: the leaves of one shape
+#: share one traced function (XLA inlines it), so lowering does not repeat it per leaf
+_update_leaf_shared = jax.jit(_update_leaf, static_argnums=(0,))
+
+
+def _hashable(h: _spec.Flora) -> bool:
+    """Whether ``h`` can be a static argument (not when it holds arrays, as under
+    ``optax.inject_hyperparams``; such leaves are traced one by one)."""
+    try:
+        hash(h)
+    except TypeError:
+        return False
+    return True
 
 
 register("flora", "jax", flora)

@@ -14,6 +14,7 @@ nor triton. The modules load them on first use:
 * :mod:`xopt.kernels.poet_perm`: POET-X's permutations as row gathers and scatters;
 * :mod:`xopt.kernels.quant8`: 8-bit COAP's moment step (dequantise, update, requantise);
 * :mod:`xopt.kernels.adafactor`: Flora's Adafactor step on stacked matrices, three passes;
+* :mod:`xopt.kernels.lowrank_adam`: GaLore's, COAP's and PLUMAGE's AdamW moments, one pass;
 * :mod:`xopt.kernels.normal`: :func:`xopt.random.normal_many`'s bits in one launch (Flora's
   projections);
 * :mod:`xopt.kernels.poet_adam`: POETAdamW's update of a parameter in one pass;
@@ -34,6 +35,7 @@ the CUDA graphs, when an optimizer's first Triton step builds its recorder):
 | ``XOPT_QUANT8`` | ``auto`` | ``torch``, ``triton``: 8-bit COAP's fused moment step |
 | ``XOPT_ADAFACTOR`` | ``auto`` | ``torch``, ``triton``: Flora's fused Adafactor passes |
 | ``XOPT_NORMAL`` | ``auto`` | ``torch``, ``triton``: Flora's projections drawn by one kernel |
+| ``XOPT_LOWRANK_ADAM`` | ``auto`` | ``torch``, ``triton``: the low-rank AdamW moments' pass |
 | ``XOPT_POET_DIRECT_LAUNCH`` | ``1`` | ``0``: POET-X kernels always via ``JITFunction.run`` |
 | ``XOPT_POET_FUSED_STEP`` | ``1`` | ``0``: POETAdamW's CUDA step as foreach calls |
 

@@ -4,21 +4,30 @@
 counter=counter, dtype=dtype, backend="torch", device=device)``: the same Threefry-2x32-20
 blocks, uniforms and Box-Muller transform, computed with the same operations in the same
 order (see :mod:`xopt.random`'s docstring), by one program per tile of pairs of one seed's
-row, every seed of the call in one launch. The torch backend spends about 800 elementwise
-kernels on it; Flora with compressed momentum redraws its projections every step.
+row, every seed of the call in one launch (up to 65535 seeds). The torch backend spends
+about 800 elementwise kernels on it; Flora with compressed momentum redraws its
+projections every step.
 
 Bit identity rests on the reference's own choices, kept here:
 
-* Threefry, the uniforms' bit arithmetic, the carry into the counter's high word, the
-  correctly rounded division and square root (integer long division, digit-by-digit root)
-  and the float/bit reinterpretations are integer operations (``uint32`` words; ``uint32``
-  float32 patterns, ``uint64`` float64 ones), exact on every device.
+* Threefry, the uniforms' bit arithmetic, the carry into the counter's high word and the
+  float/bit reinterpretations are integer operations (``uint32`` words; ``uint32`` float32
+  patterns, ``uint64`` float64 ones), exact on every device.
+* The reference's division and square root are IEEE's, correctly rounded (its integer long
+  division and digit-by-digit root compute them without trusting a framework's), so the
+  kernel uses the GPU's correctly rounded ones: ``tl.div_rn`` and ``tl.sqrt_rn`` in float32
+  (PTX ``div.rn.f32``, ``sqrt.rn.f32``), ``/`` and ``tl.sqrt`` in float64 (``div.rn.f64``,
+  ``sqrt.rn.f64``; Triton's ``_rn`` functions take float32 only); NumPy's under the
+  interpreter. Their operands and results are normal numbers (``|f / (f + 2)| >= 2**-25``
+  or 0; the root's radicand 0 or ``>= 2**-23``, float32; far smaller bounds hold in
+  float64), where all correct roundings agree and flush-to-zero would have nothing to flush.
 * The float steps (``log``'s and the quarter-wave polynomials' products and sums, Box-Muller's
   products) are single IEEE operations rounded to nearest, each rounded apart: the launch
   passes ``enable_fp_fusion=False`` (:data:`xopt.kernels.NO_FP_FUSION`), because a GPU
   compile otherwise contracts ``c + z·a`` into one FMA, which rounds once where the
   reference rounds twice (the jax backend's ``fence`` exists for the same reason). No
-  Triton ``/``, ``sqrt``, ``log``, ``sin`` or ``cos`` is used: on GPUs these are approximate.
+  Triton ``log``, ``sin`` or ``cos`` is used, nor float32 ``/`` or ``sqrt``: on GPUs these
+  are approximate.
 * Constants are the reference's (xopt.random's per-format tables), each exactly
   representable in its format; Triton materialises a Python float operand of arithmetic
   directly in the other operand's type, so float64 constants are not rounded through
@@ -27,9 +36,11 @@ Bit identity rests on the reference's own choices, kept here:
 
 Tested bit for bit against the torch backend under ``TRITON_INTERPRET=1``
 (tests/test_kernels_normal.py), which also compiles the kernel for an sm_90 GPU without one
-and checks what the interpreter cannot: no fused multiply-add or approximate instruction in
-the machine code, unsigned shifts and comparisons of the words, every constant at its
-exact bits. On a GPU the same tests run the compiled kernel.
+and checks what the interpreter cannot: round-to-nearest float operations only, one
+``div.rn`` and one ``sqrt.rn`` per pair, no fused multiply-add or approximate instruction
+in the machine code but those of ptxas's own correctly rounded division and root, unsigned
+shifts and comparisons of the words, every constant at its exact bits. On a GPU the same
+tests run the compiled kernel.
 
 :data:`BACKEND` (environment ``XOPT_NORMAL``, read at import): ``"auto"`` (the default:
 CUDA tensors), ``"torch"`` (never: ``xopt.random``'s torch ops) or ``"triton"`` (every
@@ -55,9 +66,15 @@ __all__ = ["BACKEND", "normal_many", "runs_on"]
 #: "torch" (never), "auto" (CUDA tensors) or "triton" (every tensor)
 BACKEND = os.environ.get("XOPT_NORMAL", "auto")
 
-#: pairs of normals per program: 256 over 4 warps, two per thread (the division's and
-#: square root's loops keep only a few words live per pair: few registers, no spills)
-_PAIRS, _WARPS = 256, 4
+#: pairs of normals per program: 512 over 4 warps, four per thread (a program's set-up
+#: shared by four pairs; few registers, no spills)
+_PAIRS, _WARPS = 512, 4
+
+#: rows (seeds) per launch: a grid's second dimension holds at most 65535 programs
+_GRID_Y = 65535
+
+#: numbers per row from which a tile's offsets are 64-bit (below, 32-bit ones cannot overflow)
+_WIDE_FROM = 2**31 - 2 * _PAIRS
 
 
 def runs_on(device: torch.device) -> bool:
@@ -140,58 +157,23 @@ def _horner(z, C: tl.constexpr):
 
 
 @triton.jit
-def _div(a, b, FT: tl.constexpr, UT: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr):
-    """Correctly rounded ``a / b`` by integer long division (xopt.random._div)."""
-    ua = tl.abs(a).to(UT, bitcast=True)
-    ub = b.to(UT, bitcast=True)
-    mask: tl.constexpr = (1 << MB) - 1
-    ma = (ua & mask) | (1 << MB)
-    mbs = (ub & mask) | (1 << MB)
-    rem = ma
-    q = tl.zeros_like(ma)
-    for _ in tl.static_range(MB + 3):  # p + 2 quotient bits, p = MB + 1
-        ge = rem >= mbs
-        q = (q << 1) | ge.to(UT)
-        rem = tl.where(ge, rem - mbs, rem) << 1
-    big = q >> (MB + 2)
-    wide = big == 1
-    quo = tl.where(wide, q >> 2, q >> 1)
-    guard = tl.where(wide, q >> 1, q) & 1
-    sticky = (big & q) | (rem != 0).to(UT)
-    up = guard & (sticky | (quo & 1))
-    field = (ua >> MB) + (BIAS - 2) + big - (ub >> MB)
-    quotient = ((field << MB) + (quo + up)).to(FT, bitcast=True)
-    quotient = tl.where(a < 0.0, _neg(quotient), quotient)
-    return tl.where(a == 0.0, a, quotient)
+def _div_rn(a, b):
+    """Correctly rounded ``a / b``: ``div_rn`` for float32; float64 division lowers to
+    PTX's ``div.rn.f64`` (Triton's ``div_rn`` takes float32 only)."""
+    if a.dtype == tl.float64:
+        return a / b
+    else:
+        return tl.div_rn(a, b)
 
 
 @triton.jit
-def _sqrt(x, FT: tl.constexpr, UT: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr):
-    """Correctly rounded ``sqrt(x)``, digit by digit on the significand
-    (xopt.random._sqrt)."""
-    P: tl.constexpr = MB + 1
-    u = x.to(UT, bitcast=True)
-    e = u >> MB
-    m = (u & ((1 << MB) - 1)) | (1 << MB)
-    shift = (((e + (BIAS + 1)) & 1) == 0).to(UT)
-    top = m << shift
-    rem = tl.zeros_like(m)
-    root = tl.zeros_like(m)
-    for k in tl.static_range(P):
-        if P - 1 - 2 * k >= 0:  # the radicand's next two bits, lower one at P - 1 - 2k
-            rem = (rem << 2) | ((top >> (P - 1 - 2 * k)) & 3)
-        elif P - 1 - 2 * k == -1:
-            rem = (rem << 2) | ((top << 1) & 3)
-        else:
-            rem = rem << 2
-        trial = (root << 2) | 1
-        ge = rem >= trial
-        rem = tl.where(ge, rem - trial, rem)
-        root = (root << 1) | ge.to(UT)
-    up = (rem > root).to(UT)
-    field = (e + (BIAS - 2) - shift) >> 1
-    result = ((field << MB) + (root + up)).to(FT, bitcast=True)
-    return tl.where(x == 0.0, x, result)
+def _sqrt_rn(x):
+    """Correctly rounded ``sqrt(x)``: ``sqrt_rn`` for float32, ``sqrt`` (PTX's
+    ``sqrt.rn.f64``) for float64."""
+    if x.dtype == tl.float64:
+        return tl.sqrt(x)
+    else:
+        return tl.sqrt_rn(x)
 
 
 @triton.jit
@@ -208,7 +190,7 @@ def _log(x, FT: tl.constexpr, UT: tl.constexpr, MB: tl.constexpr, BIAS: tl.const
     m = tl.where(big, m * 0.5, m)
     ef = tl.where(big, ef + 1.0, ef)
     f = m - 1.0
-    s = _div(f, f + 2.0, FT, UT, MB, BIAS)
+    s = _div_rn(f, f + 2.0)
     z = s * s
     r = z * _horner(z, LOG_C)
     h = (f * f) * 0.5
@@ -239,23 +221,24 @@ def _cos_sin_turns(u, SIN_HI: tl.constexpr, SIN_LO: tl.constexpr, SIN_C: tl.cons
 
 
 @triton.jit
-def _normal_kernel(words_ptr, out_ptr, n, tiles,
+def _normal_kernel(words_ptr, out_ptr, n, row0,
                    F64: tl.constexpr, MB: tl.constexpr, BIAS: tl.constexpr,
                    SQRT2: tl.constexpr, LN2_HI: tl.constexpr, LN2_LO: tl.constexpr,
                    LOG_C: tl.constexpr, SIN_HI: tl.constexpr, SIN_LO: tl.constexpr,
-                   SIN_C: tl.constexpr, COS_C: tl.constexpr, PAIRS: tl.constexpr):
-    """Row ``pid // tiles``, pairs of tile ``pid % tiles``: ``out[row, 2p]`` the cosine,
-    ``out[row, 2p + 1]`` the sine. ``words``: the counter's (hi, lo), then each row's key."""
+                   SIN_C: tl.constexpr, COS_C: tl.constexpr, PAIRS: tl.constexpr,
+                   WIDE: tl.constexpr):
+    """Pairs of tile ``program_id(0)`` of row ``row0 + program_id(1)``: ``out[row, 2p]``
+    the cosine, ``out[row, 2p + 1]`` the sine. ``words``: the counter's (hi, lo), then each
+    row's key. ``WIDE``: a row's offsets need 64 bits (``n >= _WIDE_FROM``)."""
     FT: tl.constexpr = tl.float64 if F64 else tl.float32
     UT: tl.constexpr = tl.uint64 if F64 else tl.uint32
-    pid = tl.program_id(0)
-    row = pid // tiles
-    p = (pid % tiles).to(tl.int64) * PAIRS + tl.arange(0, PAIRS)  # pair index, < 2**32
+    tile = tl.program_id(0)
+    row = row0 + tl.program_id(1)
     hi = tl.load(words_ptr).to(tl.uint32)
     lo = tl.load(words_ptr + 1).to(tl.uint32)
     k0 = tl.load(words_ptr + 2 + 2 * row).to(tl.uint32)
     k1 = tl.load(words_ptr + 3 + 2 * row).to(tl.uint32)
-    pw = p.to(tl.uint32)
+    pw = tile.to(tl.uint32) * PAIRS + tl.arange(0, PAIRS).to(tl.uint32)  # pair index < 2**32
     if F64:
         # pair p reads blocks 2p and 2p + 1: each gives one 53-bit uniform
         a0, a1 = _blocks(k0, k1, hi, lo, pw * 2)
@@ -268,12 +251,17 @@ def _normal_kernel(words_ptr, out_ptr, n, tiles,
         u_odd = (y1 >> 8).to(FT) * (2.0 ** -24)
     u1 = 1.0 - u_even
     lg = _log(u1, FT, UT, MB, BIAS, SQRT2, LN2_HI, LN2_LO, LOG_C)
-    r = _sqrt(tl.abs(lg * -2.0), FT, UT, MB, BIAS)  # abs: -0.0 (u1 == 1) to +0
+    r = _sqrt_rn(tl.abs(lg * -2.0))  # abs: -0.0 (u1 == 1) to +0
     cos, sin = _cos_sin_turns(u_odd, SIN_HI, SIN_LO, SIN_C, COS_C)
-    base = out_ptr + row.to(tl.int64) * n
-    even = 2 * p
-    tl.store(base + even, r * cos, mask=even < n)
-    tl.store(base + even + 1, r * sin, mask=even + 1 < n)
+    if WIDE:
+        base = out_ptr + row.to(tl.int64) * n + tile.to(tl.int64) * (2 * PAIRS)
+        left = n - tile.to(tl.int64) * (2 * PAIRS)
+    else:
+        base = out_ptr + row.to(tl.int64) * n + tile * (2 * PAIRS)
+        left = n - tile * (2 * PAIRS)
+    even = 2 * tl.arange(0, PAIRS)  # two stores: an interleaving join goes through shared memory
+    tl.store(base + even, r * cos, mask=even < left)
+    tl.store(base + even + 1, r * sin, mask=even + 1 < left)
 
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -307,10 +295,6 @@ def normal_many(seeds, shape, *, counter: int = 0, dtype="float32",
     rows, n = len(keys), 1
     for d in dims:
         n *= d
-    tiles = cdiv((n + 1) // 2, _PAIRS)
-    if rows * tiles >= 2**31:
-        raise ValueError(f"xopt.kernels.normal.normal_many: {rows} seeds x shape={dims} is "
-                         f"too large for one launch ({rows * tiles} programs; at most 2**31 - 1)")
     out = torch.empty((rows, *dims), dtype=out_dtype, device=device)
     if n == 0:
         return out
@@ -318,6 +302,9 @@ def normal_many(seeds, shape, *, counter: int = 0, dtype="float32",
     if device.type == "cuda":  # a copy from pageable memory would wait for the stream
         words = words.pin_memory()
     words = words.to(device, non_blocking=True)
-    _normal_kernel[(rows * tiles,)](words, out, n, tiles, PAIRS=_PAIRS,
-                                    num_warps=_WARPS, **_constants(dtype), **NO_FP_FUSION)
+    tiles = cdiv((n + 1) // 2, _PAIRS)  # < 2**31: a draw has at most 2**32 pairs
+    for row0 in range(0, rows, _GRID_Y):
+        _normal_kernel[(tiles, min(rows - row0, _GRID_Y))](
+            words, out, n, row0, PAIRS=_PAIRS, WIDE=n >= _WIDE_FROM,
+            num_warps=_WARPS, **_constants(dtype), **NO_FP_FUSION)
     return out

@@ -196,7 +196,8 @@ def _auto_mode(d: int, element_size: int) -> str:
     return "smem" if max(16, next_pow2(d)) * element_size <= SMEM_MAX_BYTES else "rowloop"
 
 
-def _launch(x: torch.Tensor, index: torch.Tensor, scatter: bool) -> torch.Tensor:
+def _launch(x: torch.Tensor, index: torch.Tensor, scatter: bool,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     d = x.shape[-1]
     if index.shape != (d,):
         raise ValueError(f"xopt.kernels.poet_perm: index has shape {tuple(index.shape)}, "
@@ -206,16 +207,24 @@ def _launch(x: torch.Tensor, index: torch.Tensor, scatter: bool) -> torch.Tensor
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     n = x2.shape[0]
-    out = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    given = out is not None
+    if out is None:
+        out = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    elif (out.shape != (n, d) or out.dtype != x.dtype or out.device != x.device
+          or not out.is_contiguous()):
+        raise ValueError(f"xopt.kernels.poet_perm: out must be a contiguous {(n, d)} "
+                         f"{x.dtype} tensor on {x.device}; got {tuple(out.shape)} {out.dtype}")
     if n and d:
         _run(_auto_mode(d, x2.element_size()) if MODE == "auto" else MODE, x2, index, out,
              scatter)
-    return out if flat else out.reshape(x.shape)
+    return out if flat or given else out.reshape(x.shape)
 
 
-def gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``out[..., k] = x[..., index[k]]`` (``index``: int32/int64 of the last axis's length)."""
-    return _launch(x, index, scatter=False)
+def gather(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None,
+           ) -> torch.Tensor:
+    """``out[..., k] = x[..., index[k]]`` (``index``: int32/int64 of the last axis's length).
+    ``out``: a contiguous ``(rows, width)`` tensor to write into (then returned as it is)."""
+    return _launch(x, index, scatter=False, out=out)
 
 
 def scatter(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from xopt.errors import DecompositionError, HyperparameterError
+from xopt.kernels import triton_available
 from xopt.specs import Hyperparams, lowrank
 from xopt.torch._optim import Item, Layout, Optimizer
 from xopt.torch.distributed import decompose_once, is_dtensor, plain_as_replicated, settle
@@ -266,13 +267,18 @@ class LowRankOptimizer(Optimizer):
             proj = stack_as([st[proj_key] for st in states], low or sdt)
             r = self._batch_project(g, proj, which)
             del g
-            if low is not None:
-                r = r.to(sdt)  # exact; the moments stay in sdt
             rs = list(r.unbind(0))
         else:
-            rs = converted(grads, sdt)
-        fused = self._batch_adam_fused(states, hp, r, rs, sdt)
+            rs = list(grads)
+        # r and rs as computed (a fused pass widens them itself), else in sdt: widening is
+        # exact, the moments stay in sdt
+        fused = self._batch_adam_fused(states, hp, r, rs, sdt, (m_key, v_key))
         if fused is None:
+            if r is not None:
+                r = r.to(sdt)
+                rs = list(r.unbind(0))
+            else:
+                rs = converted(rs, sdt)
             ms, vs = self._batch_moments(states, hp, m_key, v_key, sdt)
             # hf_adam_moments: m·β₁ + r·(1 − β₁), v·β₂ + r²·(1 − β₂)
             torch._foreach_mul_(ms, hp.b1)
@@ -325,12 +331,36 @@ class LowRankOptimizer(Optimizer):
 
     # the method's pieces of _hf_adam_run (these: GaLore's and COAP's)
     def _batch_adam_fused(self, states: list[dict[str, Any]], hp: Any, r: Tensor | None,
-                          rs: list[Tensor], sdt: torch.dtype) -> Tensor | list[Tensor] | None:
-        """The moments' update (stored) and the directions ``m / (√v + ε)`` of a run by a
-        method's own fused kernel: stacked like ``r`` (the stacked projected gradients)
-        when it is given, else a list like ``rs``; None (the default): the foreach
-        sequence with :meth:`_batch_moments`, :meth:`_batch_directions`, :meth:`_batch_store`."""
-        return None
+                          rs: list[Tensor], sdt: torch.dtype, keys: tuple[str, str]
+                          ) -> Tensor | list[Tensor] | None:
+        """The moments' update (stored) and the directions ``m / (√v + ε)`` of a run in one
+        fused pass: stacked like ``r`` (the stacked projected gradients) when it is given,
+        else a list like ``rs`` (the gradients); ``r``/``rs`` in the dtype they were
+        computed in (``sdt``, or a lower one to widen exactly). None: the foreach sequence
+        (:meth:`_batch_moments`, :meth:`_batch_directions`, :meth:`_batch_store`). This
+        default runs :func:`xopt.kernels.lowrank_adam.adam_moments` (the same bits) on the
+        state's own float32 moments ``keys`` where its ``BACKEND`` says
+        (``XOPT_LOWRANK_ADAM``), for float32 or bfloat16 gradients."""
+        if sdt != torch.float32 or not triton_available():
+            return None
+        if len({x.dtype for x in rs}) != 1 or rs[0].dtype not in (torch.float32,
+                                                                   torch.bfloat16):
+            return None
+        from xopt.kernels import lowrank_adam
+
+        if not lowrank_adam.runs_on(rs[0].device):
+            return None
+        ms, vs = ([st[k] for st in states] for k in keys)
+        if not all(type(x) is Tensor and x.is_contiguous() and x.dtype == torch.float32
+                   for x in (*ms, *vs)):
+            return None
+        return lowrank_adam.adam_moments(ms, vs, r if r is not None else rs, hp.b1, hp.b2,
+                                         hp.eps, eps_inside=self._eps_inside_sqrt(hp))
+
+    @staticmethod
+    def _eps_inside_sqrt(hp: Any) -> bool:
+        """Whether :meth:`_batch_directions` is ``m / √(v + ε)`` (else ``m / (√v + ε)``)."""
+        return False
 
     @staticmethod
     def _batch_moments(states: list[dict[str, Any]], hp: Any, m_key: str, v_key: str,

@@ -39,7 +39,7 @@ from xopt.kernels import triton_available
 from xopt.registry import register
 from xopt.specs import arrays
 from xopt.specs import coap as _spec
-from xopt.torch._lowrank import LowRankOptimizer, chunks, stack_as
+from xopt.torch._lowrank import LowRankOptimizer, chunks, converted, stack_as
 from xopt.torch._optim import Item
 from xopt.torch.distributed import Layout, is_dtensor, local, place_as
 
@@ -256,15 +256,23 @@ class COAP(LowRankOptimizer):
             torch._foreach_copy_([st[_KEYS[a]] for st in states], absmax)
 
     def _batch_adam_fused(self, states: list[dict[str, Any]], hp: _spec.COAP, r: Tensor | None,
-                          rs: list[Tensor], sdt: torch.dtype) -> Tensor | list[Tensor] | None:
+                          rs: list[Tensor], sdt: torch.dtype, keys: tuple[str, str]
+                          ) -> Tensor | list[Tensor] | None:
         """8-bit moments where xopt.kernels.quant8 runs (``XOPT_QUANT8=auto``: CUDA tensors):
         its one pass per shape (dequantise, update, direction, requantise: the torch path's
-        bytes) instead of the torch ops."""
-        if hp.state_bits != 8 or sdt != torch.float32:
+        bytes) instead of the torch ops; float32 moments: the base's fused pass."""
+        if hp.state_bits != 8:
+            return super()._batch_adam_fused(states, hp, r, rs, sdt, keys)
+        if sdt != torch.float32:
             return None
         kernel = _quant8(rs[0].device)
         if kernel is None:
             return None
+        if r is not None:
+            r = r.to(sdt)  # exact
+            rs = list(r.unbind(0))
+        else:
+            rs = converted(rs, sdt)
         if r is not None:
             return _adam8(kernel, states, hp, r)
         out: list[Any] = [None] * len(rs)

@@ -179,19 +179,22 @@ class PLUMAGE(LowRankOptimizer):
                        ) -> dict[int, tuple[Tensor, Tensor]]:
         """``(U, σ)`` of the oriented gradient of every item whose update decomposes
         (:func:`xopt.specs.plumage.decompose`), one batched SVD per oriented shape (a
-        right-projected ``(n, m)`` matrix decomposes with the left-projected ``(m, n)``)."""
-        kinds: dict[Any, list[tuple[Tensor, list[Item]]]] = {}
+        right-projected ``(n, m)`` matrix decomposes with the left-projected ``(m, n)``), in
+        chunks of at most BATCH_ELEMENTS elements: each chunk stacked from the gradients
+        when it is decomposed, so that the temporaries stay a chunk's."""
+        kinds: dict[Any, list[tuple[Tensor, Item]]] = {}
         for (gi, _, sdt, _, shape), run in self._refresh_runs(items, hps, 0):
-            g = stack_as([it.grad for it in run], sdt)
-            a = g if _spec.side_of(shape, hps[gi]) == "left" else g.mT
-            kinds.setdefault((tuple(a.shape[1:]), sdt, a.device), []).append((a, run))
+            left = _spec.side_of(shape, hps[gi]) == "left"
+            for it in run:
+                g = it.grad if left else it.grad.mT
+                kinds.setdefault((tuple(g.shape), sdt, g.device), []).append((g, it))
         out = {}
-        for parts in kinds.values():
-            run = [it for _, r in parts for it in r]
-            a = parts[0][0] if len(parts) == 1 else torch.cat([a for a, _ in parts])
-            u, s, _ = self.svd_stacked(a, [self.param_name(it.gi, it.i) for it in run])
-            for j, it in enumerate(run):
-                out[id(it.param)] = (u[j], s[j])
+        for (shape, sdt, _), entries in kinds.items():
+            for chunk in chunks(entries, shape):
+                a = stack_as([g for g, _ in chunk], sdt)
+                u, s, _ = self.svd_stacked(a, [self.param_name(it.gi, it.i) for _, it in chunk])
+                for j, (_, it) in enumerate(chunk):
+                    out[id(it.param)] = (u[j], s[j])
         return out
 
     def _update_batch(self, items: list[Item], hps: Mapping[int, _spec.PLUMAGE],
@@ -258,6 +261,10 @@ class PLUMAGE(LowRankOptimizer):
         if not hp.eps_inside_sqrt:
             return LowRankOptimizer._batch_directions(ms, vs, hp)
         return torch._foreach_div(ms, torch._foreach_sqrt(torch._foreach_add(vs, hp.eps)))
+
+    @staticmethod
+    def _eps_inside_sqrt(hp: Any) -> bool:
+        return bool(hp.eps_inside_sqrt)
 
     @staticmethod
     def _batch_back(n: Tensor, proj: Tensor, states: list[dict[str, Any]], which: str,

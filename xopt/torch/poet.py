@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 import weakref
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -68,12 +69,14 @@ def _triton_ok(device: torch.device) -> bool:
 _perm = None  # xopt.kernels.poet_perm once the triton path has run (imported on first use)
 
 
-def _gather(x: Tensor, idx: Tensor, triton_path: bool) -> Tensor:
+def _gather(x: Tensor, idx: Tensor, triton_path: bool, out: Tensor | None = None) -> Tensor:
     global _perm
     if triton_path:
         if _perm is None:
             from xopt.kernels import poet_perm as _perm
-        return _perm.gather(x, idx)
+        return _perm.gather(x, idx, out)
+    if out is not None:
+        return torch.index_select(x, -1, idx, out=out)
     return x.index_select(-1, idx)
 
 
@@ -90,13 +93,14 @@ def _rows(x2d: Tensor, nb: int, b: int, transpose: bool = False) -> Tensor:
 
 
 def _rotate(x2d: Tensor, r: Tensor, transpose: bool = False, lo: int = 0,
-            nb: int | None = None) -> Tensor:
+            nb: int | None = None, out: Tensor | None = None) -> Tensor:
     """``x[:, block j] · r[j]`` (or ``· r[j]ᵀ``) for ``x`` of shape ``(N, nb·b)``, with the
     blocks ``r[lo:lo + nb]`` (default: all of ``r``).
 
     A strided batched matmul over the ``nb`` blocks: the ``(nb, N, b)`` views of input and
     output have row stride ``nb·b``, which cuBLAS takes as the leading dimension, so
-    nothing is transposed in memory. Returns a contiguous ``(N, nb·b)`` tensor."""
+    nothing is transposed in memory. Returns a contiguous ``(N, nb·b)`` tensor (``out``,
+    a contiguous one to write into, outside autograd)."""
     n, width = x2d.shape
     b = r.shape[1]
     nb = r.shape[0] - lo if nb is None else nb
@@ -111,6 +115,9 @@ def _rotate(x2d: Tensor, r: Tensor, transpose: bool = False, lo: int = 0,
     # the blocks (transposed) as one view: no slice, no transpose
     rr = r.as_strided((nb, b, b), (b * b, 1, b) if transpose else (b * b, b, 1),
                       r.storage_offset() + lo * b * b)
+    if out is not None:
+        torch.bmm(_rows(x2d, nb, b), rr, out=out.as_strided((nb, n, b), (b, width, 1)))
+        return out
     out = torch.empty_strided((nb, n, b), (b, width, 1), dtype=x2d.dtype, device=x2d.device)
     torch.bmm(_rows(x2d, nb, b), rr, out=out)
     return out.as_strided((n, width), (width, 1))
@@ -151,26 +158,11 @@ class _Chain(torch.autograd.Function):
         tf32 = bool(cnp is not None and cnp[2])
         ctx.wq = (*wq, triton_path, tf32) if wq is not None else None
         x2d = x.reshape(-1, shape[-1]) if x.dim() != 2 else x
-        cnp_saved = ()
-        if cnp is not None:
-            from xopt.kernels import poet_cayley
-
-            b, formula, tf32, cd, backend = cnp
-            oft_dtype = r.dtype
-            r, cnp_saved = poet_cayley.blocks_forward(r, b, formula, tf32, backend, cd)
-            if r.dtype != x.dtype:
-                r = r.to(x.dtype)
-            ctx.cnp = (b, formula, tf32, backend, oft_dtype)
-        else:
-            ctx.cnp = None
-        r = r.contiguous()
         x1 = _gather(x2d, perm_in_inv, triton_path)
-        x2 = _rotate(x1, r, lo=n_out)  # (the blocks r[n_out:] = R_in)
-        y1 = _mm_wt(x2, weight, ctx.wq)  # x2 · W0ᵀ (mm; one host call)
-        del x2
-        if bias is not None:
-            y1 += bias
-        y = _gather(_rotate(y1, r, nb=n_out), perm_out, triton_path)  # (r[:n_out] = R_out)
+        yr, r, y1, cnp_saved, ctx.cnp = _core_forward(x1, r, bias, n_out, weight, ctx.wq, cnp,
+                                                      x.dtype, keep_y1)
+        y = _gather(yr, perm_out, triton_path)
+        del yr
         if keep_y1:  # fast: the backward needs x1 and y1, keep them (no re-gather)
             ctx.save_for_backward(x1, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, y1,
                                   *cnp_saved)
@@ -191,42 +183,93 @@ class _Chain(torch.autograd.Function):
         else:
             wq = ctx.wq
         g2d = g.reshape(-1, g.shape[-1]) if g.dim() != 2 else g
-        if keep_y1:
-            x1 = xs
-        else:  # mem: re-gather x1, recompute y1, holding at most two activations at once
-            x1 = _gather(xs, perm_in_inv, triton_path)
-            x2 = _rotate(x1, r, lo=n_out)
-            y1 = _mm_wt(x2, weight, wq)  # x2 · W0ᵀ (mm; one host call)
-            del x2
-            if bias is not None:
-                y1 += bias
-        g2 = _gather(g2d, perm_out_inv, triton_path)
-        grad_r = torch.empty_like(r) if ctx.needs_input_grad[1] else None
-        if grad_r is not None:
-            _outer(y1, g2, n_out, out=grad_r[:n_out])
-        del y1
-        gy1 = _rotate(g2, r, transpose=True, nb=n_out)
-        del g2
-        grad_bias = gy1.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
-        gx2 = _mm_w(gy1, weight, wq)
-        del gy1
-        if grad_r is not None:
-            _outer(x1, gx2, r.shape[0] - n_out, out=grad_r[n_out:])
-        del x1
+        # mem: re-gather x1 (the core recomputes y1); the gathered tensors passed inline,
+        # so that the core frees them as soon as it is done with them, and the cotangent's
+        # gather made after the recomputation (at most two activations at once)
+        gx1, grad_r, grad_bias = _core_backward(
+            lambda: _gather(g2d, perm_out_inv, triton_path),
+            xs if keep_y1 else _gather(xs, perm_in_inv, triton_path), y1, r, weight, bias,
+            wq, n_out, ctx.needs_input_grad, ctx.cnp, cnp_saved)
         gx = None
-        if ctx.needs_input_grad[0]:
-            gx1 = _rotate(gx2, r, transpose=True, lo=n_out)
-            del gx2
+        if gx1 is not None:
             gx = _gather(gx1, perm_in, triton_path)
             if len(shape) != 2:
                 gx = gx.reshape(shape)
-        if grad_r is not None and ctx.cnp is not None:
-            from xopt.kernels import poet_cayley
-
-            b, formula, tf32, backend, oft_dtype = ctx.cnp
-            grad_r = poet_cayley.blocks_backward(tuple(cnp_saved), grad_r, b, formula, tf32,
-                                                 backend, oft_dtype)
         return gx, grad_r, grad_bias, None
+
+
+def _core_forward(x1: Tensor, r: Tensor, bias: Tensor | None, n_out: int, weight: Tensor,
+                  wq: tuple | None, cnp: tuple | None, dtype: torch.dtype, keep_y1: bool,
+                  bufs: dict | None = None) -> tuple:
+    """The layer's forward between its two gathers (no autograd): from the gathered input
+    ``x1`` to the rotated output ``yr`` (before ``π_out``). Returns ``(yr, r, y1, cnp_saved,
+    cnp_ctx)``: ``r`` the blocks in ``dtype`` (``cnp``: made here from ``oft_R``), ``y1``
+    (fast) or None (mem), what :func:`_core_backward` needs of the series. ``bufs``
+    (the CUDA-graph path, :mod:`xopt.torch.poet_graphs`): ``"x2"``, ``"yr"`` and (mem)
+    ``"y1"`` tensors to write the transients into."""
+    bufs = bufs or {}
+    cnp_saved, cnp_ctx = (), None
+    if cnp is not None:
+        from xopt.kernels import poet_cayley
+
+        b, formula, tf32, cd, backend = cnp
+        oft_dtype = r.dtype
+        r, cnp_saved = poet_cayley.blocks_forward(r, b, formula, tf32, backend, cd)
+        if r.dtype != dtype:
+            r = r.to(dtype)
+        cnp_ctx = (b, formula, tf32, backend, oft_dtype)
+    r = r.contiguous()
+    x2 = _rotate(x1, r, lo=n_out, out=bufs.get("x2"))  # (the blocks r[n_out:] = R_in)
+    # x2 · W0ᵀ (mm; one host call); mem's y1 is a transient
+    y1 = _mm_wt(x2, weight, wq, None if keep_y1 or wq is not None else bufs.get("y1"))
+    del x2
+    if bias is not None:
+        y1 += bias
+    yr = _rotate(y1, r, nb=n_out, out=bufs.get("yr"))  # (r[:n_out] = R_out)
+    return yr, r, (y1 if keep_y1 else None), cnp_saved, cnp_ctx
+
+
+def _core_backward(g2: Tensor | Callable[[], Tensor], x1: Tensor, y1: Tensor | None,
+                   r: Tensor, weight: Tensor, bias: Tensor | None, wq: tuple | None,
+                   n_out: int, needs: Sequence[bool], cnp_ctx: tuple | None,
+                   cnp_saved: Sequence[Tensor], bufs: dict | None = None) -> tuple:
+    """The layer's backward between its two gathers: ``(gx1, grad_r, grad_bias)`` from the
+    gathered cotangent ``g2`` (or a function making it, called after the mem variant's
+    recomputation; ``needs``: which of x, r, bias need a gradient; ``y1`` None: recomputed
+    from ``x1``, the mem variant). ``bufs``: ``"x2"``, ``"y1"`` (mem), ``"gy1"``, ``"gx2"``,
+    ``"gx1"`` tensors to write the transients into (as :func:`_core_forward`)."""
+    bufs = bufs or {}
+    if y1 is None:  # mem: recompute y1, holding at most two activations at once
+        x2 = _rotate(x1, r, lo=n_out, out=bufs.get("x2"))
+        y1 = _mm_wt(x2, weight, wq, None if wq is not None else bufs.get("y1"))
+        del x2
+        if bias is not None:
+            y1 += bias
+    if callable(g2):
+        g2 = g2()
+    grad_r = torch.empty_like(r) if needs[1] else None
+    if grad_r is not None:
+        _outer(y1, g2, n_out, out=grad_r[:n_out])
+    del y1
+    gy1 = _rotate(g2, r, transpose=True, nb=n_out, out=bufs.get("gy1"))
+    del g2
+    grad_bias = gy1.sum(0) if bias is not None and needs[2] else None
+    gx2 = _mm_w(gy1, weight, wq, out=bufs.get("gx2"))
+    del gy1
+    if grad_r is not None:
+        _outer(x1, gx2, r.shape[0] - n_out, out=grad_r[n_out:])
+    del x1
+    gx1 = None
+    if needs[0]:
+        gx1 = _rotate(gx2, r, transpose=True, lo=n_out, out=bufs.get("gx1"))
+    del gx2
+    if grad_r is not None and cnp_ctx is not None:
+        from xopt.kernels import poet_cayley
+
+        b, formula, tf32, backend, oft_dtype = cnp_ctx
+        grad_r = poet_cayley.blocks_backward(tuple(cnp_saved), grad_r, b, formula, tf32,
+                                             backend, oft_dtype)
+    return gx1, grad_r, grad_bias
 
 
 def _dequantize(codes: Tensor, wq: tuple, dtype: torch.dtype) -> Tensor:
@@ -234,9 +277,13 @@ def _dequantize(codes: Tensor, wq: tuple, dtype: torch.dtype) -> Tensor:
     return _spec_module.dequantize_weight(codes, scales, zeros, group_size, dtype, xp=torch)
 
 
-def _mm_wt(x2: Tensor, weight: Tensor, wq: tuple | None) -> Tensor:
-    """``x2 · W0ᵀ``; ``wq = (scales, zeros, group_size, triton, tf32)`` for POET-XQ codes."""
+def _mm_wt(x2: Tensor, weight: Tensor, wq: tuple | None, out: Tensor | None = None,
+           ) -> Tensor:
+    """``x2 · W0ᵀ``; ``wq = (scales, zeros, group_size, triton, tf32)`` for POET-XQ codes;
+    ``out``: write into it (float ``W0`` only; ``linear`` without a bias is this ``mm``)."""
     if wq is None:
+        if out is not None:
+            return torch.mm(x2, weight.t(), out=out)
         return nn.functional.linear(x2, weight)
     if wq[3]:
         from xopt.kernels import poet_qmm
@@ -245,10 +292,11 @@ def _mm_wt(x2: Tensor, weight: Tensor, wq: tuple | None) -> Tensor:
     return nn.functional.linear(x2, _dequantize(weight, wq, x2.dtype))
 
 
-def _mm_w(gy1: Tensor, weight: Tensor, wq: tuple | None) -> Tensor:
-    """``gy1 · W0`` (as :func:`_mm_wt`)."""
+def _mm_w(gy1: Tensor, weight: Tensor, wq: tuple | None, out: Tensor | None = None,
+          ) -> Tensor:
+    """``gy1 · W0`` (as :func:`_mm_wt`; ``out``: write into it, float ``W0`` only)."""
     if wq is None:
-        return torch.mm(gy1, weight)
+        return torch.mm(gy1, weight) if out is None else torch.mm(gy1, weight, out=out)
     if wq[3]:
         from xopt.kernels import poet_qmm
 
@@ -278,6 +326,14 @@ class POETLinear(nn.Module):
         format), dequantised into a temporary inside each product of the forward and
         backward; merges quantise the merged ``W0`` afresh.
       spec: an :class:`xopt.specs.poet.POET` giving the defaults of all of the above.
+      cuda_graphs: replay the triton path's forward and backward from CUDA graphs captured
+        per input signature (:mod:`xopt.torch.poet_graphs`): the eager results, bit for bit,
+        without the host's ~20 launches per call. Off by default: it keeps the gathered
+        input (and, fast, ``y1``) of each captured signature between calls, its graphs'
+        pools and transient buffers shared per shape (memory the eager layer frees after
+        each backward), captures at the second call of each signature, and serves a call
+        only under the conditions listed in that module (else the call runs eagerly).
+        Settable on the layer (``layer.cuda_graphs = True``); :func:`convert` passes it on.
 
     Parameters and buffers (the authors' names, so state dicts interchange):
     ``weight`` (``W0``, ``out × in``, frozen), ``bias``, ``oft_R`` (``(r_out + r_in,
@@ -293,7 +349,7 @@ class POETLinear(nn.Module):
                  cayley_formula: str | None = None, permutation: str | None = None,
                  seed: int = 0, impl: str = "auto", weight_bits: int | None = None,
                  weight_group_size: int | None = None, spec: spec.POET | None = None,
-                 device=None, dtype=None):
+                 cuda_graphs: bool = False, device=None, dtype=None):
         super().__init__()
         hp = spec or _spec_module.POET()
         overrides = {k: v for k, v in dict(block_size=block_size, variant=variant,
@@ -313,6 +369,10 @@ class POETLinear(nn.Module):
             raise HyperparameterError(
                 f"POETLinear: impl='triton' fuses the 3-term series only (neumann_terms="
                 f"{hp.neumann_terms}); use impl='plain'")
+        if not isinstance(cuda_graphs, bool):
+            raise HyperparameterError(f"POETLinear.cuda_graphs = {cuda_graphs!r}: must be a "
+                                      "bool")
+        self.cuda_graphs = cuda_graphs
         self.hp = hp
         self.in_features, self.out_features = in_features, out_features
         self.block_size = b = hp.block_size
@@ -444,17 +504,20 @@ class POETLinear(nn.Module):
         return _spec_module.rotations(x, self.block_size, self.num_out_blocks,
                                       self.hp.neumann_terms, self.hp.cayley_formula, xp=torch)
 
+    def _chain_weight(self, dtype: torch.dtype) -> tuple[Tensor, tuple | None]:
+        """``(W0 for a product in dtype, POET-XQ's tuple)``: POET-XQ's codes as they are
+        (dequantised inside each product), else ``weight`` cast to ``dtype`` if needed."""
+        wq = self._wq()
+        if wq is not None:
+            return self.weight, wq
+        return (self.weight if self.weight.dtype == dtype else self.weight.to(dtype)), None
+
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"POETLinear: input has {x.shape[-1]} features, expected "
                              f"{self.in_features}")
         triton_path = self._use_triton(x.device)
         tf32 = x.dtype in (torch.bfloat16, torch.float16)
-        wq = self._wq()
-        if wq is not None:
-            w = self.weight  # codes: _Chain dequantises them inside each product
-        else:
-            w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
         bias = self.bias
         if triton_path:
             from xopt.kernels import poet_cayley
@@ -466,6 +529,13 @@ class POETLinear(nn.Module):
             # with no casts; otherwise float32 (TF32 products for a bf16/fp16 input).
             cd = x.dtype if tf32 and self.oft_R.dtype == x.dtype else torch.float32
             cnp = (self.block_size, self.hp.cayley_formula, tf32, cd, poet_cayley.BACKEND)
+            if self.cuda_graphs and not torch.compiler.is_compiling():
+                from xopt.torch import poet_graphs
+
+                y = poet_graphs.forward(self, x, cnp)
+                if y is not None:
+                    return y
+            w, wq = self._chain_weight(x.dtype)
             blocks = _stashed_blocks(self, cnp)
             if blocks is not None and blocks.dtype != x.dtype:
                 blocks = blocks.to(x.dtype)  # (float32 series for a bf16/fp16 input)
@@ -473,6 +543,7 @@ class POETLinear(nn.Module):
                                 (self.num_out_blocks, w, self.perm_in, self.perm_in_inv,
                                  self.perm_out, self.perm_out_inv, self.variant == "fast",
                                  True, cnp if blocks is None else None, wq))
+        w, wq = self._chain_weight(x.dtype)
         r_out, r_in = self.rotations(False)
         r_out, r_in = r_out.to(x.dtype), r_in.to(x.dtype)
         pin, pin_inv = self.perm_in.long(), self.perm_in_inv.long()
@@ -566,7 +637,8 @@ class POETLinear(nn.Module):
                 f"block_size={self.block_size}, bias={self.bias is not None}, "
                 f"variant={self.variant!r}, impl={self.impl!r}"
                 + (f", weight_bits={self.weight_bits}, weight_group_size="
-                   f"{self.weight_group_size}" if self.quantized else ""))
+                   f"{self.weight_group_size}" if self.quantized else "")
+                + (", cuda_graphs=True" if self.cuda_graphs else ""))
 
 
 _spec_module = spec  # the constructor's ``spec=`` argument shadows the module name
@@ -638,7 +710,8 @@ def batch_rotations(model: nn.Module):
     same per-block arithmetic), and each layer's forward takes its blocks from there.
 
     Layers on the triton path only (CUDA; ``impl="plain"`` layers evaluate their own), not
-    POET-XQ layers, not DTensor (FSDP2) parameters, and only while the blocks are current:
+    POET-XQ layers, not ``cuda_graphs`` layers (their graphs evaluate the series), not
+    DTensor (FSDP2) parameters, and only while the blocks are current:
     a layer whose ``oft_R`` changed since (an optimizer step, a merge) or that is called
     outside the model's forward with another dtype or grad mode evaluates its own. The
     input of each layer is assumed in the layer's dtype (else it evaluates its own).
@@ -653,7 +726,8 @@ def batch_rotations(model: nn.Module):
         for layer in every:
             _STASH.pop(layer, None)
             oft = layer.oft_R
-            if (layer.quantized or is_dtensor(oft) or not layer._use_triton(oft.device)):
+            if (layer.quantized or is_dtensor(oft) or not layer._use_triton(oft.device)
+                    or layer.cuda_graphs):  # (a graphed layer's graphs make its blocks)
                 continue
             dt = layer.weight.dtype
             tf32 = dt in (torch.bfloat16, torch.float16)
@@ -684,7 +758,9 @@ def convert(model: nn.Module, block_size: int | None = None, *, spec: spec.POET 
     As the authors' ``replace_linear_with_poet``: names containing an ``exclude_modules``
     entry (case-insensitive) are skipped, ``target_modules`` (if given) must match, and a
     layer whose widths ``block_size`` does not divide is left as it is (listed in the
-    returned count's complement; ask :func:`poet_layers`). Returns ``(model, replaced)``.
+    returned count's complement; ask :func:`poet_layers`). ``kwargs`` go to each
+    :class:`POETLinear` (``variant=``, ``impl=``, ``cuda_graphs=``, ...). Returns
+    ``(model, replaced)``.
     """
     hp = spec or _spec_module.POET()
     if block_size is not None:
@@ -905,6 +981,15 @@ class POETAdamW(Optimizer):
             if not dtensor and _fused_step(ps, gs, ms, vs):
                 from xopt.kernels import poet_adam
 
+                if _MANY[0] and all(g.dtype == gs[0].dtype for g in gs):
+                    try:  # the bucket in one launch
+                        poet_adam.adam_update_many(ps, gs, ms, vs, b1, b2, group["eps"],
+                                                   step_size, decay)
+                        continue
+                    except Exception as e:  # (fails before its launch: nothing changed)
+                        _MANY[0] = False
+                        warnings.warn(f"POETAdamW: the one-launch step failed ({e!r}); "
+                                      "one launch per parameter from now on", stacklevel=2)
                 for p, g, m, v in zip(ps, gs, ms, vs, strict=True):
                     poet_adam.adam_update(p, g, m, v, b1, b2, group["eps"], step_size, decay)
                 continue
@@ -947,10 +1032,13 @@ class POETAdamW(Optimizer):
         self.global_step_counter = counter
 
 
-#: POETAdamW's CUDA updates in one pass per parameter (xopt.kernels.poet_adam: the foreach
-#: path's operations in its order and precision, one read and one write of each tensor
-#: instead of ~10 passes); ``XOPT_POET_FUSED_STEP=0`` keeps the foreach path
+#: POETAdamW's CUDA updates in one pass, one launch per bucket (xopt.kernels.poet_adam:
+#: the foreach path's operations in its order and precision, one read and one write of
+#: each tensor instead of ~10 passes); ``XOPT_POET_FUSED_STEP=0`` keeps the foreach path
 FUSED_STEP = os.environ.get("XOPT_POET_FUSED_STEP", "1") not in ("", "0")
+#: whether the bucket's one-launch update (poet_adam.adam_update_many) is in use: turned off
+#: for the process if its kernel cannot be built here (a Triton without int-to-pointer casts)
+_MANY = [True]
 
 
 def _fused_step(ps, gs, ms, vs) -> bool:
