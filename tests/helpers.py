@@ -89,11 +89,12 @@ def worker_results(test_file: str | Path) -> dict:
     import subprocess
     import sys
 
+    import torch
+
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
-                           capture_output=True, text=True, env=env)
-    if probe.stdout.strip() != "True":
+    # the child inherits this environment, so it sees the GPUs this process sees
+    if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, str(test_file), "--worker"], capture_output=True,

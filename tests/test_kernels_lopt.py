@@ -61,6 +61,10 @@ EXACT = 1e-6
 FAST_STEP = 2e-2
 
 SHAPES = [(), (5,), (7, 3), (3, 9), (6, 6), (2, 3, 5), (3, 2, 4, 5), (40, 36), (9, 1, 4)]
+#: for the checks whose subject does not depend on the shapes (the host tables' reuse, the
+#: loss buffer, when the carried sums are used): an unfactored, a factored and a batched
+#: tensor (a step on SHAPES costs about four of these under the interpreter)
+FEW = [(), (7, 3), (2, 3, 5)]
 
 
 # -- the child process ------------------------------------------------------------------------
@@ -76,14 +80,14 @@ def _worker() -> dict:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     out: dict = {"device": dev}
 
-    def params_for(dtype, seed=0):
+    def params_for(dtype, seed=0, shapes=SHAPES):
         g = torch.Generator().manual_seed(seed)
         return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype).to(dev))
-                for s in SHAPES]
+                for s in shapes]
 
-    def grads(seed, dtype):
+    def grads(seed, dtype, shapes=SHAPES):
         g = torch.Generator().manual_seed(seed)
-        return [torch.randn(s, generator=g).to(dtype).to(dev) for s in SHAPES]
+        return [torch.randn(s, generator=g).to(dtype).to(dev) for s in shapes]
 
     rel = max_rel
     make_velo = velo_sharing_theta(num_training_steps=100, seed=3)  # θ drawn once
@@ -222,13 +226,15 @@ def _worker() -> dict:
 
     # VeLO's sums of the old accumulators carried from the last step's fused pass: the same
     # bits as summing the state anew; summed anew only on the first step and after an
-    # in-place edit of the state (which the step then follows, against plain)
+    # in-place edit of the state (which the step then follows, against plain). On FEW
+    # shapes: the carried sums of tensors of several tiles are checked bit for bit in
+    # tests/test_kernels_velo_fold.py
     carry = {}
     for impl in ("plain", "triton"):
-        params = params_for(torch.float32)
+        params = params_for(torch.float32, shapes=FEW)
         opt = make("velo", params, impl)
         for t in range(4):
-            for p, g in zip(params, grads(100 + t, torch.float32), strict=True):
+            for p, g in zip(params, grads(100 + t, torch.float32, FEW), strict=True):
                 p.grad = g
             if t == 2:
                 for p in params:
@@ -252,21 +258,23 @@ def _worker() -> dict:
 
     # the host tables are kept between steps (xopt.torch._lopt.TritonIO): the same tensors
     # give the same version; a new lr or a new gradient tensor gives a new one, and the step
-    # follows it (against plain, with the lr changed and the gradients replaced mid-run)
+    # follows it (against plain, with the lr changed and the gradients replaced mid-run).
+    # On FEW shapes: what is checked here is which step rebuilds the tables, not the kernels'
+    # arithmetic on each shape (that is the comparisons above)
     for method in METHODS:
         res = {}
         for impl in ("plain", "triton"):
-            params = params_for(torch.float32)
+            params = params_for(torch.float32, shapes=FEW)
             opt = make(method, params, impl, weight_decay=0.1, weight_decay_mode="decoupled")
             versions = []
             for t in range(5):
                 if t != 2:  # step 2 reuses step 1's gradient tensors
-                    for p, g in zip(params, grads(100 + t, torch.float32), strict=True):
+                    for p, g in zip(params, grads(100 + t, torch.float32, FEW), strict=True):
                         p.grad = g
                 if t == 3:
                     opt.param_groups[0]["lr"] = 0.5
                 if t == 4:  # a parameter's data replaced (same values, new memory)
-                    params[7].data = params[7].data.clone()
+                    params[1].data = params[1].data.clone()
                 opt.step(loss=torch.tensor(2.0 - 0.1 * t))
                 versions.append(opt._fio.version if opt._fio is not None else None)
             res[impl] = (params, opt, versions)
@@ -281,13 +289,14 @@ def _worker() -> dict:
                 ob._triton, "graph_recordings", None)
 
     # VeLO's loss buffer on the device inside the step (the CUDA graph's path; eagerly on
-    # the CPU) against the host-side loss buffer, 4 steps and a state_dict round trip
+    # the CPU) against the host-side loss buffer, 4 steps and a state_dict round trip (on
+    # FEW shapes: the loss buffer does not depend on the parameters' shapes)
     lb = {}
     for mode in (False, True):
-        params = params_for(torch.float32)
+        params = params_for(torch.float32, shapes=FEW)
         opt = make("velo", params, "triton")
         for t in range(4):
-            for p, g in zip(params, grads(100 + t, torch.float32), strict=True):
+            for p, g in zip(params, grads(100 + t, torch.float32, FEW), strict=True):
                 p.grad = g
             if opt._triton is not None:
                 opt._triton.loss_in_graph = mode
@@ -406,13 +415,18 @@ def test_golden_traces_through_the_harness(results, method):
     assert all(impl == "triton" for _, impl, *_ in g["runs"])
 
 
+#: a small VeLO (the Triton kernels support it): the tests below check which inputs a step
+#: keeps and rechecks, not θ's values; the default θ takes seconds to draw and to run on a CPU
+SMALL_VELO = dict(num_training_steps=10, lstm_hidden_size=8, param_inits=4)
+
+
 @pytest.fixture(scope="module")
 def velo_theta() -> dict:
-    """VeLO's default θ (``meta_init``, seed 0: what ``VeLO(params)`` draws), drawn once for
-    the in-process tests below (~3.5 s a draw on a CPU)."""
+    """A θ for :data:`SMALL_VELO` (``meta_init``, seed 0), drawn once for the in-process
+    tests below."""
     from xopt.specs import velo as sv
 
-    return sv.meta_init(sv.VeLO(num_training_steps=10), 0)
+    return sv.meta_init(sv.VeLO(**SMALL_VELO), 0)
 
 
 def test_gathered_parameters_are_kept_and_rechecked(velo_theta):
@@ -423,7 +437,7 @@ def test_gathered_parameters_are_kept_and_rechecked(velo_theta):
     import xopt.torch as xt
 
     ps = [torch.nn.Parameter(torch.randn(s)) for s in ((3, 4), (5,))]
-    opt = xt.VeLO(ps, velo_theta, impl="plain", num_training_steps=10)
+    opt = xt.VeLO(ps, velo_theta, impl="plain", **SMALL_VELO)
     for p in ps:
         p.grad = torch.randn_like(p)
     opt.step(loss=1.0)
@@ -451,7 +465,7 @@ def test_steady_step_rechecks_what_can_change(velo_theta):
     if dev == "cpu" and not interpreting():
         pytest.skip("the Triton path on the CPU needs TRITON_INTERPRET=1")
     ps = [torch.nn.Parameter(torch.randn(s, device=dev)) for s in ((4, 3), (5,))]
-    opt = xt.VeLO(ps, velo_theta, impl="triton", num_training_steps=10)
+    opt = xt.VeLO(ps, velo_theta, impl="triton", **SMALL_VELO)
 
     def new_grads():
         for p in ps:

@@ -99,50 +99,20 @@ def torch_teacher_forced(gd: Golden, t: int):
     return params, S.STATE.to_canonical("xopt.torch", out, gd.names, gd.hp)
 
 
-def jax_teacher_forced(gd: Golden, t: int):
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    import xopt.jax
-    from xopt.parity.runners import flatten_with_paths, replace_by_paths
-
-    key = ("jax", id(gd))
-    if key not in _JAX:
-        tx = xopt.jax.small_fc_lopt(gd.theta_original, spec=gd.hp)
-
-        def step(p, s, g, loss):
-            u, s = tx.update(g, s, p, value=loss)
-            return optax.apply_updates(p, u), s
-
-        _JAX[key] = tx, jax.jit(step)
-    tx, step = _JAX[key]
-    p = {k: jnp.asarray(v) for k, v in gd.params(t - 1).items()}
-    s = replace_by_paths(tx.init(p), S.STATE.from_canonical("xopt.jax", gd.state(t - 1),
-                                                            gd.names, gd.hp))
-    g = {k: jnp.asarray(v) for k, v in gd.trace.grads(t).items()}
-    p, s = step(p, s, g, jnp.float32(gd.trace.loss(t)))
-    flat = {k: np.asarray(v) for k, v in flatten_with_paths(s).items()}
-    return ({k: np.asarray(v) for k, v in p.items()},
-            S.STATE.to_canonical("xopt.jax", flat, gd.names, gd.hp))
-
-
-_JAX: dict = {}
-# the richest case (learned decay offsets, biases, a live magnitude head) for jax, whose
-# compilation dominates this file's time; parity_tests/ runs every case on both backends
+# the torch backend on every case; xopt.jax's golden teacher-forced check is in
+# parity_tests/test_learned_optimizers.py only (the same traces, every step, the same 1e-6,
+# through the harness's jitted optax runner), its compilation being this file's costliest part
+CASES = [pytest.param(p, id=_short(p), marks=needs_torch) for p in GOLDEN]
+# the richest case (learned decay offsets, biases, a live magnitude head)
 PERTURBED = next((p for p in GOLDEN if "perturbed" in p), GOLDEN[0] if GOLDEN else None)
-CASES = [pytest.param(p, "torch", id=f"{_short(p)}-torch", marks=needs_torch) for p in GOLDEN]
-if PERTURBED:
-    CASES.append(pytest.param(PERTURBED, "jax", id=f"{_short(PERTURBED)}-jax", marks=needs_jax))
 
 
 @needs_golden
-@pytest.mark.parametrize("path,backend", CASES)
-def test_golden_teacher_forced(path, backend):
+@pytest.mark.parametrize("path", CASES)
+def test_golden_teacher_forced(path):
     gd = golden(path)
-    run = torch_teacher_forced if backend == "torch" else jax_teacher_forced
     for t in (0, 17):
-        params, state = run(gd, t)
+        params, state = torch_teacher_forced(gd, t)
         want_p, want_s = gd.params(t), gd.state(t)
         for k in gd.names:
             assert rel(params[k], want_p[k]) <= TOL, (t, k, rel(params[k], want_p[k]))
