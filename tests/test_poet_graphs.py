@@ -90,17 +90,20 @@ def _call(layer, x, g):
 
 def _same(a, b):
     for u, v in zip(a, b, strict=True):
+        # (finite first: NaN is never equal to itself, and a diverging schedule is the
+        # test's fault, not the graphs')
+        assert u is None or bool(torch.isfinite(u).all()), "the eager layer went non-finite"
         assert (u is None and v is None) or torch.equal(u, v)
 
 
-def _step(layer):
+def _step(layer, lr=1e-3):
     with torch.no_grad():  # in place, as an optimizer updates
-        layer.oft_R.add_(layer.oft_R.grad, alpha=-1e-3)
+        layer.oft_R.add_(layer.oft_R.grad, alpha=-lr)
         if layer.bias is not None:
-            layer.bias.add_(layer.bias.grad, alpha=-1e-3)
+            layer.bias.add_(layer.bias.grad, alpha=-lr)
 
 
-def _run_schedule(eager, graphed, shapes, dtype, steps=3):
+def _run_schedule(eager, graphed, shapes, dtype, steps=3, lr=1e-3):
     """Steps with in-place updates, a merge, a second shape, a no_grad call: every output
     and gradient equal; returns the graphed layer's stats."""
     from xopt.torch import poet_graphs
@@ -112,8 +115,8 @@ def _run_schedule(eager, graphed, shapes, dtype, steps=3):
             x = torch.randn(*shape, eager.in_features, device=dev, dtype=dtype)
             g = torch.randn(*shape, eager.out_features, device=dev, dtype=dtype)
             _same(_call(eager, x, g), _call(graphed, x, g))
-            _step(eager)
-            _step(graphed)
+            _step(eager, lr)
+            _step(graphed, lr)
             if i == 1:
                 eager.merge_and_reset()
                 graphed.merge_and_reset()
@@ -284,7 +287,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs nee
 def test_cuda_graphed_layer_is_the_eager_layer_bit_for_bit(variant, dtype, kw):
     eager, graphed = _pair(variant, dtype=dtype, device=torch.device("cuda"), n_in=256,
                            n_out=512, b=64, **kw)
-    st = _run_schedule(eager, graphed, [(2, 64), (96,)], dtype)
+    # (at these sizes a step of 1e-3 diverges: oft_R's gradient reaches 3e4 after the merge
+    # and the fifth call is NaN on both sides, eager and graphed alike; 1e-5 stays finite)
+    st = _run_schedule(eager, graphed, [(2, 64), (96,)], dtype, lr=1e-5)
     assert st["captures"] == 2 and st["replays"] == 10
 
 
