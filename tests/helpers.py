@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import platform
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +23,24 @@ has_triton = importlib.util.find_spec("triton") is not None
 
 needs_torch = pytest.mark.skipif(not has_torch, reason="torch is not installed")
 needs_jax = pytest.mark.skipif(not has_jax, reason="jax/optax are not installed")
+#: XLA:CPU's code without fused multiply-adds is asked for by an x86 ISA name (SSE4.2)
+needs_x86 = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                               reason="the FMA-free code generation is requested by an x86 "
+                                      "ISA name")
+
+
+def fma_free_jax_child(code: str) -> dict:
+    """Run ``code`` (``sys.argv[1]``: the repository root; ``tests`` and its modules'
+    ``helpers`` importable) in a child process whose JAX runs on an XLA:CPU that emits no
+    fused multiply-add (SSE4.2 code), so that two programs' bits do not depend on which
+    products each contracts; the JSON object it prints last."""
+    env = dict(os.environ, XLA_FLAGS="--xla_cpu_max_isa=SSE4_2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", code, str(REPO)], env=env,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 #: How a test's failure reads when a process of it was killed by a signal in native code
@@ -191,3 +214,20 @@ def rounding_sensitivity(ref, p64, g64, states, want, lr, rounds: int = 3, *,
                   [{n: jig(v) for n, v in s_.items()} for s_ in states], *extra)
         worst = [max(w, max_rel(lr * a, b)) for w, a, b in zip(worst, out, want, strict=True)]
     return worst if per_tensor else max(worst, default=0.0)
+
+
+def exact_in_float32(a, b) -> bool:
+    """Whether every partial sum of ``a @ b`` (any order) is exact in float32: its terms
+    are multiples of ``2^q`` whose absolute sum stays below ``2^(24 + q)``."""
+    import numpy as np
+
+    a, b = (np.asarray(x, np.float64) for x in (a, b))
+    assert np.abs(a).max() < 2**20 and np.abs(b).max() < 2**20
+
+    def grain(x):  # the largest power of two dividing x (inf for zero; 2⁻⁴⁰ at the finest)
+        k = np.round(np.abs(x) * 2.0**40).astype(np.int64)
+        return np.where(x == 0, np.inf, (k & -k) * 2.0**-40)
+
+    terms = np.abs(a[:, :, None] * b[None, :, :])
+    q = (grain(a)[:, :, None] * grain(b)[None, :, :]).min(axis=1)
+    return bool(np.all(terms.sum(axis=1) < 2.0**24 * q))

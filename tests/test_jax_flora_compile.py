@@ -11,15 +11,11 @@ row offset per leaf compiled a kernel per leaf).
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from helpers import fma_free_jax_child, needs_x86
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
@@ -116,15 +112,8 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
-                    reason="the FMA-free code generation is requested by an x86 ISA name")
+@needs_x86
 def test_drawn_projections_are_normal_many_rows_bit_for_bit() -> None:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_cpu_max_isa=SSE4_2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", _CHILD, root], env=env,
-                          capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = fma_free_jax_child(_CHILD)
     assert report["steps"] == 3 and report["transfers"] == 1, report
     assert report["differing"] == [], report

@@ -10,14 +10,10 @@ program's conditionals do not grow with the number of same-shaped leaves.
 from __future__ import annotations
 
 import importlib
-import json
-import os
-import platform
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from helpers import fma_free_jax_child, needs_x86
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
@@ -139,16 +135,9 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
-                    reason="the FMA-free code generation is requested by an x86 ISA name")
+@needs_x86
 def test_grouped_updates_and_states_are_the_per_leaf_paths_bit_for_bit() -> None:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_cpu_max_isa=SSE4_2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", _CHILD, root], env=env,
-                          capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = fma_free_jax_child(_CHILD)
     assert set(report) >= set(METHODS)
     for case, r in report.items():
         assert r["leaves"] > 0 and r["differing"] == 0, (case, r)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import needs_torch
+from helpers import exact_in_float32, needs_torch
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
@@ -134,20 +134,6 @@ def _projection_of(method: str, state, name: str):
     return state.projector[name]
 
 
-def _exact_in_float32(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether every partial sum of ``a @ b`` is exact in float32: terms that are multiples
-    of ``2^q`` whose absolute sum stays below ``2^(24 + q)``."""
-    a, b = (np.asarray(x, np.float64) for x in (a, b))
-
-    assert np.abs(a).max() < 2**20 and np.abs(b).max() < 2**20
-
-    def grain(x):  # the largest power of two dividing x (inf for zero; 2⁻⁴⁰ at the finest)
-        k = np.round(np.abs(x) * 2.0**40).astype(np.int64)
-        return np.where(x == 0, np.inf, (k & -k) * 2.0**-40)
-
-    terms = np.abs(a[:, :, None] * b[None, :, :])
-    q = (grain(a)[:, :, None] * grain(b)[None, :, :]).min(axis=1)
-    return bool(np.all(terms.sum(axis=1) < 2.0**24 * q))
 
 
 @pytest.mark.parametrize("wd", [0.0, WD], ids=["no-decay", "decay"])
@@ -185,7 +171,7 @@ def test_param_is_the_specs_bf16_step(method: str, wd: float) -> None:
                 a, b = (pb.T, g) if left else (g, pb)
             else:
                 a, b = (pb.T, g) if left else (g, pb.T)
-            assert _exact_in_float32(a, b), (name, t)
+            assert exact_in_float32(a, b), (name, t)
             m, v = state[f"m/{name}"], state[f"v/{name}"]
             if method == "plumage":
                 n = plumage_spec.adam_direction(np, m, v, hp)
@@ -195,7 +181,7 @@ def test_param_is_the_specs_bf16_step(method: str, wd: float) -> None:
                 n = lowrank.hf_adam_direction(np, m, v, hp.eps)
             n = n.astype(BF16).astype(np.float64)
             a, b = (pb, n) if left else (n, pb if method != "plumage" else pb.T)
-            assert _exact_in_float32(a, b), (name, t)
+            assert exact_in_float32(a, b), (name, t)
 
 
 @needs_torch

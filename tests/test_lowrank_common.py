@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import needs_jax, needs_torch
+from helpers import exact_in_float32, needs_jax, needs_torch
 
 from xopt.errors import HyperparameterError
 from xopt.specs import lowrank
@@ -258,19 +258,6 @@ def _run_proj_dtype(kind, dtype, proj_dtype, steps=6, per_param=False):
     return history, opt
 
 
-def _exact_in_float32(a, b):
-    """Whether every partial sum of ``a @ b`` (any order) is exact in float32: its terms
-    are multiples of ``2^q`` whose absolute sum stays below ``2^(24 + q)``."""
-    a, b = (np.asarray(x, np.float64) for x in (a, b))
-    assert np.abs(a).max() < 2**20 and np.abs(b).max() < 2**20
-
-    def grain(x):  # the largest power of two dividing x (inf for zero; 2⁻⁴⁰ at the finest)
-        k = np.round(np.abs(x) * 2.0**40).astype(np.int64)
-        return np.where(x == 0, np.inf, (k & -k) * 2.0**-40)
-
-    terms = np.abs(a[:, :, None] * b[None, :, :])
-    q = (grain(a)[:, :, None] * grain(b)[None, :, :]).min(axis=1)
-    return bool(np.all(terms.sum(axis=1) < 2.0**24 * q))
 
 
 def _reference_step(kind, p, g, m, v, proj, d, count, hp):
@@ -284,7 +271,7 @@ def _reference_step(kind, p, g, m, v, proj, d, count, hp):
         a, b = (g, pd) if tall else (pd.T, g)
     else:
         a, b = (g, pd.T) if tall else (pd.T, g)
-    assert _exact_in_float32(a.float().numpy(), b.float().numpy())
+    assert exact_in_float32(a.float().numpy(), b.float().numpy())
     r = torch.matmul(a, b).float()
     m = m * hp["b1"] + r * (1.0 - hp["b1"])
     v = v * hp["b2"] + (r * r) * (1.0 - hp["b2"])
@@ -294,7 +281,7 @@ def _reference_step(kind, p, g, m, v, proj, d, count, hp):
         a, b = (n.to(bf), pd.T) if tall else (pd, n.to(bf))
     else:
         a, b = (n.to(bf), pd) if tall else (pd, n.to(bf))
-    assert _exact_in_float32(a.float().numpy(), b.float().numpy())
+    assert exact_in_float32(a.float().numpy(), b.float().numpy())
     u = torch.matmul(a, b)
     if kind != "plumage":
         u = u * hp["scale"]
