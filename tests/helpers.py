@@ -231,3 +231,21 @@ def exact_in_float32(a, b) -> bool:
     terms = np.abs(a[:, :, None] * b[None, :, :])
     q = (grain(a)[:, :, None] * grain(b)[None, :, :]).min(axis=1)
     return bool(np.all(terms.sum(axis=1) < 2.0**24 * q))
+
+
+def jax_block_model(k: int, seed: int = 0) -> dict:
+    """A JAX parameter tree of ``k`` copies of a block (a 16 x 24 and a 24 x 16 matrix,
+    whose projections for a low-rank method have the same size, and a bias) and a 12 x 20
+    matrix of a shape of its own; float32 normals from ``seed``."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def leaf(*shape: int):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+    params = {f"blk{i}": {"w1": leaf(16, 24), "w2": leaf(24, 16), "b": leaf(24)}
+              for i in range(k)}
+    params["odd"] = leaf(12, 20)
+    return params

@@ -16,25 +16,9 @@ import textwrap
 
 import pytest
 from helpers import fma_free_jax_child, needs_x86
+from helpers import jax_block_model as _model
 
 jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
-
-
-def _model(k: int, seed: int = 0) -> dict:
-    """``k`` blocks: a left-compressed matrix, a right-compressed one whose projection has
-    the same size, and a bias; and a matrix of a projection size of its own."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-
-    def leaf(*shape: int) -> jax.Array:
-        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
-
-    params = {f"blk{i}": {"w1": leaf(16, 24), "w2": leaf(24, 16), "b": leaf(24)}
-              for i in range(k)}
-    params["odd"] = leaf(12, 20)
-    return params
 
 
 def _distinct_kernels(k: int) -> int:
