@@ -330,9 +330,10 @@ def test_carried_accumulators_differ_by_fma_contraction(sfc, k):
             assert np.array_equal(t, plain), var
             assert np.array_equal(j, first), var
         elif var == "v_diag":
-            # torch: the second product contracted, as for m and rms (seen on an H200). XLA
-            # may also contract g·g + 1e-30 itself: the Pallas path's value is one of the
-            # three evaluations with x = rn(rn(g·g) + 1e-30) or x = fma(g, g, 1e-30), printed
+            # torch: the second product contracted, as for m and rms (seen on an H200). The
+            # Pallas path's: not yet identified on a GPU (on an H200 some elements match
+            # none of the three evaluations with x = rn(rn(g·g) + 1e-30) or fma(g, g, 1e-30);
+            # the assertion fails there and prints which of them each element matches)
             assert np.array_equal(t, second), var
             xf = fma32(g, g, np.float32(1e-30))[..., None]
             found = {}
