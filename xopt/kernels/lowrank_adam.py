@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from xopt.kernels import NO_FP_FUSION
-from xopt.kernels._grid import cdiv
+from xopt.kernels._tables import at, block_map
 
 __all__ = ["BACKEND", "adam_moments", "runs_on"]
 
@@ -59,24 +59,13 @@ def runs_on(device: torch.device) -> bool:
 
 
 @triton.jit
-def _at(ptr, offs, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """``ptr + offs`` (a block of ``BLOCK`` consecutive entries); ``ALIGNED``: said to start
-    16-byte aligned, so that the accesses are vectorised (an address read from a table is
-    not known to be)."""
-    p = ptr + offs
-    if ALIGNED:
-        p = tl.max_contiguous(tl.multiple_of(p, [16]), [BLOCK])
-    return p
-
-
-@triton.jit
 def _adam_block(m_ptr, v_ptr, r_ptr, n_ptr, offs, size, b1, omb1, b2, omb2, eps,
                 EPS_INSIDE: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
                 BLOCK: tl.constexpr):
-    mp = _at(m_ptr, offs, ALIGNED, BLOCK)
-    vp = _at(v_ptr, offs, ALIGNED, BLOCK)
-    rp = _at(r_ptr, offs, ALIGNED, BLOCK)
-    np_ = _at(n_ptr, offs, ALIGNED, BLOCK)
+    mp = at(m_ptr, offs, ALIGNED, BLOCK)
+    vp = at(v_ptr, offs, ALIGNED, BLOCK)
+    rp = at(r_ptr, offs, ALIGNED, BLOCK)
+    np_ = at(n_ptr, offs, ALIGNED, BLOCK)
     if MASKED:
         mask = offs < size
         r = tl.load(rp, mask=mask).to(tl.float32)  # bf16: widened exactly
@@ -221,15 +210,7 @@ def _block_map(sizes: list[int], device: torch.device) -> tuple[torch.Tensor, ..
     if key not in _BLOCKS:
         if len(_BLOCKS) >= _TABLES_MAX:
             _BLOCKS.clear()
-        counts = torch.tensor([cdiv(n, _BLOCK) for n in sizes], dtype=torch.int64)
-        total = int(counts.sum())
-        if total == 0:
-            _BLOCKS[key] = None
-        else:
-            tensor = torch.repeat_interleave(torch.arange(len(sizes)), counts)
-            start = torch.cumsum(counts, 0) - counts
-            index = torch.arange(total) - start[tensor]
-            _BLOCKS[key] = tuple(x.to(device) for x in (
-                torch.tensor(sizes, dtype=torch.int64), tensor.to(torch.int32),
-                index.to(torch.int32)))
+        tensor, index = block_map(sizes, _BLOCK)
+        _BLOCKS[key] = None if tensor.numel() == 0 else tuple(x.to(device) for x in (
+            torch.tensor(sizes, dtype=torch.int64), tensor, index))
     return _BLOCKS[key]

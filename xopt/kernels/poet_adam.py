@@ -33,6 +33,7 @@ import triton.language as tl
 
 from xopt.kernels import NO_FP_FUSION
 from xopt.kernels._grid import cdiv
+from xopt.kernels._tables import at, block_map
 from xopt.kernels.poet_jit import launch
 
 __all__ = ["BLOCK", "adam_update", "adam_update_many"]
@@ -60,24 +61,13 @@ def _adam_many_kernel(table_ptr, tile_ptr, n_tensors, p0_ptr, g0_ptr, b1, omb1, 
     j = tl.load(tile_ptr + tl.num_programs(0) + pid).to(tl.int64)
     n = tl.load(table_ptr + 4 * n_tensors + t)
     offs = j * BLOCK + tl.arange(0, BLOCK)
-    pp = _at(tl.load(table_ptr + t).to(p0_ptr.dtype), offs, ALIGNED, BLOCK)
-    gp = _at(tl.load(table_ptr + n_tensors + t).to(g0_ptr.dtype), offs, ALIGNED, BLOCK)
-    mp = _at(tl.load(table_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.float32)), offs,
+    pp = at(tl.load(table_ptr + t).to(p0_ptr.dtype), offs, ALIGNED, BLOCK)
+    gp = at(tl.load(table_ptr + n_tensors + t).to(g0_ptr.dtype), offs, ALIGNED, BLOCK)
+    mp = at(tl.load(table_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.float32)), offs,
              ALIGNED, BLOCK)
-    vp = _at(tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.float32)), offs,
+    vp = at(tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.float32)), offs,
              ALIGNED, BLOCK)
     _adam_tile(pp, gp, mp, vp, offs < n, b1, omb1, b2, omb2, eps, neg_step, decay, DECAY)
-
-
-@triton.jit
-def _at(ptr, offs, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """``ptr + offs``; ``ALIGNED``: every address of the table a multiple of 16 bytes
-    (checked on the host), said so, so that the accesses can be wide (an address read
-    from a table is not known aligned)."""
-    p = ptr + offs
-    if ALIGNED:
-        p = tl.max_contiguous(tl.multiple_of(p, [16]), [BLOCK])
-    return p
 
 
 @triton.jit
@@ -142,16 +132,10 @@ def _tables(ps, gs, ms, vs) -> tuple[torch.Tensor, torch.Tensor, bool]:
     hit = _TABLES.get(key)
     if hit is not None:
         return hit
-    n = len(ps)
     sizes = [p.numel() for p in ps]
     rows = [[t.data_ptr() for t in ts] for ts in (ps, gs, ms, vs)]
     table = torch.tensor([*rows[0], *rows[1], *rows[2], *rows[3], *sizes], dtype=torch.int64)
-    tiles = [cdiv(s, BLOCK) for s in sizes]
-    which = torch.repeat_interleave(torch.arange(n, dtype=torch.int32),
-                                    torch.tensor(tiles, dtype=torch.int64))
-    starts = torch.tensor([0, *tiles[:-1]], dtype=torch.int64).cumsum(0)
-    within = (torch.arange(which.numel(), dtype=torch.int64)
-              - starts.repeat_interleave(torch.tensor(tiles, dtype=torch.int64))).to(torch.int32)
+    which, within = block_map(sizes, BLOCK)
     dev = ps[0].device
     aligned = all(a % 16 == 0 for row in rows for a in row)
     hit = (table.to(dev), torch.cat((which, within)).to(dev), aligned)
