@@ -70,9 +70,9 @@ from xopt.kernels.poet_jit import launch
 from xopt.specs import poet as spec
 
 __all__ = ["BACKEND", "BACKENDS", "CayleyNeumann", "blocks_backward", "blocks_forward",
-           "cayley_neumann", "cayley_neumann_reference", "cnp_backward_bmm", "cnp_backward_fused",
-           "cnp_forward_bmm", "cnp_forward_fused", "rotations", "skew", "skew_reference",
-           "triu_grad", "triu_grad_reference"]
+           "blocks_saved_layout", "cayley_neumann", "cayley_neumann_reference",
+           "cnp_backward_bmm", "cnp_backward_fused", "cnp_forward_bmm", "cnp_forward_fused",
+           "rotations", "skew", "skew_reference", "triu_grad", "triu_grad_reference"]
 
 
 # -- references ------------------------------------------------------------------------------
@@ -697,6 +697,16 @@ def blocks_forward(x: torch.Tensor, b: int, formula: str, tf32: bool, backend: s
         return y, (q, *saved)
     y, q, q2 = _cnp_forward(_check(x, "x", _FLOATS), b, True, formula, tf32, dtype)
     return y, (q, q2)
+
+
+def blocks_saved_layout(n: int, b: int, formula: str, backend: str, dtype: torch.dtype,
+                        ) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The ``(shape, dtype)`` of each tensor :func:`blocks_forward` saves for ``n`` blocks
+    (what a fake implementation of an op around it returns, :mod:`xopt.torch.poet`)."""
+    backend = _resolve(backend, formula)
+    if backend == "fused":
+        return [((3, n, b, b), dtype)]
+    return [((n, b, b), dtype)] * (3 if backend == "bmm" else 2)
 
 
 def blocks_backward(saved: tuple[torch.Tensor, ...], g: torch.Tensor, b: int, formula: str,

@@ -175,6 +175,10 @@ class _Chain(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        dev = g.device.type
+        if torch.is_autocast_enabled(dev):  # (a backward called inside autocast)
+            with torch.autocast(dev, enabled=False):
+                return _Chain.backward(ctx, g)
         xs, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, y1, *cnp_saved = \
             ctx.saved_tensors
         keep_y1, triton_path, shape, n_out = ctx.flags
@@ -302,6 +306,139 @@ def _mm_w(gy1: Tensor, weight: Tensor, wq: tuple | None, out: Tensor | None = No
 
         return poet_qmm.matmul_w(gy1, weight, wq[0], wq[1], wq[2], wq[4])
     return torch.mm(gy1, _dequantize(weight, wq, gy1.dtype))
+
+
+# -- the triton chain as two operators, for torch.compile ------------------------------------
+#
+# Under torch.compile the triton path runs as the custom operators below (forward and
+# backward, with fake implementations and the backward registered as the forward's
+# autograd formula): dynamo records one opaque call per layer call instead of tracing
+# the kernels' host code, so a model's layers of every shape sit in one graph (no graph
+# break, no recompilation per layer shape) and run the eager layer's kernels, bit for bit.
+
+_CHAIN_ARGS = ("Tensor x, Tensor oft, Tensor? bias, Tensor weight, Tensor perm_in, "
+               "Tensor perm_in_inv, Tensor perm_out, Tensor perm_out_inv, Tensor? w_scales, "
+               "Tensor? w_zeros, int group_size, int n_out, bool keep_y1, int b, str formula, "
+               "bool tf32, ScalarType cdtype, str backend")
+#: the forward's results: y, then what the backward needs (the gathered input x1 and
+#: y1, fast; the blocks r; the series' saved tensors, padded to three), empty where unused
+_SAVED_MAX = 3
+
+
+def _chain_op_impl(x, oft, bias, weight, perm_in, perm_in_inv, perm_out, perm_out_inv,
+                   w_scales, w_zeros, group_size, n_out, keep_y1, b, formula, tf32, cdtype,
+                   backend):
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):  # (POETLinear.forward enters the op with it off)
+        with torch.autocast(dev, enabled=False):
+            return _chain_op_impl(x, oft, bias, weight, perm_in, perm_in_inv, perm_out,
+                                  perm_out_inv, w_scales, w_zeros, group_size, n_out,
+                                  keep_y1, b, formula, tf32, cdtype, backend)
+    wq = None if w_scales is None else (w_scales, w_zeros, group_size, True, tf32)
+    shape = x.shape
+    x1 = _gather(x.reshape(-1, shape[-1]), perm_in_inv, True)
+    yr, r, y1, saved, _ = _core_forward(x1, oft, bias, n_out, weight, wq,
+                                        (b, formula, tf32, cdtype, backend), x.dtype, keep_y1)
+    y = _gather(yr, perm_out, True)
+    pad = [x.new_empty(0) for _ in range(_SAVED_MAX - len(saved))]
+    return (y.reshape(*shape[:-1], y.shape[-1]), x1 if keep_y1 else x.new_empty(0), r,
+            y1 if keep_y1 else x.new_empty(0), *saved, *pad)
+
+
+def _chain_op_fake(x, oft, bias, weight, perm_in, perm_in_inv, perm_out, perm_out_inv,
+                   w_scales, w_zeros, group_size, n_out, keep_y1, b, formula, tf32, cdtype,
+                   backend):
+    from xopt.kernels import poet_cayley
+
+    n, d_in, d_out = math.prod(x.shape[:-1]), x.shape[-1], perm_out.shape[0]
+    saved = [oft.new_empty(shape, dtype=dt) for shape, dt in poet_cayley.blocks_saved_layout(
+        oft.shape[0], b, formula, backend, cdtype)]
+    return (x.new_empty((*x.shape[:-1], d_out)),
+            x.new_empty((n, d_in)) if keep_y1 else x.new_empty(0),
+            x.new_empty((oft.shape[0], b, b)),
+            x.new_empty((n, d_out)) if keep_y1 else x.new_empty(0),
+            *saved, *(x.new_empty(0) for _ in range(_SAVED_MAX - len(saved))))
+
+
+def _chain_bwd_impl(g, xs, y1, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, w_scales,
+                    w_zeros, group_size, n_out, need_x, need_r, need_bias, b, formula, tf32,
+                    backend, oft_dtype, s0, s1, s2):
+    dev = g.device.type
+    if torch.is_autocast_enabled(dev):
+        with torch.autocast(dev, enabled=False):
+            return _chain_bwd_impl(g, xs, y1, r, weight, bias, perm_in, perm_in_inv,
+                                   perm_out_inv, w_scales, w_zeros, group_size, n_out, need_x,
+                                   need_r, need_bias, b, formula, tf32, backend, oft_dtype,
+                                   s0, s1, s2)
+    from xopt.kernels import poet_cayley
+
+    wq = None if w_scales is None else (w_scales, w_zeros, group_size, True, tf32)
+    saved = (s0, s1, s2)[:len(poet_cayley.blocks_saved_layout(0, b, formula, backend,
+                                                                r.dtype))]
+    g2d = g.reshape(-1, g.shape[-1])
+    xs2d = xs.reshape(-1, xs.shape[-1])
+    gx1, grad_r, grad_bias = _core_backward(
+        lambda: _gather(g2d, perm_out_inv, True),
+        xs2d if y1 is not None else _gather(xs2d, perm_in_inv, True), y1, r, weight, bias,
+        wq, n_out, (need_x, need_r, need_bias), (b, formula, tf32, backend, oft_dtype), saved)
+    return (_gather(gx1, perm_in, True) if gx1 is not None else g.new_empty(0),
+            grad_r if grad_r is not None else g.new_empty(0),
+            grad_bias if grad_bias is not None else g.new_empty(0))
+
+
+def _chain_bwd_fake(g, xs, y1, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, w_scales,
+                    w_zeros, group_size, n_out, need_x, need_r, need_bias, b, formula, tf32,
+                    backend, oft_dtype, s0, s1, s2):
+    n = math.prod(g.shape[:-1])
+    return (g.new_empty((n, perm_in.shape[0])) if need_x else g.new_empty(0),
+            r.new_empty((r.shape[0], _spec_module.num_triu(b)), dtype=oft_dtype) if need_r
+            else g.new_empty(0),
+            g.new_empty((g.shape[-1],)) if need_bias and bias is not None else g.new_empty(0))
+
+
+def _chain_setup(ctx, inputs, output):
+    (x, oft, bias, weight, perm_in, perm_in_inv, _, perm_out_inv, w_scales, w_zeros,
+     group_size, n_out, keep_y1, b, formula, tf32, _, backend) = inputs
+    _, x1, r, y1, *saved = output
+    ctx.save_for_backward(x1 if keep_y1 else x, y1 if keep_y1 else None, r, weight, bias,
+                          perm_in, perm_in_inv, perm_out_inv, w_scales, w_zeros, *saved)
+    ctx.args = (x.shape, group_size, n_out, b, formula, tf32, backend, oft.dtype)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _chain_backward(ctx, g, *_):
+    xs, y1, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, w_scales, w_zeros, *saved = \
+        ctx.saved_tensors
+    shape, group_size, n_out, b, formula, tf32, backend, oft_dtype = ctx.args
+    need = ctx.needs_input_grad[:3]
+    gx, grad_r, grad_bias = torch.ops.xopt.poet_chain_backward(
+        g, xs, y1, r, weight, bias, perm_in, perm_in_inv, perm_out_inv, w_scales, w_zeros,
+        group_size, n_out, need[0], need[1], need[2] and bias is not None, b, formula, tf32,
+        backend, oft_dtype, *saved)
+    return (gx.reshape(shape) if need[0] else None, grad_r if need[1] else None,
+            grad_bias if need[2] and bias is not None else None, *(None,) * 15)
+
+
+_chain_op = torch.library.custom_op(
+    "xopt::poet_chain", _chain_op_impl, mutates_args=(),
+    schema=f"({_CHAIN_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+_chain_op.register_fake(_chain_op_fake)
+_chain_bwd_op = torch.library.custom_op(
+    "xopt::poet_chain_backward", _chain_bwd_impl, mutates_args=(),
+    schema="(Tensor g, Tensor xs, Tensor? y1, Tensor r, Tensor weight, Tensor? bias, "
+           "Tensor perm_in, Tensor perm_in_inv, Tensor perm_out_inv, Tensor? w_scales, "
+           "Tensor? w_zeros, int group_size, int n_out, bool need_x, bool need_r, "
+           "bool need_bias, int b, str formula, bool tf32, str backend, ScalarType oft_dtype, "
+           "Tensor s0, Tensor s1, Tensor s2) -> (Tensor, Tensor, Tensor)")
+_chain_bwd_op.register_fake(_chain_bwd_fake)
+_chain_op.register_autograd(_chain_backward, setup_context=_chain_setup)
+
+
+@torch.compiler.disable(reason=(
+    "POETLinear's plain path: its reference backward is autograd's, which an opaque "
+    "operator cannot run; a graph break per call keeps autograd's bits"))
+def _plain_outside_graph(layer: POETLinear, x: Tensor) -> Tensor:
+    return layer._plain_forward(x)
 
 
 # -- the layer -------------------------------------------------------------------------------
@@ -486,8 +623,9 @@ class POETLinear(nn.Module):
     def _use_triton(self, device: torch.device) -> bool:
         if self.impl == "triton":
             return True
-        return (self.impl == "auto" and self.hp.neumann_terms == 3
-                and self.oft_R.dtype != torch.float64 and _triton_ok(device))
+        # (the device before oft_R: a compiled CPU forward then guards on no parameter)
+        return (self.impl == "auto" and self.hp.neumann_terms == 3 and _triton_ok(device)
+                and self.oft_R.dtype != torch.float64)
 
     def rotations(self, triton_path: bool | None = None, tf32: bool = False,
                   ) -> tuple[Tensor, Tensor]:
@@ -513,9 +651,18 @@ class POETLinear(nn.Module):
         return (self.weight if self.weight.dtype == dtype else self.weight.to(dtype)), None
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling() and not self._use_triton(x.device):
+            return _plain_outside_graph(self, x)  # (first: no guard on the widths)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"POETLinear: input has {x.shape[-1]} features, expected "
                              f"{self.in_features}")
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            # the layer in autocast's dtype with autocast off, as for an input of that
+            # dtype (rotations in float32, W0 cast): the chain writes its products into
+            # buffers of its own dtype (``bmm(out=)``), which autocast cannot recast
+            with torch.autocast(dev, enabled=False):
+                return self.forward(x.to(torch.get_autocast_dtype(dev)))
         triton_path = self._use_triton(x.device)
         tf32 = x.dtype in (torch.bfloat16, torch.float16)
         bias = self.bias
@@ -536,6 +683,11 @@ class POETLinear(nn.Module):
                 if y is not None:
                     return y
             w, wq = self._chain_weight(x.dtype)
+            if torch.compiler.is_compiling():  # one opaque call (the operators above)
+                wq = wq or (None, None, 0)
+                return _chain_op(x, self.oft_R, bias, w, self.perm_in, self.perm_in_inv,
+                                 self.perm_out, self.perm_out_inv, wq[0], wq[1], wq[2],
+                                 self.num_out_blocks, self.variant == "fast", *cnp)[0]
             blocks = _stashed_blocks(self, cnp)
             if blocks is not None and blocks.dtype != x.dtype:
                 blocks = blocks.to(x.dtype)  # (float32 series for a bf16/fp16 input)
@@ -543,7 +695,18 @@ class POETLinear(nn.Module):
                                 (self.num_out_blocks, w, self.perm_in, self.perm_in_inv,
                                  self.perm_out, self.perm_out_inv, self.variant == "fast",
                                  True, cnp if blocks is None else None, wq))
+        return self._plain_forward(x)
+
+    def _plain_forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"POETLinear: input has {x.shape[-1]} features, expected "
+                             f"{self.in_features}")
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            with torch.autocast(dev, enabled=False):
+                return self._plain_forward(x.to(torch.get_autocast_dtype(dev)))
         w, wq = self._chain_weight(x.dtype)
+        bias = self.bias
         r_out, r_in = self.rotations(False)
         r_out, r_in = r_out.to(x.dtype), r_in.to(x.dtype)
         pin, pin_inv = self.perm_in.long(), self.perm_in_inv.long()
@@ -722,6 +885,8 @@ def batch_rotations(model: nn.Module):
     every = poet_layers(model)
 
     def hook(module, args):
+        if torch.compiler.is_compiling():  # (each layer's operator evaluates its series)
+            return
         groups: dict[tuple, list[POETLinear]] = {}
         for layer in every:
             _STASH.pop(layer, None)
