@@ -707,6 +707,8 @@ class POETLinear(nn.Module):
                 return self._plain_forward(x.to(torch.get_autocast_dtype(dev)))
         w, wq = self._chain_weight(x.dtype)
         bias = self.bias
+        if bias is not None and bias.dtype != x.dtype:  # (as W0: the product's dtype)
+            bias = bias.to(x.dtype)
         r_out, r_in = self.rotations(False)
         r_out, r_in = r_out.to(x.dtype), r_in.to(x.dtype)
         pin, pin_inv = self.perm_in.long(), self.perm_in_inv.long()
