@@ -23,6 +23,7 @@ if has_torch:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from torch._dynamo.utils import counters
 DEV = "cuda" if has_torch and torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not has_torch or importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed")
@@ -51,6 +52,7 @@ def _run(model, x, g, steps=2):
     """Forward+backward ``steps`` times (the second call runs what the first compiled);
     the last output, the input's gradient and every trained parameter's gradient."""
     for _ in range(steps):
+        torch.compiler.cudagraph_mark_step_begin()  # (reduce-overhead: a new iteration)
         for p in model.parameters():
             p.grad = None
         xx = x.clone().requires_grad_()
@@ -60,11 +62,9 @@ def _run(model, x, g, steps=2):
 
 
 def _compiled(model, backend):
-    from torch._dynamo.utils import counters
-
     torch._dynamo.reset()
     counters.clear()
-    return torch.compile(model, backend=backend), counters
+    return torch.compile(model, backend=backend)
 
 
 def _same(got, want):
@@ -91,7 +91,7 @@ def test_compiled_triton_path_is_one_graph_with_the_eager_bits(variant):
     want = _run(_model(widths, "triton", variant), x, g, steps=1)
     model = _model(widths, "triton", variant)
     batch_rotations(model)
-    compiled, counters = _compiled(model, "aot_eager")
+    compiled = _compiled(model, "aot_eager")
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = _run(compiled, x, g)
     _same(got, want)
@@ -120,7 +120,7 @@ def test_compiled_triton_path_of_poet_xq():
 
     x, g = torch.randn(6, 32), torch.randn(6, 32)
     want = _run(make(), x, g, steps=1)
-    compiled, counters = _compiled(make(), "aot_eager")
+    compiled = _compiled(make(), "aot_eager")
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = _run(compiled, x, g)
     _same(got, want)
@@ -138,7 +138,7 @@ def test_compiled_plain_path_keeps_autograds_bits_without_a_compile_per_shape(va
         x = torch.randn(3, widths[0])
         g = torch.randn(3, widths[-1])
         want = _run(_model(widths, "plain", variant), x, g, steps=1)
-        compiled, counters = _compiled(_model(widths, "plain", variant), "aot_eager")
+        compiled = _compiled(_model(widths, "plain", variant), "aot_eager")
         _same(_run(compiled, x, g), want)
         reasons = list(counters["graph_break"])
         assert reasons and all("_plain_outside_graph" in r for r in reasons), reasons
@@ -237,17 +237,20 @@ def test_chain_operators_pass_opcheck():
 @pytest.mark.cuda
 @needs_triton
 @pytest.mark.skipif(DEV != "cuda", reason="needs a GPU (run on the device)")
-@pytest.mark.parametrize("variant", ["fast", "mem"])
-def test_compiled_model_on_the_gpu_is_one_graph_with_the_eager_bits(variant):
-    """On a GPU in bfloat16 (the compiled kernels, inductor): the compiled model's outputs
-    and gradients are the eager model's, bit for bit, in one graph without recompiling."""
+@pytest.mark.parametrize(("variant", "mode"), [("fast", "default"), ("mem", "default"),
+                                               ("fast", "reduce-overhead")])
+def test_compiled_model_on_the_gpu_is_one_graph_with_the_eager_bits(variant, mode):
+    """On a GPU in bfloat16 (the compiled kernels, inductor; ``reduce-overhead``: replayed
+    from inductor's CUDA graphs): the compiled model's outputs and gradients are the eager
+    model's, bit for bit, in one graph without recompiling."""
     widths = (256, 512, 256, 512)
     x = torch.randn(4, 64, 256, device=DEV, dtype=torch.bfloat16)
     g = torch.randn(4, 64, 512, device=DEV, dtype=torch.bfloat16)
-    want = _run(_model(widths, "auto", variant, DEV, torch.bfloat16), x, g)
-    compiled, counters = _compiled(_model(widths, "auto", variant, DEV, torch.bfloat16),
-                                   "inductor")
+    want = _run(_model(widths, "auto", variant, DEV, torch.bfloat16), x, g, steps=1)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(_model(widths, "auto", variant, DEV, torch.bfloat16), mode=mode)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        got = _run(compiled, x, g)
+        got = _run(compiled, x, g, steps=3)
     _same(got, want)
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
