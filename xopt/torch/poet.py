@@ -19,6 +19,14 @@ The rotations are evaluated in float32 and cast to the layer's dtype, except on 
 path of a bf16/fp16 layer whose ``oft_R`` has that dtype: there the series runs in it
 (bf16 operands, float32 accumulation; :mod:`xopt.kernels.poet_cayley`), no casts.
 
+Under ``torch.compile`` of a model the triton path is two custom operators
+(``xopt::poet_chain`` and its backward, with fake implementations): one graph for the
+model, one opaque call per layer call running the eager kernels (the eager bits, no
+recompilation per layer shape; :func:`batch_rotations` steps aside, each call evaluates its
+layer's series). The plain path runs eagerly behind a graph break per call (autograd is
+its reference backward). Under autocast the layer runs in autocast's dtype with autocast
+off, as for an input of that dtype.
+
 Merging: :meth:`POETLinear.merge_and_reset` folds the rotations into ``W0``, draws new
 permutations and zeroes ``oft_R``; :func:`merge_and_reset` does every layer of a model;
 drive it from the training loop (:class:`MergeEvery`) or let :class:`POETAdamW` do it
@@ -880,8 +888,9 @@ def batch_rotations(model: nn.Module):
     a layer whose ``oft_R`` changed since (an optimizer step, a merge) or that is called
     outside the model's forward with another dtype or grad mode evaluates its own. The
     input of each layer is assumed in the layer's dtype (else it evaluates its own).
-    Call it after :func:`convert` (the layers are listed once, here). Returns the hook's
-    handle (``.remove()`` turns it off)."""
+    Call it after :func:`convert` (the layers are listed once, here). Under
+    ``torch.compile`` the hook does nothing (each layer's operator evaluates its series).
+    Returns the hook's handle (``.remove()`` turns it off)."""
     from xopt.kernels import poet_cayley
 
     every = poet_layers(model)
