@@ -31,7 +31,10 @@ compiles the kernels), after one warm-up on a side stream; at most
 
 A call runs eagerly (the ordinary path, the same results) where a graph cannot honour it:
 not on CUDA, on a device other than the current one, or not on the triton path, under
-autocast, while ``torch.compile`` traces or a CUDA graph is being captured (the layer
+autocast (a layer's own calls come with it off: :class:`~xopt.torch.poet.POETLinear`
+runs in autocast's dtype with autocast off, and those calls are served), while
+``torch.compile`` traces (the layer is then an operator in the compiled graph) or a CUDA
+graph is being captured (the layer
 inside a graph of the caller's), DTensor (FSDP2) parameters, an empty input, a
 signature's first call, and while the layer's previous graphed call still awaits its
 backward (its saved activations live in the graph's buffers: a second call of the same
