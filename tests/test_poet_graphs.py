@@ -221,6 +221,16 @@ def test_graphs_stand_aside_where_they_cannot_serve(host_graphs):
     assert graphed(x[:0]).shape == (0, 24)
     st = host_graphs.stats(graphed)
     assert st == {"captures": 0, "replays": 0, "eager": 3}
+    # the layer's own calls under autocast come with it off, in autocast's dtype: served,
+    # with the eager layer's results under autocast
+    g = torch.randn(4, 24, device=DEV, dtype=torch.bfloat16)
+    for _ in range(2):
+        with torch.autocast(DEV.type, dtype=torch.bfloat16):
+            got, want = _call(graphed, x, g), _call(eager, x, g)
+        _same(got, want)
+    st = host_graphs.stats(graphed)
+    assert st["captures"] == 1 and st["replays"] == 2  # (the second call: both ways)
+    host_graphs.clear(graphed)
     if DEV.type == "cpu":
         host_graphs.BACKEND = CudaGraphs()
         for _ in range(2):

@@ -273,6 +273,10 @@ class _Graphed(torch.autograd.Function):
     def backward(ctx, g):
         from xopt.torch.poet import _gather
 
+        dev = g.device.type
+        if torch.is_autocast_enabled(dev):  # (a backward inside autocast: as the eager chain)
+            with torch.autocast(dev, enabled=False):
+                return _Graphed.backward(ctx, g)
         layer, entry, needs, st = ctx.k
         if entry.owner is None or entry.owner() is not ctx.token:
             raise RuntimeError(
