@@ -74,22 +74,39 @@ def _same(got, want):
         assert torch.equal(u, v)
 
 
+def _mixed_model():
+    """Triton-path layers of two shapes and of each kind: fast 32→48 with a trained bias,
+    mem 48→32, POET-XQ (``W0`` as 8-bit codes, mem) 32→48; ReLUs between."""
+    from torch import nn
+
+    from xopt.torch.poet import POETLinear
+
+    torch.manual_seed(1)
+    kinds = [((32, 48), dict(variant="fast", bias_requires_grad=True)),
+             ((48, 32), dict(variant="mem")),
+             ((32, 48), dict(variant="mem", weight_bits=8, weight_group_size=32))]
+    layers = [POETLinear.from_linear(nn.Linear(*shape, bias=i == 0), 16, impl="triton",
+                                     seed=i, **kw) for i, (shape, kw) in enumerate(kinds)]
+    with torch.no_grad():
+        for layer in layers:
+            layer.oft_R.normal_(0, 0.1)
+    return nn.Sequential(layers[0], nn.ReLU(), layers[1], nn.ReLU(), layers[2])
+
+
 @needs_triton
-@pytest.mark.parametrize("variant", ["fast", "mem"])
-def test_compiled_triton_path_is_one_graph_with_the_eager_bits(variant):
-    """Three layer shapes (32→48, 48→32, 32→48: two shapes, one repeated), a bias, a 3-d
-    input: one graph, no graph break, no recompilation (``error_on_recompile``), and the
-    eager model's outputs and gradients bit for bit (``aot_eager``: dynamo, the fake
-    implementations and AOTAutograd; the GPU test below runs inductor); with
-    :func:`batch_rotations` installed (under compile each layer's operator evaluates its
-    own series, as the eager layer without the hook)."""
+def test_compiled_triton_path_is_one_graph_with_the_eager_bits():
+    """Layers of two shapes, fast, mem and POET-XQ, a bias, a 3-d input: one graph, no
+    graph break, no recompilation (``error_on_recompile``), and the eager model's outputs
+    and gradients bit for bit (``aot_eager``: dynamo, the fake implementations and
+    AOTAutograd; the GPU test below runs inductor); with :func:`batch_rotations` installed
+    (under compile each layer's operator evaluates its own series, as the eager layer
+    without the hook)."""
     from xopt.torch.poet import batch_rotations
 
-    widths = (32, 48, 32, 48)
     x = torch.randn(2, 5, 32)
     g = torch.randn(2, 5, 48)
-    want = _run(_model(widths, "triton", variant), x, g, steps=1)
-    model = _model(widths, "triton", variant)
+    want = _run(_mixed_model(), x, g, steps=1)
+    model = _mixed_model()
     batch_rotations(model)
     compiled = _compiled(model, "aot_eager")
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -98,33 +115,6 @@ def test_compiled_triton_path_is_one_graph_with_the_eager_bits(variant):
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1
     assert counters["frames"]["total"] == 1
-
-
-@needs_triton
-def test_compiled_triton_path_of_poet_xq():
-    """POET-XQ (W0 as 8-bit codes, dequantised inside the products) through the same
-    operators: the eager bits, one graph."""
-    from torch import nn
-
-    from xopt.torch import poet as xpoet
-
-    def make():
-        torch.manual_seed(1)
-        m = nn.Sequential(nn.Linear(32, 48, bias=False), nn.Linear(48, 32, bias=False))
-        xpoet.convert(m, block_size=16, variant="mem", impl="triton", weight_bits=8,
-                      weight_group_size=32)
-        with torch.no_grad():
-            for layer in xpoet.poet_layers(m):
-                layer.oft_R.normal_(0, 0.1)
-        return m
-
-    x, g = torch.randn(6, 32), torch.randn(6, 32)
-    want = _run(make(), x, g, steps=1)
-    compiled = _compiled(make(), "aot_eager")
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        got = _run(compiled, x, g)
-    _same(got, want)
-    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.skipif(not has_torch, reason="needs torch")
