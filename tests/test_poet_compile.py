@@ -61,10 +61,22 @@ def _run(model, x, g, steps=2):
     return [y.detach(), xx.grad] + [p.grad for p in model.parameters() if p.requires_grad]
 
 
-def _compiled(model, backend):
+def _compiled(model, backend, graphs=None):
+    """``torch.compile(model, backend=backend)`` with dynamo's state and counters reset;
+    ``graphs``: a list that receives each FX graph dynamo hands to the backend."""
     torch._dynamo.reset()
     counters.clear()
+    if graphs is not None:
+        inner = torch._dynamo.lookup_backend(backend)
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return inner(gm, example_inputs)
     return torch.compile(model, backend=backend)
+
+
+def _calls(graphs, op):
+    return sum(node.target is op for gm in graphs for node in gm.graph.nodes)
 
 
 def _same(got, want):
@@ -94,27 +106,36 @@ def _mixed_model():
 
 
 @needs_triton
-def test_compiled_triton_path_is_one_graph_with_the_eager_bits():
+@pytest.mark.parametrize("batched", [False, True])
+def test_compiled_triton_path_is_one_graph_with_the_eager_bits(batched):
     """Layers of two shapes, fast, mem and POET-XQ, a bias, a 3-d input: one graph, no
     graph break, no recompilation (``error_on_recompile``), and the eager model's outputs
     and gradients bit for bit (``aot_eager``: dynamo, the fake implementations and
-    AOTAutograd; the GPU test below runs inductor); with :func:`batch_rotations` installed
-    (under compile each layer's operator evaluates its own series, as the eager layer
-    without the hook)."""
+    AOTAutograd; the GPU test below runs inductor); ``batched``: with
+    :func:`batch_rotations` on both models (the fast and mem layers' series in one
+    ``xopt::poet_blocks`` call, their blocks passed to their operators for that forward
+    only; POET-XQ's evaluates its own)."""
     from xopt.torch.poet import batch_rotations
 
     x = torch.randn(2, 5, 32)
     g = torch.randn(2, 5, 48)
-    want = _run(_mixed_model(), x, g, steps=1)
-    model = _mixed_model()
-    batch_rotations(model)
-    compiled = _compiled(model, "aot_eager")
+    eager, model = _mixed_model(), _mixed_model()
+    if batched:
+        batch_rotations(eager)
+        batch_rotations(model)
+    want = _run(eager, x, g, steps=1)
+    graphs = []
+    compiled = _compiled(model, "aot_eager", graphs)
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = _run(compiled, x, g)
     _same(got, want)
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["stats"]["unique_graphs"] == 1 == len(graphs)
     assert counters["frames"]["total"] == 1
+    assert _calls(graphs, torch.ops.xopt.poet_chain.default) == 3
+    assert _calls(graphs, torch.ops.xopt.poet_blocks.default) == int(batched)
+    # the blocks ride on the layers for one forward only
+    assert all(getattr(m, "_poet_batched", None) is None for m in model)
 
 
 @pytest.mark.skipif(not has_torch, reason="needs torch")

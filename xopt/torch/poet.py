@@ -323,6 +323,8 @@ def _mm_w(gy1: Tensor, weight: Tensor, wq: tuple | None, out: Tensor | None = No
 # autograd formula): dynamo records one opaque call per layer call instead of tracing
 # the kernels' host code, so a model's layers of every shape sit in one graph (no graph
 # break, no recompilation per layer shape) and run the eager layer's kernels, bit for bit.
+# ``oft`` is the layer's ``oft_R`` (2-d: the operator evaluates the series) or the blocks
+# :func:`batch_rotations` made for it (3-d, ``xopt::poet_blocks``).
 
 _CHAIN_ARGS = ("Tensor x, Tensor oft, Tensor? bias, Tensor weight, Tensor perm_in, "
                "Tensor perm_in_inv, Tensor perm_out, Tensor perm_out_inv, Tensor? w_scales, "
@@ -344,12 +346,14 @@ def _chain_op_impl(x, oft, bias, weight, perm_in, perm_in_inv, perm_out, perm_ou
                                   keep_y1, b, formula, tf32, cdtype, backend)
     wq = None if w_scales is None else (w_scales, w_zeros, group_size, True, tf32)
     shape = x.shape
+    cnp = (b, formula, tf32, cdtype, backend) if oft.dim() == 2 else None
     x1 = _gather(x.reshape(-1, shape[-1]), perm_in_inv, True)
-    yr, r, y1, saved, _ = _core_forward(x1, oft, bias, n_out, weight, wq,
-                                        (b, formula, tf32, cdtype, backend), x.dtype, keep_y1)
+    yr, r, y1, saved, _ = _core_forward(x1, oft, bias, n_out, weight, wq, cnp, x.dtype,
+                                        keep_y1)
     y = _gather(yr, perm_out, True)
     pad = [x.new_empty(0) for _ in range(_SAVED_MAX - len(saved))]
-    return (y.reshape(*shape[:-1], y.shape[-1]), x1 if keep_y1 else x.new_empty(0), r,
+    return (y.reshape(*shape[:-1], y.shape[-1]), x1 if keep_y1 else x.new_empty(0),
+            r if cnp is not None else x.new_empty(0),  # (given blocks: the input, saved)
             y1 if keep_y1 else x.new_empty(0), *saved, *pad)
 
 
@@ -359,11 +363,13 @@ def _chain_op_fake(x, oft, bias, weight, perm_in, perm_in_inv, perm_out, perm_ou
     from xopt.kernels import poet_cayley
 
     n, d_in, d_out = math.prod(x.shape[:-1]), x.shape[-1], perm_out.shape[0]
-    saved = [oft.new_empty(shape, dtype=dt) for shape, dt in poet_cayley.blocks_saved_layout(
-        oft.shape[0], b, formula, backend, cdtype)]
+    blocks = oft.dim() == 3
+    saved = [] if blocks else [
+        oft.new_empty(shape, dtype=dt) for shape, dt in poet_cayley.blocks_saved_layout(
+            oft.shape[0], b, formula, backend, cdtype)]
     return (x.new_empty((*x.shape[:-1], d_out)),
             x.new_empty((n, d_in)) if keep_y1 else x.new_empty(0),
-            x.new_empty((oft.shape[0], b, b)),
+            x.new_empty(0) if blocks else x.new_empty((oft.shape[0], b, b)),
             x.new_empty((n, d_out)) if keep_y1 else x.new_empty(0),
             *saved, *(x.new_empty(0) for _ in range(_SAVED_MAX - len(saved))))
 
@@ -381,14 +387,16 @@ def _chain_bwd_impl(g, xs, y1, r, weight, bias, perm_in, perm_in_inv, perm_out_i
     from xopt.kernels import poet_cayley
 
     wq = None if w_scales is None else (w_scales, w_zeros, group_size, True, tf32)
+    # b = 0: the forward was given blocks (their gradient is returned, no series)
     saved = (s0, s1, s2)[:len(poet_cayley.blocks_saved_layout(0, b, formula, backend,
-                                                                r.dtype))]
+                                                                r.dtype))] if b else ()
     g2d = g.reshape(-1, g.shape[-1])
     xs2d = xs.reshape(-1, xs.shape[-1])
     gx1, grad_r, grad_bias = _core_backward(
         lambda: _gather(g2d, perm_out_inv, True),
-        xs2d if y1 is not None else _gather(xs2d, perm_in_inv, True), y1, r, weight, bias,
-        wq, n_out, (need_x, need_r, need_bias), (b, formula, tf32, backend, oft_dtype), saved)
+        xs2d if y1 is not None else _gather(xs2d, perm_in_inv, True), y1, r.contiguous(),
+        weight, bias, wq, n_out, (need_x, need_r, need_bias),
+        (b, formula, tf32, backend, oft_dtype) if b else None, saved)
     return (_gather(gx1, perm_in, True) if gx1 is not None else g.new_empty(0),
             grad_r if grad_r is not None else g.new_empty(0),
             grad_bias if grad_bias is not None else g.new_empty(0))
@@ -398,9 +406,10 @@ def _chain_bwd_fake(g, xs, y1, r, weight, bias, perm_in, perm_in_inv, perm_out_i
                     w_zeros, group_size, n_out, need_x, need_r, need_bias, b, formula, tf32,
                     backend, oft_dtype, s0, s1, s2):
     n = math.prod(g.shape[:-1])
+    grad_r = r.new_empty((r.shape[0], _spec_module.num_triu(b)), dtype=oft_dtype) if b else \
+        r.new_empty(r.shape)
     return (g.new_empty((n, perm_in.shape[0])) if need_x else g.new_empty(0),
-            r.new_empty((r.shape[0], _spec_module.num_triu(b)), dtype=oft_dtype) if need_r
-            else g.new_empty(0),
+            grad_r if need_r else g.new_empty(0),
             g.new_empty((g.shape[-1],)) if need_bias and bias is not None else g.new_empty(0))
 
 
@@ -408,9 +417,12 @@ def _chain_setup(ctx, inputs, output):
     (x, oft, bias, weight, perm_in, perm_in_inv, _, perm_out_inv, w_scales, w_zeros,
      group_size, n_out, keep_y1, b, formula, tf32, _, backend) = inputs
     _, x1, r, y1, *saved = output
-    ctx.save_for_backward(x1 if keep_y1 else x, y1 if keep_y1 else None, r, weight, bias,
-                          perm_in, perm_in_inv, perm_out_inv, w_scales, w_zeros, *saved)
-    ctx.args = (x.shape, group_size, n_out, b, formula, tf32, backend, oft.dtype)
+    blocks = oft.dim() == 3
+    ctx.save_for_backward(x1 if keep_y1 else x, y1 if keep_y1 else None,
+                          oft if blocks else r, weight, bias, perm_in, perm_in_inv,
+                          perm_out_inv, w_scales, w_zeros, *saved)
+    ctx.args = (x.shape, group_size, n_out, 0 if blocks else b, formula, tf32, backend,
+                oft.dtype)
     ctx.mark_non_differentiable(*output[1:])
 
 
@@ -440,6 +452,69 @@ _chain_bwd_op = torch.library.custom_op(
            "Tensor s0, Tensor s1, Tensor s2) -> (Tensor, Tensor, Tensor)")
 _chain_bwd_op.register_fake(_chain_bwd_fake)
 _chain_op.register_autograd(_chain_backward, setup_context=_chain_setup)
+
+
+def _blocks_op_impl(x, b, formula, tf32, cdtype, backend):
+    from xopt.kernels import poet_cayley
+
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        with torch.autocast(dev, enabled=False):
+            return _blocks_op_impl(x, b, formula, tf32, cdtype, backend)
+    y, saved = poet_cayley.blocks_forward(x, b, formula, tf32, backend, cdtype)
+    return (y, *saved, *(x.new_empty(0) for _ in range(_SAVED_MAX - len(saved))))
+
+
+def _blocks_op_fake(x, b, formula, tf32, cdtype, backend):
+    from xopt.kernels import poet_cayley
+
+    saved = [x.new_empty(shape, dtype=dt) for shape, dt in poet_cayley.blocks_saved_layout(
+        x.shape[0], b, formula, backend, cdtype)]
+    return (x.new_empty((x.shape[0], b, b), dtype=cdtype), *saved,
+            *(x.new_empty(0) for _ in range(_SAVED_MAX - len(saved))))
+
+
+def _blocks_bwd_impl(g, s0, s1, s2, b, formula, tf32, backend, x_dtype):
+    from xopt.kernels import poet_cayley
+
+    dev = g.device.type
+    if torch.is_autocast_enabled(dev):
+        with torch.autocast(dev, enabled=False):
+            return _blocks_bwd_impl(g, s0, s1, s2, b, formula, tf32, backend, x_dtype)
+    n = len(poet_cayley.blocks_saved_layout(0, b, formula, backend, g.dtype))
+    return poet_cayley.blocks_backward((s0, s1, s2)[:n], g, b, formula, tf32, backend, x_dtype)
+
+
+def _blocks_bwd_fake(g, s0, s1, s2, b, formula, tf32, backend, x_dtype):
+    return g.new_empty((g.shape[0], _spec_module.num_triu(b)), dtype=x_dtype)
+
+
+def _blocks_setup(ctx, inputs, output):
+    x, b, formula, tf32, _, backend = inputs
+    ctx.save_for_backward(*output[1:])
+    ctx.args = (b, formula, tf32, backend, x.dtype)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _blocks_backward(ctx, g, *_):
+    b, formula, tf32, backend, x_dtype = ctx.args
+    return (torch.ops.xopt.poet_blocks_backward(g, *ctx.saved_tensors, b, formula, tf32,
+                                                backend, x_dtype), *(None,) * 5)
+
+
+#: the Cayley–Neumann blocks of stacked ``oft_R`` rows (:func:`batch_rotations` under
+#: torch.compile; the series of :class:`_Blocks`)
+_blocks_op = torch.library.custom_op(
+    "xopt::poet_blocks", _blocks_op_impl, mutates_args=(),
+    schema="(Tensor x, int b, str formula, bool tf32, ScalarType cdtype, str backend) -> "
+           "(Tensor, Tensor, Tensor, Tensor)")
+_blocks_op.register_fake(_blocks_op_fake)
+_blocks_bwd_op = torch.library.custom_op(
+    "xopt::poet_blocks_backward", _blocks_bwd_impl, mutates_args=(),
+    schema="(Tensor g, Tensor s0, Tensor s1, Tensor s2, int b, str formula, bool tf32, "
+           "str backend, ScalarType x_dtype) -> Tensor")
+_blocks_bwd_op.register_fake(_blocks_bwd_fake)
+_blocks_op.register_autograd(_blocks_backward, setup_context=_blocks_setup)
 
 
 @torch.compiler.disable(reason=(
@@ -518,6 +593,8 @@ class POETLinear(nn.Module):
             raise HyperparameterError(f"POETLinear.cuda_graphs = {cuda_graphs!r}: must be a "
                                       "bool")
         self.cuda_graphs = cuda_graphs
+        # (blocks, CNP settings) that batch_rotations' hook passes for one compiled forward
+        self._poet_batched = None
         self.hp = hp
         self.in_features, self.out_features = in_features, out_features
         self.block_size = b = hp.block_size
@@ -692,8 +769,12 @@ class POETLinear(nn.Module):
                     return y
             w, wq = self._chain_weight(x.dtype)
             if torch.compiler.is_compiling():  # one opaque call (the operators above)
+                src = self.oft_R
+                batched = getattr(self, "_poet_batched", None)  # (batch_rotations' hook)
+                if batched is not None and batched[1] == cnp:
+                    src = batched[0] if batched[0].dtype == x.dtype else batched[0].to(x.dtype)
                 wq = wq or (None, None, 0)
-                return _chain_op(x, self.oft_R, bias, w, self.perm_in, self.perm_in_inv,
+                return _chain_op(x, src, bias, w, self.perm_in, self.perm_in_inv,
                                  self.perm_out, self.perm_out_inv, wq[0], wq[1], wq[2],
                                  self.num_out_blocks, self.variant == "fast", *cnp)[0]
             blocks = _stashed_blocks(self, cnp)
@@ -844,6 +925,10 @@ class _Blocks(torch.autograd.Function):
     def backward(ctx, *grads):
         from xopt.kernels import poet_cayley
 
+        dev = next((g.device.type for g in grads if g is not None), None)
+        if dev is not None and torch.is_autocast_enabled(dev):
+            with torch.autocast(dev, enabled=False):
+                return _Blocks.backward(ctx, *grads)
         b, formula, tf32, backend, x_dtype, sizes = ctx.args
         if all(g is None for g in grads):
             return (None, *(None for _ in grads))
@@ -896,27 +981,56 @@ def batch_rotations(model: nn.Module):
     every = poet_layers(model)
 
     def hook(module, args):
-        if torch.compiler.is_compiling():  # (each layer's operator evaluates its series)
-            return
+        compiling = torch.compiler.is_compiling()
         groups: dict[tuple, list[POETLinear]] = {}
         for layer in every:
-            _STASH.pop(layer, None)
+            if not compiling:
+                _STASH.pop(layer, None)
             oft = layer.oft_R
             if (layer.quantized or is_dtensor(oft) or not layer._use_triton(oft.device)
                     or layer.cuda_graphs):  # (a graphed layer's graphs make its blocks)
                 continue
-            dt = layer.weight.dtype
+            dev = oft.device.type
+            # the input's dtype as the layer will see it (autocast's, under autocast)
+            dt = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
+                  else layer.weight.dtype)
             tf32 = dt in (torch.bfloat16, torch.float16)
             cd = dt if tf32 and oft.dtype == dt else torch.float32
             cnp = (layer.block_size, layer.hp.cayley_formula, tf32, cd, poet_cayley.BACKEND)
             groups.setdefault((cnp, oft.device, oft.dtype), []).append(layer)
         grad = torch.is_grad_enabled()
-        for (cnp, _, _), layers in groups.items():
-            blocks = _Blocks.apply(cnp, *(layer.oft_R for layer in layers))
+        for (cnp, device, _), layers in groups.items():
+            with torch.autocast(device.type, enabled=False):  # (the series' own dtypes)
+                if compiling:  # the blocks ride on the layers for this forward only
+                    ofts = [layer.oft_R for layer in layers]
+                    stacked = torch.cat(ofts) if len(ofts) > 1 else ofts[0]
+                    y = _blocks_op(stacked, *cnp)[0]
+                    for layer, blk in zip(layers, y.split([t.shape[0] for t in ofts]),
+                                          strict=True):
+                        layer._poet_batched = (blk, cnp)
+                    continue
+                blocks = _Blocks.apply(cnp, *(layer.oft_R for layer in layers))
             for layer, y in zip(layers, blocks, strict=True):
                 _STASH[layer] = (y, layer.oft_R._version, cnp, grad)
 
-    return model.register_forward_pre_hook(hook)
+    def done(module, args, output):
+        if torch.compiler.is_compiling():
+            for layer in every:
+                layer._poet_batched = None
+
+    return _Handles(model.register_forward_pre_hook(hook),
+                    model.register_forward_hook(done, always_call=True))
+
+
+class _Handles:
+    """The handles of :func:`batch_rotations`' two hooks; ``remove()`` removes both."""
+
+    def __init__(self, *handles: Any):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 def layer_seed(seed: int, name: str) -> int:
