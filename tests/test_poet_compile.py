@@ -243,24 +243,37 @@ def test_chain_operators_pass_opcheck():
              layer.num_out_blocks, True, True, True, 16, "product", False, K.BACKEND,
              torch.float32, *saved)
     torch.library.opcheck(torch.ops.xopt.poet_chain_backward.default, bargs)
+    # the chain given blocks (batch_rotations under compile), and the blocks' operator
+    blocks = torch.randn(5, 16, 16, requires_grad=True)
+    torch.library.opcheck(torch.ops.xopt.poet_chain.default, (x, blocks, *args[2:]))
+    tri = torch.randn(5, 120, requires_grad=True)
+    torch.library.opcheck(torch.ops.xopt.poet_blocks.default,
+                          (tri, 16, "product", False, torch.float32, K.BACKEND))
 
 
 @pytest.mark.cuda
 @needs_triton
 @pytest.mark.skipif(DEV != "cuda", reason="needs a GPU (run on the device)")
-@pytest.mark.parametrize(("variant", "mode"), [("fast", "default"), ("mem", "default"),
-                                               ("fast", "reduce-overhead")])
-def test_compiled_model_on_the_gpu_is_one_graph_with_the_eager_bits(variant, mode):
+@pytest.mark.parametrize(("variant", "mode", "batched"), [
+    ("fast", "default", False), ("mem", "default", True), ("fast", "reduce-overhead", True)])
+def test_compiled_model_on_the_gpu_is_one_graph_with_the_eager_bits(variant, mode, batched):
     """On a GPU in bfloat16 (the compiled kernels, inductor; ``reduce-overhead``: replayed
-    from inductor's CUDA graphs): the compiled model's outputs and gradients are the eager
-    model's, bit for bit, in one graph without recompiling."""
+    from inductor's CUDA graphs; ``batched``: with :func:`batch_rotations`, as the
+    benchmark): the compiled model's outputs and gradients are the eager model's, bit for
+    bit, in one graph without recompiling."""
+    from xopt.torch.poet import batch_rotations
+
     widths = (256, 512, 256, 512)
     x = torch.randn(4, 64, 256, device=DEV, dtype=torch.bfloat16)
     g = torch.randn(4, 64, 512, device=DEV, dtype=torch.bfloat16)
-    want = _run(_model(widths, "auto", variant, DEV, torch.bfloat16), x, g, steps=1)
+    eager, model = (_model(widths, "auto", variant, DEV, torch.bfloat16) for _ in range(2))
+    if batched:
+        batch_rotations(eager)
+        batch_rotations(model)
+    want = _run(eager, x, g, steps=1)
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(_model(widths, "auto", variant, DEV, torch.bfloat16), mode=mode)
+    compiled = torch.compile(model, mode=mode)
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = _run(compiled, x, g, steps=3)
     _same(got, want)

@@ -22,8 +22,8 @@ path of a bf16/fp16 layer whose ``oft_R`` has that dtype: there the series runs 
 Under ``torch.compile`` of a model the triton path is two custom operators
 (``xopt::poet_chain`` and its backward, with fake implementations): one graph for the
 model, one opaque call per layer call running the eager kernels (the eager bits, no
-recompilation per layer shape; :func:`batch_rotations` steps aside, each call evaluates its
-layer's series). The plain path runs eagerly behind a graph break per call (autograd is
+recompilation per layer shape; :func:`batch_rotations`' series as ``xopt::poet_blocks``).
+The plain path runs eagerly behind a graph break per call (autograd is
 its reference backward). Under autocast the layer runs in autocast's dtype with autocast
 off, as for an input of that dtype.
 
@@ -974,8 +974,9 @@ def batch_rotations(model: nn.Module):
     outside the model's forward with another dtype or grad mode evaluates its own. The
     input of each layer is assumed in the layer's dtype (else it evaluates its own).
     Call it after :func:`convert` (the layers are listed once, here). Under
-    ``torch.compile`` the hook does nothing (each layer's operator evaluates its series).
-    Returns the hook's handle (``.remove()`` turns it off)."""
+    ``torch.compile`` each group's series is one ``xopt::poet_blocks`` operator and the
+    blocks are handed to the layers for that forward only (a forward hook clears them).
+    Returns the hooks' handle (``.remove()`` turns it off)."""
     from xopt.kernels import poet_cayley
 
     every = poet_layers(model)
