@@ -400,8 +400,9 @@ def test_compiled_training_step_is_eager_bit_for_bit_without_recompiles(case):
 
 @pytest.mark.parametrize("name,make,reason", LAYERS, ids=[layer[0] for layer in LAYERS])
 def test_layers_compile_into_one_graph_or_state_why(name, make, reason):
-    import torch._dynamo  # noqa: F401
+    import torch._dynamo
 
+    torch._dynamo.reset()  # (a frame cached by another layer's compile would not raise)
     layer = make(torch.float32)
     x = torch.linspace(-1, 1, 16).reshape(2, 8).requires_grad_()
     compiled = torch.compile(layer, fullgraph=True, backend="eager")
