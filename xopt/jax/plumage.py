@@ -28,6 +28,7 @@ PLUMAGE(project=False), p)``; non-matrix leaves always take the full-rank Adam u
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -48,7 +49,8 @@ from xopt.jax._lowrank import (
     narrow_update,
     path_names,
     resolve_spec,
-    switch_grouped,
+    runtime_positions,
+    spec_key,
 )
 from xopt.jax._precision import full_precision
 from xopt.jax.sharding import on_owner
@@ -226,9 +228,7 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
         # nonfinite="raise" names the leaf whose SVD failed: one leaf at a time
         keys = [group_key(specs[i], a, batchable=not check_decomposition)
                 for i, a in zip(projected, args, strict=True)]
-        done = switch_grouped(keys, lambda j: _event(specs[projected[j]], t),
-                              lambda j: _branches(specs[projected[j]]), refresh, args,
-                              vmapped=lambda event: event > 0, count=t)
+        done = _switch_sets(keys, [specs[i] for i in projected], args, t, refresh)
         refreshed: list[dict[str, jax.Array] | None] = [None] * len(names)
         for i, (st_r, ok) in zip(projected, done, strict=True):
             decomposition_guard(_LABEL, names[i], ok, check_decomposition)
@@ -251,6 +251,50 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
 
 
 _contract.public_signature(plumage)
+
+
+def _switch_sets(keys: list, specs: list, args: list, t: jax.Array,
+                 refresh: Any) -> list:
+    """``[refresh(j, args[j], event)]`` (``(state, ok)`` per projected leaf): one
+    ``lax.switch`` on :func:`_event` per set of leaves that refresh together
+    (:func:`_refresh_together`: one setting, state dtype and probability length, none
+    injected, each leaf's ``keys`` entry not None); a leaf outside every set (key None, or
+    injected values) has a switch of its own calling ``refresh``. The switches' operands
+    are the leaves' arrays and the runtime positions of the stacked results."""
+    sets: dict = {}
+    for j, (k, h, a) in enumerate(zip(keys, specs, args, strict=True)):
+        g, st, inj, _ = a
+        key = None if k is None or inj is not None else (
+            spec_key(h), min(g.shape), str(st["m"].dtype))
+        sets.setdefault(("set", key) if key is not None else ("leaf", j), []).append(j)
+    sizes = [max(sum(keys[j] == keys[i] for i in idx) for j in idx)
+             for (kind, _), idx in sets.items() if kind == "set"]
+    positions = runtime_positions(max(sizes, default=0), t)
+    out: list = [None] * len(args)
+    for (kind, _), idx in sets.items():
+        h = specs[idx[0]]
+        if kind == "leaf":
+            j = idx[0]
+            branch = functools.partial(lambda e, a, j=j: refresh(j, a, e))
+            ops: Any = args[j]
+        else:
+            sides = [_spec.side_of(tuple(args[j][0].shape), specs[j]) for j in idx]
+
+            def branch(e: int, ops: tuple, idx: list = idx, sides: list = sides) -> list:
+                a, pos = ops
+                a = [(g.astype(st["m"].dtype), st, inj, key) for g, st, inj, key in a]
+                return _refresh_together([specs[j] for j in idx], sides, a,
+                                         [keys[j] for j in idx], t, tuple(pos), e)
+
+            ops = ([args[j] for j in idx], list(positions))
+        res = jax.lax.switch(_event(h, t), [functools.partial(branch, e)
+                                            for e in range(_branches(h))], ops)
+        if kind == "leaf":
+            out[idx[0]] = res
+        else:
+            for j, r in zip(idx, res, strict=True):
+                out[j] = r
+    return out
 
 
 def _is_zero(x: Any) -> bool:
@@ -311,12 +355,20 @@ def _refresh(h: _spec.PLUMAGE, index: int, g: jax.Array, side: str,
              st: dict[str, jax.Array], t: jax.Array, inject: Mapping[str, Any] | None,
              leaf_key: jax.Array, event: int) -> tuple[dict[str, jax.Array], jax.Array]:
     """Algorithm 5's refresh block for the ``event`` (:func:`_event`, known at trace time):
-    ``(state, ok)``; a refresh whose SVD is not finite keeps the state (``ok`` false)."""
+    ``(state, ok)``; a refresh whose SVD is not finite keeps the state (``ok`` false). The
+    three steps (:func:`_basis`, :func:`_indices`, :func:`_resampled`) are also run one
+    group at a time (:func:`_refresh_together`)."""
     if event == 0:
         return st, jnp.array(True)
-    old = st
-    indices = None if inject is None else inject.get("indices")
+    basis, probs, ok = _basis(h, index, g, side, st, inject, event)
+    idx = _indices(h, probs, t, inject, leaf_key)
+    return _resampled(h, side, st, basis, probs, idx, ok)
 
+
+def _basis(h: _spec.PLUMAGE, index: int, g: jax.Array, side: str, st: dict[str, jax.Array],
+           inject: Mapping[str, Any] | None, event: int
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Algorithm 2 at an SVD event, else the stored basis: ``(basis, probs, ok)``."""
     def from_svd() -> tuple[jax.Array, jax.Array, jax.Array]:
         # on one device of the gradient's mesh (the owner rule)
         basis, probs, sigma = on_owner(
@@ -324,14 +376,25 @@ def _refresh(h: _spec.PLUMAGE, index: int, g: jax.Array, side: str,
         ok = jnp.all(jnp.isfinite(sigma)) & jnp.all(jnp.isfinite(basis))
         return basis, probs, ok
 
-    basis, probs, ok = lowrank.refresh(event == 2 or not _spec.needs_basis(h),
-                                       (old.get("basis"), old.get("probs"),
-                                        jnp.asarray(True)), from_svd)
+    return lowrank.refresh(event == 2 or not _spec.needs_basis(h),
+                           (st.get("basis"), st.get("probs"), jnp.asarray(True)), from_svd)
+
+
+def _indices(h: _spec.PLUMAGE, probs: jax.Array, t: jax.Array,
+             inject: Mapping[str, Any] | None, leaf_key: jax.Array) -> jax.Array:
+    """Algorithm 3's ``k`` indices: drawn from the leaf's key at ``t``, or injected."""
+    indices = None if inject is None else inject.get("indices")
     if indices is not None:
-        idx = jnp.asarray(indices).astype(jnp.int32)
-    else:
-        perm, u = _draws_of_key(leaf_key, t, probs.shape[0])
-        idx = _spec.sample_indices(jnp, probs, h.rank, perm, u)
+        return jnp.asarray(indices).astype(jnp.int32)
+    perm, u = _draws_of_key(leaf_key, t, probs.shape[0])
+    return _spec.sample_indices(jnp, probs, h.rank, perm, u)
+
+
+def _resampled(h: _spec.PLUMAGE, side: str, old: dict[str, jax.Array], basis: jax.Array,
+               probs: jax.Array, idx: jax.Array, ok: jax.Array
+               ) -> tuple[dict[str, jax.Array], jax.Array]:
+    """Algorithm 4 and the realignment (Eq. 28-29): the new state, the old one where the
+    SVD was not finite (``ok`` false)."""
     P, dvec = _spec.sample_projection(jnp, basis, probs, idx)
     m, v = _spec.realign(jnp, old["m"], old["v"], P, old["projector"], side,
                          first=h.realign_first_moment, second=h.realign_second_moment)
@@ -339,6 +402,66 @@ def _refresh(h: _spec.PLUMAGE, index: int, g: jax.Array, side: str,
     if _spec.needs_basis(h):
         new.update(basis=basis, probs=probs)
     return {k: jnp.where(ok, new[k], old[k]).astype(old[k].dtype) for k in old}, ok
+
+
+def _stack(trees: list) -> Any:
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _refresh_together(specs: list, sides: list, args: list, keys: list, t: jax.Array,
+                      positions: tuple, event: int) -> list:
+    """:func:`_refresh` of a set of leaves with one setting, state dtype and probability
+    length ``d`` (so one sampling shape), at one ``event``: ``[(state, ok)]``.
+
+    The SVD and Algorithm 2 (:func:`_basis`) and the resampling and realignment
+    (:func:`_resampled`) run once per group of equal ``keys`` (one shape) under
+    ``jax.vmap``; Algorithm 3 (:func:`_indices`: the draws, the permutation's sorts, the
+    wheel's cumulative sums and search) runs once for the whole set, whose shapes depend
+    on ``d`` and the rank only: XLA then compiles those kernels once, not once per shape.
+    Each leaf computes what :func:`_refresh` computes (the same operations, batched);
+    stacked results are taken back out at the runtime ``positions``
+    (:func:`~xopt.jax._lowrank.runtime_positions`)."""
+    h = specs[0]
+    if event == 0:
+        return [(a[1], jnp.array(True)) for a in args]
+    groups: dict = {}
+    for j, k in enumerate(keys):
+        groups.setdefault(k, []).append(j)
+    parts = []
+    for idx in groups.values():
+        if len(idx) == 1:
+            j = idx[0]
+            g, st, _, _ = args[j]
+            parts.append((idx, _basis(h, 0, g, sides[j], st, None, event)))
+            continue
+        g, st = _stack([args[j][0] for j in idx]), _stack([args[j][1] for j in idx])
+        parts.append((idx, jax.vmap(
+            lambda g, st, j=idx[0]: _basis(h, 0, g, sides[j], st, None, event))(g, st)))
+    # Algorithm 3 for every leaf at once: the rows in the order of ``parts``
+    order = [j for idx, _ in parts for j in idx]
+    probs = [p if len(idx) > 1 else p[None] for idx, (_, p, _) in parts]
+    probs = probs[0] if len(probs) == 1 else jnp.concatenate(probs)
+    leaf_keys = jnp.stack([args[j][3] for j in order])
+    if len(order) > 1:
+        drawn = jax.vmap(lambda p, k: _indices(h, p, t, None, k))(probs, leaf_keys)
+    else:
+        drawn = _indices(h, probs[0], t, None, leaf_keys[0])[None]
+    out: list = [None] * len(args)
+    start = 0
+    for idx, (basis, p, ok) in parts:
+        rows = drawn[start:start + len(idx)]
+        start += len(idx)
+        if len(idx) == 1:
+            j = idx[0]
+            out[j] = _resampled(h, sides[j], args[j][1], basis, p, rows[0], ok)
+            continue
+        st = _stack([args[j][1] for j in idx])
+        res = jax.vmap(lambda st, b, p, r, ok, j=idx[0]: _resampled(
+            h, sides[j], st, b, p, r, ok))(st, basis, p, rows, ok)
+        for j, pos in zip(idx, positions, strict=False):
+            out[j] = jax.tree.map(
+                lambda x, pos=pos: jax.lax.dynamic_index_in_dim(x, pos, keepdims=False), res)
+    return out
 
 
 register("plumage", "jax", plumage)
