@@ -413,11 +413,11 @@ def _refresh_together(specs: list, sides: list, args: list, keys: list, t: jax.A
     """:func:`_refresh` of a set of leaves with one setting, state dtype and probability
     length ``d`` (so one sampling shape), at one ``event``: ``[(state, ok)]``.
 
-    The SVD and Algorithm 2 (:func:`_basis`) and the resampling and realignment
-    (:func:`_resampled`) run once per group of equal ``keys`` (one shape) under
-    ``jax.vmap``; Algorithm 3 (:func:`_indices`: the draws, the permutation's sorts, the
-    wheel's cumulative sums and search) runs once for the whole set, whose shapes depend
-    on ``d`` and the rank only: XLA then compiles those kernels once, not once per shape.
+    The SVD and the resampling and realignment (:func:`_resampled`) run once per group of
+    equal ``keys`` (one shape) under ``jax.vmap``; what depends on ``d`` and the rank only
+    (Algorithm 2's probabilities from the singular values; Algorithm 3, :func:`_indices`:
+    the draws, the permutation's sorts, the wheel's cumulative sums and search) runs once
+    for the whole set, so that XLA compiles those kernels once rather than once per shape.
     Each leaf computes what :func:`_refresh` computes (the same operations, batched);
     stacked results are taken back out at the runtime ``positions``
     (:func:`~xopt.jax._lowrank.runtime_positions`)."""
@@ -427,37 +427,58 @@ def _refresh_together(specs: list, sides: list, args: list, keys: list, t: jax.A
     groups: dict = {}
     for j, k in enumerate(keys):
         groups.setdefault(k, []).append(j)
-    parts = []
-    for idx in groups.values():
-        if len(idx) == 1:
-            j = idx[0]
-            g, st, _, _ = args[j]
-            parts.append((idx, _basis(h, 0, g, sides[j], st, None, event)))
-            continue
-        g, st = _stack([args[j][0] for j in idx]), _stack([args[j][1] for j in idx])
-        parts.append((idx, jax.vmap(
-            lambda g, st, j=idx[0]: _basis(h, 0, g, sides[j], st, None, event))(g, st)))
-    # Algorithm 3 for every leaf at once: the rows in the order of ``parts``
-    order = [j for idx, _ in parts for j in idx]
-    probs = [p if len(idx) > 1 else p[None] for idx, (_, p, _) in parts]
-    probs = probs[0] if len(probs) == 1 else jnp.concatenate(probs)
+    parts = list(groups.values())
+    order = [j for idx in parts for j in idx]
+
+    def batched(fn: Any, idx: list, *trees: Any) -> Any:
+        # fn once under vmap over a group's stacked arrays, or on a lone leaf's own
+        return fn(*trees) if len(idx) == 1 else jax.vmap(fn)(*trees)
+
+    def operand(idx: list, get: Any) -> Any:
+        # a group's operand: the leaves' arrays stacked, or a lone leaf's own
+        return get(args[idx[0]]) if len(idx) == 1 else _stack([get(args[j]) for j in idx])
+
+    def rows(x: jax.Array, start: int, idx: list) -> jax.Array:
+        # a group's rows of a set-wide result
+        return x[start] if len(idx) == 1 else x[start:start + len(idx)]
+
+    bases, oks = [], []
+    if event == 2 or not _spec.needs_basis(h):  # Algorithm 2: an SVD per shape group
+        sigmas = []
+        for idx in parts:
+            def decompose(g: jax.Array, side: str = sides[idx[0]]) -> tuple:
+                # on one device of the gradient's mesh (the owner rule; a single one here)
+                basis, sigma = on_owner(lambda a: _spec.decompose(jnp, a, side), g)
+                return basis, sigma, jnp.all(jnp.isfinite(sigma)) & jnp.all(
+                    jnp.isfinite(basis))
+
+            basis, sigma, ok = batched(decompose, idx, operand(idx, lambda a: a[0]))
+            bases.append(basis)
+            sigmas.append(sigma[None] if len(idx) == 1 else sigma)
+            oks.append(ok)
+        sigma = sigmas[0] if len(sigmas) == 1 else jnp.concatenate(sigmas)
+        probs = jax.vmap(lambda s: _spec.inclusion_probabilities(
+            jnp, s, h.rank, h.prob_eps)[1])(sigma)
+    else:  # a resample from the stored basis
+        for idx in parts:
+            bases.append(operand(idx, lambda a: a[1]["basis"]))
+            oks.append(jnp.asarray(True))
+        probs = jnp.stack([args[j][1]["probs"] for j in order])
+    # Algorithm 3 for every leaf of the set at once (rows in the order of ``parts``)
     leaf_keys = jnp.stack([args[j][3] for j in order])
-    if len(order) > 1:
-        drawn = jax.vmap(lambda p, k: _indices(h, p, t, None, k))(probs, leaf_keys)
-    else:
-        drawn = _indices(h, probs[0], t, None, leaf_keys[0])[None]
+    drawn = jax.vmap(lambda p, k: _indices(h, p, t, None, k))(probs, leaf_keys)
     out: list = [None] * len(args)
     start = 0
-    for idx, (basis, p, ok) in parts:
-        rows = drawn[start:start + len(idx)]
+    for idx, basis, ok in zip(parts, bases, oks, strict=True):
+        if len(idx) > 1 and jnp.ndim(ok) == 0:
+            ok = jnp.broadcast_to(ok, (len(idx),))
+        res = batched(lambda st, b, p, r, ok, side=sides[idx[0]]: _resampled(
+            h, side, st, b, p, r, ok), idx, operand(idx, lambda a: a[1]), basis,
+            rows(probs, start, idx), rows(drawn, start, idx), ok)
         start += len(idx)
         if len(idx) == 1:
-            j = idx[0]
-            out[j] = _resampled(h, sides[j], args[j][1], basis, p, rows[0], ok)
+            out[idx[0]] = res
             continue
-        st = _stack([args[j][1] for j in idx])
-        res = jax.vmap(lambda st, b, p, r, ok, j=idx[0]: _resampled(
-            h, sides[j], st, b, p, r, ok))(st, basis, p, rows, ok)
         for j, pos in zip(idx, positions, strict=False):
             out[j] = jax.tree.map(
                 lambda x, pos=pos: jax.lax.dynamic_index_in_dim(x, pos, keepdims=False), res)
