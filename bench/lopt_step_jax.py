@@ -10,7 +10,8 @@ short still leaves its results):
 
 1. timing, per model (ViT-B/16's 152 tensors, GPT-2 medium's 292; bench/lopt_step.py's
    shapes and configurations: small_fc_lopt at PyLO's size, hidden 32, 2 hidden layers),
-   side by side in interleaved rounds: optax.adamw and every fast JAX path as ``jax.jit``
+   side by side in interleaved rounds: optax.adamw and every fast JAX path (with
+   ``--plain``, the plain path too) as ``jax.jit``
    of ``update`` + ``optax.apply_updates`` with parameters and state donated (ms per call:
    the wall time of one call and its ``block_until_ready``; the first call's ``lower`` and
    ``compile`` seconds), torch's fused AdamW and the torch Triton path (the same wall-time
@@ -26,8 +27,7 @@ short still leaves its results):
 4. the compile time on GPT-2 medium's shapes (abstract: nothing is allocated) of every
    xopt.jax transform that takes a plain parameter pytree, against optax.adamw's (those
    measured in 1. are not compiled again; the plain learned optimizers only with
-   ``--plain``: they took minutes);
-5. with ``--plain``, the plain path's step time on the first model.
+   ``--plain``: they took minutes).
 
 Prints a short table per model (ms, ratio to optax.adamw, compile s) and writes
 ``lopt_step_jax.json`` under ``--out-dir``.
@@ -106,9 +106,9 @@ def vit_b16() -> list[tuple[int, ...]]:
     return shapes + [(d,), (d,), (1000, d), (1000,)]
 
 
-def gpt2_medium() -> list[tuple[int, ...]]:
+def gpt2_medium(layers: int = 24) -> list[tuple[int, ...]]:
     """GPT-2 medium (HF Conv1D layout, tied head): 354,823,168 parameters."""
-    d, layers = 1024, 24
+    d = 1024
     shapes: list[tuple[int, ...]] = [(50257, d), (1024, d)]
     for _ in range(layers):
         shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d),
@@ -129,7 +129,12 @@ def tiny_pair() -> list[tuple[int, ...]]:
 
 
 MODELS = {"vit_b16": vit_b16, "gpt2_medium": gpt2_medium, "tiny": tiny_model,
-          "tiny_pair": tiny_pair}
+          "tiny_pair": tiny_pair,
+          # twice GPT-2 medium's blocks (580 tensors): how compile time grows with tensors
+          "gpt2_medium_x2": functools.partial(gpt2_medium, 48)}
+
+#: --compiler-option: XLA options of every jitted step (``jax.jit(compiler_options=...)``)
+COMPILER_OPTIONS: dict = {}
 
 #: the JAX paths timed: label -> (method, impl, precision)
 JAX_PATHS = {
@@ -192,7 +197,8 @@ def _step_body(tx, method: str):
 
 
 def step_fn(tx, method: str, donate: bool = True):
-    return jax.jit(_step_body(tx, method), donate_argnums=(0, 1) if donate else ())
+    return jax.jit(_step_body(tx, method), donate_argnums=(0, 1) if donate else (),
+                   compiler_options=COMPILER_OPTIONS or None)
 
 
 class JaxEntry:
@@ -438,7 +444,10 @@ def bench_model(model: str, args, report: dict, dl: Deadline) -> None:
         except Exception as e:  # noqa: BLE001
             note(report, f"{model}: torch fused AdamW failed: {err(e)}")
     for method in ("small_fc_lopt", "velo"):
-        if args.only and not any(wanted(args, label) for label, _, _ in JAX_PATHS[method]):
+        # --plain: the plain path timed in the same rounds as the others
+        paths = JAX_PATHS[method] + ([(f"jax/{method}/plain", "plain", "exact")]
+                                     if args.plain else [])
+        if args.only and not any(wanted(args, label) for label, _, _ in paths):
             continue
         if dl.left() < 45:
             note(report, f"{model}: timing of {method} skipped (deadline)")
@@ -446,7 +455,7 @@ def bench_model(model: str, args, report: dict, dl: Deadline) -> None:
         entries: dict = {}
         if adamw is not None:
             entries["jax/optax.adamw"] = adamw
-        for label, impl, prec in JAX_PATHS[method]:
+        for label, impl, prec in paths:
             if not wanted(args, label):
                 continue
             if dl.left() < 40:
@@ -607,9 +616,10 @@ def compile_survey(model: str, report: dict, dl: Deadline, args) -> None:
             t0 = time.perf_counter()
             lowered = fn.lower(params, state, params, loss)
             t1 = time.perf_counter()
-            lowered.compile()
+            compiled = lowered.compile()
             t2 = time.perf_counter()
-            out[label] = {"lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0}
+            out[label] = {"lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0,
+                          **program_counts(compiled.as_text())}
         except Exception as e:  # noqa: BLE001
             out[label] = {"error": err(e)}
             note(report, f"compile survey {label}: {err(e)}")
@@ -617,8 +627,20 @@ def compile_survey(model: str, report: dict, dl: Deadline, args) -> None:
         write(report, args)  # (a compile cut short by the run's time limit loses nothing)
         base = out.get("optax.adamw", {}).get("total_s")
         ratio = f"x{out[label]['total_s'] / base:5.2f} optax.adamw" if base else ""
-        print(f"  {label:40s} lower {t1 - t0:6.1f} s  compile {t2 - t1:6.1f} s  {ratio}",
-              flush=True)
+        c = out[label]
+        print(f"  {label:40s} lower {t1 - t0:6.1f} s  compile {t2 - t1:6.1f} s  {ratio}  "
+              f"[{c['fusions']} fusions, {c['triton_gemms']} Triton GEMMs, {c['blas']} BLAS, "
+              f"{c['conditionals']} conditionals]", flush=True)
+
+
+def program_counts(hlo_text: str) -> dict:
+    """What a compiled program holds (any backend): fusions, the Triton GEMM fusions among
+    them (XLA:GPU autotunes and compiles each distinct one), BLAS calls and conditionals."""
+    return {"fusions": hlo_text.count(" fusion("),
+            "triton_gemms": hlo_text.count('"kind":"__triton_nested_gemm_fusion"')
+            + hlo_text.count('"kind":"__triton_gemm"'),
+            "blas": len(re.findall(r'custom_call_target="__cublas', hlo_text)),
+            "conditionals": hlo_text.count(" conditional(")}
 
 
 #: --op-counts: every xopt.jax transform that takes a plain parameter pytree, and optax.adamw
@@ -883,27 +905,6 @@ def diagnose_update(report: dict, args, dl: Deadline) -> None:
               f"  params {res['params']['max_rel']:.1e}  state {res['state']['max_rel']:.1e}"
               f"  NaN/inf {res['nonfinite']}", flush=True)
         write(report, args)
-
-
-def plain_timing(model: str, args, report: dict, dl: Deadline) -> None:
-    shapes = MODELS[model]()
-    grads = device_params(shapes, 7, 1e-3)
-    loss = jnp.float32(1.0)
-    res = report["models"].setdefault(model, {"timings": {}})
-    for method in ("small_fc_lopt", "velo"):
-        if dl.left() < 150:
-            note(report, f"{model}: plain {method} timing skipped (deadline)")
-            continue
-        try:
-            e = JaxEntry(method, "plain", "exact", shapes, grads, loss)
-            t = [e.timed() for _ in range(3)]
-            res["timings"][f"jax/{method}/plain"] = {
-                "median_ms": statistics.median(t), "min_ms": min(t), "times_ms": t,
-                "lower_s": e.lower_s, "compile_s": e.compile_s}
-            e.free()
-        except Exception as e:  # noqa: BLE001
-            note(report, f"{model}: plain {method} failed: {err(e)}")
-    table(model, res)
 
 
 # -- --breakdown: where the Pallas update's time goes --------------------------------------
@@ -1208,10 +1209,18 @@ def main() -> None:
     ap.add_argument("--breakdown-paths", default=BREAKDOWN, metavar="METHOD/PRECISION,...")
     ap.add_argument("--breakdown-only", action="store_true",
                     help="only the breakdown (CI: --tiny --breakdown tiny --breakdown-only)")
+    ap.add_argument("--survey-models", default=None, metavar="MODEL,...",
+                    help="the compile survey's models (default gpt2_medium; --tiny: tiny)")
+    ap.add_argument("--compiler-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an XLA option for every jitted step, e.g. "
+                    "xla_gpu_enable_triton_gemm=false (repeatable)")
     ap.add_argument("--op-counts", default="", metavar="N,N,...",
                     help="only count the ops and kernels of every transform's jitted update "
                     "at these tensor counts (e.g. 8,32,128; any backend)")
     args = ap.parse_args()
+    for kv in args.compiler_option:
+        k, _, v = kv.partition("=")
+        COMPILER_OPTIONS[k] = {"true": True, "false": False}.get(v.lower(), v)
     if args.diag_shapes:
         DIAG_SHAPES[:] = [tuple(int(d) for d in s.split("x")) for s in args.diag_shapes.split(",")]
     if args.deadline_s is None:
@@ -1224,7 +1233,8 @@ def main() -> None:
     report = {"device": str(getattr(dev, "device_kind", dev)), "backend": jax.default_backend(),
               "date": datetime.date.today().isoformat(), "jax": jax.__version__,
               "optax": optax.__version__, "models": {}, "notes": [],
-              "config": {"small_fc_lopt": SMALL_FC, "velo": VELO}}
+              "config": {"small_fc_lopt": SMALL_FC, "velo": VELO},
+              "compiler_options": COMPILER_OPTIONS}
     print(f"{report['device']} ({report['backend']}); {report['date']}; jax {jax.__version__}",
           flush=True)
     if args.op_counts or args.diagnose:
@@ -1263,15 +1273,13 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001
             note(report, f"{model} checks: {err(e)}")
     if not args.no_survey:
-        survey_model = "tiny" if args.tiny else "gpt2_medium"
-        try:
-            compile_survey(survey_model, report, dl, args)
-        except Exception as e:  # noqa: BLE001
-            note(report, f"compile survey: {err(e)}")
-        write(report, args)
-    if args.plain and not args.tiny:
-        plain_timing(models[0], args, report, dl)
-        write(report, args)
+        for survey_model in (args.survey_models
+                             or ("tiny" if args.tiny else "gpt2_medium")).split(","):
+            try:
+                compile_survey(survey_model, report, dl, args)
+            except Exception as e:  # noqa: BLE001
+                note(report, f"compile survey: {err(e)}")
+            write(report, args)
     print(f"\nwrote {Path(args.out_dir) / 'lopt_step_jax.json'}", flush=True)
 
 

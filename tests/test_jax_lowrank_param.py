@@ -8,6 +8,8 @@ as the spec's ``hf_apply_low`` does. Checked on bfloat16 parameters:
 * the jitted transformation against the spec's pure ``step`` (NumPy, ml_dtypes' bfloat16)
   and against ``xopt.torch`` in the same mode, bit for bit (parameters, moments);
 * float32 parameters: ``"param"`` and ``"state"`` are one computation;
+* ``"state"`` (the default) on bfloat16 parameters: float32 state and float32 updates,
+  the same bits as ``xopt.torch`` (each new value rounded once into the parameter);
 * bad values are refused naming ``proj_dtype``.
 
 Every refresh is injected (a Hadamard basis, entries ±1/4: exact in bfloat16) and every
@@ -220,21 +222,18 @@ def test_param_is_torchs_bf16_step(method: str) -> None:
 @pytest.mark.parametrize("method", sorted(SPECS))
 def test_state_is_unchanged_and_float32_takes_one_path(method: str) -> None:
     """float32 parameters: "param" and "state" give the same updates and state bit for
-    bit; bfloat16 parameters: "state" keeps its updates in the parameters' dtype, "param"
-    gives the projected matrices float32 updates (``apply_updates`` rounds once)."""
+    bit; bfloat16 parameters: both give float32 updates (``apply_updates`` rounds each new
+    value once)."""
     a = _run_jax(method, WD, jnp.float32, "state", steps=3)
     b = _run_jax(method, WD, jnp.float32, "param", steps=3)
     for (pa, sa), (pb, sb) in zip(a, b, strict=True):
         jax.tree.map(np.testing.assert_array_equal, (pa, sa), (pb, sb))
-    tx = getattr(xj, method)(spec=_spec_hp(method, WD, "state"))
     params = {k: jnp.asarray(v, jnp.bfloat16) for k, v in _params().items()}
     grads = {k: jnp.asarray(v, jnp.bfloat16) for k, v in _grads(0).items()}
-    u, _ = tx.update(grads, tx.init(params), params, inject=_inject(method, 0))
-    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(u))
-    tx = getattr(xj, method)(spec=_spec_hp(method, WD, "param"))
-    u, _ = tx.update(grads, tx.init(params), params, inject=_inject(method, 0))
-    assert {k: x.dtype for k, x in u.items()} == {"b": jnp.bfloat16, "w1": jnp.float32,
-                                                  "w2": jnp.float32}
+    for mode in ("state", "param"):
+        tx = getattr(xj, method)(spec=_spec_hp(method, WD, mode))
+        u, _ = tx.update(grads, tx.init(params), params, inject=_inject(method, 0))
+        assert {k: x.dtype for k, x in u.items()} == dict.fromkeys(SHAPES, jnp.float32), mode
 
 
 @pytest.mark.parametrize("method", sorted(SPECS))
@@ -246,3 +245,41 @@ def test_a_bad_proj_dtype_is_named(method: str) -> None:
     params = {"w": jnp.zeros((8, 6), jnp.bfloat16)}
     u, _ = tx.update(params, tx.init(params), params)
     assert u["w"].dtype == jnp.float32
+
+
+@needs_torch
+@pytest.mark.parametrize("method", sorted(SPECS))
+def test_state_mode_bf16_is_torchs_step(method: str) -> None:
+    """``proj_dtype="state"`` (the default) on bfloat16 parameters: float32 state, the step
+    computed in float32 and rounded once into each parameter, as ``xopt.torch`` and the
+    spec's ``init_state`` (state promoted to float32) do: the same bits (every parameter,
+    moments, projections) at every update."""
+    import torch
+
+    import xopt.torch as xt
+
+    cls = {"galore": xt.GaLore, "coap": xt.COAP, "plumage": xt.PLUMAGE}[method]
+    hp = _spec_hp(method, WD, "state")
+    tensors = {k: torch.nn.Parameter(torch.tensor(v, dtype=torch.bfloat16))
+               for k, v in _params().items()}
+    opt = cls(list(tensors.values()), spec=hp)
+    history = _run_jax(method, WD, jnp.bfloat16, "state")
+    mod, _ = SPECS[method]
+    spec_state = mod.init_state(hp, {k: v.astype(BF16) for k, v in _params().items()})
+    assert all(np.asarray(v).dtype == np.float32 for k, v in spec_state.items() if k != "step")
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(history[0][1])
+               if jnp.issubdtype(x.dtype, jnp.floating))
+    for t in range(STEPS):
+        for k, g in _grads(t).items():
+            tensors[k].grad = torch.tensor(g, dtype=torch.bfloat16)
+        opt.step(inject={tensors[k]: {key: torch.tensor(v) for key, v in inj.items()}
+                         for k, inj in _inject(method, t).items()})
+        got_p, got_s = history[t]
+        for name, p in tensors.items():
+            np.testing.assert_array_equal(
+                got_p[name].view(np.uint16),
+                p.detach().view(torch.int16).numpy().view(np.uint16), err_msg=f"{name} {t}")
+            st = opt.state[p]
+            m, v = _moments_of(got_s, name)
+            np.testing.assert_array_equal(m, st["exp_avg"].numpy(), err_msg=f"m {name} {t}")
+            np.testing.assert_array_equal(v, st["exp_avg_sq"].numpy(), err_msg=f"v {name} {t}")

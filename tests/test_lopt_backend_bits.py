@@ -300,57 +300,50 @@ def test_per_output_verdicts(request, mode, k, var):
 @pytest.mark.parametrize("k", [1, 2], ids=["6", "scalar"])
 def test_carried_accumulators_differ_by_fma_contraction(sfc, k):
     # m = d·m_old + (1 − d)·g, rms = d·rms_old + (1 − d)·g², v_diag = c·v_old + (1 − c)·(g² +
-    # 1e-30), d loaded, 1 − d one float32 subtraction. XLA on the CPU contracts the first
-    # product into the sum (fma(d, old, (1 − d)·x)); Triton's interpreter (NumPy) rounds
-    # both products. Compiled for sm_90 with FP_FUSION (sfc_fused_kernel's PTX, these
-    # tensors' launch), torch's kernel contracts the *second* product: ``mul.f32 t, d, old``
-    # then ``fma.rn.f32 r, (1 − d), x, t`` for m, rms and v_diag (x = g, rn(g·g),
-    # rn(rn(g·g) + 1e-30)): asserted element by element on a GPU. The Pallas path's vectors
-    # and scalars are XLA's (its GPU contraction not readable here): one of the three
-    # evaluations, printed.
-    dec = sfc["torch"]["decays"]
-    md, rd, fd = dec[:3], np.clip(dec[3], 0, 1), np.clip(dec[4:], 0, 1)
+    # 1e-30), d loaded, 1 − d one float32 subtraction, each side from its own decays (on a
+    # GPU each framework's device log and exp: test_decays_and_weight_halves_are_the_same_bits).
+    # XLA on the CPU contracts the first product into the sum (fma(d, old, (1 − d)·x));
+    # Triton's interpreter (NumPy) rounds both products. Compiled for sm_90 with FP_FUSION
+    # (sfc_fused_kernel's PTX, these tensors' launch), torch's kernel contracts the *second*
+    # product: ``mul.f32 t, d, old`` then ``fma.rn.f32 r, (1 − d), x, t`` for m, rms and
+    # v_diag (x = g, rn(g·g), rn(rn(g·g) + 1e-30)): asserted element by element on a GPU.
+    # The Pallas path's vectors and scalars are XLA's fusions (LLVM's contraction, not
+    # readable here): each element one of the three evaluations (for v_diag, with x rounded
+    # twice or fma(g, g, 1e-30)), printed.
     g = sfc["grads"][k]
     old = sfc["states"][k]
     one = np.float32(1)
     gg = (g * g).astype(np.float32)
-    cases = {
-        "m": (md, old["m"], g[..., None]),
-        "rms": (rd, old["rms"], gg[..., None]),
-        "v_diag": (fd, old["v_diag"], (gg + np.float32(1e-30))[..., None]),
-    }
-    for var, (d, o, x) in cases.items():
+    xs = {"m": [g], "rms": [gg], "v_diag": [gg + np.float32(1e-30)]}
+    if DEVICE.type != "cpu":
+        xs["v_diag"].append(fma32(g, g, np.float32(1e-30)))
+
+    def evaluations(dec, var, x):
+        d = {"m": dec[:3], "rms": np.clip(dec[3], 0, 1), "v_diag": np.clip(dec[4:], 0, 1)}[var]
+        o, x = old[var], x[..., None]
         e = (one - d).astype(np.float32)
         dx = (e * x).astype(np.float32)
-        plain, first = unfused32(d, o, dx), fma32(d, o, dx)
-        second = fma32(e, x, (d * o).astype(np.float32))
+        return {"no contraction": unfused32(d, o, dx), "first product fused": fma32(d, o, dx),
+                "second product fused": fma32(e, x, (d * o).astype(np.float32))}
+
+    dec_t = sfc["torch"]["decays"]
+    dec_j = np.concatenate([np.asarray(d) for d in sfc["jax"]["stages"]["setup"][0]])
+    for var in ("m", "rms", "v_diag"):
         t, j = sfc["torch"]["state"][k][var], sfc["jax"]["state"][k][var]
         _verdict(f"{SHAPES[k]} {var}", j, t)
+        ev_t = evaluations(dec_t, var, xs[var][0])
         if DEVICE.type == "cpu":
-            assert np.array_equal(t, plain), var
-            assert np.array_equal(j, first), var
-        elif var == "v_diag":
-            # torch: the second product contracted, as for m and rms (seen on an H200). The
-            # Pallas path's: not yet identified on a GPU (on an H200 some elements match
-            # none of the three evaluations with x = rn(rn(g·g) + 1e-30) or fma(g, g, 1e-30);
-            # the assertion fails there and prints which of them each element matches)
-            assert np.array_equal(t, second), var
-            xf = fma32(g, g, np.float32(1e-30))[..., None]
-            found = {}
-            for xn, xx in (("x rounded twice", x), ("x = fma(g, g, 1e-30)", xf)):
-                dxx = (e * xx).astype(np.float32)
-                for name, val in (("no contraction", unfused32(d, o, dxx)),
-                                  ("first product fused", fma32(d, o, dxx)),
-                                  ("second product fused",
-                                   fma32(e, xx, (d * o).astype(np.float32)))):
-                    found[f"{xn}, {name}"] = j == val
-            assert np.all(np.logical_or.reduce(list(found.values()))), var
-            print("  Pallas (XLA) v_diag:", [k for k, v in found.items() if v.all()])
-        else:
-            assert np.array_equal(t, second), var
-            assert np.all((j == plain) | (j == first) | (j == second)), var
-            print(f"  Pallas (XLA) contracts: first {np.array_equal(j, first)}, "
-                  f"second {np.array_equal(j, second)}")
+            assert np.array_equal(t, ev_t["no contraction"]), var
+            ev_j = evaluations(dec_j, var, xs[var][0])
+            assert np.array_equal(j, ev_j["first product fused"]), var
+            continue
+        assert np.array_equal(t, ev_t["second product fused"]), var
+        found = {f"{name}" + (", x = fma(g, g, 1e-30)" if i else ""): j == val
+                 for i, x in enumerate(xs[var])
+                 for name, val in evaluations(dec_j, var, x).items()}
+        print(f"  Pallas (XLA) {var}:", [n for n, v in found.items() if v.all()] or
+              {n: int(v.sum()) for n, v in found.items()})
+        assert np.all(np.logical_or.reduce(list(found.values()))), var
 
 
 def test_adafactor_statistics_differ_by_reduction_order(sfc):

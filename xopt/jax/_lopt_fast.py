@@ -26,7 +26,8 @@ under ``interpret=True`` on the CPU (CI) and lower to Triton on the GPU.
 
 The state is the plain path's (the same pytrees, shapes and names), so a state written by
 one implementation resumes under the other. The default (``impl=None``) is
-:data:`GPU_DEFAULT` on a GPU backend, the plain path elsewhere.
+:data:`GPU_DEFAULT` on a GPU backend (the Pallas path, or the plain one for a configuration
+its kernels do not cover), the plain path elsewhere.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ IMPLS = ("plain", "packed", "pallas")
 #: torch Triton path's exact mode), "fast" as one TF32 product (about 1e-3 relative)
 PRECISIONS = ("exact", "fast")
 #: the default on a GPU backend, per method: the path measured fastest there side by side
-#: with the others (bench/lopt_step_jax.py --plain; bench/RESULTS.md). Plain until the Pallas
-#: path, verified on an H200 (bench/lopt_step_jax.py --diagnose), is timed beside it.
-GPU_DEFAULT = {"small_fc_lopt": "plain", "velo": "plain"}
+#: with the others (bench/lopt_step_jax.py --plain; bench/RESULTS.md: on an H200 Pallas is
+#: 4.7x (small_fc_lopt) and 8.1x (VeLO) faster than plain, its golden cases agreeing there)
+GPU_DEFAULT = {"small_fc_lopt": "pallas", "velo": "pallas"}
 
 
 def resolve_impl(label: str, impl: str | None, precision: str,
@@ -81,8 +82,8 @@ def select(label: str, method_name: str, plain: Any, impl: str | None,
 
         check = (_lopt_pallas.unsupported_small_fc if method_name == "small_fc_lopt"
                  else _lopt_pallas.unsupported_velo)
-        if check(plain.hp) is not None:
-            which = "packed"
+        if check(plain.hp) is not None:  # plain, not packed: packed is the slower of the two
+            return plain
     if method_name == "small_fc_lopt":
         return PackedSmallFC(plain, which, precision)
     if method_name == "velo":

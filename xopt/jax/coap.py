@@ -20,8 +20,9 @@ layouts of one kernel take the same update; the state keeps the spec's shapes);
 (:mod:`xopt.specs.coap`).
 
 State (:class:`COAPState`, the spec's ``"xopt.jax"`` naming) is held in the parameter's
-dtype promoted to at least float32 (bfloat16/float16 leaves keep float32 state; the update
-is computed in float32 and rounded once into the leaf's dtype). Under ``proj_dtype="param"``
+dtype promoted to at least float32 (bfloat16/float16 leaves keep float32 state, and their
+updates are float32: ``optax.apply_updates`` rounds the new value once into the leaf's
+dtype, as the spec's step). Under ``proj_dtype="param"``
 a projected bfloat16/float16 matrix's two products run in its dtype and its update is
 float32 (``optax.apply_updates`` rounds it into the leaf as the spec's step does).
 """
@@ -309,9 +310,9 @@ def coap(
             low = _spec.low_dtype(tuple(g32.shape), hs[i], g.dtype, dt)
             new_p, st = _leaf_step(hs[i], p32, g32, dict(states[i]), refreshed[i], count_inc,
                                    low=low, p_low=p)
-            # with low: already the additive update (a matrix: no layout)
-            out_u.append(new_p if low is not None
-                         else from_spec_layout(new_p - p32).astype(g.dtype))
+            # with low: already the additive update (a matrix: no layout); else in the
+            # state's dtype, so that apply_updates rounds a narrower leaf's new value once
+            out_u.append(new_p if low is not None else from_spec_layout(new_p - p32))
             for var in old:
                 new[var].append(st.get(var))
         u = treedef.unflatten(out_u)

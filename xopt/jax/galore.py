@@ -61,8 +61,8 @@ class GaLoreState(NamedTuple):
       mu, nu: Adam's moments, uncorrected; the params' structure, each leaf of
         :func:`xopt.specs.galore.low_rank_shape` (``(r, n)``, ``(m, r)`` or ``(r, r)`` for
         projected matrices, the parameter's shape otherwise) in the parameter's dtype
-        (float32 for a projected bfloat16/float16 leaf under ``proj_dtype="param"``, as
-        the spec's state).
+        promoted to float32, as the spec's state (a bfloat16/float16 leaf's update is
+        float32: ``optax.apply_updates`` rounds its new value once, as the spec's step).
       ortho: the params' structure with the projection of each projected leaf
         (:func:`xopt.specs.galore.ortho_shape`) and None elsewhere, in the moments' dtype.
       ortho_right: ``Vᵀ[:r, :]`` (``r × n``) of ``proj_type="full"`` leaves, None elsewhere.
@@ -176,9 +176,8 @@ def galore(
         for p, h in zip(leaves, specs, strict=True):
             shape = tuple(p.shape)
             projected = _spec.is_projected(shape, h)
-            # proj_dtype="param": the spec's float32 state, the products in p's dtype
-            dt = jnp.float32 if projected and narrow_dtype(h, p.dtype) is not None \
-                else p.dtype
+            # the spec's state: the parameter's dtype promoted to float32 (as xopt.torch)
+            dt = jnp.promote_types(p.dtype, jnp.float32)
             mu.append(jnp.zeros(_spec.low_rank_shape(shape, h), dt))
             ortho.append(jnp.zeros(_spec.ortho_shape(shape, h), dt) if projected else None)
             ortho_r.append(jnp.zeros((h.rank, shape[1]), dt)
@@ -238,12 +237,14 @@ def galore(
             g, p = g_leaves[i], p_leaves[i]
             ortho, ortho_r = refreshed[i]
             low = narrow_dtype(h, g.dtype, m_leaves[i].dtype) if ortho is not None else None
-            if low is None:
-                lr = h.lr if lr_now is None else jnp.asarray(lr_now, g.dtype)
-                u, m, v = _spec.direction(jnp, h, g, m_leaves[i], v_leaves[i], ortho, ortho_r,
-                                          count_inc)
-                u = _spec.additive_update(h, p, u, count_inc, lr)
-                out_u.append(u.astype(g.dtype))
+            if low is None:  # in the state's dtype; a narrower leaf's update stays wide
+                # (optax.apply_updates then rounds the new parameter once, as the spec does)
+                wide = m_leaves[i].dtype
+                lr = h.lr if lr_now is None else jnp.asarray(lr_now, wide)
+                u, m, v = _spec.direction(jnp, h, g.astype(wide), m_leaves[i], v_leaves[i],
+                                          ortho, ortho_r, count_inc)
+                out_u.append(_spec.additive_update(
+                    h, None if p is None else p.astype(wide), u, count_inc, lr))
             else:  # the spec's tensor_update with p in its own dtype, as optax updates
                 lr = h.lr if lr_now is None else jnp.asarray(lr_now, jnp.float32)
                 u, m, v = _spec.direction(NARROW, h, g, m_leaves[i], v_leaves[i], ortho,

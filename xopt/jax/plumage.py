@@ -12,9 +12,9 @@ the leaf's shape when not projected), and dicts keyed by leaf path name (``"mlp/
 holding, for projected leaves only, ``projector`` (P), ``scale`` (diag D) and, when
 ``resample_interval`` is not a multiple of ``update_proj_gap``, ``basis`` and ``probs``.
 Moments and projections are float32 for float32/bfloat16/float16 leaves (an SVD needs at
-least float32), float64 for float64 leaves. Under ``proj_dtype="param"`` a projected
-bfloat16/float16 leaf's two products run in its dtype and its update is float32
-(``optax.apply_updates`` rounds it into the leaf as the spec's step does).
+least float32), float64 for float64 leaves; a bfloat16/float16 leaf's update is float32
+(``optax.apply_updates`` rounds it into the leaf once, as the spec's step does). Under
+``proj_dtype="param"`` a projected bfloat16/float16 leaf's two products run in its dtype.
 
 Random stream: leaf number ``i`` (flattening order) draws at step ``t`` from ``xopt.random``
 with seed ``fold_in(seed, i, t)``: the same numbers as ``xopt.torch.PLUMAGE``'s
@@ -306,8 +306,9 @@ def _leaf_update(h: _spec.PLUMAGE, g: jax.Array, p: jax.Array | None,
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One leaf's Adam step (the spec's :func:`~xopt.specs.plumage.update_param`) on the
     state after this update's refresh (:func:`_maybe_refresh`); returns the additive update
-    (in ``g``'s dtype; float32 for a ``proj_dtype="param"`` leaf, :func:`narrow_update`)
-    and the new state."""
+    (in the state's dtype: float32 for a bfloat16/float16 leaf, so that
+    ``optax.apply_updates`` rounds its new value once, as the spec's step) and the new
+    state."""
     dtype = st["m"].dtype
     shape = tuple(g.shape)
     g_in, g = g, g.astype(dtype)
@@ -333,7 +334,7 @@ def _leaf_update(h: _spec.PLUMAGE, g: jax.Array, p: jax.Array | None,
     u = -alpha * n
     if not _is_zero(h.weight_decay):  # hf_apply: p ← p − αN, then p ← p − ηλ p
         u = u - (lr * h.weight_decay) * (p.astype(dtype) + u)
-    return u.astype(g_in.dtype), st
+    return u, st  # a narrower leaf's update stays wide: apply_updates rounds it once
 
 
 def _event(h: _spec.PLUMAGE, t: jax.Array) -> jax.Array:

@@ -142,8 +142,9 @@ def small_fc_lopt(
       check_finite: ``True`` is the older spelling of ``nonfinite="raise"``.
       impl: the inner update's implementation: "plain" (per tensor, the reference),
         "packed" (the tensors grouped by shape, see :mod:`xopt.jax._lopt_fast`),
-        "pallas" (packed, with fused Pallas kernels), or None: the plain path (on a GPU
-        too, :data:`xopt.jax._lopt_fast.GPU_DEFAULT`).
+        "pallas" (packed, with fused Pallas kernels), or None: "pallas" on a GPU (where
+        its kernels cover the configuration, :data:`xopt.jax._lopt_fast.GPU_DEFAULT`),
+        "plain" elsewhere.
         The state is the same for all.
       precision: the fused kernels' matrix products, "exact" or "fast" (TF32).
       exp_mult, step_mult, hidden_size, hidden_layers, initial_momentum_decays,
