@@ -3,8 +3,10 @@
 :func:`plumage` returns an ``optax.GradientTransformationExtraArgs``. Each update calls the
 spec's functions (the paper's Algorithm 2-5, Eq. 18-29); this module adds what JAX needs:
 the refresh (SVD, Algorithm 2) and resample (Algorithm 3-4, realignment Eq. 28-29) branches
-as ``lax.cond`` on the step count, so one jitted step serves every step, and the random
-stream computed from the traced count.
+of a ``lax.switch`` on the step count, so one jitted step serves every step (one switch for
+the leaves of one setting whose sampling has one shape: the SVDs and realignments batched
+per shape, the sampling once for all of them), and the random stream computed from the
+traced count.
 
 State (:class:`PlumageState`): ``count`` (int32, updates taken), ``mu``/``nu`` (Adam's M and
 V, a pytree like the params: ``(k, n)`` for a left projection, ``(m, k)`` for a right one,
@@ -205,9 +207,8 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
         extra = {k: dict(getattr(state, k)) for k in ("projector", "scale", "basis", "probs")}
         lr = schedule(t) if schedule is not None else None
 
-        # the refresh (SVD, draws, realignment) sits in one lax.switch per group of leaves
-        # with one shape and setting, computing each leaf of the group in turn
-        # (switch_grouped); the Adam step is per leaf
+        # the refresh (SVD, draws, realignment) sits in one lax.switch per set of leaves
+        # with one setting and sampling shape (_switch_sets); the Adam step is per leaf
         states, projected, args = [], [], []
         for index, (name, h, g, m, v, inj) in enumerate(zip(
                 names, specs, g_leaves, mu_leaves, nu_leaves, injects, strict=True)):
