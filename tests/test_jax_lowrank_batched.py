@@ -2,8 +2,7 @@
 
 GaLore's and PLUMAGE's refreshes and Flora's momentum transfers sit in one ``lax.switch``
 per group of leaves with one shape, dtype and setting (``switch_grouped``); COAP's
-projected steps run once per group under ``jax.vmap`` (``map_grouped``); PLUMAGE samples
-once for all leaves of one probability length. Checked here:
+projected steps run once per group under ``jax.vmap`` (``map_grouped``). Checked here:
 the grouped updates and states are the per-leaf path's bit for bit, and the traced
 program's conditionals do not grow with the number of same-shaped leaves.
 """
@@ -67,44 +66,6 @@ def test_traced_conds_do_not_grow_with_same_shaped_leaves(
     assert four == two, f"{method}: {two} conditionals for 2 blocks, {four} for 4"
     # the per-leaf path (what the grouping replaces) grows: the count can tell them apart
     assert _count(method, 4, True, monkeypatch) > four
-
-
-def _sorts(jaxpr: jax.extend.core.Jaxpr) -> int:
-    """``sort`` equations in ``jaxpr`` and its sub-jaxprs."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == "sort"
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            n += _sorts(sub)
-    return n
-
-
-def test_plumage_samples_once_per_probability_length(monkeypatch: pytest.MonkeyPatch) -> None:
-    # PLUMAGE's sampling (Algorithm 3: the permutation's two stable argsorts, the wheel)
-    # depends on the probability length d = min(m, n) and the rank only: the 16 x 24 and
-    # 24 x 16 leaves of the block model (d = 16) sample together, so projecting the
-    # 24 x 16 ones as well traces no further sort
-    from xopt.specs import plumage as spec
-
-    mod = importlib.import_module("xopt.jax.plumage")
-
-    h = spec.SPEC.make(None, **SETTINGS["plumage"])
-
-    def sorts(project_w2: bool, per_leaf: bool = False) -> int:
-        params = _model(2)
-        off = {f"blk{i}/w2": h.replace(project=False) for i in range(2)}
-        with monkeypatch.context() as m:
-            if per_leaf:
-                m.setattr(mod, "group_key", lambda *a, **kw: None)
-            tx = mod.plumage(spec=h, param_specs=None if project_w2 else off)
-            state = tx.init(params)
-            closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(params, state, params)
-        return _sorts(closed.jaxpr)
-
-    alone, together = sorts(False), sorts(True)
-    assert alone > 0
-    assert together == alone, f"{alone} sorts with the 16 x 24 leaves, {together} with both"
-    assert sorts(True, per_leaf=True) > together
 
 
 # Run in a child process with XLA's CPU code generation capped at SSE4.2: with FMA

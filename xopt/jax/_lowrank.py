@@ -15,12 +15,12 @@
   group of leaves that share shape, dtype and hyperparameters (so their refresh schedule)
   in one ``lax.switch``, each branch computing every leaf of the group with its event known
   at trace time, one by one (GaLore's refreshes, Flora's momentum transfers) or once under
-  ``vmap``; COAP runs its projection events once per group under ``vmap``
-  (:func:`map_grouped`, one ``lax.switch`` inside); PLUMAGE puts the leaves of several
-  shapes in one switch when their sampling has one shape. XLA compiles the identical
-  kernels of same-shaped leaves once, so what grows with the number of tensors is a few
-  instructions per leaf, not a conditional per leaf (each with its branch computations)
-  nor a kernel per leaf. Results stacked under ``vmap`` are taken back out per leaf at
+  ``vmap`` (PLUMAGE, whose refresh is long to trace per leaf); COAP runs its projection
+  events once per group under ``vmap`` (:func:`map_grouped`, one ``lax.switch`` inside).
+  XLA compiles the identical kernels of
+  same-shaped leaves once, so what grows with the number of tensors is a few instructions
+  per leaf, not a conditional per leaf (each with its branch computations) nor a kernel per
+  leaf. Results stacked under ``vmap`` are taken back out per leaf at
   :func:`runtime_positions` (a slice at a constant offset would be a kernel per leaf), and
   only what the refresh changes is stacked: the per-step math (projection, Adam, the
   update) stays per leaf. The state stays per leaf.

@@ -3,10 +3,8 @@
 :func:`plumage` returns an ``optax.GradientTransformationExtraArgs``. Each update calls the
 spec's functions (the paper's Algorithm 2-5, Eq. 18-29); this module adds what JAX needs:
 the refresh (SVD, Algorithm 2) and resample (Algorithm 3-4, realignment Eq. 28-29) branches
-of a ``lax.switch`` on the step count, so one jitted step serves every step (one switch for
-the leaves of one setting whose sampling has one shape: the SVDs and realignments batched
-per shape, the sampling once for all of them), and the random stream computed from the
-traced count.
+as ``lax.cond`` on the step count, so one jitted step serves every step, and the random
+stream computed from the traced count.
 
 State (:class:`PlumageState`): ``count`` (int32, updates taken), ``mu``/``nu`` (Adam's M and
 V, a pytree like the params: ``(k, n)`` for a left projection, ``(m, k)`` for a right one,
@@ -30,7 +28,6 @@ PLUMAGE(project=False), p)``; non-matrix leaves always take the full-rank Adam u
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -51,8 +48,7 @@ from xopt.jax._lowrank import (
     narrow_update,
     path_names,
     resolve_spec,
-    runtime_positions,
-    spec_key,
+    switch_grouped,
 )
 from xopt.jax._precision import full_precision
 from xopt.jax.sharding import on_owner
@@ -207,8 +203,9 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
         extra = {k: dict(getattr(state, k)) for k in ("projector", "scale", "basis", "probs")}
         lr = schedule(t) if schedule is not None else None
 
-        # the refresh (SVD, draws, realignment) sits in one lax.switch per set of leaves
-        # with one setting and sampling shape (_switch_sets); the Adam step is per leaf
+        # the refresh (SVD, draws, realignment) sits in one lax.switch per group of leaves
+        # with one shape and setting, computing each leaf of the group in turn
+        # (switch_grouped); the Adam step is per leaf
         states, projected, args = [], [], []
         for index, (name, h, g, m, v, inj) in enumerate(zip(
                 names, specs, g_leaves, mu_leaves, nu_leaves, injects, strict=True)):
@@ -229,7 +226,9 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
         # nonfinite="raise" names the leaf whose SVD failed: one leaf at a time
         keys = [group_key(specs[i], a, batchable=not check_decomposition)
                 for i, a in zip(projected, args, strict=True)]
-        done = _switch_sets(keys, [specs[i] for i in projected], args, t, refresh)
+        done = switch_grouped(keys, lambda j: _event(specs[projected[j]], t),
+                              lambda j: _branches(specs[projected[j]]), refresh, args,
+                              vmapped=lambda event: event > 0, count=t)
         refreshed: list[dict[str, jax.Array] | None] = [None] * len(names)
         for i, (st_r, ok) in zip(projected, done, strict=True):
             decomposition_guard(_LABEL, names[i], ok, check_decomposition)
@@ -252,50 +251,6 @@ def plumage(learning_rate: optax.ScalarOrSchedule | None = None, b1: float | Non
 
 
 _contract.public_signature(plumage)
-
-
-def _switch_sets(keys: list, specs: list, args: list, t: jax.Array,
-                 refresh: Any) -> list:
-    """``[refresh(j, args[j], event)]`` (``(state, ok)`` per projected leaf): one
-    ``lax.switch`` on :func:`_event` per set of leaves that refresh together
-    (:func:`_refresh_together`: one setting, state dtype and probability length, none
-    injected, each leaf's ``keys`` entry not None); a leaf outside every set (key None, or
-    injected values) has a switch of its own calling ``refresh``. The switches' operands
-    are the leaves' arrays and the runtime positions of the stacked results."""
-    sets: dict = {}
-    for j, (k, h, a) in enumerate(zip(keys, specs, args, strict=True)):
-        g, st, inj, _ = a
-        key = None if k is None or inj is not None else (
-            spec_key(h), min(g.shape), str(st["m"].dtype))
-        sets.setdefault(("set", key) if key is not None else ("leaf", j), []).append(j)
-    sizes = [max(sum(keys[j] == keys[i] for i in idx) for j in idx)
-             for (kind, _), idx in sets.items() if kind == "set"]
-    positions = runtime_positions(max(sizes, default=0), t)
-    out: list = [None] * len(args)
-    for (kind, _), idx in sets.items():
-        h = specs[idx[0]]
-        if kind == "leaf":
-            j = idx[0]
-            branch = functools.partial(lambda e, a, j=j: refresh(j, a, e))
-            ops: Any = args[j]
-        else:
-            sides = [_spec.side_of(tuple(args[j][0].shape), specs[j]) for j in idx]
-
-            def branch(e: int, ops: tuple, idx: list = idx, sides: list = sides) -> list:
-                a, pos = ops
-                a = [(g.astype(st["m"].dtype), st, inj, key) for g, st, inj, key in a]
-                return _refresh_together([specs[j] for j in idx], sides, a,
-                                         [keys[j] for j in idx], t, tuple(pos), e)
-
-            ops = ([args[j] for j in idx], list(positions))
-        res = jax.lax.switch(_event(h, t), [functools.partial(branch, e)
-                                            for e in range(_branches(h))], ops)
-        if kind == "leaf":
-            out[idx[0]] = res
-        else:
-            for j, r in zip(idx, res, strict=True):
-                out[j] = r
-    return out
 
 
 def _is_zero(x: Any) -> bool:
@@ -357,20 +312,12 @@ def _refresh(h: _spec.PLUMAGE, index: int, g: jax.Array, side: str,
              st: dict[str, jax.Array], t: jax.Array, inject: Mapping[str, Any] | None,
              leaf_key: jax.Array, event: int) -> tuple[dict[str, jax.Array], jax.Array]:
     """Algorithm 5's refresh block for the ``event`` (:func:`_event`, known at trace time):
-    ``(state, ok)``; a refresh whose SVD is not finite keeps the state (``ok`` false). The
-    three steps (:func:`_basis`, :func:`_indices`, :func:`_resampled`) are also run one
-    group at a time (:func:`_refresh_together`)."""
+    ``(state, ok)``; a refresh whose SVD is not finite keeps the state (``ok`` false)."""
     if event == 0:
         return st, jnp.array(True)
-    basis, probs, ok = _basis(h, index, g, side, st, inject, event)
-    idx = _indices(h, probs, t, inject, leaf_key)
-    return _resampled(h, side, st, basis, probs, idx, ok)
+    old = st
+    indices = None if inject is None else inject.get("indices")
 
-
-def _basis(h: _spec.PLUMAGE, index: int, g: jax.Array, side: str, st: dict[str, jax.Array],
-           inject: Mapping[str, Any] | None, event: int
-           ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Algorithm 2 at an SVD event, else the stored basis: ``(basis, probs, ok)``."""
     def from_svd() -> tuple[jax.Array, jax.Array, jax.Array]:
         # on one device of the gradient's mesh (the owner rule)
         basis, probs, sigma = on_owner(
@@ -378,25 +325,14 @@ def _basis(h: _spec.PLUMAGE, index: int, g: jax.Array, side: str, st: dict[str, 
         ok = jnp.all(jnp.isfinite(sigma)) & jnp.all(jnp.isfinite(basis))
         return basis, probs, ok
 
-    return lowrank.refresh(event == 2 or not _spec.needs_basis(h),
-                           (st.get("basis"), st.get("probs"), jnp.asarray(True)), from_svd)
-
-
-def _indices(h: _spec.PLUMAGE, probs: jax.Array, t: jax.Array,
-             inject: Mapping[str, Any] | None, leaf_key: jax.Array) -> jax.Array:
-    """Algorithm 3's ``k`` indices: drawn from the leaf's key at ``t``, or injected."""
-    indices = None if inject is None else inject.get("indices")
+    basis, probs, ok = lowrank.refresh(event == 2 or not _spec.needs_basis(h),
+                                       (old.get("basis"), old.get("probs"),
+                                        jnp.asarray(True)), from_svd)
     if indices is not None:
-        return jnp.asarray(indices).astype(jnp.int32)
-    perm, u = _draws_of_key(leaf_key, t, probs.shape[0])
-    return _spec.sample_indices(jnp, probs, h.rank, perm, u)
-
-
-def _resampled(h: _spec.PLUMAGE, side: str, old: dict[str, jax.Array], basis: jax.Array,
-               probs: jax.Array, idx: jax.Array, ok: jax.Array
-               ) -> tuple[dict[str, jax.Array], jax.Array]:
-    """Algorithm 4 and the realignment (Eq. 28-29): the new state, the old one where the
-    SVD was not finite (``ok`` false)."""
+        idx = jnp.asarray(indices).astype(jnp.int32)
+    else:
+        perm, u = _draws_of_key(leaf_key, t, probs.shape[0])
+        idx = _spec.sample_indices(jnp, probs, h.rank, perm, u)
     P, dvec = _spec.sample_projection(jnp, basis, probs, idx)
     m, v = _spec.realign(jnp, old["m"], old["v"], P, old["projector"], side,
                          first=h.realign_first_moment, second=h.realign_second_moment)
@@ -404,87 +340,6 @@ def _resampled(h: _spec.PLUMAGE, side: str, old: dict[str, jax.Array], basis: ja
     if _spec.needs_basis(h):
         new.update(basis=basis, probs=probs)
     return {k: jnp.where(ok, new[k], old[k]).astype(old[k].dtype) for k in old}, ok
-
-
-def _stack(trees: list) -> Any:
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
-
-
-def _refresh_together(specs: list, sides: list, args: list, keys: list, t: jax.Array,
-                      positions: tuple, event: int) -> list:
-    """:func:`_refresh` of a set of leaves with one setting, state dtype and probability
-    length ``d`` (so one sampling shape), at one ``event``: ``[(state, ok)]``.
-
-    The SVD and the resampling and realignment (:func:`_resampled`) run once per group of
-    equal ``keys`` (one shape) under ``jax.vmap``; what depends on ``d`` and the rank only
-    (Algorithm 2's probabilities from the singular values; Algorithm 3, :func:`_indices`:
-    the draws, the permutation's sorts, the wheel's cumulative sums and search) runs once
-    for the whole set, so that XLA compiles those kernels once rather than once per shape.
-    Each leaf computes what :func:`_refresh` computes (the same operations, batched);
-    stacked results are taken back out at the runtime ``positions``
-    (:func:`~xopt.jax._lowrank.runtime_positions`)."""
-    h = specs[0]
-    if event == 0:
-        return [(a[1], jnp.array(True)) for a in args]
-    groups: dict = {}
-    for j, k in enumerate(keys):
-        groups.setdefault(k, []).append(j)
-    parts = list(groups.values())
-    order = [j for idx in parts for j in idx]
-
-    def batched(fn: Any, idx: list, *trees: Any) -> Any:
-        # fn once under vmap over a group's stacked arrays, or on a lone leaf's own
-        return fn(*trees) if len(idx) == 1 else jax.vmap(fn)(*trees)
-
-    def operand(idx: list, get: Any) -> Any:
-        # a group's operand: the leaves' arrays stacked, or a lone leaf's own
-        return get(args[idx[0]]) if len(idx) == 1 else _stack([get(args[j]) for j in idx])
-
-    def rows(x: jax.Array, start: int, idx: list) -> jax.Array:
-        # a group's rows of a set-wide result
-        return x[start] if len(idx) == 1 else x[start:start + len(idx)]
-
-    bases, oks = [], []
-    if event == 2 or not _spec.needs_basis(h):  # Algorithm 2: an SVD per shape group
-        sigmas = []
-        for idx in parts:
-            def decompose(g: jax.Array, side: str = sides[idx[0]]) -> tuple:
-                # on one device of the gradient's mesh (the owner rule; a single one here)
-                basis, sigma = on_owner(lambda a: _spec.decompose(jnp, a, side), g)
-                return basis, sigma, jnp.all(jnp.isfinite(sigma)) & jnp.all(
-                    jnp.isfinite(basis))
-
-            basis, sigma, ok = batched(decompose, idx, operand(idx, lambda a: a[0]))
-            bases.append(basis)
-            sigmas.append(sigma[None] if len(idx) == 1 else sigma)
-            oks.append(ok)
-        sigma = sigmas[0] if len(sigmas) == 1 else jnp.concatenate(sigmas)
-        probs = jax.vmap(lambda s: _spec.inclusion_probabilities(
-            jnp, s, h.rank, h.prob_eps)[1])(sigma)
-    else:  # a resample from the stored basis
-        for idx in parts:
-            bases.append(operand(idx, lambda a: a[1]["basis"]))
-            oks.append(jnp.asarray(True))
-        probs = jnp.stack([args[j][1]["probs"] for j in order])
-    # Algorithm 3 for every leaf of the set at once (rows in the order of ``parts``)
-    leaf_keys = jnp.stack([args[j][3] for j in order])
-    drawn = jax.vmap(lambda p, k: _indices(h, p, t, None, k))(probs, leaf_keys)
-    out: list = [None] * len(args)
-    start = 0
-    for idx, basis, ok in zip(parts, bases, oks, strict=True):
-        if len(idx) > 1 and jnp.ndim(ok) == 0:
-            ok = jnp.broadcast_to(ok, (len(idx),))
-        res = batched(lambda st, b, p, r, ok, side=sides[idx[0]]: _resampled(
-            h, side, st, b, p, r, ok), idx, operand(idx, lambda a: a[1]), basis,
-            rows(probs, start, idx), rows(drawn, start, idx), ok)
-        start += len(idx)
-        if len(idx) == 1:
-            out[idx[0]] = res
-            continue
-        for j, pos in zip(idx, positions, strict=False):
-            out[j] = jax.tree.map(
-                lambda x, pos=pos: jax.lax.dynamic_index_in_dim(x, pos, keepdims=False), res)
-    return out
 
 
 register("plumage", "jax", plumage)
