@@ -1,8 +1,8 @@
 """The JAX low-rank transformations put a group's refreshes in one conditional.
 
-GaLore's and PLUMAGE's refreshes sit in one ``lax.switch`` per group of leaves with one
-shape, dtype and setting (``switch_grouped``); COAP's projected steps run once per group
-under ``jax.vmap`` (``map_grouped``). Checked here:
+GaLore's and PLUMAGE's refreshes and Flora's momentum transfers sit in one ``lax.switch``
+per group of leaves with one shape, dtype and setting (``switch_grouped``); COAP's
+projected steps run once per group under ``jax.vmap`` (``map_grouped``). Checked here:
 the grouped updates and states are the per-leaf path's bit for bit, and the traced
 program's conditionals do not grow with the number of same-shaped leaves.
 """
@@ -18,7 +18,7 @@ from helpers import jax_block_model as _model
 
 jax = pytest.importorskip("jax")
 
-METHODS = ("galore", "coap", "plumage")
+METHODS = ("galore", "coap", "plumage", "flora")
 
 # small settings that refresh within three steps (GaLore: SVDs at t = 0, 2; COAP: the
 # first decomposition, Eqn 6, Eqn 7; PLUMAGE: SVDs at t = 0, 2, resamples at every t)
@@ -26,6 +26,8 @@ SETTINGS = {
     "galore": dict(rank=4, update_proj_gap=2, weight_decay=0.01),
     "coap": dict(rank=4, update_interval=1, reproject_factor=2, weight_decay=0.01),
     "plumage": dict(rank=4, update_proj_gap=2, resample_interval=1, weight_decay=0.01),
+    # a momentum transfer at t = 2
+    "flora": dict(learning_rate=1e-3, rank=4, kappa=2, beta1=0.9, weight_decay=0.01),
 }
 
 
@@ -108,6 +110,7 @@ _CHILD = textwrap.dedent("""
         "coap/adafactor+schedule": {"optimizer": "adafactor", "b1": 0.9,
                                     "learning_rate": optax.linear_schedule(1e-3, 1e-4, 3)},
         "plumage": {},
+        "flora": {},
     }
     report = {}
     for case, extra in cases.items():

@@ -14,9 +14,10 @@
 * **One conditional per group.** :func:`switch_grouped` puts the refresh branches of a
   group of leaves that share shape, dtype and hyperparameters (so their refresh schedule)
   in one ``lax.switch``, each branch computing every leaf of the group with its event known
-  at trace time, one by one (GaLore) or once under ``vmap`` (PLUMAGE, whose refresh is
-  long to trace per leaf); COAP runs its projection events once per group under ``vmap``
-  (:func:`map_grouped`, one ``lax.switch`` inside). XLA compiles the identical kernels of
+  at trace time, one by one (GaLore's refreshes, Flora's momentum transfers) or once under
+  ``vmap`` (PLUMAGE, whose refresh is long to trace per leaf); COAP runs its projection
+  events once per group under ``vmap`` (:func:`map_grouped`, one ``lax.switch`` inside).
+  XLA compiles the identical kernels of
   same-shaped leaves once, so what grows with the number of tensors is a few instructions
   per leaf, not a conditional per leaf (each with its branch computations) nor a kernel per
   leaf. Results stacked under ``vmap`` are taken back out per leaf at

@@ -31,7 +31,14 @@ import optax
 
 from xopt.errors import HyperparameterError
 from xopt.jax import _contract
-from xopt.jax._lowrank import check_float_leaf, inject_for, leaf_specs, path_names
+from xopt.jax._lowrank import (
+    check_float_leaf,
+    group_key,
+    inject_for,
+    leaf_specs,
+    path_names,
+    switch_grouped,
+)
 from xopt.jax._precision import full_precision
 from xopt.registry import register
 from xopt.specs import flora as _spec
@@ -244,11 +251,12 @@ def flora(learning_rate: float | None = None, rank: int | None = None,
         count = optax.safe_increment(state.count)
         new = {f: list(v) for f, v in old.items()}
         drawn = _draw_projections(leaves_p, specs, old["seed"], count, injected)
+        kept = _transferred_momenta(leaves_p, specs, old["m"], count, injected, drawn)
         outs = []
         for i, (g, p, h) in enumerate(zip(grads, leaves_p, specs, strict=True)):
             st = {f: old[f][i] for f in _PER_LEAF}
             step = _update_leaf_shared if injected[i] is None and _hashable(h) else _update_leaf
-            out, upd = step(h, p, g, st, count, injected[i], drawn.get(i))
+            out, upd = step(h, p, g, st, count, injected[i], drawn.get(i), kept.get(i))
             outs.append(out)
             for f, v in upd.items():
                 new[f][i] = v
@@ -300,6 +308,46 @@ def _draw_projections(leaves: list, specs: list, seeds: list, t: jax.Array,
     return out
 
 
+def _projections_of(p: jax.Array, inject: Any, drawn: tuple | None
+                    ) -> tuple[jax.Array, jax.Array]:
+    """A compressed leaf's ``(P before, P after)`` this update: drawn
+    (:func:`_draw_projections`) or given (``inject``)."""
+    if drawn is not None:
+        return drawn[1], drawn[2]
+    sdt = _state_dtype(p)
+    return jnp.asarray(inject["proj_before"], sdt), jnp.asarray(inject["proj_after"], sdt)
+
+
+def _transferred_momenta(leaves: list, specs: list, momenta: list, t: jax.Array,
+                         injected: list, drawn: dict) -> dict[int, jax.Array]:
+    """``{leaf index: C}`` of every compressed leaf with momentum: its momentum carried into
+    this update's projection at a transfer (``t mod κ = 0``: ``C ← down(P', up(P, C))``),
+    else as it was. One conditional per group of leaves with one shape and setting (so one
+    transfer schedule; :func:`~xopt.jax._lowrank.switch_grouped`), each branch computing
+    its leaves in turn, where a conditional per leaf made XLA compile one per leaf. The
+    branch takes the small operands (the projections and the compressed momentum) and
+    decompresses again, the same product on the same operands as the step's own ``up``:
+    passing that full-size product in instead would keep every leaf's alive at once."""
+    idx, args = [], []
+    for i, (p, h) in enumerate(zip(leaves, specs, strict=True)):
+        hs = _structure(h)
+        if hs.use_momentum and _spec.compressed(tuple(p.shape), hs):
+            idx.append(i)
+            args.append((*_projections_of(p, injected[i], drawn.get(i)), momenta[i]))
+
+    def carry(j: int, a: tuple, event: int) -> jax.Array:
+        p_before, p_after, m = a
+        if event == 0:
+            return m
+        which = _spec.side(tuple(leaves[idx[j]].shape))
+        return _spec.down(jnp, p_after, _spec.up(jnp, p_before, m, which), which)
+
+    keys = [group_key(specs[i], a) for i, a in zip(idx, args, strict=True)]
+    out = switch_grouped(keys, lambda j: ((t % specs[idx[j]].kappa) == 0).astype(jnp.int32),
+                         2, carry, args)
+    return dict(zip(idx, out, strict=True))
+
+
 @functools.cache
 def _group_draw(shape: tuple[int, ...], rank: int, sdt: str) -> Any:
     """The projections of a leaf of ``shape`` for a stack of seeds, flattened: ``(k, size)``
@@ -311,11 +359,12 @@ def _group_draw(shape: tuple[int, ...], rank: int, sdt: str) -> Any:
 
 
 def _update_leaf(h: _spec.Flora, p: jax.Array, g: jax.Array, st: dict[str, Any],
-                 t: jax.Array, inject: Any, drawn: tuple | None = None
-                 ) -> tuple[jax.Array, dict[str, Any]]:
+                 t: jax.Array, inject: Any, drawn: tuple | None = None,
+                 kept: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
     """One leaf's update at the traced 1-based step ``t``: ``(p_new − p, new state)``
     (``drawn``: the leaf's seed after this step and projections,
-    :func:`_draw_projections`)."""
+    :func:`_draw_projections`; ``kept``: a compressed leaf's momentum after this update's
+    transfer, :func:`_transferred_momenta`)."""
     xp = jnp
     hs = _structure(h)
     shape, sdt = tuple(p.shape), _state_dtype(p)
@@ -341,17 +390,14 @@ def _update_leaf(h: _spec.Flora, p: jax.Array, g: jax.Array, st: dict[str, Any],
             seed = st["seed"]
             transfer = (t % h.kappa) == 0
             if drawn is not None:  # (every leaf but those given recorded projections)
-                seed_after, p_before, p_after = drawn
+                seed_after = drawn[0]
             else:
                 seed_after = jax.lax.cond(transfer, next_seed_words, lambda w: w, seed)
-                p_before = jnp.asarray(inject["proj_before"], sdt)
-                p_after = jnp.asarray(inject["proj_after"], sdt)
+            p_before, p_after = _projections_of(p, inject, drawn)
             c_up = _spec.up(xp, p_before, st["m"], which)
             raw = u
             u = _spec.mix(u, c_up, b1)
-            c = jax.lax.cond(transfer, lambda: _spec.down(xp, p_after, c_up, which),
-                             lambda: st["m"])
-            new["m"] = _spec.accumulate(c, _spec.down(xp, p_after, raw, which), b1)
+            new["m"] = _spec.accumulate(kept, _spec.down(xp, p_after, raw, which), b1)
             new["seed"] = seed_after
     u, _ = _spec.clip(xp, u, h.clip_threshold)
     if isinstance(h.weight_decay, (int, float)):
