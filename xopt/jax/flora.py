@@ -404,7 +404,8 @@ def _update_leaf(h: _spec.Flora, p: jax.Array, g: jax.Array, st: dict[str, Any],
         p_new = _spec.apply(xp, p_c, u, lr, h.weight_decay)
     else:  # an array λ: _spec.apply's operations, the decay unconditional (p + p·(−0) = p)
         p_new = (p_c + p_c * (-h.weight_decay * lr)) - u * lr
-    return (p_new - p_c).astype(p.dtype), new
+    # in the state's dtype: apply_updates rounds a narrower leaf's new value once, as the spec
+    return p_new - p_c, new
 
 
 #: :func:`_update_leaf` traced once per setting, shape and dtype: the leaves of one shape
