@@ -23,6 +23,10 @@ has_triton = importlib.util.find_spec("triton") is not None
 
 needs_torch = pytest.mark.skipif(not has_torch, reason="torch is not installed")
 needs_jax = pytest.mark.skipif(not has_jax, reason="jax/optax are not installed")
+#: in-process Triton tests: a CUDA GPU's compiled kernels, else the CPU interpreter
+#: (conftest.py sets TRITON_INTERPRET=1 before anything imports triton)
+needs_triton = pytest.mark.skipif(not (has_torch and has_triton),
+                                  reason="triton is not installed")
 #: XLA:CPU's code without fused multiply-adds is asked for by an x86 ISA name (SSE4.2)
 needs_x86 = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                                reason="the FMA-free code generation is requested by an x86 "

@@ -186,37 +186,41 @@ def test_param_is_the_specs_bf16_step(method: str, wd: float) -> None:
             assert exact_in_float32(a, b), (name, t)
 
 
-@needs_torch
-@pytest.mark.parametrize("method", sorted(SPECS))
-def test_param_is_torchs_bf16_step(method: str) -> None:
-    """``xopt.torch`` in the same mode on the same inputs: the same bits (parameters,
-    moments) at every update."""
+def _assert_torchs_steps(method: str, hp, history, names) -> None:
+    """``xopt.torch`` in ``hp``'s mode on the same bfloat16 inputs: the parameters ``names``
+    and their moments are ``history``'s (the jitted transformation's) bit for bit at every
+    update."""
     import torch
 
     import xopt.torch as xt
 
     cls = {"galore": xt.GaLore, "coap": xt.COAP, "plumage": xt.PLUMAGE}[method]
-    hp = _spec_hp(method, WD)
     tensors = {k: torch.nn.Parameter(torch.tensor(v, dtype=torch.bfloat16))
                for k, v in _params().items()}
     opt = cls(list(tensors.values()), spec=hp)
-    history = _jax_history(method, WD)
     for t in range(STEPS):
         for k, g in _grads(t).items():
             tensors[k].grad = torch.tensor(g, dtype=torch.bfloat16)
         opt.step(inject={tensors[k]: {key: torch.tensor(v) for key, v in inj.items()}
                          for k, inj in _inject(method, t).items()})
         got_p, got_s = history[t]
-        for name in MATRICES:
+        for name in names:
             p = tensors[name]
             np.testing.assert_array_equal(
                 got_p[name].view(np.uint16),
                 p.detach().view(torch.int16).numpy().view(np.uint16), err_msg=f"{name} {t}")
-        for name in MATRICES:
-            st = opt.state[tensors[name]]
+            st = opt.state[p]
             m, v = _moments_of(got_s, name)
             np.testing.assert_array_equal(m, st["exp_avg"].numpy(), err_msg=f"m {name} {t}")
             np.testing.assert_array_equal(v, st["exp_avg_sq"].numpy(), err_msg=f"v {name} {t}")
+
+
+@needs_torch
+@pytest.mark.parametrize("method", sorted(SPECS))
+def test_param_is_torchs_bf16_step(method: str) -> None:
+    """``xopt.torch`` in the same mode on the same inputs: the same bits (parameters,
+    moments) at every update."""
+    _assert_torchs_steps(method, _spec_hp(method, WD), _jax_history(method, WD), MATRICES)
 
 
 @pytest.mark.parametrize("method", sorted(SPECS))
@@ -254,32 +258,11 @@ def test_state_mode_bf16_is_torchs_step(method: str) -> None:
     computed in float32 and rounded once into each parameter, as ``xopt.torch`` and the
     spec's ``init_state`` (state promoted to float32) do: the same bits (every parameter,
     moments, projections) at every update."""
-    import torch
-
-    import xopt.torch as xt
-
-    cls = {"galore": xt.GaLore, "coap": xt.COAP, "plumage": xt.PLUMAGE}[method]
     hp = _spec_hp(method, WD, "state")
-    tensors = {k: torch.nn.Parameter(torch.tensor(v, dtype=torch.bfloat16))
-               for k, v in _params().items()}
-    opt = cls(list(tensors.values()), spec=hp)
     history = _run_jax(method, WD, jnp.bfloat16, "state")
     mod, _ = SPECS[method]
     spec_state = mod.init_state(hp, {k: v.astype(BF16) for k, v in _params().items()})
     assert all(np.asarray(v).dtype == np.float32 for k, v in spec_state.items() if k != "step")
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(history[0][1])
                if jnp.issubdtype(x.dtype, jnp.floating))
-    for t in range(STEPS):
-        for k, g in _grads(t).items():
-            tensors[k].grad = torch.tensor(g, dtype=torch.bfloat16)
-        opt.step(inject={tensors[k]: {key: torch.tensor(v) for key, v in inj.items()}
-                         for k, inj in _inject(method, t).items()})
-        got_p, got_s = history[t]
-        for name, p in tensors.items():
-            np.testing.assert_array_equal(
-                got_p[name].view(np.uint16),
-                p.detach().view(torch.int16).numpy().view(np.uint16), err_msg=f"{name} {t}")
-            st = opt.state[p]
-            m, v = _moments_of(got_s, name)
-            np.testing.assert_array_equal(m, st["exp_avg"].numpy(), err_msg=f"m {name} {t}")
-            np.testing.assert_array_equal(v, st["exp_avg_sq"].numpy(), err_msg=f"v {name} {t}")
+    _assert_torchs_steps(method, hp, history, sorted(SHAPES))

@@ -12,21 +12,13 @@ inductor would compute in its own order), so the comparison is exact.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
-from helpers import has_torch
+from helpers import has_torch, needs_triton
 
 if has_torch:
     import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     from torch._dynamo.utils import counters
 DEV = "cuda" if has_torch and torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(not has_torch or importlib.util.find_spec("triton") is None,
-                                  reason="triton is not installed")
 
 
 def _model(widths, impl, variant, device="cpu", dtype=None, bias=True):

@@ -20,20 +20,12 @@ device kernels it launches is bounded here, counted on the host by
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
-from helpers import has_torch
+from helpers import has_torch, needs_triton
 
 if has_torch:
     import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
 DEV = "cuda" if has_torch and torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(not has_torch or importlib.util.find_spec("triton") is None,
-                                  reason="triton is not installed")
 
 FWD, BWD, MEM = 7, 9, 3
 

@@ -738,16 +738,10 @@ class POETLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if torch.compiler.is_compiling() and not self._use_triton(x.device):
             return _plain_outside_graph(self, x)  # (first: no guard on the widths)
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"POETLinear: input has {x.shape[-1]} features, expected "
-                             f"{self.in_features}")
-        dev = x.device.type
-        if torch.is_autocast_enabled(dev):
-            # the layer in autocast's dtype with autocast off, as for an input of that
-            # dtype (rotations in float32, W0 cast): the chain writes its products into
-            # buffers of its own dtype (``bmm(out=)``), which autocast cannot recast
-            with torch.autocast(dev, enabled=False):
-                return self.forward(x.to(torch.get_autocast_dtype(dev)))
+        cast = self._autocast_dtype(x)
+        if cast is not None:
+            with torch.autocast(x.device.type, enabled=False):
+                return self.forward(x.to(cast))
         triton_path = self._use_triton(x.device)
         tf32 = x.dtype in (torch.bfloat16, torch.float16)
         bias = self.bias
@@ -786,14 +780,22 @@ class POETLinear(nn.Module):
                                  True, cnp if blocks is None else None, wq))
         return self._plain_forward(x)
 
-    def _plain_forward(self, x: Tensor) -> Tensor:
+    def _autocast_dtype(self, x: Tensor) -> torch.dtype | None:
+        """``x``'s features checked; the dtype autocast asks of the layer, or None. The layer
+        then runs in that dtype with autocast off, as for an input of that dtype (rotations
+        in float32, W0 cast): the chain writes its products into buffers of its own dtype
+        (``bmm(out=)``), which autocast cannot recast."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"POETLinear: input has {x.shape[-1]} features, expected "
                              f"{self.in_features}")
         dev = x.device.type
-        if torch.is_autocast_enabled(dev):
-            with torch.autocast(dev, enabled=False):
-                return self._plain_forward(x.to(torch.get_autocast_dtype(dev)))
+        return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+
+    def _plain_forward(self, x: Tensor) -> Tensor:
+        cast = self._autocast_dtype(x)
+        if cast is not None:
+            with torch.autocast(x.device.type, enabled=False):
+                return self._plain_forward(x.to(cast))
         w, wq = self._chain_weight(x.dtype)
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:  # (as W0: the product's dtype)
