@@ -22,9 +22,8 @@ layouts of one kernel take the same update; the state keeps the spec's shapes);
 State (:class:`COAPState`, the spec's ``"xopt.jax"`` naming) is held in the parameter's
 dtype promoted to at least float32 (bfloat16/float16 leaves keep float32 state, and their
 updates are float32: ``optax.apply_updates`` rounds the new value once into the leaf's
-dtype, as the spec's step). Under ``proj_dtype="param"``
-a projected bfloat16/float16 matrix's two products run in its dtype and its update is
-float32 (``optax.apply_updates`` rounds it into the leaf as the spec's step does).
+dtype, as the spec's step). Under ``proj_dtype="param"`` a projected bfloat16/float16
+matrix's two products run in its dtype.
 """
 
 from __future__ import annotations
