@@ -113,9 +113,8 @@ def galore(
       rank, update_proj_gap, scale, b1, b2, eps, eps_root, weight_decay, correct_bias,
         proj_type, proj_dtype, project, convention: fields of
         :class:`xopt.specs.galore.GaLore`. ``proj_dtype="param"``: a projected
-        bfloat16/float16 leaf's products run in its dtype, its moments and projection
-        in float32, and its updates are float32 (``optax.apply_updates`` then rounds
-        the step into the parameter once, as the spec's step).
+        bfloat16/float16 leaf's products run in its dtype (its state and updates are
+        float32 under either setting, :class:`GaLoreState`).
         The floats may be 0-d arrays (``optax.inject_hyperparams`` injects each);
         ``rank`` and ``update_proj_gap`` fix shapes and control flow: Python ints (name
         them in ``static_args`` under ``optax.inject_hyperparams``).
