@@ -19,7 +19,17 @@ A GPT-2-medium-sized decoder (24 blocks, width 1024, 16 heads, vocabulary 50304,
   agreement check for all) and at a steady step; ``grad_rs_bytes``: the bytes of one
   gradient reduce-scatter's input (every parameter in float32), the yardstick;
 * ``max_rel_err``: at small size, the largest relative error of the parameters after 3
-  steps sharded on 2 ranks against one process on the same global batches.
+  steps sharded on 2 ranks against one process on the same global batches;
+* ``refresh`` (GaLore, COAP, PLUMAGE; their projections refreshed every other step): the
+  mean time of the refresh steps and of the steps between them, with the owner rule (each
+  matrix decomposed once, on its owner rank) and without it
+  (``xopt.torch.distributed.owner_rule(False)``: every rank gathers and decomposes every
+  matrix), side by side;
+* ``one_device`` (the learned optimizers and the baseline): the step time of the same
+  model unsharded on rank 0's GPU alone (the other rank waits), each learned optimizer in
+  its default implementation (the fused kernels on a GPU) and in ``impl="plain"``, the
+  path FSDP2's shards take; so the ratio to fused AdamW on one device and under FSDP2
+  come from one run.
 
 ``--tiny``: a small model on 2 gloo CPU processes (the test suite runs it; the baseline
 there is torch's default AdamW, not the fused one). Prints a table and writes
@@ -114,7 +124,10 @@ def _shard(model: Any, mesh: Any) -> Any:
     return model
 
 
-def _optimizer(method: str, model: Any, rank: int) -> Any:
+def _optimizer(method: str, model: Any, rank: int, gap: int | None = None,
+               impl: str | None = None) -> Any:
+    """``method``'s optimizer; ``gap``: the low-rank methods' refresh interval (default:
+    their papers' 200, COAP's 32 × 5); ``impl``: the learned optimizers' (default: theirs)."""
     import torch
 
     import xopt.torch as xt
@@ -132,22 +145,23 @@ def _optimizer(method: str, model: Any, rank: int) -> Any:
     if method == "adamw":
         return xt.AdamW(params, lr=3e-4, weight_decay=0.1)
     if method == "small_fc_lopt":
-        return xt.SmallFCLOpt(params, num_training_steps=1000, impl="plain")
+        return xt.SmallFCLOpt(params, num_training_steps=1000, impl=impl)
     if method == "velo":
-        return xt.VeLO(params, num_training_steps=1000, impl="plain")
+        return xt.VeLO(params, num_training_steps=1000, impl=impl)
     if method == "mulo":
         return xt.MuLO(params, num_training_steps=1000)
     if method == "galore":
-        return xt.GaLore([{"params": mats, "rank": rank, "update_proj_gap": 200},
+        return xt.GaLore([{"params": mats, "rank": rank, "update_proj_gap": gap or 200},
                           {"params": rest, "project": False}], lr=1e-3)
     if method == "flora":
         return xt.Flora([{"params": mats}, {"params": rest, "project": False}], lr=1e-3,
                         rank=rank, kappa=1000, beta1=0.9)
     if method == "coap":
         return xt.COAP([{"params": mats}, {"params": rest, "project": False}], lr=1e-3,
-                       rank=rank, update_interval=32, reproject_factor=5)
+                       rank=rank, update_interval=1 if gap else 32,
+                       reproject_factor=gap or 5)
     if method == "plumage":
-        return xt.PLUMAGE([{"params": mats, "rank": rank, "update_proj_gap": 200},
+        return xt.PLUMAGE([{"params": mats, "rank": rank, "update_proj_gap": gap or 200},
                            {"params": rest, "project": False}], lr=1e-3)
     if method == "compact":
         return xt.CompActAdamW(params, lr=1e-3, weight_decay=0.1)
@@ -246,6 +260,89 @@ def _measure(method: str, cfg: dict[str, int], mesh: Any, device: Any) -> dict[s
     return out
 
 
+REFRESHING = ("galore", "coap", "plumage")
+LEARNED = ("small_fc_lopt", "velo", "mulo")
+
+
+def _step_times(method: str, cfg: dict[str, int], model: Any, opt: Any, steps: int,
+                device: Any, rank: int, world: int) -> list[float]:
+    """The synchronised time of ``optimizer.step()`` at each of ``steps`` training steps."""
+    import torch
+
+    out = []
+    for t in range(steps):
+        x, y = _batch(cfg, t, rank, world, device)
+        loss = model(x, y)
+        loss.backward()
+        _sync(device)
+        t0 = time.perf_counter()
+        _step(method, opt, loss.detach())
+        _sync(device)
+        out.append(1e3 * (time.perf_counter() - t0))
+        opt.zero_grad(set_to_none=True)
+    del x, y, loss
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out
+
+
+def _refresh(method: str, cfg: dict[str, int], mesh: Any, device: Any) -> dict[str, Any]:
+    """Refresh steps (2 and 4; a refresh every other step) against the steps between them
+    (1 and 3), with the owner rule and with every rank decomposing every matrix."""
+    import torch
+    import torch.distributed as dist
+
+    from xopt.torch.distributed import owner_rule
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    for label, enabled in (("owner", True), ("every_rank", False)):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = _model(cfg)
+        _shard(model, mesh)
+        opt = _optimizer(method, model, cfg["rank"], gap=2)
+        with owner_rule(enabled):
+            ms = _step_times(method, cfg, model, opt, 5, device, rank, world)
+        out[label] = {"refresh_ms": (ms[2] + ms[4]) / 2, "between_ms": (ms[1] + ms[3]) / 2,
+                      "steps_ms": ms}
+        del model, opt
+        gc.collect()
+    return out
+
+
+def _one_device(cfg: dict[str, int], device: Any) -> dict[str, Any]:
+    """Rank 0 alone: the unsharded model's optimizer step for the baseline and the learned
+    optimizers (default implementation and plain), the other ranks waiting."""
+    import torch
+    import torch.distributed as dist
+
+    from xopt.torch.distributed import set_process_group
+
+    rows: dict[str, Any] = {}
+    if dist.get_rank() == 0:
+        runs = [(BASELINE, None)] + [(m, None) for m in LEARNED]
+        if device.type == "cuda":  # on the CPU the default is the plain path already
+            runs += [(m, "plain") for m in LEARNED if m != "mulo"]  # μLO: plain only
+        for method, impl in runs:
+            torch.manual_seed(0)
+            with torch.device(device):
+                model = _model(cfg)
+            opt = _optimizer(method, model, cfg["rank"], impl=impl)
+            if method != BASELINE:
+                set_process_group(opt, None)
+            ms = _step_times(method, cfg, model, opt, cfg["warmup"] + cfg["steps"], device,
+                             -1, 1)[cfg["warmup"]:]
+            rows[method if impl is None else f"{method}/{impl}"] = {
+                "step_ms": statistics.median(ms)}
+            del model, opt
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    dist.barrier()
+    return rows
+
+
 def _check(method: str, mesh: Any, device: Any, steps: int = 3) -> float:
     """Max relative error of the parameters, sharded against one process (global batch)."""
     import torch
@@ -300,10 +397,13 @@ def run_rank(options: dict[str, Any]) -> dict[str, Any]:
     for method in (BASELINE, *METHODS):
         row = _measure(method, cfg, mesh, device)
         row["max_rel_err"] = _check(method, mesh, device)
+        if method in REFRESHING:
+            row["refresh"] = _refresh(method, cfg, mesh, device)
         rows[method] = row
         dist.barrier()
     return {"config": cfg, "world_size": dist.get_world_size(), "device": str(device),
-            "backend": dist.get_backend(), "rows": rows}
+            "backend": dist.get_backend(), "rows": rows,
+            "one_device": _one_device(cfg, device)}
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -321,6 +421,25 @@ def _table(report: dict[str, Any]) -> str:
             f"{r['step_ms'] / base['step_ms']:>9.2f}{steady:>13}"
             f"{steady / r['grad_rs_bytes']:>9.2%}"
             f"{r['step_comm_bytes']['first']['bytes']:>12}{r['max_rel_err']:>13.2e}")
+    lines += ["", "refresh steps (a refresh every other step), ms: owner rule | every rank "
+              "decomposing every matrix",
+              f"{'method':<18}{'refresh':>10}{'between':>10}{'refresh':>12}{'between':>10}"
+              f"{'owner x':>9}"]
+    for m, r in rows.items():
+        if "refresh" in r:
+            o, e = r["refresh"]["owner"], r["refresh"]["every_rank"]
+            lines.append(f"{m:<18}{o['refresh_ms']:>10.2f}{o['between_ms']:>10.2f}"
+                         f"{e['refresh_ms']:>12.2f}{e['between_ms']:>10.2f}"
+                         f"{o['refresh_ms'] / e['refresh_ms']:>9.2f}")
+    one = report["one_device"]
+    if one:
+        lines += ["", "optimizer step, x fused AdamW: one device (unsharded) | FSDP2",
+                  f"{'method':<22}{'1 device ms':>12}{'x fused':>9}{'FSDP2 x fused':>15}"]
+        for m, r in one.items():
+            fsdp = rows.get(m.split("/")[0])
+            lines.append(f"{m:<22}{r['step_ms']:>12.2f}"
+                         f"{r['step_ms'] / one[BASELINE]['step_ms']:>9.2f}"
+                         f"{fsdp['step_ms'] / base['step_ms'] if fsdp else float('nan'):>15.2f}")
     return "\n".join(lines)
 
 

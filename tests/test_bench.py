@@ -145,4 +145,12 @@ def test_distributed_tiny(tmp_path):
         params_bytes = 4 * max(1, rows[method]["params"]) // 2  # one rank's shard, float32
         assert 0 < steady["largest"] < params_bytes // 16, (method, steady)
     assert rows["adamw"]["step_comm_bytes"]["steady"]["bytes"] == 0
+    # the refresh steps timed with the owner rule and with every rank decomposing
+    for method in ("galore", "coap", "plumage"):
+        for mode in ("owner", "every_rank"):
+            r = rows[method]["refresh"][mode]
+            assert len(r["steps_ms"]) == 5 and r["refresh_ms"] > 0, (method, mode)
+    # the one-device column (rank 0 alone; on the CPU every default is the plain path)
+    assert set(report["one_device"]) == {"torch_adamw_fused", "small_fc_lopt", "velo", "mulo"}
+    assert "owner rule | every rank" in text and "one device (unsharded) | FSDP2" in text
     assert "wrote" in text

@@ -61,6 +61,31 @@ def state_placements() -> dict[str, Any]:
     return out
 
 
+def galore_owner_rule(enabled: bool) -> dict[str, Any]:
+    """Two GaLore refresh steps of two row-sharded matrices under FSDP2, with the owner rule
+    on or off: the parameters after them (gathered) and the collectives of the steps."""
+    from torch.distributed.fsdp import fully_shard
+
+    import xopt.torch as xt
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 9, bias=False),
+                                torch.nn.Linear(9, 7, bias=False))
+    fully_shard(model, mesh=_mesh())
+    opt = xt.GaLore(model.parameters(), lr=1e-2, rank=2, update_proj_gap=1)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    ops: dict[str, int] = {}
+    for _ in range(2):
+        model(x).square().sum().backward()
+        with xd.CommCounter() as c, xd.owner_rule(enabled):  # the step's collectives only
+            opt.step()
+        opt.zero_grad()
+        for k, v in c.calls_by_op.items():
+            ops[k] = ops.get(k, 0) + v
+    return {"params": [p.detach().full_tensor() for p in model.parameters()],
+            "ops": ops}
+
+
 def owner_svd(sharded: bool) -> dict[str, Any]:
     """Three matrices decomposed by the owner rule: once each, on their owners; every rank
     receives every result, equal to the SVD of the whole matrix."""

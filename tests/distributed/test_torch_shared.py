@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import shared_cases as cases
+import torch
 
 from xopt.torch.distributed import assign_owners
 
@@ -68,6 +69,22 @@ def test_the_owner_rule_decomposes_each_matrix_once(gang, sharded):
             assert r["bytes"]["alltoall_base_"] == 4 * sum(mine)
         else:
             assert "alltoall_base_" not in r["ops"]
+
+
+def test_the_owner_rule_can_be_turned_off_with_the_same_result(gang):
+    """``owner_rule(False)``: every rank gathers each matrix and decomposes it itself (the
+    baseline bench/distributed.py times the rule against); the parameters are the rule's,
+    bit for bit (one SVD routine on the same whole matrix)."""
+    on, off = gang.run(cases.galore_owner_rule, True), gang.run(cases.galore_owner_rule, False)
+    for r_on, r_off in zip(on, off, strict=True):
+        for a, b in zip(r_on["params"], r_off["params"], strict=True):
+            assert torch.equal(a, b)
+        assert r_on["ops"]["alltoall_base_"] == 4  # a matrix a refresh, 2 refreshes
+        assert "alltoall_base_" not in r_off["ops"]
+        assert "broadcast_" not in r_off["ops"]
+        # a gather of each matrix at each refresh (GaLore's own step gathers nothing else)
+        assert r_off["ops"].get("all_gather_into_tensor", 0) + r_off["ops"].get(
+            "_allgather_base_", 0) + r_off["ops"].get("allgather_", 0) >= 4
 
 
 @pytest.mark.parametrize("case, names", [

@@ -40,13 +40,15 @@ function here meets a distributed run.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import math
 import sys
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -57,8 +59,8 @@ from xopt.errors import XoptError
 
 __all__ = ["assign_owners", "AUTO", "check_consistent", "CommCounter",
            "data_parallel_ranks", "decompose_once", "is_dtensor", "Layout", "local",
-           "mean_loss", "merge_by_owner", "owner_apply", "owner_compute", "OwnerError",
-           "place_as", "plain_as_replicated", "prepare", "RankMismatchError", "Ranks",
+           "mean_loss", "merge_by_owner", "owner_apply", "owner_compute", "owner_rule",
+           "OwnerError", "place_as", "plain_as_replicated", "prepare", "RankMismatchError", "Ranks",
            "set_process_group", "settle", "ShardedStep", "state_zeros", "validated"]
 
 #: the default of ``optimizer.process_group``: the parameters' mesh, else the default group
@@ -761,14 +763,36 @@ def _broadcast_owned(metas: Sequence[tuple[int, int, tuple[int, ...], torch.dtyp
             pos += k
 
 
+_OWNER_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("xopt_torch_owner_rule",
+                                                                    default=True)
+
+
+@contextlib.contextmanager
+def owner_rule(enabled: bool = True) -> Iterator[None]:
+    """Turn the owner rule of :func:`decompose_once` on or off inside the block (default:
+    on). Off, every rank gathers each sharded matrix whole (one all-gather) and decomposes
+    it itself, as DTensor would: the same results, for comparing the two (``bench/
+    distributed.py``) or where the ranks would be idle anyway. The twin of
+    :func:`xopt.jax.sharding.owner_rule`; every rank must run its step under the same
+    setting."""
+    token = _OWNER_RULE.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _OWNER_RULE.reset(token)
+
+
 def decompose_once(optimizer: Any, a: Tensor, fn: Callable[[Tensor], Sequence[Tensor]],
                    out_meta: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[Tensor]:
     """``fn(whole a)`` for a DTensor matrix ``a`` (a sharded gradient at a refresh step),
     computed once, on one owner rank, and broadcast: the shards reach the owner in one
     ``all_to_all_single`` (:func:`owner_compute`); owners rotate over the ranks with each
     call, in the same order on every rank. A failure on the owner raises the same
-    :class:`OwnerError` (a RuntimeError) on every rank (no rank waits)."""
+    :class:`OwnerError` (a RuntimeError) on every rank (no rank waits). Under
+    ``owner_rule(False)`` every rank gathers ``a`` and computes ``fn`` itself."""
     a = settle(a)  # a product with a sharded factor (COAP's sketch): summed first
+    if not _OWNER_RULE.get():
+        return list(fn(a.full_tensor()))
     lay = Layout.of(a)
     n = optimizer.__dict__.get("_xopt_owner_next", 0)
     optimizer.__dict__["_xopt_owner_next"] = n + 1
