@@ -46,6 +46,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 METHODS = ("adamw", "small_fc_lopt", "velo", "mulo", "galore", "flora", "coap", "plumage",
@@ -239,6 +240,7 @@ def _measure(method: str, cfg: dict[str, int], mesh: Any, device: Any) -> dict[s
                 _step(method, opt, loss.detach())
             comm["first" if t == 0 else "steady"] = {"bytes": c.bytes,
                                                      "by_op": dict(c.bytes_by_op),
+                                                     "calls": dict(c.calls_by_op),
                                                      "largest": c.largest}
         else:
             _step(method, opt, loss.detach())
@@ -311,7 +313,7 @@ def _refresh(method: str, cfg: dict[str, int], mesh: Any, device: Any) -> dict[s
     return out
 
 
-def _one_device(cfg: dict[str, int], device: Any) -> dict[str, Any]:
+def _one_device(cfg: dict[str, int], device: Any, methods: Sequence[str]) -> dict[str, Any]:
     """Rank 0 alone: the unsharded model's optimizer step for the baseline and the learned
     optimizers (default implementation and plain), the other ranks waiting."""
     import torch
@@ -321,9 +323,10 @@ def _one_device(cfg: dict[str, int], device: Any) -> dict[str, Any]:
 
     rows: dict[str, Any] = {}
     if dist.get_rank() == 0:
-        runs = [(BASELINE, None)] + [(m, None) for m in LEARNED]
+        learned = [m for m in LEARNED if m in methods]
+        runs = [(BASELINE, None)] + [(m, None) for m in learned] if learned else []
         if device.type == "cuda":  # on the CPU the default is the plain path already
-            runs += [(m, "plain") for m in LEARNED if m != "mulo"]  # μLO: plain only
+            runs += [(m, "plain") for m in learned if m != "mulo"]  # μLO: plain only
         for method, impl in runs:
             torch.manual_seed(0)
             with torch.device(device):
@@ -393,17 +396,38 @@ def run_rank(options: dict[str, Any]) -> dict[str, Any]:
         device = torch.device("cpu")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     cfg = TINY if options["tiny"] else FULL
-    rows: dict[str, Any] = {}
-    for method in (BASELINE, *METHODS):
+    report: dict[str, Any] = {"config": cfg, "world_size": dist.get_world_size(),
+                              "device": str(device), "backend": dist.get_backend(),
+                              "rows": {}, "one_device": {}}
+    start = time.perf_counter()
+
+    def done(what: str) -> None:  # progress, and the report so far (a run cut short keeps it)
+        if dist.get_rank() == 0:
+            print(f"[{time.perf_counter() - start:7.1f} s] {what}", file=sys.stderr, flush=True)
+            _write(report, options["out_dir"])
+
+    for method in (BASELINE, *options["methods"]):
         row = _measure(method, cfg, mesh, device)
         row["max_rel_err"] = _check(method, mesh, device)
+        report["rows"][method] = row
+        done(f"{method}: step {row['step_ms']:.2f} ms")
         if method in REFRESHING:
             row["refresh"] = _refresh(method, cfg, mesh, device)
-        rows[method] = row
+            done(f"{method}: refresh steps")
         dist.barrier()
-    return {"config": cfg, "world_size": dist.get_world_size(), "device": str(device),
-            "backend": dist.get_backend(), "rows": rows,
-            "one_device": _one_device(cfg, device)}
+    report["one_device"] = _one_device(cfg, device, options["methods"])
+    done("one device")
+    return report
+
+
+def _write(report: dict[str, Any], out_dir: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "distributed.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1, default=lambda x: None if isinstance(x, float)
+                  and not math.isfinite(x) else str(x))
+    os.replace(path + ".tmp", path)
+    return path
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -447,8 +471,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--tiny", action="store_true", help="2 gloo CPU ranks, a small model")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help=f"comma-separated, of {','.join(METHODS)} (default: all)")
     args = ap.parse_args(argv)
-    options = {"tiny": args.tiny}
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        ap.error(f"--methods: unknown {', '.join(unknown)} (known: {', '.join(METHODS)})")
+    options = {"tiny": args.tiny, "methods": methods, "out_dir": args.out_dir}
     if "RANK" in os.environ:  # torchrun started this process as one rank
         import gc
 
@@ -471,11 +501,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         with Gang(2, "nccl" if gpu else "gloo") as gang:
             report = gang.run(run_rank, options)[0]
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, "distributed.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1, default=lambda x: None if isinstance(x, float)
-                  and not math.isfinite(x) else str(x))
+    path = _write(report, args.out_dir)
     print(_table(report))
     print(f"wrote {path}")
     return 0

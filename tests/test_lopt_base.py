@@ -403,6 +403,42 @@ def test_torch_state_dict_resumes_bit_exactly_and_keeps_float32_state(accumulate
 
 
 @needs_torch
+@pytest.mark.parametrize("name", ["SmallFCLOpt", "VeLO", "MuLO"])
+def test_torch_full_state_dict_loads_through_dcp_on_the_gpu(name):
+    """DCP's ``set_optimizer_state_dict(full_state_dict=True)`` refuses a state dict whose
+    tensors sit on two devices; the global counters (one per decay) are kept on the host
+    between steps but ride in the state dict on the parameters' device, and load back bit
+    for bit."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    import xopt.torch as xt
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: on the CPU every tensor is on one device")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).cuda()
+    opt = getattr(xt, name)(model.parameters(), num_training_steps=10)
+    loss = model(torch.randn(5, 4, device="cuda")).square().sum()
+    loss.backward()
+    opt.step(loss=loss)
+    options = StateDictOptions(full_state_dict=True)
+    sd = get_optimizer_state_dict(model, opt, options=options)
+    devices = {v.device for st in sd["state"].values() for v in st.values() if v.dim() > 0}
+    assert devices == {torch.device("cuda", 0)}
+    before = copy.deepcopy(opt.state_dict())
+    set_optimizer_state_dict(model, opt, sd, options=options)
+    after = opt.state_dict()
+    for k, st in before["state"].items():
+        for kk, v in st.items():
+            assert torch.equal(v, after["state"][k][kk]), (k, kk)
+
+
+@needs_torch
 def test_torch_deepcopy_keeps_the_optimizer_whole():
     import torch
 

@@ -495,7 +495,10 @@ class LearnedOptimizer(TritonPath, Optimizer):
         ids = [k for g in sd["param_groups"] for k in g["params"]]
         if glob is not None and ids:
             anchor = {k: v for k, v in sd["state"].get(ids[0], {}).items()}
-            anchor.update({f"{_GLOBAL}{k}": v for k, v in glob.items()})
+            # on the parameters' device, as the rest of the state: DCP's full-state-dict load
+            # refuses a state dict whose tensors (counters of one per decay) sit on two
+            # devices; the step keeps its counters on the host and load moves them back
+            anchor.update({f"{_GLOBAL}{k}": v.to(self._device) for k, v in glob.items()})
             sd["state"][ids[0]] = anchor
         return sd
 
