@@ -61,6 +61,49 @@ def state_placements() -> dict[str, Any]:
     return out
 
 
+def aligned_shards() -> dict[str, Any]:
+    """:func:`xopt.torch.distributed.aligned_locals` on DTensors of one placement (views
+    that write through), of two placements, and beside a plain tensor; and xopt's AdamW
+    on FSDP2's shards against the DTensor arithmetic of the same step."""
+    from torch.distributed.fsdp import fully_shard
+
+    import xopt.torch as xt
+    from xopt.specs import adamw as adamw_spec
+
+    mesh = _mesh()
+    a = distribute_tensor(_full((9, 4), 0), mesh, [Shard(0)])
+    b = distribute_tensor(_full((9, 4), 1), mesh, [Shard(0)])
+    views = xd.aligned_locals(a, b)
+    views[0].add_(1.0)  # writes a's shard
+    wrote = bool(torch.equal(a.full_tensor(), _full((9, 4), 0) + 1.0))
+    mixed = xd.aligned_locals(a, distribute_tensor(_full((9, 4), 1), mesh, [Replicate()]))
+    plain = xd.aligned_locals(a, _full((9, 4), 1))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 9)
+    fully_shard(model, mesh=mesh)
+    opt = xt.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(2))
+    errs = []
+    for _ in range(3):
+        model(x).square().sum().backward()
+        with torch.no_grad():  # the same step in DTensor arithmetic, from the same state
+            ref = {}
+            for p in model.parameters():
+                st = opt.state.get(p) or {"exp_avg": torch.zeros_like(p),
+                                          "exp_avg_sq": torch.zeros_like(p),
+                                          "step": torch.tensor(0.0)}
+                ref[p] = adamw_spec.update_torch(
+                    p.detach(), p.grad, st["exp_avg"], st["exp_avg_sq"], None,
+                    float(st["step"]) + 1, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8,
+                    eps_root=0.0, weight_decay=0.1, amsgrad=False, maximize=False,
+                    bias_correction_dtype="float64", xp=torch)[0].full_tensor()
+        opt.step()
+        opt.zero_grad()
+        errs += [float((p.detach().full_tensor() - ref[p]).abs().max())
+                 for p in model.parameters()]
+    return {"wrote": wrote, "mixed": mixed is None, "plain": plain is None, "errs": errs}
+
+
 def galore_owner_rule(enabled: bool) -> dict[str, Any]:
     """Two GaLore refresh steps of two row-sharded matrices under FSDP2, with the owner rule
     on or off: the parameters after them (gathered) and the collectives of the steps."""

@@ -71,6 +71,15 @@ def test_the_owner_rule_decomposes_each_matrix_once(gang, sharded):
             assert "alltoall_base_" not in r["ops"]
 
 
+def test_elementwise_updates_run_on_aligned_shards_bit_for_bit(gang):
+    """xopt's AdamW under FSDP2 steps the local shards of the parameter, gradient and
+    moments (one placement: the same elements), the DTensor step's bits; shards of other
+    placements, or a plain tensor beside them, are not taken as aligned."""
+    for r in gang.run(cases.aligned_shards):
+        assert r["wrote"] and r["mixed"] and r["plain"]
+        assert r["errs"] == [0.0] * 6
+
+
 def test_the_owner_rule_can_be_turned_off_with_the_same_result(gang):
     """``owner_rule(False)``: every rank gathers each matrix and decomposes it itself (the
     baseline bench/distributed.py times the rule against); the parameters are the rule's,

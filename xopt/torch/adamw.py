@@ -34,6 +34,7 @@ from xopt.errors import HyperparameterError
 from xopt.registry import register
 from xopt.specs import adamw as adamw_spec
 from xopt.torch._optim import FLOATING, Item, Layout, Optimizer
+from xopt.torch.distributed import aligned_locals
 
 __all__ = ["AdamW"]
 
@@ -191,6 +192,11 @@ class AdamW(Optimizer):
         step_t = state["step"]
         step_t += 1
         count = step_t.item()  # torch.optim's non-capturable path uses the Python float
+        names = [k for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in state]
+        shards = aligned_locals(p, g, *(state[k] for k in names))
+        if shards is not None:  # FSDP2: the elementwise update on the local shards
+            p, g = shards[:2]
+            state = {**state, **dict(zip(names, shards[2:], strict=True))}
         exact = p.dtype == sdt
         p_c = p if exact else p.to(sdt)
         g_c = g if g.dtype == sdt else g.to(sdt)

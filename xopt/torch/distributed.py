@@ -57,7 +57,7 @@ from torch import Tensor
 
 from xopt.errors import XoptError
 
-__all__ = ["assign_owners", "AUTO", "check_consistent", "CommCounter",
+__all__ = ["aligned_locals", "assign_owners", "AUTO", "check_consistent", "CommCounter",
            "data_parallel_ranks", "decompose_once", "is_dtensor", "Layout", "local",
            "mean_loss", "merge_by_owner", "owner_apply", "owner_compute", "owner_rule",
            "OwnerError", "place_as", "plain_as_replicated", "prepare", "RankMismatchError", "Ranks",
@@ -94,6 +94,20 @@ def is_dtensor(t: Any) -> bool:
 def local(t: Tensor) -> Tensor:
     """The local shard of a DTensor (a view: writing it writes the DTensor), else ``t``."""
     return t.to_local() if is_dtensor(t) else t
+
+
+def aligned_locals(*ts: Tensor) -> list[Tensor] | None:
+    """The local shards of ``ts`` (views) when every one is a DTensor of one mesh, one
+    placement and one global shape, so that their local shards hold the same elements:
+    an elementwise update on them is the update of the DTensors, bit for bit, without
+    DTensor's dispatch on every operation. None otherwise."""
+    if not ts or not all(is_dtensor(t) for t in ts):
+        return None
+    first = ts[0]
+    if any(t.shape != first.shape or t.placements != first.placements
+           or t.device_mesh != first.device_mesh for t in ts[1:]):
+        return None
+    return [t.to_local() for t in ts]
 
 
 def _running() -> bool:
