@@ -8,17 +8,19 @@ as the spec's ``hf_apply_low`` does. Checked on bfloat16 parameters:
 * the jitted transformation against the spec's pure ``step`` (NumPy, ml_dtypes' bfloat16)
   and against ``xopt.torch`` in the same mode, bit for bit (parameters, moments);
 * float32 parameters: ``"param"`` and ``"state"`` are one computation;
-* ``"state"`` (the default) on bfloat16 parameters: float32 state and float32 updates,
-  the same bits as ``xopt.torch`` (each new value rounded once into the parameter);
 * bad values are refused naming ``proj_dtype``.
 
-Every refresh is injected (a Hadamard basis, entries ±1/4: exact in bfloat16) and every
-parameter and gradient is an integer times 2⁻⁷, so every product is exact in float32
-(asserted): the bfloat16 results then do not depend on the order of summation, and the
-comparison is bit for bit on any CPU. ``lr`` = 2⁻⁷ and ``lr·λ`` = 2⁻¹⁰ are exact in
-bfloat16, and ``correct_bias=False`` makes the step size ``lr`` itself, so that the checks
-do not depend on how a backend rounds the step size (torch's CPU ``add`` rounds ``alpha``
-to bfloat16; JAX's bias correction is evaluated in float32, the spec's in double).
+``"state"`` (the default) on bfloat16 parameters, float32 state and each new value rounded
+once, the same bits in both backends, is the contract every method keeps
+(``tests/contract/test_cross_backend_bf16.py``). The data are that contract's
+(``contract/bf16_cases.py``): every refresh is injected (a Hadamard basis, entries ±1/4:
+exact in bfloat16), parameters are integers times 2⁻⁷ and gradients integers times 2⁻⁴,
+so every product is exact in float32 (asserted): the bfloat16 results then do not depend
+on the order of summation, and the comparison is bit for bit on any CPU. ``lr`` = 2⁻⁷ and
+``lr·λ`` = 2⁻¹⁰ are exact in bfloat16, and ``correct_bias=False`` makes the step size
+``lr`` itself, so that the checks do not depend on how a backend rounds the step size
+(torch's CPU ``add`` rounds ``alpha`` to bfloat16; JAX's bias correction is evaluated in
+float32, the spec's in double).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import optax  # noqa: E402
+from contract import bf16_cases as B  # noqa: E402
 
 import xopt.jax as xj  # noqa: E402
 from xopt.errors import HyperparameterError  # noqa: E402
@@ -40,63 +43,13 @@ from xopt.specs import lowrank  # noqa: E402
 from xopt.specs import plumage as plumage_spec  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
-SHAPES = {"b": (5,), "w1": (32, 16), "w2": (16, 32)}  # sorted: JAX's flattening order
-MATRICES = ("w1", "w2")
-STEPS = 5
-LR, WD = 2.0**-7, 0.125
-# β₁ = β₂ = 1/2 keep the float32 moments exact for these steps (so that a backend's fused
-# multiply-add cannot change them)
-ADAM = dict(b1=0.5, b2=0.5)
-
-SPECS = {
-    "galore": (galore_spec, dict(rank=4, update_proj_gap=2, scale=0.5, correct_bias=False)),
-    "coap": (coap_spec, dict(rank=4, update_interval=2, reproject_factor=1, scale=0.5,
-                             correct_bias=False)),
-    # the moments' realignment at a new P is float32 state math (a sum whose order a
-    # backend picks): off, so that the comparison stays bit for bit
-    "plumage": (plumage_spec, dict(rank=4, update_proj_gap=2, resample_interval=2,
-                                   correct_bias=False, realign_first_moment=False,
-                                   realign_second_moment=False)),
-}
-
-
-def _hadamard16() -> np.ndarray:
-    h = np.ones((1, 1))
-    while h.shape[0] < 16:
-        h = np.block([[h, h], [h, -h]])
-    return h / 4.0  # orthonormal, entries ±1/4
-
-
-def _params() -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(7)
-    return {k: rng.integers(-127, 128, s) / 128.0 for k, s in SHAPES.items()}
-
-
-def _grads(t: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(100 + t)
-    return {k: rng.integers(-15, 16, s) / 16.0 for k, s in SHAPES.items()}
-
-
-def _inject(method: str, t: int) -> dict[str, dict[str, np.ndarray]]:
-    """This update's projections: 4 Hadamard vectors on each matrix's 16-long side (a
-    different choice at every update; used at the refreshes only)."""
-    rng = np.random.default_rng(500 + t)
-    h = _hadamard16()[:, rng.permutation(16)] * rng.choice([-1.0, 1.0], 16)
-    cols = h[:, :4].astype(np.float32)
-    out = {}
-    for name in MATRICES:
-        if method == "plumage":  # the SVD (U over the 16-long side, distinct σ) and the draw
-            out[name] = {"svd_u": h.astype(np.float32),
-                         "svd_s": np.arange(16, 0, -1).astype(np.float32),
-                         "indices": np.sort(rng.permutation(16)[:4]).astype(np.int64)}
-        else:  # GaLore and COAP both project w1 (32 × 16) on the right, w2 on the left
-            out[name] = {"ortho_matrix": cols.T.copy() if name == "w1" else cols}
-    return out
+SHAPES, MATRICES, STEPS, WD = B.SHAPES, B.MATRICES, B.STEPS, B.WD
+SPECS = {"galore": galore_spec, "coap": coap_spec, "plumage": plumage_spec}
+_params, _grads, _inject = B.params, B.grads, B.lowrank_inject
 
 
 def _spec_hp(method: str, wd: float, proj_dtype: str = "param"):
-    mod, kw = SPECS[method]
-    return mod.SPEC.hyperparams(lr=LR, weight_decay=wd, proj_dtype=proj_dtype, **ADAM, **kw)
+    return B.lowrank_spec(method, wd, proj_dtype=proj_dtype)
 
 
 def _run_jax(method: str, wd: float, dtype=jnp.bfloat16, proj_dtype: str = "param",
@@ -143,7 +96,7 @@ def _projection_of(method: str, state, name: str):
 def test_param_is_the_specs_bf16_step(method: str, wd: float) -> None:
     """The jitted transformation's parameters and moments are the spec's ``step`` (NumPy,
     bfloat16 parameters) bit for bit at every update; the spec's products are exact."""
-    mod, _ = SPECS[method]
+    mod = SPECS[method]
     hp = _spec_hp(method, wd)
     params = {k: v.astype(BF16) for k, v in _params().items()}
     state = mod.init_state(hp, params)
@@ -249,20 +202,3 @@ def test_a_bad_proj_dtype_is_named(method: str) -> None:
     params = {"w": jnp.zeros((8, 6), jnp.bfloat16)}
     u, _ = tx.update(params, tx.init(params), params)
     assert u["w"].dtype == jnp.float32
-
-
-@needs_torch
-@pytest.mark.parametrize("method", sorted(SPECS))
-def test_state_mode_bf16_is_torchs_step(method: str) -> None:
-    """``proj_dtype="state"`` (the default) on bfloat16 parameters: float32 state, the step
-    computed in float32 and rounded once into each parameter, as ``xopt.torch`` and the
-    spec's ``init_state`` (state promoted to float32) do: the same bits (every parameter,
-    moments, projections) at every update."""
-    hp = _spec_hp(method, WD, "state")
-    history = _run_jax(method, WD, jnp.bfloat16, "state")
-    mod, _ = SPECS[method]
-    spec_state = mod.init_state(hp, {k: v.astype(BF16) for k, v in _params().items()})
-    assert all(np.asarray(v).dtype == np.float32 for k, v in spec_state.items() if k != "step")
-    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(history[0][1])
-               if jnp.issubdtype(x.dtype, jnp.floating))
-    _assert_torchs_steps(method, hp, history, sorted(SHAPES))

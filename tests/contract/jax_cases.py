@@ -52,6 +52,9 @@ class JaxCase:
         from the parameters or the model's variables (CompAct: its projections).
       sanitises_nonfinite: the method's own rule for NaN/inf gradients (μLO: NaN -> 0), why
         ``nonfinite="ignore"`` does not pass them through; "" (default): it passes them.
+      narrow_leaves: why a bfloat16/float16 leaf does not keep float32 state and a float32
+        update (its new value rounded once by ``optax.apply_updates``, as the spec and
+        xopt.torch round it); "" (default): it does (``test_cross_backend_bf16.py``).
     """
 
     id: str
@@ -69,6 +72,7 @@ class JaxCase:
     extra: Callable[[Any, Any], dict[str, Any]] | None = None
     modules: tuple[str, ...] = ()
     sanitises_nonfinite: str = ""
+    narrow_leaves: str = ""
 
     def factory_kwargs(self, params: Any = None, variables: Any = None,
                        **overrides: Any) -> dict[str, Any]:
@@ -201,7 +205,10 @@ def cases() -> tuple[JaxCase, ...]:
             kwargs=dict(learning_rate=1e-2, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
                         weight_decay=0.1),
             injectable=dict(learning_rate=3e-2, b1=0.5, b2=0.9, eps=0.3, eps_root=0.5,
-                            weight_decay=0.7)),
+                            weight_decay=0.7),
+            narrow_leaves="xopt.jax.adamw is optax.adamw's arithmetic bit for bit, bfloat16 "
+                          "leaves included: moments in the leaf's dtype and the update "
+                          "rounded to it (docs/methods/adamw.md)"),
         JaxCase(
             id="galore", method="galore", factory=xj.galore, params=tiny_params, model=mlp,
             kwargs=dict(learning_rate=1e-2, rank=2, update_proj_gap=2, scale=1.0, b1=0.9,

@@ -266,7 +266,9 @@ def _key_str(k: Any) -> str:
 class CompActAdamState(NamedTuple):
     """``count``: int32 number of updates taken. ``mu``, ``nu``: Adam's moments, a dict by
     parameter path (``/``-joined): (out × r) for CompAct weights (keyed by the weight's
-    path), the parameter's shape for plain parameters; carriers have none.
+    path), the parameter's shape for plain parameters; carriers have none. In the
+    parameter's dtype promoted to float32, as the spec's state (a bfloat16/float16 leaf's
+    update is float32: ``optax.apply_updates`` rounds its new value once, as xopt.torch).
     ``nonfinite_skips``: int32 ``()`` under ``nonfinite="skip"``, else None."""
 
     count: jax.Array
@@ -348,8 +350,10 @@ def compact_adamw(learning_rate: float = _DEFAULTS["lr"], b1: float = _DEFAULTS[
             if k in carriers:
                 continue
             shape = (v.shape[0], projections[k].rank) if k in projections else v.shape
-            mu[k] = jnp.zeros(shape, v.dtype)
-            nu[k] = jnp.zeros(shape, v.dtype)
+            # the spec's state: the parameter's dtype promoted to float32 (as xopt.torch)
+            dt = jnp.promote_types(v.dtype, jnp.float32)
+            mu[k] = jnp.zeros(shape, dt)
+            nu[k] = jnp.zeros(shape, dt)
         return CompActAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
     def update_fn(updates: Any, state: CompActAdamState, params: Any = None, *,
@@ -380,7 +384,8 @@ def compact_adamw(learning_rate: float = _DEFAULTS["lr"], b1: float = _DEFAULTS[
             if k in carriers:
                 out[k] = jnp.zeros_like(grads[k])
                 continue
-            p = flat_p[k]
+            wide = state.mu[k].dtype  # a narrower leaf is stepped in its state's dtype
+            p = flat_p[k].astype(wide)
             proj = projections.get(k)
             if proj is None:
                 g, pm, scale = grads[k], None, 1.0
@@ -389,14 +394,15 @@ def compact_adamw(learning_rate: float = _DEFAULTS["lr"], b1: float = _DEFAULTS[
                 scale = proj.scale
                 pm = inject.get(k)
                 pm = drawn.get(k) if pm is None else pm
-                pm = None if pm is None else jnp.asarray(pm, state.mu[k].dtype)
-            m, v = _spec.moments(g, state.mu[k], state.nu[k], b1=hp.b1, b2=hp.b2, xp=jnp)
+                pm = None if pm is None else jnp.asarray(pm, wide)
+            m, v = _spec.moments(g.astype(wide), state.mu[k], state.nu[k], b1=hp.b1, b2=hp.b2,
+                                 xp=jnp)
             n = _spec.normalized(m, v, hp.eps, xp=jnp)
             u = n if (pm is None and scale == 1.0) else _spec.project_back(n, pm, scale)
-            new = p - s.astype(p.dtype) * u.astype(p.dtype)
+            new = p - s.astype(wide) * u.astype(wide)
             if not (isinstance(hp.weight_decay, (int, float)) and hp.weight_decay == 0):
                 new = new + (-hp.lr * hp.weight_decay) * new
-            out[k] = new - p
+            out[k] = new - p  # wide: apply_updates rounds a narrower leaf's new value once
             mu[k], nu[k] = m.astype(state.mu[k].dtype), v.astype(state.nu[k].dtype)
         new_updates = treedef.unflatten([out[k] for k in paths])
         return new_updates, CompActAdamState(count=count, mu=mu, nu=nu)

@@ -401,7 +401,9 @@ def poet_adamw(learning_rate: float | None = None, poet_scale: float | None = No
     update after every ``merge_interval`` updates): ``m ← β₁m + (1−β₁)g``,
     ``v ← β₂v + (1−β₂)g²``, ``p ← p − α·m/(√v + ε)`` with
     ``α = η·s·√(1−β₂ᵗ)/(1−β₁ᵗ)`` (s = ``poet_scale`` when positive), then
-    ``p ← p − η·s·λ·p``; the update is additive (``optax.apply_updates``).
+    ``p ← p − η·s·λ·p``; the update is additive (``optax.apply_updates``), in the moments'
+    dtype (float32 for a bfloat16/float16 leaf, so that its new value is rounded once, as
+    xopt.torch rounds it).
 
     Args:
       learning_rate, poet_scale, b1, b2, eps, weight_decay: floats or 0-d arrays (every one
@@ -465,9 +467,11 @@ def poet_adamw(learning_rate: float | None = None, poet_scale: float | None = No
                 tf = t.astype(m.dtype)
                 size = size * jnp.sqrt(_bias_correction(hp.b2, tf)) / _bias_correction(hp.b1, tf)
             u = -size * (m / denom)
-            if not _is_static_zero(hp.weight_decay):
-                u = u + (p.astype(m.dtype) + u) * (-lr * hp.weight_decay)
-            return u.astype(p.dtype), m, v, t
+            if not _is_static_zero(hp.weight_decay):  # the spec's order: decay of p − α·m/d
+                new = p.astype(m.dtype) + u
+                u = (new + new * (-lr * hp.weight_decay)) - p.astype(m.dtype)
+            # in the state's dtype: apply_updates rounds a narrower leaf's new value once
+            return u, m, v, t
 
         out = jax.tree.map(one, grads, params, state.mu, state.nu, state.step)
         is_out = lambda x: isinstance(x, tuple) and len(x) == 4  # noqa: E731
