@@ -56,8 +56,9 @@ class StateVar:
       scope: ``"param"`` (one per optimised tensor) or ``"global"``.
       shape: rule mapping (parameter shape, hyperparameters) to the array's shape.
       dtype: ``"float32"``, ``"int32"``, ... or ``"state"``: the backend's state dtype for
-        that parameter (xopt.torch: float32 for float32/bfloat16/float16 parameters;
-        xopt.jax: the parameter's dtype, as optax keeps it; the oracle: float64).
+        that parameter (both backends: float32 for float32/bfloat16/float16 parameters,
+        except xopt.jax's AdamW, which keeps the parameter's dtype as optax.adamw does; the
+        oracle: float64).
       doc: what it holds, with the paper's symbol.
       active: predicate on the hyperparameters; the variable exists only when it is true
         (AMSGrad's running maximum exists only with ``amsgrad=True``).
