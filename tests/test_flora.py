@@ -400,3 +400,32 @@ def test_added_param_groups_continue_the_seed_count():
         return [opt.state[p]["seed"] for p in (a, b, c)]
 
     assert seeds(add=True) == seeds(add=False)
+
+
+@needs_torch
+@needs_jax
+def test_rms_and_the_clip_ratio_divide_once_in_every_namespace():
+    """ρ = ‖x‖₂ / √numel on data whose sum of squares is exact (integers times 2⁻⁷): torch
+    and jitted JAX give NumPy's float32 quotient, rounded once (XLA would multiply by the
+    constant's reciprocal: ρ of the first matrix one ulp off; torch on CUDA by the Python
+    number's); torch's clip divides by the ratio rms(u) / d rounded once. (JAX's division of
+    the whole update by that ratio is XLA's own: a parity case with clipping active is
+    not bitwise across backends.)"""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    rng = np.random.default_rng(7)
+    mats = [rng.integers(-127, 128, s) / 128.0 for s in ((5,), (32, 16), (16, 32))][1:]
+    mats += [rng.integers(-127, 128, s) / 128.0 for s in [(3, 7), (24, 40), (96, 5)] * 20]
+    rms_jit = jax.jit(lambda a: F.rms(jnp, a))
+    for x in mats:
+        x32 = x.astype(np.float32)
+        total = np.float32((x * x).sum())
+        assert float(total) == (x * x).sum()  # the sum is exact: only the division rounds
+        want = np.float32(np.sqrt(total)) / np.float32(math.sqrt(x.size))
+        got = (F.rms(torch, torch.tensor(x32)).numpy(), np.asarray(rms_jit(jnp.asarray(x32))))
+        assert got[0] == want and got[1] == want, (x.shape, want, got)
+        scale = np.float32(want) / np.float32(0.3)  # clip's ratio, then the update's division
+        u_t, _ = F.clip(torch, torch.tensor(x32), 0.3)
+        assert np.array_equal(u_t.numpy(), x32 / max(scale, np.float32(1.0)))

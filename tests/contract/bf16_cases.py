@@ -151,10 +151,10 @@ CASES: list[Bf16Case] = [
     Bf16Case("flora", lambda wd: get_spec("flora").make(
         lr=LR, weight_decay=wd, rank=4, decay_rate=0.0, scale_parameter=False,
         clip_threshold=1e3),
-        ulp_state={"rms": "ρ = ‖p‖₂ / √numel divides by a constant: xopt.torch (ATen on the "
-                          "CPU) rounds the quotient once, XLA:CPU under jit multiplies by the "
-                          "constant's float32 reciprocal (one ulp off on w1 here); ρ scales "
-                          "the step only under scale_parameter, off here"}),
+        ulp_state={"rms": "ρ = ‖p‖₂ / √numel sums the squares of the updated parameter, "
+                          "inexact after the first update, in each backend's order (the "
+                          "division itself rounds once in both: tests/test_flora.py); ρ "
+                          "scales the step only under scale_parameter, off here"}),
     Bf16Case("galore", lambda wd: lowrank_spec("galore", wd),
              inject=lambda t: lowrank_inject("galore", t)),
     Bf16Case("mulo", not_bitwise=_LOPT),

@@ -302,9 +302,13 @@ def rms(xp: ModuleType, x: Any) -> Any:
     """``‖x‖₂ / √numel`` (``Flora._rms``); a 0-d array."""
     n = math.prod(x.shape)
     if arrays.is_torch(xp):
-        return x.norm(2) / (n ** 0.5)
-    flat = xp.reshape(x, (-1,))  # XLA reduces a flat vector more accurately than a matrix
-    return xp.sqrt(xp.sum(flat * flat)) / (n ** 0.5)
+        norm = x.norm(2)
+    else:
+        flat = xp.reshape(x, (-1,))  # XLA reduces a flat vector more accurately than a matrix
+        norm = xp.sqrt(xp.sum(flat * flat))
+    # correctly rounded in every namespace: XLA multiplies by the constant's reciprocal, and
+    # torch on CUDA by the Python number's (the original's CPU division is the definition)
+    return arrays.divide(xp, norm, n ** 0.5)
 
 
 def _axpy(xp: ModuleType, x: Any, y: Any, alpha: Any) -> Any:
@@ -392,9 +396,10 @@ def accumulate(c: Any, d: Any, b1: float) -> Any:
 def clip(xp: ModuleType, u: Any, clip_threshold: float) -> tuple[Any, Any]:
     """``(u / max(1, rms(u)/clip_threshold), rms(u))``."""
     r = rms(xp, u)
+    s = arrays.divide(xp, r, clip_threshold)  # a scalar: correctly rounded, as rms
     if arrays.is_torch(xp):
-        return u / (r / clip_threshold).clamp(min=1.0), r
-    return u / xp.maximum(r / clip_threshold, 1.0), r
+        return u / s.clamp(min=1.0), r
+    return u / xp.maximum(s, 1.0), r
 
 
 def apply(xp: ModuleType, p: Any, u: Any, lr: Any, weight_decay: float) -> Any:

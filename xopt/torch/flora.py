@@ -37,6 +37,7 @@ from xopt import random as xrandom
 from xopt.errors import StateError
 from xopt.kernels import triton_available
 from xopt.registry import register
+from xopt.specs import arrays
 from xopt.specs import flora as _spec
 from xopt.torch._lowrank import LowRankOptimizer, chunks, stack_as
 from xopt.torch._optim import Item, Layout
@@ -160,9 +161,9 @@ class Flora(LowRankOptimizer):
         kernel = None if h.use_momentum or sdt != torch.float32 else _adafactor(x.device)
         if kernel is not None:
             a_rows, a_cols, x_sq = kernel.stats(x, g, float(h.eps[0]))
-            rho = torch.sqrt(x_sq) / root_n
-        else:
-            rho = torch.linalg.vector_norm(x, dim=(-2, -1)) / root_n   # rms
+            rho = arrays.divide(torch, torch.sqrt(x_sq), root_n)
+        else:                                                             # rms
+            rho = arrays.divide(torch, torch.linalg.vector_norm(x, dim=(-2, -1)), root_n)
         rel = _spec.relative_step_size(h, t)
         lr = rel                                                          # learning_rate
         if h.scale_parameter:
@@ -182,8 +183,8 @@ class Flora(LowRankOptimizer):
         r = torch.rsqrt(row / row.mean(dim=-1, keepdim=True))
         if kernel is not None:                                            # clip and apply
             c = torch.rsqrt(col)
-            u_rms = torch.sqrt(kernel.update_sumsq(g, r, c)) / root_n
-            s = (u_rms / h.clip_threshold).clamp(min=1.0)
+            u_rms = arrays.divide(torch, torch.sqrt(kernel.update_sumsq(g, r, c)), root_n)
+            s = arrays.divide(torch, u_rms, h.clip_threshold).clamp(min=1.0)
             lr = (lr.reshape(bsz) if isinstance(lr, torch.Tensor)
                   else torch.full((bsz,), lr, dtype=torch.float32, device=x.device))
             x = kernel.apply(x, g, r, c, s, lr)
@@ -197,8 +198,9 @@ class Flora(LowRankOptimizer):
             elif h.use_momentum:                                          # mix, uncompressed
                 u = u * (1 - h.beta1) + torch.stack([st["exp_avg"] for st in states]) * h.beta1
                 torch._foreach_copy_([st["exp_avg"] for st in states], u.unbind(0))
-            u_rms = torch.linalg.vector_norm(u, dim=(-2, -1)) / root_n    # clip
-            u = u / (u_rms / h.clip_threshold).clamp(min=1.0)[:, None, None]
+            u_rms = arrays.divide(torch, torch.linalg.vector_norm(u, dim=(-2, -1)),
+                                  root_n)                                 # clip
+            u = u / arrays.divide(torch, u_rms, h.clip_threshold).clamp(min=1.0)[:, None, None]
             x = x - u * lr                                                # apply (λ = 0)
         for st in states:
             st["step"] = t
