@@ -36,7 +36,9 @@ after each merge boundary, as the authors' optimizer does.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import os
 import sys
 import warnings
@@ -1244,29 +1246,31 @@ class POETAdamW(Optimizer):
         # (one launch on CUDA). Per-parameter host work is most of the step's host time, so
         # the loop does only what each parameter needs; what a bucket's tensors share
         # (device, dtypes, layout) is checked once per bucket, by the launch's tables.
-        buckets: dict[tuple[int, int], tuple[dict, list, list, list, list]] = {}
-        resets: dict[int, bool] = {}
-        for it in items:
-            group, p = it.group, it.param
-            reset = resets.get(id(group))
-            if reset is None:
-                interval = group["poet_merge_interval"] if group.get("use_poet", True) else 0
-                reset = resets[id(group)] = _spec_module.needs_reset(gstep, interval)
-            st = state[p]
-            if reset or "step" not in st:
-                sdt = torch.float64 if p.dtype == torch.float64 else torch.float32
-                st["step"] = 0
-                st["exp_avg"] = torch.zeros_like(p, dtype=sdt)
-                st["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt)
-            k = st["step"] = st["step"] + 1
-            b = buckets.get((id(group), k))
-            if b is None:
-                b = buckets[(id(group), k)] = (group, [], [], [], [])
-            b[1].append(p)
-            b[2].append(it.grad)
-            b[3].append(st["exp_avg"])
-            b[4].append(st["exp_avg_sq"])
-        for (_, k), (group, ps, gs, ms, vs) in buckets.items():
+        buckets: list[tuple[dict, int, tuple[list, list, list, list]]] = []
+        for _, run in itertools.groupby(items, key=_GROUP_INDEX):  # (items are in group order)
+            run = list(run)
+            group = run[0].group
+            interval = group["poet_merge_interval"] if group.get("use_poet", True) else 0
+            reset = _spec_module.needs_reset(gstep, interval)
+            by_step: dict[int, tuple[list, list, list, list]] = {}
+            for it in run:
+                p = it.param
+                st = state[p]
+                if reset or "step" not in st:
+                    sdt = torch.float64 if p.dtype == torch.float64 else torch.float32
+                    st["step"] = 0
+                    st["exp_avg"] = torch.zeros_like(p, dtype=sdt)
+                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt)
+                k = st["step"] = st["step"] + 1
+                b = by_step.get(k)
+                if b is None:
+                    b = by_step[k] = ([], [], [], [])
+                b[0].append(p)
+                b[1].append(it.grad)
+                b[2].append(st["exp_avg"])
+                b[3].append(st["exp_avg_sq"])
+            buckets.extend((group, k, b) for k, b in by_step.items())
+        for group, k, (ps, gs, ms, vs) in buckets:
             b1, b2 = group["betas"]
             lr = group["lr"]
             if group.get("use_poet", True) and group["poet_scale"] > 0.0:
@@ -1332,6 +1336,9 @@ FUSED_STEP = os.environ.get("XOPT_POET_FUSED_STEP", "1") not in ("", "0")
 #: whether the bucket's one-launch update (poet_adam.adam_update_many) is in use: turned off
 #: for the process if its kernel cannot be built here (a Triton without int-to-pointer casts)
 _MANY = [True]
+
+
+_GROUP_INDEX = operator.attrgetter("gi")
 
 
 def _fused_ok(p: Tensor) -> bool:
