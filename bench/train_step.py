@@ -16,9 +16,14 @@ refresh their mean, its total against fused AdamW's at the same K.
 ``--tf32`` lets float32 matmuls (the optimizers' projections) use TF32; ``--svd-driver``
 picks how GaLore, COAP and PLUMAGE decompose (``svd_driver=``, e.g. ``gram``).
 ``bitsandbytes AdamW8bit`` (the 8-bit baseline of COAP 8-bit and POET-XQ) runs only when
-named in ``--methods``, where bitsandbytes is importable.
+named in ``--methods``, where bitsandbytes is importable. ``--compile`` compiles the model's
+forward (``torch.compile``; the optimizer steps stay eager), ``--compile-mode MODE`` with
+torch.compile's ``mode`` (``reduce-overhead``: the compiled forward and backward replayed
+from CUDA graphs, POET-X's layer calls among them).
 
     python3 bench/train_step.py --size 350m --out-dir OUT [--compile] [--deadline-s 500]
+    python3 bench/train_step.py --size 350m --methods "torch.optim.AdamW(fused),POET-X fast" \
+        --compile --compile-mode reduce-overhead --out-dir OUT
     python3 bench/train_step.py --size 1b --methods GaLore,COAP,PLUMAGE,Flora \
         --refresh-interval 200 --svd-driver gram --out-dir OUT --deadline-s 240
     python3 bench/train_step.py --tiny --out-dir OUT        # the CPU smoke run of CI
@@ -220,7 +225,8 @@ class _Timer:
 
 
 def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
-               compile_model: bool, batch: int | None = None) -> dict[str, Any]:
+               compile_model: bool, batch: int | None = None,
+               compile_mode: str | None = None) -> dict[str, Any]:
     d, layers, heads, ff, vocab, seq, size_batch = SIZES[size]
     batch = batch or size_batch
     cuda = device.type == "cuda"
@@ -229,7 +235,10 @@ def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
         model = Llama(d, layers, heads, ff, vocab, seq).to(dtype=dtype)
     steps = WARMUP + TIMED
     opt = {**METHODS, **OPTIONAL}[name](model, steps)
-    fwd = torch.compile(model) if compile_model else model
+    fwd = torch.compile(model, mode=compile_mode) if compile_model else model
+    # reduce-overhead's CUDA graphs: each step a new iteration (the last step's outputs,
+    # read by then, may be overwritten)
+    graphs = compile_model and compile_mode == "reduce-overhead"
     takes_loss = isinstance(opt, (xt.SmallFCLOpt, xt.VeLO))
     gen = torch.Generator(device=device).manual_seed(1)
     ids = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
@@ -239,6 +248,8 @@ def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     for k in range(steps):
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         t0 = timer.mark()
         loss = fwd(ids)
         loss.backward()
@@ -302,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="", help="comma-separated subset of the names")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
+    ap.add_argument("--compile-mode", default=None, metavar="MODE",
+                    help="torch.compile's mode with --compile, e.g. reduce-overhead (default: "
+                    "torch's default)")
     ap.add_argument("--refresh-interval", type=int, default=None, metavar="K",
                     help="also report the step averaged over a refresh interval of K steps")
     ap.add_argument("--tf32", action="store_true",
@@ -317,6 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no method after this many seconds (each skipped one is listed)")
     args = ap.parse_args(argv)
+    if args.compile_mode is not None:
+        if not args.compile:
+            ap.error(f"--compile-mode {args.compile_mode}: needs --compile")
+        try:  # torch.compile checks its mode when called (before compiling anything)
+            torch.compile(nn.Identity(), mode=args.compile_mode)
+        except RuntimeError as e:
+            ap.error(f"--compile-mode {args.compile_mode}: {e}")
     if args.refresh_interval is not None and args.refresh_interval < 1:
         ap.error(f"--refresh-interval {args.refresh_interval}: must be at least 1")
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
@@ -335,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"{dev_name}; {time.strftime('%Y-%m-%d')}; torch {torch.__version__}; size {size} "
           f"{SIZES[size]}; batch {args.batch or SIZES[size][-1]}; {args.dtype}; "
-          f"{'compiled' if args.compile else 'eager'}{'; tf32' if args.tf32 else ''}"
+          f"{'compiled' if args.compile else 'eager'}"
+          f"{f' ({args.compile_mode})' if args.compile_mode else ''}{'; tf32' if args.tf32 else ''}"
           f"{f'; svd_driver {args.svd_driver}' if args.svd_driver else ''}"
           f"{f'; proj_dtype {args.proj_dtype}' if args.proj_dtype != 'state' else ''}",
           flush=True)
@@ -345,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
             rows[name] = {"skipped": "deadline"}
             continue
         try:
-            rows[name] = run_method(name, size, device, dtype, args.compile, args.batch)
+            rows[name] = run_method(name, size, device, dtype, args.compile, args.batch,
+                                    args.compile_mode)
         except torch.OutOfMemoryError:
             rows[name] = {"error": "OOM"}
         except Exception as e:  # a method's failure is its row, not the end of the run
@@ -376,10 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": dev_name, "date": time.strftime("%Y-%m-%d"), "size": size,
             "shape": SIZES[size], "batch": args.batch or SIZES[size][-1], "dtype": args.dtype,
-            "compile": args.compile, "argv": sys.argv, "warmup": WARMUP, "timed": TIMED,
+            "compile": args.compile, "compile_mode": args.compile_mode, "argv": sys.argv,
+            "warmup": WARMUP, "timed": TIMED,
             "refresh_interval": GAP, "amortised_over": k, "tf32": args.tf32,
             "svd_driver": args.svd_driver, "proj_dtype": args.proj_dtype}
-    name = f"train_step_{size}{'_compiled' if args.compile else ''}.json"
+    mode = f"_{args.compile_mode}" if args.compile_mode else ""
+    name = f"train_step_{size}{f'_compiled{mode}' if args.compile else ''}.json"
     (out / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0 if all("total_ms_mean" in r or "skipped" in r for r in rows.values()) else 1
 

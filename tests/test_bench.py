@@ -10,6 +10,7 @@ the child's environment only).
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -124,6 +125,29 @@ def test_train_step_tiny_amortised_over_a_refresh_interval(tmp_path):
         assert ordinary > 0 and refresh > 0, name
         assert r["step_ms_amortised_200"] == pytest.approx((199 * ordinary + refresh) / 200)
     assert report["rows"]["torch.optim.AdamW(fused)"]["ratio_total_to_fused_adamw_200"] == 1.0
+
+
+def test_train_step_tiny_compile_mode(tmp_path):
+    """--compile --compile-mode MODE: the model's forward compiled with torch.compile's
+    mode (a CPU-valid one runs, the JSON records it); a mode torch.compile does not know is
+    refused by torch.compile's own check, before any method runs, naming the option;
+    --compile-mode without --compile is refused."""
+    _run("train_step.py", "--tiny", "--out-dir", str(tmp_path), "--dtype", "fp32",
+         "--methods", "torch.optim.AdamW(fused)", "--compile", "--compile-mode", "default")
+    report = json.loads((tmp_path / "train_step_tiny_compiled_default.json").read_text())
+    assert report["meta"]["compile"] is True and report["meta"]["compile_mode"] == "default"
+    row = report["rows"]["torch.optim.AdamW(fused)"]
+    assert row["total_ms_mean"] > 0 and all(map(math.isfinite, row["loss_first_last"]))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    bad = ((["--compile", "--compile-mode", "no-such-mode"],
+            ["--compile-mode no-such-mode", "Unrecognized mode=no-such-mode"]),
+           (["--compile-mode", "default"], ["--compile-mode default: needs --compile"]))
+    for args, says in bad:
+        proc = subprocess.run([sys.executable, str(REPO / "bench" / "train_step.py"), "--tiny",
+                               "--out-dir", str(tmp_path / "bad"), *args],
+                              capture_output=True, text=True, env=env, cwd=REPO)
+        assert proc.returncode == 2 and all(s in proc.stderr for s in says), proc.stderr
+        assert not (tmp_path / "bad").exists()
 
 
 def test_distributed_tiny(tmp_path):

@@ -732,24 +732,121 @@ def test_fused_step_kernel_matches_the_foreach_update(decay):
 def test_fused_step_of_many_parameters_is_one_update_each():
     """poet_adam.adam_update_many (one launch for a list of parameters, their addresses in a
     table on the device) gives the bits of one adam_update per parameter: sizes that do and
-    do not fill the last tile, an empty one, bf16 and float32 parameters; the table made
-    once is reused while the addresses stay, and made afresh when one moves."""
+    do not fill the last tile, an empty one, bf16 and float32 parameters, each step's fresh
+    gradients (their addresses go with each launch: the table of the parameters and moments
+    is made once and kept), and a moment replaced by a new tensor (a table made afresh)."""
     from xopt.kernels import poet_adam
 
     torch.manual_seed(4)
+    poet_adam._TABLES.clear()
     for pdt, decay in ((torch.float32, None), (torch.bfloat16, -0.01)):
         sizes = (3000, 1024, 0, 17)
         ref = [[torch.randn(n, device=DEV).to(pdt), torch.rand(n, device=DEV),
                 torch.rand(n, device=DEV)] for n in sizes]
         got = [[t.clone() for t in r] for r in ref]
-        for k in range(2):
+        for k in range(3):
+            if k == 2:  # a moment moves (as a reset at a merge boundary moves them)
+                got[1][2] = got[1][2].clone()
             gs = [torch.randn(n, device=DEV).to(pdt) for n in sizes]
             for (p, m, v), g in zip(ref, gs, strict=True):
                 poet_adam.adam_update(p, g, m, v, 0.9, 0.999, 1e-3, 1e-2 * (k + 1), decay)
-            poet_adam.adam_update_many([r[0] for r in got], gs, [r[1] for r in got],
-                                       [r[2] for r in got], 0.9, 0.999, 1e-3, 1e-2 * (k + 1),
-                                       decay)
+            assert poet_adam.adam_update_many([r[0] for r in got], gs, [r[1] for r in got],
+                                              [r[2] for r in got], 0.9, 0.999, 1e-3,
+                                              1e-2 * (k + 1), decay)
             for r, u in zip(ref, got, strict=True):
                 for a, b in zip(r, u, strict=True):
                     assert torch.equal(a, b)
-    assert len(poet_adam._TABLES) >= 3  # (each step's fresh gradients moved the table)
+    # per dtype one table for the first two steps' tensors, one after the move
+    assert len(poet_adam._TABLES) == 4
+
+
+@needs_triton
+def test_poet_adamw_cuda_step_is_one_kernel_update_per_parameter(monkeypatch):
+    """POETAdamW's step on the kernels' path (CUDA; here the interpreter, the path switched
+    on for the CPU) gives each parameter the bits of one poet_adam.adam_update with its own
+    step count, in one launch per bucket (group and step count) whose tensors share dtypes:
+    two groups of one dtype each, a group of two dtypes (one launch per parameter), a
+    parameter that skips a step (its own bucket), a moment reset at a merge boundary
+    (new moment tensors, so a new table) and fresh gradients every step."""
+    from xopt.kernels import poet_adam
+    from xopt.kernels.poet_launches import count_launches
+    from xopt.torch import poet as xpoet
+
+    monkeypatch.setattr(xpoet, "_fused_ok", lambda p: True)
+    torch.manual_seed(6)
+    spec = [((4, 6), torch.float32, 0), ((5,), torch.float32, 0), ((5, 2), torch.bfloat16, 1),
+            ((7,), torch.bfloat16, 1), ((3,), torch.float32, 2), ((2, 2), torch.bfloat16, 2)]
+    ps = [torch.nn.Parameter(torch.randn(s, device=DEV).to(dt)) for s, dt, _ in spec]
+    groups = [dict(params=ps[:2], use_poet=True, weight_decay=0.0, lr=1e-2),
+              dict(params=ps[2:4], use_poet=False, weight_decay=0.1, lr=3e-3),
+              dict(params=ps[4:], use_poet=False, weight_decay=0.0, lr=1e-3)]
+    opt = xpoet.POETAdamW(groups, poet_scale=0.5, merge_interval=2)
+    ref = [[p.detach().clone(), None, None, 0] for p in ps]
+    for step in range(4):
+        skip = 3 if step == 1 else None
+        grads = [torch.randn(s, device=DEV).to(dt) for s, dt, _ in spec]
+        for i, (p, g) in enumerate(zip(ps, grads, strict=True)):
+            p.grad = None if i == skip else g.clone()
+        count = count_launches(opt.step)
+        # one launch for each of groups 0 and 1 (two for group 1 from step 2 on: p3 skipped
+        # step 1, so its count stays one behind p2's), one per parameter of group 2
+        assert count.triton["_adam_many_kernel"] == (3 if step >= 2 else 2), count
+        assert count.triton["_adam_kernel"] == 2, count
+        for i, r in enumerate(ref):
+            if i == skip:
+                continue
+            gi = spec[i][2]
+            grp = groups[gi]
+            if r[1] is None or (gi == 0 and step > 0 and step % 2 == 0):  # new or reset
+                r[1], r[2], r[3] = (torch.zeros_like(r[0], dtype=torch.float32),
+                                    torch.zeros_like(r[0], dtype=torch.float32), 0)
+            r[3] += 1
+            k = r[3]
+            lr = grp["lr"] * (0.5 if gi == 0 else 1.0)
+            step_size = lr * math.sqrt(1 - 0.999 ** k) / (1 - 0.9 ** k)
+            decay = -lr * grp["weight_decay"] if grp["weight_decay"] > 0 else None
+            poet_adam.adam_update(r[0], grads[i], r[1], r[2], 0.9, 0.999, 1e-6, step_size,
+                                  decay)
+        for p, r in zip(ps, ref, strict=True):
+            st = opt.state[p]
+            assert torch.equal(p.detach(), r[0]) and st["step"] == r[3]
+            assert torch.equal(st["exp_avg"], r[1]) and torch.equal(st["exp_avg_sq"], r[2])
+
+
+@needs_triton
+def test_fused_step_of_many_parameters_refuses_what_one_launch_cannot_take():
+    """adam_update_many returns False and writes nothing where its one launch cannot take
+    the tensors: a non-contiguous gradient, gradients of two dtypes, float64 moments, a
+    gradient of another shape, parameters of two dtypes."""
+    from xopt.kernels import poet_adam
+
+    torch.manual_seed(5)
+
+    def case():
+        ps = [torch.randn(6, 4, device=DEV), torch.randn(8, device=DEV)]
+        gs = [torch.randn(6, 4, device=DEV), torch.randn(8, device=DEV)]
+        ms = [torch.zeros_like(p) for p in ps]
+        vs = [torch.zeros_like(p) for p in ps]
+        return ps, gs, ms, vs
+
+    bad = []
+    ps, gs, ms, vs = case()
+    gs[0] = torch.randn(4, 6, device=DEV).t()
+    bad.append((ps, gs, ms, vs))
+    ps, gs, ms, vs = case()
+    gs[1] = gs[1].to(torch.bfloat16)
+    bad.append((ps, gs, ms, vs))
+    ps, gs, ms, vs = case()
+    ms[0] = ms[0].double()
+    bad.append((ps, gs, ms, vs))
+    ps, gs, ms, vs = case()
+    gs[0] = gs[0].reshape(4, 6)
+    bad.append((ps, gs, ms, vs))
+    ps, gs, ms, vs = case()
+    ps[1] = ps[1].to(torch.bfloat16)
+    bad.append((ps, gs, ms, vs))
+    for ps, gs, ms, vs in bad:
+        before = [t.clone() for t in (*ps, *ms, *vs)]
+        assert not poet_adam.adam_update_many(ps, gs, ms, vs, 0.9, 0.999, 1e-3, 1e-2, None)
+        for a, b in zip(before, (*ps, *ms, *vs), strict=True):
+            assert torch.equal(a, b)

@@ -15,17 +15,21 @@ operation rounded apart (launched with ``NO_FP_FUSION``, so that no kernel's com
 contracts differently from another's).
 
 :func:`adam_update_many` updates a list of parameters (one dtype, one set of scalars) in
-one launch: a table of their addresses on the device (made once per set of addresses and
-kept), each program finding its tensor and tile in it; the same per-element operations,
-so the same bits as :func:`adam_update` on each. An optimizer step of a few hundred
-parameters is then a few launches rather than one per parameter (their host time was most
-of POETAdamW's step in the 350M training step, bench/RESULTS.md).
+one launch: a table of their and their moments' addresses on the device (made once per set
+of addresses and kept), the gradients' addresses copied with the launch (a step's gradients
+need not have the last step's addresses), each program finding its tensor and tile; the same
+per-element operations, so the same bits as :func:`adam_update` on each. An optimizer step
+of a few hundred parameters is then a few launches rather than one per parameter (their host
+time was most of POETAdamW's step in the 350M training step, bench/RESULTS.md).
 
 Reference: :func:`xopt.torch.poet`'s foreach update (tested against it under
 ``TRITON_INTERPRET=1``; on a GPU ``bench/poet_layer.py --check`` compares them).
 """
 
 from __future__ import annotations
+
+import functools
+import operator
 
 import torch
 import triton
@@ -38,8 +42,11 @@ from xopt.kernels.poet_jit import launch
 
 __all__ = ["BLOCK", "adam_update", "adam_update_many"]
 
-#: elements per program (4 warps, 8 per thread: 16-byte float32 accesses)
+#: elements per program and its warps: 4 elements per thread (one 16-byte access to each
+#: float32 moment), the fastest of the tilings measured on an H200 (8 per thread took 1.6×
+#: as long); the tiling changes no element's arithmetic
 BLOCK = 1024
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -51,21 +58,21 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, b1, omb1, b2, omb2, eps, neg_ste
 
 
 @triton.jit
-def _adam_many_kernel(table_ptr, tile_ptr, n_tensors, p0_ptr, g0_ptr, b1, omb1, b2, omb2, eps,
-                      neg_step, decay, DECAY: tl.constexpr, ALIGNED: tl.constexpr,
+def _adam_many_kernel(table_ptr, grads_ptr, tile_ptr, n_tensors, p0_ptr, g0_ptr, b1, omb1, b2,
+                      omb2, eps, neg_step, decay, DECAY: tl.constexpr, ALIGNED: tl.constexpr,
                       BLOCK: tl.constexpr):
-    # table: rows p, g, m, v (addresses) and numel, n_tensors columns each; tiles: two
-    # int32 rows, each program's tensor and its tile within that tensor
+    # table: rows p, m, v (addresses) and numel, n_tensors columns each; grads: the
+    # gradients' addresses; tiles: two int32 rows, each program's tensor and its tile
     pid = tl.program_id(0)
     t = tl.load(tile_ptr + pid).to(tl.int64)
     j = tl.load(tile_ptr + tl.num_programs(0) + pid).to(tl.int64)
-    n = tl.load(table_ptr + 4 * n_tensors + t)
+    n = tl.load(table_ptr + 3 * n_tensors + t)
     offs = j * BLOCK + tl.arange(0, BLOCK)
     pp = at(tl.load(table_ptr + t).to(p0_ptr.dtype), offs, ALIGNED, BLOCK)
-    gp = at(tl.load(table_ptr + n_tensors + t).to(g0_ptr.dtype), offs, ALIGNED, BLOCK)
-    mp = at(tl.load(table_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.float32)), offs,
+    gp = at(tl.load(grads_ptr + t).to(g0_ptr.dtype), offs, ALIGNED, BLOCK)
+    mp = at(tl.load(table_ptr + n_tensors + t).to(tl.pointer_type(tl.float32)), offs,
              ALIGNED, BLOCK)
-    vp = at(tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.float32)), offs,
+    vp = at(tl.load(table_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.float32)), offs,
              ALIGNED, BLOCK)
     _adam_tile(pp, gp, mp, vp, offs < n, b1, omb1, b2, omb2, eps, neg_step, decay, DECAY)
 
@@ -115,47 +122,105 @@ def adam_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
         return
     launch(_adam_kernel, (cdiv(n, BLOCK),), p, g, m, v, n, b1, 1.0 - b1, b2, 1.0 - b2, eps,
            -step_size, 0.0 if decay is None else decay, DECAY=decay is not None, BLOCK=BLOCK,
-           num_warps=4, **NO_FP_FUSION)
+           num_warps=NUM_WARPS, **NO_FP_FUSION)
 
 
-#: (device, dtypes, the tensors' addresses and sizes) -> (table, tiles): the launch's
-#: device-side lists, made once per set of addresses (an optimizer's parameters, moments
-#: and, as the caching allocator hands them out again, gradients, are the same every step)
+#: (device, parameter dtype, the parameters' and moments' addresses and sizes) -> (table,
+#: aligned) and (device, sizes, BLOCK) -> tiles: the launch's device-side lists, made once
+#: per set of addresses (an optimizer's parameters and moments are the same every step).
+#: The gradients' addresses are not in them: the caching allocator need not hand a step's
+#: gradients the last step's addresses (in the 350M training step it did not), and a table
+#: made again costs host time and a copy that waits for the device; they go to the device
+#: with each launch instead (8 bytes a tensor, without waiting).
 _TABLES: dict = {}
+_TILES: dict = {}
 _TABLES_MAX = 64
 
+_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+_ptr = torch.Tensor.data_ptr
+_numel = torch.Tensor.numel
+_contiguous = torch.Tensor.is_contiguous
+_device_index = torch.Tensor.get_device
+_dtype = operator.attrgetter("dtype")
+_shape = operator.attrgetter("shape")
 
-def _tables(ps, gs, ms, vs) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    key = (ps[0].device, ps[0].dtype, gs[0].dtype,
-           *(t.data_ptr() for ts in (ps, gs, ms, vs) for t in ts),
-           *(p.numel() for p in ps))
+
+def _state_table(ps, ms, vs) -> tuple[torch.Tensor, bool] | None:
+    """The device table of the parameters' and moments' addresses and the sizes, and
+    whether those addresses are 16-byte aligned; None where a tensor is not as
+    :func:`supported` says or not on the first parameter's device (checked when the table is
+    made: its key holds every address and size it was checked for)."""
+    pp, mp, vp = tuple(map(_ptr, ps)), tuple(map(_ptr, ms)), tuple(map(_ptr, vs))
+    sizes = tuple(map(_numel, ps))
+    key = (ps[0].device, ps[0].dtype, pp, mp, vp, sizes, tuple(map(_numel, ms)),
+           tuple(map(_numel, vs)))
     hit = _TABLES.get(key)
     if hit is not None:
         return hit
-    sizes = [p.numel() for p in ps]
-    rows = [[t.data_ptr() for t in ts] for ts in (ps, gs, ms, vs)]
-    table = torch.tensor([*rows[0], *rows[1], *rows[2], *rows[3], *sizes], dtype=torch.int64)
-    which, within = block_map(sizes, BLOCK)
-    dev = ps[0].device
-    aligned = all(a % 16 == 0 for row in rows for a in row)
-    hit = (table.to(dev), torch.cat((which, within)).to(dev), aligned)
+    dev, pdt = ps[0].device, ps[0].dtype
+    if not all(supported(p, p, m, v) and p.dtype == pdt and p.device == m.device == v.device == dev
+               for p, m, v in zip(ps, ms, vs, strict=True)):
+        return None
+    table = torch.tensor([*pp, *mp, *vp, *sizes], dtype=torch.int64)
+    hit = (table.to(dev), not functools.reduce(operator.or_, (*pp, *mp, *vp)) % 16)
     if len(_TABLES) >= _TABLES_MAX:
         _TABLES.clear()
     _TABLES[key] = hit
     return hit
 
 
+def _tiles(device: torch.device, sizes: tuple[int, ...]) -> torch.Tensor:
+    """Each program's tensor and tile (block_map's two rows, one int32 tensor on ``device``)."""
+    key = (device, sizes, BLOCK)
+    hit = _TILES.get(key)
+    if hit is None:
+        which, within = block_map(list(sizes), BLOCK)
+        hit = torch.cat((which, within)).to(device)
+        if len(_TILES) >= _TABLES_MAX:
+            _TILES.clear()
+        _TILES[key] = hit
+    return hit
+
+
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, copied without waiting for the device
+    (from pinned memory, which torch's host allocator keeps until the copy has run)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device,
+                                                                        non_blocking=True)
+
+
 def adam_update_many(ps, gs, ms, vs, b1: float, b2: float, eps: float, step_size: float,
-                     decay: float | None) -> None:
-    """:func:`adam_update` of each ``(p, g, m, v)`` of the lists, in one launch (module
-    docstring): every tensor as :func:`supported` says, the parameters of one dtype and the
-    gradients of one dtype, on one device; the same bits as one :func:`adam_update` each."""
-    if not all(p.numel() for p in ps):
-        keep = [i for i, p in enumerate(ps) if p.numel()]
-        ps, gs, ms, vs = ([ts[i] for i in keep] for ts in (ps, gs, ms, vs))
+                     decay: float | None) -> bool:
+    """:func:`adam_update` of each ``(p, g, m, v)`` of the lists in one launch (module
+    docstring), the same bits as one :func:`adam_update` each; True. Where the tensors are
+    not as :func:`supported` says, or not all on one device, the parameters of one dtype
+    and the gradients of one dtype, or while a CUDA graph is captured (the gradients'
+    addresses are copied from a buffer a replay would not own): False, and nothing was
+    done."""
     if not ps:
-        return
-    table, tiles, aligned = _tables(ps, gs, ms, vs)
-    launch(_adam_many_kernel, (tiles.numel() // 2,), table, tiles, len(ps), ps[0], gs[0], b1,
-           1.0 - b1, b2, 1.0 - b2, eps, -step_size, 0.0 if decay is None else decay,
-           DECAY=decay is not None, ALIGNED=aligned, BLOCK=BLOCK, num_warps=4, **NO_FP_FUSION)
+        return True
+    dev = ps[0].device
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    grad_dtypes = set(map(_dtype, gs))
+    if not (len(grad_dtypes) == 1 and grad_dtypes <= _DTYPES
+            and set(map(_device_index, gs)) == {ps[0].get_device()}
+            and all(map(_contiguous, gs)) and all(map(_contiguous, ps))
+            and list(map(_shape, gs)) == list(map(_shape, ps))):
+        return False
+    found = _state_table(ps, ms, vs)
+    if found is None:
+        return False
+    table, aligned = found
+    tiles = _tiles(dev, tuple(map(_numel, ps)))  # (none for an empty tensor)
+    if not tiles.numel():
+        return True
+    gp = list(map(_ptr, gs))
+    aligned = aligned and not functools.reduce(operator.or_, gp) % 16
+    launch(_adam_many_kernel, (tiles.numel() // 2,), table, _on_device(gp, dev), tiles,
+           len(ps), ps[0], gs[0], b1, 1.0 - b1, b2, 1.0 - b2, eps, -step_size,
+           0.0 if decay is None else decay, DECAY=decay is not None, ALIGNED=aligned,
+           BLOCK=BLOCK, num_warps=NUM_WARPS, **NO_FP_FUSION)
+    return True

@@ -36,8 +36,11 @@ after each merge boundary, as the authors' optimizer does.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import os
+import sys
 import warnings
 import weakref
 import zlib
@@ -1237,29 +1240,37 @@ class POETAdamW(Optimizer):
 
     def _update(self, items: list[Item]) -> None:
         gstep = self.global_step_counter
-        # per parameter: the moment resets and step counts (host work only); then the
-        # arithmetic once per bucket of parameters sharing group, device, dtypes and step,
-        # as foreach calls (a few launches per bucket instead of ~10 per parameter). The
-        # foreach ops are the loop's per-tensor ops in its order (on the CPU, and for
-        # DTensors, which keep the loop, they are those ops).
-        buckets: dict[tuple, list[Item]] = {}
-        for it in items:
-            group, p = it.group, it.param
-            use_poet = group.get("use_poet", True)
-            interval = group["poet_merge_interval"] if use_poet else 0
+        state = self.state
+        # per parameter: the moment resets and step counts (host work only), the parameter
+        # into its group's bucket of its step count; then the arithmetic once per bucket
+        # (one launch on CUDA). Per-parameter host work is most of the step's host time, so
+        # the loop does only what each parameter needs; what a bucket's tensors share
+        # (device, dtypes, layout) is checked once per bucket, by the launch's tables.
+        buckets: list[tuple[dict, int, tuple[list, list, list, list]]] = []
+        for _, run in itertools.groupby(items, key=_GROUP_INDEX):  # (items are in group order)
+            run = list(run)
+            group = run[0].group
+            interval = group["poet_merge_interval"] if group.get("use_poet", True) else 0
             reset = _spec_module.needs_reset(gstep, interval)
-            st = self.state[p]
-            if "step" not in st or reset:
-                sdt = torch.float64 if p.dtype == torch.float64 else torch.float32
-                st["step"] = 0
-                st["exp_avg"] = torch.zeros_like(p, dtype=sdt)
-                st["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt)
-            st["step"] += 1
-            key = (id(group), p.device, p.dtype, st["exp_avg"].dtype, st["step"],
-                   is_dtensor(p))
-            buckets.setdefault(key, []).append(it)
-        for (_, _, pdt, sdt, k, dtensor), its in buckets.items():
-            group = its[0].group
+            by_step: dict[int, tuple[list, list, list, list]] = {}
+            for it in run:
+                p = it.param
+                st = state[p]
+                if reset or "step" not in st:
+                    sdt = torch.float64 if p.dtype == torch.float64 else torch.float32
+                    st["step"] = 0
+                    st["exp_avg"] = torch.zeros_like(p, dtype=sdt)
+                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt)
+                k = st["step"] = st["step"] + 1
+                b = by_step.get(k)
+                if b is None:
+                    b = by_step[k] = ([], [], [], [])
+                b[0].append(p)
+                b[1].append(it.grad)
+                b[2].append(st["exp_avg"])
+                b[3].append(st["exp_avg_sq"])
+            buckets.extend((group, k, b) for k, b in by_step.items())
+        for group, k, (ps, gs, ms, vs) in buckets:
             b1, b2 = group["betas"]
             lr = group["lr"]
             if group.get("use_poet", True) and group["poet_scale"] > 0.0:
@@ -1268,26 +1279,19 @@ class POETAdamW(Optimizer):
             if group["correct_bias"]:
                 step_size = step_size * math.sqrt(1.0 - b2 ** k) / (1.0 - b1 ** k)
             decay = -lr * group["weight_decay"] if group["weight_decay"] > 0.0 else None
-            ps, gs = [it.param for it in its], [it.grad for it in its]
-            ms = [self.state[it.param]["exp_avg"] for it in its]
-            vs = [self.state[it.param]["exp_avg_sq"] for it in its]
-            if not dtensor and _fused_step(ps, gs, ms, vs):
+            eps = group["eps"]
+            if _MANY[0] and _fused_ok(ps[0]) and not _any_dtensor(ps):
                 from xopt.kernels import poet_adam
 
-                if _MANY[0] and all(g.dtype == gs[0].dtype for g in gs):
-                    try:  # the bucket in one launch
-                        poet_adam.adam_update_many(ps, gs, ms, vs, b1, b2, group["eps"],
-                                                   step_size, decay)
+                try:  # the bucket in one launch, where its tensors allow (False: nothing done)
+                    if poet_adam.adam_update_many(ps, gs, ms, vs, b1, b2, eps, step_size,
+                                                  decay):
                         continue
-                    except Exception as e:  # (fails before its launch: nothing changed)
-                        _MANY[0] = False
-                        warnings.warn(f"POETAdamW: the one-launch step failed ({e!r}); "
-                                      "one launch per parameter from now on", stacklevel=2)
-                for p, g, m, v in zip(ps, gs, ms, vs, strict=True):
-                    poet_adam.adam_update(p, g, m, v, b1, b2, group["eps"], step_size, decay)
-                continue
-            (_loop_update if dtensor else _foreach_update)(
-                ps, gs, ms, vs, b1, b2, group["eps"], step_size, decay, pdt != sdt)
+                except Exception as e:  # (fails before its launch: nothing changed)
+                    _MANY[0] = False
+                    warnings.warn(f"POETAdamW: the one-launch step failed ({e!r}); "
+                                  "one launch per parameter from now on", stacklevel=2)
+            _update_split(ps, gs, ms, vs, b1, b2, eps, step_size, decay)
         self.global_step_counter += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -1334,13 +1338,38 @@ FUSED_STEP = os.environ.get("XOPT_POET_FUSED_STEP", "1") not in ("", "0")
 _MANY = [True]
 
 
-def _fused_step(ps, gs, ms, vs) -> bool:
-    if not (FUSED_STEP and ps[0].device.type == "cuda" and _triton_ok(ps[0].device)):
-        return False
-    from xopt.kernels import poet_adam
+_GROUP_INDEX = operator.attrgetter("gi")
 
-    return all(poet_adam.supported(p, g, m, v) for p, g, m, v in zip(ps, gs, ms, vs,
-                                                                      strict=True))
+
+def _fused_ok(p: Tensor) -> bool:
+    """Whether POETAdamW's kernels (xopt.kernels.poet_adam) update ``p``'s device."""
+    return FUSED_STEP and p.is_cuda and _triton_ok(p.device)
+
+
+def _any_dtensor(ps: list[Tensor]) -> bool:
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and any(issubclass(t, mod.DTensor) for t in set(map(type, ps)))
+
+
+def _update_split(ps, gs, ms, vs, b1, b2, eps, step_size, decay) -> None:
+    """One bucket's update where its one launch did not take it: split by device, dtypes and
+    DTensor-ness; per parameter with the kernel where every tensor allows it, else as
+    foreach calls (DTensors: the loop)."""
+    parts: dict[tuple, tuple[list, list, list, list]] = {}
+    for p, g, m, v in zip(ps, gs, ms, vs, strict=True):
+        part = parts.setdefault((p.device, p.dtype, m.dtype, is_dtensor(p)), ([], [], [], []))
+        for lst, t in zip(part, (p, g, m, v), strict=True):
+            lst.append(t)
+    for (_, pdt, sdt, dtensor), (qs, hs, ns, ws) in parts.items():
+        if not dtensor and _fused_ok(qs[0]):
+            from xopt.kernels import poet_adam
+
+            if all(map(poet_adam.supported, qs, hs, ns, ws)):
+                for p, g, m, v in zip(qs, hs, ns, ws, strict=True):
+                    poet_adam.adam_update(p, g, m, v, b1, b2, eps, step_size, decay)
+                continue
+        (_loop_update if dtensor else _foreach_update)(qs, hs, ns, ws, b1, b2, eps, step_size,
+                                                       decay, pdt != sdt)
 
 
 def _loop_update(ps, gs, ms, vs, b1, b2, eps, step_size, decay, cast) -> None:
