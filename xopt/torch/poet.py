@@ -57,7 +57,7 @@ from xopt.registry import register
 from xopt.specs import poet as spec
 from xopt.torch._optim import Item, Layout, Optimizer
 from xopt.torch.distributed import Layout as ShardLayout
-from xopt.torch.distributed import data_parallel_ranks, is_dtensor
+from xopt.torch.distributed import aligned_locals, data_parallel_ranks, is_dtensor
 
 __all__ = ["MergeEvery", "POETAdamW", "POETLinear", "batch_rotations", "convert",
            "merge_and_reset",
@@ -1280,6 +1280,8 @@ class POETAdamW(Optimizer):
                 step_size = step_size * math.sqrt(1.0 - b2 ** k) / (1.0 - b1 ** k)
             decay = -lr * group["weight_decay"] if group["weight_decay"] > 0.0 else None
             eps = group["eps"]
+            if _any_dtensor(ps):  # FSDP2: the local shards where each parameter's align
+                ps, gs, ms, vs = _local_shards(ps, gs, ms, vs)
             if _MANY[0] and _fused_ok(ps[0]) and not _any_dtensor(ps):
                 from xopt.kernels import poet_adam
 
@@ -1349,6 +1351,18 @@ def _fused_ok(p: Tensor) -> bool:
 def _any_dtensor(ps: list[Tensor]) -> bool:
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and any(issubclass(t, mod.DTensor) for t in set(map(type, ps)))
+
+
+def _local_shards(ps, gs, ms, vs) -> tuple[list, list, list, list]:
+    """Each parameter's (p, g, m, v) as their local shards where the four share one
+    placement (an elementwise update of those is the DTensors', bit for bit, without
+    DTensor's dispatch per operation); the others as they are."""
+    out: tuple[list, list, list, list] = ([], [], [], [])
+    for quad in zip(ps, gs, ms, vs, strict=True):
+        shards = aligned_locals(*quad)
+        for lst, t in zip(out, shards or quad, strict=True):
+            lst.append(t)
+    return out
 
 
 def _update_split(ps, gs, ms, vs, b1, b2, eps, step_size, decay) -> None:
