@@ -39,17 +39,26 @@ if importlib.util.find_spec("torch") is not None and "triton" not in sys.modules
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-#: The files whose fixtures run longest (kernel workers under Triton's interpreter, parity
-#: reports, benchmark runs), longest first. Under ``--dist loadfile`` a file runs on one
-#: worker from its first test to its last, and pytest-xdist hands out files in the order
-#: collected; started first, these leave only short files for the end of the run (longest
-#: processing time first) instead of one of them running alone there.
+#: The files that run longest (examples and benchmarks run to the end, the documentation
+#: pages' snippets, kernel workers under Triton's interpreter, the learned optimizers' parity
+#: reports), longest first: each 0.5-7 minutes on a 2-core CPU, most of them of few tests.
+#: Under ``--dist loadfile`` a file runs on one worker from its first test to its last, and
+#: pytest-xdist hands the files out in the order collected; started first, these leave short
+#: files for the end of the run (longest processing time first). By their number of tests
+#: (pytest-xdist's own order) most of them came last and ended the run.
 SLOW_FILES = (
     "tests/test_bench.py",
-    "parity_tests/test_learned_optimizers.py",
+    "tests/test_doc_snippets.py",
+    "tests/test_examples.py",
     "tests/test_kernels_velo_fold.py",
-    "tests/test_kernels_lopt.py",
     "tests/test_kernels_small_fc_fold.py",
+    "tests/test_kernels_lopt.py",
+    "parity_tests/test_learned_optimizers.py",
+    "tests/test_jax_lopt_pallas_breakdown.py",
+    "tests/distributed/test_examples.py",
+    "tests/test_mulo_example.py",
+    "tests/test_jax_flora_compile.py",
+    "tests/test_docs.py",
 )
 
 

@@ -30,8 +30,8 @@ EXACT = 1e-6
 #: 64), plus unfactored tensors (the unfolded kernel in the same step). (65, 66): 2 × 2
 #: tiles, a along the strided axis; (129, 66): 3 × 2 tiles, a along the contiguous one (with
 #: RA = 2 a second program starts at the third tile, alone); the last tile on each axis 1 or
-#: 2 rows (the interpreter's time grows with rows × tiles along b: these two take 388 of
-#: them where (70, 130), (130, 70) took 470, for the same paths). Batch axes: two tiles along
+#: 2 rows (the interpreter's time grows with rows × tiles along b: these two cost 388,
+#: (70, 130) and (130, 70) 470, for the same paths). Batch axes: two tiles along
 #: a after a batch offset in (2, 65, 3), two batch axes of different sizes (3 × 2: swapping
 #: them moves elements) in (3, 2, 9, 5) (it was (3, 2, 70, 5): 6 × 2 tiles of 70 rows, no
 #: path that the two do not take, as tests/test_kernels_velo_fold.py)

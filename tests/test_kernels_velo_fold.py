@@ -36,11 +36,11 @@ pytestmark = pytest.mark.skipif(not (has_torch and has_triton), reason="needs to
 
 EXACT = 1e-6
 #: (65, 66) and (66, 65): 2 × 2 tiles, the last on each axis partial (1 or 2 rows: a partial
-#: sub-tile), either axis contiguous (A_IS_D0 0 and 1; the interpreter's time grows with
-#: rows × tiles along b, and (70, 130), (130, 70) took 70% of a step's for no path that
-#: these do not take: a third tile is summed and finalized as the second); batch axes (rank
-#: 3, 4): two tiles along a after a batch offset in (2, 65, 3), two batch axes of different
-#: sizes (3 × 2: swapping them moves elements) in (3, 2, 9, 5), one partial tile a batch;
+#: sub-tile), either axis contiguous (A_IS_D0 0 and 1). No third tile along an axis: it is
+#: summed and finalized as the second, and the interpreter's time grows with rows × tiles
+#: along b ((70, 130) and (130, 70) cost 470 where these cost 262). Batch axes (rank 3, 4):
+#: two tiles along a after a batch offset in (2, 65, 3), two batch axes of different sizes
+#: (3 × 2: swapping them moves elements) in (3, 2, 9, 5), one partial tile a batch;
 #: unfactored tensors (rank 0, 1) in the same launches
 SHAPES = [(65, 66), (66, 65), (3, 2, 9, 5), (2, 65, 3), (9, 1, 4), (7, 3), (5,), ()]
 
