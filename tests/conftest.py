@@ -39,25 +39,31 @@ if importlib.util.find_spec("torch") is not None and "triton" not in sys.modules
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-#: The files that run longest (examples and benchmarks run to the end, the documentation
-#: pages' snippets, kernel workers under Triton's interpreter, the learned optimizers' parity
-#: reports), longest first: each 0.5-7 minutes on a 2-core CPU, most of them of few tests.
-#: Under ``--dist loadfile`` a file runs on one worker from its first test to its last, and
-#: pytest-xdist hands the files out in the order collected; started first, these leave short
-#: files for the end of the run (longest processing time first). By their number of tests
-#: (pytest-xdist's own order) most of them came last and ended the run.
+#: The files that run longest (the learned optimizers' parity reports, the kernel workers
+#: under Triton's interpreter, benchmarks and examples run to the end, the documentation
+#: pages' snippets), longest first: each 0.5-10 minutes on a 2-core CPU shared with other
+#: work, most of them of few tests. Under ``--dist loadfile`` a file runs on one worker from
+#: its first test to its last, and pytest-xdist hands the files out in the order collected;
+#: started first, these leave short files for the end of the run (longest processing time
+#: first). By their number of tests (pytest-xdist's own order) most came last and ended it.
 SLOW_FILES = (
-    "tests/test_bench.py",
-    "tests/test_doc_snippets.py",
-    "tests/test_examples.py",
+    "parity_tests/test_learned_optimizers.py",
     "tests/test_kernels_velo_fold.py",
     "tests/test_kernels_small_fc_fold.py",
+    "tests/test_bench.py",
+    "tests/test_doc_snippets.py",
     "tests/test_kernels_lopt.py",
-    "parity_tests/test_learned_optimizers.py",
+    "tests/test_examples.py",
+    "tests/test_jax_lowrank_batched.py",
     "tests/test_jax_lopt_pallas_breakdown.py",
     "tests/distributed/test_examples.py",
+    "parity_tests/test_mulo.py",
     "tests/test_mulo_example.py",
+    "parity_tests/test_plumage.py",
+    "tests/distributed/test_jax_layers.py",
+    "tests/test_parity_findings.py",
     "tests/test_jax_flora_compile.py",
+    "tests/test_parity_pairs.py",
     "tests/test_docs.py",
 )
 
