@@ -21,7 +21,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections import Counter
 from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -36,12 +39,67 @@ if importlib.util.find_spec("torch") is not None and "triton" not in sys.modules
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+#: The files that run longest (the learned optimizers' parity reports, the kernel workers
+#: under Triton's interpreter, benchmarks and examples run to the end, the documentation
+#: pages' snippets), longest first: each 0.5-10 minutes on a 2-core CPU shared with other
+#: work, most of them of few tests. Under ``--dist loadfile`` a file runs on one worker from
+#: its first test to its last, and pytest-xdist hands the files out in the order collected;
+#: started first, these leave short files for the end of the run (longest processing time
+#: first). By their number of tests (pytest-xdist's own order) most came last and ended it.
+SLOW_FILES = (
+    "parity_tests/test_learned_optimizers.py",
+    "tests/test_kernels_velo_fold.py",
+    "tests/test_kernels_small_fc_fold.py",
+    "tests/test_bench.py",
+    "tests/test_doc_snippets.py",
+    "tests/test_kernels_lopt.py",
+    "tests/test_examples.py",
+    "tests/test_jax_lowrank_batched.py",
+    "tests/test_jax_lopt_pallas_breakdown.py",
+    "tests/distributed/test_examples.py",
+    "parity_tests/test_mulo.py",
+    "tests/test_mulo_example.py",
+    "parity_tests/test_plumage.py",
+    "tests/distributed/test_jax_layers.py",
+    "tests/test_parity_findings.py",
+    "tests/test_jax_flora_compile.py",
+    "tests/test_parity_pairs.py",
+    "tests/test_docs.py",
+)
+
+
+def pytest_configure(config):
+    """Files go to the workers in collection order (:func:`pytest_collection_modifyitems`),
+    not re-sorted by their number of tests (pytest-xdist's default for loadfile, which put
+    the slow files, each of few tests, last)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def _order_files(items) -> None:
+    """:data:`SLOW_FILES` first, in their order; then the other files by their number of
+    tests, most first (pytest-xdist's own order); a file's tests keep their order."""
+    def path(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    count = Counter(map(path, items))
+
+    def key(item):
+        if path(item) in SLOW_FILES:
+            return (0, SLOW_FILES.index(path(item)))
+        return (1, -count[path(item)])
+
+    items.sort(key=key)  # stable: the order within a file and among ties is kept
+
+
+@pytest.hookimpl(trylast=True)  # after pytest groups a module's tests by fixture parameters
 def pytest_collection_modifyitems(config, items):
-    """Every test may run once more after a native crash of one of its processes, and only
-    then (helpers.NATIVE_CRASH says why); without pytest-rerunfailures, never."""
+    """Files ordered for the workers (:func:`_order_files`). Every test may run once more
+    after a native crash of one of its processes, and only then (helpers.NATIVE_CRASH says
+    why); without pytest-rerunfailures, never."""
+    _order_files(items)
     if not config.pluginmanager.hasplugin("rerunfailures"):
         return
-    import pytest
     from helpers import NATIVE_CRASH
 
     mark = pytest.mark.flaky(reruns=1, only_rerun=list(NATIVE_CRASH))

@@ -27,11 +27,15 @@ pytestmark = pytest.mark.skipif(not (has_torch and has_triton), reason="needs to
 
 EXACT = 1e-6
 #: rank ≥ 2 with either axis contiguous-major, batch axes, tiles cut at both edges (TA = TB =
-#: 64), plus unfactored tensors (the unfolded kernel in the same step). Batch axes: two tiles
-#: along a after a batch offset in (2, 65, 3), two batch axes of different sizes (3 × 2:
-#: swapping them moves elements) in (3, 2, 9, 5) (it was (3, 2, 70, 5): 6 × 2 tiles of 70
-#: rows, no path that the two do not take, as tests/test_kernels_velo_fold.py)
-SHAPES = [(70, 130), (130, 70), (3, 2, 9, 5), (2, 65, 3), (9, 1, 4), (7, 3), (5,), ()]
+#: 64), plus unfactored tensors (the unfolded kernel in the same step). (65, 66): 2 × 2
+#: tiles, a along the strided axis; (129, 66): 3 × 2 tiles, a along the contiguous one (with
+#: RA = 2 a second program starts at the third tile, alone); the last tile on each axis 1 or
+#: 2 rows (the interpreter's time grows with rows × tiles along b: these two cost 388,
+#: (70, 130) and (130, 70) 470, for the same paths). Batch axes: two tiles along
+#: a after a batch offset in (2, 65, 3), two batch axes of different sizes (3 × 2: swapping
+#: them moves elements) in (3, 2, 9, 5) (it was (3, 2, 70, 5): 6 × 2 tiles of 70 rows, no
+#: path that the two do not take, as tests/test_kernels_velo_fold.py)
+SHAPES = [(65, 66), (129, 66), (3, 2, 9, 5), (2, 65, 3), (9, 1, 4), (7, 3), (5,), ()]
 
 
 def _worker() -> dict:
@@ -166,19 +170,28 @@ def _worker() -> dict:
     out["axis_terms_vs_f64"] = worst_terms
     out["n_axis_programs"] = len(aprog.tolist())
 
+    def snapshot(ps, o):
+        return [p.detach().clone() for p in ps] + [o.state[p][k].clone() for p in ps
+                                                   for k in ("m", "rms", "v_row", "v_col")]
+
     # the step recorded into a CUDA graph and replayed (new gradient tensors each step)
     # against the same steps run eagerly: the same bits. On the CPU both are eager (two runs,
-    # the same bits): two steps, the second from the first's state, cover that
+    # the same bits): two steps, the second from the first's state, cover that. The eager
+    # run's first step (from sd, gradients g32, the default schedule) is also the schedule
+    # check's step at the default RA below (one interpreted step fewer)
     runs = {}
     for graphs in (True, False):
         ps = [torch.nn.Parameter(b.clone()) for b in before]
         o = make(ps, "triton")
         o.load_state_dict(copy.deepcopy(sd))
         for t in range(4 if dev == "cuda" else 2):
-            for p, g in zip(ps, tensors(200 + t), strict=True):
+            grads = [g.clone() for g in g32] if t == 0 else tensors(200 + t)
+            for p, g in zip(ps, grads, strict=True):
                 p.grad = g
             o.step()
             o._triton._graph.enabled = graphs  # (the first step is eager either way)
+            if t == 0 and not graphs:
+                default_step = snapshot(ps, o)
         runs[graphs] = ([p.detach() for p in ps], [o.state[p] for p in ps],
                         o._triton.graph_recordings)
     (pg, sg, rec), (pe, se, _) = runs[True], runs[False]
@@ -200,16 +213,16 @@ def _worker() -> dict:
             for p, g in zip(ps, g32, strict=True):
                 p.grad = g
             o.step()
-            return [p.detach() for p in ps] + [o.state[p][k] for p in ps
-                                               for k in ("m", "rms", "v_row", "v_col")]
+            return snapshot(ps, o)
         finally:
             for k, v in old.items():
                 setattr(ks, k, v)
 
     ref = step_with(RA=1)
     out["schedule_bitwise"] = {
-        name: bool(all(torch.equal(a, b) for a, b in zip(ref, step_with(**c), strict=True)))
-        for name, c in (("ra2", dict(RA=2)), ("ra4", dict(RA=4)))}
+        f"ra{ra}": bool(all(torch.equal(a, b) for a, b in zip(
+            ref, default_step if ra == ks.RA else step_with(RA=ra), strict=True)))
+        for ra in (2, 4)}
     return out
 
 

@@ -35,12 +35,14 @@ from helpers import (
 pytestmark = pytest.mark.skipif(not (has_torch and has_triton), reason="needs torch and triton")
 
 EXACT = 1e-6
-#: (70, 130) and (130, 70): 2 × 3 tiles, both edges partial, either axis contiguous; batch
-#: axes (rank 3, 4): two tiles along a after a batch offset in (2, 65, 3), two batch axes of
-#: different sizes (3 × 2: swapping them moves elements) in (3, 2, 9, 5), one partial tile a
-#: batch (it was (3, 2, 70, 5): 6 × 2 tiles of 70 rows, 40% of a step under the interpreter,
-#: no path that the two do not take); unfactored tensors (rank 0, 1) in the same launches
-SHAPES = [(70, 130), (130, 70), (3, 2, 9, 5), (2, 65, 3), (9, 1, 4), (7, 3), (5,), ()]
+#: (65, 66) and (66, 65): 2 × 2 tiles, the last on each axis partial (1 or 2 rows: a partial
+#: sub-tile), either axis contiguous (A_IS_D0 0 and 1). No third tile along an axis: it is
+#: summed and finalized as the second, and the interpreter's time grows with rows × tiles
+#: along b ((70, 130) and (130, 70) cost 470 where these cost 262). Batch axes (rank 3, 4):
+#: two tiles along a after a batch offset in (2, 65, 3), two batch axes of different sizes
+#: (3 × 2: swapping them moves elements) in (3, 2, 9, 5), one partial tile a batch;
+#: unfactored tensors (rank 0, 1) in the same launches
+SHAPES = [(65, 66), (66, 65), (3, 2, 9, 5), (2, 65, 3), (9, 1, 4), (7, 3), (5,), ()]
 
 
 def _worker() -> dict:
@@ -202,8 +204,9 @@ def _g2_prefetch_same_bits(dev: str) -> bool:
     """A step with the g² pass's prefetch (lopt_common.G2_PREFETCH) on and off: the same
     bits (the pass is shared by both learned optimizers; small_fc_lopt's step is the
     quicker under the interpreter), on tensors with several tiles along either axis,
-    partial last tiles (150 = 2·64 + 22 rows, 22 not a multiple of the sub-tile) and a
-    batch dimension."""
+    partial last tiles (86 = 64 + 22 rows, 22 not a multiple of the sub-tile; a third
+    tile along a would start and end as the second) and a batch dimension (two batches:
+    a batch offset)."""
     import torch
 
     import xopt.torch as xt
@@ -212,7 +215,7 @@ def _g2_prefetch_same_bits(dev: str) -> bool:
     def run(prefetch):
         C.G2_PREFETCH = prefetch
         g = torch.Generator().manual_seed(0)
-        shapes = [(150, 20), (20, 150), (3, 70, 8), (33,)]
+        shapes = [(86, 20), (20, 150), (2, 70, 8), (33,)]
         params = [torch.nn.Parameter(torch.randn(s, generator=g).to(dev)) for s in shapes]
         opt = xt.SmallFCLOpt(params, impl="triton", num_training_steps=100)
         for p in params:
