@@ -81,8 +81,13 @@ def test_coap_refresh_step_is_ill_conditioned_not_a_jax_accuracy_loss():
         ex = out["oracle"][k]
         sides[k] = ("jax" if np.abs(out["jax"][k] - ex).max()
                     < np.abs(t.params_after(12)[k] - ex).max() else "authors")
-    assert sorted(sides.values()) == ["authors", "jax"], sides
-    assert jax_run.verdict == "diverge"  # the authors are nearer on one tensor
+    # which tensor XLA's float32 evaluation lands nearer depends on the CPU's code (CI's
+    # Intel: one each; an AMD EPYC: both): on no CPU are the authors nearer on both
+    assert "jax" in sides.values(), sides
+    # the harness's verdict says the same: nearer the exact result on every tensor beyond
+    # tolerance is "closer_to_exact", else the divergence stands
+    want = "closer_to_exact" if set(sides.values()) == {"jax"} else "diverge"
+    assert jax_run.verdict == want, (jax_run.verdict, sides)
 
 
 def test_coap_carried_moments_are_as_accurate_in_jax_as_in_torch():
