@@ -12,3 +12,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 # tests/helpers.py: the shared skip markers and paths
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers import xla_cpu_kernels_of_its_own  # noqa: E402 (needs the path above)
+
+xla_cpu_kernels_of_its_own()  # float32 bounds that hold on any x86 CPU (helpers.py)

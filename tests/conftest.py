@@ -32,6 +32,10 @@ _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
+from helpers import xla_cpu_kernels_of_its_own  # noqa: E402 (needs the path above)
+
+xla_cpu_kernels_of_its_own()
+
 if importlib.util.find_spec("torch") is not None and "triton" not in sys.modules:
     import torch
 

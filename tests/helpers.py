@@ -40,6 +40,26 @@ needs_x86 = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd
 _NO_YNN = "--xla_cpu_experimental_ynn_fusion_type="
 
 
+def xla_cpu_kernels_of_its_own() -> None:
+    """Turn off XLA:CPU's YNNPACK product fusions for this test run (``XLA_FLAGS``, before
+    any JAX backend starts; xdist's workers inherit it), where the installed XLA knows the
+    flag (asked once, in a child process): their kernels follow the CPU model, and a test's
+    float32 bounds must hold on any x86 CPU (on an AMD EPYC, the Pallas VeLO step's error
+    against float64 came out 3× the plain path's with them, 1× without)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _NO_YNN in flags or os.environ.get("XOPT_TESTS_YNN") == "unknown":
+        return
+    if importlib.util.find_spec("jax") is None:
+        return
+    env = dict(os.environ, XLA_FLAGS=f"{flags} {_NO_YNN}".strip(), JAX_PLATFORMS="cpu")
+    probe = subprocess.run([sys.executable, "-c", "import jax.numpy as j; j.zeros(1).sum()"],
+                           env=env, capture_output=True, text=True, check=False)
+    if probe.returncode == 0:
+        os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
+    else:  # an XLA without the flag (or without YNNPACK): nothing to turn off
+        os.environ["XOPT_TESTS_YNN"] = "unknown"
+
+
 def fma_free_jax_child(code: str) -> dict:
     """Run ``code`` (``sys.argv[1]``: the repository root; ``tests`` and its modules'
     ``helpers`` importable) in a child process whose JAX runs on an XLA:CPU that emits no
