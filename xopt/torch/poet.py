@@ -1280,7 +1280,7 @@ class POETAdamW(Optimizer):
                 step_size = step_size * math.sqrt(1.0 - b2 ** k) / (1.0 - b1 ** k)
             decay = -lr * group["weight_decay"] if group["weight_decay"] > 0.0 else None
             eps = group["eps"]
-            if _any_dtensor(ps):  # FSDP2: the local shards where each parameter's align
+            if _any_dtensor(ps):  # FSDP2: local shards where a parameter's four tensors align
                 ps, gs, ms, vs = _local_shards(ps, gs, ms, vs)
             if _MANY[0] and _fused_ok(ps[0]) and not _any_dtensor(ps):
                 from xopt.kernels import poet_adam
