@@ -8,11 +8,12 @@ peak memory, optimizer-state bytes; every ratio is to ``torch.optim.AdamW(fused=
 measured in the same run. A method that runs out of memory is a row saying so.
 
 ``--refresh-interval K`` reports each method's step averaged over a refresh interval of K:
-the timed steps that fall on the run's refresh schedule (every ``GAP``-th step; GaLore's and
-PLUMAGE's SVDs, COAP's Eqn-6/7 updates, Flora's resampling, CompAct's and POET's merges) are
-timed apart from the others (the window holds two: COAP's Eqn-6 and Eqn-7 updates, with
-``reproject_factor=2``), and the amortised step is (ordinary·(K−1) + refresh)/K with
-refresh their mean, its total against fused AdamW's at the same K.
+the timed steps that fall on each method's refresh schedule (every ``GAP``-th step;
+GaLore's and PLUMAGE's SVDs, COAP's Eqn-6/7 updates, Flora's resampling, CompAct's redraws,
+POET's merges; :data:`REFRESH_PHASE`) are timed apart from the others (the window holds
+two: COAP's Eqn-6 and Eqn-7 updates, with ``reproject_factor=2``), and the amortised step
+is (ordinary·(K−1) + refresh)/K with refresh their mean, its total against fused AdamW's at
+the same K.
 ``--tf32`` lets float32 matmuls (the optimizers' projections) use TF32; ``--svd-driver``
 picks how GaLore, COAP and PLUMAGE decompose (``svd_driver=``, e.g. ``gram``).
 ``bitsandbytes AdamW8bit`` (the 8-bit baseline of COAP 8-bit and POET-XQ) runs only when
@@ -57,7 +58,7 @@ SIZES = {
     # LLaMA-3-8B's shapes at POET-X's single-GPU setting (sequence 256; its batch unstated)
     "8b": (4096, 32, 32, 14336, 128256, 256, 8),
 }
-WARMUP, TIMED, GAP = 2, 10, 5  # refreshes fall at steps 5 and 10, inside the timed window
+WARMUP, TIMED, GAP = 2, 10, 5  # two refreshes of every method fall inside the timed window
 
 
 class Block(nn.Module):
@@ -189,6 +190,24 @@ OPTIONAL: dict[str, Callable[[nn.Module, int], Any]] = {
 }
 
 
+#: the loop steps (0-based) that refresh, by phase within GAP: GaLore, PLUMAGE and COAP
+#: decompose and CompAct redraws its projections in the update that starts a gap's
+#: interval; POETAdamW merges and Flora resamples in the update that ends one; the others
+#: never refresh. tests/test_bench.py checks this against the steps whose rarely-changing
+#: state (projections, seeds, merged weights) changes.
+REFRESH_PHASE: dict[str, int | None] = {
+    "GaLore": 0, "COAP": 0, "COAP 8-bit": 0, "PLUMAGE": 0, "CompAct": 0,
+    "Flora momentum": GAP - 1, "POET-X fast": GAP - 1, "POET-X mem": GAP - 1,
+    "POET-XQ": GAP - 1, "POET-X fast graphs": GAP - 1, "POET-X mem graphs": GAP - 1,
+}
+
+
+def refreshes(name: str, k: int) -> bool:
+    """Whether loop step ``k`` of method ``name`` is a refresh step (:data:`REFRESH_PHASE`)."""
+    phase = REFRESH_PHASE.get(name)
+    return phase is not None and k % GAP == phase
+
+
 def _state_bytes(opt: Any) -> int:
     seen: set[int] = set()
 
@@ -263,7 +282,7 @@ def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
         if k >= WARMUP:
             fb.append(timer.ms(t0, t1))
             st.append(timer.ms(t1, t2))
-            refresh.append(k % GAP == 0)  # the refresh schedule every method runs here
+            refresh.append(refreshes(name, k))
     if not all(math.isfinite(v) for v in losses):
         raise FloatingPointError(f"{name}: non-finite loss {losses}")
     total = statistics.mean(a + b for a, b in zip(fb, st, strict=True))
