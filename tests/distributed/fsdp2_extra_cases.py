@@ -289,3 +289,71 @@ def coap8_blocks_across_shards(rounding: str) -> dict[str, Any]:
             "codes": str(st["exp_avg_codes"].placements),
             "absmax": str(st["exp_avg_absmax"].placements),
             "blocks": int(st["exp_avg_absmax"].shape[0])}
+
+
+def coap_kernel_fsdp2(steps: int = 3) -> dict[str, Any]:
+    """COAP with a projected 4-D kernel (Tucker-2, refreshed every other update) under
+    FSDP2, against one process on the same global batches, teacher-forced and closed loop;
+    ``hooi_inputs``: the type of every tensor HOOI (``partial_tucker``) was given."""
+    from torch import nn
+
+    import xopt.torch as xt
+    from xopt.specs import coap as spec
+
+    hooi_inputs: list[str] = []
+    original = spec.partial_tucker
+
+    def spy(xp: Any, g: Any, *args: Any, **kw: Any) -> Any:
+        hooi_inputs.append(type(g).__name__)
+        return original(xp, g, *args, **kw)
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 16, 2))
+
+    def optimizer(m: nn.Module) -> torch.optim.Optimizer:
+        kernel = m[0].weight  # the kernel alone projected: the test is about its refresh
+        rest = [p for p in m.parameters() if p is not kernel]
+        return xt.COAP([{"params": [kernel], "project": True},
+                        {"params": rest, "project": False}], lr=1e-2, rank=2,
+                       rank_ratio_cnn=4.0, update_interval=2, reproject_factor=2)
+
+    def batch(t: int, distributed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(2000 + t)
+        x, y = torch.randn(cases.GLOBAL_BATCH, 3, 4, 4, generator=g), \
+            torch.randn(cases.GLOBAL_BATCH, 2, generator=g)
+        return (cases.my_rows(x), cases.my_rows(y)) if distributed else (x, y)
+
+    def loss_of(m: nn.Module, t: int, distributed: bool) -> torch.Tensor:
+        x, y = batch(t, distributed)
+        loss = ((m(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    spec.partial_tucker = spy
+    try:
+        sharded = cases.wrap("fsdp2", model())
+        opt = optimizer(sharded)
+        alone = model()
+        alone_opt = optimizer(alone)
+        tf_model = model()
+        tf_opt = optimizer(tf_model)
+        teacher = closed = (0.0, "-: -")
+        for t in range(steps):
+            loss_of(alone, t, False)
+            alone_opt.step()
+            alone_opt.zero_grad()
+            loss_of(sharded, t, True)
+            cases.load_snapshot(tf_model, tf_opt, cases.snapshot(sharded, opt))
+            cases.set_grads(tf_model, cases.data_parallel_grads(sharded))
+            tf_opt.step()
+            opt.step()
+            opt.zero_grad()
+            now = cases.snapshot(sharded, opt)
+            teacher = cases._max(teacher, cases.worst(now, cases.snapshot(tf_model, tf_opt),
+                                                      f"step {t}"))
+            closed = cases._max(closed, cases.worst(now, cases.snapshot(alone, alone_opt),
+                                                    f"step {t}"))
+    finally:
+        spec.partial_tucker = original
+    return {"teacher": teacher, "closed": closed, "hooi_inputs": hooi_inputs}

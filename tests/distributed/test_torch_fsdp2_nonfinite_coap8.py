@@ -1,7 +1,8 @@
 """FSDP2 on 2 gloo ranks, against one process: the NaN/inf policy (``nonfinite=``) when a
 NaN sits in one rank's gradient shard only, 8-bit COAP's state (``state_bits=8``)
-through training and DCP with resharding (2 -> 1 -> 2 ranks), and the learned optimizers
-given a parameter FSDP2 leaves plain (a scalar) beside sharded ones."""
+through training and DCP with resharding (2 -> 1 -> 2 ranks), the learned optimizers
+given a parameter FSDP2 leaves plain (a scalar) beside sharded ones, and COAP's projected
+4-D kernels."""
 
 from __future__ import annotations
 
@@ -80,4 +81,14 @@ def test_learned_optimizer_with_a_plain_parameter_beside_sharded_ones(gang, meth
         assert r["weight"] == "DTensor", r
         assert r["gain_state"] == ["Tensor"], r
         assert r["ranks_agree"], r
+        assert r["closed"][0] <= CLOSED, r["closed"]
+
+
+def test_coap_kernel_refresh_decomposes_whole_gradients_under_fsdp2(gang):
+    """A 4-D kernel's Tucker-2 refresh (HOOI) runs on the whole gradient on one owner rank,
+    never on DTensors (whose sweeps unfold the sharded channel dimension: DTensor refuses
+    that view on torch 2.11's CUDA path); against one process within the harness's bounds."""
+    for r in gang.run(cases.coap_kernel_fsdp2):
+        assert r["hooi_inputs"] and "DTensor" not in r["hooi_inputs"], r["hooi_inputs"]
+        assert r["teacher"][0] <= 1e-6, r["teacher"]
         assert r["closed"][0] <= CLOSED, r["closed"]

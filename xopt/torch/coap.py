@@ -41,7 +41,7 @@ from xopt.specs import arrays
 from xopt.specs import coap as _spec
 from xopt.torch._lowrank import LowRankOptimizer, chunks, converted, stack_as
 from xopt.torch._optim import Item
-from xopt.torch.distributed import Layout, is_dtensor, local, place_as
+from xopt.torch.distributed import Layout, decompose_once, is_dtensor, local, place_as
 
 __all__ = ["COAP"]
 
@@ -126,6 +126,16 @@ class COAP(LowRankOptimizer):
         if inject is not None and "ortho_matrix" in inject:
             return {k: inject[k].to(device=p.device, dtype=dtype)
                     for k in ("ortho_matrix", "ortho_matrix_in") if k in inject}
+        if is_dtensor(g) and _spec.side_of(shape) == "tucker":
+            # a kernel's whole HOOI on one owner rank: its sweeps contract and unfold the
+            # sharded channel dimension, which DTensor refuses to flatten (torch 2.11)
+            ranks = _spec.tucker_ranks(shape, hp)
+            factors = decompose_once(
+                self, self._grad32(g).to(dtype),
+                lambda w: _spec.partial_tucker(torch, w, ranks,
+                                               svd=lambda a: self.svd(a, name)),
+                [((shape[k], r), dtype) for k, r in enumerate(ranks)])
+            return dict(zip(("ortho_matrix", "ortho_matrix_in"), factors, strict=False))
         p_new = _spec.new_projection(
             torch, hp, shape, self._grad32(g).to(dtype),
             state.get("ortho_matrix"), ev,
