@@ -294,18 +294,23 @@ def coap8_blocks_across_shards(rounding: str) -> dict[str, Any]:
 def coap_kernel_fsdp2(steps: int = 3) -> dict[str, Any]:
     """COAP with a projected 4-D kernel (Tucker-2, refreshed every other update) under
     FSDP2, against one process on the same global batches, teacher-forced and closed loop;
-    ``hooi_inputs``: the type of every tensor HOOI (``partial_tucker``) was given."""
+    ``tucker_inputs``: the types of the tensors each of the spec's Tucker functions (HOOI,
+    the projection, the restoration, Eqn 6's gradient) was given."""
     from torch import nn
 
     import xopt.torch as xt
     from xopt.specs import coap as spec
 
-    hooi_inputs: list[str] = []
-    original = spec.partial_tucker
+    tucker_inputs: dict[str, set[str]] = {}
+    originals = {f: getattr(spec, f) for f in ("partial_tucker", "tucker_project",
+                                                "tucker_restore", "tucker_eqn6_grad")}
 
-    def spy(xp: Any, g: Any, *args: Any, **kw: Any) -> Any:
-        hooi_inputs.append(type(g).__name__)
-        return original(xp, g, *args, **kw)
+    def spy(f: str) -> Any:
+        def call(xp: Any, *args: Any, **kw: Any) -> Any:
+            seen = tucker_inputs.setdefault(f, set())
+            seen.update(type(a).__name__ for a in args if isinstance(a, torch.Tensor))
+            return originals[f](xp, *args, **kw)
+        return call
 
     def model() -> nn.Module:
         torch.manual_seed(0)
@@ -330,7 +335,8 @@ def coap_kernel_fsdp2(steps: int = 3) -> dict[str, Any]:
         loss.backward()
         return loss
 
-    spec.partial_tucker = spy
+    for f in originals:
+        setattr(spec, f, spy(f))
     try:
         sharded = cases.wrap("fsdp2", model())
         opt = optimizer(sharded)
@@ -338,7 +344,7 @@ def coap_kernel_fsdp2(steps: int = 3) -> dict[str, Any]:
         alone_opt = optimizer(alone)
         tf_model = model()
         tf_opt = optimizer(tf_model)
-        teacher = closed = (0.0, "-: -")
+        teacher = closed = params = (0.0, "-: -")
         for t in range(steps):
             loss_of(alone, t, False)
             alone_opt.step()
@@ -352,8 +358,13 @@ def coap_kernel_fsdp2(steps: int = 3) -> dict[str, Any]:
             now = cases.snapshot(sharded, opt)
             teacher = cases._max(teacher, cases.worst(now, cases.snapshot(tf_model, tf_opt),
                                                       f"step {t}"))
-            closed = cases._max(closed, cases.worst(now, cases.snapshot(alone, alone_opt),
-                                                    f"step {t}"))
+            ref = cases.snapshot(alone, alone_opt)
+            closed = cases._max(closed, cases.worst(now, ref, f"step {t}"))
+            params = cases._max(params, cases.worst(
+                {k: v for k, v in now.items() if k.startswith("param/")},
+                {k: v for k, v in ref.items() if k.startswith("param/")}, f"step {t}"))
     finally:
-        spec.partial_tucker = original
-    return {"teacher": teacher, "closed": closed, "hooi_inputs": hooi_inputs}
+        for f, fn in originals.items():
+            setattr(spec, f, fn)
+    return {"teacher": teacher, "closed": closed, "closed_params": params,
+            "tucker_inputs": {f: sorted(v) for f, v in tucker_inputs.items()}}

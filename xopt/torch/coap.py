@@ -318,6 +318,19 @@ class COAP(LowRankOptimizer):
         def no_decomposition(a: Tensor) -> Any:  # every decomposition is _prepare's
             raise AssertionError(f"COAP: {name}: a decomposition outside _prepare")
 
+        if is_dtensor(p) and self._side(p, hp) == "tucker":
+            # a projected kernel steps whole on every rank (its gradient gathered; kernels
+            # are small): Tucker's mode products and unfoldings flatten the sharded channel
+            # dimension, a view DTensor refuses (torch 2.11 on CUDA)
+            new_p, st = _spec.param_step(
+                torch, hp, _whole(p.detach()).to(dtype), _whole(g).to(dtype),
+                {k: _whole(v) for k, v in st.items()}, t, inject=prepared,
+                qr=no_decomposition, svd=no_decomposition)
+            for var, value in st.items():
+                state[_KEYS[var]] = place_as(p, value) if isinstance(value, Tensor) else value
+            state["step"] = torch.tensor(t + 1, dtype=torch.int64)
+            self.write(p, place_as(p, new_p))
+            return
         # proj_dtype="param": a projected matrix steps in its own dtype (param_step)
         low = _spec.low_dtype(tuple(p.shape), hp, p.dtype, dtype) is not None
         new_p, st = _spec.param_step(
@@ -329,6 +342,11 @@ class COAP(LowRankOptimizer):
             state[_KEYS[var]] = value
         state["step"] = torch.tensor(t + 1, dtype=torch.int64)
         self.write(p, new_p)
+
+
+def _whole(x: Any) -> Any:
+    """A DTensor gathered whole (pending sums done) on every rank; anything else as it is."""
+    return x.full_tensor() if is_dtensor(x) else x
 
 
 def _by_shape(xs: list[Tensor]) -> dict[tuple[int, ...], list[int]]:
