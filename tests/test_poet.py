@@ -254,6 +254,27 @@ def test_torch_convert_and_optimizer_driven_merges():
 
 
 @needs_torch
+def test_a_model_merge_checks_every_permutation_before_changing_a_layer():
+    """A model's merge checks the permutations of all its layers before it merges any: a
+    bad one for the last layer leaves every layer as it was (the layers' merge counts,
+    weights and permutations)."""
+    from xopt.torch.distributed import merge_by_owner
+    from xopt.torch.poet import POETLinear
+
+    torch.manual_seed(0)
+    layers = [POETLinear.from_linear(torch.nn.Linear(16, 8), 4, impl="plain") for _ in range(3)]
+    for layer in layers:
+        layer.oft_R.data.normal_(std=0.1)
+    before = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in layers]
+    perms = [(None, None), (None, None), (np.arange(16), np.zeros(8, dtype=np.int64))]
+    with pytest.raises(HyperparameterError, match="perm_out"):
+        merge_by_owner(layers, None, perms=perms)
+    for layer, sd in zip(layers, before, strict=True):
+        for k, v in layer.state_dict().items():
+            assert torch.equal(v, sd[k]), k
+
+
+@needs_torch
 def test_poet_adamw_is_the_authors_arithmetic():
     # POETAdamW's documented update (its step(), in its order), written out here
     from xopt.torch.poet import POETAdamW

@@ -956,9 +956,14 @@ def merge_by_owner(layers: Sequence[Any], ranks: Any = AUTO,
     raises on its owner raises :class:`OwnerError` on every rank, naming the layer
     (``names[i]``, e.g. its module path; default its index and shape), before any layer
     is changed."""
+    from xopt.torch.poet import permutations_on_device
+
     if perms is None:
         perms = [(None, None)] * len(layers)
-    perms = [layer.next_permutations(*pp) for layer, pp in zip(layers, perms, strict=True)]
+    counts = _merge_counts(layers)
+    perms = permutations_on_device(layers, [
+        layer.next_permutations(*pp, merges=c)
+        for layer, pp, c in zip(layers, perms, counts, strict=True)])
     group, world = _merge_group(layers, ranks)
     if group is None or world == 1 or not layers:
         for layer, (pi, po) in zip(layers, perms, strict=True):
@@ -985,6 +990,18 @@ def merge_by_owner(layers: Sequence[Any], ranks: Any = AUTO,
     results = owner_apply(jobs, owners, fn, outs, group, names=list(names))
     for layer, ns, res, (pi, po) in zip(layers, written, results, perms, strict=True):
         layer.install_merge(dict(zip(ns, res, strict=True)), pi, po)
+
+
+def _merge_counts(layers: Sequence[Any]) -> list[int]:
+    """Each layer's merge count, read from its device in one copy per device."""
+    by_device: dict[Any, list[int]] = {}
+    for i, layer in enumerate(layers):
+        by_device.setdefault(layer.merges.device, []).append(i)
+    counts = [0] * len(layers)
+    for idx in by_device.values():
+        for i, c in zip(idx, torch.stack([layers[i].merges for i in idx]).tolist(), strict=True):
+            counts[i] = int(c)
+    return counts
 
 
 def _merge_group(layers: Sequence[Any], ranks: Any) -> tuple[Any, int]:
