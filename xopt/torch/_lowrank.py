@@ -51,7 +51,13 @@ from xopt.errors import DecompositionError, HyperparameterError
 from xopt.kernels import triton_available
 from xopt.specs import Hyperparams, lowrank
 from xopt.torch._optim import Item, Layout, Optimizer
-from xopt.torch.distributed import decompose_once, is_dtensor, plain_as_replicated, settle
+from xopt.torch.distributed import (
+    decompose_many,
+    decompose_once,
+    is_dtensor,
+    plain_as_replicated,
+    settle,
+)
 
 
 class LowRankOptimizer(Optimizer):
@@ -432,6 +438,9 @@ class LowRankOptimizer(Optimizer):
         """The finite batched SVDs of ``mats`` by name (a failed batch or matrix is left
         out: :meth:`svd` then decomposes it alone and raises naming it)."""
         out, driver = {}, self.svd_driver
+        sharded = [i for i, a in enumerate(mats) if is_dtensor(a)]
+        if sharded:
+            out.update(self._owned_svds([mats[i] for i in sharded], [names[i] for i in sharded]))
         for idx in _same_kind([(i, a) for i, a in enumerate(mats) if not is_dtensor(a)]):
             try:
                 u, s, vh = svd_stacked(torch.stack([mats[i] for i in idx]), driver)
@@ -442,6 +451,24 @@ class LowRankOptimizer(Optimizer):
                 if ok[j]:  # ``clone``: each result owns its storage, not the whole batch's
                     out[names[i]] = (u[j].clone(), s[j].clone(), vh[j].clone())
         return out
+
+    def _owned_svds(self, mats: list[Tensor], names: list[str]
+                    ) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
+        """FSDP2: the finite SVDs of the step's DTensor matrices by name, all at once, each on
+        its owner rank (:func:`xopt.torch.distributed.decompose_many`; :meth:`svd`'s own
+        routine on the whole matrix, so the same bits). A failure on an owner (raised on
+        every rank alike) leaves them all to :meth:`svd`, which raises naming the matrix."""
+        def meta(i: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+            m, n = mats[i].shape
+            k = min(m, n)
+            return [((m, k), mats[i].dtype), ((k,), mats[i].dtype), ((k, n), mats[i].dtype)]
+
+        try:
+            res = decompose_many(mats, lambda w: lowrank.svd(torch, w), meta, names)
+        except RuntimeError:  # OwnerError: on every rank
+            return {}
+        ok = torch.stack([torch.isfinite(s).all() for _, s, _ in res]).tolist()
+        return {n: tuple(r) for n, r, good in zip(names, res, ok, strict=True) if good}
 
     def svd_stacked(self, a: Tensor, names: list[str]) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`svd` of each matrix of ``a`` (``(B, m, n)``; ``names[j]`` names ``a[j]``'s

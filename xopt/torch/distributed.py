@@ -58,8 +58,8 @@ from torch import Tensor
 from xopt.errors import XoptError
 
 __all__ = ["aligned_locals", "assign_owners", "AUTO", "check_consistent", "CommCounter",
-           "data_parallel_ranks", "decompose_once", "is_dtensor", "Layout", "local",
-           "mean_loss", "merge_by_owner", "owner_apply", "owner_compute", "owner_rule",
+           "data_parallel_ranks", "decompose_many", "decompose_once", "is_dtensor", "Layout",
+           "local", "mean_loss", "merge_by_owner", "owner_apply", "owner_compute", "owner_rule",
            "OwnerError", "place_as", "plain_as_replicated", "prepare", "RankMismatchError", "Ranks",
            "set_process_group", "settle", "ShardedStep", "state_zeros", "validated"]
 
@@ -814,6 +814,33 @@ def decompose_once(optimizer: Any, a: Tensor, fn: Callable[[Tensor], Sequence[Te
 
     return owner_compute([(a.to_local(), lay)], [n % world], lambda _, w: fn(w),
                          lambda _: out_meta, names=[f"a matrix of shape {tuple(a.shape)}"])[0]
+
+
+def decompose_many(mats: Sequence[Tensor], fn: Callable[[Tensor], Sequence[Tensor]],
+                   out_meta: Callable[[int], Sequence[tuple[tuple[int, ...], torch.dtype]]],
+                   names: Sequence[str] | None = None) -> list[list[Tensor]]:
+    """:func:`decompose_once` of every DTensor matrix of ``mats`` (one step's refreshes) at
+    once: owners by :func:`assign_owners` (their sizes), every shard to its owner in one
+    ``all_to_all_single`` per mesh and dtype, so that each owner decomposes its share while
+    the others decompose theirs (one matrix at a time, each rank waits for each owner in
+    turn). ``out_meta(i)``: the shapes and dtypes of ``fn``'s results for ``mats[i]``.
+    Under ``owner_rule(False)`` every rank gathers and decomposes each matrix itself."""
+    mats = [settle(a) for a in mats]
+    if not _OWNER_RULE.get():
+        return [list(fn(a.full_tensor())) for a in mats]
+    out: list[list[Tensor]] = [[] for _ in mats]
+    groups: dict[Any, list[int]] = {}
+    for i, a in enumerate(mats):
+        groups.setdefault((id(a.device_mesh), a.dtype), []).append(i)
+    for idx in groups.values():
+        items = [(mats[i].to_local(), Layout.of(mats[i])) for i in idx]
+        owners = assign_owners([float(mats[i].numel()) for i in idx], items[0][1].mesh.size())
+        res = owner_compute(items, owners, lambda j, w: fn(w),
+                            lambda j, idx=idx: out_meta(idx[j]),
+                            names=None if names is None else [names[i] for i in idx])
+        for j, i in enumerate(idx):
+            out[i] = res[j]
+    return out
 
 
 def owner_apply(jobs: Sequence[Sequence[tuple[Tensor, Layout] | None]],
