@@ -928,10 +928,10 @@ def _inverse_on(p: Any, device: torch.device) -> Tensor:
 def permutations_on_device(layers: Sequence[POETLinear], perms: Sequence[tuple[Any, Any]],
                            ) -> list[tuple[DevicePermutation, DevicePermutation]]:
     """Each layer's ``(perm_in, perm_out)`` checked and inverted on the host, every layer's
-    sent to its device in one copy: a model's merge otherwise waits for the GPU at each
-    layer's copies (220 ms for the 96 layers of a 350M model on an H200, 17 ms of it the
-    GPU's). Raises naming the layer's tensor before anything is sent; a pair already of
-    :class:`DevicePermutation` s is kept."""
+    sent to its device in one copy (instead of six copies a layer), so that a model's merge
+    checks all its permutations before it changes any layer. Raises naming the layer's
+    tensor before anything is sent; a pair already of :class:`DevicePermutation` s is
+    kept."""
     host = [None if all(isinstance(p, DevicePermutation) for p in pair) else
             [layer.check_permutation(n, p) for n, p in zip(("perm_in", "perm_out"), pair,
                                                            strict=True)]
