@@ -1018,7 +1018,9 @@ def pallas_kernels(tx, params, state) -> list[dict]:
             params, state, params).lower(lowering_platforms=("cuda",)).as_text()
     out: dict = {}
     for call in text.split("__gpu$xla.gpu.triton")[1:]:
-        cfg = call.split("}", 1)[0] if "backend_config = {" not in call[:200] else \
+        # (the attributes follow the operands: past the first 200 characters for a kernel
+        # of many inputs)
+        cfg = call.split("}", 1)[0] if "backend_config = {" not in call else \
             call.split("backend_config = {", 1)[1].split("}>", 1)[0]
         name = re.search(r'name = "([^"]+)"', cfg)
         grid = re.search(r"grid_x = (\d+)", cfg)
