@@ -356,13 +356,14 @@ def coap_kernel_fsdp2(steps: int = 3) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
             now = cases.snapshot(sharded, opt)
-            teacher = cases._max(teacher, cases.worst(now, cases.snapshot(tf_model, tf_opt),
-                                                      f"step {t}"))
+            teacher = max(teacher, cases.worst(now, cases.snapshot(tf_model, tf_opt),
+                                               f"step {t}"), key=lambda e: e[0])
             ref = cases.snapshot(alone, alone_opt)
-            closed = cases._max(closed, cases.worst(now, ref, f"step {t}"))
-            params = cases._max(params, cases.worst(
+            closed = max(closed, cases.worst(now, ref, f"step {t}"), key=lambda e: e[0])
+            params = max(params, cases.worst(
                 {k: v for k, v in now.items() if k.startswith("param/")},
-                {k: v for k, v in ref.items() if k.startswith("param/")}, f"step {t}"))
+                {k: v for k, v in ref.items() if k.startswith("param/")}, f"step {t}"),
+                key=lambda e: e[0])
     finally:
         for f, fn in originals.items():
             setattr(spec, f, fn)
