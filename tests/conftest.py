@@ -53,13 +53,13 @@ if importlib.util.find_spec("torch") is not None and "triton" not in sys.modules
 #: started first, these leave short files for the end of the run (longest processing time
 #: first). By their number of tests (pytest-xdist's own order) most came last and ended it.
 SLOW_FILES = (
-    "parity_tests/test_learned_optimizers.py",
+    "tests/test_kernels_lopt.py",
     "tests/test_kernels_velo_fold.py",
     "tests/test_kernels_small_fc_fold.py",
     "tests/test_bench.py",
     "tests/test_doc_snippets.py",
-    "tests/test_kernels_lopt.py",
     "tests/test_examples.py",
+    "parity_tests/test_learned_optimizers.py",
     "tests/test_jax_lowrank_batched.py",
     "tests/test_jax_lopt_pallas_breakdown.py",
     "tests/distributed/test_examples.py",
