@@ -1,9 +1,11 @@
 """small_fc_lopt and VeLO against learned_optimization's golden traces, on both backends.
 
-Every case in ``../shared/parity/{small_fc_lopt,velo}/`` runs when ../shared is beside the
-checkout (the bundled copies otherwise: one case per method), for xopt.torch, xopt.jax
-and the float64 oracle, teacher-forced and closed loop, through the same harness as
-``xopt parity``. The bounds are the issue's: one teacher-forced update at most 1e-6
+The case bundled with the package (one per method) runs in the default suite, for
+xopt.torch, xopt.jax and the float64 oracle, teacher-forced and closed loop, through the
+same harness as ``xopt parity``; every case in ``../shared/parity/{small_fc_lopt,velo}/``
+(when ../shared is beside the checkout) runs the same way in the slow tier (``-m slow``):
+the same checks on more recordings, each costing a JAX compilation of the whole update
+(30 s of CPU for VeLO's). The bounds are the issue's: one teacher-forced update at most 1e-6
 relative (max|a-b| / max|b| per tensor) on the parameters and every state array, the
 whole closed loop at most 1e-4. They are the specs' ``tolerances``; nothing here widens
 them.
@@ -26,11 +28,12 @@ pytestmark = pytest.mark.skipif(not (has_torch and has_jax), reason="needs torch
 METHODS = ("small_fc_lopt", "velo")
 
 
+def shared_traces(method: str) -> list[str]:
+    return [str(p) for p in sorted((SHARED / "parity" / method).glob("*.json"))]
+
+
 def traces(method: str) -> list[str]:
-    shared = sorted((SHARED / "parity" / method).glob("*.json"))
-    return [str(p) for p in (shared or bundled_traces(method))]
-
-
+    return shared_traces(method) or [str(p) for p in bundled_traces(method)]
 
 
 def _table(report) -> str:
@@ -39,15 +42,35 @@ def _table(report) -> str:
         f"(step {r.worst[0]}, {r.worst[1]})" for r in report.runs)
 
 
-@pytest.fixture(scope="module", params=METHODS)
-def golden_report(request):
-    report = run_parity(request.param, traces(request.param),
-                        backends=["torch", "jax", "oracle"], explicit_backends=True)
-    print(f"\n{request.param}:\n{_table(report)}")
+def _golden_report(method: str, paths: list[str]):
+    report = run_parity(method, paths, backends=["torch", "jax", "oracle"],
+                        explicit_backends=True)
+    print(f"\n{method}:\n{_table(report)}")
     return report
 
 
+@pytest.fixture(scope="module", params=METHODS)
+def golden_report(request):
+    return _golden_report(request.param, [str(p) for p in bundled_traces(request.param)])
+
+
 def test_every_backend_reproduces_every_golden_case(golden_report):
+    """The bundled case of each method (the one ``xopt parity`` runs by default)."""
+    _check_golden(golden_report)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_every_backend_reproduces_every_shared_golden_case(method):
+    """Every case in ../shared (the bundled one among them): other meta-parameters,
+    horizons, weight decay and gradient accumulation."""
+    paths = shared_traces(method)
+    if not paths:
+        pytest.skip("../shared is not beside the checkout")
+    _check_golden(_golden_report(method, paths))
+
+
+def _check_golden(golden_report) -> None:
     assert golden_report.verdict == "agree", explain_disagreements(golden_report)
     runs = golden_report.runs
     assert {r.backend for r in runs} == {"xopt.torch", "xopt.jax", "oracle"}

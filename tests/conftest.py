@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -51,13 +53,13 @@ if importlib.util.find_spec("torch") is not None and "triton" not in sys.modules
 #: started first, these leave short files for the end of the run (longest processing time
 #: first). By their number of tests (pytest-xdist's own order) most came last and ended it.
 SLOW_FILES = (
-    "parity_tests/test_learned_optimizers.py",
+    "tests/test_kernels_lopt.py",
     "tests/test_kernels_velo_fold.py",
     "tests/test_kernels_small_fc_fold.py",
     "tests/test_bench.py",
     "tests/test_doc_snippets.py",
-    "tests/test_kernels_lopt.py",
     "tests/test_examples.py",
+    "parity_tests/test_learned_optimizers.py",
     "tests/test_jax_lowrank_batched.py",
     "tests/test_jax_lopt_pallas_breakdown.py",
     "tests/distributed/test_examples.py",
@@ -72,12 +74,52 @@ SLOW_FILES = (
 )
 
 
+def _share_the_cores(config) -> None:
+    """Under pytest-xdist, each worker's (and its children's) torch, MKL and OpenBLAS use
+    their share of the cores, not all of them (``OMP_NUM_THREADS``; a value set outside is
+    kept): the tensors here are small, and threads beyond a process's share only wait for
+    a core held by another worker (a VeLO golden case's torch steps took 6x the CPU time on
+    two cores shared by two workers). Every comparison is between runs under one setting."""
+    workers = len(config.getoption("tx", None) or [])
+    if workers < 2:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (cores or 1) // workers)))
+
+
+def _jax_compilation_cache(config) -> None:
+    """One JAX compilation cache for the run (a temporary directory, removed at its end),
+    shared by the workers and their child processes through the environment: the parity
+    harness jits a new step function per trace and mode, and the same program compiled
+    again is read back (a VeLO golden case's update compiles for 30 s on a CPU). XLA's
+    flags are in the cache's key, so children of other flags compile their own. The size
+    limit turns on JAX's file lock, so that a worker never reads an entry another is
+    writing."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    path = tempfile.mkdtemp(prefix="xopt-tests-jax-cache-")
+    config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
+    settings = {"JAX_COMPILATION_CACHE_DIR": path,
+                "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30)}
+    os.environ.update(settings)
+    if "jax" in sys.modules:  # JAX reads its environment when imported
+        import jax
+
+        for name, value in settings.items():
+            jax.config.update(name.lower(), int(value) if value.isdigit() else value)
+
+
 def pytest_configure(config):
     """Files go to the workers in collection order (:func:`pytest_collection_modifyitems`),
     not re-sorted by their number of tests (pytest-xdist's default for loadfile, which put
-    the slow files, each of few tests, last)."""
+    the slow files, each of few tests, last). In the main process (not an xdist worker,
+    which inherits its environment): the cores shared among the workers and one JAX
+    compilation cache for the run."""
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    if not hasattr(config, "workerinput"):
+        _share_the_cores(config)
+        _jax_compilation_cache(config)
 
 
 def _order_files(items) -> None:
