@@ -57,6 +57,7 @@ SLOW_FILES = (
     "tests/test_kernels_velo_fold.py",
     "tests/test_kernels_small_fc_fold.py",
     "tests/test_bench.py",
+    "tests/test_bench_refresh_schedule.py",
     "tests/test_doc_snippets.py",
     "tests/test_examples.py",
     "parity_tests/test_learned_optimizers.py",
