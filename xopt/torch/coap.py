@@ -41,7 +41,7 @@ from xopt.specs import arrays
 from xopt.specs import coap as _spec
 from xopt.torch._lowrank import LowRankOptimizer, chunks, converted, stack_as
 from xopt.torch._optim import Item
-from xopt.torch.distributed import Layout, decompose_once, is_dtensor, local, place_as
+from xopt.torch.distributed import Layout, decompose_once, is_dtensor, local, place_as, whole
 
 __all__ = ["COAP"]
 
@@ -318,35 +318,27 @@ class COAP(LowRankOptimizer):
         def no_decomposition(a: Tensor) -> Any:  # every decomposition is _prepare's
             raise AssertionError(f"COAP: {name}: a decomposition outside _prepare")
 
-        if is_dtensor(p) and self._side(p, hp) == "tucker":
-            # a projected kernel steps whole on every rank (its gradient gathered; kernels
-            # are small): Tucker's mode products and unfoldings flatten the sharded channel
-            # dimension, a view DTensor refuses (torch 2.11 on CUDA)
-            new_p, st = _spec.param_step(
-                torch, hp, _whole(p.detach()).to(dtype), _whole(g).to(dtype),
-                {k: _whole(v) for k, v in st.items()}, t, inject=prepared,
-                qr=no_decomposition, svd=no_decomposition)
-            for var, value in st.items():
-                state[_KEYS[var]] = place_as(p, value) if isinstance(value, Tensor) else value
-            state["step"] = torch.tensor(t + 1, dtype=torch.int64)
-            self.write(p, place_as(p, new_p))
-            return
-        # proj_dtype="param": a projected matrix steps in its own dtype (param_step)
-        low = _spec.low_dtype(tuple(p.shape), hp, p.dtype, dtype) is not None
+        # a projected kernel under FSDP2 steps whole on every rank (its gradient gathered;
+        # kernels are small): Tucker's mode products and unfoldings flatten the sharded
+        # channel dimension, a view DTensor refuses (torch 2.11 on CUDA)
+        gathered = is_dtensor(p) and self._side(p, hp) == "tucker"
+        if gathered:
+            p0, g0, st = whole(p.detach()).to(dtype), whole(g), {k: whole(v) for k, v in st.items()}
+        else:  # proj_dtype="param": a projected matrix steps in its own dtype (param_step)
+            low = _spec.low_dtype(tuple(p.shape), hp, p.dtype, dtype) is not None
+            p0, g0 = (p.detach() if low else p.detach().to(dtype)), g
         new_p, st = _spec.param_step(
-            torch, hp, p.detach() if low else p.detach().to(dtype), g.to(dtype), st, t,
+            torch, hp, p0, g0.to(dtype), st, t,
             inject=prepared,
             qr=no_decomposition, svd=no_decomposition,
-            codec=_SHARDED_CODEC if is_dtensor(p) else None)
+            codec=_SHARDED_CODEC if is_dtensor(p) and not gathered else None)
         for var, value in st.items():
-            state[_KEYS[var]] = value
+            state[_KEYS[var]] = (place_as(p, value) if gathered and isinstance(value, Tensor)
+                                 else value)
         state["step"] = torch.tensor(t + 1, dtype=torch.int64)
+        if gathered:
+            new_p = place_as(p, new_p)
         self.write(p, new_p)
-
-
-def _whole(x: Any) -> Any:
-    """A DTensor gathered whole (pending sums done) on every rank; anything else as it is."""
-    return x.full_tensor() if is_dtensor(x) else x
 
 
 def _by_shape(xs: list[Tensor]) -> dict[tuple[int, ...], list[int]]:

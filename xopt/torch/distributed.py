@@ -61,7 +61,7 @@ __all__ = ["aligned_locals", "assign_owners", "AUTO", "check_consistent", "CommC
            "data_parallel_ranks", "decompose_many", "decompose_once", "is_dtensor", "Layout",
            "local", "mean_loss", "merge_by_owner", "owner_apply", "owner_compute", "owner_rule",
            "OwnerError", "place_as", "plain_as_replicated", "prepare", "RankMismatchError", "Ranks",
-           "set_process_group", "settle", "ShardedStep", "state_zeros", "validated"]
+           "set_process_group", "settle", "ShardedStep", "state_zeros", "validated", "whole"]
 
 #: the default of ``optimizer.process_group``: the parameters' mesh, else the default group
 AUTO = "auto"
@@ -94,6 +94,11 @@ def is_dtensor(t: Any) -> bool:
 def local(t: Tensor) -> Tensor:
     """The local shard of a DTensor (a view: writing it writes the DTensor), else ``t``."""
     return t.to_local() if is_dtensor(t) else t
+
+
+def whole(t: Any) -> Any:
+    """A DTensor gathered whole on every rank (pending sums done); anything else as it is."""
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def aligned_locals(*ts: Tensor) -> list[Tensor] | None:

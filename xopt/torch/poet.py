@@ -57,7 +57,7 @@ from xopt.registry import register
 from xopt.specs import poet as spec
 from xopt.torch._optim import Item, Layout, Optimizer
 from xopt.torch.distributed import Layout as ShardLayout
-from xopt.torch.distributed import aligned_locals, data_parallel_ranks, is_dtensor
+from xopt.torch.distributed import aligned_locals, data_parallel_ranks, is_dtensor, whole
 
 __all__ = ["DevicePermutation", "MergeEvery", "POETAdamW", "POETLinear", "batch_rotations",
            "convert", "merge_and_reset", "permutations_on_device", "poet_param_groups"]
@@ -727,7 +727,7 @@ class POETLinear(nn.Module):
         kernels use TF32 tensor cores (chosen by :meth:`forward` for bf16/fp16 inputs)."""
         if triton_path is None:
             triton_path = self._use_triton(self.oft_R.device)
-        x = _whole(self.oft_R).to(self._work_dtype())  # FSDP2 outside the forward: gathered
+        x = whole(self.oft_R).to(self._work_dtype())  # FSDP2 outside the forward: gathered
         if triton_path:
             from xopt.kernels import poet_cayley
 
@@ -829,7 +829,7 @@ class POETLinear(nn.Module):
         r_out, r_in = self.rotations(False)
         return _spec_module.effective_weight(
             (self.w0(self._work_dtype()) if self.quantized
-             else _whole(self.weight).to(self._work_dtype())), r_out, r_in, self.perm_in.long(),
+             else whole(self.weight).to(self._work_dtype())), r_out, r_in, self.perm_in.long(),
             self.perm_out.long(), xp=torch)
 
     @torch.no_grad()
@@ -841,7 +841,7 @@ class POETLinear(nn.Module):
         on one rank instead (:func:`xopt.torch.distributed.merge_by_owner`)."""
         (perm_in, perm_out), = permutations_on_device(  # checked before anything changes
             [self], [self.next_permutations(perm_in, perm_out)])
-        new = self.merged(_whole(self.oft_R), _whole(self.weight), _whole(self.bias),
+        new = self.merged(whole(self.oft_R), whole(self.weight), whole(self.bias),
                           perm_in, perm_out)
         self.install_merge({k: _block(getattr(self, k), v) for k, v in new.items()},
                            perm_in, perm_out)
@@ -1129,10 +1129,6 @@ def convert(model: nn.Module, block_size: int | None = None, *, spec: spec.POET 
                     child, spec=hp, seed=layer_seed(base_seed, full), **kwargs))
                 count += 1
     return model, count
-
-
-def _whole(t: Tensor | None) -> Tensor | None:
-    return t.full_tensor() if is_dtensor(t) else t
 
 
 def _block(p: Tensor, value: Tensor) -> Tensor:
