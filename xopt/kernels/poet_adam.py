@@ -145,13 +145,12 @@ _dtype = operator.attrgetter("dtype")
 _shape = operator.attrgetter("shape")
 
 
-def _state_table(ps, ms, vs) -> tuple[torch.Tensor, bool] | None:
-    """The device table of the parameters' and moments' addresses and the sizes, and
-    whether those addresses are 16-byte aligned; None where a tensor is not as
-    :func:`supported` says or not on the first parameter's device (checked when the table is
-    made: its key holds every address and size it was checked for)."""
+def _state_table(ps, ms, vs, sizes) -> tuple[torch.Tensor, bool] | None:
+    """The device table of the parameters' and moments' addresses and the sizes (``sizes``:
+    the parameters' numels), and whether those addresses are 16-byte aligned; None where a
+    tensor is not as :func:`supported` says or not on the first parameter's device (checked
+    when the table is made: its key holds every address and size it was checked for)."""
     pp, mp, vp = tuple(map(_ptr, ps)), tuple(map(_ptr, ms)), tuple(map(_ptr, vs))
-    sizes = tuple(map(_numel, ps))
     key = (ps[0].device, ps[0].dtype, pp, mp, vp, sizes, tuple(map(_numel, ms)),
            tuple(map(_numel, vs)))
     hit = _TABLES.get(key)
@@ -192,13 +191,14 @@ def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def adam_update_many(ps, gs, ms, vs, b1: float, b2: float, eps: float, step_size: float,
-                     decay: float | None) -> bool:
+                     decay: float | None, *, shapes_checked: bool = False) -> bool:
     """:func:`adam_update` of each ``(p, g, m, v)`` of the lists in one launch (module
     docstring), the same bits as one :func:`adam_update` each; True. Where the tensors are
     not as :func:`supported` says, or not all on one device, the parameters of one dtype
     and the gradients of one dtype, or while a CUDA graph is captured (the gradients'
     addresses are copied from a buffer a replay would not own): False, and nothing was
-    done."""
+    done. ``shapes_checked``: the caller has checked that each gradient has its parameter's
+    shape (an optimizer's step validation), so that it is not compared again here."""
     if not ps:
         return True
     dev = ps[0].device
@@ -208,13 +208,14 @@ def adam_update_many(ps, gs, ms, vs, b1: float, b2: float, eps: float, step_size
     if not (len(grad_dtypes) == 1 and grad_dtypes <= _DTYPES
             and set(map(_device_index, gs)) == {ps[0].get_device()}
             and all(map(_contiguous, gs)) and all(map(_contiguous, ps))
-            and list(map(_shape, gs)) == list(map(_shape, ps))):
+            and (shapes_checked or list(map(_shape, gs)) == list(map(_shape, ps)))):
         return False
-    found = _state_table(ps, ms, vs)
+    sizes = tuple(map(_numel, ps))
+    found = _state_table(ps, ms, vs, sizes)
     if found is None:
         return False
     table, aligned = found
-    tiles = _tiles(dev, tuple(map(_numel, ps)))  # (none for an empty tensor)
+    tiles = _tiles(dev, sizes)  # (none for an empty tensor)
     if not tiles.numel():
         return True
     gp = list(map(_ptr, gs))

@@ -1297,6 +1297,11 @@ class POETAdamW(Optimizer):
             group = run[0].group
             interval = group["poet_merge_interval"] if group.get("use_poet", True) else 0
             reset = _spec_module.needs_reset(gstep, interval)
+            if not reset:
+                bucket = _one_bucket(state, run)
+                if bucket is not None:
+                    buckets.append((group, *bucket))
+                    continue
             by_step: dict[int, tuple[list, list, list, list]] = {}
             for it in run:
                 p = it.param
@@ -1325,14 +1330,17 @@ class POETAdamW(Optimizer):
                 step_size = step_size * math.sqrt(1.0 - b2 ** k) / (1.0 - b1 ** k)
             decay = -lr * group["weight_decay"] if group["weight_decay"] > 0.0 else None
             eps = group["eps"]
-            if _any_dtensor(ps):  # FSDP2: local shards where a parameter's four tensors align
+            dtensors = _any_dtensor(ps)
+            if dtensors:  # FSDP2: local shards where a parameter's four tensors align
                 ps, gs, ms, vs = _local_shards(ps, gs, ms, vs)
-            if _MANY[0] and _fused_ok(ps[0]) and not _any_dtensor(ps):
+                dtensors = _any_dtensor(ps)
+            if _MANY[0] and not dtensors and _fused_ok(ps[0]):
                 from xopt.kernels import poet_adam
 
                 try:  # the bucket in one launch, where its tensors allow (False: nothing done)
+                    # (each gradient's shape is its parameter's: checked by _step_items)
                     if poet_adam.adam_update_many(ps, gs, ms, vs, b1, b2, eps, step_size,
-                                                  decay):
+                                                  decay, shapes_checked=True):
                         continue
                 except Exception as e:  # (fails before its launch: nothing changed)
                     _MANY[0] = False
@@ -1386,6 +1394,31 @@ _MANY = [True]
 
 
 _GROUP_INDEX = operator.attrgetter("gi")
+_PARAM = operator.attrgetter("param")
+_GRAD = operator.attrgetter("grad")
+_STEP = operator.itemgetter("step")
+_EXP_AVG = operator.itemgetter("exp_avg")
+_EXP_AVG_SQ = operator.itemgetter("exp_avg_sq")
+
+
+def _one_bucket(state: Any, run: list[Item]) -> tuple[int, tuple[list, list, list, list]] | None:
+    """An ordinary update of one group's items, whose parameters all have state at one step
+    count: ``(their new step count, (ps, gs, ms, vs))``, the counts advanced; None (nothing
+    changed) otherwise. The per-parameter loop's work as passes of C-level calls over the
+    group (the same buckets, in the same order; ~2x less host time a parameter)."""
+    ps = list(map(_PARAM, run))
+    sts = list(map(state.__getitem__, ps))  # (a defaultdict: {} for a parameter without)
+    try:
+        steps = set(map(_STEP, sts))
+    except KeyError:  # a parameter's first update: the loop makes its state
+        return None
+    if len(steps) != 1:
+        return None
+    k = steps.pop() + 1
+    for st in sts:
+        st["step"] = k
+    return k, (ps, list(map(_GRAD, run)), list(map(_EXP_AVG, sts)),
+               list(map(_EXP_AVG_SQ, sts)))
 
 
 def _fused_ok(p: Tensor) -> bool:
