@@ -275,6 +275,93 @@ def test_a_model_merge_checks_every_permutation_before_changing_a_layer():
 
 
 @needs_torch
+def test_batched_draws_are_xopt_randoms():
+    """A model's merge draws every layer's permutations at once; each is the spec's own
+    draw (xopt.random.fold_in and spec.random_permutation, one seed at a time): seeds at
+    both ends of the 64-bit range, odd and even widths, width 1."""
+    from xopt import random as xr
+    from xopt.torch import poet as xpoet
+
+    seeds = [0, 1, 7, 2 ** 32 - 1, 2 ** 32, 2 ** 63 + 5, 2 ** 64 - 1, 123456789012345]
+    data = [1, 0, 2 ** 32 + 3, 5, 2 ** 64 - 1, 1, 0, 77]
+    assert xpoet._fold_in_many(seeds, data) == [xr.fold_in(s, d) for s, d in zip(seeds, data,
+                                                                                 strict=True)]
+    for n in (1, 2, 31, 64, 256):
+        got = xpoet._random_permutations(seeds, n)
+        for s, row in zip(seeds, got, strict=True):
+            assert np.array_equal(row, P.random_permutation(s, n))
+            assert np.array_equal(xpoet._inverses(got)[seeds.index(s)], P.inverse(row))
+
+
+@needs_torch
+@pytest.mark.parametrize("chunk,device", [(None, "cpu"), (1, "cpu"), (None, "cuda")])
+def test_model_merge_is_the_merge_of_one_layer_at_a_time(chunk, device, monkeypatch):
+    """merge_and_reset of a model merges the layers of one shape, block size, series and
+    dtypes together (xopt.torch.poet._merge_alone); the model after three merges is, bit
+    for bit, the model merged one layer at a time (merge_by_owner without ranks, which
+    calls each layer's merge_and_reset): groups of several layers, the taylor formula,
+    float32, bfloat16 and float64 layers, biases, identity permutations, and layers that
+    merge alone (POET-XQ, a 4-term series, a group of one, a layer whose ``merged`` is
+    replaced on the layer); ``chunk`` 1: each group merged
+    one layer at a time through the batched path. On CUDA (where there is a GPU) the
+    products are cuBLAS's, one call per layer in both merges."""
+    from xopt.torch import poet as xpoet
+    from xopt.torch.distributed import merge_by_owner
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    if chunk is not None:
+        monkeypatch.setattr(xpoet, "MERGE_CHUNK_BYTES", chunk)
+    torch.manual_seed(0)
+
+    def layers():
+        out = []
+        for k in range(3):
+            out.append(xpoet.POETLinear(32, 32, 8, seed=k, impl="plain"))
+            out.append(xpoet.POETLinear(32, 16, 8, seed=10 + k, impl="plain", bias=True,
+                                        bias_requires_grad=True))
+            out.append(xpoet.POETLinear(16, 32, 8, seed=20 + k, impl="plain",
+                                        cayley_formula="taylor"))
+            out.append(xpoet.POETLinear(16, 16, 8, seed=30 + k, impl="plain",
+                                        dtype=torch.bfloat16))
+            out.append(xpoet.POETLinear(16, 16, 8, seed=40 + k, impl="plain",
+                                        dtype=torch.float64))
+        out.append(xpoet.POETLinear(16, 16, 4, seed=50, impl="plain", permutation="identity"))
+        out.append(xpoet.POETLinear(16, 16, 4, seed=51, impl="plain", permutation="identity"))
+        out.append(xpoet.POETLinear(32, 32, 8, seed=60, impl="plain", weight_bits=8,
+                                    weight_group_size=64))
+        out.append(xpoet.POETLinear(32, 32, 8, seed=61, impl="plain", neumann_terms=4))
+        out.append(xpoet.POETLinear(24, 16, 8, seed=62, impl="plain", bias=True))
+        return torch.nn.ModuleList(out).to(device)
+
+    torch.manual_seed(0)
+    model = layers()
+    torch.manual_seed(0)
+    ref = layers()
+    calls = []  # a layer whose own merged() is replaced merges alone, through it
+
+    def counted(*args, _f=model[0].merged):
+        calls.append(1)
+        return _f(*args)
+
+    model[0].merged = counted
+    for r in range(3):
+        for a, b in zip(model, ref, strict=True):
+            with torch.no_grad():
+                a.oft_R.normal_(0, 0.05)
+                b.oft_R.copy_(a.oft_R)
+                if a.bias is not None:
+                    a.bias.normal_()
+                    b.bias.copy_(a.bias)
+        assert xpoet.merge_and_reset(model) == len(model)
+        merge_by_owner(list(ref), None)
+        for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values(),
+                                strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), (r, name)
+        assert all(int(m.merges) == r + 1 for m in model) and len(calls) == r + 1
+
+
+@needs_torch
 def test_poet_adamw_is_the_authors_arithmetic():
     # POETAdamW's documented update (its step(), in its order), written out here
     from xopt.torch.poet import POETAdamW

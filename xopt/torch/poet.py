@@ -1149,12 +1149,258 @@ def merge_and_reset(model: nn.Module, ranks: Any = "auto") -> int:
     """Merge every :class:`POETLinear` in ``model``; returns how many. On many ranks each
     layer is merged on one of them and the result sent to the others
     (:func:`xopt.torch.distributed.merge_by_owner`: ``ranks``, default the layers' FSDP2
-    mesh; None merges on every rank)."""
-    from xopt.torch.distributed import merge_by_owner
+    mesh; None merges on every rank).
+
+    Where each rank merges alone, the layers that share their shapes, block size, dtypes
+    and device are merged together (:func:`_merge_alone`): the permutations of all layers
+    drawn at once, every host-side step once per group of layers; the model after it is
+    the model after a merge of one layer at a time, bit for bit."""
+    from xopt.torch.distributed import _merge_group, merge_by_owner
 
     named = [(n, m) for n, m in model.named_modules() if isinstance(m, POETLinear)]
-    merge_by_owner([m for _, m in named], ranks, names=[n or "(the model)" for n, _ in named])
+    layers = [m for _, m in named]
+    group, world = _merge_group(layers, ranks)
+    if group is None or world == 1:  # (merge_by_owner's one-process merge)
+        _merge_alone(layers)
+    else:
+        merge_by_owner(layers, ranks, names=[n or "(the model)" for n, _ in named])
     return len(named)
+
+
+# -- a model's merge on one process, layers of one shape together ------------------------------
+#
+# A merge is host-bound: per layer, two permutation draws of xopt.random's generator in
+# NumPy (~100 array operations each, whatever the width), three fold_in hashes in Python,
+# and ~30 small device operations, each a host dispatch (bench/RESULTS.md: 220-300 ms for
+# the 350M model's 96 layers, 17.8 ms of it on the GPU). _merge_alone does the same
+# arithmetic with the work of layers of one shape batched where batching cannot change a
+# bit: the draws (integers: one Threefry evaluation over every layer's blocks, the
+# stable argsort as a sort of unique keys), the inverses, the skew-symmetric blocks, the
+# series' elementwise terms, the gathers, the casts and the installs. The matrix products
+# stay one call per layer with the one-layer merge's operands (a batched GEMM's kernel,
+# and so its rounding, may depend on the batch count: cuBLAS picks it per call).
+
+#: the float weights of the layers merged together at most (their stacked copies are the
+#: merge's transients: a few times this, where merging alone holds a few layers' worth)
+MERGE_CHUNK_BYTES = 64 * 2 ** 20
+#: xopt.random.fold_in's tag (its documented formula, which _fold_in_many evaluates for
+#: many seeds at once; tests/test_poet.py holds the two equal)
+_FOLD_TAG = 0x666F6C64
+_MASK32 = 0xFFFFFFFF
+
+
+def _fold_in_many(seeds: Sequence[int], data: Sequence[int]) -> list[int]:
+    """``[xopt.random.fold_in(s, d) for s, d in zip(seeds, data)]`` in one Threefry call
+    (every seed and datum an int in ``[0, 2**64)``: the caller checks)."""
+    s = np.asarray(seeds, dtype=np.uint64)
+    d = np.asarray(data, dtype=np.uint64)
+    y0, y1 = xrandom.threefry2x32((s >> 32).astype(np.uint32), (s & _MASK32).astype(np.uint32),
+                                  ((d >> 32) ^ _FOLD_TAG).astype(np.uint32),
+                                  (d & _MASK32).astype(np.uint32))
+    return ((y0.astype(np.uint64) << 32) | y1.astype(np.uint64)).tolist()
+
+
+def _random_permutations(seeds: Sequence[int], n: int) -> np.ndarray:
+    """``(len(seeds), n)`` int64: row ``j`` is ``spec.random_permutation(seeds[j], n)``
+    (counter 0): the words of ``xopt.random.bits(seed, (n,))`` for every seed in one
+    Threefry call (word ``k`` is word ``k % 2`` of block ``k // 2``, the documented stream
+    layout), each row's stable argsort as the sort of the unique keys ``word·2^s + k``."""
+    pairs = (n + 1) // 2
+    s = np.asarray(seeds, dtype=np.uint64)[:, None]
+    y0, y1 = xrandom.threefry2x32((s >> 32).astype(np.uint32), (s & _MASK32).astype(np.uint32),
+                                  0, np.arange(pairs, dtype=np.uint32)[None, :])
+    words = np.stack([y0, y1], axis=2).reshape(len(seeds), 2 * pairs)[:, :n]
+    shift = max(n - 1, 1).bit_length()
+    keys = (words.astype(np.int64) << shift) | np.arange(n, dtype=np.int64)
+    keys.sort(axis=1)
+    return keys & ((1 << shift) - 1)
+
+
+def _inverses(perms: np.ndarray) -> np.ndarray:
+    """Each row's inverse permutation (``spec.inverse`` of each row)."""
+    inv = np.empty_like(perms)
+    np.put_along_axis(inv, perms, np.arange(perms.shape[1], dtype=perms.dtype)[None, :], axis=1)
+    return inv
+
+
+def _plain_merge(layer: POETLinear) -> bool:
+    """Whether ``layer`` merges with POETLinear's own methods (not a subclass's, nor ones
+    set on the layer itself)."""
+    return all(getattr(getattr(layer, k), "__func__", None) is getattr(POETLinear, k)
+               for k in ("next_permutations", "merge_and_reset", "merged", "install_merge",
+                         "set_permutations", "check_permutation", "rotations", "w0"))
+
+
+def _next_permutations_many(layers: Sequence[POETLinear], counts: Sequence[int],
+                            plain: Sequence[bool]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each layer's ``next_permutations(merges=count)`` (int64 NumPy), the random ones drawn
+    together (``plain``: the layers that draw with POETLinear's own method): ``fold_in``
+    per layer and per draw as one Threefry call each, the draws of one width as one (see
+    :func:`_random_permutations`)."""
+    out: list[Any] = [None] * len(layers)
+    todo = []
+    for j, (layer, c) in enumerate(zip(layers, counts, strict=True)):
+        if (plain[j] and layer.hp.permutation != "identity"
+                and 0 <= layer.seed < 2 ** 64 and 0 <= c + 1 < 2 ** 64):
+            todo.append(j)
+        else:  # (identity permutations; a seed out of range raises there, as it does alone)
+            out[j] = layer.next_permutations(merges=c)
+    if todo:
+        s = _fold_in_many([layers[j].seed for j in todo], [counts[j] + 1 for j in todo])
+        seeds = _fold_in_many(s + s, [0] * len(s) + [1] * len(s))  # (the in, then the out)
+        widths = [layers[j].in_features for j in todo] + [layers[j].out_features for j in todo]
+        drawn: list[Any] = [None] * len(seeds)
+        for n in set(widths):
+            at = [k for k, w in enumerate(widths) if w == n]
+            for k, p in zip(at, _random_permutations([seeds[k] for k in at], n), strict=True):
+                drawn[k] = p
+        for k, j in enumerate(todo):
+            out[j] = (drawn[k], drawn[len(todo) + k])
+    return out
+
+
+def _merge_key(layer: POETLinear, plain: bool) -> tuple | None:
+    """What layers merged together share (None: the layer merges alone: POET-XQ, a
+    series other than the 3-term one, DTensor tensors, a merge not POETLinear's own)."""
+    tensors = [layer.oft_R, layer.weight, layer.bias, layer.perm_in, layer.merges]
+    if (layer.quantized or layer.hp.neumann_terms != 3 or not plain
+            or any(is_dtensor(t) for t in tensors if t is not None)
+            or not layer.weight.is_contiguous()):  # (the products' operands as alone)
+        return None
+    bias = layer.bias
+    return (layer.in_features, layer.out_features, layer.block_size, layer.num_out_blocks,
+            layer.hp.cayley_formula, layer.oft_R.dtype, layer.weight.dtype, layer.oft_R.device,
+            layer.weight.device, layer.perm_in.device, None if bias is None else bias.dtype)
+
+
+def _merge_alone(layers: Sequence[POETLinear]) -> None:
+    """:meth:`POETLinear.merge_and_reset` of every layer, on this process (as
+    :func:`xopt.torch.distributed.merge_by_owner` without ranks), the layers of one
+    :func:`_merge_key` together, :data:`MERGE_CHUNK_BYTES` of weights at a time: every new
+    permutation drawn and checked before any layer changes."""
+    from xopt.torch.distributed import _merge_counts
+
+    if not layers:
+        return
+    plain = [_plain_merge(layer) for layer in layers]
+    host = _next_permutations_many(layers, _merge_counts(layers), plain)
+    groups: dict[tuple, list[int]] = {}
+    alone: list[int] = []
+    for j, layer in enumerate(layers):
+        key = _merge_key(layer, plain[j])
+        if key is None:
+            alone.append(j)
+        else:
+            groups.setdefault(key, []).append(j)
+    # every layer's permutations and inverses to its device in one copy per device
+    # (drawn ones are permutations by construction; others are checked, naming the layer)
+    arrays: list[list[np.ndarray]] = []
+    checked = set(alone)
+    for j, layer in enumerate(layers):
+        pi, po = host[j]
+        if j in checked or not all(isinstance(p, np.ndarray) and p.dtype == np.int64
+                                   for p in (pi, po)):
+            pi, po = (layer.check_permutation(n, p) for n, p in (("perm_in", pi),
+                                                                  ("perm_out", po)))
+        arrays.append([pi, po])
+    perms = [None] * len(layers)
+    by_device: dict[torch.device, list[int]] = {}
+    for j, layer in enumerate(layers):
+        by_device.setdefault(layer.perm_in.device, []).append(j)
+    for dev, idx in by_device.items():
+        flat = [a for j in idx for a in arrays[j]]
+        invs = []
+        for n in {a.shape[0] for a in flat}:  # inverses per width, rows at once
+            at = [k for k, a in enumerate(flat) if a.shape[0] == n]
+            invs.extend(zip(at, _inverses(np.stack([flat[k] for k in at])), strict=True))
+        inv = [None] * len(flat)
+        for k, a in invs:
+            inv[k] = a
+        parts = [x for k in range(len(flat)) for x in (flat[k], inv[k])]
+        sent = iter(torch.from_numpy(np.concatenate(parts)).to(dev).split(
+            [len(x) for x in parts]))
+        for j in idx:
+            perms[j] = tuple(DevicePermutation(next(sent), next(sent)) for _ in range(2))
+    for j in alone:
+        layers[j].merge_and_reset(*perms[j])
+    for idx in groups.values():
+        first = layers[idx[0]]
+        size = first.in_features * first.out_features * torch.finfo(first._work_dtype()).bits // 8
+        per = max(1, MERGE_CHUNK_BYTES // size)
+        for at in range(0, len(idx), per):
+            chunk = idx[at:at + per]
+            _install_many(*_merged_many([layers[j] for j in chunk], [perms[j] for j in chunk]))
+
+
+def _merged_many(layers: list[POETLinear], perms: list[tuple[DevicePermutation, ...]],
+                 ) -> tuple[list[POETLinear], list, dict[str, list[Tensor]]]:
+    """:meth:`POETLinear.merged` of layers of one :func:`_merge_key` (their new ``weight``
+    and ``bias``), nothing installed. The elementwise operations and gathers of all layers
+    at once (each element's arithmetic is the one-layer merge's); the matrix products per
+    layer, with the one-layer merge's operands (3-term series as
+    :func:`xopt.specs.poet.cayley_neumann`)."""
+    first = layers[0]
+    work = first._work_dtype()
+    b, n_out = first.block_size, first.num_out_blocks
+    nb = first.oft_R.shape[0]
+    count = len(layers)
+    q = _spec_module.skew(torch.cat([layer.oft_R for layer in layers]).to(work), b, xp=torch)
+    q2, q3, q4 = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+
+    def per_layer(t: Tensor) -> tuple[Tensor, ...]:  # each layer's (nb, b, b) blocks, views
+        return t.view(count, nb, b, b).unbind(0)
+
+    qs, q2s, q3s, q4s = per_layer(q), per_layer(q2), per_layer(q3), per_layer(q4)
+    for a, out in zip(qs, q2s, strict=True):
+        torch.matmul(a, a, out=out)
+    for a, c, out in zip(q2s, qs, q3s, strict=True):
+        torch.matmul(a, c, out=out)
+    eye = torch.eye(b, dtype=q.dtype, device=q.device)
+    if first.hp.cayley_formula == "product":  # 2·((Q²Q + Q) + Q²) + Q²Q² + I
+        for a, out in zip(q2s, q4s, strict=True):
+            torch.matmul(a, a, out=out)
+        y = 2.0 * ((q3 + q) + q2) + q4 + eye
+    else:  # taylor: 2·((Q + Q²) + Q²Q) + (2Q²)Q² + I
+        for a, c, out in zip(per_layer(2.0 * q2), q2s, q4s, strict=True):
+            torch.matmul(a, c, out=out)
+        y = 2.0 * ((q + q2) + q3) + q4 + eye
+    del q, q2, q3, q4, qs, q2s, q3s, q4s
+    ys = per_layer(y)
+    w0 = torch.stack([layer.weight for layer in layers]).to(work)
+    rotated = torch.stack([
+        _spec_module.block_rotate(_spec_module.block_rotate_rows(
+            torch, w.mT, r[n_out:]), r[:n_out], xp=torch)
+        for w, r in zip(w0.unbind(0), ys, strict=True)])  # (layers, in, out): W_eff's rows
+    del w0
+    # W0'[o, i] = rotated[perm_in[new_in_inv[i]], perm_out[new_out_inv[o]]]: the four
+    # gathers of spec.merged_weight composed into one (gathers are exact)
+    old_in = torch.stack([layer.perm_in for layer in layers]).long()
+    old_out = torch.stack([layer.perm_out for layer in layers]).long()
+    rows = old_in.gather(1, torch.stack([pi.inverse for pi, _ in perms]))
+    cols = old_out.gather(1, torch.stack([po.inverse for _, po in perms]))
+    which = torch.arange(count, device=rows.device)[:, None, None]
+    new_w = rotated[which, rows[:, :, None], cols[:, None, :]].mT.to(first.weight.dtype)
+    out = {"weight": list(new_w.unbind(0))}
+    if first.bias is not None:
+        out["bias"] = [_spec_module.merged_bias(
+            layer.bias.to(work), r[:n_out], layer.perm_out.long(), po.inverse,
+            xp=torch).to(layer.bias.dtype)
+            for layer, r, (_, po) in zip(layers, ys, perms, strict=True)]
+    return layers, perms, out
+
+
+def _install_many(layers: list[POETLinear], perms: list, new: dict[str, list[Tensor]]) -> None:
+    """:meth:`POETLinear.install_merge` of each layer (plain tensors), as a few foreach
+    calls."""
+    for k, values in new.items():
+        torch._foreach_copy_([getattr(layer, k) for layer in layers], values)
+    dst, src = [], []
+    for layer, (pi, po) in zip(layers, perms, strict=True):
+        dst += [layer.perm_in, layer.perm_in_inv, layer.perm_out, layer.perm_out_inv]
+        src += [pi.perm, pi.inverse, po.perm, po.inverse]
+    torch._foreach_copy_(dst, src)  # int64 -> int32: exact (a layer's width)
+    torch._foreach_zero_([layer.oft_R for layer in layers])
+    torch._foreach_add_([layer.merges for layer in layers], 1)
 
 
 class MergeEvery:
