@@ -276,21 +276,21 @@ def test_a_model_merge_checks_every_permutation_before_changing_a_layer():
 
 @needs_torch
 def test_batched_draws_are_xopt_randoms():
-    """A model's merge draws every layer's permutations at once; each is the spec's own
-    draw (xopt.random.fold_in and spec.random_permutation, one seed at a time): seeds at
+    """A model's merge draws every layer's permutations at once (xopt.random.fold_in_many,
+    spec.random_permutations, spec.inverses); each is the one-seed draw (xopt.random.fold_in,
+    spec.random_permutation, spec.inverse): seeds at
     both ends of the 64-bit range, odd and even widths, width 1."""
     from xopt import random as xr
-    from xopt.torch import poet as xpoet
 
     seeds = [0, 1, 7, 2 ** 32 - 1, 2 ** 32, 2 ** 63 + 5, 2 ** 64 - 1, 123456789012345]
     data = [1, 0, 2 ** 32 + 3, 5, 2 ** 64 - 1, 1, 0, 77]
-    assert xpoet._fold_in_many(seeds, data) == [xr.fold_in(s, d) for s, d in zip(seeds, data,
+    assert xr.fold_in_many(seeds, data) == [xr.fold_in(s, d) for s, d in zip(seeds, data,
                                                                                  strict=True)]
     for n in (1, 2, 31, 64, 256):
-        got = xpoet._random_permutations(seeds, n)
+        got = P.random_permutations(seeds, n)
         for s, row in zip(seeds, got, strict=True):
             assert np.array_equal(row, P.random_permutation(s, n))
-            assert np.array_equal(xpoet._inverses(got)[seeds.index(s)], P.inverse(row))
+            assert np.array_equal(P.inverses(got)[seeds.index(s)], P.inverse(row))
 
 
 @needs_torch

@@ -107,6 +107,7 @@ __all__ = [
     "bits",
     "blocks_used",
     "fold_in",
+    "fold_in_many",
     "key_from_seed",
     "normal",
     "normal_many",
@@ -497,6 +498,25 @@ def fold_in(seed: int, *data: int) -> int:
         k0, k1 = y0, y1
     return (k0 << 32) | k1
 
+
+
+def fold_in_many(seeds, data) -> list[int]:
+    """``[fold_in(s, d) for s, d in zip(seeds, data)]`` (one datum each) as one NumPy
+    Threefry evaluation: for many seeds at once, where the loop's Python hashing costs.
+    ``seeds`` and ``data`` are equal-length sequences of ints in ``[0, 2**64)`` (checked)."""
+    seeds, data = list(seeds), list(data)
+    if len(seeds) != len(data):
+        raise ValueError(f"xopt.random.fold_in_many: {len(seeds)} seeds and {len(data)} data")
+    for name, values in (("seeds", seeds), ("data", data)):
+        for i, v in enumerate(values):
+            _split64(v, f"{name}[{i}]", "fold_in_many")
+    s = np.asarray(seeds, dtype=np.uint64)
+    d = np.asarray(data, dtype=np.uint64)
+    low = np.uint64(0xFFFFFFFF)
+    y0, y1 = threefry2x32((s >> np.uint64(32)).astype(np.uint32), (s & low).astype(np.uint32),
+                          ((d >> np.uint64(32)) ^ np.uint64(_FOLD_TAG)).astype(np.uint32),
+                          (d & low).astype(np.uint32))
+    return ((y0.astype(np.uint64) << np.uint64(32)) | y1.astype(np.uint64)).tolist()
 
 def blocks_used(shape, dtype: str = "uint32") -> int:
     """Number of counter blocks a draw of ``shape`` reserves.

@@ -531,6 +531,28 @@ def random_permutation(seed: int, n: int, counter: int = 0) -> np.ndarray:
     return np.argsort(words, kind="stable").astype(np.int64)
 
 
+
+def random_permutations(seeds, n: int) -> np.ndarray:
+    """``(len(seeds), n)`` int64, row ``j`` equal to ``random_permutation(seeds[j], n)``
+    (counter 0), for many seeds at once: the words of ``xopt.random.bits(seed, (n,))`` (word
+    ``k`` is word ``k % 2`` of block ``k // 2``) from one Threefry evaluation, and each row's
+    stable argsort as the sort of the distinct keys ``word * 2**s + k``."""
+    from xopt import random as xr
+
+    seeds = list(seeds)
+    for s in seeds:
+        xr.key_from_seed(s)  # (checks each seed, as random_permutation's draw does)
+    pairs = (n + 1) // 2
+    s = np.asarray(seeds, dtype=np.uint64)[:, None]
+    y0, y1 = xr.threefry2x32((s >> np.uint64(32)).astype(np.uint32),
+                             (s & np.uint64(0xFFFFFFFF)).astype(np.uint32),
+                             0, np.arange(pairs, dtype=np.uint32)[None, :])
+    words = np.stack([y0, y1], axis=2).reshape(len(seeds), 2 * pairs)[:, :n]
+    shift = max(n - 1, 1).bit_length()
+    keys = (words.astype(np.int64) << shift) | np.arange(n, dtype=np.int64)
+    keys.sort(axis=1)
+    return keys & ((1 << shift) - 1)
+
 def layer_permutations(hp: POET, layer_seed: int, merges: int, n_in: int, n_out: int):
     """``(perm_in, perm_out)`` a layer uses after ``merges`` merges (int64 NumPy)."""
     if hp.permutation == "identity":
@@ -543,6 +565,14 @@ def layer_permutations(hp: POET, layer_seed: int, merges: int, n_in: int, n_out:
 
 def inverse(perm: np.ndarray) -> np.ndarray:
     return np.argsort(np.asarray(perm), kind="stable").astype(np.int64)
+
+
+def inverses(perms: np.ndarray) -> np.ndarray:
+    """Each row's :func:`inverse` (rows: permutations of one width)."""
+    perms = np.asarray(perms)
+    inv = np.empty_like(perms)
+    np.put_along_axis(inv, perms, np.arange(perms.shape[1], dtype=perms.dtype)[None, :], axis=1)
+    return inv
 
 
 # -- the rotations' optimizer (POETAdamW's arithmetic) ----------------------------------------

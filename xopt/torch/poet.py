@@ -1183,46 +1183,6 @@ def merge_and_reset(model: nn.Module, ranks: Any = "auto") -> int:
 #: the float weights of the layers merged together at most (their stacked copies are the
 #: merge's transients: a few times this, where merging alone holds a few layers' worth)
 MERGE_CHUNK_BYTES = 64 * 2 ** 20
-#: xopt.random.fold_in's tag (its documented formula, which _fold_in_many evaluates for
-#: many seeds at once; tests/test_poet.py holds the two equal)
-_FOLD_TAG = 0x666F6C64
-_MASK32 = 0xFFFFFFFF
-
-
-def _fold_in_many(seeds: Sequence[int], data: Sequence[int]) -> list[int]:
-    """``[xopt.random.fold_in(s, d) for s, d in zip(seeds, data)]`` in one Threefry call
-    (every seed and datum an int in ``[0, 2**64)``: the caller checks)."""
-    s = np.asarray(seeds, dtype=np.uint64)
-    d = np.asarray(data, dtype=np.uint64)
-    y0, y1 = xrandom.threefry2x32((s >> 32).astype(np.uint32), (s & _MASK32).astype(np.uint32),
-                                  ((d >> 32) ^ _FOLD_TAG).astype(np.uint32),
-                                  (d & _MASK32).astype(np.uint32))
-    return ((y0.astype(np.uint64) << 32) | y1.astype(np.uint64)).tolist()
-
-
-def _random_permutations(seeds: Sequence[int], n: int) -> np.ndarray:
-    """``(len(seeds), n)`` int64: row ``j`` is ``spec.random_permutation(seeds[j], n)``
-    (counter 0): the words of ``xopt.random.bits(seed, (n,))`` for every seed in one
-    Threefry call (word ``k`` is word ``k % 2`` of block ``k // 2``, the documented stream
-    layout), each row's stable argsort as the sort of the unique keys ``word·2^s + k``."""
-    pairs = (n + 1) // 2
-    s = np.asarray(seeds, dtype=np.uint64)[:, None]
-    y0, y1 = xrandom.threefry2x32((s >> 32).astype(np.uint32), (s & _MASK32).astype(np.uint32),
-                                  0, np.arange(pairs, dtype=np.uint32)[None, :])
-    words = np.stack([y0, y1], axis=2).reshape(len(seeds), 2 * pairs)[:, :n]
-    shift = max(n - 1, 1).bit_length()
-    keys = (words.astype(np.int64) << shift) | np.arange(n, dtype=np.int64)
-    keys.sort(axis=1)
-    return keys & ((1 << shift) - 1)
-
-
-def _inverses(perms: np.ndarray) -> np.ndarray:
-    """Each row's inverse permutation (``spec.inverse`` of each row)."""
-    inv = np.empty_like(perms)
-    np.put_along_axis(inv, perms, np.arange(perms.shape[1], dtype=perms.dtype)[None, :], axis=1)
-    return inv
-
-
 def _plain_merge(layer: POETLinear) -> bool:
     """Whether ``layer`` merges with POETLinear's own methods (not a subclass's, nor ones
     set on the layer itself)."""
@@ -1236,7 +1196,7 @@ def _next_permutations_many(layers: Sequence[POETLinear], counts: Sequence[int],
     """Each layer's ``next_permutations(merges=count)`` (int64 NumPy), the random ones drawn
     together (``plain``: the layers that draw with POETLinear's own method): ``fold_in``
     per layer and per draw as one Threefry call each, the draws of one width as one (see
-    :func:`_random_permutations`)."""
+    :func:`xopt.specs.poet.random_permutations`)."""
     out: list[Any] = [None] * len(layers)
     todo = []
     for j, (layer, c) in enumerate(zip(layers, counts, strict=True)):
@@ -1246,13 +1206,14 @@ def _next_permutations_many(layers: Sequence[POETLinear], counts: Sequence[int],
         else:  # (identity permutations; a seed out of range raises there, as it does alone)
             out[j] = layer.next_permutations(merges=c)
     if todo:
-        s = _fold_in_many([layers[j].seed for j in todo], [counts[j] + 1 for j in todo])
-        seeds = _fold_in_many(s + s, [0] * len(s) + [1] * len(s))  # (the in, then the out)
+        s = xrandom.fold_in_many([layers[j].seed for j in todo], [counts[j] + 1 for j in todo])
+        seeds = xrandom.fold_in_many(s + s, [0] * len(s) + [1] * len(s))  # (the in, then the out)
         widths = [layers[j].in_features for j in todo] + [layers[j].out_features for j in todo]
         drawn: list[Any] = [None] * len(seeds)
         for n in set(widths):
             at = [k for k, w in enumerate(widths) if w == n]
-            for k, p in zip(at, _random_permutations([seeds[k] for k in at], n), strict=True):
+            rows = _spec_module.random_permutations([seeds[k] for k in at], n)
+            for k, p in zip(at, rows, strict=True):
                 drawn[k] = p
         for k, j in enumerate(todo):
             out[j] = (drawn[k], drawn[len(todo) + k])
@@ -1312,7 +1273,8 @@ def _merge_alone(layers: Sequence[POETLinear]) -> None:
         invs = []
         for n in {a.shape[0] for a in flat}:  # inverses per width, rows at once
             at = [k for k, a in enumerate(flat) if a.shape[0] == n]
-            invs.extend(zip(at, _inverses(np.stack([flat[k] for k in at])), strict=True))
+            rows = _spec_module.inverses(np.stack([flat[k] for k in at]))
+            invs.extend(zip(at, rows, strict=True))
         inv = [None] * len(flat)
         for k, a in invs:
             inv[k] = a
