@@ -433,7 +433,8 @@ def bench_model(model: str, args, report: dict, dl: Deadline) -> None:
     try:
         adamw = JaxEntry("adamw", None, "exact", shapes, grads, loss)
         compile_times["optax.adamw"] = {"lower_s": adamw.lower_s, "compile_s": adamw.compile_s,
-                                        "total_s": adamw.lower_s + adamw.compile_s}
+                                        "total_s": adamw.lower_s + adamw.compile_s,
+                                        **program_counts(adamw.compiled.as_text())}
         print(f"  built jax/optax.adamw: lower {adamw.lower_s:.1f} s, compile "
               f"{adamw.compile_s:.1f} s", flush=True)
     except Exception as e:  # noqa: BLE001
@@ -466,9 +467,10 @@ def bench_model(model: str, args, report: dict, dl: Deadline) -> None:
                 entries[label] = e = JaxEntry(method, impl, prec, shapes, grads, loss)
                 compile_times[f"xopt.jax.{method}/{impl}/{prec}"] = {
                     "lower_s": e.lower_s, "compile_s": e.compile_s,
-                    "total_s": e.lower_s + e.compile_s}
-                print(f"  built {label}: lower {e.lower_s:.1f} s, compile {e.compile_s:.1f} s",
-                      flush=True)
+                    "total_s": e.lower_s + e.compile_s, **program_counts(e.compiled.as_text())}
+                print(f"  built {label}: lower {e.lower_s:.1f} s, compile {e.compile_s:.1f} s "
+                      f"[{compile_times[f'xopt.jax.{method}/{impl}/{prec}']['fusions']} "
+                      "fusions]", flush=True)
             except Exception as e:  # noqa: BLE001
                 res["timings"][label] = {"error": err(e)}
                 note(report, f"{model}: {label} failed: {err(e)}")

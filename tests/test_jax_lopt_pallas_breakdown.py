@@ -79,6 +79,13 @@ def test_breakdown_covers_the_update(run, path):
     n_in = sum(1 for t in shapes if tuple(t) in kernel_groups)
     want_calls = (n_in, len(kernel_groups))
     want = {f"{prefix}_stats": want_calls, f"{prefix}_fused": want_calls}
+    # and the copy kernels (a call per state array of each group, both groups of two
+    # tensors here): stacking the old v_row (8x3 per tensor), v_col (24x3) of the matrices
+    # and m (8x3), rms (8x1), v_diag (8x3) of the vectors, 5 calls of 3 kernels (one per
+    # size); handing back the new ones, and VeLO's LSTM hidden and cell of the 4 tensors
+    # (one more size)
+    velo = path.startswith("velo")
+    want.update(stack_rows=(5, 3), split_rows=(5 + 2 * velo, 3 + velo))
     assert calls == want
     assert all(k["ir_bytes"] > 0 and k["grid"] > 0 for k in res["kernels"])
     # the staged update is the update (separate compilations may round a few ulps apart)

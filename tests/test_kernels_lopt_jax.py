@@ -216,15 +216,143 @@ def test_pallas_kernels_lower_to_triton_for_cuda(monkeypatch, method, precision,
     # backend config, the kernel's IR)
     per = 2
     text = low.as_text()
-    assert text.count("__gpu$xla.gpu.triton") == per * len(in_kernels)
+    calls = re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "(\w+)"', text)
+    assert len(calls) == text.count("__gpu$xla.gpu.triton")
+    copies = ("split_rows", "stack_rows")
+    assert len([c for c in calls if c not in copies]) == per * len(in_kernels)
+    # and per state array of a group of several tensors a copy call that stacks the old
+    # (stack_rows) and one that hands each tensor its rows of the new (split_rows; none
+    # for a group of one, whose row is a reshape): v_row and v_col of the kernels' groups
+    # (7, 3) and (40, 36); m, rms and v_diag of the vectors (5,) (their v_row, v_col are
+    # empty); VeLO's LSTM state (hidden, cell) of all 11 tensors, split only (the LSTM
+    # gathers its input). Of each size one kernel: (7, 3)'s v_row and v_col are 3x3 and
+    # 7x3 per tensor, (40, 36)'s 36x3 and 40x3, the vectors' m and v_diag 5x3, rms 5x1
+    assert calls.count("stack_rows") == 2 + 2 + 3, calls
+    assert calls.count("split_rows") == 2 + 2 + 3 + 2 * (method == "velo"), calls
     kernels = set(re.findall(r'ir = "((?:[^"\\]|\\.)*)"', text))
-    assert len(kernels) == per * len(groups), len(kernels)
+    assert len(kernels) == per * len(groups) + 2 * 6 + (method == "velo"), len(kernels)
     # and no per-element array of theirs is stacked or sliced: no concatenation, slice or
     # gather yields one of (40, 36), a kernels' group of two tensors (their statistics
     # along an axis, (40, 3) and (36, 3), are)
     moved = re.findall(r"stablehlo\.(?:concatenate|slice|gather|dynamic_slice)[^\n]*-> "
                        r"tensor<([0-9x]*)xf32>", text)
     assert moved and not [t for t in moved if "40x36" in t], sorted(set(moved))
+
+
+def _cuda_program(method: str, theta, copies: int) -> str:
+    """The Pallas path's jitted update + apply_updates on ``copies`` copies of a block of a
+    matrix and a vector, lowered for CUDA (the kernels as Triton calls)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from xopt.jax import _lopt_pallas
+
+    tx = _tx(method, "pallas", theta)
+    params = [jnp.zeros(s, jnp.float32) for s in [(6, 4), (4,)] * copies]
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p, value=jnp.float32(1.0))
+        return optax.apply_updates(p, u), s
+
+    on_cpu = _lopt_pallas._on_cpu
+    _lopt_pallas._on_cpu = lambda: False
+    try:
+        return jax.jit(step).trace(params, tx.init(params), params).lower(
+            lowering_platforms=("cuda",)).as_text()
+    finally:
+        _lopt_pallas._on_cpu = on_cpu
+
+
+@pytest.mark.parametrize("method", ["small_fc_lopt", "velo"])
+def test_pallas_path_hands_out_state_rows_by_copy_kernels(method, velo_theta):
+    # what XLA:GPU would compile per tensor beyond the kernels: a state array of a group of
+    # several tensors is written by split_rows' copy kernel, one call for up to SPLIT_K
+    # tensors, not sliced per tensor (each slice a kernel XLA compiles apart); the one
+    # slice a tensor keeps is its step's, a vector's (its group's step is stacked), which
+    # apply_updates reads and XLA fuses into its add. Zero-size slices (the vectors'
+    # v_row and v_col placeholders) are no kernel.
+    from xopt.jax import _lopt_pallas
+
+    def counts(copies):
+        text = _cuda_program(method, velo_theta, copies)
+        shapes = re.findall(r"stablehlo\.slice[^\n]*-> tensor<([0-9x]*)xf32>", text)
+        split, stack = (text.count(f'name = "{n}"') for n in ("split_rows", "stack_rows"))
+        return (len([t for t in shapes if "0" not in t.split("x")]), split, stack,
+                text.count("__gpu$xla.gpu.triton") - split - stack)
+
+    (s0, c0, j0, k0), (s1, c1, j1, k1) = counts(4), counts(4 + _lopt_pallas.SPLIT_K)
+    added = _lopt_pallas.SPLIT_K  # matrices, and as many vectors
+    assert (s1 - s0) == added, (s0, s1)  # the vectors' steps
+    assert (k1 - k0) == 2 * added  # a statistics and a fused call per matrix
+    # the copy calls: one more per stacked state array (v_row, v_col of the matrices; m,
+    # rms, v_diag of the vectors; VeLO's hidden and cell, of twice as many tensors)
+    assert c1 - c0 == 5 + (2 * 2 if method == "velo" else 0), (c0, c1)
+    assert j1 - j0 == 5, (j0, j1)
+
+
+def test_axis_statistics_are_the_specs_factored_update():
+    # _axis_prep evaluates the spec's factored_update split where the group can share it:
+    # each tensor's means of g² + 1e-30 over its axes (an XLA reduction of its own
+    # gradient), then the accumulators' update on the group's means stacked. The update is
+    # the spec's expression on the same operands; the means are XLA's sums, whose order XLA
+    # picks per fusion (here, in a program of another shape than the plain path's, a sum
+    # can come out an ulp apart: the whole-update tests hold v_row, v_col to 1e-6 of the
+    # plain path). So: every entry within the bound of a float32 sum of n positive terms
+    # in any order (n·2⁻²⁴ relative, n the reduced axis's length, plus the update's two
+    # roundings) of the float64 spec, as the plain path's factored_update is
+    import jax
+    import jax.numpy as jnp
+
+    from xopt.jax import _lopt_pallas
+    from xopt.specs import lopt
+
+    rng = np.random.default_rng(5)
+    decays = np.asarray([0.5, 0.9, 0.999], np.float32)
+    d = jnp.asarray(decays)
+    for shape in [(40, 36), (7, 3), (3, 9), (1, 5, 8)]:
+        sh = lopt.factored_shapes(shape, 3)
+        g = [rng.standard_normal(shape).astype(np.float32) * 1e-2 for _ in range(3)]
+        vr = [rng.random(sh["v_row"]).astype(np.float32) * 1e-4 for _ in range(3)]
+        vc = [rng.random(sh["v_col"]).astype(np.float32) * 1e-4 for _ in range(3)]
+        vd = [np.zeros(sh["v_diag"], np.float32)] * 3
+        got = jax.jit(lambda vr, vc, vd, g, shape=shape: _lopt_pallas._axis_prep(
+            shape, vr, vc, vd, g, d, d[:1], d))(vr, vc, vd, g)
+        plain = jax.jit(lambda vr, vc, vd, g: [
+            lopt.factored_update(jnp, *a, d)[:2] for a in zip(vr, vc, vd, g, strict=True)])(
+                vr, vc, vd, g)
+        d1, d0 = lopt.factored_dims(shape)
+        bound = (max(shape[d0], shape[d1]) + 2) * 2.0**-24
+        for i, a in enumerate(zip(vr, vc, vd, g, strict=True)):
+            want = lopt.factored_update(np, *(np.asarray(x, np.float64) for x in a),
+                                        decays.astype(np.float64))[:2]
+            for k, w in enumerate(want):
+                key = ("new_row", "new_col")[k]
+                err = np.abs(np.asarray(got[key][i], np.float64) - w) / w
+                assert err.max() <= bound, (shape, key, err.max())
+                ref = np.abs(np.asarray(plain[i][k], np.float64) - w) / w
+                assert ref.max() <= bound  # (the bound is the plain path's too)
+
+
+def test_copy_kernels_copy_every_row():
+    # split_rows and stack_rows: more tensors than a call takes (a placeholder-padded last
+    # call), rows longer than a program's span (SPLIT_G blocks), and the sizes a group of
+    # one or empty rows take
+    import jax
+    import jax.numpy as jnp
+
+    from xopt.jax import _lopt_pallas as lp
+
+    span = lp.SPLIT_G * lp.SPLIT_BLOCK
+    for n, shape in [(lp.SPLIT_K + 3, (7,)), (3, (span // 3 + 5, 3)), (1, (4, 3)),
+                     (2, (0, 3))]:
+        x = jnp.asarray(np.random.default_rng(n).standard_normal((n, *shape)), jnp.float32)
+        out = jax.jit(lambda x, shape=shape: lp.split_rows(x, shape))(x)
+        assert len(out) == n
+        for i, o in enumerate(out):
+            assert o.shape == shape and np.array_equal(np.asarray(o), np.asarray(x[i]))
+        back = jax.jit(lp.stack_rows)([x[i] for i in range(n)])
+        assert back.shape == x.shape and np.array_equal(np.asarray(back), np.asarray(x))
 
 
 def test_impl_and_precision_are_checked():
@@ -383,7 +511,11 @@ def test_pallas_boundary_blocks_are_masked(method, velo_theta):
     closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p, value=jnp.float32(1.0)))(
         params, tx.init(params), params)
     n_calls = str(closed).count("pallas_call[")
-    # statistics and fused pass of each tensor
-    assert n_calls == 6, n_calls
+    # statistics and fused pass of each tensor; and the copies that stack the (5, 70)
+    # group's v_row and v_col and hand the new ones back (VeLO: and every tensor its LSTM
+    # state)
+    splits, stacks = (str(closed).count(f"name={n}") for n in ("split_rows", "stack_rows"))
+    assert n_calls - splits - stacks == 6, (n_calls, splits, stacks)
+    assert (splits, stacks) == (2 + 2 * (method == "velo"), 2)
     assert _unmasked_boundary_accesses(closed) == []
     assert _lopt_pallas.BR == 2 and _lopt_pallas.BC == 64  # (what makes the shapes ragged)

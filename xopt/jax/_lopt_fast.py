@@ -32,6 +32,7 @@ its kernels do not cover), the plain path elsewhere.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Container, Sequence
 from typing import Any
 
@@ -125,13 +126,16 @@ class Buckets:
         #: the row of each leaf in the groups concatenated (``x[rows]``: the leaves' order)
         self.rows = np.argsort(np.asarray(grouped, np.int64)) if grouped else np.zeros(0, int)
 
-    def stack(self, leaves: Sequence[Any], keep: Container[int] = ()) -> list[Any]:
+    def stack(self, leaves: Sequence[Any], keep: Container[int] = (),
+              join: Any = None) -> list[Any]:
         """One array per group; a group of one leaf is that leaf with a leading axis of 1
         (a reshape, no copy). The groups numbered in ``keep`` stay lists of their leaves
-        (no copy: the Pallas kernels read each tensor's own arrays)."""
+        (no copy: the Pallas kernels read each tensor's own arrays). ``join(list)``, if
+        given, stacks the others (default ``jnp.stack``)."""
+        join = join or jnp.stack
         return [[leaves[i] for i in idx] if k in keep
                 else leaves[idx[0]][None] if len(idx) == 1
-                else jnp.stack([leaves[i] for i in idx])
+                else join([leaves[i] for i in idx])
                 for k, (_, idx) in enumerate(self.groups)]
 
     def unstack(self, stacked: Sequence[Any]) -> list[Any]:
@@ -141,13 +145,18 @@ class Buckets:
                 out[i] = arr[j]
         return out
 
-    def unstack_results(self, results: Sequence[Sequence[Any]]) -> list[list[Any]]:
+    def unstack_results(self, results: Sequence[Sequence[Any]],
+                        split: Any = None) -> list[list[Any]]:
         """Per group a tuple of outputs, each stacked or a list of the group's leaves →
         per output the leaves' list (each leaf its row of its group's array, or its
-        entry)."""
+        entry). ``split(x)``, if given, hands out the rows of every stacked output but the
+        first (the step, which ``apply_updates`` reads: XLA fuses its slices there) as a
+        list (:func:`xopt.jax._lopt_pallas.split_rows`, for the Pallas path)."""
         outs: list[list[Any]] = [[None] * self.n for _ in results[0]] if results else []
         for (_, idx), res in zip(self.groups, results, strict=True):
-            for out, arr in zip(outs, res, strict=True):
+            for k, (out, arr) in enumerate(zip(outs, res, strict=True)):
+                if split is not None and k > 0 and not isinstance(arr, list):
+                    arr = split(arr)
                 for j, i in enumerate(idx):
                     out[i] = arr[j]
         return outs
@@ -162,6 +171,32 @@ def _kernel_groups(buckets: Buckets, fused: Any) -> frozenset[int]:
     if fused is None:
         return frozenset()
     return frozenset(k for k, (shape, _) in enumerate(buckets.groups) if fused.handles(shape))
+
+
+def _stack_inputs(buckets: Buckets, keep: Container[int], impl: str, *xs: Any) -> list[Any]:
+    """The pack stage: every input (``p``, ``g``, then the state arrays) stacked per
+    group, the kernels' groups (``keep``) left as lists. On the Pallas path the state
+    arrays (a channel axis last, which XLA's layout for the group's math puts first) are
+    stacked by a copy kernel (:func:`xopt.jax._lopt_pallas.stack_rows`: XLA would transpose
+    each tensor's in a kernel of its own)."""
+    join = None
+    if impl == "pallas":
+        from xopt.jax import _lopt_pallas
+
+        join = _lopt_pallas.stack_rows
+    return [buckets.stack(x, keep, join if k >= 2 else None) for k, x in enumerate(xs)]
+
+
+def _splitter(impl: str) -> Any:
+    """How a fast path hands each tensor its rows of a stacked result that is a result of
+    the program (a state array): on the Pallas path a copy kernel for many tensors at once
+    (:func:`xopt.jax._lopt_pallas.split_rows`: XLA:GPU would copy each row in a kernel of
+    its own), else None (XLA's slices, the packed path's reference)."""
+    if impl != "pallas":
+        return None
+    from xopt.jax import _lopt_pallas
+
+    return lambda x: _lopt_pallas.split_rows(x, tuple(x.shape[1:]))
 
 
 # -- small_fc_lopt --------------------------------------------------------------------------
@@ -213,8 +248,8 @@ class PackedSmallFC:
 
             fused = _lopt_pallas.SmallFCKernels(hp, meta, self.precision)
         keep = _kernel_groups(buckets, fused)
-        stacked = stage("pack", lambda *xs: [buckets.stack(x, keep) for x in xs], p_leaves,
-                        g_leaves, *accs_in)
+        stacked = stage("pack", functools.partial(_stack_inputs, buckets, keep, self.impl),
+                        p_leaves, g_leaves, *accs_in)
         results = []
         for k, (shape, _) in enumerate(buckets.groups):
             args = [st[k] for st in stacked]
@@ -223,7 +258,9 @@ class PackedSmallFC:
                                      stage=_in_group(stage, shape)))
             else:
                 results.append(_in_group(stage, shape)("xla", jax.vmap(one), *args))
-        steps, *accs_out = stage("unpack", buckets.unstack_results, results)
+        split = _splitter(self.impl)
+        steps, *accs_out = stage("unpack", lambda r: buckets.unstack_results(r, split),
+                                 results)
         new = type(inner)(*(treedef.unflatten(a) for a in accs_out),
                           mom_t=inner.mom_t + 1, rms_t=inner.rms_t + 1)
         return treedef.unflatten(steps), new
@@ -285,8 +322,8 @@ class PackedVeLO:
         keep = _kernel_groups(buckets, fused)
         # every input stacked once per group, read by both passes (the kernels' groups: their
         # leaves as they are)
-        stacked = stage("pack", lambda *xs: [buckets.stack(x_, keep) for x_ in xs], p_leaves,
-                        g_leaves, *accs_in)
+        stacked = stage("pack", functools.partial(_stack_inputs, buckets, keep, self.impl),
+                        p_leaves, g_leaves, *accs_in)
         decays = tuple(jnp.asarray(d) for d in spec.decay_arrays(hp))
         # the kernels' groups: their statistics pass before the LSTM, whose inputs it gives
         first = {k: fused.first(shape, *[st[k] for st in stacked], decays=decays,
@@ -330,9 +367,11 @@ class PackedVeLO:
                 results.append(_in_group(stage, shape)("xla", jax.vmap(one), *args,
                                                        *per_group[k]))
 
+        split = _splitter(self.impl) or (lambda x: [x[i] for i in range(n)])
+
         def unpack(results, hidden, cell):  # noqa: ANN001, ANN202
-            return (buckets.unstack_results(results), [hidden[i] for i in range(n)],
-                    [cell[i] for i in range(n)])
+            return buckets.unstack_results(results, _splitter(self.impl)), split(hidden), \
+                split(cell)
 
         res, hidden, cell = stage("unpack", unpack, results, hidden, cell)
         new = type(inner)(*(treedef.unflatten(a) for a in res[1:]),

@@ -12,7 +12,11 @@ What a tensor shares with its group's computation (factors, axis terms, normaliz
 VeLO's per-tensor scalars: small) is computed by XLA for the group at once, stacked
 ``[L, ...]``, and read by each call at the tensor's index ``idx``, an input rather than a
 constant of the kernel, so that the calls of a group are one kernel, which XLA compiles
-once (its kernel cache is keyed by the call's backend config).
+once (its kernel cache is keyed by the call's backend config). The group's small state
+arrays (``v_row``, ``v_col``; the vectors' on XLA's path, VeLO's LSTM state) are stacked
+from and handed back to the tensors' own arrays by copy kernels (:func:`stack_rows`,
+:func:`split_rows`, up to :data:`SPLIT_K` tensors a call): a slice or a transposed copy
+per tensor would each be an XLA:GPU kernel, and XLA's compile time grows with their number.
 
 Per group, with the math of :func:`xopt.specs.small_fc_lopt.compute_step`:
 
@@ -68,7 +72,7 @@ difference (tests/test_kernels_lopt_jax.py checks the masks in the kernels' prog
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -593,21 +597,152 @@ def _per_tensor_outputs(outs: list[Any], p: list[Any], m: list[Any],
             [o[2].reshape(x.shape) for o, x in zip(outs, rms, strict=True)])
 
 
+#: tensors per call of :func:`split_rows`'s copy kernel: each is one of the kernel's pointer
+#: arguments, and every call has this many (a group's last call padded with outputs it does
+#: not write), so that the calls on one stacked array are one Triton kernel, compiled once
+#: (the IR holds the arrays' sizes, so arrays of other sizes are other kernels)
+SPLIT_K = 32
+#: programs per tensor of the copy kernel, and the elements one moves at a time
+SPLIT_G = 4
+SPLIT_BLOCK = 512
+
+
+def _split_kernel(tab_ref, src_ref, *out_refs):  # noqa: ANN001
+    """Program ``t`` copies blocks ``g, g + SPLIT_G, …`` (``g = t % SPLIT_G``) of output
+    ``t // SPLIT_G``: ``out[j] = src[off + j]`` for ``j < n``, ``(off, n)`` its row of the
+    table (data: a placeholder output has ``n = 0``)."""
+    t = pl.program_id(0)
+    r, g = t // SPLIT_G, t % SPLIT_G
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (SPLIT_BLOCK,), 0)
+    span = SPLIT_G * SPLIT_BLOCK
+    for k, o_ref in enumerate(out_refs):
+        @pl.when(r == k)
+        def _copy(o_ref=o_ref, k=k):  # noqa: ANN001, ANN202
+            off, n = tab_ref[2 * k], tab_ref[2 * k + 1]
+
+            def block(s, carry):  # noqa: ANN001, ANN202
+                j = g * SPLIT_BLOCK + s * span
+                ok = j + lanes < n
+                v = plt.load(src_ref.at[pl.ds(off + j, SPLIT_BLOCK)], mask=ok, other=0.0)
+                plt.store(o_ref.at[pl.ds(j, SPLIT_BLOCK)], v, mask=ok)
+                return carry
+
+            jax.lax.fori_loop(0, (n - g * SPLIT_BLOCK + span - 1) // span, block, 0)
+
+
+def _join_kernel(tab_ref, *refs):  # noqa: ANN001
+    """:func:`_split_kernel`'s converse: ``dst[off + j] = in[j]`` for ``j < n`` of input
+    ``t // SPLIT_G`` (``refs``: the inputs, then ``dst``)."""
+    *in_refs, dst_ref = refs
+    t = pl.program_id(0)
+    r, g = t // SPLIT_G, t % SPLIT_G
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (SPLIT_BLOCK,), 0)
+    span = SPLIT_G * SPLIT_BLOCK
+    for k, i_ref in enumerate(in_refs):
+        @pl.when(r == k)
+        def _copy(i_ref=i_ref, k=k):  # noqa: ANN001, ANN202
+            off, n = tab_ref[2 * k], tab_ref[2 * k + 1]
+
+            def block(s, carry):  # noqa: ANN001, ANN202
+                j = g * SPLIT_BLOCK + s * span
+                ok = j + lanes < n
+                v = plt.load(i_ref.at[pl.ds(j, SPLIT_BLOCK)], mask=ok, other=0.0)
+                plt.store(dst_ref.at[pl.ds(off + j, SPLIT_BLOCK)], v, mask=ok)
+                return carry
+
+            jax.lax.fori_loop(0, (n - g * SPLIT_BLOCK + span - 1) // span, block, 0)
+
+
+def _copy_table(rows: range, e: int, base: int = 0) -> Any:
+    """The copy kernels' table for a call on ``rows``: each row's offset in the stacked
+    array (from row ``base``) and its length (a placeholder: 0, 0)."""
+    tab = np.zeros((2 * SPLIT_K,), np.int32)
+    tab[0:2 * len(rows):2] = [(i - base) * e for i in rows]
+    tab[1:2 * len(rows):2] = e
+    return jnp.asarray(tab)
+
+
+def stack_rows(xs: Sequence[Any]) -> Any:
+    """``jnp.stack(xs)`` (float32 arrays of one shape) written by a Pallas copy kernel,
+    :data:`SPLIT_K` tensors a call: XLA lays a stacked array out as its consumers prefer,
+    and where that is not the tensors' own layout (a state array's channels first) it
+    transposes each tensor in a kernel of its own; a kernel's output is in the tensors'
+    layout, transposed (if at all) once for the group. Exact copies."""
+    xs = list(xs)
+    shape = tuple(xs[0].shape)
+    e = int(np.prod(shape, dtype=np.int64))
+    if len(xs) == 1 or e == 0:
+        return jnp.stack(xs)
+    assert all(x.dtype == jnp.float32 and x.shape == shape for x in xs), shape
+    assert SPLIT_K * e < 2**31, shape
+    parts = []
+    for c in range(0, len(xs), SPLIT_K):
+        rows = range(c, min(c + SPLIT_K, len(xs)))
+        # placeholders: the first input again (not read: length 0)
+        ins = [xs[i].reshape(e) for i in rows] + [xs[c].reshape(e)] * (SPLIT_K - len(rows))
+        call = pl.pallas_call(
+            _join_kernel,
+            out_shape=jax.ShapeDtypeStruct((SPLIT_K * e,), jnp.float32),
+            grid=(SPLIT_K * SPLIT_G,),
+            in_specs=[pl.no_block_spec] * (1 + SPLIT_K), out_specs=pl.no_block_spec,
+            interpret=_on_cpu(), compiler_params=_compiler_params(), name="stack_rows",
+        )
+        parts.append(call(_copy_table(rows, e, c), *ins)[:len(rows) * e])
+    return jnp.concatenate(parts).reshape(len(xs), *shape)
+
+
+def split_rows(x: Any, shape: tuple[int, ...]) -> list[Any]:
+    """``[x[i].reshape(shape) for i in range(len(x))]`` (float32 ``x`` stacked on axis 0)
+    written by a Pallas copy kernel, :data:`SPLIT_K` tensors a call, rather than by XLA:
+    XLA:GPU copies each slice of a stacked array that is a result of the program in a
+    kernel of its own, one per tensor and array, each compiled apart. Exact copies."""
+    L = int(x.shape[0])
+    e = int(np.prod(shape, dtype=np.int64))
+    if L == 1 or e == 0:  # a reshape, or nothing to copy
+        return [x[i].reshape(shape) for i in range(L)]
+    assert x.dtype == jnp.float32 and L * e < 2**31, (x.dtype, x.shape)
+    flat = x.reshape(L * e)
+    out = []
+    for c in range(0, L, SPLIT_K):
+        rows = range(c, min(c + SPLIT_K, L))
+        call = pl.pallas_call(
+            _split_kernel,
+            out_shape=[jax.ShapeDtypeStruct((e,), jnp.float32)] * SPLIT_K,
+            grid=(SPLIT_K * SPLIT_G,),
+            in_specs=[pl.no_block_spec, pl.no_block_spec],
+            out_specs=[pl.no_block_spec] * SPLIT_K,
+            interpret=_on_cpu(), compiler_params=_compiler_params(), name="split_rows",
+        )
+        out += [o.reshape(shape) for o in call(_copy_table(rows, e), flat)[:len(rows)]]
+    return out
+
+
 def _axis_prep(shape: tuple[int, ...], v_row: list[Any], v_col: list[Any],
                v_diag: list[Any], g: list[Any], mom_d: Any, rms_d: Any,
                fac_d: Any) -> dict[str, Any]:
     """Both methods' first stage: the new ``v_row``/``v_col`` (the spec's
-    ``factored_update`` per tensor, on its own gradient, as the method feeds it: lists),
-    their factors per axis ``f1`` [L, 3, N1], ``f2`` [L, 3, N2], the row and column features
-    [L, n, 6] and their sums of squares over the tensor [L, 6], and the kernels' decays
-    [8]."""
+    ``factored_update``, as the method feeds it: lists), their factors per axis ``f1``
+    [L, 3, N1], ``f2`` [L, 3, N2], the row and column features [L, n, 6] and their sums of
+    squares over the tensor [L, 6], and the kernels' decays [8].
+
+    ``factored_update``'s expressions, split where the group can share them: the means of
+    ``g² + 1e-30`` over each axis per tensor (a reduction of its own gradient), then the
+    accumulators' update on the group's means stacked (one op for the group, not one per
+    tensor; the old statistics stacked by :func:`stack_rows`, each tensor's new ones written
+    by :func:`split_rows`): the same operations on the same operands."""
+    del v_diag  # (a placeholder for a factored tensor)
     L = len(g)
     _, _, row_on_1 = two_d_view(shape)
-    new = [lopt.factored_update(jnp, vr, vc, vd, gg, fac_d)
-           for vr, vc, vd, gg in zip(v_row, v_col, v_diag, g, strict=True)]
-    new_row, new_col = [n[0] for n in new], [n[1] for n in new]
-    vr2 = jnp.stack(new_row).reshape(L, -1, 3)  # [L, positions of the v_row axis, 3]
-    vc2 = jnp.stack(new_col).reshape(L, -1, 3)
+    d1, d0 = lopt.factored_dims(shape)
+    c = arrays.clip(jnp, fac_d, 0.0, 1.0)
+    mix = 1.0 - c
+    sq = [x * x + 1e-30 for x in g]
+    mean_row = jnp.stack([arrays.mean(jnp, x, (d0,)) for x in sq])
+    mean_col = jnp.stack([arrays.mean(jnp, x, (d1,)) for x in sq])
+    new_row = c * stack_rows(v_row) + mix * mean_row[..., None]
+    new_col = c * stack_rows(v_col) + mix * mean_col[..., None]
+    vr2 = new_row.reshape(L, -1, 3)  # [L, positions of the v_row axis, 3]
+    vc2 = new_col.reshape(L, -1, 3)
     rcm = jnp.mean(vr2, axis=1, keepdims=True)
     # v_row / (rcm + 1e-9) correctly rounded, as torch's kernels divide (XLA multiplies by
     # the reciprocal of a broadcast divisor on the CPU, and its GPU division is not IEEE)
@@ -621,7 +756,8 @@ def _axis_prep(shape: tuple[int, ...], v_row: list[Any], v_col: list[Any],
     row_sq = jnp.sum(row_feats * row_feats, axis=1) * vc2.shape[1]
     col_sq = jnp.sum(col_feats * col_feats, axis=1) * vr2.shape[1]
     decs = jnp.concatenate([mom_d, rms_d, jnp.zeros((4,), jnp.float32)])  # [8]
-    return dict(new_row=new_row, new_col=new_col, f1=jnp.swapaxes(f1, 1, 2),
+    return dict(new_row=split_rows(new_row, new_row.shape[1:]),
+                new_col=split_rows(new_col, new_col.shape[1:]), f1=jnp.swapaxes(f1, 1, 2),
                 f2=jnp.swapaxes(f2, 1, 2), row_feats=row_feats, col_feats=col_feats,
                 row_sq=row_sq, col_sq=col_sq, decs=decs)
 
