@@ -662,6 +662,33 @@ def _copy_table(rows: range, e: int, base: int = 0) -> Any:
     return jnp.asarray(tab)
 
 
+# One call of each copy kernel per array size, as a jitted function: identical calls (the
+# chunks of every group of one tensor size) are traced and lowered once, not once each (a
+# call's kernel has SPLIT_K branches: tracing and lowering it is ~0.5 s of host time).
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _stack_chunk(tab: Any, *ins: Any, interpret: bool) -> Any:
+    e = ins[0].shape[0]
+    return pl.pallas_call(
+        _join_kernel,
+        out_shape=jax.ShapeDtypeStruct((SPLIT_K * e,), jnp.float32),
+        grid=(SPLIT_K * SPLIT_G,),
+        in_specs=[pl.no_block_spec] * (1 + SPLIT_K), out_specs=pl.no_block_spec,
+        interpret=interpret, compiler_params=_compiler_params(), name="stack_rows",
+    )(tab, *ins)
+
+
+@functools.partial(jax.jit, static_argnames=("e", "interpret"))
+def _split_chunk(tab: Any, src: Any, *, e: int, interpret: bool) -> list[Any]:
+    return pl.pallas_call(
+        _split_kernel,
+        out_shape=[jax.ShapeDtypeStruct((e,), jnp.float32)] * SPLIT_K,
+        grid=(SPLIT_K * SPLIT_G,),
+        in_specs=[pl.no_block_spec, pl.no_block_spec],
+        out_specs=[pl.no_block_spec] * SPLIT_K,
+        interpret=interpret, compiler_params=_compiler_params(), name="split_rows",
+    )(tab, src)
+
+
 def stack_rows(xs: Sequence[Any]) -> Any:
     """``jnp.stack(xs)`` (float32 arrays of one shape) written by a Pallas copy kernel,
     :data:`SPLIT_K` tensors a call: XLA lays a stacked array out as its consumers prefer,
@@ -680,14 +707,8 @@ def stack_rows(xs: Sequence[Any]) -> Any:
         rows = range(c, min(c + SPLIT_K, len(xs)))
         # placeholders: the first input again (not read: length 0)
         ins = [xs[i].reshape(e) for i in rows] + [xs[c].reshape(e)] * (SPLIT_K - len(rows))
-        call = pl.pallas_call(
-            _join_kernel,
-            out_shape=jax.ShapeDtypeStruct((SPLIT_K * e,), jnp.float32),
-            grid=(SPLIT_K * SPLIT_G,),
-            in_specs=[pl.no_block_spec] * (1 + SPLIT_K), out_specs=pl.no_block_spec,
-            interpret=_on_cpu(), compiler_params=_compiler_params(), name="stack_rows",
-        )
-        parts.append(call(_copy_table(rows, e, c), *ins)[:len(rows) * e])
+        parts.append(_stack_chunk(_copy_table(rows, e, c), *ins,
+                                  interpret=_on_cpu())[:len(rows) * e])
     return jnp.concatenate(parts).reshape(len(xs), *shape)
 
 
@@ -695,25 +716,23 @@ def split_rows(x: Any, shape: tuple[int, ...]) -> list[Any]:
     """``[x[i].reshape(shape) for i in range(len(x))]`` (float32 ``x`` stacked on axis 0)
     written by a Pallas copy kernel, :data:`SPLIT_K` tensors a call, rather than by XLA:
     XLA:GPU copies each slice of a stacked array that is a result of the program in a
-    kernel of its own, one per tensor and array, each compiled apart. Exact copies."""
+    kernel of its own, one per tensor and array, each compiled apart. Exact copies. Each
+    call reads the whole array, padded to a multiple of :data:`SPLIT_K` rows, so that the
+    calls on arrays of one size and as many chunks are the same call."""
     L = int(x.shape[0])
     e = int(np.prod(shape, dtype=np.int64))
     if L == 1 or e == 0:  # a reshape, or nothing to copy
         return [x[i].reshape(shape) for i in range(L)]
-    assert x.dtype == jnp.float32 and L * e < 2**31, (x.dtype, x.shape)
+    assert x.dtype == jnp.float32 and SPLIT_K * e < 2**31, (x.dtype, x.shape)
+    chunks = -(-L // SPLIT_K)
     flat = x.reshape(L * e)
+    if chunks * SPLIT_K != L:  # (rows past L: never read, no table row names them)
+        flat = jnp.pad(flat, (0, (chunks * SPLIT_K - L) * e))
     out = []
     for c in range(0, L, SPLIT_K):
         rows = range(c, min(c + SPLIT_K, L))
-        call = pl.pallas_call(
-            _split_kernel,
-            out_shape=[jax.ShapeDtypeStruct((e,), jnp.float32)] * SPLIT_K,
-            grid=(SPLIT_K * SPLIT_G,),
-            in_specs=[pl.no_block_spec, pl.no_block_spec],
-            out_specs=[pl.no_block_spec] * SPLIT_K,
-            interpret=_on_cpu(), compiler_params=_compiler_params(), name="split_rows",
-        )
-        out += [o.reshape(shape) for o in call(_copy_table(rows, e), flat)[:len(rows)]]
+        got = _split_chunk(_copy_table(rows, e), flat, e=e, interpret=_on_cpu())
+        out += [o.reshape(shape) for o in got[:len(rows)]]
     return out
 
 
