@@ -607,27 +607,33 @@ SPLIT_G = 4
 SPLIT_BLOCK = 512
 
 
+def _copy_row(tab_ref, k: int, g: Any, src: Any, dst: Any, src_at_off: bool) -> None:  # noqa: ANN001
+    """Blocks ``g, g + SPLIT_G, …`` of table row ``k``'s ``n`` elements (``(off, n)`` its
+    row; a placeholder has ``n = 0``): ``dst[j] = src[off + j]`` (``src_at_off``), else
+    ``dst[off + j] = src[j]``, for ``j < n``."""
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (SPLIT_BLOCK,), 0)
+    span = SPLIT_G * SPLIT_BLOCK
+    off, n = tab_ref[2 * k], tab_ref[2 * k + 1]
+    s_off, d_off = (off, 0) if src_at_off else (0, off)
+
+    def block(s, carry):  # noqa: ANN001, ANN202
+        j = g * SPLIT_BLOCK + s * span
+        ok = j + lanes < n
+        v = plt.load(src.at[pl.ds(s_off + j, SPLIT_BLOCK)], mask=ok, other=0.0)
+        plt.store(dst.at[pl.ds(d_off + j, SPLIT_BLOCK)], v, mask=ok)
+        return carry
+
+    jax.lax.fori_loop(0, (n - g * SPLIT_BLOCK + span - 1) // span, block, 0)
+
+
 def _split_kernel(tab_ref, src_ref, *out_refs):  # noqa: ANN001
     """Program ``t`` copies blocks ``g, g + SPLIT_G, …`` (``g = t % SPLIT_G``) of output
     ``t // SPLIT_G``: ``out[j] = src[off + j]`` for ``j < n``, ``(off, n)`` its row of the
     table (data: a placeholder output has ``n = 0``)."""
     t = pl.program_id(0)
     r, g = t // SPLIT_G, t % SPLIT_G
-    lanes = jax.lax.broadcasted_iota(jnp.int32, (SPLIT_BLOCK,), 0)
-    span = SPLIT_G * SPLIT_BLOCK
     for k, o_ref in enumerate(out_refs):
-        @pl.when(r == k)
-        def _copy(o_ref=o_ref, k=k):  # noqa: ANN001, ANN202
-            off, n = tab_ref[2 * k], tab_ref[2 * k + 1]
-
-            def block(s, carry):  # noqa: ANN001, ANN202
-                j = g * SPLIT_BLOCK + s * span
-                ok = j + lanes < n
-                v = plt.load(src_ref.at[pl.ds(off + j, SPLIT_BLOCK)], mask=ok, other=0.0)
-                plt.store(o_ref.at[pl.ds(j, SPLIT_BLOCK)], v, mask=ok)
-                return carry
-
-            jax.lax.fori_loop(0, (n - g * SPLIT_BLOCK + span - 1) // span, block, 0)
+        pl.when(r == k)(functools.partial(_copy_row, tab_ref, k, g, src_ref, o_ref, True))
 
 
 def _join_kernel(tab_ref, *refs):  # noqa: ANN001
@@ -636,21 +642,8 @@ def _join_kernel(tab_ref, *refs):  # noqa: ANN001
     *in_refs, dst_ref = refs
     t = pl.program_id(0)
     r, g = t // SPLIT_G, t % SPLIT_G
-    lanes = jax.lax.broadcasted_iota(jnp.int32, (SPLIT_BLOCK,), 0)
-    span = SPLIT_G * SPLIT_BLOCK
     for k, i_ref in enumerate(in_refs):
-        @pl.when(r == k)
-        def _copy(i_ref=i_ref, k=k):  # noqa: ANN001, ANN202
-            off, n = tab_ref[2 * k], tab_ref[2 * k + 1]
-
-            def block(s, carry):  # noqa: ANN001, ANN202
-                j = g * SPLIT_BLOCK + s * span
-                ok = j + lanes < n
-                v = plt.load(i_ref.at[pl.ds(j, SPLIT_BLOCK)], mask=ok, other=0.0)
-                plt.store(dst_ref.at[pl.ds(off + j, SPLIT_BLOCK)], v, mask=ok)
-                return carry
-
-            jax.lax.fori_loop(0, (n - g * SPLIT_BLOCK + span - 1) // span, block, 0)
+        pl.when(r == k)(functools.partial(_copy_row, tab_ref, k, g, i_ref, dst_ref, False))
 
 
 def _copy_table(rows: range, e: int, base: int = 0) -> Any:
