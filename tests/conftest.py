@@ -76,14 +76,15 @@ SLOW_FILES = (
 
 
 #: The slow tier (``-m slow``; the README's command deselects it): the tests that take more
-#: than ~8 s each on a 2-core CPU (``--durations=0``), so that the default run stays under 15
-#: minutes there. Kept in the default run although as slow: each method's golden-trace parity
-#: (the product), the torch Triton kernels against plain (tests/test_kernels_lopt.py), the
-#: JAX Pallas path on the golden cases, the CLI's main job, the documentation build, the getting-started
-#: page and ``import xopt``'s lightness. What is left here is either a larger case of a check the
-#: default run makes on a smaller one (another method, variant, shape or page) or a claim
-#: about compiled programs, benchmarks and examples run to the end. An entry is a file, a test
-#: (all its parameters) or one parametrized case.
+#: than ~8 s each on a 2-core CPU (``--durations=0``), to keep the default run near 15
+#: minutes there. Kept in the default run although as slow: each method's golden-trace
+#: parity (the product), the torch Triton kernels against plain
+#: (tests/test_kernels_lopt.py), the JAX Pallas path on the golden cases, the CLI's main job,
+#: the documentation build, the getting-started page and ``import xopt``'s lightness. What is
+#: left here is a larger case of a check the default run makes on a smaller one (another
+#: method, variant, shape or page), a claim about compiled programs, or a benchmark, example
+#: or page run to the end. An entry is a file, a test (all its parameters) or one
+#: parametrized case.
 SLOW_TESTS = (
     # Triton/Pallas kernels under the interpreter: per-kernel workers and bit-level findings
     "tests/test_kernels_small_fc_fold.py",
