@@ -291,6 +291,11 @@ def test_batched_draws_are_xopt_randoms():
         for s, row in zip(seeds, got, strict=True):
             assert np.array_equal(row, P.random_permutation(s, n))
             assert np.array_equal(P.inverses(got)[seeds.index(s)], P.inverse(row))
+    h = P.POET()
+    pairs = P.random_layer_permutations(seeds, data, [31] * 8, [64, 1] * 4)
+    for s, d, (pin, pout) in zip(seeds, data, pairs, strict=True):
+        want = P.layer_permutations(h, s, d, 31, 64 if seeds.index(s) % 2 == 0 else 1)
+        assert np.array_equal(pin, want[0]) and np.array_equal(pout, want[1])
 
 
 @needs_torch

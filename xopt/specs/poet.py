@@ -563,6 +563,25 @@ def layer_permutations(hp: POET, layer_seed: int, merges: int, n_in: int, n_out:
     return random_permutation(xr.fold_in(s, 0), n_in), random_permutation(xr.fold_in(s, 1), n_out)
 
 
+
+def random_layer_permutations(layer_seeds, merges, n_ins, n_outs) -> list[tuple]:
+    """``layer_permutations(hp, layer_seeds[j], merges[j], n_ins[j], n_outs[j])`` of a
+    random-permutation ``hp`` for every ``j``, the draws together: each ``fold_in`` as one
+    Threefry evaluation over the layers, the permutations of one width as one
+    (:func:`random_permutations`)."""
+    from xopt import random as xr
+
+    count = len(layer_seeds)
+    s = xr.fold_in_many(layer_seeds, merges)
+    seeds = xr.fold_in_many(s + s, [0] * count + [1] * count)  # (the in, then the out)
+    widths = list(n_ins) + list(n_outs)
+    drawn: list = [None] * len(seeds)
+    for n in set(widths):
+        at = [k for k, w in enumerate(widths) if w == n]
+        for k, row in zip(at, random_permutations([seeds[k] for k in at], n), strict=True):
+            drawn[k] = row
+    return [(drawn[j], drawn[count + j]) for j in range(count)]
+
 def inverse(perm: np.ndarray) -> np.ndarray:
     return np.argsort(np.asarray(perm), kind="stable").astype(np.int64)
 

@@ -1194,9 +1194,8 @@ def _plain_merge(layer: POETLinear) -> bool:
 def _next_permutations_many(layers: Sequence[POETLinear], counts: Sequence[int],
                             plain: Sequence[bool]) -> list[tuple[np.ndarray, np.ndarray]]:
     """Each layer's ``next_permutations(merges=count)`` (int64 NumPy), the random ones drawn
-    together (``plain``: the layers that draw with POETLinear's own method): ``fold_in``
-    per layer and per draw as one Threefry call each, the draws of one width as one (see
-    :func:`xopt.specs.poet.random_permutations`)."""
+    together (``plain``: the layers that draw with POETLinear's own method;
+    :func:`xopt.specs.poet.random_layer_permutations`)."""
     out: list[Any] = [None] * len(layers)
     todo = []
     for j, (layer, c) in enumerate(zip(layers, counts, strict=True)):
@@ -1206,17 +1205,11 @@ def _next_permutations_many(layers: Sequence[POETLinear], counts: Sequence[int],
         else:  # (identity permutations; a seed out of range raises there, as it does alone)
             out[j] = layer.next_permutations(merges=c)
     if todo:
-        s = xrandom.fold_in_many([layers[j].seed for j in todo], [counts[j] + 1 for j in todo])
-        seeds = xrandom.fold_in_many(s + s, [0] * len(s) + [1] * len(s))  # (the in, then the out)
-        widths = [layers[j].in_features for j in todo] + [layers[j].out_features for j in todo]
-        drawn: list[Any] = [None] * len(seeds)
-        for n in set(widths):
-            at = [k for k, w in enumerate(widths) if w == n]
-            rows = _spec_module.random_permutations([seeds[k] for k in at], n)
-            for k, p in zip(at, rows, strict=True):
-                drawn[k] = p
-        for k, j in enumerate(todo):
-            out[j] = (drawn[k], drawn[len(todo) + k])
+        drawn = _spec_module.random_layer_permutations(
+            [layers[j].seed for j in todo], [counts[j] + 1 for j in todo],
+            [layers[j].in_features for j in todo], [layers[j].out_features for j in todo])
+        for j, pair in zip(todo, drawn, strict=True):
+            out[j] = pair
     return out
 
 
