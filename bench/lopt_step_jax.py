@@ -144,7 +144,11 @@ JAX_PATHS = {
                       ("jax/small_fc_lopt/pallas/fast", "pallas", "fast")],
     "velo": [("jax/velo/packed", "packed", "exact"),
              ("jax/velo/pallas", "pallas", "exact")],
+    # small_fc_lopt's kernels on μLO's clipped gradients (torch's μLO has no Triton path)
+    "mulo": [("jax/mulo/pallas/exact", "pallas", "exact")],
 }
+#: the methods with a torch Triton path to time and check beside the JAX ones
+TORCH_TRITON = ("small_fc_lopt", "velo")
 
 
 class Deadline:
@@ -170,7 +174,7 @@ def err(e: BaseException) -> str:
 def make_tx(method: str, impl: str | None, precision: str = "exact", meta_params=None):
     if method == "adamw":
         return optax.adamw(1e-3)
-    cfg = SMALL_FC if method == "small_fc_lopt" else VELO
+    cfg = VELO if method == "velo" else SMALL_FC
     return getattr(xj, method)(meta_params, impl=impl, precision=precision, **cfg)
 
 
@@ -375,7 +379,7 @@ def checks(model: str, shapes, report: dict, dl: Deadline, with_torch: bool) -> 
             note(report, f"{model}: {method} plain failed: {err(e)}")
             continue
         tstate = None
-        if with_torch:
+        if with_torch and method in TORCH_TRITON:
             try:
                 tstate = torch_state_like_jax(method, shapes)
             except Exception as e:  # noqa: BLE001
@@ -445,7 +449,7 @@ def bench_model(model: str, args, report: dict, dl: Deadline) -> None:
             torch_adamw = TorchEntry("adamw", "fused", "exact", shapes)
         except Exception as e:  # noqa: BLE001
             note(report, f"{model}: torch fused AdamW failed: {err(e)}")
-    for method in ("small_fc_lopt", "velo"):
+    for method in JAX_PATHS:
         # --plain: the plain path timed in the same rounds as the others
         paths = JAX_PATHS[method] + ([(f"jax/{method}/plain", "plain", "exact")]
                                      if args.plain else [])
@@ -475,7 +479,7 @@ def bench_model(model: str, args, report: dict, dl: Deadline) -> None:
                 res["timings"][label] = {"error": err(e)}
                 note(report, f"{model}: {label} failed: {err(e)}")
                 traceback.print_exc(limit=3)
-        if torch_adamw is not None:
+        if torch_adamw is not None and method in TORCH_TRITON:
             entries["torch/adamw_fused"] = torch_adamw
             label = f"torch/{method}/triton/exact"
             try:
@@ -586,8 +590,8 @@ def survey_transforms(with_plain: bool, rank: int) -> list[tuple[str, object]]:
         m = label.split("/")[1]
         out.append((f"xopt.jax.{m}/{impl}/{prec}",
                     lambda m=m, impl=impl, prec=prec: make_tx(m, impl, prec)))
-    # μLO: small_fc_lopt's network on the plain path, every leaf a hidden layer (μP's
-    # multipliers change values, not the program)
+    # μLO: small_fc_lopt's network (its default impl: the kernels on a GPU), every leaf a
+    # hidden layer (μP's multipliers change values, not the program)
     out.append(("xopt.jax.mulo", lambda: xj.mulo(**SMALL_FC)))
     for method in ("galore", "flora", "coap", "plumage"):
         extra = {"beta1": 0.9} if method == "flora" else {}
@@ -664,8 +668,8 @@ OP_COUNT_SHAPES = [(16, 12), (12,), (12, 16), (8, 16)]  # a block, repeated
 def op_count_transforms() -> list[tuple[str, object]]:
     out: list = [("optax.adamw", lambda: optax.adamw(1e-3)),
                  ("xopt.jax.adamw", lambda: xj.adamw(1e-3))]
-    # μLO: small_fc_lopt's network on the plain path, every leaf a hidden layer (μP's
-    # multipliers change values, not the program)
+    # μLO: small_fc_lopt's network (its default impl: the kernels on a GPU), every leaf a
+    # hidden layer (μP's multipliers change values, not the program)
     out.append(("xopt.jax.mulo", lambda: xj.mulo(**SMALL_FC)))
     for method in ("galore", "flora", "coap", "plumage"):
         extra = {"beta1": 0.9} if method == "flora" else {}

@@ -35,6 +35,13 @@ EXACT = 1e-6
 SHAPES = [(), (5,), (7, 3), (3, 9), (6, 6), (40, 36), (1, 5, 8), (2, 3, 5), (7, 3), (40, 36),
           (5,)]
 SMALL_FC = dict(num_training_steps=100, hidden_size=32, step_mult=0.01)
+#: μLO through small_fc_lopt's fast paths: its global clipping active (gradients of norm > 1)
+#: and a μP multiplier per leaf, so that both sit between the kernels and the update
+MULO = dict(SMALL_FC, clip_grad=True)
+
+
+def _mults(names):
+    return {k: 0.5 + 0.25 * (i % 3) for i, k in enumerate(names)}
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +62,8 @@ def _tx(method: str, impl: str, theta=None, **kw):
 
     if method == "small_fc_lopt":
         return xj.small_fc_lopt(impl=impl, **SMALL_FC, **kw)
+    if method == "mulo":
+        return xj.mulo(impl=impl, mup_lrs=lambda p: _mults(list(p)), **MULO, **kw)
     return xj.velo(theta, impl=impl, num_training_steps=100, **kw)
 
 
@@ -140,6 +149,20 @@ def test_fast_path_matches_plain_and_float64(method, impl, plain_runs, velo_thet
             err_a = max_rel(-np.asarray(u_a[k], np.float64), ref_a[k])
             err_b = max_rel(-np.asarray(u_b[k], np.float64), ref_b[k])
             assert err_b <= max(EXACT, 2 * err_a), (t, k, err_b, err_a)
+
+
+def test_mulo_through_small_fc_lopts_kernels_matches_plain():
+    # μLO's fast path is small_fc_lopt's on the clipped gradients, its steps scaled by the
+    # multipliers (0.5-1.0 here): a wrong multiplier or clipping moves the parameters by
+    # about |step| (1e-4 of them), far above the bound
+    import jax
+
+    _, pa, sa = _run("mulo", "plain")
+    _, pb, sb = _run("mulo", "pallas")
+    assert jax.tree.structure(sa) == jax.tree.structure(sb)
+    assert max(max_rel(np.asarray(pb[k]), np.asarray(pa[k])) for k in pa) <= EXACT
+    assert max(max_rel(np.asarray(b), np.asarray(a)) for a, b in
+               zip(jax.tree.leaves(sa), jax.tree.leaves(sb), strict=True)) <= EXACT
 
 
 #: StableHLO ops that only move data (stacking a group, handing each tensor its rows back)

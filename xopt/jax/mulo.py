@@ -35,7 +35,7 @@ import numpy as np
 import optax
 
 from xopt.errors import HyperparameterError
-from xopt.jax import _contract
+from xopt.jax import _contract, _lopt_fast
 from xopt.jax._lopt import configure, learned_optimizer
 from xopt.jax.small_fc_lopt import SmallFCState, init_state
 from xopt.registry import register
@@ -87,11 +87,14 @@ def mup_lrs(params: Any, roles: Any, hidden_lr_mult: float = 1.0) -> Any:
 
 
 class _Method:
-    """The learned update proper (:class:`xopt.jax._lopt.InnerMethod`)."""
+    """The learned update proper (:class:`xopt.jax._lopt.InnerMethod`). ``fast``: small_fc_lopt's
+    packed or Pallas inner update (:func:`xopt.jax._lopt_fast.select`), which the prepared
+    gradients go through before the μP multipliers; None: per tensor here."""
 
     def __init__(self, hp: _spec.MuLO, meta: Mapping[str, np.ndarray],
                  mults: Callable[[Any], list[float]]) -> None:
         self.hp, self.meta, self.mults = hp, meta, mults
+        self.fast: Any = None
 
     def init(self, params: Any) -> SmallFCState:
         self.mults(params)  # the multipliers are checked against the params once, here
@@ -99,17 +102,23 @@ class _Method:
 
     def update(self, params: Any, grads: Any, loss: jax.Array, iteration: jax.Array,
                inner: SmallFCState) -> tuple[Any, SmallFCState]:
-        del loss  # MuAdafacMLPLOpt does not read the loss
         p_leaves, treedef = jax.tree.flatten(params)
         g_leaves = treedef.flatten_up_to(grads)
         mults = self.mults(params)
+        norm = _spec.global_norm(jnp, g_leaves) if self.hp.clip_grad and g_leaves else None
+        g_leaves = [_spec.prepare_grad(jnp, g, norm) for g in g_leaves]
+        if self.fast is not None:
+            steps, new = self.fast.update(params, treedef.unflatten(g_leaves), loss, iteration,
+                                          inner)
+            steps = [_spec.scale_step(s, m)
+                     for s, m in zip(treedef.flatten_up_to(steps), mults, strict=True)]
+            return treedef.unflatten(steps), new
+        del loss  # MuAdafacMLPLOpt does not read the loss
         accs_in = [treedef.flatten_up_to(getattr(inner, v)) for v in _PARAM_VARS]
         decays = _sf.decays(self.hp, self.meta, xp=jnp)
         tf = _sf.time_features(jnp, iteration, self.meta["mlp/b0"])
-        norm = _spec.global_norm(jnp, g_leaves) if self.hp.clip_grad and g_leaves else None
         steps, accs_out = [], [[] for _ in _PARAM_VARS]
         for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
-            g = _spec.prepare_grad(jnp, g, norm)
             step, accs = _sf.compute_step(self.hp, p, g, *(a[i] for a in accs_in), tf,
                                           self.meta, decays, xp=jnp)
             steps.append(_spec.scale_step(step, mults[i]))
@@ -181,6 +190,8 @@ def mulo(
     seed: int | None = None,
     check_finite: bool = False,
     nonfinite: str | None = None,
+    impl: str | None = None,
+    precision: str = "exact",
     clip_grad: bool | None = None,
     mup_lr: float | None = None,
     exp_mult: float | None = None,
@@ -212,6 +223,10 @@ def mulo(
         ``"raise"`` or ``"skip"`` over the gradients and the loss (:mod:`xopt.nonfinite`;
         ``"raise"`` needs concrete values, outside ``jit``).
       check_finite: ``True`` is the older spelling of ``nonfinite="raise"``.
+      impl: the inner update's implementation, as :func:`xopt.jax.small_fc_lopt`'s (the
+        same kernels: the μP multipliers scale their steps): "plain", "packed", "pallas",
+        or None ("pallas" on a GPU where the kernels cover the configuration, else "plain").
+      precision: the fused kernels' matrix products, "exact" or "fast" (TF32).
       clip_grad, mup_lr, exp_mult, step_mult, hidden_size, hidden_layers,
         initial_momentum_decays, initial_rms_decays, initial_adafactor_decays: the
         method's hyperparameters (:class:`xopt.specs.mulo.MuLO`).
@@ -231,6 +246,11 @@ def mulo(
                                    learning_rate=learning_rate, meta_params=meta_params,
                                    seed=seed)
     method = _Method(hp, meta, _multipliers(label, hp, mup_lrs, param_specs))
+    # small_fc_lopt's fast paths, on the gradients μLO prepares (its clipping is global, so
+    # it runs before them, as one XLA reduction)
+    fast = _lopt_fast.select(label, "small_fc_lopt", method, impl, precision)
+    if fast is not method:
+        method.fast = fast
     return learned_optimizer(method, hp, learning_rate=schedule,
                              nonfinite=mode, needs_loss=False, label=label)
 
