@@ -98,6 +98,7 @@ SLOW_TESTS = (
     "tests/test_lopt_backend_bits.py",
     "tests/test_jax_lopt_pallas_breakdown.py",
     "tests/test_kernels_lopt_jax.py::test_fast_path_matches_plain_and_float64",
+    "tests/test_kernels_lopt_jax.py::test_mulo_through_small_fc_lopts_kernels_matches_plain",
     "tests/test_kernels_lopt_jax.py::test_a_plain_state_resumes_on_the_packed_path",
     "tests/test_kernels_lopt_jax.py::test_packed_program_size_does_not_grow_with_the_tensor_count",
     "tests/test_kernels_lopt_jax.py::test_pallas_kernels_lower_to_triton_for_cuda",
