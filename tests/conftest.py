@@ -200,7 +200,28 @@ SLOW_TESTS = (
     "tests/contract/test_optax_transforms.py::test_bundled_meta_params_build_and_step[velo]",
     "tests/contract/test_optax_transforms.py::"
     "test_chain_is_the_transformation_and_forwards_value[coap_8bit]",
-    "tests/contract/test_optax_transforms.py::test_inject_hyperparams_uses_every_injected_value",
+    "tests/contract/test_optax_transforms.py::"
+    "test_inject_hyperparams_uses_every_injected_value[flora]",
+    "tests/contract/test_optax_transforms.py::"
+    "test_inject_hyperparams_uses_every_injected_value[coap]",
+    "tests/contract/test_optax_transforms.py::"
+    "test_inject_hyperparams_uses_every_injected_value[coap_conv]",
+    "tests/contract/test_optax_transforms.py::"
+    "test_inject_hyperparams_uses_every_injected_value[coap_8bit]",
+    "tests/contract/test_optax_transforms.py::"
+    "test_inject_hyperparams_uses_every_injected_value[coap_adafactor]",
+    "tests/contract/test_optax_transforms.py::"
+    "test_inject_hyperparams_uses_every_injected_value[plumage]",
+    "tests/contract/test_optax_transforms.py::"
+    "test_inject_hyperparams_uses_every_injected_value[poet_adamw/xq]",
+    "tests/contract/test_optax_transforms.py::"
+    "test_inject_hyperparams_uses_every_injected_value[compact_adamw]",
+    "tests/contract/test_optax_transforms.py::"
+    "test_inject_hyperparams_uses_every_injected_value[small_fc_lopt]",
+    "tests/contract/test_optax_transforms.py::"
+    "test_inject_hyperparams_uses_every_injected_value[mulo]",
+    "tests/contract/test_optax_transforms.py::"
+    "test_inject_hyperparams_uses_every_injected_value[velo]",
     "tests/contract/test_optax_transforms.py::test_multi_steps_accumulates_then_steps[coap_8bit]",
     "tests/contract/test_optax_transforms.py::test_multi_steps_accumulates_then_steps[velo]",
     # methods' own tests on more cases than the default run's
