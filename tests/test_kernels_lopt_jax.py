@@ -397,6 +397,12 @@ def test_impl_and_precision_are_checked():
         xj.velo(num_training_steps=10, impl="pallas", ff_hidden_size=8)
     with pytest.raises(HyperparameterError, match="hidden_layers"):
         xj.small_fc_lopt(num_training_steps=10, impl="pallas", hidden_layers=0)
+    # μLO on small_fc_lopt's kernels: the errors name μLO
+    with pytest.raises(HyperparameterError, match=r"xopt\.jax\.mulo.*impl"):
+        xj.mulo(num_training_steps=10, impl="triton2")
+    with pytest.raises(HyperparameterError,
+                       match=r"xopt\.jax\.mulo\(impl='pallas'\).*hidden_layers"):
+        xj.mulo(num_training_steps=10, impl="pallas", hidden_layers=0)
     # the default is the plain path on a CPU, and the state is the same for every impl
     params = {"w": jnp.ones((3, 4)), "b": jnp.ones((4,))}
     structures = {str(jax.tree.structure(_tx("small_fc_lopt", impl).init(params)))

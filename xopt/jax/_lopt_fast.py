@@ -86,7 +86,7 @@ def select(label: str, method_name: str, plain: Any, impl: str | None,
         if check(plain.hp) is not None:  # plain, not packed: packed is the slower of the two
             return plain
     if method_name == "small_fc_lopt":
-        return PackedSmallFC(plain, which, precision)
+        return PackedSmallFC(plain, which, precision, label)
     if method_name == "velo":
         return PackedVeLO(plain, which)
     raise ValueError(f"no fast path for {method_name!r}")
@@ -206,7 +206,8 @@ class PackedSmallFC:
     """small_fc_lopt's inner update over shape groups (``impl="packed"`` and, for the 2-D
     factored groups, ``impl="pallas"``)."""
 
-    def __init__(self, plain: Any, impl: str, precision: str) -> None:
+    def __init__(self, plain: Any, impl: str, precision: str,
+                 label: str = "xopt.jax.small_fc_lopt") -> None:
         self.plain, self.hp, self.meta = plain, plain.hp, plain.meta
         self.impl, self.precision = impl, precision
         #: the stage runner (None: :func:`run_stage`)
@@ -216,7 +217,7 @@ class PackedSmallFC:
 
             why = _lopt_pallas.unsupported_small_fc(self.hp)
             if why is not None:
-                raise HyperparameterError(f"xopt.jax.small_fc_lopt(impl='pallas'): {why}")
+                raise HyperparameterError(f"{label}(impl='pallas'): {why}")
 
     def init(self, params: Any) -> Any:
         return self.plain.init(params)
