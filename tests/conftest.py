@@ -76,8 +76,8 @@ SLOW_FILES = (
 
 
 #: The slow tier (``-m slow``; the README's command deselects it): the tests that take
-#: longest on a 2-core CPU (``--durations=0``; most more than ~8 s each), to bring the
-#: default run under 15 minutes there. Kept in the default run although as slow: each
+#: longest on a 2-core CPU (``--durations=0``; most more than ~8 s each), which keep the
+#: default run to about 15 minutes there. Kept in the default run although as slow: each
 #: method's golden-trace parity (the product), the torch Triton kernels against plain on a
 #: few shapes (tests/test_kernels_lopt.py; on every shape in the slow tier, marked there),
 #: the JAX Pallas path on the golden cases, the CLI's main job, the documentation build, the
