@@ -45,33 +45,31 @@ if importlib.util.find_spec("torch") is not None and "triton" not in sys.modules
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-#: The files that run longest (the learned optimizers' parity reports, the kernel workers
-#: under Triton's interpreter, benchmarks and examples run to the end, the documentation
-#: pages' snippets), longest first: each 0.5-10 minutes on a 2-core CPU shared with other
-#: work, most of them of few tests. Under ``--dist loadfile`` a file runs on one worker from
-#: its first test to its last, and pytest-xdist hands the files out in the order collected;
-#: started first, these leave short files for the end of the run (longest processing time
-#: first). By their number of tests (pytest-xdist's own order) most came last and ended it.
+#: The files of the default run that take longest, longest first (``--durations=0`` of the
+#: README's command on a 2-core CPU, each file's tests summed: 30-150 s). Under ``--dist
+#: loadfile`` a file runs on one worker from its first test to its last, and pytest-xdist
+#: hands the files out in the order collected; started first, these leave short files for
+#: the end of the run (longest processing time first). By their number of tests
+#: (pytest-xdist's own order) several of them came last and ended it.
 SLOW_FILES = (
     "tests/test_kernels_lopt.py",
-    "tests/test_kernels_velo_fold.py",
-    "tests/test_kernels_small_fc_fold.py",
-    "tests/test_bench.py",
-    "tests/test_bench_refresh_schedule.py",
+    "tests/test_kernels_lopt_jax.py",
     "tests/test_doc_snippets.py",
-    "tests/test_examples.py",
+    "tests/contract/test_optax_transforms.py",
     "parity_tests/test_learned_optimizers.py",
-    "tests/test_jax_lowrank_batched.py",
-    "tests/test_jax_lopt_pallas_breakdown.py",
-    "tests/distributed/test_examples.py",
-    "parity_tests/test_mulo.py",
-    "tests/test_mulo_example.py",
-    "parity_tests/test_plumage.py",
-    "tests/distributed/test_jax_layers.py",
-    "tests/test_parity_findings.py",
-    "tests/test_jax_flora_compile.py",
-    "tests/test_parity_pairs.py",
-    "tests/test_docs.py",
+    "tests/contract/test_cross_backend_bf16.py",
+    "tests/distributed/test_torch_matrix.py",
+    "tests/test_random.py",
+    "tests/test_poet.py",
+    "parity_tests/test_distributed.py",
+    "parity_tests/test_adamw.py",
+    "tests/contract/test_torch_optimizers.py",
+    "parity_tests/test_coap.py",
+    "tests/distributed/test_jax_sharding.py",
+    "tests/test_jax_adamw.py",
+    "tests/test_bench.py",
+    "tests/contract/test_optax_bad_input.py",
+    "tests/test_poet_xq.py",
 )
 
 
