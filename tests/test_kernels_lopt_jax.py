@@ -469,8 +469,21 @@ def test_the_gpu_default_is_the_pallas_path_and_falls_back_to_plain(monkeypatch)
     asked = _lopt_fast.select("x", "small_fc_lopt", mod._Method(hp, spec.meta_init(hp, 0)),
                               "packed", "exact")
     assert asked.impl == "packed"
+    # μLO takes the same default: its update holds small_fc_lopt's kernels on a GPU only
+    import jax.numpy as jnp
+
+    import xopt.jax as xj
+
+    def mulo_program():
+        tx = xj.mulo(num_training_steps=10)
+        params = {"w": jnp.ones((3, 4)), "b": jnp.ones((4,))}
+        return str(jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(
+            params, tx.init(params), params))
+
+    assert "sfc_fused" in mulo_program()
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert chosen() == "plain"
+    assert "pallas_call" not in mulo_program()
 
 
 def _unmasked_boundary_accesses(closed) -> list[str]:
