@@ -37,15 +37,13 @@ import optax
 from xopt.errors import HyperparameterError
 from xopt.jax import _contract, _lopt_fast
 from xopt.jax._lopt import configure, learned_optimizer
-from xopt.jax.small_fc_lopt import SmallFCState, init_state
+from xopt.jax.small_fc_lopt import SmallFCState
+from xopt.jax.small_fc_lopt import _Method as small_fc_lopt_method
 from xopt.registry import register
 from xopt.specs import ParamGroups
 from xopt.specs import mulo as _spec
-from xopt.specs import small_fc_lopt as _sf
 
 __all__ = ["mulo", "mup_lrs"]
-
-_PARAM_VARS = _sf.PARAM_VARS
 
 
 def _leaf_names(tree: Any) -> list[str]:
@@ -87,18 +85,19 @@ def mup_lrs(params: Any, roles: Any, hidden_lr_mult: float = 1.0) -> Any:
 
 
 class _Method:
-    """The learned update proper (:class:`xopt.jax._lopt.InnerMethod`). ``fast``: small_fc_lopt's
-    packed or Pallas inner update (:func:`xopt.jax._lopt_fast.select`), which the prepared
-    gradients go through before the μP multipliers; None: per tensor here."""
+    """The learned update proper (:class:`xopt.jax._lopt.InnerMethod`): small_fc_lopt's inner
+    update (``inner``: its per-tensor reference, or its packed or Pallas path as
+    :func:`xopt.jax._lopt_fast.select` gives it) on the gradients μLO prepares, its steps
+    scaled by the μP multipliers."""
 
     def __init__(self, hp: _spec.MuLO, meta: Mapping[str, np.ndarray],
                  mults: Callable[[Any], list[float]]) -> None:
         self.hp, self.meta, self.mults = hp, meta, mults
-        self.fast: Any = None
+        self.inner: Any = small_fc_lopt_method(hp, meta)
 
     def init(self, params: Any) -> SmallFCState:
         self.mults(params)  # the multipliers are checked against the params once, here
-        return init_state(self.hp, params)
+        return self.inner.init(params)
 
     def update(self, params: Any, grads: Any, loss: jax.Array, iteration: jax.Array,
                inner: SmallFCState) -> tuple[Any, SmallFCState]:
@@ -107,25 +106,10 @@ class _Method:
         mults = self.mults(params)
         norm = _spec.global_norm(jnp, g_leaves) if self.hp.clip_grad and g_leaves else None
         g_leaves = [_spec.prepare_grad(jnp, g, norm) for g in g_leaves]
-        if self.fast is not None:
-            steps, new = self.fast.update(params, treedef.unflatten(g_leaves), loss, iteration,
-                                          inner)
-            steps = [_spec.scale_step(s, m)
-                     for s, m in zip(treedef.flatten_up_to(steps), mults, strict=True)]
-            return treedef.unflatten(steps), new
-        del loss  # MuAdafacMLPLOpt does not read the loss
-        accs_in = [treedef.flatten_up_to(getattr(inner, v)) for v in _PARAM_VARS]
-        decays = _sf.decays(self.hp, self.meta, xp=jnp)
-        tf = _sf.time_features(jnp, iteration, self.meta["mlp/b0"])
-        steps, accs_out = [], [[] for _ in _PARAM_VARS]
-        for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
-            step, accs = _sf.compute_step(self.hp, p, g, *(a[i] for a in accs_in), tf,
-                                          self.meta, decays, xp=jnp)
-            steps.append(_spec.scale_step(step, mults[i]))
-            for out, a in zip(accs_out, accs, strict=True):
-                out.append(a)
-        new = SmallFCState(*(treedef.unflatten(a) for a in accs_out),
-                           mom_t=inner.mom_t + 1, rms_t=inner.rms_t + 1)
+        steps, new = self.inner.update(params, treedef.unflatten(g_leaves), loss, iteration,
+                                       inner)
+        steps = [_spec.scale_step(s, m)
+                 for s, m in zip(treedef.flatten_up_to(steps), mults, strict=True)]
         return treedef.unflatten(steps), new
 
 
@@ -246,11 +230,9 @@ def mulo(
                                    learning_rate=learning_rate, meta_params=meta_params,
                                    seed=seed)
     method = _Method(hp, meta, _multipliers(label, hp, mup_lrs, param_specs))
-    # small_fc_lopt's fast paths, on the gradients μLO prepares (its clipping is global, so
-    # it runs before them, as one XLA reduction)
-    fast = _lopt_fast.select(label, "small_fc_lopt", method, impl, precision)
-    if fast is not method:
-        method.fast = fast
+    # small_fc_lopt's inner update, fast path included, on the gradients μLO prepares (its
+    # clipping is global, so it runs before them, as one XLA reduction)
+    method.inner = _lopt_fast.select(label, "small_fc_lopt", method.inner, impl, precision)
     return learned_optimizer(method, hp, learning_rate=schedule,
                              nonfinite=mode, needs_loss=False, label=label)
 
