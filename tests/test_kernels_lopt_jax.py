@@ -248,12 +248,30 @@ def test_pallas_kernels_lower_to_triton_for_cuda(monkeypatch, method, precision,
     # for a group of one, whose row is a reshape): v_row and v_col of the kernels' groups
     # (7, 3) and (40, 36); m, rms and v_diag of the vectors (5,) (their v_row, v_col are
     # empty); VeLO's LSTM state (hidden, cell) of all 11 tensors, split only (the LSTM
-    # gathers its input). Of each size one kernel: (7, 3)'s v_row and v_col are 3x3 and
-    # 7x3 per tensor, (40, 36)'s 36x3 and 40x3, the vectors' m and v_diag 5x3, rms 5x1
-    assert calls.count("stack_rows") == 2 + 2 + 3, calls
-    assert calls.count("split_rows") == 2 + 2 + 3 + 2 * (method == "velo"), calls
+    # gathers its input)
+    velo = method == "velo"
+    assert len(re.findall(r"call @_stack_chunk\w*\(", text)) == 2 + 2 + 3, text
+    assert len(re.findall(r"call @_split_chunk\w*\(", text)) == 2 + 2 + 3 + 2 * velo, text
+    # each copy call a jitted function lowered once per array size: (7, 3)'s v_row and
+    # v_col are 3x3 and 7x3 per tensor, (40, 36)'s 36x3 and 40x3, the vectors' m and v_diag
+    # both 5x3 (one function), rms 5x1; VeLO's hidden and cell one size
+    assert calls.count("stack_rows") == 6, calls
+    assert calls.count("split_rows") == 6 + velo, calls
     kernels = set(re.findall(r'ir = "((?:[^"\\]|\\.)*)"', text))
-    assert len(kernels) == per * len(groups) + 2 * 6 + (method == "velo"), len(kernels)
+    assert len(kernels) == per * len(groups) + 2 * 6 + velo, len(kernels)
+    # the fused calls update m and rms in place: their results are the buffers of the m and
+    # rms they read (else XLA copies each into the donated state after the call)
+    fused = [ln for ln in text.splitlines() if "custom_call" in ln and '_fused"' in ln]
+    assert len(fused) == len(in_kernels)
+    for ln in fused:
+        aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", ln)
+        ins, outs = (re.findall(r"tensor<[0-9x]*xf32>|tensor<1xi32>", part) for part in
+                     ln[ln.rfind(" : ("):].split(" -> "))
+        n1, n2 = (int(d) for d in outs[0][7:-5].split("x"))
+        assert [(outs[int(o)], ins[int(i)]) for o, i in aliases] == [
+            (f"tensor<{n1}x{n2}x3xf32>",) * 2, (f"tensor<{n1}x{n2}xf32>",) * 2], ln
+        assert [int(o) for o, _ in aliases] == [1, 2], ln
+        assert int(aliases[1][1]) == int(aliases[0][1]) + 1, ln  # rms: the operand after m
     # and no per-element array of theirs is stacked or sliced: no concatenation, slice or
     # gather yields one of (40, 36), a kernels' group of two tensors (their statistics
     # along an axis, (40, 3) and (36, 3), are)

@@ -561,6 +561,9 @@ class SmallFCKernels:
                       full(2, hp_), pl.BlockSpec((2,), whole),
                       blk, blk, blk_m, blk, group, group, group, group],
             out_specs=[blk, blk_m, blk],
+            # m and rms updated in place: as results of their own they would be copied
+            # into the donated state's buffers after the call (two copies per tensor)
+            input_output_aliases={10: 1, 11: 2},
             interpret=_on_cpu(), compiler_params=_compiler_params(), name="sfc_fused",
         )
         outs = [call(_index(i), pre["decs"], norm["w16"], norm["b0"], norm["wh"], norm["bh"],
@@ -1115,6 +1118,7 @@ class VeLOKernels:
             in_specs=[pl.BlockSpec((1,), whole), pl.BlockSpec((8,), whole), group,
                       blk, blk, blk_m, blk, group, group, group, group],
             out_specs=[blk, blk_m, blk],
+            input_output_aliases={5: 1, 6: 2},  # m and rms in place (as small_fc_lopt's)
             interpret=_on_cpu(), compiler_params=_compiler_params(), name="velo_fused",
         )
         outs = [call(_index(i), pre["decs"], norm["scal"], *_element_views(shape, *a),
