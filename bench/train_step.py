@@ -20,13 +20,19 @@ picks how GaLore, COAP and PLUMAGE decompose (``svd_driver=``, e.g. ``gram``).
 named in ``--methods``, where bitsandbytes is importable. ``--compile`` compiles the model's
 forward (``torch.compile``; the optimizer steps stay eager), ``--compile-mode MODE`` with
 torch.compile's ``mode`` (``reduce-overhead``: the compiled forward and backward replayed
-from CUDA graphs, POET-X's layer calls among them).
+from CUDA graphs, POET-X's layer calls among them). ``--accum K`` accumulates the gradients
+of K micro-batches (``--batch`` sequences of ``--seq`` tokens each) into every optimizer
+step, as a run at the papers' tokens per step does on one GPU; forward+backward is then the
+K micro-batches' together.
 
     python3 bench/train_step.py --size 350m --out-dir OUT [--compile] [--deadline-s 500]
     python3 bench/train_step.py --size 350m --methods "torch.optim.AdamW(fused),POET-X fast" \
         --compile --compile-mode reduce-overhead --out-dir OUT
     python3 bench/train_step.py --size 1b --methods GaLore,COAP,PLUMAGE,Flora \
         --refresh-interval 200 --svd-driver gram --out-dir OUT --deadline-s 240
+    # LLaMA-1B at GaLore's, COAP's and PLUMAGE's 512 sequences of 256 tokens per step
+    python3 bench/train_step.py --size 1b --seq 256 --batch 64 --accum 8 \
+        --methods GaLore,COAP,PLUMAGE,Flora --refresh-interval 200 --out-dir OUT
     python3 bench/train_step.py --tiny --out-dir OUT        # the CPU smoke run of CI
 """
 
@@ -245,9 +251,10 @@ class _Timer:
 
 def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
                compile_model: bool, batch: int | None = None,
-               compile_mode: str | None = None) -> dict[str, Any]:
-    d, layers, heads, ff, vocab, seq, size_batch = SIZES[size]
-    batch = batch or size_batch
+               compile_mode: str | None = None, seq: int | None = None,
+               accum: int = 1) -> dict[str, Any]:
+    d, layers, heads, ff, vocab, size_seq, size_batch = SIZES[size]
+    batch, seq = batch or size_batch, seq or size_seq
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     with torch.device(device):  # built where it trains: an 8B float32 copy on the host is slow
@@ -260,7 +267,8 @@ def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
     graphs = compile_model and compile_mode == "reduce-overhead"
     takes_loss = isinstance(opt, (xt.SmallFCLOpt, xt.VeLO))
     gen = torch.Generator(device=device).manual_seed(1)
-    ids = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
+    # the micro-batches of one step (the same ones every step)
+    ids = torch.randint(0, vocab, (accum, batch, seq), device=device, generator=gen)
     timer = _Timer(cuda)
     fb, st, losses, refresh = [], [], [], []
     if cuda:
@@ -270,8 +278,13 @@ def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
         t0 = timer.mark()
-        loss = fwd(ids)
-        loss.backward()
+        loss = 0.0
+        for micro in ids:
+            # each micro-batch's mean loss over the K: the accumulated gradient is the
+            # whole step's mean (as without accumulation)
+            part = fwd(micro) / accum if accum > 1 else fwd(micro)
+            part.backward()
+            loss = loss + part.detach()
         t1 = timer.mark()
         opt.step(loss=loss.detach()) if takes_loss else opt.step()
         opt.zero_grad(set_to_none=True)
@@ -293,7 +306,7 @@ def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
         "step_ms_refresh": statistics.mean(at_refresh) if at_refresh else None,
         "fwd_bwd_ms": statistics.median(fb), "step_ms_median": statistics.median(st),
         "step_ms_max": max(st), "step_ms_mean": statistics.mean(st), "total_ms_mean": total,
-        "tokens_per_s": batch * seq / (total / 1e3),
+        "tokens_per_s": accum * batch * seq / (total / 1e3),
         "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "state_bytes": _state_bytes(opt),
         "param_count": sum(p.numel() for p in model.parameters()),
@@ -347,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
                     "in the parameters' dtype, as the authors' code)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default: the "
                     "size's)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the "
+                    "size's)")
+    ap.add_argument("--accum", type=int, default=1, metavar="K",
+                    help="micro-batches whose gradients each optimizer step accumulates")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no method after this many seconds (each skipped one is listed)")
     args = ap.parse_args(argv)
@@ -357,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
             torch.compile(nn.Identity(), mode=args.compile_mode)
         except RuntimeError as e:
             ap.error(f"--compile-mode {args.compile_mode}: {e}")
+    for flag, v in (("--accum", args.accum), ("--seq", args.seq), ("--batch", args.batch)):
+        if v is not None and v < 1:
+            ap.error(f"{flag} {v}: must be at least 1")
     if args.refresh_interval is not None and args.refresh_interval < 1:
         ap.error(f"--refresh-interval {args.refresh_interval}: must be at least 1")
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
@@ -374,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     names = ["torch.optim.AdamW(fused)", *[n for n in names if n != "torch.optim.AdamW(fused)"]]
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"{dev_name}; {time.strftime('%Y-%m-%d')}; torch {torch.__version__}; size {size} "
-          f"{SIZES[size]}; batch {args.batch or SIZES[size][-1]}; {args.dtype}; "
+          f"{SIZES[size]}; batch {args.batch or SIZES[size][-1]} x "
+          f"{args.seq or SIZES[size][-2]} tokens"
+          f"{f' x {args.accum} micro-batches' if args.accum > 1 else ''}; {args.dtype}; "
           f"{'compiled' if args.compile else 'eager'}"
           f"{f' ({args.compile_mode})' if args.compile_mode else ''}{'; tf32' if args.tf32 else ''}"
           f"{f'; svd_driver {args.svd_driver}' if args.svd_driver else ''}"
@@ -387,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             rows[name] = run_method(name, size, device, dtype, args.compile, args.batch,
-                                    args.compile_mode)
+                                    args.compile_mode, args.seq, args.accum)
         except torch.OutOfMemoryError:
             rows[name] = {"error": "OOM"}
         except Exception as e:  # a method's failure is its row, not the end of the run
@@ -417,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": dev_name, "date": time.strftime("%Y-%m-%d"), "size": size,
-            "shape": SIZES[size], "batch": args.batch or SIZES[size][-1], "dtype": args.dtype,
+            "shape": SIZES[size], "batch": args.batch or SIZES[size][-1],
+            "seq": args.seq or SIZES[size][-2], "accum": args.accum, "dtype": args.dtype,
             "compile": args.compile, "compile_mode": args.compile_mode, "argv": sys.argv,
             "warmup": WARMUP, "timed": TIMED,
             "refresh_interval": GAP, "amortised_over": k, "tf32": args.tf32,

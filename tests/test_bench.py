@@ -131,6 +131,27 @@ def test_train_step_tiny_amortised_over_a_refresh_interval(tmp_path):
     assert report["rows"]["torch.optim.AdamW(fused)"]["ratio_total_to_fused_adamw_200"] == 1.0
 
 
+def test_train_step_tiny_accumulates_micro_batches(tmp_path):
+    """--accum K: each step's gradient accumulated over K micro-batches is the whole batch's
+    mean gradient (the same sequences as ``--batch K·b``: the same losses, up to the order of
+    the sums), and its tokens are K micro-batches'."""
+    losses = []
+    for name, flags in (("whole", ("--batch", "2")), ("accum", ("--batch", "1", "--accum", "2"))):
+        _run("train_step.py", "--tiny", "--out-dir", str(tmp_path / name), "--dtype", "fp32",
+             "--methods", "torch.optim.AdamW(fused)", *flags)
+        report = json.loads((tmp_path / name / "train_step_tiny.json").read_text())
+        row, meta = report["rows"]["torch.optim.AdamW(fused)"], report["meta"]
+        assert (meta["batch"] * meta["accum"], meta["seq"]) == (2, 32), meta
+        assert row["tokens_per_s"] == pytest.approx(2 * 32 / (row["total_ms_mean"] / 1e3))
+        losses.append(row["loss_first_last"])
+    (first, last), (first_acc, last_acc) = losses
+    # the first loss is of the same parameters (only the sums' order differs); the last
+    # follows 11 AdamW steps on gradients that differ from the batch's by that order
+    assert first_acc == pytest.approx(first, rel=1e-6)
+    assert last_acc == pytest.approx(last, rel=1e-5)
+    assert last < first - 0.5  # the steps trained (not a run that stood still)
+
+
 def test_train_step_tiny_compile_mode(tmp_path):
     """--compile --compile-mode MODE: the model's forward compiled with torch.compile's
     mode (a CPU-valid one runs, the JSON records it); a mode torch.compile does not know is
