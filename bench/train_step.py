@@ -16,14 +16,15 @@ is (ordinary·(K−1) + refresh)/K with refresh their mean, its total against fu
 the same K.
 ``--tf32`` lets float32 matmuls (the optimizers' projections) use TF32; ``--svd-driver``
 picks how GaLore, COAP and PLUMAGE decompose (``svd_driver=``, e.g. ``gram``).
-``bitsandbytes AdamW8bit`` (the 8-bit baseline of COAP 8-bit and POET-XQ) runs only when
-named in ``--methods``, where bitsandbytes is importable. ``--compile`` compiles the model's
-forward (``torch.compile``; the optimizer steps stay eager), ``--compile-mode MODE`` with
-torch.compile's ``mode`` (``reduce-overhead``: the compiled forward and backward replayed
-from CUDA graphs, POET-X's layer calls among them). ``--accum K`` accumulates the gradients
-of K micro-batches (``--batch`` sequences of ``--seq`` tokens each) into every optimizer
-step, as a run at the papers' tokens per step does on one GPU; forward+backward is then the
-K micro-batches' together.
+``bitsandbytes AdamW8bit`` (the 8-bit baseline of COAP 8-bit and POET-XQ) and ``GaLore
+(authors')`` (``galore_torch.GaLoreAdamW``, GaLore's own code at the settings of the GaLore
+row) run only when named in ``--methods``, where their packages are importable.
+``--compile`` compiles the model's forward (``torch.compile``; the optimizer steps stay
+eager), ``--compile-mode MODE`` with torch.compile's ``mode`` (``reduce-overhead``: the
+compiled forward and backward replayed from CUDA graphs, POET-X's layer calls among them).
+``--accum K`` accumulates the gradients of K micro-batches (``--batch`` sequences of
+``--seq`` tokens each) into every optimizer step, as a run at the papers' tokens per step
+does on one GPU; forward+backward is then the K micro-batches' together.
 
     python3 bench/train_step.py --size 350m --out-dir OUT [--compile] [--deadline-s 500]
     python3 bench/train_step.py --size 350m --methods "torch.optim.AdamW(fused),POET-X fast" \
@@ -186,10 +187,20 @@ def _adamw8bit(model: nn.Module, steps: int) -> Any:
     return bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
 
 
+def _galore_authors(model: nn.Module, steps: int) -> Any:
+    from galore_torch import GaLoreAdamW  # not an xopt dependency: carried onto the GPU machine
+
+    mats, rest = _split(model)
+    return GaLoreAdamW([{"params": rest}, {"params": mats, "rank": _rank(model),
+                                           "update_proj_gap": GAP, "scale": 0.25,
+                                           "proj_type": "std"}], lr=1e-3)
+
+
 #: run only when named in ``--methods``: baselines whose packages are not dependencies, and
 #: variants of the methods above
 OPTIONAL: dict[str, Callable[[nn.Module, int], Any]] = {
     "bitsandbytes AdamW8bit": _adamw8bit,
+    "GaLore (authors')": _galore_authors,
     # POET-X's layers with their eager calls replayed from CUDA graphs (xopt.torch.poet_graphs)
     "POET-X fast graphs": _poet("fast", cuda_graphs=True),
     "POET-X mem graphs": _poet("mem", cuda_graphs=True),
@@ -203,6 +214,7 @@ OPTIONAL: dict[str, Callable[[nn.Module, int], Any]] = {
 #: state (projections, seeds, merged weights) changes.
 REFRESH_PHASE: dict[str, int | None] = {
     "GaLore": 0, "COAP": 0, "COAP 8-bit": 0, "PLUMAGE": 0, "CompAct": 0,
+    "GaLore (authors')": 0,  # its projector decomposes when its step count is a multiple
     "Flora momentum": GAP - 1, "POET-X fast": GAP - 1, "POET-X mem": GAP - 1,
     "POET-XQ": GAP - 1, "POET-X fast graphs": GAP - 1, "POET-X mem graphs": GAP - 1,
 }
@@ -227,6 +239,8 @@ def _state_bytes(opt: Any) -> int:
             return sum(walk(v) for v in x.values())
         if isinstance(x, (list, tuple)):
             return sum(walk(v) for v in x)
+        if hasattr(x, "__dict__"):  # a state object's tensors (GaLore's own projector)
+            return walk(vars(x))
         return 0
 
     return walk(dict(opt.state))
