@@ -228,6 +228,7 @@ def refreshes(name: str, k: int) -> bool:
 
 def _state_bytes(opt: Any) -> int:
     seen: set[int] = set()
+    objects: set[int] = set()
 
     def walk(x: Any) -> int:
         if isinstance(x, torch.Tensor):
@@ -239,7 +240,9 @@ def _state_bytes(opt: Any) -> int:
             return sum(walk(v) for v in x.values())
         if isinstance(x, (list, tuple)):
             return sum(walk(v) for v in x)
-        if hasattr(x, "__dict__"):  # a state object's tensors (GaLore's own projector)
+        # a state object's tensors (GaLore's own projector); never a module's parameters
+        if hasattr(x, "__dict__") and not isinstance(x, nn.Module) and id(x) not in objects:
+            objects.add(id(x))
             return walk(vars(x))
         return 0
 
