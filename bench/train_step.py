@@ -16,15 +16,17 @@ is (ordinary·(K−1) + refresh)/K with refresh their mean, its total against fu
 the same K.
 ``--tf32`` lets float32 matmuls (the optimizers' projections) use TF32; ``--svd-driver``
 picks how GaLore, COAP and PLUMAGE decompose (``svd_driver=``, e.g. ``gram``).
-``bitsandbytes AdamW8bit`` (the 8-bit baseline of COAP 8-bit and POET-XQ) and ``GaLore
-(authors')`` (``galore_torch.GaLoreAdamW``, GaLore's own code at the settings of the GaLore
-row) run only when named in ``--methods``, where their packages are importable.
-``--compile`` compiles the model's forward (``torch.compile``; the optimizer steps stay
-eager), ``--compile-mode MODE`` with torch.compile's ``mode`` (``reduce-overhead``: the
-compiled forward and backward replayed from CUDA graphs, POET-X's layer calls among them).
-``--accum K`` accumulates the gradients of K micro-batches (``--batch`` sequences of
-``--seq`` tokens each) into every optimizer step, as a run at the papers' tokens per step
-does on one GPU; forward+backward is then the K micro-batches' together.
+``bitsandbytes AdamW8bit`` (the 8-bit baseline of COAP 8-bit and POET-XQ) and the authors'
+own code at the settings of the xopt rows of the same names (``GaLore (authors')``:
+``galore_torch.GaLoreAdamW``; ``COAP (authors')``: ``coap_torch.CoapAdamW``; ``Flora
+(authors')``: ``flora_opt.Flora``) run only when named in ``--methods``, where their
+packages are importable. ``--compile`` compiles the model's forward (``torch.compile``; the
+optimizer steps stay eager), ``--compile-mode MODE`` with torch.compile's ``mode``
+(``reduce-overhead``: the compiled forward and backward replayed from CUDA graphs, POET-X's
+layer calls among them). ``--accum K`` accumulates the gradients of K micro-batches
+(``--batch`` sequences of ``--seq`` tokens each) into every optimizer step, as a run at the
+papers' tokens per step does on one GPU; forward+backward is then the K micro-batches'
+together.
 
     python3 bench/train_step.py --size 350m --out-dir OUT [--compile] [--deadline-s 500]
     python3 bench/train_step.py --size 350m --methods "torch.optim.AdamW(fused),POET-X fast" \
@@ -196,11 +198,30 @@ def _galore_authors(model: nn.Module, steps: int) -> Any:
                                            "proj_type": "std"}], lr=1e-3)
 
 
+def _coap_authors(model: nn.Module, steps: int) -> Any:
+    from coap_torch import CoapAdamW  # not an xopt dependency: carried onto the GPU machine
+
+    mats, rest = _split(model)
+    return CoapAdamW(grouped_params_with_proj=[
+        {"params": rest}, {"params": mats, "proj_method": "coap", "rank": _rank(model),
+                           "update_interval": GAP, "reproject_factor": 2}], lr=1e-3)
+
+
+def _flora_authors(model: nn.Module, steps: int) -> Any:
+    from flora_opt import Flora  # not an xopt dependency: carried onto the GPU machine
+
+    mats, rest = _split(model)
+    return Flora([{"params": mats, "rank": _rank(model)}, {"params": rest, "rank": None}],
+                 lr=1e-3, kappa=GAP)
+
+
 #: run only when named in ``--methods``: baselines whose packages are not dependencies, and
 #: variants of the methods above
 OPTIONAL: dict[str, Callable[[nn.Module, int], Any]] = {
     "bitsandbytes AdamW8bit": _adamw8bit,
     "GaLore (authors')": _galore_authors,
+    "COAP (authors')": _coap_authors,  # coap_torch.CoapAdamW at the COAP row's settings
+    "Flora (authors')": _flora_authors,  # flora_opt.Flora at the Flora row's settings
     # POET-X's layers with their eager calls replayed from CUDA graphs (xopt.torch.poet_graphs)
     "POET-X fast graphs": _poet("fast", cuda_graphs=True),
     "POET-X mem graphs": _poet("mem", cuda_graphs=True),
@@ -214,7 +235,9 @@ OPTIONAL: dict[str, Callable[[nn.Module, int], Any]] = {
 #: state (projections, seeds, merged weights) changes.
 REFRESH_PHASE: dict[str, int | None] = {
     "GaLore": 0, "COAP": 0, "COAP 8-bit": 0, "PLUMAGE": 0, "CompAct": 0,
-    "GaLore (authors')": 0,  # its projector decomposes when its step count is a multiple
+    # the authors' projectors decompose (COAP's: or update) when their step count is a
+    # multiple of the interval, as xopt's; Flora's Adafactor (no momentum) never refreshes
+    "GaLore (authors')": 0, "COAP (authors')": 0,
     "Flora momentum": GAP - 1, "POET-X fast": GAP - 1, "POET-X mem": GAP - 1,
     "POET-XQ": GAP - 1, "POET-X fast graphs": GAP - 1, "POET-X mem graphs": GAP - 1,
 }
