@@ -254,6 +254,7 @@ SLOW_TESTS = (
     "tests/test_bench.py::test_lopt_step_tiny",
     "tests/test_bench.py::test_poet_layer_tiny",
     "tests/test_bench.py::test_train_step_tiny_compile_mode",
+    "tests/test_bench.py::test_train_step_tiny_accumulates_micro_batches",
     "tests/test_examples.py::test_lowrank_lm_trains_every_method_on_both_backends",
     "tests/test_examples.py::test_poet_llama_pretrains_with_merges[jax]",
     "tests/test_examples.py::test_velo_digits_lowers_the_loss_on_both_backends",
