@@ -19,8 +19,13 @@ picks how GaLore, COAP and PLUMAGE decompose (``svd_driver=``, e.g. ``gram``).
 ``bitsandbytes AdamW8bit`` (the 8-bit baseline of COAP 8-bit and POET-XQ) and the authors'
 own code at the settings of the xopt rows of the same names (``GaLore (authors')``:
 ``galore_torch.GaLoreAdamW``; ``COAP (authors')``: ``coap_torch.CoapAdamW``; ``Flora
-(authors')``: ``flora_opt.Flora``) run only when named in ``--methods``, where their
-packages are importable. ``--compile`` compiles the model's forward (``torch.compile``; the
+(authors')``: ``flora_opt.Flora``; ``CompAct (authors')``: CompAct's ``SmallLinear.like``
+layers with their ``Projector``s, ``SmallAdamW`` and the ``Manager`` step counter, as its
+``torchrun_main.replace_parameters`` converts LLaMA; ``small_fc_lopt (PyLO)`` and ``VeLO
+(PyLO)``: PyLO's pure-torch ``AdafacLO_naive`` and ``VeLO_naive`` with meta-weights of the
+xopt rows' shapes read from local Hugging Face folders, ``$PYLO_META_DIR`` or ``meta/``
+beside the imported ``pylo``) run only when named in ``--methods``, where their packages
+are importable. ``--compile`` compiles the model's forward (``torch.compile``; the
 optimizer steps stay eager), ``--compile-mode MODE`` with torch.compile's ``mode``
 (``reduce-overhead``: the compiled forward and backward replayed from CUDA graphs, POET-X's
 layer calls among them). ``--accum K`` accumulates the gradients of K micro-batches
@@ -44,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -215,6 +221,90 @@ def _flora_authors(model: nn.Module, steps: int) -> Any:
                  lr=1e-3, kappa=GAP)
 
 
+class _Wrapped:
+    """An optimizer whose own step the loop cannot call as ``opt.step()``: ``after_step``
+    runs after each step (CompAct's step counter, advanced by its training loop), and with
+    ``takes_loss`` the loop passes the loss (PyLO's VeLO reads it)."""
+
+    def __init__(self, opt: Any, *, after_step: Callable[[], None] | None = None,
+                 takes_loss: bool = False) -> None:
+        self.opt, self.after_step, self.takes_loss = opt, after_step, takes_loss
+
+    @property
+    def state(self) -> Any:
+        return self.opt.state
+
+    def step(self, loss: torch.Tensor | None = None) -> None:
+        self.opt.step(loss) if self.takes_loss else self.opt.step()
+        if self.after_step is not None:
+            self.after_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+
+def _compact_authors(model: nn.Module, steps: int) -> Any:
+    # not xopt dependencies, carried onto the GPU machine: CompAct's top-level packages
+    from modules import SmallLinear
+    from optimizers import SmallAdamW
+    from random_utils import Manager, Projector
+
+    # torchrun_main.replace_parameters for LLaMA with layer_filter "all": every block's
+    # q, k, v, o, gate, up and down projections (the CompAct row's layers); o_proj keeps its
+    # whole activation (identity projector scaled by scale_o_proj·scale, scale_o_proj 1 as
+    # the row's), the others a Gaussian sketch of rank ratio 0.25 and scale 0.25, drawn
+    # from a seed at every use, the seed advanced when the step count is a multiple of GAP
+    small = []
+    for blk in model.blocks:
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                     "down_proj"):
+            layer = SmallLinear.like(getattr(blk, name), single_gpu=True)
+            ident = name == "o_proj"
+            layer.weight.projector = Projector(
+                rank=1 if ident else 0.25, proj_type="id" if ident else "gaussian", scale=0.25,
+                gap=GAP, full_matrices=False, single_gpu=True)
+            setattr(blk, name, layer)
+            small.append(layer.weight)
+    ids = {id(p) for p in small}
+    counter = Manager()  # the process's one step counter, read by every projector
+    counter.init_iter()
+    opt = SmallAdamW([{"params": [p for p in model.parameters() if id(p) not in ids]},
+                      {"params": small}], lr=1e-3, no_deprecation_warning=True)
+    return _Wrapped(opt, after_step=counter.update_iter)
+
+
+def _pylo_meta(name: str) -> str:
+    """A PyLO Hugging Face folder of meta-weights, read from disk (no hub at run time)."""
+    import pylo  # not an xopt dependency: carried onto the GPU machine
+
+    root = Path(os.environ.get("PYLO_META_DIR") or Path(pylo.__file__).parents[1] / "meta")
+    if not (root / name / "config.json").is_file():
+        raise FileNotFoundError(f"PyLO meta-weights {name!r}: no {root / name}/config.json "
+                                "(set PYLO_META_DIR)")
+    return str(root / name)
+
+
+def _small_fc_pylo(model: nn.Module, steps: int) -> Any:
+    from pylo.optim.AdafacLO_naive import AdafacLO_naive
+
+    # xt.SmallFCLOpt's defaults: hidden width 4, two hidden layers (PyLO counts the ones
+    # after the first), step_mult and exp_mult 0.001, lr 1, decay offsets 0 (its fresh θ's)
+    return AdafacLO_naive(model.parameters(), momentum_decays=[0.0] * 3, rms_decays=[0.0],
+                          adafactor_decays=[0.0] * 3, lr=1.0, step_mult=0.001, exp_mult=0.001,
+                          hidden_size=4, hidden_layers=1, hf_key=_pylo_meta("small_fc_lopt_h4"))
+
+
+def _velo_pylo(model: nn.Module, steps: int) -> Any:
+    from pylo.optim.Velo_naive import VeLO_naive
+
+    # xt.VeLO's: the released VeLO's LSTM (512) and MLP bank (256), lr 1 (PyLO's default is
+    # 1e-3), the horizon num_training_steps, no weight decay
+    opt = VeLO_naive(model.parameters(), lr=1.0, num_steps=steps,
+                     hf_key_rnn=_pylo_meta("velo_perturbed_rnn"),
+                     hf_key_mlp=_pylo_meta("velo_perturbed_mlp"))
+    return _Wrapped(opt, takes_loss=True)
+
+
 #: run only when named in ``--methods``: baselines whose packages are not dependencies, and
 #: variants of the methods above
 OPTIONAL: dict[str, Callable[[nn.Module, int], Any]] = {
@@ -222,6 +312,9 @@ OPTIONAL: dict[str, Callable[[nn.Module, int], Any]] = {
     "GaLore (authors')": _galore_authors,
     "COAP (authors')": _coap_authors,  # coap_torch.CoapAdamW at the COAP row's settings
     "Flora (authors')": _flora_authors,  # flora_opt.Flora at the Flora row's settings
+    "CompAct (authors')": _compact_authors,  # CompAct's layers and SmallAdamW, the row's
+    "small_fc_lopt (PyLO)": _small_fc_pylo,  # PyLO's pure-torch ports, the rows' shapes
+    "VeLO (PyLO)": _velo_pylo,
     # POET-X's layers with their eager calls replayed from CUDA graphs (xopt.torch.poet_graphs)
     "POET-X fast graphs": _poet("fast", cuda_graphs=True),
     "POET-X mem graphs": _poet("mem", cuda_graphs=True),
@@ -235,9 +328,10 @@ OPTIONAL: dict[str, Callable[[nn.Module, int], Any]] = {
 #: state (projections, seeds, merged weights) changes.
 REFRESH_PHASE: dict[str, int | None] = {
     "GaLore": 0, "COAP": 0, "COAP 8-bit": 0, "PLUMAGE": 0, "CompAct": 0,
-    # the authors' projectors decompose (COAP's: or update) when their step count is a
-    # multiple of the interval, as xopt's; Flora's Adafactor (no momentum) never refreshes
-    "GaLore (authors')": 0, "COAP (authors')": 0,
+    # the authors' projectors decompose (COAP's: or update; CompAct's: take a new seed)
+    # when their step count is a multiple of the interval, as xopt's; Flora's Adafactor (no
+    # momentum) never refreshes
+    "GaLore (authors')": 0, "COAP (authors')": 0, "CompAct (authors')": 0,
     "Flora momentum": GAP - 1, "POET-X fast": GAP - 1, "POET-X mem": GAP - 1,
     "POET-XQ": GAP - 1, "POET-X fast graphs": GAP - 1, "POET-X mem graphs": GAP - 1,
 }
@@ -305,7 +399,8 @@ def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
     # reduce-overhead's CUDA graphs: each step a new iteration (the last step's outputs,
     # read by then, may be overwritten)
     graphs = compile_model and compile_mode == "reduce-overhead"
-    takes_loss = isinstance(opt, (xt.SmallFCLOpt, xt.VeLO))
+    takes_loss = isinstance(opt, (xt.SmallFCLOpt, xt.VeLO)) or (
+        isinstance(opt, _Wrapped) and opt.takes_loss)
     gen = torch.Generator(device=device).manual_seed(1)
     # the micro-batches of one step (the same ones every step)
     ids = torch.randint(0, vocab, (accum, batch, seq), device=device, generator=gen)
