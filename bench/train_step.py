@@ -396,7 +396,7 @@ def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
     steps = WARMUP + TIMED
     opt = {**METHODS, **OPTIONAL}[name](model, steps)
     fwd = torch.compile(model, mode=compile_mode) if compile_model else model
-    # reduce-overhead's CUDA graphs: each step a new iteration (the last step's outputs,
+    # reduce-overhead's CUDA graphs: each micro-batch a new iteration (the last one's outputs,
     # read by then, may be overwritten)
     graphs = compile_model and compile_mode == "reduce-overhead"
     takes_loss = isinstance(opt, (xt.SmallFCLOpt, xt.VeLO)) or (
@@ -410,11 +410,11 @@ def run_method(name: str, size: str, device: torch.device, dtype: torch.dtype,
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     for k in range(steps):
-        if graphs:
-            torch.compiler.cudagraph_mark_step_begin()
         t0 = timer.mark()
         loss = 0.0
         for micro in ids:
+            if graphs:  # each micro-batch's forward and backward a new graph iteration
+                torch.compiler.cudagraph_mark_step_begin()
             # each micro-batch's mean loss over the K: the accumulated gradient is the
             # whole step's mean (as without accumulation)
             part = fwd(micro) / accum if accum > 1 else fwd(micro)
