@@ -1010,6 +1010,31 @@ class _Capture:
         self.mod.select = self.orig
 
 
+class _Runs:
+    """A lowered module's functions (``bodies``: name → text) and how many times each runs
+    per call of ``main`` (``count``), from the call sites in the functions that run."""
+
+    def __init__(self, bodies: dict[str, str]) -> None:
+        self.bodies = bodies
+        self.sites = {f: re.findall(r"(?<![\w$])call @([\w$.]+)\(", b) for f, b in bodies.items()}
+        self.memo: dict[str, int] = {}
+
+    def count(self, func: str) -> int:
+        if func not in self.memo:
+            self.memo[func] = 1 if func == "main" else sum(
+                self.count(g) * sites.count(func) for g, sites in self.sites.items()
+                if func in sites)
+        return self.memo[func]
+
+
+def _runs_per_function(text: str) -> _Runs:
+    bodies = {}
+    for chunk in re.split(r"(?=func\.func )", text)[1:]:
+        head = re.match(r"func\.func (?:public |private )?@([\w$.]+)", chunk)
+        bodies[head.group(1)] = chunk
+    return _Runs(bodies)
+
+
 def pallas_kernels(tx, params, state) -> list[dict]:
     """The Pallas kernels of ``tx``'s update as the GPU compiles them (lowered for CUDA from
     any backend): per kernel name, the calls, their grid sizes summed, the distinct kernels
@@ -1022,22 +1047,30 @@ def pallas_kernels(tx, params, state) -> list[dict]:
     with mock.patch.object(_lopt_pallas, "_on_cpu", lambda: False):
         text = jax.jit(lambda g, s, p: tx.update(g, s, p, value=jnp.float32(1.0))).trace(
             params, state, params).lower(lowering_platforms=("cuda",)).as_text()
+    runs = _runs_per_function(text)
     out: dict = {}
-    for call in text.split("__gpu$xla.gpu.triton")[1:]:
-        # (the attributes follow the operands: past the first 200 characters for a kernel
-        # of many inputs)
-        cfg = call.split("}", 1)[0] if "backend_config = {" not in call else \
-            call.split("backend_config = {", 1)[1].split("}>", 1)[0]
-        name = re.search(r'name = "([^"]+)"', cfg)
-        grid = re.search(r"grid_x = (\d+)", cfg)
-        ir = re.search(r'ir = "((?:[^"\\]|\\.)*)"', cfg)
-        row = out.setdefault(name.group(1) if name else "?", {"calls": 0, "grid": 0,
-                                                             "ir_bytes": 0, "irs": set()})
-        row["calls"] += 1
-        # XLA compiles one kernel per distinct backend config: the IR and the grid
-        row["irs"].add((ir.group(1) if ir else "", grid.group(1) if grid else ""))
-        row["grid"] += int(grid.group(1)) if grid else 0
-        row["ir_bytes"] = max(row["ir_bytes"], len(ir.group(1)) if ir else 0)
+    for func, body in runs.bodies.items():
+        for call in body.split("__gpu$xla.gpu.triton")[1:]:
+            # (the attributes follow the operands, and the config is not cut at its closing
+            # "}>": the IR's bytes may hold those two characters)
+            cfg = call.split("}", 1)[0] if "backend_config = {" not in call else \
+                call.split("backend_config = {", 1)[1]
+            ir = re.search(r'ir = "((?:[^"\\]|\\.)*)"', cfg)
+            rest = cfg[ir.end():] if ir else cfg  # the attributes after the IR string
+            name = re.search(r'name = "([^"]+)"', cfg[:ir.start()] if ir else cfg) or \
+                re.search(r'name = "([^"]+)"', rest)
+            grid = re.search(r"grid_x = (\d+)", cfg[:ir.start()] if ir else cfg) or \
+                re.search(r"grid_x = (\d+)", rest)
+            row = out.setdefault(name.group(1) if name else "?", {"calls": 0, "grid": 0,
+                                                                 "ir_bytes": 0, "irs": set()})
+            # a call inside a function (a jitted helper, lowered once) runs once per call
+            # of that function
+            n = runs.count(func)
+            row["calls"] += n
+            # XLA compiles one kernel per distinct backend config: the IR and the grid
+            row["irs"].add((ir.group(1) if ir else "", grid.group(1) if grid else ""))
+            row["grid"] += n * int(grid.group(1)) if grid else 0
+            row["ir_bytes"] = max(row["ir_bytes"], len(ir.group(1)) if ir else 0)
     return [{"kernel": k, "calls": v["calls"], "compiled": len(v["irs"]), "grid": v["grid"],
              "ir_bytes": v["ir_bytes"]} for k, v in out.items()]
 
