@@ -7,7 +7,8 @@ Used by ``xopt.jax.small_fc_lopt(impl="pallas")`` and ``xopt.jax.velo(impl="pall
 (vectors, scalars, convolution kernels) keep the packed XLA path.
 
 The kernels are called once per tensor on its own arrays (``g``, ``p``, ``m``, ``rms`` in,
-step, ``m``, ``rms`` out): nothing per element is copied into a stacked group and back.
+the step out, ``m`` and ``rms`` updated in place): nothing per element is copied into a
+stacked group and back.
 What a tensor shares with its group's computation (factors, axis terms, normalized weights,
 VeLO's per-tensor scalars: small) is computed by XLA for the group at once, stacked
 ``[L, ...]``, and read by each call at the tensor's index ``idx``, an input rather than a
