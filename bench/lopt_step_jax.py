@@ -13,8 +13,9 @@ short still leaves its results):
    side by side in interleaved rounds: optax.adamw and every fast JAX path (with
    ``--plain``, the plain path too) as ``jax.jit``
    of ``update`` + ``optax.apply_updates`` with parameters and state donated (ms per call:
-   the wall time of one call and its ``block_until_ready``; the first call's ``lower`` and
-   ``compile`` seconds), torch's fused AdamW and the torch Triton path (the same wall-time
+   the wall time of one call and its ``block_until_ready``, and apart the time until the
+   call returned, its host part; the first call's ``lower`` and ``compile`` seconds),
+   torch's fused AdamW and the torch Triton path (the same wall-time
    measure, ``torch.cuda.synchronize`` after each step; its "compile" is its first step);
    small_fc_lopt's entries in one group, VeLO's in another (memory), optax.adamw in both,
    and each entry's ratio taken to the optax.adamw of its own group's rounds;
@@ -30,7 +31,8 @@ short still leaves its results):
    measured in 1. are not compiled again; the plain learned optimizers only with
    ``--plain``: they took minutes).
 
-Prints a short table per model (ms, ratio to optax.adamw, compile s) and writes
+Prints a short table per model (ms, ratio to optax.adamw, the call's return ms, compile s)
+and writes
 ``lopt_step_jax.json`` under ``--out-dir``.
 
 ``--breakdown MODEL`` first takes the Pallas update apart on MODEL's shapes, per path of
@@ -232,6 +234,7 @@ class JaxEntry:
     def timed(self) -> float:
         t0 = time.perf_counter()
         self.call()
+        self.dispatch_ms = (time.perf_counter() - t0) * 1e3  # the call's host time
         jax.block_until_ready((self.params, self.state))
         return (time.perf_counter() - t0) * 1e3
 
@@ -265,6 +268,7 @@ class TorchEntry:
     def timed(self) -> float:
         t0 = time.perf_counter()
         self.call()
+        self.dispatch_ms = (time.perf_counter() - t0) * 1e3
         self.torch.cuda.synchronize()
         return (time.perf_counter() - t0) * 1e3
 
@@ -293,6 +297,8 @@ def time_side_by_side(entries: dict, rounds: int, reps: int, settle: int = 2) ->
     before each entry's ``reps`` timed ones); an entry that fails is dropped with its
     error."""
     times: dict = {k: [] for k in entries}
+    # how long each call took to return, before the wait for the device: the host's part
+    dispatch: dict = {k: [] for k in entries}
     failed: dict = {}
     for _ in range(rounds):
         for k, e in entries.items():
@@ -301,10 +307,13 @@ def time_side_by_side(entries: dict, rounds: int, reps: int, settle: int = 2) ->
             try:
                 for _ in range(settle):
                     e.timed()
-                times[k] += [e.timed() for _ in range(reps)]
+                for _ in range(reps):
+                    times[k].append(e.timed())
+                    dispatch[k].append(e.dispatch_ms)
             except Exception as ex:  # noqa: BLE001
                 failed[k] = {"error": err(ex)}
     out = {k: {"median_ms": statistics.median(v), "min_ms": min(v), "times_ms": v,
+               "dispatch_median_ms": statistics.median(dispatch[k]),
                "lower_s": entries[k].lower_s, "compile_s": entries[k].compile_s}
            for k, v in times.items() if k not in failed and v}
     out.update(failed)
@@ -530,7 +539,8 @@ def check_model(model: str, args, report: dict, dl: Deadline) -> None:
 def table(model: str, res: dict) -> None:
     t = res["timings"]
     print(f"\n{model}: ms per step (median), ratio to the optax.adamw timed in the same "
-          "rounds (named after @ when not the first), compile s (lower + compile)")
+          "rounds (named after @ when not the first), ms until the call returned (median: "
+          "the host's part), compile s (lower + compile)")
     for k, r in t.items():
         if "median_ms" not in r:
             print(f"  {k:40s} {r.get('error', r)}")
@@ -538,8 +548,8 @@ def table(model: str, res: dict) -> None:
         ratio = f"x{r['ratio_to_optax_adamw']:6.2f}" if "ratio_to_optax_adamw" in r \
             else "   -   "
         of = r.get("optax_adamw_entry", "")
-        print(f"  {k:40s} {r['median_ms']:9.3f} ms  {ratio}  compile "
-              f"{r['lower_s'] + r['compile_s']:7.1f} s"
+        print(f"  {k:40s} {r['median_ms']:9.3f} ms  {ratio}  returns "
+              f"{r['dispatch_median_ms']:8.3f} ms  compile {r['lower_s'] + r['compile_s']:7.1f} s"
               + (f"  (vs {of})" if "@" in of else ""), flush=True)
 
 
