@@ -81,6 +81,7 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -1020,29 +1021,21 @@ class _Capture:
         self.mod.select = self.orig
 
 
-class _Runs:
-    """A lowered module's functions (``bodies``: name → text) and how many times each runs
-    per call of ``main`` (``count``), from the call sites in the functions that run."""
-
-    def __init__(self, bodies: dict[str, str]) -> None:
-        self.bodies = bodies
-        self.sites = {f: re.findall(r"(?<![\w$])call @([\w$.]+)\(", b) for f, b in bodies.items()}
-        self.memo: dict[str, int] = {}
-
-    def count(self, func: str) -> int:
-        if func not in self.memo:
-            self.memo[func] = 1 if func == "main" else sum(
-                self.count(g) * sites.count(func) for g, sites in self.sites.items()
-                if func in sites)
-        return self.memo[func]
-
-
-def _runs_per_function(text: str) -> _Runs:
+def _functions_and_runs(text: str) -> tuple[dict[str, str], Callable[[str], int]]:
+    """A lowered module's functions (name → text) and ``runs(name)``: how many times that
+    function runs per call of ``main``, from the call sites in the functions that run."""
     bodies = {}
     for chunk in re.split(r"(?=func\.func )", text)[1:]:
         head = re.match(r"func\.func (?:public |private )?@([\w$.]+)", chunk)
         bodies[head.group(1)] = chunk
-    return _Runs(bodies)
+    sites = {f: re.findall(r"(?<![\w$])call @([\w$.]+)\(", b) for f, b in bodies.items()}
+
+    @functools.cache
+    def runs(func: str) -> int:
+        return 1 if func == "main" else sum(runs(g) * s.count(func)
+                                            for g, s in sites.items() if func in s)
+
+    return bodies, runs
 
 
 def pallas_kernels(tx, params, state) -> list[dict]:
@@ -1057,25 +1050,23 @@ def pallas_kernels(tx, params, state) -> list[dict]:
     with mock.patch.object(_lopt_pallas, "_on_cpu", lambda: False):
         text = jax.jit(lambda g, s, p: tx.update(g, s, p, value=jnp.float32(1.0))).trace(
             params, state, params).lower(lowering_platforms=("cuda",)).as_text()
-    runs = _runs_per_function(text)
+    bodies, runs = _functions_and_runs(text)
     out: dict = {}
-    for func, body in runs.bodies.items():
+    for func, body in bodies.items():
         for call in body.split("__gpu$xla.gpu.triton")[1:]:
             # (the attributes follow the operands, and the config is not cut at its closing
             # "}>": the IR's bytes may hold those two characters)
             cfg = call.split("}", 1)[0] if "backend_config = {" not in call else \
                 call.split("backend_config = {", 1)[1]
             ir = re.search(r'ir = "((?:[^"\\]|\\.)*)"', cfg)
-            rest = cfg[ir.end():] if ir else cfg  # the attributes after the IR string
-            name = re.search(r'name = "([^"]+)"', cfg[:ir.start()] if ir else cfg) or \
-                re.search(r'name = "([^"]+)"', rest)
-            grid = re.search(r"grid_x = (\d+)", cfg[:ir.start()] if ir else cfg) or \
-                re.search(r"grid_x = (\d+)", rest)
+            attrs = cfg[:ir.start()] + cfg[ir.end():] if ir else cfg  # all but the IR
+            name = re.search(r'name = "([^"]+)"', attrs)
+            grid = re.search(r"grid_x = (\d+)", attrs)
             row = out.setdefault(name.group(1) if name else "?", {"calls": 0, "grid": 0,
                                                                  "ir_bytes": 0, "irs": set()})
             # a call inside a function (a jitted helper, lowered once) runs once per call
             # of that function
-            n = runs.count(func)
+            n = runs(func)
             row["calls"] += n
             # XLA compiles one kernel per distinct backend config: the IR and the grid
             row["irs"].add((ir.group(1) if ir else "", grid.group(1) if grid else ""))
